@@ -1,0 +1,1 @@
+"""Assignment-log export and the PySpark report (see the analytics issue)."""

@@ -1,0 +1,1 @@
+"""What runs inside a consumer pod, plus the producer side."""

@@ -1,0 +1,3 @@
+from shoal.consumer.cli import main
+
+main()

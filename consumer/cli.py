@@ -1,0 +1,215 @@
+"""`shoal-consumer`: run a member, produce test traffic, plan an assignment, show status."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import click
+from pydantic import ValidationError
+
+from shoal.consumer.assignor import assign, min_moves, moved, owner_counts, skew
+from shoal.consumer.config import config_from_env
+from shoal.consumer.etcd import Etcd
+from shoal.consumer.handlers import SEQ_HEADER, HandlerError
+from shoal.consumer.partitioning import DEFAULT_PARTITIONS, default_subject_prefix
+
+log = logging.getLogger(__name__)
+
+_group = click.option("--group", "-g", envvar="SHOAL_GROUP", required=True,
+                      help="Consumer group name [env SHOAL_GROUP].")
+_namespace = click.option("--namespace", "-n", envvar="SHOAL_NAMESPACE", default="default",
+                          show_default=True, help="Namespace of the group [env SHOAL_NAMESPACE].")
+_nats = click.option("--nats", "nats_url", envvar="NATS_URL", default="nats://127.0.0.1:4222",
+                     show_default=True, help="NATS server URL [env NATS_URL].")
+_etcd = click.option("--etcd", "etcd_endpoints", envvar="ETCD_ENDPOINTS",
+                     default="127.0.0.1:2379", show_default=True,
+                     help="etcd endpoints, host:port[,host:port] [env ETCD_ENDPOINTS].")
+_partitions = click.option("--partitions", "-p", type=click.IntRange(1, 4096),
+                           envvar="SHOAL_PARTITIONS", default=DEFAULT_PARTITIONS,
+                           show_default=True, help="Number of partitions of the group.")
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--log-level", envvar="SHOAL_LOG_LEVEL", default="info", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
+def main(log_level: str) -> None:
+    """Shoal consumer: elastic consumer groups for NATS JetStream.
+
+    Every member of a group runs `shoal-consumer run`. Members register in etcd, one of
+    them leads and assigns the group's partitions, and each consumes only what it owns.
+    """
+    _setup_logging(log_level)
+
+
+@main.command()
+@_group
+@_namespace
+@_nats
+@_etcd
+@_partitions
+@click.option("--handler", envvar="SHOAL_HANDLER", default="shoal.consumer.handlers:noop",
+              show_default=True, help="Message handler, 'module:function' (async def f(msg)).")
+@click.option("--member-id", envvar="SHOAL_MEMBER_ID", default=None,
+              help="Member id [env SHOAL_MEMBER_ID, else POD_NAME, else host-pid].")
+@click.option("--metrics-port", envvar="SHOAL_METRICS_PORT", type=int, default=None,
+              help="Serve Prometheus /metrics on this port (0: any free port).")
+@click.option("--lease-ttl", envvar="SHOAL_LEASE_TTL", type=int, default=None,
+              help="Member lease TTL in seconds (default 10).")
+def run(group: str, namespace: str, nats_url: str, etcd_endpoints: str, partitions: int,
+        handler: str, member_id: str | None, metrics_port: int | None,
+        lease_ttl: int | None) -> None:
+    """Run one member of a consumer group until SIGTERM (then leave gracefully)."""
+    from shoal.consumer.runtime import run_consumer
+
+    try:
+        config = config_from_env(
+            os.environ, group=group, namespace=namespace, nats_url=nats_url,
+            etcd_endpoints=etcd_endpoints, partitions=partitions, handler=handler,
+            member_id=member_id, metrics_port=metrics_port, lease_ttl=lease_ttl,
+        )
+    except ValidationError as exc:
+        raise click.UsageError(_validation_message(exc)) from None
+    try:
+        asyncio.run(run_consumer(config))
+    except HandlerError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _validation_message(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(x) for x in err['loc']) or 'config'}: {err['msg']}" for err in exc.errors()
+    )
+
+
+@main.command()
+@_group
+@_namespace
+@_nats
+@_partitions
+@click.option("--projects", "-k", type=click.IntRange(1), default=1000, show_default=True,
+              help="Number of distinct project ids (project-0 .. project-K-1).")
+@click.option("--messages", "-m", type=click.IntRange(0), default=10000, show_default=True,
+              help="Total messages, spread round-robin over the projects.")
+@click.option("--rate", type=float, default=0.0,
+              help="Messages per second (0: as fast as JetStream acknowledges).")
+@click.option("--subject-prefix", envvar="SHOAL_SUBJECT_PREFIX", default=None,
+              help="Subject prefix (default shoal.<namespace>.<group>).")
+@click.option("--run-id", default=None, help="Prefix of message ids (default: current time).")
+def produce(group: str, namespace: str, nats_url: str, partitions: int, projects: int,
+            messages: int, rate: float, subject_prefix: str | None, run_id: str | None) -> None:
+    """Publish test traffic: M messages over K project ids, each with a per-project seq."""
+    from shoal.consumer.jetstream import connect
+    from shoal.consumer.producer import Outgoing, Producer
+
+    prefix = subject_prefix or default_subject_prefix(namespace, group)
+    run_tag = run_id or str(int(time.time() * 1000))
+
+    async def go() -> None:
+        nc = await connect(nats_url, name="shoal-produce", attempts=5)
+        producer = Producer(nc.jetstream(), prefix, partitions)
+        started = time.monotonic()
+
+        async def items() -> Any:
+            for i in range(messages):
+                project, seq = f"project-{i % projects}", i // projects
+                if rate > 0:
+                    ahead = i / rate - (time.monotonic() - started)
+                    if ahead > 0:
+                        await asyncio.sleep(ahead)
+                yield Outgoing(project, f"{project}:{seq}".encode(), f"{run_tag}-{project}-{seq}",
+                               {SEQ_HEADER: str(seq)})
+
+        count = await producer.publish_many(items())
+        elapsed = time.monotonic() - started
+        await nc.drain()
+        click.echo(json.dumps({"published": count, "seconds": round(elapsed, 3),
+                               "per_second": round(count / elapsed, 1) if elapsed else None}))
+
+    asyncio.run(go())
+
+
+@main.command()
+@_partitions
+@click.option("--members", "before", required=True,
+              help="Members before the change, comma-separated (e.g. c-0,c-1,c-2).")
+@click.option("--to", "after", required=True, help="Members after the change, comma-separated.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def plan(partitions: int, before: str, after: str, as_json: bool) -> None:
+    """Show the assignment and the moves for a membership change, sticky beside modulo."""
+    old = [m for m in before.split(",") if m]
+    new = [m for m in after.split(",") if m]
+    if not old or not new:
+        raise click.UsageError("--members and --to each need at least one member")
+    result: dict[str, Any] = {}
+    for strategy in ("sticky", "modulo"):
+        first = assign(partitions, old, strategy=strategy)
+        second = assign(partitions, new, first, strategy=strategy)
+        moves = moved(first, second)
+        result[strategy] = {
+            "moves": len(moves),
+            "min_moves": min_moves(partitions, new, first),
+            "skew": skew(second, new),
+            "counts": owner_counts(second, new),
+            "moved": [{"partition": p, "from": a, "to": b} for p, a, b in moves],
+        }
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    click.echo(f"{partitions} partitions: {len(old)} members -> {len(new)} members")
+    click.echo(f"{'strategy':<10}{'moves':>8}{'minimum':>9}{'skew':>6}")
+    for strategy, r in result.items():
+        click.echo(f"{strategy:<10}{r['moves']:>8}{r['min_moves']:>9}{r['skew']:>6}")
+    click.echo("sticky owner counts: " + ", ".join(
+        f"{m}={n}" for m, n in sorted(result["sticky"]["counts"].items())))
+
+
+@main.command()
+@_group
+@_namespace
+@_etcd
+@_partitions
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def status(group: str, namespace: str, etcd_endpoints: str, partitions: int,
+           as_json: bool) -> None:
+    """Show a group's members, leader, owners per member and skew, read from etcd."""
+    from shoal.consumer.status import read_status
+
+    async def go() -> Any:
+        etcd = Etcd(etcd_endpoints)
+        try:
+            await etcd.connect(attempts=3)
+            return await read_status(etcd, namespace, group, partitions)
+        finally:
+            etcd.close()
+
+    try:
+        st = asyncio.run(go())
+    except Exception as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(st.as_dict(), indent=2))
+        return
+    click.echo(f"group {namespace}/{group}: {len(st.members)} members, leader "
+               f"{st.leader or '-'} (epoch {st.epoch or '-'}), generation {st.generation}, "
+               f"skew {st.skew}")
+    for member in sorted(st.members):
+        stats = st.members[member]
+        owned = st.counts.get(member, 0)
+        click.echo(f"  {member:<30} owns {owned:>4}  rate {stats.get('rate', '-'):>8}  "
+                   f"lag {stats.get('lag', '-'):>6}  cpu {stats.get('cpu', '-')}")
+    if st.unowned:
+        click.echo(f"  unowned partitions: {len(st.unowned)}")

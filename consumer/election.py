@@ -1,0 +1,237 @@
+"""Leader election and rebalancing.
+
+Campaign: create `leader` on our lease in a transaction (create_revision == 0). The key's
+create_revision is the leader's epoch, a fencing token: every write of the assignment is
+a transaction guarded by "leader still has my epoch", so a deposed leader cannot write.
+
+Inaugurate: adopt the assignment already in etcd (a fail-over moves nothing).
+Execute: watch members; after a burst of changes settles (debounce), compute `assign()`
+and write only the changed partitions/<p>, with the next generation.
+Hand over: stop writing the instant leadership or the lease is in doubt; on shutdown
+delete the leader key so a successor takes over at once instead of after the TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from shoal.consumer.assignor import assign, moved
+from shoal.consumer.config import GroupConfig
+from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd
+from shoal.consumer.membership import Membership
+from shoal.consumer.view import GroupView
+
+log = logging.getLogger(__name__)
+
+# How often a leader re-checks the assignment even when no watch event arrived.
+RECHECK_SECONDS = 5.0
+
+
+@dataclass
+class GenerationRecord:
+    """One written assignment generation (the analytics log's source)."""
+
+    ts: float
+    generation: int
+    epoch: int
+    leader: str
+    reason: str
+    members: list[str]
+    assignment: dict[int, str]
+    moved: list[tuple[int, str, str]]
+    loads: dict[int, float] = field(default_factory=dict)
+
+
+OnGeneration = Callable[[GenerationRecord], Awaitable[None]]
+
+
+def classify(previous_members: set[str], members: set[str], had_owners: bool, first: bool) -> str:
+    if not had_owners:
+        return "initial"
+    if first:
+        return "failover"
+    joined, left = members - previous_members, previous_members - members
+    if joined and not left:
+        return "join"
+    if left and not joined:
+        return "leave"
+    return "rebalance"
+
+
+class Leader:
+    def __init__(
+        self,
+        etcd: Etcd,
+        view: GroupView,
+        membership: Membership,
+        config: GroupConfig,
+        *,
+        on_generation: OnGeneration | None = None,
+        loads: Callable[[], dict[int, float]] | None = None,
+    ) -> None:
+        self.etcd = etcd
+        self.view = view
+        self.membership = membership
+        self.config = config
+        self.on_generation = on_generation
+        self.loads = loads
+        self.epoch = 0
+        self.is_leader = False
+        self.rebalances = 0
+        self.resigning = False
+        self._on_change: list[Callable[[bool], None]] = []
+
+    def on_leadership(self, callback: Callable[[bool], None]) -> None:
+        self._on_change.append(callback)
+
+    def _set_leader(self, value: bool) -> None:
+        if value != self.is_leader:
+            self.is_leader = value
+            for callback in self._on_change:
+                callback(value)
+
+    def _still_leader(self) -> bool:
+        current = self.view.leader()
+        return (
+            self.membership.safe()
+            and current is not None
+            and current.member == self.config.member_id
+            and current.epoch == self.epoch
+        )
+
+    async def run(self) -> None:
+        keys = self.config.keys
+        await self.view.synced.wait()
+        while not self.resigning:
+            changed = self.view.change_event()
+            if self.membership.safe() and self.view.leader() is None:
+                try:
+                    won = await self.etcd.create(
+                        keys.leader, self.config.member_id.encode(), self.membership.lease_id
+                    )
+                    if won:
+                        kv = await self.etcd.get(keys.leader)
+                        if kv is not None and kv.value.decode() == self.config.member_id:
+                            self.epoch = kv.create_revision
+                            await self._lead()
+                            continue
+                except TRANSIENT_ERRORS as exc:
+                    log.warning("Campaign failed (etcd: %s)", exc)
+            try:
+                await asyncio.wait_for(changed.wait(), 1.0)
+            except TimeoutError:
+                pass
+
+    async def _lead(self) -> None:
+        # Wait until the view has seen our own leader key, so _still_leader() is meaningful.
+        while self.view.leader() is None or self.view.leader() != self._me():
+            await self.view.changed(0.5)
+            current = self.view.leader()
+            if current is not None and current != self._me():
+                return
+        self._set_leader(True)
+        log.info("Became leader of %s/%s (epoch %d)", self.config.namespace,
+                 self.config.group, self.epoch)
+        first = True
+        applied_members: set[str] = set()
+        try:
+            while self._still_leader() and not self.resigning:
+                changed = self.view.change_event()
+                members = set(self.view.members())
+                if members != applied_members or first:
+                    await self._settle()
+                    if not self._still_leader() or self.resigning:
+                        break
+                    members = set(self.view.members())
+                    if members:
+                        ok = await self._rebalance(members, applied_members, first)
+                        if not ok:
+                            break
+                        applied_members = members
+                        first = False
+                try:
+                    await asyncio.wait_for(changed.wait(), RECHECK_SECONDS)
+                except TimeoutError:
+                    pass
+        finally:
+            self._set_leader(False)
+            log.info("Stopped leading %s/%s (epoch %d)", self.config.namespace,
+                     self.config.group, self.epoch)
+
+    def _me(self) -> Any:
+        from shoal.consumer.view import Leader as LeaderKey
+
+        return LeaderKey(self.config.member_id, self.epoch)
+
+    async def _settle(self) -> None:
+        """Debounce: wait until members stop changing for `debounce` seconds (max 5x)."""
+        deadline = time.monotonic() + 5 * self.config.debounce
+        last = set(self.view.members())
+        while time.monotonic() < deadline:
+            await asyncio.sleep(self.config.debounce)
+            now = set(self.view.members())
+            if now == last:
+                return
+            last = now
+
+    async def _rebalance(self, members: set[str], applied: set[str], first: bool) -> bool:
+        targets = self.view.targets()
+        previous = {p: t.owner for p, t in targets.items()}
+        loads = self.loads() if self.loads else None
+        new = assign(self.config.partitions, members, previous, loads=loads or None)
+        changes = {p: owner for p, owner in new.items() if previous.get(p) != owner}
+        if not changes:
+            return True
+        generation = max((t.generation for t in targets.values()), default=0) + 1
+        now = time.time()
+        items = {
+            self.config.keys.partition(p): json.dumps(
+                {"owner": owner, "generation": generation, "epoch": self.epoch, "ts": now}
+            ).encode()
+            for p, owner in changes.items()
+        }
+        try:
+            ok = await self.etcd.guarded_put_many(self.config.keys.leader, self.epoch, items)
+        except TRANSIENT_ERRORS as exc:
+            log.warning("Could not write the assignment (etcd: %s); will retry", exc)
+            await asyncio.sleep(1.0)
+            return True
+        if not ok:
+            log.warning("Lost leadership (epoch %d) while writing generation %d",
+                        self.epoch, generation)
+            return False
+        self.rebalances += 1
+        moves = moved(previous, new)
+        reason = classify(applied or set(previous.values()), members, bool(previous), first)
+        log.info(
+            "Wrote generation %d (%s): %d members, %d partitions moved",
+            generation, reason, len(members), len(moves),
+        )
+        if self.on_generation is not None:
+            record = GenerationRecord(
+                ts=now, generation=generation, epoch=self.epoch,
+                leader=self.config.member_id, reason=reason, members=sorted(members),
+                assignment=dict(sorted(new.items())), moved=moves, loads=loads or {},
+            )
+            try:
+                await self.on_generation(record)
+            except Exception:
+                log.exception("Recording generation %d failed", generation)
+        return True
+
+    async def resign(self) -> None:
+        """Delete the leader key (if ours) so a successor takes over without waiting."""
+        self.resigning = True
+        if not self.epoch:
+            return
+        try:
+            if await self.etcd.delete_if_created_at(self.config.keys.leader, self.epoch):
+                log.info("Resigned leadership (epoch %d)", self.epoch)
+        except TRANSIENT_ERRORS as exc:
+            log.warning("Could not resign (%s); the lease will expire the leader key", exc)

@@ -1,0 +1,145 @@
+"""Message handlers: user code named `module:function`, plus the built-in ones.
+
+A handler is `async def handle(msg: Message) -> None`. Returning acks the message;
+raising naks it with a delay (it comes back, at most max_deliver times, then goes to the
+dead-letter subject); raising `PermanentError` dead-letters it at once. Delivery is
+at-least-once, so handlers should be idempotent (key side effects on `msg.message_id`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import json
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from shoal.consumer.partitioning import ledger_subject
+
+PROJECT_HEADER = "Shoal-Project-Id"
+SEQ_HEADER = "Shoal-Seq"
+MSG_ID_HEADER = "Nats-Msg-Id"
+
+
+class PermanentError(Exception):
+    """Raised by a handler for a message that can never succeed: dead-letter it now."""
+
+
+class Fenced(RuntimeError):
+    """This member may no longer own the partition (its lease may have expired)."""
+
+
+class HandlerError(RuntimeError):
+    """The handler named in the configuration cannot be used."""
+
+
+@dataclass
+class HandlerContext:
+    """What a handler may use besides the message: the member and the JetStream context."""
+
+    member_id: str
+    subject_prefix: str
+    js: Any  # nats.js.JetStreamContext
+    # True while this member's lease is certainly alive (see membership.Membership.safe).
+    safe: Callable[[], bool] = lambda: True
+
+
+@dataclass
+class Message:
+    project_id: str
+    partition: int
+    data: bytes
+    headers: dict[str, str]
+    stream_sequence: int
+    delivery_count: int
+    subject: str
+    context: HandlerContext = field(repr=False)
+
+    @property
+    def message_id(self) -> str:
+        return self.headers.get(MSG_ID_HEADER, f"seq-{self.stream_sequence}")
+
+    def ensure_owned(self) -> None:
+        """Raise Fenced if this member may have lost the partition.
+
+        A handler with side effects outside JetStream calls this right before committing
+        them: a process frozen mid-handler (SIGSTOP, a long pause) wakes up after its lease
+        expired and another member took the partition over; without this check the stale
+        handler would commit alongside the new owner.
+        """
+        if not self.context.safe():
+            raise Fenced(f"member {self.context.member_id} is fenced; not committing")
+
+
+Handler = Callable[[Message], Awaitable[None]]
+
+
+def load_handler(spec: str) -> Handler:
+    """Import `module:function`; every failure is one HandlerError line saying what is wrong."""
+    module_name, sep, func_name = spec.partition(":")
+    if not sep or not module_name or not func_name:
+        raise HandlerError(f"handler {spec!r} must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise HandlerError(f"handler {spec!r}: cannot import module {module_name!r}: {exc}") from exc
+    func = getattr(module, func_name, None)
+    if func is None:
+        raise HandlerError(f"handler {spec!r}: module {module_name!r} has no {func_name!r}")
+    if not inspect.iscoroutinefunction(func):
+        raise HandlerError(f"handler {spec!r} must be an 'async def' function taking one message")
+    handler: Handler = func
+    return handler
+
+
+async def _simulated_work() -> None:
+    delay_ms = float(os.environ.get("SHOAL_HANDLER_DELAY_MS", "0") or 0)
+    if delay_ms > 0:
+        await asyncio.sleep(delay_ms / 1000)
+
+
+async def noop(msg: Message) -> None:
+    """Accept everything (plus SHOAL_HANDLER_DELAY_MS of simulated work)."""
+    await _simulated_work()
+
+
+async def ledger(msg: Message) -> None:
+    """Record that this member processed this message, to `<prefix>.ledger.<p>`.
+
+    The record is published (and acknowledged by JetStream) before the message is acked,
+    so every acked message has at least one ledger entry: the ledger proves no loss, and
+    counts duplicates and order. It deliberately carries no Nats-Msg-Id, so JetStream's
+    de-duplication cannot hide a duplicate.
+    """
+    started = time.time()
+    await _simulated_work()
+    record = {
+        "project_id": msg.project_id,
+        "message_id": msg.message_id,
+        "seq": int(msg.headers[SEQ_HEADER]) if msg.headers.get(SEQ_HEADER, "").isdigit() else None,
+        "partition": msg.partition,
+        "member": msg.context.member_id,
+        "delivery_count": msg.delivery_count,
+        "stream_sequence": msg.stream_sequence,
+        "started": started,
+        "finished": time.time(),
+    }
+    msg.ensure_owned()
+    await msg.context.js.publish(
+        ledger_subject(msg.context.subject_prefix, msg.partition),
+        json.dumps(record, separators=(",", ":")).encode(),
+    )
+
+
+async def fail(msg: Message) -> None:
+    """Always fails (transiently): for exercising redelivery and dead-lettering."""
+    raise RuntimeError(f"simulated failure for {msg.message_id}")
+
+
+async def reject(msg: Message) -> None:
+    """Always fails permanently: the message goes straight to the dead-letter subject."""
+    raise PermanentError(f"rejected {msg.message_id}")

@@ -1,0 +1,138 @@
+"""The JetStream objects of a group: the partition stream, its durables, DLQ and ledger.
+
+Idempotent: creating what exists with the same config is a no-op, so every member (and
+later the operator) may call `ensure_group` at start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import Any
+
+import nats
+from nats.js import api
+from nats.js.errors import BadRequestError, NotFoundError
+
+from shoal.consumer.config import GroupConfig
+from shoal.consumer.partitioning import (
+    assignments_subject,
+    durable_name,
+    partition_subject,
+    stream_subjects,
+)
+
+log = logging.getLogger(__name__)
+
+_RETENTION = {
+    "workqueue": api.RetentionPolicy.WORK_QUEUE,
+    "limits": api.RetentionPolicy.LIMITS,
+    "interest": api.RetentionPolicy.INTEREST,
+}
+_STORAGE = {"file": api.StorageType.FILE, "memory": api.StorageType.MEMORY}
+
+
+async def connect(url: str, *, name: str, attempts: int | None = None) -> Any:
+    """Connect to NATS, retrying with capped backoff and saying why each attempt failed."""
+    delay = 0.2
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            nc = await nats.connect(
+                url,
+                name=name,
+                connect_timeout=2,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                allow_reconnect=True,
+            )
+            if attempt > 1:
+                log.info("Connected to NATS at %s after %d attempts", url, attempt)
+            return nc
+        except Exception as exc:  # nats-py raises several unrelated types here
+            if attempts is not None and attempt >= attempts:
+                raise ConnectionError(f"NATS at {url} unreachable after {attempt} attempts: {exc!r}") from exc
+            log.warning("NATS at %s unreachable (%r); retrying in %.1f s", url, exc, delay)
+            await asyncio.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, 10.0)
+
+
+def consumer_config(config: GroupConfig, partition: int) -> api.ConsumerConfig:
+    return api.ConsumerConfig(
+        durable_name=durable_name(partition),
+        filter_subject=partition_subject(config.subject_prefix, partition),
+        ack_policy=api.AckPolicy.EXPLICIT,
+        deliver_policy=api.DeliverPolicy.ALL,
+        ack_wait=config.ack_wait,
+        max_ack_pending=config.max_ack_pending,
+        # One more than we handle: the worker dead-letters on the last delivery itself.
+        max_deliver=config.max_deliver,
+        backoff=list(config.backoff) or None,
+        max_waiting=64,
+        num_replicas=config.stream_replicas,
+    )
+
+
+async def _ensure_stream(js: Any, name: str, subjects: list[str], **kwargs: Any) -> None:
+    try:
+        await js.add_stream(name=name, subjects=subjects, **kwargs)
+    except BadRequestError as exc:
+        # "stream name already in use with a different configuration": keep what exists.
+        info = await js.stream_info(name)
+        log.warning("Stream %s exists with another config (%s); kept it as it is (%s)",
+                    name, exc.description, info.config.subjects)
+
+
+async def ensure_group(js: Any, config: GroupConfig, *, ledger: bool = False) -> None:
+    """Create the partition stream, one durable per partition, the DLQ and log streams."""
+    await _ensure_stream(
+        js,
+        config.stream,
+        stream_subjects(config.subject_prefix),
+        retention=_RETENTION[config.retention],
+        storage=_STORAGE[config.storage],
+        num_replicas=config.stream_replicas,
+        duplicate_window=120.0,
+    )
+    await _ensure_stream(
+        js, config.dlq_stream, [f"{config.subject_prefix}.dlq.*"],
+        storage=_STORAGE[config.storage], num_replicas=config.stream_replicas,
+    )
+    await _ensure_stream(
+        js, f"{config.stream}_log", [assignments_subject(config.subject_prefix)],
+        storage=_STORAGE[config.storage], num_replicas=config.stream_replicas,
+    )
+    if ledger:
+        await _ensure_stream(
+            js, config.ledger_stream, [f"{config.subject_prefix}.ledger.*"],
+            storage=_STORAGE[config.storage], num_replicas=config.stream_replicas,
+        )
+    existing: set[str] = set()
+    try:
+        async for info in _consumer_infos(js, config.stream):
+            existing.add(info)
+    except NotFoundError:
+        pass
+    missing = [p for p in range(config.partitions) if durable_name(p) not in existing]
+    sem = asyncio.Semaphore(16)
+
+    async def add(p: int) -> None:
+        async with sem:
+            await js.add_consumer(config.stream, config=consumer_config(config, p))
+
+    await asyncio.gather(*(add(p) for p in missing))
+    if missing:
+        log.info("Created %d durable consumers on stream %s", len(missing), config.stream)
+
+
+async def _consumer_infos(js: Any, stream: str) -> Any:
+    for info in await js.consumers_info(stream):
+        yield info.name
+
+
+async def partition_lag(js: Any, config: GroupConfig, partition: int) -> int:
+    """num_pending + num_ack_pending of the partition's durable."""
+    info = await js.consumer_info(config.stream, durable_name(partition), timeout=2)
+    return int(info.num_pending or 0) + int(info.num_ack_pending or 0)

@@ -1,0 +1,134 @@
+"""This process's membership: a lease, the members/<id> key on it, keep-alives, fencing.
+
+Self-fencing is the safety rule the hand-over protocol rests on: a member stops
+consuming before its lease could have expired on the server, so a partition whose claim
+has vanished with the lease is never still being consumed by the old owner. `safe()`
+is computed from the monotonic clock, so it turns false even if the whole process was
+frozen (SIGSTOP, a long GC pause) and no keep-alive loop got to run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from shoal.consumer.config import GroupConfig
+from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd
+
+log = logging.getLogger(__name__)
+
+
+class Membership:
+    def __init__(
+        self, etcd: Etcd, config: GroupConfig, stats: Callable[[], dict[str, Any]]
+    ) -> None:
+        self.etcd = etcd
+        self.config = config
+        self.key = config.keys.member(config.member_id)
+        self._stats = stats
+        self.lease_id = 0
+        # Each new lease is a new incarnation: claims made under an older one are gone.
+        self.incarnation = 0
+        self._renewed_at = 0.0  # monotonic time the last successful keep-alive was *sent*
+        self.leaving = False
+        self.changed = asyncio.Event()
+
+    def safe(self) -> bool:
+        """True while our lease is certainly alive on the server."""
+        if not self.lease_id:
+            return False
+        return time.monotonic() - self._renewed_at < self.config.fence_after
+
+    def _value(self) -> bytes:
+        return json.dumps(self._stats(), sort_keys=True).encode()
+
+    async def join(self) -> None:
+        """Grant a lease and register; retried with backoff until it works."""
+        delay = 0.2
+        while True:
+            try:
+                sent = time.monotonic()
+                lease_id = await self.etcd.grant_lease(self.config.lease_ttl)
+                await self.etcd.put(self.key, self._value(), lease=lease_id)
+                self.lease_id = lease_id
+                self._renewed_at = sent
+                self.incarnation += 1
+                log.info(
+                    "Joined group %s/%s as %s (lease %x, TTL %d s)",
+                    self.config.namespace,
+                    self.config.group,
+                    self.config.member_id,
+                    lease_id,
+                    self.config.lease_ttl,
+                )
+                self._signal()
+                return
+            except TRANSIENT_ERRORS as exc:
+                log.warning("Could not join (etcd: %s); retrying in %.1f s", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    def _signal(self) -> None:
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    async def run(self) -> None:
+        """Keep the lease alive and the stats fresh; re-join when the lease was lost."""
+        was_safe = True
+        while True:
+            await asyncio.sleep(self.config.keepalive_interval)
+            if self.safe() != was_safe:
+                was_safe = self.safe()
+                self._signal()
+            sent = time.monotonic()
+            try:
+                ttl = await asyncio.wait_for(
+                    self.etcd.refresh_lease(self.lease_id), self.config.keepalive_interval
+                )
+            except (*TRANSIENT_ERRORS, asyncio.TimeoutError) as exc:
+                log.warning(
+                    "Lease keep-alive failed (%s); fencing in %.1f s unless it recovers",
+                    exc,
+                    max(0.0, self.config.fence_after - (time.monotonic() - self._renewed_at)),
+                )
+                continue
+            if ttl <= 0:
+                log.warning("Lease %x expired; stopped consuming and re-joining", self.lease_id)
+                self.lease_id = 0
+                self._signal()
+                if not self.leaving:
+                    await self.join()
+                continue
+            self._renewed_at = sent
+            if not was_safe:
+                was_safe = True
+                log.info("Lease keep-alive recovered")
+                self._signal()
+            if not self.leaving:
+                try:
+                    await self.etcd.put(self.key, self._value(), lease=self.lease_id)
+                except TRANSIENT_ERRORS as exc:
+                    log.warning("Could not publish member stats: %s", exc)
+
+    async def leave(self) -> None:
+        """Delete the member key so the leader moves our partitions; the lease stays for now."""
+        self.leaving = True
+        try:
+            await self.etcd.delete(self.key)
+            log.info("Left group %s/%s", self.config.namespace, self.config.group)
+        except TRANSIENT_ERRORS as exc:
+            log.warning("Could not delete member key (%s); the lease will expire it", exc)
+
+    async def close(self) -> None:
+        """Revoke the lease: every key on it (member, claims, leader) goes at once."""
+        if not self.lease_id:
+            return
+        try:
+            await self.etcd.revoke_lease(self.lease_id)
+        except TRANSIENT_ERRORS as exc:
+            log.warning("Could not revoke lease (%s); it expires in %d s", exc, self.config.lease_ttl)
+        self.lease_id = 0

@@ -1,0 +1,199 @@
+"""One consumer process: connect, join, lead when elected, consume, leave gracefully.
+
+Shutdown order (SIGTERM) is what makes a planned departure lossless and fast:
+  1. delete our member key, so the leader moves our partitions;
+  2. release every partition (finish the message in hand, ack, give back the rest);
+  3. if we lead, wait until our partitions have new owners, then delete the leader key
+     so a successor takes over at once (adopting the assignment: nothing more moves);
+  4. revoke the lease (any key left on it goes with it), close connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import resource
+import signal
+import time
+from typing import Any
+
+from shoal.consumer.config import GroupConfig
+from shoal.consumer.election import GenerationRecord, Leader
+from shoal.consumer.etcd import Etcd
+from shoal.consumer.handlers import load_handler
+from shoal.consumer.jetstream import connect, ensure_group, partition_lag
+from shoal.consumer.membership import Membership
+from shoal.consumer.metrics import Metrics
+from shoal.consumer.partitioning import assignments_subject
+from shoal.consumer.view import GroupView
+from shoal.consumer.worker import Worker
+
+log = logging.getLogger(__name__)
+
+
+class CpuMeter:
+    """Process CPU use as a percentage of one core since the previous reading."""
+
+    def __init__(self) -> None:
+        self._wall = time.monotonic()
+        self._cpu = time.process_time()
+
+    def read(self) -> float:
+        wall, cpu = time.monotonic(), time.process_time()
+        elapsed = wall - self._wall
+        percent = 100.0 * (cpu - self._cpu) / elapsed if elapsed > 0 else 0.0
+        self._wall, self._cpu = wall, cpu
+        return round(percent, 1)
+
+
+class ConsumerProcess:
+    def __init__(self, config: GroupConfig) -> None:
+        self.config = config
+        # An unknown handler stops start-up here, before any connection is made.
+        self.handler = load_handler(config.handler)
+        self.metrics = Metrics()
+        self.etcd = Etcd(config.etcd_endpoints)
+        self.view = GroupView(self.etcd, config.keys, config.partitions)
+        self.cpu = CpuMeter()
+        self.lag = 0
+        self.membership = Membership(self.etcd, config, self._stats)
+        self.leader = Leader(self.etcd, self.view, self.membership, config,
+                             on_generation=self._record_generation)
+        self.leader.on_leadership(lambda value: self.metrics.is_leader.set(1 if value else 0))
+        self.worker: Worker | None = None
+        self.nc: Any = None
+        self.js: Any = None
+        self.metrics_port: int | None = None
+        self._stopping = asyncio.Event()
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    def _stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = {
+            "cpu": self.cpu.read(),
+            "rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "lag": self.lag,
+            "pid": os.getpid(),
+            "ts": round(time.time(), 3),
+        }
+        if self.worker is not None:
+            stats.update(self.worker.stats())
+        return stats
+
+    async def _record_generation(self, record: GenerationRecord) -> None:
+        self.metrics.rebalances.inc()
+        if self.js is None:
+            return
+        event = {
+            "schema": 1,
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.ts))
+            + f".{int(record.ts % 1 * 1000):03d}Z",
+            "namespace": self.config.namespace,
+            "group": self.config.group,
+            "generation": record.generation,
+            "epoch": record.epoch,
+            "leader": record.leader,
+            "reason": record.reason,
+            "strategy": "sticky",
+            "members": record.members,
+            "assignment": {str(p): m for p, m in record.assignment.items()},
+            "moved": [{"partition": p, "from": a, "to": b} for p, a, b in record.moved],
+            "loads": {str(p): v for p, v in record.loads.items()},
+        }
+        await self.js.publish(assignments_subject(self.config.subject_prefix),
+                              json.dumps(event).encode())
+
+    async def start(self) -> None:
+        c = self.config
+        log.info("Starting member %s of %s/%s (handler %s, %d partitions)",
+                 c.member_id, c.namespace, c.group, c.handler, c.partitions)
+        if c.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(c.metrics_port)
+        await self.etcd.connect()
+        self.nc = await connect(c.nats_url, name=f"shoal-{c.group}-{c.member_id}")
+        self.js = self.nc.jetstream()
+        if c.ensure_jetstream:
+            await ensure_group(self.js, c, ledger=c.handler.endswith(":ledger"))
+        self.worker = Worker(c, self.etcd, self.view, self.membership, self.nc, self.js,
+                             self.handler, self.metrics)
+        self._tasks.append(asyncio.create_task(self.view.run(), name="view"))
+        await self.view.synced.wait()
+        await self.membership.join()
+        self._tasks += [
+            asyncio.create_task(self.membership.run(), name="membership"),
+            asyncio.create_task(self.leader.run(), name="leader"),
+            asyncio.create_task(self.worker.run(), name="worker"),
+            asyncio.create_task(self._lag_loop(), name="lag"),
+        ]
+
+    async def _lag_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.stats_interval)
+            if self.worker is None:
+                continue
+            total = 0
+            for p in self.worker.owned():
+                try:
+                    total += await partition_lag(self.js, self.config, p)
+                except Exception as exc:
+                    log.debug("Lag of partition %d unavailable: %r", p, exc)
+            self.lag = total
+            self.metrics.lag.set(total)
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    async def wait(self) -> None:
+        """Run until a stop is requested or a component dies."""
+        stop = asyncio.create_task(self._stopping.wait())
+        done, _ = await asyncio.wait([stop, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            if task is not stop and task.exception() is not None:
+                log.error("Component %s failed: %r", task.get_name(), task.exception())
+        stop.cancel()
+
+    async def shutdown(self) -> None:
+        c = self.config
+        log.info("Leaving the group gracefully")
+        await self.membership.leave()
+        drained = True
+        if self.worker is not None:
+            drained = await self.worker.drain(c.drain_timeout)
+        if self.leader.is_leader:
+            await self._wait_reassigned(min(c.drain_timeout, 15.0))
+        await self.leader.resign()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.membership.close()
+        if self.nc is not None:
+            try:
+                await self.nc.drain()
+            except Exception:
+                log.debug("NATS drain failed", exc_info=True)
+        self.etcd.close()
+        log.info("Stopped%s", "" if drained else " (some partitions were not released in time)")
+
+    async def _wait_reassigned(self, timeout: float) -> None:
+        """As leader, stay until none of our partitions is still assigned to us."""
+        deadline = time.monotonic() + timeout
+        me = self.config.member_id
+        while time.monotonic() < deadline:
+            others = set(self.view.members()) - {me}
+            if not others or all(t.owner != me for t in self.view.targets().values()):
+                return
+            await asyncio.sleep(0.05)
+
+
+async def run_consumer(config: GroupConfig) -> None:
+    """Run one consumer until SIGTERM or SIGINT, then leave gracefully."""
+    process = ConsumerProcess(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, process.request_stop)
+    try:
+        await process.start()
+        await process.wait()
+    finally:
+        await process.shutdown()

@@ -1,0 +1,73 @@
+"""A one-shot summary of a group from etcd: members, leader, owners, skew."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from shoal.consumer.assignor import owner_counts, skew
+from shoal.consumer.etcd import Etcd
+from shoal.consumer.partitioning import Keys
+from shoal.consumer.view import GroupView
+
+
+@dataclass
+class GroupStatus:
+    namespace: str
+    group: str
+    partitions: int
+    members: dict[str, dict[str, Any]]
+    leader: str | None
+    epoch: int | None
+    generation: int
+    owners: dict[int, str]
+    claims: dict[int, str]
+    counts: dict[str, int] = field(default_factory=dict)
+    skew: int = 0
+    unowned: list[int] = field(default_factory=list)
+    unclaimed: list[int] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "namespace": self.namespace,
+            "group": self.group,
+            "partitions": self.partitions,
+            "leader": self.leader,
+            "epoch": self.epoch,
+            "generation": self.generation,
+            "members": self.members,
+            "counts": self.counts,
+            "skew": self.skew,
+            "unowned": self.unowned,
+            "unclaimed": self.unclaimed,
+            "owners": {str(p): m for p, m in sorted(self.owners.items())},
+        }
+
+
+async def read_status(etcd: Etcd, namespace: str, group: str, partitions: int) -> GroupStatus:
+    view = GroupView(etcd, Keys(namespace, group), partitions)
+    view.revision, view.kvs = await etcd.get_prefix(view.keys.prefix)
+    return status_from_view(view, namespace, group)
+
+
+def status_from_view(view: GroupView, namespace: str, group: str) -> GroupStatus:
+    members = view.members()
+    owners = view.owners()
+    leader = view.leader()
+    claims = {p: c.member for p, c in view.claims().items()}
+    counts = owner_counts(owners, members) if members else {}
+    return GroupStatus(
+        namespace=namespace,
+        group=group,
+        partitions=view.partitions,
+        members=members,
+        leader=leader.member if leader else None,
+        epoch=leader.epoch if leader else None,
+        generation=view.generation(),
+        owners=owners,
+        claims=claims,
+        counts=counts,
+        skew=skew(owners, members) if members and owners else 0,
+        unowned=[p for p in range(view.partitions) if p not in owners],
+        unclaimed=[p for p in range(view.partitions) if p not in claims],
+    )

@@ -1,0 +1,235 @@
+"""A live local copy of one group's etcd prefix: members, leader, targets and claims.
+
+It lists the prefix, then watches from the revision it listed at, so no event falls
+between the two; on any watch error it lists and watches again. Every component reads
+this view instead of asking etcd, and waits on `changed()` for the next update.
+Values that are not what the contract says (garbage JSON, wrong fields) are logged once
+and ignored: one bad key must never stop a group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from shoal.consumer.etcd import KV, TRANSIENT_ERRORS, Etcd
+from shoal.consumer.partitioning import Keys
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Target:
+    """partitions/<p>: who should own p, written by the leader."""
+
+    owner: str
+    generation: int
+    epoch: int
+    ts: float | None
+    mod_revision: int
+
+
+@dataclass(frozen=True)
+class Claim:
+    """claims/<p>: who consumes p right now, bound to that member's lease."""
+
+    member: str
+    lease: int
+    create_revision: int
+
+
+@dataclass(frozen=True)
+class Leader:
+    member: str
+    epoch: int  # the leader key's create_revision: a fencing token
+
+
+class GroupView:
+    def __init__(self, etcd: Etcd, keys: Keys, partitions: int) -> None:
+        self.etcd = etcd
+        self.keys = keys
+        self.partitions = partitions
+        self.kvs: dict[str, KV] = {}
+        self.revision = 0
+        self.synced = asyncio.Event()
+        self._event = asyncio.Event()
+        self._garbage_logged: set[tuple[str, int]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._errors: asyncio.Queue[BaseException] = asyncio.Queue()
+
+    # -- reading -------------------------------------------------------------------------
+
+    def change_event(self) -> asyncio.Event:
+        """An event set at the next change. Grab it before reading, then wait on it."""
+        return self._event
+
+    async def changed(self, timeout: float | None = None) -> None:
+        event = self._event
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    def _json(self, kv: KV) -> dict[str, Any] | None:
+        try:
+            data = json.loads(kv.value)
+        except (ValueError, UnicodeDecodeError):
+            data = None
+        if isinstance(data, dict):
+            return data
+        self._garbage(kv, "is not a JSON object")
+        return None
+
+    def _garbage(self, kv: KV, why: str) -> None:
+        marker = (kv.key, kv.mod_revision)
+        if marker not in self._garbage_logged:
+            self._garbage_logged.add(marker)
+            log.warning("Ignored etcd key %s: value %r %s", kv.key, kv.value[:80], why)
+
+    def members(self) -> dict[str, dict[str, Any]]:
+        """Live members and their stats; keys whose value is not a JSON object are ignored."""
+        result: dict[str, dict[str, Any]] = {}
+        for key, kv in self.kvs.items():
+            if key.startswith(self.keys.members):
+                member = key[len(self.keys.members) :]
+                stats = self._json(kv)
+                if member and stats is not None:
+                    result[member] = stats
+        return result
+
+    def leader(self) -> Leader | None:
+        kv = self.kvs.get(self.keys.leader)
+        if kv is None:
+            return None
+        try:
+            member = kv.value.decode()
+        except UnicodeDecodeError:
+            self._garbage(kv, "is not UTF-8")
+            return None
+        return Leader(member, kv.create_revision)
+
+    def _partition_of(self, key: str, prefix: str) -> int | None:
+        tail = key[len(prefix) :]
+        if tail.isdigit() and int(tail) < self.partitions:
+            return int(tail)
+        return None
+
+    def targets(self) -> dict[int, Target]:
+        result: dict[int, Target] = {}
+        for key, kv in self.kvs.items():
+            if not key.startswith(self.keys.partitions):
+                continue
+            p = self._partition_of(key, self.keys.partitions)
+            if p is None:
+                self._garbage(kv, "has a key that is not a partition number")
+                continue
+            data = self._json(kv)
+            if data is None:
+                continue
+            owner, generation, epoch = data.get("owner"), data.get("generation"), data.get("epoch")
+            ts = data.get("ts")
+            if not isinstance(owner, str) or not owner:
+                self._garbage(kv, "has no owner")
+                continue
+            if not isinstance(generation, int) or not isinstance(epoch, int):
+                self._garbage(kv, "has no integer generation and epoch")
+                continue
+            result[p] = Target(
+                owner,
+                generation,
+                epoch,
+                float(ts) if isinstance(ts, int | float) else None,
+                kv.mod_revision,
+            )
+        return result
+
+    def owners(self) -> dict[int, str]:
+        return {p: t.owner for p, t in self.targets().items()}
+
+    def generation(self) -> int:
+        return max((t.generation for t in self.targets().values()), default=0)
+
+    def claims(self) -> dict[int, Claim]:
+        result: dict[int, Claim] = {}
+        for key, kv in self.kvs.items():
+            if not key.startswith(self.keys.claims):
+                continue
+            p = self._partition_of(key, self.keys.claims)
+            if p is None:
+                self._garbage(kv, "has a key that is not a partition number")
+                continue
+            try:
+                member = kv.value.decode()
+            except UnicodeDecodeError:
+                self._garbage(kv, "is not UTF-8")
+                continue
+            result[p] = Claim(member, kv.lease, kv.create_revision)
+        return result
+
+    # -- keeping up to date --------------------------------------------------------------
+
+    def _notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    def _apply_events(self, events: list[Any], revision: int) -> None:
+        for event in events:
+            key = event.key.decode()
+            if type(event).__name__ == "DeleteEvent":
+                self.kvs.pop(key, None)
+            else:
+                self.kvs[key] = KV(
+                    key, event.value, event.create_revision, event.mod_revision, event.lease
+                )
+        self.revision = max(self.revision, revision)
+        self._notify()
+
+    def _on_watch(self, response: Any) -> None:
+        # Runs on etcd3's watcher thread: hand everything to the event loop.
+        assert self._loop is not None
+        if isinstance(response, BaseException):
+            self._loop.call_soon_threadsafe(self._errors.put_nowait, response)
+        else:
+            self._loop.call_soon_threadsafe(
+                self._apply_events, list(response.events), int(response.header.revision)
+            )
+
+    async def run(self) -> None:
+        """List and watch forever; on errors list and watch again with backoff."""
+        self._loop = asyncio.get_running_loop()
+        delay = 0.2
+        while True:
+            watch_id: int | None = None
+            try:
+                revision, kvs = await self.etcd.get_prefix(self.keys.prefix)
+                self.kvs = kvs
+                self.revision = revision
+                while not self._errors.empty():
+                    self._errors.get_nowait()
+                watch_id = await self.etcd.call(
+                    self.etcd.add_watch_prefix, self.keys.prefix, revision + 1, self._on_watch
+                )
+                self.synced.set()
+                self._notify()
+                delay = 0.2
+                error = await self._errors.get()
+                log.warning("Watch on %s failed (%s); listing again", self.keys.prefix, error)
+            except TRANSIENT_ERRORS as exc:
+                log.warning(
+                    "etcd unreachable while watching %s (%s); retrying in %.1f s",
+                    self.keys.prefix,
+                    exc,
+                    delay,
+                )
+            except Exception as exc:
+                # grpc errors surface with many types; anything else is a bug worth a trace.
+                log.warning("Watching %s failed: %r; retrying", self.keys.prefix, exc)
+            finally:
+                if watch_id is not None:
+                    await self.etcd.call(self.etcd.cancel_watch, watch_id)
+            await asyncio.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, 5.0)

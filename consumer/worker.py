@@ -1,0 +1,407 @@
+"""Consume exactly the partitions this member owns, and hand them over without loss.
+
+The hand-over protocol (DESIGN.md):
+  1. the leader changes partitions/p from A to B;
+  2. A stops fetching p, finishes and acks the message in hand, gives back (nak) what it
+     fetched but did not start, flushes its acks to the server, then deletes claims/p;
+  3. B, watching, creates claims/p (only if absent) and starts pulling from p's durable.
+Nobody consumes p without holding claims/p, and the claim lives on the holder's lease.
+
+Pulling uses raw JetStream pull requests rather than nats-py's fetch(): every request is
+read until the server ends it (batch complete, or a 404/408/409 status), so when A lets
+go no pull request of A's is still open on the server. An open request would deliver a
+message to A after A stopped reading; that message would sit unacked until ack_wait,
+then come back to B out of order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from shoal.consumer.config import GroupConfig
+from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd
+from shoal.consumer.handlers import (
+    PROJECT_HEADER,
+    Fenced,
+    Handler,
+    HandlerContext,
+    Message,
+    PermanentError,
+)
+from shoal.consumer.membership import Membership
+from shoal.consumer.metrics import Metrics
+from shoal.consumer.partitioning import dlq_subject, durable_name, partition_for
+from shoal.consumer.view import GroupView
+
+log = logging.getLogger(__name__)
+
+ACTIVE_PROJECT_WINDOW = 60.0
+
+
+class PartitionRunner:
+    """Pulls one partition's durable and runs the handler on each message, in order."""
+
+    def __init__(self, worker: Worker, partition: int, claim_revision: int, target_ts: float | None):
+        self.worker = worker
+        self.partition = partition
+        self.claim_revision = claim_revision
+        self.target_ts = target_ts
+        self.stopping = False
+        self.fenced = False
+        self.first_message_seen = False
+        self.inflight = 0
+        self.task: asyncio.Task[None] | None = None
+
+    @property
+    def label(self) -> str:
+        return str(self.partition)
+
+    def stop(self) -> None:
+        self.stopping = True
+
+    def fence(self) -> None:
+        self.stopping = True
+        self.fenced = True
+
+    async def run(self) -> None:
+        w = self.worker
+        nc = w.nc
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def deliver(msg: Any) -> None:
+            queue.put_nowait(msg)
+
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox, cb=deliver)
+        api_subject = (
+            f"$JS.API.CONSUMER.MSG.NEXT.{w.config.stream}.{durable_name(self.partition)}"
+        )
+        expires = w.config.fetch_expires
+        request = json.dumps(
+            {"batch": w.config.fetch_batch, "expires": int(expires * 1e9)}
+        ).encode()
+        try:
+            while not self.stopping:
+                await nc.publish(api_subject, request, reply=inbox)
+                await self._read_one_request(queue, expires)
+            # Anything that raced in after the last request ended: give it back.
+            await asyncio.sleep(0.02)
+            while not queue.empty():
+                await self._give_back(queue.get_nowait())
+        except Fenced:
+            log.warning("Fenced: stopped consuming partition %d at once", self.partition)
+        except Exception:
+            if not self.stopping:
+                log.exception("Partition %d consumer failed; it will be restarted", self.partition)
+        finally:
+            try:
+                await sub.unsubscribe()
+            except Exception:
+                log.debug("Unsubscribe failed for partition %d", self.partition, exc_info=True)
+            await w.runner_done(self)
+
+    async def _read_one_request(self, queue: asyncio.Queue[Any], expires: float) -> None:
+        """Read messages of the current pull request until the server ends it."""
+        deadline = time.monotonic() + expires + 1.0
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                # The server's end-of-request status got lost (e.g. a reconnect).
+                return
+            try:
+                msg = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                try:
+                    msg = await asyncio.wait_for(queue.get(), remaining)
+                except TimeoutError:
+                    return
+            headers = msg.headers or {}
+            status = headers.get("Status")
+            if status is not None and not msg.data:
+                if status == "100":  # idle heartbeat
+                    continue
+                if status not in ("404", "408"):
+                    log.debug("Pull on partition %d ended: %s %s", self.partition, status,
+                              headers.get("Description"))
+                    if status == "409":
+                        await asyncio.sleep(0.1)
+                return
+            if self.stopping:
+                await self._give_back(msg)
+            else:
+                await self._process(msg)
+
+    async def _give_back(self, msg: Any) -> None:
+        if self.fenced:
+            return  # the partition may be someone else's now: touch nothing
+        try:
+            await msg.nak()
+        except Exception:
+            log.debug("Nak failed on partition %d", self.partition, exc_info=True)
+
+    async def _process(self, msg: Any) -> None:
+        w = self.worker
+        if not w.membership.safe():
+            self.fence()
+            raise Fenced()
+        meta = msg.metadata
+        headers = dict(msg.headers or {})
+        project = headers.get(PROJECT_HEADER, "")
+        if not project:
+            await w.dead_letter(msg, self.partition, "missing Shoal-Project-Id header")
+            return
+        if partition_for(project, w.config.partitions) != self.partition:
+            await w.dead_letter(
+                msg, self.partition,
+                f"project {project!r} belongs to partition "
+                f"{partition_for(project, w.config.partitions)}",
+            )
+            return
+        message = Message(
+            project_id=project,
+            partition=self.partition,
+            data=msg.data,
+            headers=headers,
+            stream_sequence=int(meta.sequence.stream),
+            delivery_count=int(meta.num_delivered),
+            subject=msg.subject,
+            context=w.context,
+        )
+        if not self.first_message_seen:
+            self.first_message_seen = True
+            if self.target_ts is not None:
+                w.metrics.handover_seconds.observe(max(0.0, time.time() - self.target_ts))
+        self.inflight += 1
+        started = time.perf_counter()
+        ticker = asyncio.create_task(self._keep_in_progress(msg))
+        try:
+            await w.handler(message)
+        except Fenced:
+            self.fence()
+            raise
+        except PermanentError as exc:
+            await w.dead_letter(msg, self.partition, f"permanent error: {exc}")
+            w.metrics.processed.labels("dead_letter").inc()
+            return
+        except Exception as exc:
+            if message.delivery_count >= w.config.max_deliver:
+                await w.dead_letter(
+                    msg, self.partition,
+                    f"failed {message.delivery_count} times, last: {exc!r}",
+                )
+                w.metrics.processed.labels("dead_letter").inc()
+            else:
+                delay = w.retry_delay(message.delivery_count)
+                log.warning("Handler failed on %s (delivery %d): %r; retrying in %.1f s",
+                            message.message_id, message.delivery_count, exc, delay)
+                await msg.nak(delay=delay)
+                w.metrics.processed.labels("retry").inc()
+            return
+        finally:
+            ticker.cancel()
+            self.inflight -= 1
+            w.metrics.handler_seconds.observe(time.perf_counter() - started)
+        await msg.ack()
+        w.metrics.processed.labels("ok").inc()
+        w.note_processed(project)
+
+    async def _keep_in_progress(self, msg: Any) -> None:
+        """For long handlers: tell JetStream we are still at it, before ack_wait runs out."""
+        interval = max(0.5, self.worker.config.ack_wait / 2)
+        while True:
+            await asyncio.sleep(interval)
+            await msg.in_progress()
+
+
+class Worker:
+    def __init__(
+        self,
+        config: GroupConfig,
+        etcd: Etcd,
+        view: GroupView,
+        membership: Membership,
+        nc: Any,
+        js: Any,
+        handler: Handler,
+        metrics: Metrics,
+    ) -> None:
+        self.config = config
+        self.etcd = etcd
+        self.view = view
+        self.membership = membership
+        self.nc = nc
+        self.js = js
+        self.handler = handler
+        self.metrics = metrics
+        self.context = HandlerContext(config.member_id, config.subject_prefix, js,
+                                      membership.safe)
+        self.runners: dict[int, PartitionRunner] = {}
+        self.claiming: set[int] = set()
+        self.leaving = False
+        self._incarnation = 0
+        self._projects: dict[str, float] = {}
+        self._processed: deque[float] = deque()
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # -- stats for the member key -----------------------------------------------------
+
+    def note_processed(self, project: str) -> None:
+        now = time.monotonic()
+        self._projects[project] = now
+        self._processed.append(now)
+
+    def stats(self) -> dict[str, Any]:
+        now = time.monotonic()
+        while self._processed and now - self._processed[0] > 10.0:
+            self._processed.popleft()
+        for project, seen in list(self._projects.items()):
+            if now - seen > ACTIVE_PROJECT_WINDOW:
+                del self._projects[project]
+        return {
+            "owned": sorted(self.runners),
+            "inflight": sum(r.inflight for r in self.runners.values()),
+            "rate": round(len(self._processed) / 10.0, 2),
+            "active_projects": len(self._projects),
+        }
+
+    def retry_delay(self, delivery_count: int) -> float:
+        backoff = self.config.backoff
+        if backoff:
+            return backoff[min(delivery_count - 1, len(backoff) - 1)]
+        return min(1.0 * delivery_count, 30.0)
+
+    async def dead_letter(self, msg: Any, partition: int, reason: str) -> None:
+        """Publish to <prefix>.dlq.<p> with the reason, then terminate the original."""
+        headers = dict(msg.headers or {})
+        headers.pop("Nats-Msg-Id", None)
+        headers["Shoal-Dead-Letter-Reason"] = reason[:500]
+        headers["Shoal-Original-Subject"] = msg.subject
+        headers["Shoal-Member"] = self.config.member_id
+        await self.js.publish(dlq_subject(self.config.subject_prefix, partition), msg.data,
+                              headers=headers)
+        await msg.term()
+        log.warning("Dead-lettered a message of partition %d: %s", partition, reason)
+
+    # -- ownership --------------------------------------------------------------------
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def run(self) -> None:
+        await self.view.synced.wait()
+        while True:
+            view_changed = self.view.change_event()
+            member_changed = self.membership.changed
+            self._wake.clear()
+            self._reconcile()
+            waiters = [
+                asyncio.ensure_future(view_changed.wait()),
+                asyncio.ensure_future(member_changed.wait()),
+                asyncio.ensure_future(self._wake.wait()),
+            ]
+            try:
+                await asyncio.wait(waiters, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiter in waiters:
+                    waiter.cancel()
+
+    def _reconcile(self) -> None:
+        me = self.config.member_id
+        if self.membership.incarnation != self._incarnation:
+            # A new lease: claims taken under the old one have expired with it.
+            for runner in self.runners.values():
+                runner.fence()
+            self._incarnation = self.membership.incarnation
+        if not self.membership.safe():
+            for runner in self.runners.values():
+                if not runner.fenced:
+                    runner.fence()
+            return
+        targets = self.view.targets()
+        claims = self.view.claims()
+        lease = self.membership.lease_id
+        for p in range(self.config.partitions):
+            target = targets.get(p)
+            want = not self.leaving and target is not None and target.owner == me
+            runner = self.runners.get(p)
+            if want and runner is None and p not in self.claiming:
+                claim = claims.get(p)
+                if claim is None:
+                    self.claiming.add(p)
+                    self._spawn(self._claim(p, target.ts if target else None))
+                elif claim.member == me and claim.lease == lease:
+                    # Ours already (we were fenced for a moment, or restarted in place).
+                    self._start(p, claim.create_revision, None)
+            elif not want and runner is not None and not runner.stopping:
+                log.info("Releasing partition %d", p)
+                runner.stop()
+
+    async def _claim(self, p: int, target_ts: float | None) -> None:
+        try:
+            lease = self.membership.lease_id
+            ok = await self.etcd.create(self.config.keys.claim(p), self.config.member_id.encode(),
+                                        lease)
+            if not ok:
+                return  # somebody still holds it; its release wakes us through the view
+            kv = await self.etcd.get(self.config.keys.claim(p))
+            if kv is None or kv.lease != lease:
+                return
+            self._start(p, kv.create_revision, target_ts)
+        except TRANSIENT_ERRORS as exc:
+            log.warning("Could not claim partition %d (etcd: %s)", p, exc)
+        finally:
+            self.claiming.discard(p)
+            self._wake.set()
+
+    def _start(self, p: int, claim_revision: int, target_ts: float | None) -> None:
+        runner = PartitionRunner(self, p, claim_revision, target_ts)
+        self.runners[p] = runner
+        runner.task = asyncio.create_task(runner.run(), name=f"partition-{p}")
+        self.metrics.partitions_owned.set(len(self.runners))
+        log.debug("Consuming partition %d", p)
+
+    async def runner_done(self, runner: PartitionRunner) -> None:
+        """The runner stopped fetching: make acks durable, then let the partition go."""
+        p = runner.partition
+        if not runner.fenced:
+            try:
+                await self.nc.flush(timeout=5)
+            except Exception:
+                log.warning("Flushing acks before releasing partition %d failed", p)
+            try:
+                await self.etcd.delete_if_created_at(self.config.keys.claim(p),
+                                                     runner.claim_revision)
+            except TRANSIENT_ERRORS as exc:
+                log.warning("Could not delete claim %d (%s); the lease will expire it", p, exc)
+        if self.runners.get(p) is runner:
+            del self.runners[p]
+        self.metrics.partitions_owned.set(len(self.runners))
+        self._wake.set()
+
+    async def drain(self, timeout: float) -> bool:
+        """Leave: release every partition; True if all were released in time."""
+        self.leaving = True
+        self._wake.set()
+        deadline = time.monotonic() + timeout
+        while (self.runners or self.claiming) and time.monotonic() < deadline:
+            self._reconcile()
+            await asyncio.sleep(0.05)
+        return not self.runners
+
+    def owned(self) -> list[int]:
+        return sorted(self.runners)
+
+    def all_tasks(self) -> list[asyncio.Task[Any]]:
+        return [r.task for r in self.runners.values() if r.task] + list(self._tasks)
+
+
+StatsFn = Callable[[], dict[str, Any]]

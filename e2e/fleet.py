@@ -1,0 +1,180 @@
+"""A fleet of real `shoal-consumer run` processes, for tests, the demo and benchmarks.
+
+Every member is a separate OS process (so kill -9 and SIGSTOP mean what they say), logs
+to its own file, and is stopped by `close()` whatever state it is in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+from shoal.consumer.etcd import Etcd
+from shoal.consumer.status import GroupStatus, read_status
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Member:
+    member_id: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+class Fleet:
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        nats_url: str,
+        etcd_endpoint: str,
+        namespace: str,
+        group: str,
+        handler: str = "shoal.consumer.handlers:ledger",
+        partitions: int = 128,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.nats_url = nats_url
+        self.etcd_endpoint = etcd_endpoint
+        self.namespace = namespace
+        self.group = group
+        self.handler = handler
+        self.partitions = partitions
+        self.env = dict(env or {})
+        self.members: dict[str, Member] = {}
+
+    def start(self, member_id: str, **extra_env: str) -> Member:
+        env = dict(os.environ)
+        env.update(
+            {
+                "NATS_URL": self.nats_url,
+                "ETCD_ENDPOINTS": self.etcd_endpoint,
+                "SHOAL_NAMESPACE": self.namespace,
+                "SHOAL_GROUP": self.group,
+                "SHOAL_PARTITIONS": str(self.partitions),
+                "SHOAL_HANDLER": self.handler,
+                "SHOAL_MEMBER_ID": member_id,
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        env.update(self.env)
+        env.update(extra_env)
+        log_path = self.workdir / f"{member_id}.log"
+        with log_path.open("ab") as out:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "shoal.consumer", "run"],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        member = Member(member_id, process, log_path)
+        self.members[member_id] = member
+        return member
+
+    def signal(self, member_id: str, sig: signal.Signals) -> None:
+        member = self.members[member_id]
+        if member.alive():
+            os.kill(member.pid, sig)
+
+    def term(self, member_id: str) -> None:
+        self.signal(member_id, signal.SIGTERM)
+
+    def kill(self, member_id: str) -> None:
+        self.signal(member_id, signal.SIGKILL)
+        self.members[member_id].process.wait(10)
+
+    def wait_exit(self, member_id: str, timeout: float) -> int:
+        return self.members[member_id].process.wait(timeout)
+
+    def close(self) -> None:
+        """Stop every member: SIGCONT (in case it is stopped), SIGTERM, then SIGKILL."""
+        for member in self.members.values():
+            if member.alive():
+                for sig in (signal.SIGCONT, signal.SIGTERM):
+                    try:
+                        os.kill(member.pid, sig)
+                    except ProcessLookupError:
+                        pass
+        deadline = time.monotonic() + 15
+        for member in self.members.values():
+            try:
+                member.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                member.process.kill()
+                member.process.wait(5)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"===== {m.member_id} =====\n{m.log_text()[-4000:]}" for m in self.members.values()
+        )
+
+
+async def wait_for_status(
+    etcd: Etcd,
+    namespace: str,
+    group: str,
+    partitions: int,
+    predicate: Callable[[GroupStatus], bool],
+    timeout: float,
+    interval: float = 0.1,
+) -> GroupStatus:
+    """Poll the group's status until predicate holds; TimeoutError with the last status."""
+    deadline = time.monotonic() + timeout
+    status = await read_status(etcd, namespace, group, partitions)
+    while not predicate(status):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"group never reached the expected state; last: {status.as_dict()}")
+        await asyncio.sleep(interval)
+        status = await read_status(etcd, namespace, group, partitions)
+    return status
+
+
+def settled(members: set[str]) -> Callable[[GroupStatus], bool]:
+    """Exactly these members, every partition owned by one of them and claimed by its owner."""
+
+    def check(status: GroupStatus) -> bool:
+        return (
+            set(status.members) == members
+            and not status.unowned
+            and all(owner in members for owner in status.owners.values())
+            and status.claims == status.owners
+            and status.skew <= 1
+        )
+
+    return check

@@ -1,0 +1,1 @@
+"""The kopf operator (see the operator issue)."""
