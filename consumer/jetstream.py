@@ -33,13 +33,36 @@ _RETENTION = {
 _STORAGE = {"file": api.StorageType.FILE, "memory": api.StorageType.MEMORY}
 
 
+async def _on_error(exc: Exception) -> None:
+    # nats-py's default callback logs a full traceback for every failed (re)connect.
+    log.warning("NATS connection error: %r", exc)
+
+
+async def _on_disconnected() -> None:
+    log.warning("Disconnected from NATS; reconnecting")
+
+
+async def _on_reconnected() -> None:
+    log.info("Reconnected to NATS")
+
+
 async def connect(url: str, *, name: str, attempts: int | None = None) -> Any:
-    """Connect to NATS, retrying with capped backoff and saying why each attempt failed."""
+    """Connect to NATS, retrying with capped backoff and saying why each attempt failed.
+
+    With reconnects enabled nats-py never fails a first connect (it retries on its own,
+    every reconnect_time_wait, without backoff or a word to us), so each attempt is made
+    with reconnects off; once one succeeds the returned connection reconnects forever.
+    """
     delay = 0.2
     attempt = 0
     while True:
         attempt += 1
         try:
+            # max_reconnect_attempts=1: nats-py only gives up on a server when it is > 0.
+            probe = await nats.connect(url, name=name, connect_timeout=2, allow_reconnect=False,
+                                       max_reconnect_attempts=1, reconnect_time_wait=0.1,
+                                       error_cb=_quiet)
+            await probe.close()
             nc = await nats.connect(
                 url,
                 name=name,
@@ -47,16 +70,25 @@ async def connect(url: str, *, name: str, attempts: int | None = None) -> Any:
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,
                 allow_reconnect=True,
+                error_cb=_on_error,
+                disconnected_cb=_on_disconnected,
+                reconnected_cb=_on_reconnected,
             )
             if attempt > 1:
                 log.info("Connected to NATS at %s after %d attempts", url, attempt)
             return nc
         except Exception as exc:  # nats-py raises several unrelated types here
             if attempts is not None and attempt >= attempts:
-                raise ConnectionError(f"NATS at {url} unreachable after {attempt} attempts: {exc!r}") from exc
+                raise ConnectionError(
+                    f"NATS at {url} unreachable after {attempt} attempts: {exc!r}"
+                ) from exc
             log.warning("NATS at %s unreachable (%r); retrying in %.1f s", url, exc, delay)
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, 10.0)
+
+
+async def _quiet(exc: Exception) -> None:
+    pass
 
 
 def consumer_config(config: GroupConfig, partition: int) -> api.ConsumerConfig:

@@ -66,7 +66,7 @@ class ConsumerProcess:
         self.nc: Any = None
         self.js: Any = None
         self.metrics_port: int | None = None
-        self._stopping = asyncio.Event()
+        self.stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
 
     def _stats(self) -> dict[str, Any]:
@@ -142,11 +142,11 @@ class ConsumerProcess:
             self.metrics.lag.set(total)
 
     def request_stop(self) -> None:
-        self._stopping.set()
+        self.stopping.set()
 
     async def wait(self) -> None:
         """Run until a stop is requested or a component dies."""
-        stop = asyncio.create_task(self._stopping.wait())
+        stop = asyncio.create_task(self.stopping.wait())
         done, _ = await asyncio.wait([stop, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
         for task in done:
             if task is not stop and task.exception() is not None:
@@ -192,8 +192,20 @@ async def run_consumer(config: GroupConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, process.request_stop)
+    # A stop may come while start() is still retrying unreachable servers.
+    starting = asyncio.create_task(process.start(), name="start")
+    stop = asyncio.create_task(process.stopping.wait())
+    await asyncio.wait([starting, stop], return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        stop.cancel()
+        log.info("Stopped before start-up completed")
+        process.etcd.close()
+        return
+    stop.cancel()
     try:
-        await process.start()
+        starting.result()
         await process.wait()
     finally:
         await process.shutdown()

@@ -1,0 +1,167 @@
+"""Bad input never stops a group: garbage in etcd, bad messages, unreachable servers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+
+from e2e.fleet import Fleet, settled, wait_for_status
+from e2e.servers import free_port
+from shoal.consumer.config import GroupConfig
+from shoal.consumer.etcd import Etcd
+from shoal.consumer.jetstream import ensure_group
+from shoal.consumer.partitioning import Keys, partition_for, partition_subject
+from shoal.consumer.producer import Producer
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+
+@pytest.fixture
+async def etcd(etcd_endpoint: str) -> AsyncIterator[Etcd]:
+    client = Etcd(etcd_endpoint)
+    await client.connect(attempts=10)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+async def js(nats_url: str) -> AsyncIterator[Any]:
+    nc = await nats.connect(nats_url)
+    yield nc.jetstream()
+    await nc.close()
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, group: str, namespace: str, nats_url: str,
+          etcd_endpoint: str) -> Iterator[Fleet]:
+    with Fleet(tmp_path / "members", nats_url=nats_url, etcd_endpoint=etcd_endpoint,
+               namespace=namespace, group=group, partitions=16,
+               env={"SHOAL_LEASE_TTL": "5", "SHOAL_KEEPALIVE_INTERVAL": "1"}) as f:
+        yield f
+
+
+async def wait_for_log(fleet: Fleet, member: str, text: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        log = fleet.members[member].log_text()
+        if text in log:
+            return log
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{text!r} not in log of {member}:\n{fleet.members[member].log_text()}")
+
+
+async def dead_letters(js: Any, stream: str, expected: int, timeout: float = 20) -> list[Any]:
+    deadline = time.monotonic() + timeout
+    while (await js.stream_info(stream)).state.messages < expected:
+        assert time.monotonic() < deadline, "dead letters did not arrive"
+        await asyncio.sleep(0.1)
+    info = await js.stream_info(stream)
+    return [await js.get_msg(stream, seq) for seq in range(info.state.first_seq,
+                                                            info.state.last_seq + 1)]
+
+
+async def test_garbage_in_etcd_is_logged_and_ignored(
+    fleet: Fleet, etcd: Etcd, group: str, namespace: str
+) -> None:
+    keys = Keys(namespace, group)
+    await etcd.put(keys.member("ghost"), b"{not json")
+    await etcd.put(keys.partition(3), b"\xff\xfe garbage")
+    await etcd.put(keys.partition(5), json.dumps({"owner": 7}).encode())
+    await etcd.put(keys.partitions + "not-a-number", b"{}")
+    fleet.start("c-0")
+    fleet.start("c-1")
+    status = await wait_for_status(etcd, namespace, group, 16, settled({"c-0", "c-1"}), 30)
+    assert "ghost" not in status.counts
+    log = "".join(fleet.members[m].log_text() for m in ("c-0", "c-1"))
+    assert "Ignored etcd key" in log
+    assert "Traceback" not in log
+
+
+async def test_unreachable_etcd_is_retried_and_reported(fleet: Fleet) -> None:
+    fleet.etcd_endpoint = f"127.0.0.1:{free_port()}"
+    fleet.start("lonely")
+    log = await wait_for_log(fleet, "lonely", "retrying", 20)
+    assert "unreachable" in log and "Traceback" not in log
+    fleet.term("lonely")
+    assert fleet.wait_exit("lonely", 15) == 0
+
+
+async def test_unreachable_nats_is_retried_and_reported(fleet: Fleet) -> None:
+    fleet.nats_url = f"nats://127.0.0.1:{free_port()}"
+    fleet.start("lonely")
+    log = await wait_for_log(fleet, "lonely", "retrying", 20)
+    assert "NATS" in log and "Traceback" not in log
+    fleet.term("lonely")
+    assert fleet.wait_exit("lonely", 15) == 0
+
+
+async def test_bad_messages_go_to_the_dead_letter_subject(
+    fleet: Fleet, etcd: Etcd, js: Any, group: str, namespace: str, nats_url: str,
+    etcd_endpoint: str,
+) -> None:
+    config = GroupConfig(group=group, namespace=namespace, partitions=16, nats_url=nats_url,
+                         etcd_endpoints=etcd_endpoint)
+    await ensure_group(js, config)
+    fleet.start("c-0")
+    await wait_for_status(etcd, namespace, group, 16, settled({"c-0"}), 30)
+    p = partition_for("project-1", 16)
+    # No project header at all, then a project that hashes to another partition.
+    await js.publish(partition_subject(config.subject_prefix, p), b"anonymous")
+    wrong = next(f"x{i}" for i in range(100) if partition_for(f"x{i}", 16) != p)
+    await js.publish(partition_subject(config.subject_prefix, p), b"misrouted",
+                     headers={"Shoal-Project-Id": wrong})
+    letters = await dead_letters(js, config.dlq_stream, 2)
+    reasons = sorted(m.headers["Shoal-Dead-Letter-Reason"] for m in letters)
+    assert "missing Shoal-Project-Id header" in reasons[0]
+    assert f"belongs to partition {partition_for(wrong, 16)}" in reasons[1]
+    assert {m.subject for m in letters} == {f"{config.subject_prefix}.dlq.{p}"}
+    assert (await js.stream_info(config.stream)).state.messages == 0
+
+
+@pytest.mark.parametrize(("handler", "reason"), [
+    ("shoal.consumer.handlers:reject", "permanent error"),
+    ("shoal.consumer.handlers:fail", "failed 2 times"),
+])
+async def test_failing_handlers_retry_then_dead_letter(
+    fleet: Fleet, etcd: Etcd, js: Any, group: str, namespace: str, nats_url: str,
+    etcd_endpoint: str, handler: str, reason: str,
+) -> None:
+    config = GroupConfig(group=group, namespace=namespace, partitions=16, nats_url=nats_url,
+                         etcd_endpoints=etcd_endpoint, max_deliver=2)
+    await ensure_group(js, config)
+    fleet.start("c-0", SHOAL_HANDLER=handler, SHOAL_MAX_DELIVER="2")
+    await wait_for_status(etcd, namespace, group, 16, settled({"c-0"}), 30)
+    producer = Producer(js, config.subject_prefix, 16)
+    await producer.publish("project-9", b"payload", message_id="m-1")
+    [letter] = await dead_letters(js, config.dlq_stream, 1)
+    assert reason in letter.headers["Shoal-Dead-Letter-Reason"]
+    assert letter.headers["Shoal-Project-Id"] == "project-9"
+    assert letter.data == b"payload"
+    assert (await js.stream_info(config.stream)).state.messages == 0
+
+
+async def test_metrics_endpoint(fleet: Fleet, etcd: Etcd, group: str, namespace: str) -> None:
+    port = free_port()
+    fleet.start("c-0", SHOAL_METRICS_PORT=str(port))
+    await wait_for_status(etcd, namespace, group, 16, settled({"c-0"}), 30)
+    deadline = time.monotonic() + 10
+    while True:
+        body = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read()
+        )
+        text = body.decode()
+        if "shoal_partitions_owned 16.0" in text or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.2)
+    assert "shoal_partitions_owned 16.0" in text
+    assert "shoal_is_leader 1.0" in text
+    assert "shoal_rebalances_total 1.0" in text
+    assert "shoal_handover_seconds_bucket" in text

@@ -1,0 +1,98 @@
+"""Configuration validation, handler loading and the CLI, without any server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from pydantic import ValidationError
+
+from shoal.consumer.cli import main
+from shoal.consumer.config import GroupConfig, config_from_env
+from shoal.consumer.handlers import HandlerError, ledger, load_handler, noop
+
+
+def test_defaults_derive_names_from_namespace_and_group() -> None:
+    config = GroupConfig(group="orders", namespace="prod", member_id="c-0")
+    assert config.subject_prefix == "shoal.prod.orders"
+    assert config.stream == "shoal_prod_orders"
+    assert config.partitions == 128
+    assert config.lease_ttl == 10
+    assert config.fence_after == 8
+
+
+def test_environment_then_flags() -> None:
+    env = {"SHOAL_GROUP": "g", "NATS_URL": "nats://h:1", "SHOAL_LEASE_TTL": "6",
+           "SHOAL_BACKOFF": "1,2,5", "SHOAL_MEMBER_ID": "m"}
+    config = config_from_env(env, nats_url="nats://flag:2", lease_ttl=None)
+    assert config.nats_url == "nats://flag:2"
+    assert config.lease_ttl == 6
+    assert config.backoff == (1.0, 2.0, 5.0)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"handler": "nocolon"}, "must look like"),
+        ({"group": "a.b"}, "NATS subject token"),
+        ({"partitions": 0}, "greater than or equal to 1"),
+        ({"lease_ttl": 3, "fence_margin": 3}, "fence_margin"),
+        ({"lease_ttl": 5, "keepalive_interval": 4}, "keepalive_interval"),
+    ],
+)
+def test_invalid_configs_say_what_is_wrong(fields: dict[str, object], message: str) -> None:
+    values: dict[str, object] = {"group": "g", "member_id": "m", **fields}
+    with pytest.raises(ValidationError, match=message):
+        GroupConfig.model_validate(values)
+
+
+def test_builtin_handlers_load() -> None:
+    assert load_handler("shoal.consumer.handlers:noop") is noop
+    assert load_handler("shoal.consumer.handlers:ledger") is ledger
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("no.such.module:handle", "cannot import module"),
+        ("shoal.consumer.handlers:missing", "has no 'missing'"),
+        ("shoal.consumer.handlers:load_handler", "must be an 'async def'"),
+        ("justaname", "must look like"),
+    ],
+)
+def test_unusable_handlers_fail_with_one_clear_line(spec: str, message: str) -> None:
+    with pytest.raises(HandlerError, match=message) as info:
+        load_handler(spec)
+    assert "\n" not in str(info.value)
+
+
+def test_cli_help_lists_the_commands() -> None:
+    result = CliRunner().invoke(main, ["--help"])
+    assert result.exit_code == 0
+    for command in ("run", "produce", "plan", "status"):
+        assert command in result.output
+
+
+def test_cli_plan_compares_sticky_and_modulo() -> None:
+    result = CliRunner().invoke(main, ["plan", "--members", "a,b,c", "--to", "a,b,c,d", "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    assert plan["sticky"]["moves"] == plan["sticky"]["min_moves"] == 32
+    assert plan["modulo"]["moves"] > 64
+    assert plan["sticky"]["skew"] == 0
+
+
+def test_cli_run_refuses_an_unknown_handler_with_one_line() -> None:
+    result = CliRunner().invoke(
+        main, ["run", "--group", "g", "--handler", "nope.nothing:handle", "--etcd", "127.0.0.1:1"]
+    )
+    assert result.exit_code != 0
+    assert "cannot import module 'nope.nothing'" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_cli_run_refuses_a_bad_config_with_a_usage_error() -> None:
+    result = CliRunner().invoke(main, ["run", "--group", "a.b"])
+    assert result.exit_code == 2
+    assert "NATS subject token" in result.output
