@@ -12,7 +12,6 @@ from typing import Any
 
 import click
 from pydantic import ValidationError
-
 from shoal.consumer.assignor import assign, min_moves, moved, owner_counts, skew
 from shoal.consumer.config import config_from_env
 from shoal.consumer.etcd import Etcd
@@ -21,18 +20,46 @@ from shoal.consumer.partitioning import DEFAULT_PARTITIONS, default_subject_pref
 
 log = logging.getLogger(__name__)
 
-_group = click.option("--group", "-g", envvar="SHOAL_GROUP", required=True,
-                      help="Consumer group name [env SHOAL_GROUP].")
-_namespace = click.option("--namespace", "-n", envvar="SHOAL_NAMESPACE", default="default",
-                          show_default=True, help="Namespace of the group [env SHOAL_NAMESPACE].")
-_nats = click.option("--nats", "nats_url", envvar="NATS_URL", default="nats://127.0.0.1:4222",
-                     show_default=True, help="NATS server URL [env NATS_URL].")
-_etcd = click.option("--etcd", "etcd_endpoints", envvar="ETCD_ENDPOINTS",
-                     default="127.0.0.1:2379", show_default=True,
-                     help="etcd endpoints, host:port[,host:port] [env ETCD_ENDPOINTS].")
-_partitions = click.option("--partitions", "-p", type=click.IntRange(1, 4096),
-                           envvar="SHOAL_PARTITIONS", default=DEFAULT_PARTITIONS,
-                           show_default=True, help="Number of partitions of the group.")
+_group = click.option(
+    "--group",
+    "-g",
+    envvar="SHOAL_GROUP",
+    required=True,
+    help="Consumer group name [env SHOAL_GROUP].",
+)
+_namespace = click.option(
+    "--namespace",
+    "-n",
+    envvar="SHOAL_NAMESPACE",
+    default="default",
+    show_default=True,
+    help="Namespace of the group [env SHOAL_NAMESPACE].",
+)
+_nats = click.option(
+    "--nats",
+    "nats_url",
+    envvar="NATS_URL",
+    default="nats://127.0.0.1:4222",
+    show_default=True,
+    help="NATS server URL [env NATS_URL].",
+)
+_etcd = click.option(
+    "--etcd",
+    "etcd_endpoints",
+    envvar="ETCD_ENDPOINTS",
+    default="127.0.0.1:2379",
+    show_default=True,
+    help="etcd endpoints, host:port[,host:port] [env ETCD_ENDPOINTS].",
+)
+_partitions = click.option(
+    "--partitions",
+    "-p",
+    type=click.IntRange(1, 4096),
+    envvar="SHOAL_PARTITIONS",
+    default=DEFAULT_PARTITIONS,
+    show_default=True,
+    help="Number of partitions of the group.",
+)
 
 
 def _setup_logging(level: str) -> None:
@@ -44,8 +71,13 @@ def _setup_logging(level: str) -> None:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--log-level", envvar="SHOAL_LOG_LEVEL", default="info", show_default=True,
-              type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
+@click.option(
+    "--log-level",
+    envvar="SHOAL_LOG_LEVEL",
+    default="info",
+    show_default=True,
+    type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
+)
 def main(log_level: str) -> None:
     """Shoal consumer: elastic consumer groups for NATS JetStream.
 
@@ -61,25 +93,59 @@ def main(log_level: str) -> None:
 @_nats
 @_etcd
 @_partitions
-@click.option("--handler", envvar="SHOAL_HANDLER", default="shoal.consumer.handlers:noop",
-              show_default=True, help="Message handler, 'module:function' (async def f(msg)).")
-@click.option("--member-id", envvar="SHOAL_MEMBER_ID", default=None,
-              help="Member id [env SHOAL_MEMBER_ID, else POD_NAME, else host-pid].")
-@click.option("--metrics-port", envvar="SHOAL_METRICS_PORT", type=int, default=None,
-              help="Serve Prometheus /metrics on this port (0: any free port).")
-@click.option("--lease-ttl", envvar="SHOAL_LEASE_TTL", type=int, default=None,
-              help="Member lease TTL in seconds (default 10).")
-def run(group: str, namespace: str, nats_url: str, etcd_endpoints: str, partitions: int,
-        handler: str, member_id: str | None, metrics_port: int | None,
-        lease_ttl: int | None) -> None:
+@click.option(
+    "--handler",
+    envvar="SHOAL_HANDLER",
+    default="shoal.consumer.handlers:noop",
+    show_default=True,
+    help="Message handler, 'module:function' (async def f(msg)).",
+)
+@click.option(
+    "--member-id",
+    envvar="SHOAL_MEMBER_ID",
+    default=None,
+    help="Member id [env SHOAL_MEMBER_ID, else POD_NAME, else host-pid].",
+)
+@click.option(
+    "--metrics-port",
+    envvar="SHOAL_METRICS_PORT",
+    type=int,
+    default=None,
+    help="Serve Prometheus /metrics on this port (0: any free port).",
+)
+@click.option(
+    "--lease-ttl",
+    envvar="SHOAL_LEASE_TTL",
+    type=int,
+    default=None,
+    help="Member lease TTL in seconds (default 10).",
+)
+def run(
+    group: str,
+    namespace: str,
+    nats_url: str,
+    etcd_endpoints: str,
+    partitions: int,
+    handler: str,
+    member_id: str | None,
+    metrics_port: int | None,
+    lease_ttl: int | None,
+) -> None:
     """Run one member of a consumer group until SIGTERM (then leave gracefully)."""
     from shoal.consumer.runtime import run_consumer
 
     try:
         config = config_from_env(
-            os.environ, group=group, namespace=namespace, nats_url=nats_url,
-            etcd_endpoints=etcd_endpoints, partitions=partitions, handler=handler,
-            member_id=member_id, metrics_port=metrics_port, lease_ttl=lease_ttl,
+            os.environ,
+            group=group,
+            namespace=namespace,
+            nats_url=nats_url,
+            etcd_endpoints=etcd_endpoints,
+            partitions=partitions,
+            handler=handler,
+            member_id=member_id,
+            metrics_port=metrics_port,
+            lease_ttl=lease_ttl,
         )
     except ValidationError as exc:
         raise click.UsageError(_validation_message(exc)) from None
@@ -100,17 +166,46 @@ def _validation_message(exc: ValidationError) -> str:
 @_namespace
 @_nats
 @_partitions
-@click.option("--projects", "-k", type=click.IntRange(1), default=1000, show_default=True,
-              help="Number of distinct project ids (project-0 .. project-K-1).")
-@click.option("--messages", "-m", type=click.IntRange(0), default=10000, show_default=True,
-              help="Total messages, spread round-robin over the projects.")
-@click.option("--rate", type=float, default=0.0,
-              help="Messages per second (0: as fast as JetStream acknowledges).")
-@click.option("--subject-prefix", envvar="SHOAL_SUBJECT_PREFIX", default=None,
-              help="Subject prefix (default shoal.<namespace>.<group>).")
+@click.option(
+    "--projects",
+    "-k",
+    type=click.IntRange(1),
+    default=1000,
+    show_default=True,
+    help="Number of distinct project ids (project-0 .. project-K-1).",
+)
+@click.option(
+    "--messages",
+    "-m",
+    type=click.IntRange(0),
+    default=10000,
+    show_default=True,
+    help="Total messages, spread round-robin over the projects.",
+)
+@click.option(
+    "--rate",
+    type=float,
+    default=0.0,
+    help="Messages per second (0: as fast as JetStream acknowledges).",
+)
+@click.option(
+    "--subject-prefix",
+    envvar="SHOAL_SUBJECT_PREFIX",
+    default=None,
+    help="Subject prefix (default shoal.<namespace>.<group>).",
+)
 @click.option("--run-id", default=None, help="Prefix of message ids (default: current time).")
-def produce(group: str, namespace: str, nats_url: str, partitions: int, projects: int,
-            messages: int, rate: float, subject_prefix: str | None, run_id: str | None) -> None:
+def produce(
+    group: str,
+    namespace: str,
+    nats_url: str,
+    partitions: int,
+    projects: int,
+    messages: int,
+    rate: float,
+    subject_prefix: str | None,
+    run_id: str | None,
+) -> None:
     """Publish test traffic: M messages over K project ids, each with a per-project seq."""
     from shoal.consumer.jetstream import connect
     from shoal.consumer.producer import Outgoing, Producer
@@ -130,22 +225,37 @@ def produce(group: str, namespace: str, nats_url: str, partitions: int, projects
                     ahead = i / rate - (time.monotonic() - started)
                     if ahead > 0:
                         await asyncio.sleep(ahead)
-                yield Outgoing(project, f"{project}:{seq}".encode(), f"{run_tag}-{project}-{seq}",
-                               {SEQ_HEADER: str(seq)})
+                yield Outgoing(
+                    project,
+                    f"{project}:{seq}".encode(),
+                    f"{run_tag}-{project}-{seq}",
+                    {SEQ_HEADER: str(seq)},
+                )
 
         count = await producer.publish_many(items())
         elapsed = time.monotonic() - started
         await nc.drain()
-        click.echo(json.dumps({"published": count, "seconds": round(elapsed, 3),
-                               "per_second": round(count / elapsed, 1) if elapsed else None}))
+        click.echo(
+            json.dumps(
+                {
+                    "published": count,
+                    "seconds": round(elapsed, 3),
+                    "per_second": round(count / elapsed, 1) if elapsed else None,
+                }
+            )
+        )
 
     asyncio.run(go())
 
 
 @main.command()
 @_partitions
-@click.option("--members", "before", required=True,
-              help="Members before the change, comma-separated (e.g. c-0,c-1,c-2).")
+@click.option(
+    "--members",
+    "before",
+    required=True,
+    help="Members before the change, comma-separated (e.g. c-0,c-1,c-2).",
+)
 @click.option("--to", "after", required=True, help="Members after the change, comma-separated.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def plan(partitions: int, before: str, after: str, as_json: bool) -> None:
@@ -173,8 +283,10 @@ def plan(partitions: int, before: str, after: str, as_json: bool) -> None:
     click.echo(f"{'strategy':<10}{'moves':>8}{'minimum':>9}{'skew':>6}")
     for strategy, r in result.items():
         click.echo(f"{strategy:<10}{r['moves']:>8}{r['min_moves']:>9}{r['skew']:>6}")
-    click.echo("sticky owner counts: " + ", ".join(
-        f"{m}={n}" for m, n in sorted(result["sticky"]["counts"].items())))
+    click.echo(
+        "sticky owner counts: "
+        + ", ".join(f"{m}={n}" for m, n in sorted(result["sticky"]["counts"].items()))
+    )
 
 
 @main.command()
@@ -183,8 +295,7 @@ def plan(partitions: int, before: str, after: str, as_json: bool) -> None:
 @_etcd
 @_partitions
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def status(group: str, namespace: str, etcd_endpoints: str, partitions: int,
-           as_json: bool) -> None:
+def status(group: str, namespace: str, etcd_endpoints: str, partitions: int, as_json: bool) -> None:
     """Show a group's members, leader, owners per member and skew, read from etcd."""
     from shoal.consumer.status import read_status
 
@@ -203,13 +314,17 @@ def status(group: str, namespace: str, etcd_endpoints: str, partitions: int,
     if as_json:
         click.echo(json.dumps(st.as_dict(), indent=2))
         return
-    click.echo(f"group {namespace}/{group}: {len(st.members)} members, leader "
-               f"{st.leader or '-'} (epoch {st.epoch or '-'}), generation {st.generation}, "
-               f"skew {st.skew}")
+    click.echo(
+        f"group {namespace}/{group}: {len(st.members)} members, leader "
+        f"{st.leader or '-'} (epoch {st.epoch or '-'}), generation {st.generation}, "
+        f"skew {st.skew}"
+    )
     for member in sorted(st.members):
         stats = st.members[member]
         owned = st.counts.get(member, 0)
-        click.echo(f"  {member:<30} owns {owned:>4}  rate {stats.get('rate', '-'):>8}  "
-                   f"lag {stats.get('lag', '-'):>6}  cpu {stats.get('cpu', '-')}")
+        click.echo(
+            f"  {member:<30} owns {owned:>4}  rate {stats.get('rate', '-'):>8}  "
+            f"lag {stats.get('lag', '-'):>6}  cpu {stats.get('cpu', '-')}"
+        )
     if st.unowned:
         click.echo(f"  unowned partitions: {len(st.unowned)}")

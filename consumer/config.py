@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
 from shoal.consumer.partitioning import (
     DEFAULT_PARTITIONS,
     Keys,

@@ -19,13 +19,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from shoal.consumer.assignor import assign, moved
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd
 from shoal.consumer.membership import Membership
 from shoal.consumer.view import GroupView
+from shoal.consumer.view import Leader as LeaderKey
 
 log = logging.getLogger(__name__)
 
@@ -136,8 +136,12 @@ class Leader:
             if current is not None and current != self._me():
                 return
         self._set_leader(True)
-        log.info("Became leader of %s/%s (epoch %d)", self.config.namespace,
-                 self.config.group, self.epoch)
+        log.info(
+            "Became leader of %s/%s (epoch %d)",
+            self.config.namespace,
+            self.config.group,
+            self.epoch,
+        )
         first = True
         applied_members: set[str] = set()
         try:
@@ -161,12 +165,14 @@ class Leader:
                     pass
         finally:
             self._set_leader(False)
-            log.info("Stopped leading %s/%s (epoch %d)", self.config.namespace,
-                     self.config.group, self.epoch)
+            log.info(
+                "Stopped leading %s/%s (epoch %d)",
+                self.config.namespace,
+                self.config.group,
+                self.epoch,
+            )
 
-    def _me(self) -> Any:
-        from shoal.consumer.view import Leader as LeaderKey
-
+    def _me(self) -> LeaderKey:
         return LeaderKey(self.config.member_id, self.epoch)
 
     async def _settle(self) -> None:
@@ -203,21 +209,31 @@ class Leader:
             await asyncio.sleep(1.0)
             return True
         if not ok:
-            log.warning("Lost leadership (epoch %d) while writing generation %d",
-                        self.epoch, generation)
+            log.warning(
+                "Lost leadership (epoch %d) while writing generation %d", self.epoch, generation
+            )
             return False
         self.rebalances += 1
         moves = moved(previous, new)
         reason = classify(applied or set(previous.values()), members, bool(previous), first)
         log.info(
             "Wrote generation %d (%s): %d members, %d partitions moved",
-            generation, reason, len(members), len(moves),
+            generation,
+            reason,
+            len(members),
+            len(moves),
         )
         if self.on_generation is not None:
             record = GenerationRecord(
-                ts=now, generation=generation, epoch=self.epoch,
-                leader=self.config.member_id, reason=reason, members=sorted(members),
-                assignment=dict(sorted(new.items())), moved=moves, loads=loads or {},
+                ts=now,
+                generation=generation,
+                epoch=self.epoch,
+                leader=self.config.member_id,
+                reason=reason,
+                members=sorted(members),
+                assignment=dict(sorted(new.items())),
+                moved=moves,
+                loads=loads or {},
             )
             try:
                 await self.on_generation(record)

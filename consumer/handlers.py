@@ -86,7 +86,9 @@ def load_handler(spec: str) -> Handler:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise HandlerError(f"handler {spec!r}: cannot import module {module_name!r}: {exc}") from exc
+        raise HandlerError(
+            f"handler {spec!r}: cannot import module {module_name!r}: {exc}"
+        ) from exc
     func = getattr(module, func_name, None)
     if func is None:
         raise HandlerError(f"handler {spec!r}: module {module_name!r} has no {func_name!r}")

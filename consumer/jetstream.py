@@ -14,7 +14,6 @@ from typing import Any
 import nats
 from nats.js import api
 from nats.js.errors import BadRequestError, NotFoundError
-
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.partitioning import (
     assignments_subject,
@@ -59,9 +58,15 @@ async def connect(url: str, *, name: str, attempts: int | None = None) -> Any:
         attempt += 1
         try:
             # max_reconnect_attempts=1: nats-py only gives up on a server when it is > 0.
-            probe = await nats.connect(url, name=name, connect_timeout=2, allow_reconnect=False,
-                                       max_reconnect_attempts=1, reconnect_time_wait=0.1,
-                                       error_cb=_quiet)
+            probe = await nats.connect(
+                url,
+                name=name,
+                connect_timeout=2,
+                allow_reconnect=False,
+                max_reconnect_attempts=1,
+                reconnect_time_wait=0.1,
+                error_cb=_quiet,
+            )
             await probe.close()
             nc = await nats.connect(
                 url,
@@ -113,8 +118,12 @@ async def _ensure_stream(js: Any, name: str, subjects: list[str], **kwargs: Any)
     except BadRequestError as exc:
         # "stream name already in use with a different configuration": keep what exists.
         info = await js.stream_info(name)
-        log.warning("Stream %s exists with another config (%s); kept it as it is (%s)",
-                    name, exc.description, info.config.subjects)
+        log.warning(
+            "Stream %s exists with another config (%s); kept it as it is (%s)",
+            name,
+            exc.description,
+            info.config.subjects,
+        )
 
 
 async def ensure_group(js: Any, config: GroupConfig, *, ledger: bool = False) -> None:
@@ -129,17 +138,26 @@ async def ensure_group(js: Any, config: GroupConfig, *, ledger: bool = False) ->
         duplicate_window=120.0,
     )
     await _ensure_stream(
-        js, config.dlq_stream, [f"{config.subject_prefix}.dlq.*"],
-        storage=_STORAGE[config.storage], num_replicas=config.stream_replicas,
+        js,
+        config.dlq_stream,
+        [f"{config.subject_prefix}.dlq.*"],
+        storage=_STORAGE[config.storage],
+        num_replicas=config.stream_replicas,
     )
     await _ensure_stream(
-        js, f"{config.stream}_log", [assignments_subject(config.subject_prefix)],
-        storage=_STORAGE[config.storage], num_replicas=config.stream_replicas,
+        js,
+        f"{config.stream}_log",
+        [assignments_subject(config.subject_prefix)],
+        storage=_STORAGE[config.storage],
+        num_replicas=config.stream_replicas,
     )
     if ledger:
         await _ensure_stream(
-            js, config.ledger_stream, [f"{config.subject_prefix}.ledger.*"],
-            storage=_STORAGE[config.storage], num_replicas=config.stream_replicas,
+            js,
+            config.ledger_stream,
+            [f"{config.subject_prefix}.ledger.*"],
+            storage=_STORAGE[config.storage],
+            num_replicas=config.stream_replicas,
         )
     existing: set[str] = set()
     try:

@@ -11,6 +11,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 from nats.js import api
@@ -142,7 +143,7 @@ def audit(records: Iterable[LedgerRecord], expected_ids: Iterable[str]) -> Audit
                 spans[-1] = (member, start, max(end, r.finished))
             else:
                 spans.append((r.member, r.started, r.finished))
-        for (m1, _s1, e1), (m2, s2, _e2) in zip(spans, spans[1:], strict=False):
+        for (m1, _s1, e1), (m2, s2, _e2) in pairwise(spans):
             if s2 < e1:
                 result.overlaps.append((partition, m1, m2))
     return result

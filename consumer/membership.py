@@ -89,7 +89,7 @@ class Membership:
                 ttl = await asyncio.wait_for(
                     self.etcd.refresh_lease(self.lease_id), self.config.keepalive_interval
                 )
-            except (*TRANSIENT_ERRORS, asyncio.TimeoutError) as exc:
+            except TRANSIENT_ERRORS as exc:  # TimeoutError (the wait_for) is among them
                 log.warning(
                     "Lease keep-alive failed (%s); fencing in %.1f s unless it recovers",
                     exc,
@@ -130,5 +130,7 @@ class Membership:
         try:
             await self.etcd.revoke_lease(self.lease_id)
         except TRANSIENT_ERRORS as exc:
-            log.warning("Could not revoke lease (%s); it expires in %d s", exc, self.config.lease_ttl)
+            log.warning(
+                "Could not revoke lease (%s); it expires in %d s", exc, self.config.lease_ttl
+            )
         self.lease_id = 0

@@ -42,7 +42,11 @@ class Producer:
         return partition_subject(self.subject_prefix, partition), headers
 
     async def publish(
-        self, project_id: str, data: bytes, *, message_id: str | None = None,
+        self,
+        project_id: str,
+        data: bytes,
+        *,
+        message_id: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> Any:
         """Publish one message and wait for JetStream's acknowledgement."""
@@ -50,7 +54,10 @@ class Producer:
         return await self.js.publish(subject, data, headers=hdrs)
 
     async def publish_many(
-        self, items: Iterable[Outgoing] | AsyncIterable[Outgoing], *, window: int = 512,
+        self,
+        items: Iterable[Outgoing] | AsyncIterable[Outgoing],
+        *,
+        window: int = 512,
         attempts: int = 5,
     ) -> int:
         """Publish asynchronously with at most `window` unacknowledged; returns the count.

@@ -59,8 +59,9 @@ class ConsumerProcess:
         self.cpu = CpuMeter()
         self.lag = 0
         self.membership = Membership(self.etcd, config, self._stats)
-        self.leader = Leader(self.etcd, self.view, self.membership, config,
-                             on_generation=self._record_generation)
+        self.leader = Leader(
+            self.etcd, self.view, self.membership, config, on_generation=self._record_generation
+        )
         self.leader.on_leadership(lambda value: self.metrics.is_leader.set(1 if value else 0))
         self.worker: Worker | None = None
         self.nc: Any = None
@@ -101,13 +102,20 @@ class ConsumerProcess:
             "moved": [{"partition": p, "from": a, "to": b} for p, a, b in record.moved],
             "loads": {str(p): v for p, v in record.loads.items()},
         }
-        await self.js.publish(assignments_subject(self.config.subject_prefix),
-                              json.dumps(event).encode())
+        await self.js.publish(
+            assignments_subject(self.config.subject_prefix), json.dumps(event).encode()
+        )
 
     async def start(self) -> None:
         c = self.config
-        log.info("Starting member %s of %s/%s (handler %s, %d partitions)",
-                 c.member_id, c.namespace, c.group, c.handler, c.partitions)
+        log.info(
+            "Starting member %s of %s/%s (handler %s, %d partitions)",
+            c.member_id,
+            c.namespace,
+            c.group,
+            c.handler,
+            c.partitions,
+        )
         if c.metrics_port is not None:
             self.metrics_port = self.metrics.serve(c.metrics_port)
         await self.etcd.connect()
@@ -115,8 +123,9 @@ class ConsumerProcess:
         self.js = self.nc.jetstream()
         if c.ensure_jetstream:
             await ensure_group(self.js, c, ledger=c.handler.endswith(":ledger"))
-        self.worker = Worker(c, self.etcd, self.view, self.membership, self.nc, self.js,
-                             self.handler, self.metrics)
+        self.worker = Worker(
+            c, self.etcd, self.view, self.membership, self.nc, self.js, self.handler, self.metrics
+        )
         self._tasks.append(asyncio.create_task(self.view.run(), name="view"))
         await self.view.synced.wait()
         await self.membership.join()

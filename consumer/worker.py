@@ -47,7 +47,9 @@ ACTIVE_PROJECT_WINDOW = 60.0
 class PartitionRunner:
     """Pulls one partition's durable and runs the handler on each message, in order."""
 
-    def __init__(self, worker: Worker, partition: int, claim_revision: int, target_ts: float | None):
+    def __init__(
+        self, worker: Worker, partition: int, claim_revision: int, target_ts: float | None
+    ):
         self.worker = worker
         self.partition = partition
         self.claim_revision = claim_revision
@@ -79,9 +81,7 @@ class PartitionRunner:
 
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox, cb=deliver)
-        api_subject = (
-            f"$JS.API.CONSUMER.MSG.NEXT.{w.config.stream}.{durable_name(self.partition)}"
-        )
+        api_subject = f"$JS.API.CONSUMER.MSG.NEXT.{w.config.stream}.{durable_name(self.partition)}"
         expires = w.config.fetch_expires
         request = json.dumps(
             {"batch": w.config.fetch_batch, "expires": int(expires * 1e9)}
@@ -127,8 +127,12 @@ class PartitionRunner:
                 if status == "100":  # idle heartbeat
                     continue
                 if status not in ("404", "408"):
-                    log.debug("Pull on partition %d ended: %s %s", self.partition, status,
-                              headers.get("Description"))
+                    log.debug(
+                        "Pull on partition %d ended: %s %s",
+                        self.partition,
+                        status,
+                        headers.get("Description"),
+                    )
                     if status == "409":
                         await asyncio.sleep(0.1)
                 return
@@ -158,7 +162,8 @@ class PartitionRunner:
             return
         if partition_for(project, w.config.partitions) != self.partition:
             await w.dead_letter(
-                msg, self.partition,
+                msg,
+                self.partition,
                 f"project {project!r} belongs to partition "
                 f"{partition_for(project, w.config.partitions)}",
             )
@@ -192,14 +197,20 @@ class PartitionRunner:
         except Exception as exc:
             if message.delivery_count >= w.config.max_deliver:
                 await w.dead_letter(
-                    msg, self.partition,
+                    msg,
+                    self.partition,
                     f"failed {message.delivery_count} times, last: {exc!r}",
                 )
                 w.metrics.processed.labels("dead_letter").inc()
             else:
                 delay = w.retry_delay(message.delivery_count)
-                log.warning("Handler failed on %s (delivery %d): %r; retrying in %.1f s",
-                            message.message_id, message.delivery_count, exc, delay)
+                log.warning(
+                    "Handler failed on %s (delivery %d): %r; retrying in %.1f s",
+                    message.message_id,
+                    message.delivery_count,
+                    exc,
+                    delay,
+                )
                 await msg.nak(delay=delay)
                 w.metrics.processed.labels("retry").inc()
             return
@@ -239,8 +250,7 @@ class Worker:
         self.js = js
         self.handler = handler
         self.metrics = metrics
-        self.context = HandlerContext(config.member_id, config.subject_prefix, js,
-                                      membership.safe)
+        self.context = HandlerContext(config.member_id, config.subject_prefix, js, membership.safe)
         self.runners: dict[int, PartitionRunner] = {}
         self.claiming: set[int] = set()
         self.leaving = False
@@ -284,8 +294,9 @@ class Worker:
         headers["Shoal-Dead-Letter-Reason"] = reason[:500]
         headers["Shoal-Original-Subject"] = msg.subject
         headers["Shoal-Member"] = self.config.member_id
-        await self.js.publish(dlq_subject(self.config.subject_prefix, partition), msg.data,
-                              headers=headers)
+        await self.js.publish(
+            dlq_subject(self.config.subject_prefix, partition), msg.data, headers=headers
+        )
         await msg.term()
         log.warning("Dead-lettered a message of partition %d: %s", partition, reason)
 
@@ -332,8 +343,8 @@ class Worker:
         for p in range(self.config.partitions):
             target = targets.get(p)
             want = not self.leaving and target is not None and target.owner == me
-            runner = self.runners.get(p)
-            if want and runner is None and p not in self.claiming:
+            current = self.runners.get(p)
+            if want and current is None and p not in self.claiming:
                 claim = claims.get(p)
                 if claim is None:
                     self.claiming.add(p)
@@ -341,15 +352,16 @@ class Worker:
                 elif claim.member == me and claim.lease == lease:
                     # Ours already (we were fenced for a moment, or restarted in place).
                     self._start(p, claim.create_revision, None)
-            elif not want and runner is not None and not runner.stopping:
+            elif not want and current is not None and not current.stopping:
                 log.info("Releasing partition %d", p)
-                runner.stop()
+                current.stop()
 
     async def _claim(self, p: int, target_ts: float | None) -> None:
         try:
             lease = self.membership.lease_id
-            ok = await self.etcd.create(self.config.keys.claim(p), self.config.member_id.encode(),
-                                        lease)
+            ok = await self.etcd.create(
+                self.config.keys.claim(p), self.config.member_id.encode(), lease
+            )
             if not ok:
                 return  # somebody still holds it; its release wakes us through the view
             kv = await self.etcd.get(self.config.keys.claim(p))
@@ -378,8 +390,9 @@ class Worker:
             except Exception:
                 log.warning("Flushing acks before releasing partition %d failed", p)
             try:
-                await self.etcd.delete_if_created_at(self.config.keys.claim(p),
-                                                     runner.claim_revision)
+                await self.etcd.delete_if_created_at(
+                    self.config.keys.claim(p), runner.claim_revision
+                )
             except TRANSIENT_ERRORS as exc:
                 log.warning("Could not delete claim %d (%s); the lease will expire it", p, exc)
         if self.runners.get(p) is runner:

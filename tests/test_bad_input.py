@@ -12,14 +12,14 @@ from typing import Any
 
 import nats
 import pytest
-
-from e2e.fleet import Fleet, settled, wait_for_status
-from e2e.servers import free_port
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.partitioning import Keys, partition_for, partition_subject
 from shoal.consumer.producer import Producer
+
+from e2e.fleet import Fleet, settled, wait_for_status
+from e2e.servers import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -40,11 +40,18 @@ async def js(nats_url: str) -> AsyncIterator[Any]:
 
 
 @pytest.fixture
-def fleet(tmp_path: Path, group: str, namespace: str, nats_url: str,
-          etcd_endpoint: str) -> Iterator[Fleet]:
-    with Fleet(tmp_path / "members", nats_url=nats_url, etcd_endpoint=etcd_endpoint,
-               namespace=namespace, group=group, partitions=16,
-               env={"SHOAL_LEASE_TTL": "5", "SHOAL_KEEPALIVE_INTERVAL": "1"}) as f:
+def fleet(
+    tmp_path: Path, group: str, namespace: str, nats_url: str, etcd_endpoint: str
+) -> Iterator[Fleet]:
+    with Fleet(
+        tmp_path / "members",
+        nats_url=nats_url,
+        etcd_endpoint=etcd_endpoint,
+        namespace=namespace,
+        group=group,
+        partitions=16,
+        env={"SHOAL_LEASE_TTL": "5", "SHOAL_KEEPALIVE_INTERVAL": "1"},
+    ) as f:
         yield f
 
 
@@ -64,8 +71,10 @@ async def dead_letters(js: Any, stream: str, expected: int, timeout: float = 20)
         assert time.monotonic() < deadline, "dead letters did not arrive"
         await asyncio.sleep(0.1)
     info = await js.stream_info(stream)
-    return [await js.get_msg(stream, seq) for seq in range(info.state.first_seq,
-                                                            info.state.last_seq + 1)]
+    return [
+        await js.get_msg(stream, seq)
+        for seq in range(info.state.first_seq, info.state.last_seq + 1)
+    ]
 
 
 async def test_garbage_in_etcd_is_logged_and_ignored(
@@ -104,11 +113,21 @@ async def test_unreachable_nats_is_retried_and_reported(fleet: Fleet) -> None:
 
 
 async def test_bad_messages_go_to_the_dead_letter_subject(
-    fleet: Fleet, etcd: Etcd, js: Any, group: str, namespace: str, nats_url: str,
+    fleet: Fleet,
+    etcd: Etcd,
+    js: Any,
+    group: str,
+    namespace: str,
+    nats_url: str,
     etcd_endpoint: str,
 ) -> None:
-    config = GroupConfig(group=group, namespace=namespace, partitions=16, nats_url=nats_url,
-                         etcd_endpoints=etcd_endpoint)
+    config = GroupConfig(
+        group=group,
+        namespace=namespace,
+        partitions=16,
+        nats_url=nats_url,
+        etcd_endpoints=etcd_endpoint,
+    )
     await ensure_group(js, config)
     fleet.start("c-0")
     await wait_for_status(etcd, namespace, group, 16, settled({"c-0"}), 30)
@@ -116,8 +135,11 @@ async def test_bad_messages_go_to_the_dead_letter_subject(
     # No project header at all, then a project that hashes to another partition.
     await js.publish(partition_subject(config.subject_prefix, p), b"anonymous")
     wrong = next(f"x{i}" for i in range(100) if partition_for(f"x{i}", 16) != p)
-    await js.publish(partition_subject(config.subject_prefix, p), b"misrouted",
-                     headers={"Shoal-Project-Id": wrong})
+    await js.publish(
+        partition_subject(config.subject_prefix, p),
+        b"misrouted",
+        headers={"Shoal-Project-Id": wrong},
+    )
     letters = await dead_letters(js, config.dlq_stream, 2)
     reasons = sorted(m.headers["Shoal-Dead-Letter-Reason"] for m in letters)
     assert "missing Shoal-Project-Id header" in reasons[0]
@@ -126,16 +148,32 @@ async def test_bad_messages_go_to_the_dead_letter_subject(
     assert (await js.stream_info(config.stream)).state.messages == 0
 
 
-@pytest.mark.parametrize(("handler", "reason"), [
-    ("shoal.consumer.handlers:reject", "permanent error"),
-    ("shoal.consumer.handlers:fail", "failed 2 times"),
-])
+@pytest.mark.parametrize(
+    ("handler", "reason"),
+    [
+        ("shoal.consumer.handlers:reject", "permanent error"),
+        ("shoal.consumer.handlers:fail", "failed 2 times"),
+    ],
+)
 async def test_failing_handlers_retry_then_dead_letter(
-    fleet: Fleet, etcd: Etcd, js: Any, group: str, namespace: str, nats_url: str,
-    etcd_endpoint: str, handler: str, reason: str,
+    fleet: Fleet,
+    etcd: Etcd,
+    js: Any,
+    group: str,
+    namespace: str,
+    nats_url: str,
+    etcd_endpoint: str,
+    handler: str,
+    reason: str,
 ) -> None:
-    config = GroupConfig(group=group, namespace=namespace, partitions=16, nats_url=nats_url,
-                         etcd_endpoints=etcd_endpoint, max_deliver=2)
+    config = GroupConfig(
+        group=group,
+        namespace=namespace,
+        partitions=16,
+        nats_url=nats_url,
+        etcd_endpoints=etcd_endpoint,
+        max_deliver=2,
+    )
     await ensure_group(js, config)
     fleet.start("c-0", SHOAL_HANDLER=handler, SHOAL_MAX_DELIVER="2")
     await wait_for_status(etcd, namespace, group, 16, settled({"c-0"}), 30)

@@ -7,7 +7,6 @@ import json
 import pytest
 from click.testing import CliRunner
 from pydantic import ValidationError
-
 from shoal.consumer.cli import main
 from shoal.consumer.config import GroupConfig, config_from_env
 from shoal.consumer.handlers import HandlerError, ledger, load_handler, noop
@@ -23,8 +22,13 @@ def test_defaults_derive_names_from_namespace_and_group() -> None:
 
 
 def test_environment_then_flags() -> None:
-    env = {"SHOAL_GROUP": "g", "NATS_URL": "nats://h:1", "SHOAL_LEASE_TTL": "6",
-           "SHOAL_BACKOFF": "1,2,5", "SHOAL_MEMBER_ID": "m"}
+    env = {
+        "SHOAL_GROUP": "g",
+        "NATS_URL": "nats://h:1",
+        "SHOAL_LEASE_TTL": "6",
+        "SHOAL_BACKOFF": "1,2,5",
+        "SHOAL_MEMBER_ID": "m",
+    }
     config = config_from_env(env, nats_url="nats://flag:2", lease_ttl=None)
     assert config.nats_url == "nats://flag:2"
     assert config.lease_ttl == 6

@@ -16,8 +16,6 @@ from typing import Any
 
 import nats
 import pytest
-
-from e2e.fleet import Fleet, settled, wait_for_status
 from shoal.consumer.assignor import min_moves, moved
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
@@ -25,6 +23,8 @@ from shoal.consumer.handlers import SEQ_HEADER
 from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.ledger import audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer
+
+from e2e.fleet import Fleet, settled, wait_for_status
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -50,15 +50,25 @@ async def js(nats_url: str) -> AsyncIterator[Any]:
 
 @pytest.fixture
 def config(group: str, namespace: str, nats_url: str, etcd_endpoint: str) -> GroupConfig:
-    return GroupConfig(group=group, namespace=namespace, nats_url=nats_url,
-                       etcd_endpoints=etcd_endpoint, handler="shoal.consumer.handlers:ledger")
+    return GroupConfig(
+        group=group,
+        namespace=namespace,
+        nats_url=nats_url,
+        etcd_endpoints=etcd_endpoint,
+        handler="shoal.consumer.handlers:ledger",
+    )
 
 
 @pytest.fixture
 def fleet(tmp_path: Path, config: GroupConfig) -> Iterator[Fleet]:
-    with Fleet(tmp_path / "members", nats_url=config.nats_url,
-               etcd_endpoint=config.etcd_endpoints, namespace=config.namespace,
-               group=config.group, env=FAST_ENV) as f:
+    with Fleet(
+        tmp_path / "members",
+        nats_url=config.nats_url,
+        etcd_endpoint=config.etcd_endpoints,
+        namespace=config.namespace,
+        group=config.group,
+        env=FAST_ENV,
+    ) as f:
         yield f
 
 
@@ -121,8 +131,12 @@ async def test_join_and_graceful_leave_while_producing(
     await drained(js, config, len(items), 60)
     result = audit(await read_ledger(js, config.ledger_stream), [i.message_id for i in items])
     assert result.summary() == {
-        "expected": 20_000, "processed": 20_000, "lost": 0, "duplicates": 0,
-        "out_of_order": 0, "overlaps": 0,
+        "expected": 20_000,
+        "processed": 20_000,
+        "lost": 0,
+        "duplicates": 0,
+        "out_of_order": 0,
+        "overlaps": 0,
     }, fleet.logs()
 
 
@@ -174,8 +188,12 @@ async def test_leader_failover_moves_nothing_by_itself(
     fleet.kill(old_leader)
     killed_at = time.monotonic()
     new = await wait_for_status(
-        etcd, ns, g, P,
-        lambda s: s.leader is not None and s.leader != old_leader, TTL + 10,
+        etcd,
+        ns,
+        g,
+        P,
+        lambda s: s.leader is not None and s.leader != old_leader,
+        TTL + 10,
     )
     took = time.monotonic() - killed_at
     assert took < TTL + 2, f"no new leader for {took:.1f} s"
