@@ -116,6 +116,14 @@ class ConsumerProcess:
             c.handler,
             c.partitions,
         )
+        if c.ack_wait >= c.fence_after:
+            log.warning(
+                "ack_wait (%.1f s) is not shorter than lease TTL minus fence margin (%.1f s): "
+                "after a crash, the crashed member's unacknowledged messages may be "
+                "redelivered after newer ones of the same project",
+                c.ack_wait,
+                c.fence_after,
+            )
         if c.metrics_port is not None:
             self.metrics_port = self.metrics.serve(c.metrics_port)
         await self.etcd.connect()

@@ -95,6 +95,11 @@ async def demo(args: argparse.Namespace, workdir: Path) -> int:
             nats_url=nats_server.url,
             etcd_endpoints=etcd_server.endpoint,
             handler="shoal.consumer.handlers:ledger",
+            # A short lease so the crash below resolves quickly; ack_wait below it, in the
+            # same ratio as the defaults (5 s and 10 s), keeps order across the crash.
+            lease_ttl=5,
+            keepalive_interval=1,
+            ack_wait=2,
         )
         nc = await nats.connect(nats_server.url)
         js = nc.jetstream()
@@ -102,8 +107,9 @@ async def demo(args: argparse.Namespace, workdir: Path) -> int:
         etcd = Etcd(etcd_server.endpoint)
         await etcd.connect(attempts=10)
         env = {
-            "SHOAL_LEASE_TTL": "5",
-            "SHOAL_KEEPALIVE_INTERVAL": "1",
+            "SHOAL_LEASE_TTL": str(config.lease_ttl),
+            "SHOAL_KEEPALIVE_INTERVAL": str(config.keepalive_interval),
+            "SHOAL_ACK_WAIT": str(config.ack_wait),
             "SHOAL_HANDLER_DELAY_MS": str(args.handler_delay_ms),
         }
         with Fleet(

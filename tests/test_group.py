@@ -29,8 +29,16 @@ from e2e.fleet import Fleet, settled, wait_for_status
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 # Short leases keep the failure tests quick; the protocol does not depend on the value.
+# ack_wait stays below TTL - fence margin, as with the defaults (5 s < 10 s - 2 s): a
+# crashed member's unacked messages are then due for redelivery before anyone takes
+# its partitions over, so JetStream hands them out first and per-project order holds.
 TTL = 5
-FAST_ENV = {"SHOAL_LEASE_TTL": str(TTL), "SHOAL_KEEPALIVE_INTERVAL": "1"}
+ACK_WAIT = 2.0
+FAST_ENV = {
+    "SHOAL_LEASE_TTL": str(TTL),
+    "SHOAL_KEEPALIVE_INTERVAL": "1",
+    "SHOAL_ACK_WAIT": str(ACK_WAIT),
+}
 
 
 @pytest.fixture
@@ -56,6 +64,7 @@ def config(group: str, namespace: str, nats_url: str, etcd_endpoint: str) -> Gro
         nats_url=nats_url,
         etcd_endpoints=etcd_endpoint,
         handler="shoal.consumer.handlers:ledger",
+        ack_wait=ACK_WAIT,
     )
 
 
@@ -166,6 +175,7 @@ async def test_kill_9_loses_nothing_and_resumes_within_ttl(
     records = await read_ledger(js, config.ledger_stream)
     result = audit(records, [i.message_id for i in items])
     assert result.lost == []
+    assert result.out_of_order == []
     # Only messages the killed member had handled but not acked come back a second time.
     for mid, recs in result.duplicates.items():
         assert recs[0].member == "c-1", (mid, recs)
