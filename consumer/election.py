@@ -110,7 +110,9 @@ class Leader:
         await self.view.synced.wait()
         while not self.resigning:
             changed = self.view.change_event()
-            if self.membership.safe() and self.view.leader() is None:
+            # A member on its way out must not take over a group it is leaving.
+            eligible = self.membership.safe() and not self.membership.leaving
+            if eligible and self.view.leader() is None:
                 try:
                     won = await self.etcd.create(
                         keys.leader, self.config.member_id.encode(), self.membership.lease_id

@@ -11,6 +11,7 @@ import asyncio
 import functools
 import logging
 import random
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -29,6 +30,27 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     etcd3.exceptions.InternalServerError,
     TimeoutError,
 )
+
+
+_previous_excepthook = threading.excepthook
+
+
+def _quiet_closed_watchers(args: threading.ExceptHookArgs) -> None:
+    # etcd3's watcher thread has no stop: closing the client makes its blocked stream
+    # raise "Cannot invoke RPC: Channel closed!" there, a traceback at every clean exit.
+    thread = args.thread
+    if (
+        thread is not None
+        and thread.name.startswith("etcd3_watch_")
+        and isinstance(args.exc_value, ValueError)
+        and "Channel closed" in str(args.exc_value)
+    ):
+        log.debug("etcd watcher thread ended with the closed client")
+        return
+    _previous_excepthook(args)
+
+
+threading.excepthook = _quiet_closed_watchers
 
 
 class EtcdUnavailable(RuntimeError):

@@ -32,17 +32,25 @@ _RETENTION = {
 _STORAGE = {"file": api.StorageType.FILE, "memory": api.StorageType.MEMORY}
 
 
-async def _on_error(exc: Exception) -> None:
-    # nats-py's default callback logs a full traceback for every failed (re)connect.
-    log.warning("NATS connection error: %r", exc)
+class _Callbacks:
+    """One-line logs for a connection's events instead of nats-py's tracebacks."""
 
+    def __init__(self) -> None:
+        self.nc: Any = None
 
-async def _on_disconnected() -> None:
-    log.warning("Disconnected from NATS; reconnecting")
+    def _closing(self) -> bool:
+        return self.nc is not None and (self.nc.is_closed or self.nc.is_draining)
 
+    async def error(self, exc: Exception) -> None:
+        if not self._closing():
+            log.warning("NATS connection error: %r", exc)
 
-async def _on_reconnected() -> None:
-    log.info("Reconnected to NATS")
+    async def disconnected(self) -> None:
+        if not self._closing():
+            log.warning("Disconnected from NATS; reconnecting")
+
+    async def reconnected(self) -> None:
+        log.info("Reconnected to NATS")
 
 
 async def connect(url: str, *, name: str, attempts: int | None = None) -> Any:
@@ -68,6 +76,7 @@ async def connect(url: str, *, name: str, attempts: int | None = None) -> Any:
                 error_cb=_quiet,
             )
             await probe.close()
+            callbacks = _Callbacks()
             nc = await nats.connect(
                 url,
                 name=name,
@@ -75,10 +84,11 @@ async def connect(url: str, *, name: str, attempts: int | None = None) -> Any:
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,
                 allow_reconnect=True,
-                error_cb=_on_error,
-                disconnected_cb=_on_disconnected,
-                reconnected_cb=_on_reconnected,
+                error_cb=callbacks.error,
+                disconnected_cb=callbacks.disconnected,
+                reconnected_cb=callbacks.reconnected,
             )
+            callbacks.nc = nc
             if attempt > 1:
                 log.info("Connected to NATS at %s after %d attempts", url, attempt)
             return nc

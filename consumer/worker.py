@@ -44,6 +44,36 @@ log = logging.getLogger(__name__)
 ACTIVE_PROJECT_WINDOW = 60.0
 
 
+class Inbox:
+    """Messages delivered for one partition, in order, with the time each arrived."""
+
+    def __init__(self) -> None:
+        self.entries: deque[list[Any]] = deque()  # [arrived or last kept alive, msg]
+        self._arrived = asyncio.Event()
+
+    def put(self, msg: Any) -> None:
+        self.entries.append([time.monotonic(), msg])
+        self._arrived.set()
+
+    def get_nowait(self) -> Any | None:
+        return self.entries.popleft()[1] if self.entries else None
+
+    async def get(self, timeout: float) -> Any | None:
+        """The next message, or None if none arrived within timeout."""
+        while not self.entries:
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), timeout)
+            except TimeoutError:
+                return None
+        return self.entries.popleft()[1]
+
+
+def _is_status(msg: Any) -> bool:
+    """A JetStream status message: a Status header, no data, nothing to ack."""
+    return bool(msg.headers) and "Status" in msg.headers and not msg.data and not msg.reply
+
+
 class PartitionRunner:
     """Pulls one partition's durable and runs the handler on each message, in order."""
 
@@ -74,56 +104,74 @@ class PartitionRunner:
     async def run(self) -> None:
         w = self.worker
         nc = w.nc
-        queue: asyncio.Queue[Any] = asyncio.Queue()
+        queue = Inbox()
 
         async def deliver(msg: Any) -> None:
-            queue.put_nowait(msg)
+            queue.put(msg)
 
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox, cb=deliver)
         api_subject = f"$JS.API.CONSUMER.MSG.NEXT.{w.config.stream}.{durable_name(self.partition)}"
-        expires = w.config.fetch_expires
-        request = json.dumps(
-            {"batch": w.config.fetch_batch, "expires": int(expires * 1e9)}
-        ).encode()
+        batch, expires = w.config.fetch_batch, w.config.fetch_expires
+        request = json.dumps({"batch": batch, "expires": int(expires * 1e9)}).encode()
+        # Messages that arrive after we were told to stop. They are given back only once
+        # no request of ours is open: a nak while our request is open sends the message
+        # straight back into that same request, round and round until max_deliver, after
+        # which JetStream stops delivering it at all.
+        held: list[Any] = []
+        failed = False
+        keeper = asyncio.create_task(self._keep_queued_alive(queue))
         try:
             while not self.stopping:
                 await nc.publish(api_subject, request, reply=inbox)
-                await self._read_one_request(queue, expires)
-            # Anything that raced in after the last request ended: give it back.
+                await self._read_one_request(queue, batch, expires, held)
+            # A message of a request we gave up on (its end status lost) may still come.
             await asyncio.sleep(0.02)
-            while not queue.empty():
-                await self._give_back(queue.get_nowait())
+            while (msg := queue.get_nowait()) is not None:
+                if not _is_status(msg):
+                    held.append(msg)
+            for msg in held:
+                await self._give_back(msg)
         except Fenced:
             log.warning("Fenced: stopped consuming partition %d at once", self.partition)
         except Exception:
-            if not self.stopping:
-                log.exception("Partition %d consumer failed; it will be restarted", self.partition)
+            failed = not self.stopping
+            if failed:
+                log.exception("Partition %d consumer failed; restarting it", self.partition)
         finally:
+            keeper.cancel()
             try:
                 await sub.unsubscribe()
             except Exception:
                 log.debug("Unsubscribe failed for partition %d", self.partition, exc_info=True)
+            if failed:
+                await asyncio.sleep(1.0)  # no tight loop while e.g. NATS is away
             await w.runner_done(self)
 
-    async def _read_one_request(self, queue: asyncio.Queue[Any], expires: float) -> None:
-        """Read messages of the current pull request until the server ends it."""
-        deadline = time.monotonic() + expires + 1.0
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                # The server's end-of-request status got lost (e.g. a reconnect).
-                return
-            try:
-                msg = queue.get_nowait()
-            except asyncio.QueueEmpty:
-                try:
-                    msg = await asyncio.wait_for(queue.get(), remaining)
-                except TimeoutError:
+    async def _read_one_request(
+        self, queue: Inbox, batch: int, expires: float, held: list[Any]
+    ) -> None:
+        """Read the current pull request to its end.
+
+        A request ends when `batch` messages have arrived (the server sends nothing more)
+        or with a 404/408/409 status. Waiting is bounded by the request's expiry plus a
+        margin, counted only while nothing is queued, in case the end status was lost in
+        a reconnect; time spent in the handler never cuts a request short, so messages
+        are never left queued while another request is sent.
+        """
+        received = 0
+        sent_at = time.monotonic()
+        while received < batch:
+            msg = queue.get_nowait()
+            if msg is None:
+                remaining = sent_at + expires + 1.0 - time.monotonic()
+                if remaining <= 0:
                     return
-            headers = msg.headers or {}
-            status = headers.get("Status")
-            if status is not None and not msg.data:
+                msg = await queue.get(remaining)
+                if msg is None:
+                    return
+            if _is_status(msg):
+                status = msg.headers.get("Status")
                 if status == "100":  # idle heartbeat
                     continue
                 if status not in ("404", "408"):
@@ -131,23 +179,48 @@ class PartitionRunner:
                         "Pull on partition %d ended: %s %s",
                         self.partition,
                         status,
-                        headers.get("Description"),
+                        msg.headers.get("Description"),
                     )
                     if status == "409":
                         await asyncio.sleep(0.1)
                 return
+            received += 1
             if self.stopping:
-                await self._give_back(msg)
+                held.append(msg)
             else:
                 await self._process(msg)
 
+    async def _keep_queued_alive(self, queue: Inbox) -> None:
+        """Fetched messages wait their turn here while their ack_wait runs on the server.
+
+        A member that takes over a backlog on many partitions at once may hold thousands
+        of them; without in-progress acks the tail would be redelivered, and processed
+        twice, before its turn came.
+        """
+        period = max(0.2, self.worker.config.ack_wait / 3)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for entry in list(queue.entries):
+                if now - entry[0] >= period and not _is_status(entry[1]):
+                    entry[0] = now
+                    await entry[1].in_progress()
+
     async def _give_back(self, msg: Any) -> None:
+        """Return a fetched but unstarted message to JetStream for the next owner."""
         if self.fenced:
             return  # the partition may be someone else's now: touch nothing
         try:
-            await msg.nak()
+            if int(msg.metadata.num_delivered) >= self.worker.config.max_deliver:
+                # A nak of its last delivery would strand it: JetStream would not
+                # deliver it again. Finish it here instead.
+                await self._process(msg)
+            else:
+                await msg.nak()
+        except Fenced:
+            raise
         except Exception:
-            log.debug("Nak failed on partition %d", self.partition, exc_info=True)
+            log.debug("Giving back a message of partition %d failed", self.partition, exc_info=True)
 
     async def _process(self, msg: Any) -> None:
         w = self.worker

@@ -1,0 +1,216 @@
+"""Helpers shared by the benchmarks: output, work directories, metrics, streams, logs.
+
+Every benchmark prints one JSON object per figure on stdout (``emit``) and everything
+else on stderr (``note``), so ``make bench`` can keep stdout as a .jsonl file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from nats.js import api
+
+__all__ = [
+    "RESULTS",
+    "cpu_seconds",
+    "emit",
+    "failed",
+    "host_cpu",
+    "log_problems",
+    "note",
+    "percentile",
+    "read_stream_json",
+    "scrape_counter",
+    "summary",
+    "workdir",
+]
+
+_T0 = time.monotonic()
+
+# Requests to our own processes must never go through an HTTP proxy from the environment.
+_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+# Every figure emitted in this process, for a closing summary on stderr.
+RESULTS: list[dict[str, Any]] = []
+
+
+def note(message: str) -> None:
+    """A progress line on stderr, with seconds since the benchmark started."""
+    print(f"[{time.monotonic() - _T0:7.2f}s] {message}", file=sys.stderr, flush=True)
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float):
+        return round(value, 4) if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    return value
+
+
+def emit(bench: str, figure: str, value: float | int | None, **extra: Any) -> None:
+    """Print one figure as one JSON line on stdout."""
+    record: dict[str, Any] = {"bench": bench, "figure": figure, "value": value, **extra}
+    record = _clean(record)
+    RESULTS.append(record)
+    print(json.dumps(record, sort_keys=False), flush=True)
+
+
+@contextmanager
+def workdir(prefix: str, keep: bool) -> Iterator[Path]:
+    """A temporary directory; removed afterwards unless `keep` or the benchmark failed."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    note(f"work directory {path}")
+    failed = True
+    try:
+        yield path
+        failed = False
+    finally:
+        if keep or failed:
+            note(f"kept {path} (member logs in {path / 'members'})")
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    # fields[0] is field 3 (state) of proc(5): utime and stime are fields 14 and 15.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def host_cpu() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far, from /proc/stat."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+    hz = os.sysconf("SC_CLK_TCK")
+    return (sum(values[:8]) - idle) / hz, sum(values[:8]) / hz
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100), nearest-rank; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+def summary(values: Sequence[float]) -> dict[str, float | int | None]:
+    return {
+        "count": len(values),
+        "p50": percentile(values, 50),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+        "max": max(values) if values else None,
+    }
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+def scrape_counter(port: int, name: str, labels: str = "", timeout: float = 1.0) -> float:
+    """The value of one sample on a member's /metrics page (0.0 if it is not there yet).
+
+    `labels` is matched as a substring of the label set, e.g. 'outcome="ok"'.
+    """
+    with _HTTP.open(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as response:
+        text = response.read().decode()
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match and match.group(1) == name and labels in (match.group(2) or ""):
+            return float(match.group(3))
+    return 0.0
+
+
+async def read_stream_json(js: Any, stream: str, *, batch: int = 1000) -> list[dict[str, Any]]:
+    """Every message of a stream, parsed as JSON objects, through an ephemeral consumer."""
+    info = await js.stream_info(stream)
+    total = int(info.state.messages)
+    out: list[dict[str, Any]] = []
+    if total == 0:
+        return out
+    consumer = await js.add_consumer(
+        stream,
+        config=api.ConsumerConfig(
+            ack_policy=api.AckPolicy.NONE,
+            deliver_policy=api.DeliverPolicy.ALL,
+            inactive_threshold=30.0,
+        ),
+    )
+    sub = await js.pull_subscribe_bind(stream=stream, consumer=consumer.name)
+    try:
+        seen = 0
+        while seen < total:
+            try:
+                msgs = await sub.fetch(batch, timeout=2)
+            except TimeoutError:
+                break
+            for msg in msgs:
+                seen += 1
+                try:
+                    value = json.loads(msg.data)
+                except ValueError:
+                    continue
+                if isinstance(value, dict):
+                    out.append(value)
+    finally:
+        await sub.unsubscribe()
+    return out
+
+
+_PROBLEM = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b|Traceback")
+
+
+def log_problems(paths: Iterable[Path], *, samples: int = 10) -> dict[str, Any]:
+    """Count WARNING / ERROR / Traceback lines in member logs, with distinct samples.
+
+    A traceback is summarised by its exception line (the first unindented line after it
+    that is not another log line).
+    """
+    counts = {"warning": 0, "error": 0, "traceback": 0}
+    examples: dict[str, int] = {}
+    for path in sorted(paths):
+        try:
+            lines = path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            continue
+        for i, line in enumerate(lines):
+            match = _PROBLEM.search(line)
+            if not match:
+                continue
+            if match.group(0) == "Traceback":
+                counts["traceback"] += 1
+                # Other threads' log lines (time-stamped) may be interleaved: skip them.
+                after = (
+                    ln
+                    for ln in lines[i + 1 :]
+                    if ln and not ln[0].isspace() and not ln[0].isdigit()
+                )
+                text = "Traceback: " + next(after, "(cut off: the process exited)")
+            else:
+                counts["error" if match.group(1) != "WARNING" else "warning"] += 1
+                # Drop the time stamp so that repeated messages count as one example.
+                text = re.sub(r"^\S+ \S+ ", "", line.strip())
+                text = re.sub(r"\d+(\.\d+)?", "N", text)
+            examples[text[:240]] = examples.get(text[:240], 0) + 1
+    top = sorted(examples.items(), key=lambda kv: -kv[1])[:samples]
+    return {**counts, "examples": [f"{n}x {text}" for text, n in top]}
+
+
+def failed(figures: Iterable[dict[str, Any]] = RESULTS) -> list[str]:
+    """Figures that carry ok=false."""
+    return [str(f.get("figure")) for f in figures if f.get("ok") is False]

@@ -1,0 +1,499 @@
+"""Throughput of shoal workers against a plain nats-py pull-and-ack loop; RSS at 64 partitions.
+
+Method (both sides read THE SAME messages of THE SAME stream, in the same run):
+
+* The group's stream is created with ``limits`` retention (``SHOAL_RETENTION=limits``), so
+  besides the 128 partition durables (``p0``..``p127``, filter ``<prefix>.<p>``) the plain
+  loop can have a durable of its own (``plain``, filter ``<prefix>.*``, explicit ack,
+  fetch batches of 128, ``msg.ack()`` each).
+* Every durable is **paused** (JetStream consumer pause, nats-server >= 2.11) while a
+  backlog (default 50,000 messages over 1,000 projects) is published, so nothing is
+  consumed while publishing and each side starts from the full backlog with its reader
+  already running and idle: ONE shoal member process that has claimed all 128
+  partitions (group settled), or the plain loop blocked in ``fetch``.
+* A side is timed from its first processed message to its last ack: the paused durables
+  are resumed, and the clock starts when the first message has been handled (the server
+  does not serve pull requests that were waiting on a paused consumer, so the moment of
+  the resume would charge each side with its own pull-request expiry instead). The clock
+  stops when the backlog has been acked: for shoal, when the member's
+  ``shoal_messages_processed_total{outcome="ok"}`` counter (scraped from its /metrics page
+  every 50 ms) reaches it; for the plain loop, at its last ack. Then every durable is
+  checked on the server (``num_pending == 0`` and ``num_ack_pending == 0``), so acks that
+  never arrived fail the benchmark instead of flattering it.
+* Nothing publishes while a side is timed; the benchmark process only scrapes metrics
+  while shoal is timed. There are ``--rounds`` rounds (default 2), each with a fresh
+  backlog; the order of the two sides alternates between rounds, so caches and
+  background work of the server do not favour one side. A side's rate is its total
+  messages over its total timed seconds.
+
+Figures: ``shoal_msgs_per_s``, ``plain_msgs_per_s``, ``ratio`` (shoal / plain, target >=
+0.85), the CPU each reader used while timed, and ``rss_mb_64_partitions``: two members
+share the group (64 partitions each) and consume more traffic, then each reports its
+current RSS (/proc/<pid>/status VmRSS, the figure; target <= 150 MB) next to its peak
+(VmHWM) and the ``rss_mb`` (ru_maxrss) it publishes in its member stats in etcd.
+``member_log_problems`` counts WARNING / ERROR / Traceback lines in the member logs.
+``--strict`` exits 1 when a figure misses its target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nats
+from nats.js import api
+from shoal.consumer.config import GroupConfig
+from shoal.consumer.etcd import Etcd
+from shoal.consumer.jetstream import ensure_group
+from shoal.consumer.partitioning import durable_name
+from shoal.consumer.producer import Outgoing, Producer
+from shoal.consumer.status import read_status
+
+from bench._common import cpu_seconds, emit, failed, log_problems, note, scrape_counter, workdir
+from e2e.fleet import Fleet, Member, settled, wait_for_status
+from e2e.servers import EtcdServer, NatsServer, free_port
+
+BENCH = "throughput"
+PLAIN = "plain"
+NAMESPACE = "bench"
+GROUP = "throughput"
+HANDLER = "shoal.consumer.handlers:noop"
+PAUSE_UNTIL = "2099-01-01T00:00:00Z"
+PROCESSED = "shoal_messages_processed_total"
+OK = 'outcome="ok"'
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Messages/s of one shoal member (128 partitions, noop handler) against a "
+        "plain nats-py pull-and-ack loop on the same stream, and the RSS of a member owning "
+        "64 partitions. One JSON line per figure on stdout; progress on stderr.",
+    )
+    parser.add_argument("--messages", type=int, default=50_000, help="backlog per round")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds (order alternates)")
+    parser.add_argument("--projects", type=int, default=1_000, help="distinct project ids")
+    parser.add_argument("--payload", type=int, default=64, help="payload bytes per message")
+    parser.add_argument("--partitions", type=int, default=128)
+    parser.add_argument("--plain-batch", type=int, default=128, help="plain loop fetch batch")
+    parser.add_argument(
+        "--rss-messages", type=int, default=20_000, help="traffic for the RSS phase"
+    )
+    parser.add_argument("--timeout", type=float, default=90.0, help="per drain, seconds")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument(
+        "--strict", action="store_true", help="exit 1 when a figure misses its target"
+    )
+    return parser.parse_args(argv)
+
+
+def backlog(count: int, projects: int, payload: int, run: str) -> list[Outgoing]:
+    data = b"x" * payload
+    return [Outgoing(f"project-{i % projects}", data, f"{run}-{i}") for i in range(count)]
+
+
+def proc_status(pid: int) -> dict[str, float]:
+    """VmRSS and VmHWM of a process, in MB."""
+    out: dict[str, float] = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = round(int(rest.split()[0]) / 1024, 1)
+    return out
+
+
+async def set_paused(js: Any, stream: str, durables: list[str], paused: bool) -> None:
+    sem = asyncio.Semaphore(32)
+
+    async def one(durable: str) -> None:
+        async with sem:
+            if paused:
+                await js.pause_consumer(stream, durable, PAUSE_UNTIL)
+            else:
+                await js.resume_consumer(stream, durable)
+
+    await asyncio.gather(*(one(d) for d in durables))
+
+
+async def check_drained(js: Any, stream: str, durables: list[str], timeout: float = 10.0) -> None:
+    """Every durable has nothing pending and nothing unacknowledged on the server."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left: dict[str, tuple[int, int]] = {}
+        for durable in durables:
+            info = await js.consumer_info(stream, durable)
+            pending, unacked = int(info.num_pending or 0), int(info.num_ack_pending or 0)
+            if pending or unacked:
+                left[durable] = (pending, unacked)
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            sample = dict(list(left.items())[:5])
+            raise RuntimeError(f"{len(left)} durables not drained (pending, unacked): {sample}")
+        await asyncio.sleep(0.2)
+
+
+async def processed(ports: list[int]) -> float:
+    """The sum of the members' ok-processed counters."""
+    total = 0.0
+    for port in ports:
+        total += await asyncio.to_thread(scrape_counter, port, PROCESSED, OK)
+    return total
+
+
+async def wait_metrics(port: int, timeout: float) -> None:
+    """Wait until a member's /metrics page answers."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            await processed([port])
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+
+
+async def watch_counter(
+    ports: list[int], target: float, timeout: float, interval: float = 0.05
+) -> tuple[float | None, float, float]:
+    """Poll the counters until their sum reaches target.
+
+    Returns (monotonic time the sum first moved, time it reached target, the sum)."""
+    deadline = time.monotonic() + timeout
+    base = await processed(ports)
+    first: float | None = None
+    total = base
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            total = await processed(ports)
+        now = time.monotonic()
+        if first is None and total > base:
+            first = now
+        if total >= target:
+            return first, now, total
+        await asyncio.sleep(interval)
+    raise TimeoutError(f"members processed only {total:.0f} of {target:.0f} messages")
+
+
+@dataclass
+class PlainResult:
+    first: float | None = None  # monotonic time the first non-empty fetch returned
+    last: float = 0.0  # monotonic time of the last ack
+    acked: int = 0
+
+
+async def plain_loop(
+    nc: Any, stream: str, target: int, batch: int, ready: asyncio.Event, timeout: float
+) -> PlainResult:
+    """Fetch-and-ack the plain durable until `target` messages are acked."""
+    js = nc.jetstream()
+    sub = await js.pull_subscribe_bind(durable=PLAIN, stream=stream)
+    result = PlainResult()
+    deadline = time.monotonic() + timeout
+    ready.set()
+    try:
+        while result.acked < target:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"plain loop acked only {result.acked} of {target}")
+            try:
+                msgs = await sub.fetch(batch, timeout=1.0)
+            except TimeoutError:
+                continue
+            if result.first is None and msgs:
+                result.first = time.monotonic()
+            for msg in msgs:
+                await msg.ack()
+                result.acked += 1
+        result.last = time.monotonic()
+        await nc.flush()
+        return result
+    finally:
+        await sub.unsubscribe()
+
+
+@dataclass
+class Side:
+    seconds: float = 0.0
+    messages: int = 0
+    start_delay: list[float] = field(default_factory=list)
+    reader_cpu: float = 0.0  # CPU seconds of the reading process while timed
+    nats_cpu: float = 0.0
+    rounds: list[float] = field(default_factory=list)  # msgs/s per round
+
+    def add(self, messages: int, seconds: float, delay: float, reader: float, srv: float) -> None:
+        self.messages += messages
+        self.seconds += seconds
+        self.start_delay.append(round(delay, 3))
+        self.reader_cpu += reader
+        self.nats_cpu += srv
+        self.rounds.append(round(messages / seconds, 1))
+
+    def figures(self) -> dict[str, Any]:
+        return {
+            "seconds": self.seconds,
+            "rounds": self.rounds,
+            "reader_cpu_pct": 100 * self.reader_cpu / self.seconds,
+            "nats_cpu_pct": 100 * self.nats_cpu / self.seconds,
+            "start_delay_s": self.start_delay,
+        }
+
+    @property
+    def rate(self) -> float:
+        return self.messages / self.seconds
+
+
+class Bench:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        fleet: Fleet,
+        config: GroupConfig,
+        etcd: Etcd,
+        nc: Any,
+        nats_pid: int,
+    ) -> None:
+        self.args = args
+        self.fleet = fleet
+        self.config = config
+        self.etcd = etcd
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.nats_pid = nats_pid
+        self.stream = config.stream
+        self.partition_durables = [durable_name(p) for p in range(config.partitions)]
+        self.producer = Producer(self.js, config.subject_prefix, config.partitions)
+        self.shoal = Side()
+        self.plain = Side()
+        self.member_a: Member | None = None
+        self.port_a = 0
+
+    async def setup(self) -> None:
+        await ensure_group(self.js, self.config)
+        info = await self.js.stream_info(self.stream)
+        if info.config.retention != api.RetentionPolicy.LIMITS:
+            raise RuntimeError(f"stream {self.stream} has {info.config.retention} retention")
+        await self.js.add_consumer(
+            self.stream,
+            config=api.ConsumerConfig(
+                durable_name=PLAIN,
+                filter_subject=f"{self.config.subject_prefix}.*",
+                ack_policy=api.AckPolicy.EXPLICIT,
+                deliver_policy=api.DeliverPolicy.ALL,
+                ack_wait=self.config.ack_wait,
+                max_ack_pending=max(1000, self.args.plain_batch),
+            ),
+        )
+
+    async def publish_backlog(self, run: str) -> None:
+        """Pause every durable, publish a backlog; the durables stay paused."""
+        a = self.args
+        await set_paused(self.js, self.stream, [*self.partition_durables, PLAIN], True)
+        before = int((await self.js.stream_info(self.stream)).state.messages)
+        t = time.monotonic()
+        await self.producer.publish_many(backlog(a.messages, a.projects, a.payload, run))
+        took = time.monotonic() - t
+        after = int((await self.js.stream_info(self.stream)).state.messages)
+        if after - before != a.messages:
+            raise RuntimeError(f"stream grew by {after - before}, not {a.messages}")
+        note(f"published {a.messages} messages in {took:.1f} s ({a.messages / took:.0f} msg/s)")
+
+    async def time_shoal(self, member: Member, port: int) -> None:
+        base = await processed([port])
+        cpu0 = (cpu_seconds(member.pid), cpu_seconds(self.nats_pid))
+        resumed = time.monotonic()
+        await set_paused(self.js, self.stream, self.partition_durables, False)
+        first, last, _ = await watch_counter([port], base + self.args.messages, self.args.timeout)
+        cpu1 = (cpu_seconds(member.pid), cpu_seconds(self.nats_pid))
+        await check_drained(self.js, self.stream, self.partition_durables)
+        start = first if first is not None else resumed
+        seconds = last - start
+        self.shoal.add(
+            self.args.messages, seconds, start - resumed, cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
+        )
+        note(
+            f"shoal: {self.args.messages} in {seconds:.2f} s = "
+            f"{self.args.messages / seconds:.0f} msg/s (first message {start - resumed:.2f} s "
+            "after the resume)"
+        )
+
+    async def time_plain(self) -> None:
+        ready = asyncio.Event()
+        task = asyncio.create_task(
+            plain_loop(
+                self.nc,
+                self.stream,
+                self.args.messages,
+                self.args.plain_batch,
+                ready,
+                self.args.timeout,
+            )
+        )
+        await ready.wait()
+        await asyncio.sleep(0.3)  # its first fetch waits on the paused durable
+        cpu0 = (time.process_time(), cpu_seconds(self.nats_pid))
+        resumed = time.monotonic()
+        await set_paused(self.js, self.stream, [PLAIN], False)
+        result = await task
+        cpu1 = (time.process_time(), cpu_seconds(self.nats_pid))
+        await check_drained(self.js, self.stream, [PLAIN])
+        start = result.first if result.first is not None else resumed
+        seconds = result.last - start
+        self.plain.add(result.acked, seconds, start - resumed, cpu1[0] - cpu0[0], cpu1[1] - cpu0[1])
+        note(
+            f"plain: {result.acked} in {seconds:.2f} s = {result.acked / seconds:.0f} msg/s "
+            f"(first message {start - resumed:.2f} s after the resume)"
+        )
+
+    async def throughput(self) -> None:
+        a, c = self.args, self.config
+        port = free_port()
+        member = self.fleet.start("m-0", SHOAL_METRICS_PORT=str(port))
+        await wait_for_status(self.etcd, NAMESPACE, GROUP, c.partitions, settled({"m-0"}), 60)
+        await wait_metrics(port, 10)
+        note("m-0 owns and has claimed all partitions")
+        for round_ in range(a.rounds):
+            await self.publish_backlog(f"r{round_}")
+            if round_ % 2 == 0:
+                await self.time_shoal(member, port)
+                await self.time_plain()
+            else:
+                await self.time_plain()
+                await self.time_shoal(member, port)
+        common = {
+            "messages": self.shoal.messages,
+            "projects": a.projects,
+            "partitions": c.partitions,
+            "payload_bytes": a.payload,
+        }
+        emit(
+            BENCH,
+            "shoal_msgs_per_s",
+            self.shoal.rate,
+            members=1,
+            handler=HANDLER,
+            fetch_batch=c.fetch_batch,
+            **self.shoal.figures(),
+            **common,
+        )
+        emit(
+            BENCH,
+            "plain_msgs_per_s",
+            self.plain.rate,
+            fetch_batch=a.plain_batch,
+            **self.plain.figures(),
+            **common,
+        )
+        ratio = self.shoal.rate / self.plain.rate
+        emit(BENCH, "ratio", ratio, target=">= 0.85", ok=ratio >= 0.85)
+        self.member_a, self.port_a = member, port
+
+    async def rss(self) -> None:
+        a, c = self.args, self.config
+        if self.member_a is None:
+            raise RuntimeError("the throughput phase did not run")
+        member_a = self.member_a
+        port_b = free_port()
+        member_b = self.fleet.start("m-1", SHOAL_METRICS_PORT=str(port_b))
+        status = await wait_for_status(
+            self.etcd, NAMESPACE, GROUP, c.partitions, settled({"m-0", "m-1"}), 60
+        )
+        note(f"two members settled: {status.counts}")
+        await wait_metrics(port_b, 10)
+        ports = [self.port_a, port_b]
+        base = await processed(ports)
+        note(f"publishing {a.rss_messages} more messages for the RSS phase")
+        await self.producer.publish_many(backlog(a.rss_messages, a.projects, a.payload, "rss"))
+        await watch_counter(ports, base + a.rss_messages, a.timeout)
+        await check_drained(self.js, self.stream, self.partition_durables)
+        # Member stats are refreshed on every keep-alive.
+        await asyncio.sleep(c.keepalive_interval + 0.5)
+        status = await read_status(self.etcd, NAMESPACE, GROUP, c.partitions)
+        per_member: dict[str, dict[str, Any]] = {}
+        for member in (member_a, member_b):
+            stats = status.members.get(member.member_id, {})
+            proc = proc_status(member.pid)
+            per_member[member.member_id] = {
+                "partitions": status.counts.get(member.member_id),
+                "vm_rss_mb": proc.get("VmRSS"),
+                "vm_hwm_mb": proc.get("VmHWM"),
+                "stats_rss_mb": stats.get("rss_mb"),
+            }
+        note(f"rss: {per_member}")
+        worst = max(float(m["vm_rss_mb"] or 0) for m in per_member.values())
+        emit(
+            BENCH,
+            "rss_mb_64_partitions",
+            worst,
+            source="max over members of /proc/<pid>/status VmRSS",
+            target="<= 150",
+            ok=worst <= 150,
+            members=per_member,
+            messages=a.rss_messages,
+            note="m-0 owned 128 partitions before (its VmHWM and ru_maxrss include that)",
+        )
+
+
+async def run(args: argparse.Namespace, root: Path) -> None:
+    with (
+        NatsServer(root / "nats") as nats_server,
+        EtcdServer(root / "etcd") as etcd_server,
+        Fleet(
+            root / "members",
+            nats_url=nats_server.url,
+            etcd_endpoint=etcd_server.endpoint,
+            namespace=NAMESPACE,
+            group=GROUP,
+            handler=HANDLER,
+            partitions=args.partitions,
+            env={"SHOAL_RETENTION": "limits"},
+        ) as fleet,
+    ):
+        config = GroupConfig(
+            namespace=NAMESPACE,
+            group=GROUP,
+            partitions=args.partitions,
+            nats_url=nats_server.url,
+            etcd_endpoints=etcd_server.endpoint,
+            handler=HANDLER,
+            retention="limits",
+        )
+        etcd = Etcd(etcd_server.endpoint)
+        await etcd.connect(attempts=10)
+        nc = await nats.connect(nats_server.url)
+        try:
+            if nats_server.pid is None:
+                raise RuntimeError("nats-server is not running")
+            bench = Bench(args, fleet, config, etcd, nc, nats_server.pid)
+            await bench.setup()
+            await bench.throughput()
+            await bench.rss()
+        finally:
+            await nc.close()
+            etcd.close()
+            fleet.close()
+            problems = log_problems((root / "members").glob("*.log"))
+            note(f"member logs: {problems}")
+            emit(
+                BENCH, "member_log_problems", problems["error"] + problems["traceback"], **problems
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+    with workdir("shoal-bench-throughput-", args.keep) as root:
+        asyncio.run(run(args, root))
+    note(f"wall time {time.monotonic() - started:.1f} s")
+    missed = failed()
+    if missed:
+        note(f"figures that missed their target: {', '.join(missed)}")
+    return 1 if args.strict and missed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
