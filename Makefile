@@ -1,0 +1,123 @@
+# Shoal: build, test, demo and benchmark entry points.
+#
+#   make test       lint + typecheck + every pytest test (unit and e2e; starts real servers)
+#   make test-fast  unit tests only (pytest -m "not e2e"; needs no servers)
+#   make lint       ruff check + ruff format --check
+#   make typecheck  mypy --strict on the shoal packages and e2e/
+#   make bench      run every bench/*.py; JSON lines go to bench/results/<time>/<name>.jsonl
+#   make demo       python -m e2e.demo against real servers (DEMO_ARGS=... to pass options)
+#   make servers    only make sure nats-server and etcd are available and print their paths
+#   make venv       (implied by the others) .venv with `pip install -e '.[test]'`
+#   make clean      remove .venv, .tmp, caches and build metadata (keeps bench/results)
+#
+# Nothing needs installing by hand: Python packages come from PyPI, nats-server is built
+# once per machine with Go into $(SHOAL_CACHE) (Debian's 2.9 package if Go is missing),
+# etcd comes from Debian's etcd-server package. Set SHOAL_NATS_SERVER / SHOAL_ETCD to use
+# other binaries.
+
+# The one place the nats-server version is pinned.
+NATS_SERVER_VERSION = v2.12.15
+
+SHELL := bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := test
+.DELETE_ON_ERROR:
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# -P (Python >= 3.11): do not put the current directory first on sys.path. Without it,
+# `python -m ...` run from the repo root imports the folder operator/ as the standard
+# library's operator module (before the editable install can map it to shoal.operator)
+# and Python dies in runpy with "cannot import name 'eq' from 'operator'". The same goes
+# for PYTHONPATH=. : never use it here.
+PYM := $(PY) -P -m
+STAMP := $(VENV)/.shoal-installed
+TYPECHECK_ROOT := .tmp/typecheck
+PYTEST_ARGS ?=
+DEMO_ARGS ?=
+
+# Runs before recipes that need the servers: makes sure both binaries exist (building
+# nats-server on first use) and exports their paths for e2e/servers.py.
+define servers_env
+nats="$${SHOAL_NATS_SERVER:-$$(bash scripts/ensure-nats-server.sh $(NATS_SERVER_VERSION) | tail -n1)}"; \
+etcd="$${SHOAL_ETCD:-$$(bash scripts/ensure-etcd.sh | tail -n1)}"; \
+echo "nats-server: $$nats ($$("$$nats" --version 2>&1 | head -n1))"; \
+echo "etcd: $$etcd ($$("$$etcd" --version 2>&1 | head -n1))"; \
+export SHOAL_NATS_SERVER="$$nats" SHOAL_ETCD="$$etcd";
+endef
+
+.PHONY: venv test test-fast lint typecheck bench demo servers clean
+
+venv: $(STAMP)
+
+# Re-runs only when pyproject.toml changes (or the venv is gone).
+#
+# Editable install: setuptools' default editable mode installs an import hook (a
+# meta-path finder with the package-dir mapping shoal.consumer -> consumer/ etc.), so
+# `import shoal.consumer.partitioning` works from anywhere and picks up edits at once;
+# no `editable_mode=compat` is needed (compat would only add the repo root to sys.path,
+# which cannot express the folder -> subpackage mapping). Static tools cannot follow the
+# hook: mypy gets a symlink tree instead (see typecheck).
+#
+# The repo root itself goes on sys.path through a .pth file, i.e. AFTER the standard
+# library, so that e2e/, tests/ and bench/ can import each other while the folder
+# operator/ never shadows the standard library's operator module.
+$(STAMP): pyproject.toml
+	@start=$$SECONDS; \
+	$(PYTHON) -P -m venv $(VENV); \
+	$(PYM) pip install --quiet --upgrade pip; \
+	$(PYM) pip install --quiet -e '.[test]'; \
+	site="$$($(PY) -P -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"; \
+	echo "$(CURDIR)" > "$$site/shoal-repo-root.pth"; \
+	(cd / && $(CURDIR)/$(PY) -c "import shoal.consumer.partitioning, e2e") \
+	  || { echo "venv: the editable install cannot import shoal.consumer / e2e" >&2; exit 1; }; \
+	touch $@; \
+	echo "venv: ready in $$((SECONDS - start)) s"
+
+servers:
+	@$(servers_env)
+
+lint: venv
+	$(PYM) ruff check .
+	$(PYM) ruff format --check .
+
+# mypy cannot see through the editable install's import hook, so it checks a package
+# tree of symlinks: .tmp/typecheck/shoal/{__init__.py,py.typed} -> shoal/ and
+# .tmp/typecheck/shoal/{consumer,operator,analytics} -> the top-level folders.
+typecheck: venv
+	@rm -rf $(TYPECHECK_ROOT); mkdir -p $(TYPECHECK_ROOT)/shoal
+	@ln -s ../../../shoal/__init__.py ../../../shoal/py.typed $(TYPECHECK_ROOT)/shoal/
+	@for pkg in consumer operator analytics; do \
+	  ln -s ../../../$$pkg $(TYPECHECK_ROOT)/shoal/$$pkg; \
+	done
+	MYPYPATH=$(TYPECHECK_ROOT) $(PYM) mypy --strict -p shoal -p e2e
+
+test: lint typecheck
+	@$(servers_env) \
+	$(PYM) pytest $(PYTEST_ARGS)
+
+test-fast: venv
+	$(PYM) pytest -m "not e2e" $(PYTEST_ARGS)
+
+demo: venv
+	@$(servers_env) \
+	$(PYM) e2e.demo $(DEMO_ARGS)
+
+bench: venv
+	@$(servers_env) \
+	shopt -s nullglob; \
+	out="bench/results/$$(date -u +%Y%m%dT%H%M%SZ)"; mkdir -p "$$out"; failed=0; \
+	for script in bench/*.py; do \
+	  name="$$(basename "$$script" .py)"; \
+	  case "$$name" in __init__|_*) continue;; esac; \
+	  echo "bench: $$script -> $$out/$$name.jsonl"; \
+	  $(PY) "$$script" | tee "$$out/$$name.jsonl" \
+	    || { echo "bench: $$script FAILED" >&2; failed=1; }; \
+	done; \
+	exit $$failed
+
+clean:
+	rm -rf $(VENV) .tmp .pytest_cache .mypy_cache .ruff_cache .hypothesis build dist
+	find . -name '*.egg-info' -prune -exec rm -rf {} +
+	find . -name __pycache__ -prune -exec rm -rf {} +

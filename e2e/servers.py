@@ -1,0 +1,446 @@
+"""Real etcd and nats-server processes for tests, the demo and benchmarks.
+
+Each server binds only to 127.0.0.1, on free ports, keeps its data and log in the work
+directory it is given, and runs in its own session (a Ctrl-C to the test runner does not
+reach it; an ``atexit`` hook stops whatever is still running).
+
+Binaries: the ``binary`` argument, else ``$SHOAL_ETCD`` / ``$SHOAL_NATS_SERVER`` (the
+Makefile sets both), else the shoal cache (``${XDG_CACHE_HOME:-~/.cache}/shoal``, where
+``scripts/ensure-nats-server.sh`` builds the pinned nats-server) and ``PATH``.
+
+    with NatsServer(tmp_path / "nats") as nats, EtcdServer(tmp_path / "etcd") as etcd:
+        ...  # nats.url, etcd.endpoint
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import ClassVar, Self
+
+__all__ = ["EtcdServer", "NatsServer", "ServerProcess", "cache_dir", "free_port"]
+
+logger = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+READY_TIMEOUT = 20.0
+STOP_TIMEOUT = 5.0
+BIND_ATTEMPTS = 3
+LOG_TAIL_LINES = 20
+
+_BIND_ERROR = re.compile(r"address already in use|bind: address|can't listen", re.IGNORECASE)
+
+# Requests to our own servers must never go through an HTTP proxy from the environment.
+_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the kernel picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def cache_dir() -> Path:
+    """Where the scripts/ensure-*.sh put binaries they build: outside any clone."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "shoal"
+
+
+def _version_key(path: Path) -> tuple[int, ...]:
+    return tuple(int(n) for n in re.findall(r"\d+", path.parent.name))
+
+
+def _http_get(url: str, timeout: float = 1.0) -> tuple[int, bytes]:
+    try:
+        with _HTTP.open(url, timeout=timeout) as response:
+            status: int = response.status
+            return status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+_live: set[ServerProcess] = set()
+_live_lock = threading.Lock()
+
+
+@atexit.register
+def _stop_all() -> None:
+    with _live_lock:
+        servers = list(_live)
+    for server in servers:
+        try:
+            server.stop()
+        except Exception:
+            logger.exception("stopping %s at exit", server)
+
+
+class ServerProcess:
+    """One server process; subclasses say how to find, run and probe it."""
+
+    name: ClassVar[str]  # binary name, e.g. "etcd"
+    env_var: ClassVar[str]  # e.g. "SHOAL_ETCD"
+    ensure_script: ClassVar[str]  # e.g. "scripts/ensure-etcd.sh"
+
+    def __init__(
+        self, workdir: str | os.PathLike[str], binary: str | os.PathLike[str] | None = None
+    ):
+        self.workdir = Path(workdir).resolve()
+        self.binary = self._find_binary(binary)
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._started_once = False
+        self._allocate_ports()
+
+    # -- subclass hooks --------------------------------------------------------------------
+
+    def _allocate_ports(self) -> None:
+        raise NotImplementedError
+
+    def _command(self) -> list[str]:
+        raise NotImplementedError
+
+    def _reset_data(self) -> None:
+        """Forget data written by a start attempt that could not bind its ports."""
+
+    def _is_ready(self) -> bool:
+        raise NotImplementedError
+
+    # -- binaries --------------------------------------------------------------------------
+
+    @classmethod
+    def _find_binary(cls, binary: str | os.PathLike[str] | None) -> str:
+        candidates: list[str] = []
+        if binary is not None:
+            candidates.append(os.fspath(binary))
+        elif os.environ.get(cls.env_var):
+            candidates.append(os.environ[cls.env_var])
+        else:
+            # The cache holds the pinned build (newest version first); PATH may hold an
+            # older distribution package.
+            cached = sorted(
+                cache_dir().glob(f"{cls.name}-*/{cls.name}"), key=_version_key, reverse=True
+            )
+            candidates.extend(str(p) for p in cached)
+            on_path = shutil.which(cls.name)
+            if on_path:
+                candidates.append(on_path)
+        for candidate in candidates:
+            path = Path(candidate)
+            if path.is_file() and os.access(path, os.X_OK):
+                return str(path.resolve())
+        where = candidates[0] if candidates else f"PATH or {cache_dir()}"
+        raise RuntimeError(
+            f"{cls.name} not found ({where}): run `make servers` (or {cls.ensure_script}), "
+            f"or set {cls.env_var} to the binary"
+        )
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"{self.name}.log"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self.running and self._proc is not None else None
+
+    def start(self) -> Self:
+        """Start the server and wait until it is ready (at most 20 s).
+
+        The first start picks new ports if the chosen ones were taken in the meantime
+        (up to 3 attempts); a restart keeps its ports, so clients can reconnect.
+        """
+        if self.running:
+            return self
+        attempts = 1 if self._started_once else BIND_ATTEMPTS
+        for attempt in range(1, attempts + 1):
+            if self._spawn_and_wait():
+                self._started_once = True
+                return self
+            if attempt < attempts and _BIND_ERROR.search(self._log_tail()):
+                logger.info("%s: port taken, retrying with other ports", self.name)
+                self._reset_data()
+                self._allocate_ports()
+                continue
+            break
+        raise RuntimeError(
+            f"{self.name} did not become ready ({self.log_path}); last log lines:\n"
+            + self._log_tail()
+        )
+
+    def _spawn_and_wait(self) -> bool:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        command = self._command()
+        logger.info("starting %s", " ".join(command))
+        with self.log_path.open("ab") as log:
+            log.write(f"\n=== {time.strftime('%H:%M:%S')} {' '.join(command)}\n".encode())
+            log.flush()
+            self._proc = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.workdir,
+                env=self._env(),
+                start_new_session=True,
+            )
+        with _live_lock:
+            _live.add(self)
+        deadline = time.monotonic() + READY_TIMEOUT
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                logger.warning("%s exited with %s during start", self.name, self._proc.returncode)
+                self._reap()
+                return False
+            if self._is_ready():
+                logger.info("%s ready (pid %d)", self.name, self._proc.pid)
+                return True
+            time.sleep(0.05)
+        logger.warning("%s not ready after %.0f s", self.name, READY_TIMEOUT)
+        self.kill()
+        return False
+
+    def _env(self) -> dict[str, str]:
+        return dict(os.environ)
+
+    def _signal(self, sig: signal.Signals) -> None:
+        if self._proc is None:
+            return
+        try:
+            # The server leads its own process group (start_new_session).
+            os.killpg(self._proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _reap(self) -> None:
+        with _live_lock:
+            _live.discard(self)
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 5 s. Safe to call any number of times."""
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            self._signal(signal.SIGTERM)
+            try:
+                proc.wait(STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s ignored SIGTERM for %.0f s: killing", self.name, STOP_TIMEOUT)
+                self._signal(signal.SIGKILL)
+                proc.wait()
+        self._reap()
+
+    def kill(self) -> None:
+        """SIGKILL, as in a crash (for failure tests)."""
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            self._signal(signal.SIGKILL)
+            proc.wait()
+        self._reap()
+
+    def restart(self, *, kill: bool = False) -> Self:
+        """Stop (or with ``kill=True`` crash) the server and start it again, same ports
+        and data."""
+        if kill:
+            self.kill()
+        else:
+            self.stop()
+        return self.start()
+
+    def _log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = f"pid {self._proc.pid}" if self.running and self._proc else "stopped"
+        return f"<{type(self).__name__} {self.workdir} {state}>"
+
+
+class EtcdServer(ServerProcess):
+    """A single-member etcd cluster on 127.0.0.1 (client and peer ports both free ports)."""
+
+    name = "etcd"
+    env_var = "SHOAL_ETCD"
+    ensure_script = "scripts/ensure-etcd.sh"
+
+    _flag_cache: ClassVar[dict[str, bool]] = {}
+
+    port: int
+    peer_port: int
+
+    def _allocate_ports(self) -> None:
+        self.port = free_port()
+        self.peer_port = free_port()
+        while self.peer_port == self.port:
+            self.peer_port = free_port()
+
+    @property
+    def endpoint(self) -> str:
+        """host:port for etcd clients (etcd3.client(host, port))."""
+        return f"{HOST}:{self.port}"
+
+    @property
+    def client_url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    @property
+    def monitor_url(self) -> str:
+        """etcd serves /health and /metrics on its client port."""
+        return self.client_url
+
+    @property
+    def data_dir(self) -> Path:
+        return self.workdir / "data"
+
+    def _supports(self, flag: str) -> bool:
+        key = f"{self.binary} {flag}"
+        if key not in self._flag_cache:
+            out = subprocess.run(
+                [self.binary, "--help"], capture_output=True, text=True, timeout=30, check=False
+            )
+            self._flag_cache[key] = flag in out.stdout + out.stderr
+        return self._flag_cache[key]
+
+    def _command(self) -> list[str]:
+        peer_url = f"http://{HOST}:{self.peer_port}"
+        command = [
+            self.binary,
+            "--name=default",
+            f"--data-dir={self.data_dir}",
+            f"--listen-client-urls={self.client_url}",
+            f"--advertise-client-urls={self.client_url}",
+            f"--listen-peer-urls={peer_url}",
+            f"--initial-advertise-peer-urls={peer_url}",
+            f"--initial-cluster=default={peer_url}",
+            "--initial-cluster-state=new",
+            "--logger=zap",
+            "--log-outputs=stderr",
+        ]
+        # etcd >= 3.5: tests need no durability and run much faster without fsync.
+        # Debian bookworm's 3.4.23 does not have the flag.
+        if self._supports("--unsafe-no-fsync"):
+            command.append("--unsafe-no-fsync")
+        return command
+
+    def _env(self) -> dict[str, str]:
+        # ETCD_* variables would override our flags (e.g. a stray ETCD_DATA_DIR).
+        return {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("ETCD_") or k == "ETCD_UNSUPPORTED_ARCH"
+        }
+
+    def _reset_data(self) -> None:
+        # The member's peer URL is written into the data dir: a retry with new ports
+        # needs a fresh one.
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def _is_ready(self) -> bool:
+        try:
+            status, body = _http_get(f"{self.client_url}/health")
+        except (OSError, ValueError):
+            return False
+        if status != 200:
+            return False
+        try:
+            health = json.loads(body).get("health")
+        except (ValueError, AttributeError):
+            return False
+        return health is True or health == "true"
+
+
+class NatsServer(ServerProcess):
+    """A nats-server with JetStream on 127.0.0.1 (client and monitoring ports)."""
+
+    name = "nats-server"
+    env_var = "SHOAL_NATS_SERVER"
+    ensure_script = "scripts/ensure-nats-server.sh"
+
+    port: int
+    monitor_port: int
+
+    def __init__(
+        self,
+        workdir: str | os.PathLike[str],
+        binary: str | os.PathLike[str] | None = None,
+        *,
+        extra_args: Sequence[str] = (),
+    ):
+        super().__init__(workdir, binary)
+        self.extra_args = list(extra_args)
+
+    def _allocate_ports(self) -> None:
+        self.port = free_port()
+        self.monitor_port = free_port()
+        while self.monitor_port == self.port:
+            self.monitor_port = free_port()
+
+    @property
+    def url(self) -> str:
+        return f"nats://{HOST}:{self.port}"
+
+    @property
+    def monitor_url(self) -> str:
+        return f"http://{HOST}:{self.monitor_port}"
+
+    @property
+    def store_dir(self) -> Path:
+        return self.workdir / "jetstream"
+
+    def _command(self) -> list[str]:
+        return [
+            self.binary,
+            "-js",
+            "-sd",
+            str(self.store_dir),
+            "-a",
+            HOST,
+            "-p",
+            str(self.port),
+            "-m",
+            str(self.monitor_port),
+            *self.extra_args,
+        ]
+
+    def _is_ready(self) -> bool:
+        try:
+            status, _ = _http_get(f"{self.monitor_url}/healthz?js-enabled-only=true")
+        except (OSError, ValueError):
+            return False
+        return status == 200

@@ -1,0 +1,61 @@
+"""Shared fixtures: one real etcd and one real nats-server per pytest session.
+
+The servers start lazily, on the first test that asks for them (unit tests never do), in
+a pytest tmp directory, bound to 127.0.0.1 on free ports; they are stopped when the
+session ends, whatever happened. Binaries: see e2e/servers.py (`make test` sets
+SHOAL_ETCD and SHOAL_NATS_SERVER).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from e2e.servers import EtcdServer, NatsServer
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    server = NatsServer(tmp_path_factory.mktemp("nats"))
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def etcd_endpoint(etcd_server: EtcdServer) -> str:
+    """host:port of the session's etcd (restarted first if an earlier test stopped it)."""
+    etcd_server.start()
+    return etcd_server.endpoint
+
+
+@pytest.fixture
+def nats_url(nats_server: NatsServer) -> str:
+    """nats:// URL of the session's nats-server (restarted first if a test stopped it)."""
+    nats_server.start()
+    return nats_server.url
+
+
+@pytest.fixture
+def group() -> str:
+    """A group name no other test uses, so tests can share the servers."""
+    return f"g{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def namespace() -> str:
+    return "test"
