@@ -52,7 +52,7 @@ class GroupConfig(BaseModel):
     fetch_batch: int = Field(64, ge=1, le=1024)
     # A pull request lives at most this long; a released partition waits for it, so it
     # bounds the hand-over pause (DESIGN: p99 < 1 s for planned moves).
-    fetch_expires: float = Field(0.4, gt=0.05, le=5)
+    fetch_expires: float = Field(0.3, gt=0.05, le=5)
 
     lease_ttl: int = Field(10, ge=2)
     keepalive_interval: float = Field(3.0, gt=0)

@@ -13,6 +13,7 @@ import logging
 import random
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -96,6 +97,10 @@ class Etcd:
         self.timeout = timeout
         self._index = 0
         self.client: Any = self._make_client()
+        # Our own threads: a hand-over issues dozens of claims and releases at once, and
+        # asyncio's default executor (cores + 4 threads) would queue them one behind the
+        # other. The gRPC channel multiplexes the calls.
+        self._executor = ThreadPoolExecutor(max_workers=16, thread_name_prefix="etcd")
 
     def _make_client(self) -> Any:
         host, port = self.endpoints[self._index % len(self.endpoints)]
@@ -114,7 +119,8 @@ class Etcd:
             self.client = self._make_client()
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        return await asyncio.to_thread(functools.partial(fn, *args, **kwargs))
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
     async def connect(self, *, attempts: int | None = None, max_delay: float = 10.0) -> None:
         """Wait until etcd answers, retrying with capped exponential backoff and jitter."""
@@ -175,6 +181,28 @@ class Etcd:
             failure=[],
         )
         return bool(ok)
+
+    async def create_returning_revision(
+        self, key: str, value: bytes, lease: int | None
+    ) -> int | None:
+        """Create key only if absent; its create_revision if we created it, else None.
+
+        One round trip: the put and a read of the new key in the same transaction.
+        """
+        tx = self.client.transactions
+        ok, responses = await self.call(
+            self.client.transaction,
+            compare=[tx.create(key) == 0],
+            success=[tx.put(key, value, lease=lease), tx.get(key)],
+            failure=[],
+        )
+        if not ok:
+            return None
+        for response in responses:
+            if isinstance(response, list) and response:
+                _value, meta = response[0]
+                return int(meta.create_revision)
+        return None
 
     async def delete_if_created_at(self, key: str, create_revision: int) -> bool:
         """Delete key only if it is still the incarnation created at create_revision."""
@@ -242,3 +270,4 @@ class Etcd:
             self.client.close()
         except Exception:
             log.debug("Closing the etcd client failed", exc_info=True)
+        self._executor.shutdown(wait=False, cancel_futures=True)

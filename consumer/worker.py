@@ -88,6 +88,7 @@ class PartitionRunner:
         self.fenced = False
         self.first_message_seen = False
         self.inflight = 0
+        self.stop_requested_at = 0.0
         self.task: asyncio.Task[None] | None = None
 
     @property
@@ -96,6 +97,7 @@ class PartitionRunner:
 
     def stop(self) -> None:
         self.stopping = True
+        self.stop_requested_at = time.monotonic()
 
     def fence(self) -> None:
         self.stopping = True
@@ -130,8 +132,16 @@ class PartitionRunner:
             while (msg := queue.get_nowait()) is not None:
                 if not _is_status(msg):
                     held.append(msg)
+            drained_at = time.monotonic()
             for msg in held:
                 await self._give_back(msg)
+            log.debug(
+                "Partition %d: last request ended %.0f ms after the stop, %d given back in %.0f ms",
+                self.partition,
+                1000 * (drained_at - self.stop_requested_at),
+                len(held),
+                1000 * (time.monotonic() - drained_at),
+            )
         except Fenced:
             log.warning("Fenced: stopped consuming partition %d at once", self.partition)
         except Exception:
@@ -216,7 +226,11 @@ class PartitionRunner:
                 # deliver it again. Finish it here instead.
                 await self._process(msg)
             else:
-                await msg.nak()
+                # A request, not a plain publish: JetStream applies acks asynchronously,
+                # so a plain nak can still be in its queue when the next owner's first
+                # pull arrives, which then gets newer messages first. The server answers
+                # the request once the nak is applied (and naks stay in order).
+                await self.worker.nc.request(msg.reply, b"-NAK", timeout=5)
         except Fenced:
             raise
         except Exception:
@@ -432,15 +446,18 @@ class Worker:
     async def _claim(self, p: int, target_ts: float | None) -> None:
         try:
             lease = self.membership.lease_id
-            ok = await self.etcd.create(
+            revision = await self.etcd.create_returning_revision(
                 self.config.keys.claim(p), self.config.member_id.encode(), lease
             )
-            if not ok:
+            if revision is None:
                 return  # somebody still holds it; its release wakes us through the view
-            kv = await self.etcd.get(self.config.keys.claim(p))
-            if kv is None or kv.lease != lease:
-                return
-            self._start(p, kv.create_revision, target_ts)
+            if target_ts is not None:
+                log.debug(
+                    "Claimed partition %d %.0f ms after its target was written",
+                    p,
+                    1000 * (time.time() - target_ts),
+                )
+            self._start(p, revision, target_ts)
         except TRANSIENT_ERRORS as exc:
             log.warning("Could not claim partition %d (etcd: %s)", p, exc)
         finally:
@@ -468,6 +485,11 @@ class Worker:
                 )
             except TRANSIENT_ERRORS as exc:
                 log.warning("Could not delete claim %d (%s); the lease will expire it", p, exc)
+            log.debug(
+                "Released partition %d %.0f ms after the stop",
+                p,
+                1000 * (time.monotonic() - runner.stop_requested_at),
+            )
         if self.runners.get(p) is runner:
             del self.runners[p]
         self.metrics.partitions_owned.set(len(self.runners))
