@@ -55,14 +55,6 @@ from pathlib import Path
 from typing import Any
 
 import nats
-from shoal.consumer.config import GroupConfig
-from shoal.consumer.etcd import Etcd
-from shoal.consumer.handlers import SEQ_HEADER
-from shoal.consumer.jetstream import ensure_group
-from shoal.consumer.ledger import LedgerRecord, audit, read_ledger
-from shoal.consumer.partitioning import partition_for
-from shoal.consumer.producer import Outgoing, Producer
-from shoal.consumer.status import read_status
 
 from bench._common import (
     cpu_seconds,
@@ -77,6 +69,14 @@ from bench._common import (
 )
 from e2e.fleet import Fleet, settled, wait_for_status
 from e2e.servers import EtcdServer, NatsServer
+from shoal.consumer.config import GroupConfig
+from shoal.consumer.etcd import Etcd
+from shoal.consumer.handlers import SEQ_HEADER
+from shoal.consumer.jetstream import ensure_group
+from shoal.consumer.ledger import LedgerRecord, audit, read_ledger
+from shoal.consumer.partitioning import partition_for
+from shoal.consumer.producer import Outgoing, Producer
+from shoal.consumer.status import read_status
 
 BENCH = "handover"
 NAMESPACE = "bench"

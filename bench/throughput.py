@@ -47,16 +47,16 @@ from typing import Any
 
 import nats
 from nats.js import api
+
+from bench._common import cpu_seconds, emit, failed, log_problems, note, scrape_counter, workdir
+from e2e.fleet import Fleet, Member, settled, wait_for_status
+from e2e.servers import EtcdServer, NatsServer, free_port
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.partitioning import durable_name
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.consumer.status import read_status
-
-from bench._common import cpu_seconds, emit, failed, log_problems, note, scrape_counter, workdir
-from e2e.fleet import Fleet, Member, settled, wait_for_status
-from e2e.servers import EtcdServer, NatsServer, free_port
 
 BENCH = "throughput"
 PLAIN = "plain"

@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 from pydantic import ValidationError
+
 from shoal.consumer.assignor import assign, min_moves, moved, owner_counts, skew
 from shoal.consumer.config import config_from_env
 from shoal.consumer.etcd import Etcd

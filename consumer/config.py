@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
 from shoal.consumer.partitioning import (
     DEFAULT_PARTITIONS,
     Keys,

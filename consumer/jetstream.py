@@ -14,6 +14,7 @@ from typing import Any
 import nats
 from nats.js import api
 from nats.js.errors import BadRequestError, NotFoundError
+
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.partitioning import (
     assignments_subject,

@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import nats
+
+from e2e.fleet import Fleet, settled, wait_for_status
+from e2e.servers import EtcdServer, NatsServer
 from shoal.consumer.assignor import moved
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
@@ -26,9 +29,6 @@ from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.ledger import audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.consumer.status import GroupStatus, read_status
-
-from e2e.fleet import Fleet, settled, wait_for_status
-from e2e.servers import EtcdServer, NatsServer
 
 NAMESPACE, GROUP = "demo", "orders"
 

@@ -9,11 +9,14 @@ SHOAL_ETCD and SHOAL_NATS_SERVER).
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
+import nats
 import pytest
 
 from e2e.servers import EtcdServer, NatsServer
+from shoal.consumer.etcd import Etcd
 
 
 @pytest.fixture(scope="session")
@@ -59,3 +62,20 @@ def group() -> str:
 @pytest.fixture
 def namespace() -> str:
     return "test"
+
+
+@pytest.fixture
+async def etcd(etcd_endpoint: str) -> AsyncIterator[Etcd]:
+    """An async etcd client on the session's etcd."""
+    client = Etcd(etcd_endpoint)
+    await client.connect(attempts=10)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+async def js(nats_url: str) -> AsyncIterator[Any]:
+    """A JetStream context on the session's nats-server."""
+    nc = await nats.connect(nats_url)
+    yield nc.jetstream()
+    await nc.close()

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from shoal.consumer.assignor import (
     assign,
     default_max_moves,

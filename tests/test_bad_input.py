@@ -4,39 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import nats
 import pytest
-from shoal.consumer.config import GroupConfig
-from shoal.consumer.etcd import Etcd
-from shoal.consumer.jetstream import ensure_group
-from shoal.consumer.partitioning import Keys, partition_for, partition_subject
-from shoal.consumer.producer import Producer
 
 from e2e.fleet import Fleet, settled, wait_for_status
 from e2e.servers import free_port
+from shoal.consumer.config import GroupConfig
+from shoal.consumer.etcd import Etcd
+from shoal.consumer.jetstream import ensure_group
+from shoal.consumer.ledger import read_ledger
+from shoal.consumer.partitioning import Keys, partition_for, partition_subject
+from shoal.consumer.producer import Producer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
-
-
-@pytest.fixture
-async def etcd(etcd_endpoint: str) -> AsyncIterator[Etcd]:
-    client = Etcd(etcd_endpoint)
-    await client.connect(attempts=10)
-    yield client
-    client.close()
-
-
-@pytest.fixture
-async def js(nats_url: str) -> AsyncIterator[Any]:
-    nc = await nats.connect(nats_url)
-    yield nc.jetstream()
-    await nc.close()
 
 
 @pytest.fixture
@@ -75,6 +63,15 @@ async def dead_letters(js: Any, stream: str, expected: int, timeout: float = 20)
         await js.get_msg(stream, seq)
         for seq in range(info.state.first_seq, info.state.last_seq + 1)
     ]
+
+
+async def processed(js: Any, ledger_stream: str, expected: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (await js.stream_info(ledger_stream)).state.messages >= expected:
+            return
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"fewer than {expected} messages processed in {timeout} s")
 
 
 async def test_garbage_in_etcd_is_logged_and_ignored(
@@ -203,3 +200,95 @@ async def test_metrics_endpoint(fleet: Fleet, etcd: Etcd, group: str, namespace:
     assert "shoal_is_leader 1.0" in text
     assert "shoal_rebalances_total 1.0" in text
     assert "shoal_handover_seconds_bucket" in text
+
+
+async def test_a_handler_slower_than_ack_wait_is_not_redelivered(
+    fleet: Fleet,
+    etcd: Etcd,
+    js: Any,
+    group: str,
+    namespace: str,
+    nats_url: str,
+    etcd_endpoint: str,
+) -> None:
+    # 2.5 s of work against a 1 s ack_wait: only in-progress acks keep the message ours.
+    config = GroupConfig(
+        group=group,
+        namespace=namespace,
+        partitions=16,
+        nats_url=nats_url,
+        etcd_endpoints=etcd_endpoint,
+        ack_wait=1.0,
+    )
+    await ensure_group(js, config, ledger=True)
+    fleet.start("c-0", SHOAL_HANDLER_DELAY_MS="2500", SHOAL_ACK_WAIT="1")
+    await wait_for_status(etcd, namespace, group, 16, settled({"c-0"}), 30)
+    producer = Producer(js, config.subject_prefix, 16)
+    for i in range(3):
+        await producer.publish(f"project-{i}", b"slow", message_id=f"slow-{i}")
+    await processed(js, config.ledger_stream, 3, timeout=30)
+    records = await read_ledger(js, config.ledger_stream)
+    assert sorted(r.message_id for r in records) == ["slow-0", "slow-1", "slow-2"]
+    assert {r.delivery_count for r in records} == {1}
+    assert all(r.finished - r.started >= 2.4 for r in records)
+
+
+async def test_cli_produce_and_status_on_a_live_group(
+    fleet: Fleet,
+    etcd: Etcd,
+    js: Any,
+    group: str,
+    namespace: str,
+    nats_url: str,
+    etcd_endpoint: str,
+) -> None:
+    config = GroupConfig(
+        group=group,
+        namespace=namespace,
+        partitions=16,
+        nats_url=nats_url,
+        etcd_endpoints=etcd_endpoint,
+    )
+    await ensure_group(js, config, ledger=True)
+    fleet.start("c-0")
+    fleet.start("c-1")
+    await wait_for_status(etcd, namespace, group, 16, settled({"c-0", "c-1"}), 30)
+    env = {**os.environ, "NATS_URL": nats_url, "ETCD_ENDPOINTS": etcd_endpoint}
+    base = [sys.executable, "-P", "-m", "shoal.consumer"]
+    produced = await asyncio.to_thread(
+        subprocess.run,
+        [
+            *base,
+            "produce",
+            "-g",
+            group,
+            "-n",
+            namespace,
+            "-p",
+            "16",
+            "--projects",
+            "50",
+            "--messages",
+            "500",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert produced.returncode == 0, produced.stderr
+    assert json.loads(produced.stdout.strip().splitlines()[-1])["published"] == 500
+    shown = await asyncio.to_thread(
+        subprocess.run,
+        [*base, "status", "-g", group, "-n", namespace, "-p", "16", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert shown.returncode == 0, shown.stderr
+    status = json.loads(shown.stdout)
+    assert set(status["members"]) == {"c-0", "c-1"}
+    assert status["counts"] == {"c-0": 8, "c-1": 8}
+    assert status["skew"] == 0 and status["unowned"] == []
+    assert status["leader"] in {"c-0", "c-1"}

@@ -7,6 +7,7 @@ import json
 import pytest
 from click.testing import CliRunner
 from pydantic import ValidationError
+
 from shoal.consumer.cli import main
 from shoal.consumer.config import GroupConfig, config_from_env
 from shoal.consumer.handlers import HandlerError, ledger, load_handler, noop

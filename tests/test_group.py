@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import nats
 import pytest
+
+from e2e.fleet import Fleet, settled, wait_for_status
 from shoal.consumer.assignor import min_moves, moved
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
@@ -23,8 +24,7 @@ from shoal.consumer.handlers import SEQ_HEADER
 from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.ledger import audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer
-
-from e2e.fleet import Fleet, settled, wait_for_status
+from shoal.consumer.status import GroupStatus
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -39,21 +39,6 @@ FAST_ENV = {
     "SHOAL_KEEPALIVE_INTERVAL": "1",
     "SHOAL_ACK_WAIT": str(ACK_WAIT),
 }
-
-
-@pytest.fixture
-async def etcd(etcd_endpoint: str) -> AsyncIterator[Etcd]:
-    client = Etcd(etcd_endpoint)
-    await client.connect(attempts=10)
-    yield client
-    client.close()
-
-
-@pytest.fixture
-async def js(nats_url: str) -> AsyncIterator[Any]:
-    nc = await nats.connect(nats_url)
-    yield nc.jetstream()
-    await nc.close()
 
 
 @pytest.fixture
@@ -108,14 +93,23 @@ async def drained(js: Any, config: GroupConfig, expected: int, timeout: float) -
     raise TimeoutError(f"not drained: {work.state.messages} left, {ledger.state.messages} done")
 
 
+async def start_group(
+    fleet: Fleet, etcd: Etcd, js: Any, config: GroupConfig, members: list[str], **env: str
+) -> GroupStatus:
+    """Create the group's streams, start the members, wait until they own everything."""
+    await ensure_group(js, config, ledger=True)
+    for member in members:
+        fleet.start(member, **env)
+    return await wait_for_status(
+        etcd, config.namespace, config.group, config.partitions, settled(set(members)), 30
+    )
+
+
 async def test_join_and_graceful_leave_while_producing(
     fleet: Fleet, etcd: Etcd, js: Any, config: GroupConfig
 ) -> None:
-    await ensure_group(js, config, ledger=True)
     P, ns, g = config.partitions, config.namespace, config.group
-    for i in range(3):
-        fleet.start(f"c-{i}")
-    before = await wait_for_status(etcd, ns, g, P, settled({"c-0", "c-1", "c-2"}), 30)
+    before = await start_group(fleet, etcd, js, config, ["c-0", "c-1", "c-2"])
 
     items = traffic(20_000, 1000, "jl")
     producer = Producer(js, config.subject_prefix, P)
@@ -152,11 +146,10 @@ async def test_join_and_graceful_leave_while_producing(
 async def test_kill_9_loses_nothing_and_resumes_within_ttl(
     fleet: Fleet, etcd: Etcd, js: Any, config: GroupConfig
 ) -> None:
-    await ensure_group(js, config, ledger=True)
     P, ns, g = config.partitions, config.namespace, config.group
-    for i in range(3):
-        fleet.start(f"c-{i}", SHOAL_HANDLER_DELAY_MS="1")
-    before = await wait_for_status(etcd, ns, g, P, settled({"c-0", "c-1", "c-2"}), 30)
+    before = await start_group(
+        fleet, etcd, js, config, ["c-0", "c-1", "c-2"], SHOAL_HANDLER_DELAY_MS="1"
+    )
     victim_partitions = {p for p, m in before.owners.items() if m == "c-1"}
 
     items = traffic(6_000, 300, "k9")
@@ -186,11 +179,8 @@ async def test_kill_9_loses_nothing_and_resumes_within_ttl(
 async def test_leader_failover_moves_nothing_by_itself(
     fleet: Fleet, etcd: Etcd, js: Any, config: GroupConfig
 ) -> None:
-    await ensure_group(js, config, ledger=True)
     P, ns, g = config.partitions, config.namespace, config.group
-    for i in range(3):
-        fleet.start(f"c-{i}")
-    before = await wait_for_status(etcd, ns, g, P, settled({"c-0", "c-1", "c-2"}), 30)
+    before = await start_group(fleet, etcd, js, config, ["c-0", "c-1", "c-2"])
     old_leader, old_epoch = before.leader, before.epoch
     assert old_leader is not None and old_epoch is not None
     survivors = {"c-0", "c-1", "c-2"} - {old_leader}
@@ -218,11 +208,8 @@ async def test_leader_failover_moves_nothing_by_itself(
 async def test_graceful_leader_departure_hands_over_at_once(
     fleet: Fleet, etcd: Etcd, js: Any, config: GroupConfig
 ) -> None:
-    await ensure_group(js, config, ledger=True)
     P, ns, g = config.partitions, config.namespace, config.group
-    for i in range(3):
-        fleet.start(f"c-{i}")
-    before = await wait_for_status(etcd, ns, g, P, settled({"c-0", "c-1", "c-2"}), 30)
+    before = await start_group(fleet, etcd, js, config, ["c-0", "c-1", "c-2"])
     assert before.leader is not None
     survivors = {"c-0", "c-1", "c-2"} - {before.leader}
     fleet.term(before.leader)
@@ -238,11 +225,8 @@ async def test_graceful_leader_departure_hands_over_at_once(
 async def test_frozen_member_fences_itself(
     fleet: Fleet, etcd: Etcd, js: Any, config: GroupConfig
 ) -> None:
-    await ensure_group(js, config, ledger=True)
     P, ns, g = config.partitions, config.namespace, config.group
-    for i in range(3):
-        fleet.start(f"c-{i}", SHOAL_HANDLER_DELAY_MS="2")
-    await wait_for_status(etcd, ns, g, P, settled({"c-0", "c-1", "c-2"}), 30)
+    await start_group(fleet, etcd, js, config, ["c-0", "c-1", "c-2"], SHOAL_HANDLER_DELAY_MS="2")
 
     items = traffic(6_000, 300, "st")
     producer = Producer(js, config.subject_prefix, P)
