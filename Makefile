@@ -15,8 +15,9 @@
 # etcd comes from Debian's etcd-server package. Set SHOAL_NATS_SERVER / SHOAL_ETCD to use
 # other binaries.
 
-# The one place the nats-server version is pinned.
-NATS_SERVER_VERSION = v2.12.15
+# Every tool version (nats-server, Kubernetes, etcd, helm, the nats CLI) is pinned in
+# one place: e2e/tools/versions.mk.
+include e2e/tools/versions.mk
 
 SHELL := bash
 .SHELLFLAGS := -euo pipefail -c
@@ -47,7 +48,7 @@ echo "etcd: $$etcd ($$("$$etcd" --version 2>&1 | head -n1))"; \
 export SHOAL_NATS_SERVER="$$nats" SHOAL_ETCD="$$etcd";
 endef
 
-.PHONY: venv test test-fast lint typecheck bench demo servers clean
+.PHONY: venv test test-fast lint typecheck bench demo servers clean tools cluster-up cluster-down
 
 venv: $(STAMP)
 
@@ -96,6 +97,20 @@ typecheck: venv
 test: lint typecheck
 	@$(servers_env) \
 	$(PYM) pytest $(PYTEST_ARGS)
+
+# kube-apiserver, kube-controller-manager, kubectl, etcd 3.6, helm and the nats CLI, built
+# with Go once per machine into ~/.cache/shoal (the first build takes a while and says
+# how long; later runs build nothing).
+tools:
+	@e2e/tools/build.sh >/dev/null
+
+# The local Kubernetes control plane (no containers): see e2e/localkube/plane.py.
+cluster-up: venv tools
+	@$(servers_env) \
+	$(PYM) e2e.localkube up --root .localkube
+
+cluster-down: venv
+	@$(PYM) e2e.localkube down --root .localkube
 
 test-fast: venv
 	$(PYM) pytest -m "not e2e" $(PYTEST_ARGS)

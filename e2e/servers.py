@@ -250,6 +250,19 @@ class ServerProcess:
                 proc.wait()
         self._reap()
 
+    def detach(self) -> int:
+        """Leave the server running after this process exits (no atexit stop); its pid.
+
+        For `make cluster-up`, which returns with the servers up; `make cluster-down`
+        stops them by pid.
+        """
+        if self._proc is None or self._proc.poll() is not None:
+            raise RuntimeError(f"{self.name} is not running")
+        self._reap()
+        pid = self._proc.pid
+        self._proc = None
+        return pid
+
     def kill(self) -> None:
         """SIGKILL, as in a crash (for failure tests)."""
         proc = self._proc

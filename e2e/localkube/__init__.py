@@ -1,0 +1,1 @@
+"""The local Kubernetes control plane: real API server and controllers, process pods."""

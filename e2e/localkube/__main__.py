@@ -1,0 +1,59 @@
+"""`python -P -m e2e.localkube up|down|status [--root .localkube]` (`make cluster-up`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+from e2e.localkube.plane import LocalKube, State
+from e2e.localkube.tools import ToolMissing
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -P -m e2e.localkube",
+        description="Start or stop the local Kubernetes control plane (no containers).",
+    )
+    parser.add_argument("command", choices=["up", "down", "status"])
+    parser.add_argument(
+        "--root",
+        type=Path,
+        default=Path(".localkube"),
+        help="where the plane keeps its state, logs and env (.localkube)",
+    )
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    plane = LocalKube(args.root)
+    if args.command == "up":
+        started = time.monotonic()
+        try:
+            plane.up()
+        except ToolMissing as exc:
+            sys.exit(f"cluster-up: {exc}")
+        except RuntimeError as exc:
+            sys.exit(f"cluster-up: {exc}")
+        print(
+            f"Local plane up in {time.monotonic() - started:.1f} s: "
+            f"API {plane.state.apiserver_url}, NATS {plane.state.nats_url}, "
+            f"etcd {plane.state.etcd_endpoint}"
+        )
+        print(f"Use it:   source {plane.root / 'env'}   (then kubectl, helm and nats work)")
+        print("Stop it:  make cluster-down")
+    elif args.command == "down":
+        plane.down()
+        print("Local plane stopped")
+    else:
+        if not plane.state_path.exists():
+            print("Local plane: not running")
+            return
+        state = State.load(plane.state_path)
+        for component in state.components:
+            alive = LocalKube._any_alive(State(components=[component]))
+            print(f"{component.name:<24} pid {component.pid:<8} {'up' if alive else 'DOWN'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,878 @@
+"""A process kubelet: runs the local plane's Pods as processes of this virtualenv.
+
+It registers one Node, binds unscheduled Pods to it (on a one-node plane it is the
+scheduler too), and for each container of a bound Pod starts `command + args` as a local
+process with the Pod's environment (downward-API fieldRefs, secret and config-map refs)
+and a kubeconfig holding a real token of the Pod's ServiceAccount (TokenRequest), so
+RBAC applies to what the process does. It reports phase, readiness (exec, HTTP and TCP
+probes) and restarts; restarts crashed containers per restartPolicy with backoff; on
+deletion sends SIGTERM, then SIGKILL after the grace period. Logs go to
+`<root>/logs/pods/<namespace>_<pod>_<container>.log` and are served to `kubectl logs`.
+
+Only the image `shoal:dev` runs (it is this checkout's installation); any other image
+leaves the container waiting with reason ErrImageNotLocal and a message saying so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import datetime
+import http.server
+import logging
+import os
+import shlex
+import signal
+import socket
+import ssl
+import subprocess
+import threading
+import time
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kubernetes import client, config, watch
+from kubernetes.client.rest import ApiException
+
+log = logging.getLogger("localkube.kubelet")
+
+LOCAL_IMAGES = {"shoal:dev", "docker.io/library/shoal:dev"}
+POD_IP = "127.0.0.1"
+STATUS_PERIOD = 0.5
+MAX_BACKOFF = 30.0
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class ContainerState:
+    spec: Any
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+    started_at: str | None = None
+    restarts: int = 0
+    ready: bool = False
+    waiting: tuple[str, str] | None = None  # reason, message
+    terminated: dict[str, Any] | None = None
+    last_terminated: dict[str, Any] | None = None
+    next_start: float = 0.0
+    probe_next: float = 0.0
+    probe_successes: int = 0
+    probe_failures: int = 0
+    liveness_next: float = 0.0
+    liveness_failures: int = 0
+
+
+@dataclass
+class PodRunner:
+    kubelet: ProcessKubelet
+    pod: Any
+    containers: dict[str, ContainerState] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    deleting: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+    last_status: dict[str, Any] | None = None
+    started_at: str = field(default_factory=now)
+
+    @property
+    def key(self) -> str:
+        return f"{self.pod.metadata.namespace}/{self.pod.metadata.name}"
+
+    # -- start -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name=f"pod-{self.key}", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self.env = self.kubelet.pod_env(self.pod)
+        except Exception as exc:
+            log.warning("Pod %s: cannot prepare its environment: %s", self.key, exc)
+            for spec in self.pod.spec.containers:
+                self.containers[spec.name] = ContainerState(
+                    spec,
+                    self._log_path(spec.name),
+                    waiting=("CreateContainerConfigError", str(exc)[:300]),
+                )
+            self.report()
+            self.env = {}
+        for spec in self.pod.spec.containers:
+            self.containers.setdefault(spec.name, ContainerState(spec, self._log_path(spec.name)))
+        while not self.deleting:
+            for state in self.containers.values():
+                self._supervise(state)
+            self.report()
+            time.sleep(STATUS_PERIOD)
+        self.done.set()
+
+    def _log_path(self, container: str) -> Path:
+        meta = self.pod.metadata
+        return self.kubelet.log_dir / f"{meta.namespace}_{meta.name}_{container}.log"
+
+    def _supervise(self, state: ContainerState) -> None:
+        if state.waiting and state.waiting[0] in ("CreateContainerConfigError",):
+            return
+        image = state.spec.image or ""
+        if image not in LOCAL_IMAGES:
+            state.waiting = (
+                "ErrImageNotLocal",
+                f"image {image!r} is not available in the local plane: "
+                "only shoal:dev (this checkout's installation) runs here",
+            )
+            return
+        process = state.process
+        if process is not None:
+            code = process.poll()
+            if code is None:
+                self._probe(state)
+                return
+            self._exited(state, code)
+        if state.terminated is not None and not self._should_restart(state):
+            return
+        if time.monotonic() >= state.next_start:
+            self._start_container(state)
+
+    def _should_restart(self, state: ContainerState) -> bool:
+        policy = self.pod.spec.restart_policy or "Always"
+        if policy == "Always":
+            return True
+        if policy == "OnFailure":
+            return bool(state.terminated and state.terminated["exitCode"] != 0)
+        return False
+
+    def _command(self, spec: Any) -> list[str]:
+        command = list(spec.command or []) + list(spec.args or [])
+        if not command:
+            raise FileNotFoundError("the container has no command (shoal:dev has no entrypoint)")
+        head = command[0]
+        if "/" not in head:
+            resolved = self.kubelet.resolve(head)
+            if resolved is None:
+                raise FileNotFoundError(f'executable file "{head}" not found in $PATH')
+            command[0] = resolved
+        elif not os.access(head, os.X_OK):
+            raise FileNotFoundError(f"{head}: no such executable")
+        return [os.path.expandvars(c) if "$(" not in c else _expand(c, self.env) for c in command]
+
+    def _start_container(self, state: ContainerState) -> None:
+        spec = state.spec
+        env = dict(self.env)
+        env.update(self.kubelet.container_env(self.pod, spec, self.env))
+        state.log_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            command = self._command(spec)
+            with state.log_path.open("ab") as out:
+                state.process = subprocess.Popen(
+                    command,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=self.kubelet.pod_dir(self.pod),
+                    start_new_session=True,
+                )
+        except OSError as exc:
+            message = str(exc)
+            log.warning("Pod %s container %s cannot start: %s", self.key, spec.name, message)
+            state.process = None
+            state.last_terminated = state.terminated
+            state.terminated = {
+                "exitCode": 128,
+                "reason": "StartError",
+                "message": message,
+                "startedAt": now(),
+                "finishedAt": now(),
+            }
+            state.waiting = None
+            state.restarts += 1 if state.started_at else 0
+            state.started_at = state.started_at or now()
+            state.next_start = time.monotonic() + self._backoff(state)
+            return
+        self.kubelet.record_pid(self.pod, spec.name, state.process.pid)
+        if state.terminated is not None:
+            state.restarts += 1
+            state.last_terminated = state.terminated
+        state.terminated = None
+        state.waiting = None
+        state.started_at = now()
+        state.ready = spec.readiness_probe is None
+        state.probe_successes = state.probe_failures = state.liveness_failures = 0
+        delay = getattr(spec.readiness_probe, "initial_delay_seconds", 0) or 0
+        state.probe_next = time.monotonic() + delay
+        live_delay = getattr(spec.liveness_probe, "initial_delay_seconds", 0) or 0
+        state.liveness_next = time.monotonic() + live_delay
+        log.info(
+            "Pod %s container %s started (pid %d): %s",
+            self.key,
+            spec.name,
+            state.process.pid,
+            shlex.join(command),
+        )
+
+    def _backoff(self, state: ContainerState) -> float:
+        return min(MAX_BACKOFF, float(2 ** min(state.restarts, 6)))
+
+    def _exited(self, state: ContainerState, code: int) -> None:
+        assert state.process is not None
+        self.kubelet.forget_pid(self.pod, state.spec.name)
+        reason = "Completed" if code == 0 else "Error"
+        if code < 0:
+            reason = f"Signal{-code}"
+        log.info("Pod %s container %s exited with %d", self.key, state.spec.name, code)
+        state.terminated = {
+            "exitCode": code if code >= 0 else 128 - code,
+            "reason": reason,
+            "startedAt": state.started_at,
+            "finishedAt": now(),
+        }
+        state.process = None
+        state.ready = False
+        state.next_start = time.monotonic() + self._backoff(state)
+
+    # -- probes ----------------------------------------------------------------------------
+
+    def _probe(self, state: ContainerState) -> None:
+        spec = state.spec
+        t = time.monotonic()
+        probe = spec.readiness_probe
+        if probe is not None and t >= state.probe_next:
+            state.probe_next = t + (probe.period_seconds or 10)
+            if self.kubelet.run_probe(probe, spec, self.env, self.kubelet.pod_dir(self.pod)):
+                state.probe_failures = 0
+                state.probe_successes += 1
+                if state.probe_successes >= (probe.success_threshold or 1):
+                    state.ready = True
+            else:
+                state.probe_successes = 0
+                state.probe_failures += 1
+                if state.probe_failures >= (probe.failure_threshold or 3):
+                    state.ready = False
+        live = spec.liveness_probe
+        if live is not None and t >= state.liveness_next and state.process is not None:
+            state.liveness_next = t + (live.period_seconds or 10)
+            if self.kubelet.run_probe(live, spec, self.env, self.kubelet.pod_dir(self.pod)):
+                state.liveness_failures = 0
+            else:
+                state.liveness_failures += 1
+                if state.liveness_failures >= (live.failure_threshold or 3):
+                    log.info(
+                        "Pod %s container %s failed its liveness probe: restarting",
+                        self.key,
+                        spec.name,
+                    )
+                    _signal_group(state.process.pid, signal.SIGKILL)
+
+    # -- status ----------------------------------------------------------------------------
+
+    def _container_status(self, state: ContainerState) -> dict[str, Any]:
+        running = state.process is not None and state.process.poll() is None
+        status: dict[str, Any] = {
+            "name": state.spec.name,
+            "image": state.spec.image or "",
+            "imageID": "",
+            "ready": bool(running and state.ready),
+            "started": running,
+            "restartCount": state.restarts,
+        }
+        if running:
+            status["state"] = {"running": {"startedAt": state.started_at}}
+            status["containerID"] = f"process://{state.process.pid}"  # type: ignore[union-attr]
+        elif state.waiting is not None:
+            status["state"] = {"waiting": {"reason": state.waiting[0], "message": state.waiting[1]}}
+        elif state.terminated is not None and self._should_restart(state):
+            status["state"] = {
+                "waiting": {
+                    "reason": "CrashLoopBackOff"
+                    if state.terminated["reason"] != "StartError"
+                    else "RunContainerError",
+                    "message": state.terminated.get("message")
+                    or f"back-off restarting failed container {state.spec.name}",
+                }
+            }
+            status["lastState"] = {"terminated": state.terminated}
+        elif state.terminated is not None:
+            status["state"] = {"terminated": state.terminated}
+        else:
+            status["state"] = {"waiting": {"reason": "ContainerCreating"}}
+        if "lastState" not in status and state.last_terminated is not None:
+            status["lastState"] = {"terminated": state.last_terminated}
+        return status
+
+    def _phase(self, statuses: list[dict[str, Any]]) -> str:
+        states = [s["state"] for s in statuses]
+        if any("running" in s for s in states):
+            return "Running"
+        if states and all("terminated" in s for s in states):
+            codes = [s["terminated"]["exitCode"] for s in states]
+            return "Succeeded" if all(c == 0 for c in codes) else "Failed"
+        if any(s.get("waiting", {}).get("reason") == "CrashLoopBackOff" for s in states):
+            return "Running"
+        return "Pending"
+
+    def report(self) -> None:
+        statuses = [self._container_status(s) for s in self.containers.values()]
+        ready = bool(statuses) and all(s["ready"] for s in statuses)
+        phase = self._phase(statuses)
+        cond = "True" if ready else "False"
+        status: dict[str, Any] = {
+            "phase": phase,
+            "hostIP": POD_IP,
+            "hostIPs": [{"ip": POD_IP}],
+            "podIP": POD_IP,
+            "podIPs": [{"ip": POD_IP}],
+            "startTime": self.started_at,
+            "conditions": [
+                {"type": "PodScheduled", "status": "True"},
+                {"type": "Initialized", "status": "True"},
+                {"type": "ContainersReady", "status": cond},
+                {"type": "Ready", "status": cond},
+            ],
+            "containerStatuses": statuses,
+        }
+        if status == _without_stamps(self.last_status):
+            return
+        # lastTransitionTime only when a condition changes.
+        previous = {c["type"]: c for c in (self.last_status or {}).get("conditions", [])}
+        stamped = []
+        for condition in status["conditions"]:
+            old = previous.get(condition["type"])
+            stamp = (
+                (old or {}).get("lastTransitionTime")
+                if old and old["status"] == condition["status"]
+                else now()
+            )
+            stamped.append({**condition, "lastTransitionTime": stamp})
+        status["conditions"] = stamped
+        try:
+            self.kubelet.core.patch_namespaced_pod_status(
+                self.pod.metadata.name, self.pod.metadata.namespace, {"status": status}
+            )
+            self.last_status = status
+        except ApiException as exc:
+            if exc.status != 404:
+                log.warning("Pod %s: status update failed: %s", self.key, exc.reason)
+
+    # -- stop ------------------------------------------------------------------------------
+
+    def terminate(self, grace: float) -> None:
+        """SIGTERM every container, SIGKILL after grace seconds; returns when all are gone."""
+        self.deleting = True
+        self.done.wait(5)
+        processes = [
+            s.process
+            for s in self.containers.values()
+            if s.process is not None and s.process.poll() is None
+        ]
+        for process in processes:
+            _signal_group(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for process in processes:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.info("Pod %s: a container ignored SIGTERM for %.0f s: killing", self.key, grace)
+                _signal_group(process.pid, signal.SIGKILL)
+                process.wait()
+        for name in self.containers:
+            self.kubelet.forget_pid(self.pod, name)
+
+
+def _without_stamps(status: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A reported status without lastTransitionTime, to compare with a fresh one."""
+    if status is None:
+        return None
+    conditions = [
+        {k: v for k, v in c.items() if k != "lastTransitionTime"} for c in status["conditions"]
+    ]
+    return {**status, "conditions": conditions}
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion in command and args."""
+    for key, val in env.items():
+        value = value.replace(f"$({key})", val)
+    return value
+
+
+class ProcessKubelet:
+    def __init__(self, kubeconfig: Path, root: Path, node: str, venv_bin: Path) -> None:
+        self.kubeconfig = kubeconfig
+        self.root = root
+        self.node = node
+        self.venv_bin = venv_bin
+        self.state_dir = root / "kubelet"
+        self.log_dir = root / "logs" / "pods"
+        self.pid_dir = self.state_dir / "pids"
+        for d in (self.state_dir, self.log_dir, self.pid_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        self.api = config.new_client_from_config(str(kubeconfig))
+        self.core = client.CoreV1Api(self.api)
+        raw = yaml.safe_load(kubeconfig.read_text())
+        self.server = raw["clusters"][0]["cluster"]["server"]
+        self.ca_file = raw["clusters"][0]["cluster"]["certificate-authority"]
+        self.pods: dict[str, PodRunner] = {}
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.log_port = 0
+
+    # -- paths and processes ------------------------------------------------------------
+
+    def resolve(self, name: str) -> str | None:
+        for directory in (str(self.venv_bin), *os.environ.get("PATH", "").split(":")):
+            candidate = Path(directory) / name
+            if directory and candidate.is_file() and os.access(candidate, os.X_OK):
+                return str(candidate)
+        return None
+
+    def pod_dir(self, pod: Any) -> Path:
+        path = self.state_dir / "pods" / str(pod.metadata.uid)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def record_pid(self, pod: Any, container: str, pid: int) -> None:
+        (self.pid_dir / f"{pod.metadata.uid}_{container}.pid").write_text(str(pid))
+
+    def forget_pid(self, pod: Any, container: str) -> None:
+        (self.pid_dir / f"{pod.metadata.uid}_{container}.pid").unlink(missing_ok=True)
+
+    # -- environment ----------------------------------------------------------------------
+
+    def pod_env(self, pod: Any) -> dict[str, str]:
+        """What every container of the pod gets: PATH into the venv, a kubeconfig."""
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k in ("HOME", "LANG", "LC_ALL", "TZ", "XDG_CACHE_HOME", "TMPDIR")
+        }
+        env["PATH"] = f"{self.venv_bin}:/usr/local/bin:/usr/bin:/bin"
+        env["HOSTNAME"] = pod.metadata.name
+        env["PYTHONUNBUFFERED"] = "1"
+        env["KUBECONFIG"] = str(self._pod_kubeconfig(pod))
+        return env
+
+    def _pod_kubeconfig(self, pod: Any) -> Path:
+        sa = pod.spec.service_account_name or "default"
+        namespace = pod.metadata.namespace
+        request = client.AuthenticationV1TokenRequest(
+            spec=client.V1TokenRequestSpec(
+                audiences=["https://kubernetes.default.svc.cluster.local"],
+                expiration_seconds=24 * 3600,
+                bound_object_ref=client.V1BoundObjectReference(
+                    api_version="v1", kind="Pod", name=pod.metadata.name, uid=pod.metadata.uid
+                ),
+            )
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                token = self.core.create_namespaced_service_account_token(
+                    sa, namespace, request
+                ).status.token
+                break
+            except ApiException as exc:
+                # The service account may not exist yet (created by a controller).
+                if exc.status != 404 or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"no token for service account {namespace}/{sa}: {exc.reason}"
+                    ) from exc
+                time.sleep(0.5)
+        path = self.pod_dir(pod) / "kubeconfig"
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [
+                        {
+                            "name": "local",
+                            "cluster": {
+                                "server": self.server,
+                                "certificate-authority": self.ca_file,
+                            },
+                        }
+                    ],
+                    "users": [{"name": sa, "user": {"token": token}}],
+                    "contexts": [
+                        {
+                            "name": "pod",
+                            "context": {"cluster": "local", "user": sa, "namespace": namespace},
+                        }
+                    ],
+                    "current-context": "pod",
+                }
+            )
+        )
+        path.chmod(0o600)
+        return path
+
+    def _field(self, pod: Any, path: str) -> str:
+        meta = pod.metadata
+        simple = {
+            "metadata.name": meta.name,
+            "metadata.namespace": meta.namespace,
+            "metadata.uid": meta.uid,
+            "spec.nodeName": self.node,
+            "spec.serviceAccountName": pod.spec.service_account_name or "default",
+            "status.podIP": POD_IP,
+            "status.hostIP": POD_IP,
+        }
+        if path in simple:
+            return str(simple[path])
+        for prefix, values in (
+            ("metadata.labels", meta.labels),
+            ("metadata.annotations", meta.annotations),
+        ):
+            if path.startswith(prefix + "['") and path.endswith("']"):
+                return str((values or {}).get(path[len(prefix) + 2 : -2], ""))
+        raise ValueError(f"unsupported fieldRef {path!r}")
+
+    def _secret_value(self, namespace: str, name: str, key: str) -> str | None:
+        secret = self.core.read_namespaced_secret(name, namespace)
+        raw = (secret.data or {}).get(key)
+        return base64.b64decode(raw).decode() if raw is not None else None
+
+    def _config_map_value(self, namespace: str, name: str, key: str) -> str | None:
+        cm = self.core.read_namespaced_config_map(name, namespace)
+        value = (cm.data or {}).get(key)
+        return str(value) if value is not None else None
+
+    def container_env(self, pod: Any, spec: Any, base: dict[str, str]) -> dict[str, str]:
+        namespace = pod.metadata.namespace
+        env: dict[str, str] = {}
+        for source in spec.env_from or []:
+            prefix = source.prefix or ""
+            if source.config_map_ref is not None:
+                cm = self.core.read_namespaced_config_map(source.config_map_ref.name, namespace)
+                env.update({prefix + k: str(v) for k, v in (cm.data or {}).items()})
+            if source.secret_ref is not None:
+                secret = self.core.read_namespaced_secret(source.secret_ref.name, namespace)
+                env.update(
+                    {
+                        prefix + k: base64.b64decode(v).decode()
+                        for k, v in (secret.data or {}).items()
+                    }
+                )
+        for var in spec.env or []:
+            if var.value_from is None:
+                env[var.name] = _expand(var.value or "", {**base, **env})
+                continue
+            source = var.value_from
+            value: str | None = None
+            if source.field_ref is not None:
+                value = self._field(pod, source.field_ref.field_path)
+            elif source.secret_key_ref is not None:
+                ref = source.secret_key_ref
+                value = self._secret_value(namespace, ref.name, ref.key)
+            elif source.config_map_key_ref is not None:
+                ref = source.config_map_key_ref
+                value = self._config_map_value(namespace, ref.name, ref.key)
+            elif source.resource_field_ref is not None:
+                value = "0"
+            if value is not None:
+                env[var.name] = value
+        return env
+
+    # -- probes ----------------------------------------------------------------------------
+
+    def run_probe(self, probe: Any, spec: Any, env: dict[str, str], cwd: Path) -> bool:
+        timeout = probe.timeout_seconds or 1
+        try:
+            if probe._exec is not None:
+                command = list(probe._exec.command or [])
+                if command and "/" not in command[0]:
+                    command[0] = self.resolve(command[0]) or command[0]
+                result = subprocess.run(
+                    command,
+                    env={**env, **self.container_env_cache(spec)},
+                    cwd=cwd,
+                    capture_output=True,
+                    timeout=timeout,
+                )
+                return result.returncode == 0
+            if probe.http_get is not None:
+                port = self._port(probe.http_get.port, spec)
+                url = f"http://127.0.0.1:{port}{probe.http_get.path or '/'}"
+                opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+                with opener.open(url, timeout=timeout) as response:
+                    return bool(200 <= response.status < 400)
+            if probe.tcp_socket is not None:
+                port = self._port(probe.tcp_socket.port, spec)
+                with socket.create_connection(("127.0.0.1", port), timeout=timeout):
+                    return True
+        except Exception:
+            return False
+        return True
+
+    def container_env_cache(self, spec: Any) -> dict[str, str]:
+        return {v.name: v.value for v in (spec.env or []) if v.value is not None}
+
+    @staticmethod
+    def _port(port: Any, spec: Any) -> int:
+        if isinstance(port, int) or str(port).isdigit():
+            return int(port)
+        for container_port in spec.ports or []:
+            if container_port.name == port:
+                return int(container_port.container_port)
+        raise ValueError(f"unknown port {port!r}")
+
+    # -- node ------------------------------------------------------------------------------
+
+    def register_node(self) -> None:
+        node = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": self.node,
+                "labels": {
+                    "kubernetes.io/hostname": self.node,
+                    "kubernetes.io/os": "linux",
+                    "kubernetes.io/arch": "amd64",
+                },
+            },
+        }
+        try:
+            self.core.create_node(node)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+        self.heartbeat()
+        log.info("Registered node %s", self.node)
+
+    def heartbeat(self) -> None:
+        stamp = now()
+        cpus = str(os.cpu_count() or 1)
+        status = {
+            "capacity": {"cpu": cpus, "memory": "16Gi", "pods": "110"},
+            "allocatable": {"cpu": cpus, "memory": "16Gi", "pods": "110"},
+            "addresses": [
+                {"type": "InternalIP", "address": POD_IP},
+                {"type": "Hostname", "address": self.node},
+            ],
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": self.log_port}},
+            "nodeInfo": {
+                "machineID": "localkube",
+                "systemUUID": "localkube",
+                "bootID": "localkube",
+                "kernelVersion": os.uname().release,
+                "osImage": "local processes",
+                "containerRuntimeVersion": "process://1",
+                "kubeletVersion": "v0.0.0-shoal",
+                "kubeProxyVersion": "",
+                "operatingSystem": "linux",
+                "architecture": "amd64",
+            },
+            "conditions": [
+                {
+                    "type": "Ready",
+                    "status": "True",
+                    "reason": "KubeletReady",
+                    "message": "process kubelet is posting ready status",
+                    "lastHeartbeatTime": stamp,
+                    "lastTransitionTime": stamp,
+                }
+            ],
+        }
+        self.core.patch_node_status(self.node, {"status": status})
+
+    # -- pods ------------------------------------------------------------------------------
+
+    def bind(self, pod: Any) -> None:
+        body = client.V1Binding(
+            metadata=client.V1ObjectMeta(name=pod.metadata.name),
+            target=client.V1ObjectReference(api_version="v1", kind="Node", name=self.node),
+        )
+        try:
+            # _preload_content=False: the client cannot deserialize the Status it returns.
+            self.core.create_namespaced_pod_binding(
+                pod.metadata.name, pod.metadata.namespace, body, _preload_content=False
+            )
+            log.info("Bound pod %s/%s to %s", pod.metadata.namespace, pod.metadata.name, self.node)
+        except ApiException as exc:
+            if exc.status not in (404, 409):
+                log.warning("Binding %s failed: %s", pod.metadata.name, exc.reason)
+
+    def handle(self, pod: Any) -> None:
+        if pod.spec.node_name is None:
+            if not pod.metadata.deletion_timestamp:
+                self.bind(pod)
+            return
+        if pod.spec.node_name != self.node:
+            return
+        uid = pod.metadata.uid
+        with self.lock:
+            runner = self.pods.get(uid)
+            if pod.metadata.deletion_timestamp is not None:
+                if runner is not None and runner.deleting:
+                    return
+                if runner is None:
+                    runner = PodRunner(self, pod)
+                    self.pods[uid] = runner
+                runner.deleting = True
+                grace = float(pod.metadata.deletion_grace_period_seconds or 0)
+                threading.Thread(target=self._delete, args=(runner, grace), daemon=True).start()
+                return
+            if runner is None and pod.status.phase not in ("Succeeded", "Failed"):
+                runner = PodRunner(self, pod)
+                self.pods[uid] = runner
+                runner.start()
+
+    def _delete(self, runner: PodRunner, grace: float) -> None:
+        runner.terminate(grace)
+        pod = runner.pod
+        try:
+            self.core.delete_namespaced_pod(
+                pod.metadata.name,
+                pod.metadata.namespace,
+                body=client.V1DeleteOptions(
+                    grace_period_seconds=0,
+                    preconditions=client.V1Preconditions(uid=pod.metadata.uid),
+                ),
+            )
+        except ApiException as exc:
+            if exc.status not in (404, 409):
+                log.warning("Deleting pod %s failed: %s", runner.key, exc.reason)
+        log.info("Pod %s stopped and deleted", runner.key)
+        with self.lock:
+            self.pods.pop(pod.metadata.uid, None)
+
+    def watch_pods(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                listed = self.core.list_pod_for_all_namespaces()
+                seen = set()
+                for pod in listed.items:
+                    seen.add(pod.metadata.uid)
+                    self.handle(pod)
+                self._forget_vanished(seen)
+                stream = watch.Watch().stream(
+                    self.core.list_pod_for_all_namespaces,
+                    resource_version=listed.metadata.resource_version,
+                    timeout_seconds=60,
+                )
+                for event in stream:
+                    if self.stopping.is_set():
+                        return
+                    pod = event["object"]
+                    if event["type"] == "DELETED":
+                        self._vanished(pod.metadata.uid)
+                    else:
+                        self.handle(pod)
+            except Exception as exc:
+                if not self.stopping.is_set():
+                    log.warning("Pod watch failed (%s); listing again", exc)
+                    time.sleep(1)
+
+    def _vanished(self, uid: str) -> None:
+        with self.lock:
+            runner = self.pods.pop(uid, None)
+        if runner is not None and not runner.deleting:
+            # Deleted with grace 0 by someone else: stop its processes now.
+            threading.Thread(target=runner.terminate, args=(0.0,), daemon=True).start()
+
+    def _forget_vanished(self, seen: set[str]) -> None:
+        with self.lock:
+            gone = [uid for uid in self.pods if uid not in seen]
+        for uid in gone:
+            self._vanished(uid)
+
+    def heartbeats(self) -> None:
+        while not self.stopping.wait(10):
+            try:
+                self.heartbeat()
+            except Exception as exc:
+                log.warning("Node heartbeat failed: %s", exc)
+
+    def shutdown(self) -> None:
+        self.stopping.set()
+        with self.lock:
+            runners = list(self.pods.values())
+        threads = []
+        for runner in runners:
+            grace = float(runner.pod.spec.termination_grace_period_seconds or 30)
+            thread = threading.Thread(target=runner.terminate, args=(min(grace, 30.0),))
+            thread.start()
+            threads.append(thread)
+        for thread in threads:
+            thread.join()
+
+    # -- logs for `kubectl logs` -----------------------------------------------------------
+
+    def serve_logs(self, cert: Path, key: Path) -> None:
+        kubelet = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                url = urllib.parse.urlparse(self.path)
+                parts = url.path.strip("/").split("/")
+                if len(parts) != 4 or parts[0] != "containerLogs":
+                    self.send_error(404)
+                    return
+                _, namespace, pod, container = parts
+                path = kubelet.log_dir / f"{namespace}_{pod}_{container}.log"
+                if not path.exists():
+                    self.send_error(404, f"no logs for {namespace}/{pod}/{container}")
+                    return
+                query = urllib.parse.parse_qs(url.query)
+                lines = path.read_bytes().splitlines(keepends=True)
+                if "tailLines" in query:
+                    lines = lines[-int(query["tailLines"][0]) :]
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.end_headers()
+                self.wfile.write(b"".join(lines))
+
+            def log_message(self, format: str, *args: Any) -> None:
+                log.debug("logs: " + format, *args)
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(str(cert), str(key))
+        server.socket = context.wrap_socket(server.socket, server_side=True)
+        self.log_port = int(server.server_address[1])
+        threading.Thread(target=server.serve_forever, name="logs", daemon=True).start()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--kubeconfig", type=Path, required=True)
+    parser.add_argument("--root", type=Path, required=True, help="the plane's directory")
+    parser.add_argument("--node", default="localkube")
+    parser.add_argument(
+        "--venv-bin", type=Path, required=True, help="bin directory of the virtualenv pods run in"
+    )
+    args = parser.parse_args()
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    kubelet = ProcessKubelet(args.kubeconfig, args.root, args.node, args.venv_bin)
+    pki = args.root / "pki"
+    kubelet.serve_logs(pki / "apiserver.crt", pki / "apiserver.key")
+    kubelet.register_node()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    threading.Thread(target=kubelet.watch_pods, name="pods", daemon=True).start()
+    threading.Thread(target=kubelet.heartbeats, name="heartbeat", daemon=True).start()
+    stop.wait()
+    log.info("Stopping: terminating every pod")
+    kubelet.shutdown()
+    log.info("Stopped")
+
+
+if __name__ == "__main__":
+    main()
