@@ -51,7 +51,7 @@ build() {  # build <dest dir> <binary names...> -- <go command...>
 
 kube="$cache/kube-$KUBE"
 build "$kube" kube-apiserver kube-controller-manager kubectl -- \
-    sh -c "\"$go_bin\" build -trimpath -o \"\$GOBIN/\" k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kubectl"
-build "$cache/etcd-$ETCD" etcd -- sh -c "\"$go_bin\" build -trimpath -o \"\$GOBIN/etcd\" ./etcd"
-build "$cache/helm-$HELM" helm -- "$go_bin" install -trimpath "helm.sh/helm/v3/cmd/helm@$HELM"
-build "$cache/natscli-$NATSCLI" nats -- "$go_bin" install -trimpath "github.com/nats-io/natscli/nats@$NATSCLI"
+    sh -c "\"$go_bin\" build -o \"\$GOBIN/\" k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kubectl"
+build "$cache/etcd-$ETCD" etcd -- sh -c "\"$go_bin\" build -o \"\$GOBIN/etcd\" ./etcd"
+build "$cache/helm-$HELM" helm -- "$go_bin" install "helm.sh/helm/v3/cmd/helm@$HELM"
+build "$cache/natscli-$NATSCLI" nats -- "$go_bin" install "github.com/nats-io/natscli/nats@$NATSCLI"
