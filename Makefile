@@ -94,7 +94,7 @@ typecheck: venv
 	done
 	MYPYPATH=$(TYPECHECK_ROOT) $(PYM) mypy --strict -p shoal -p e2e
 
-test: lint typecheck
+test: lint typecheck tools
 	@$(servers_env) \
 	$(PYM) pytest $(PYTEST_ARGS)
 

@@ -126,13 +126,18 @@ def kubeconfig(server: str, pki: Pki, client: str, ca: Path | None = None) -> di
 
 
 def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for init to reap it is not: it has stopped)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def stop_process_group(pid: int, timeout: float = STOP_TIMEOUT) -> None:
@@ -316,7 +321,9 @@ class LocalKube:
                 f"--controllers={','.join(CONTROLLERS)}",
                 f"--service-account-private-key-file={pki.sa_key}",
                 f"--root-ca-file={pki.ca_cert}",
-                "--use-service-account-credentials=false",
+                # Each controller under its own service account and bootstrap role, as in a
+                # real cluster (the manager's own identity may only set those up).
+                "--use-service-account-credentials=true",
                 "--leader-elect=false",
                 "--bind-address=127.0.0.1",
                 f"--secure-port={free_port()}",
@@ -430,7 +437,9 @@ class LocalKube:
         for component in reversed(state.components):
             # The kubelet needs time to stop its pods gracefully.
             timeout = 40.0 if component.name == "kubelet" else STOP_TIMEOUT
+            started = time.monotonic()
             stop_process_group(component.pid, timeout)
+            log.info("Stopped %s in %.1f s", component.name, time.monotonic() - started)
         self._kill_leftover_pods()
         self.state_path.unlink()
 

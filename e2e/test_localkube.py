@@ -1,0 +1,391 @@
+"""The local control plane behaves like a cluster: controllers, RBAC, CRDs, process pods."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e.localkube.plane import LocalKube, State
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+# A container that runs until SIGTERM, then records that it stopped gracefully.
+SLEEPER = (
+    "import os, signal, sys, time\n"
+    "def bye(*_):\n"
+    "    open(os.environ['MARK_DIR'] + '/' + os.environ['POD'], 'w').write('term')\n"
+    "    sys.exit(0)\n"
+    "signal.signal(signal.SIGTERM, bye)\n"
+    "print('started', os.environ['POD'], flush=True)\n"
+    "while True: time.sleep(0.2)\n"
+)
+
+
+def wait_until(check: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+
+
+def get_json(plane: LocalKube, *args: str) -> Any:
+    return json.loads(plane.kubectl("get", *args, "-o", "json").stdout)
+
+
+def apply(plane: LocalKube, manifest: dict[str, Any] | list[dict[str, Any]]) -> None:
+    items = manifest if isinstance(manifest, list) else [manifest]
+    plane.kubectl(
+        "apply",
+        "-f",
+        "-",
+        input_text=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}),
+    )
+
+
+def create_namespace(plane: LocalKube, name: str) -> None:
+    """Create a namespace and wait for its default ServiceAccount (pods need it)."""
+    plane.kubectl("create", "namespace", name)
+    wait_until(
+        lambda: (
+            plane.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode
+            == 0
+        ),
+        30,
+        f"the default service account of {name}",
+    )
+
+
+def pod_pids(plane: LocalKube, selector: str, namespace: str) -> dict[str, int]:
+    pods = get_json(plane, "pods", "-n", namespace, "-l", selector)["items"]
+    result = {}
+    for pod in pods:
+        for status in pod.get("status", {}).get("containerStatuses", []):
+            running = status.get("state", {}).get("running")
+            cid = status.get("containerID", "")
+            if (
+                running
+                and cid.startswith("process://")
+                and not pod["metadata"].get("deletionTimestamp")
+            ):
+                result[pod["metadata"]["name"]] = int(cid.removeprefix("process://"))
+    return result
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_up_and_down_twice_leaves_nothing(tmp_path: Path) -> None:
+    for round_ in range(2):
+        plane = LocalKube(tmp_path / "plane")
+        started = time.monotonic()
+        plane.up()
+        took = time.monotonic() - started
+        state = State.load(plane.state_path)
+        try:
+            nodes = get_json(plane, "nodes")["items"]
+            assert [n["metadata"]["name"] for n in nodes] == ["localkube"]
+            assert took < 60, f"round {round_}: up took {took:.1f} s"
+            env = (plane.root / "env").read_text()
+            for var in ("KUBECONFIG", "PATH", "NATS_URL", "ETCD_ENDPOINTS"):
+                assert f"export {var}=" in env
+            assert "shoal" in (plane.root / "values.yaml").read_text()
+        finally:
+            plane.down()
+        for component in state.components:
+            assert not alive(component.pid), component
+        port = int(state.apiserver_url.rsplit(":", 1)[1])
+        with socket.socket() as sock:
+            assert sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_deployment_runs_processes_scales_and_cascades(
+    localkube: LocalKube, tmp_path: Path
+) -> None:
+    plane, ns = localkube, "deploy-test"
+    create_namespace(plane, ns)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    apply(
+        plane,
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "sleeper", "namespace": ns},
+            "spec": {
+                "replicas": 3,
+                "selector": {"matchLabels": {"app": "sleeper"}},
+                "template": {
+                    "metadata": {"labels": {"app": "sleeper"}},
+                    "spec": {
+                        "terminationGracePeriodSeconds": 10,
+                        "containers": [
+                            {
+                                "name": "main",
+                                "image": "shoal:dev",
+                                "command": ["python", "-c", SLEEPER],
+                                "env": [
+                                    {"name": "MARK_DIR", "value": str(marks)},
+                                    {
+                                        "name": "POD",
+                                        "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
+                                    },
+                                ],
+                                "readinessProbe": {
+                                    "exec": {"command": ["true"]},
+                                    "periodSeconds": 1,
+                                },
+                            }
+                        ],
+                    },
+                },
+            },
+        },
+    )
+    pids = wait_until(
+        lambda: (p := pod_pids(plane, "app=sleeper", ns)) and len(p) == 3 and p,
+        60,
+        "3 running pods",
+    )
+    assert all(alive(pid) for pid in pids.values())
+    wait_until(
+        lambda: (
+            get_json(plane, "deployment", "sleeper", "-n", ns)["status"].get("readyReplicas") == 3
+        ),
+        60,
+        "3 ready replicas",
+    )
+    logs = plane.kubectl("logs", "-n", ns, next(iter(pids))).stdout
+    assert "started" in logs
+
+    plane.kubectl("scale", "deployment", "sleeper", "-n", ns, "--replicas=1")
+    wait_until(
+        lambda: (
+            len(pod_pids(plane, "app=sleeper", ns)) == 1
+            and len(get_json(plane, "pods", "-n", ns)["items"]) == 1
+        ),
+        60,
+        "1 pod left",
+    )
+    stopped = [name for name, pid in pids.items() if not alive(pid)]
+    assert len(stopped) == 2
+    # They got SIGTERM and exited on their own (the marker), not SIGKILL.
+    assert sorted(p.name for p in marks.iterdir()) == sorted(stopped)
+
+    plane.kubectl("delete", "deployment", "sleeper", "-n", ns)
+    wait_until(lambda: not get_json(plane, "pods", "-n", ns)["items"], 60, "cascade to pods")
+    wait_until(
+        lambda: not get_json(plane, "replicasets", "-n", ns)["items"], 60, "cascade to replicasets"
+    )
+    assert not any(alive(pid) for pid in pids.values())
+
+
+def test_service_account_rbac_is_enforced(localkube: LocalKube) -> None:
+    plane, ns = localkube, "rbac-test"
+    create_namespace(plane, ns)
+    script = (
+        "from kubernetes import client, config\n"
+        "config.load_kube_config()\n"
+        "api = client.CoreV1Api()\n"
+        f"print('pods', len(api.list_namespaced_pod('{ns}').items), flush=True)\n"
+        "try:\n"
+        f"    api.list_namespaced_secret('{ns}')\n"
+        "    print('secrets allowed', flush=True)\n"
+        "except client.ApiException as e:\n"
+        "    print('secrets', e.status, flush=True)\n"
+    )
+    apply(
+        plane,
+        [
+            {
+                "apiVersion": "v1",
+                "kind": "ServiceAccount",
+                "metadata": {"name": "reader", "namespace": ns},
+            },
+            {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "Role",
+                "metadata": {"name": "pod-reader", "namespace": ns},
+                "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}],
+            },
+            {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "RoleBinding",
+                "metadata": {"name": "pod-reader", "namespace": ns},
+                "roleRef": {
+                    "apiGroup": "rbac.authorization.k8s.io",
+                    "kind": "Role",
+                    "name": "pod-reader",
+                },
+                "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": ns}],
+            },
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "probe", "namespace": ns},
+                "spec": {
+                    "serviceAccountName": "reader",
+                    "restartPolicy": "Never",
+                    "containers": [
+                        {"name": "main", "image": "shoal:dev", "command": ["python", "-c", script]}
+                    ],
+                },
+            },
+        ],
+    )
+    wait_until(
+        lambda: get_json(plane, "pod", "probe", "-n", ns)["status"].get("phase") == "Succeeded",
+        60,
+        "the probe pod to finish",
+    )
+    logs = plane.kubectl("logs", "-n", ns, "probe").stdout
+    assert "pods 1" in logs
+    assert "secrets 403" in logs
+
+
+def test_crd_with_subresources_and_printer_columns(localkube: LocalKube) -> None:
+    plane = localkube
+    crd = {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": "widgets.example.shoal.dev"},
+        "spec": {
+            "group": "example.shoal.dev",
+            "names": {
+                "kind": "Widget",
+                "plural": "widgets",
+                "singular": "widget",
+                "shortNames": ["wd"],
+            },
+            "scope": "Namespaced",
+            "versions": [
+                {
+                    "name": "v1",
+                    "served": True,
+                    "storage": True,
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "properties": {
+                                "spec": {
+                                    "type": "object",
+                                    "properties": {"replicas": {"type": "integer", "minimum": 0}},
+                                },
+                                "status": {
+                                    "type": "object",
+                                    "properties": {
+                                        "replicas": {"type": "integer"},
+                                        "selector": {"type": "string"},
+                                    },
+                                },
+                            },
+                        }
+                    },
+                    "subresources": {
+                        "status": {},
+                        "scale": {
+                            "specReplicasPath": ".spec.replicas",
+                            "statusReplicasPath": ".status.replicas",
+                            "labelSelectorPath": ".status.selector",
+                        },
+                    },
+                    "additionalPrinterColumns": [
+                        {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"}
+                    ],
+                }
+            ],
+        },
+    }
+    apply(plane, crd)
+    plane.kubectl(
+        "wait", "--for=condition=Established", "crd/widgets.example.shoal.dev", "--timeout=30s"
+    )
+    apply(
+        plane,
+        {
+            "apiVersion": "example.shoal.dev/v1",
+            "kind": "Widget",
+            "metadata": {"name": "w1", "namespace": "default"},
+            "spec": {"replicas": 2},
+        },
+    )
+    table = plane.kubectl("get", "wd", "w1").stdout
+    header, row = (line.split() for line in table.strip().splitlines())
+    assert dict(zip(header, row, strict=True))["REPLICAS"] == "2"
+    plane.kubectl("scale", "widget", "w1", "--replicas=5")
+    assert get_json(plane, "widget", "w1")["spec"]["replicas"] == 5
+    refused = plane.kubectl(
+        "apply",
+        "-f",
+        "-",
+        check=False,
+        input_text=json.dumps(
+            {
+                "apiVersion": "example.shoal.dev/v1",
+                "kind": "Widget",
+                "metadata": {"name": "bad", "namespace": "default"},
+                "spec": {"replicas": -1},
+            }
+        ),
+    )
+    assert refused.returncode != 0
+    assert "spec.replicas" in refused.stderr
+
+
+def test_bad_pods_fail_clearly_and_the_plane_keeps_running(localkube: LocalKube) -> None:
+    plane, ns = localkube, "bad-pods"
+    create_namespace(plane, ns)
+    apply(
+        plane,
+        [
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "nocmd", "namespace": ns},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "containers": [
+                        {"name": "main", "image": "shoal:dev", "command": ["no-such-command-xyz"]}
+                    ],
+                },
+            },
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "foreign", "namespace": ns},
+                "spec": {
+                    "containers": [{"name": "main", "image": "nginx:1.27", "command": ["nginx"]}]
+                },
+            },
+        ],
+    )
+
+    def state(name: str) -> dict[str, Any]:
+        statuses = get_json(plane, "pod", name, "-n", ns)["status"].get("containerStatuses")
+        return statuses[0]["state"] if statuses else {}
+
+    failed = wait_until(lambda: state("nocmd").get("terminated"), 60, "nocmd to fail")
+    assert failed["reason"] == "StartError"
+    assert "no-such-command-xyz" in failed["message"]
+    assert get_json(plane, "pod", "nocmd", "-n", ns)["status"]["phase"] == "Failed"
+    waiting = wait_until(lambda: state("foreign").get("waiting"), 60, "foreign to wait")
+    assert waiting["reason"] == "ErrImageNotLocal"
+    assert "nginx:1.27" in waiting["message"]
+    # Still serving: a new namespace round-trips.
+    plane.kubectl("create", "namespace", "still-alive")
+    assert get_json(plane, "namespace", "still-alive")["metadata"]["name"] == "still-alive"
