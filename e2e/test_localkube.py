@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import time
 from collections.abc import Callable
@@ -12,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from e2e.localkube.plane import LocalKube, State
+from e2e.localkube.plane import LocalKube, State, alive
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -80,14 +79,6 @@ def pod_pids(plane: LocalKube, selector: str, namespace: str) -> dict[str, int]:
             ):
                 result[pod["metadata"]["name"]] = int(cid.removeprefix("process://"))
     return result
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_up_and_down_twice_leaves_nothing(tmp_path: Path) -> None:

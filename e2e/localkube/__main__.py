@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from e2e.localkube.plane import LocalKube, State
+from e2e.localkube.plane import LocalKube, State, alive
 from e2e.localkube.tools import ToolMissing
 
 
@@ -51,8 +51,8 @@ def main() -> None:
             return
         state = State.load(plane.state_path)
         for component in state.components:
-            alive = LocalKube._any_alive(State(components=[component]))
-            print(f"{component.name:<24} pid {component.pid:<8} {'up' if alive else 'DOWN'}")
+            up = alive(component.pid)
+            print(f"{component.name:<24} pid {component.pid:<8} {'up' if up else 'DOWN'}")
 
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ def kubeconfig(server: str, pki: Pki, client: str, ca: Path | None = None) -> di
     }
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     """Running (a zombie waiting for init to reap it is not: it has stopped)."""
     try:
         os.kill(pid, 0)
@@ -140,8 +140,23 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def _reap(pid: int) -> None:
+    """Collect pid's exit status if it is our child (when the plane runs in-process)."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
 def stop_process_group(pid: int, timeout: float = STOP_TIMEOUT) -> None:
     """SIGTERM the process group led by pid, SIGKILL what is left after timeout."""
+    try:
+        _stop_process_group(pid, timeout)
+    finally:
+        _reap(pid)
+
+
+def _stop_process_group(pid: int, timeout: float) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(pid, sig)
@@ -153,7 +168,7 @@ def stop_process_group(pid: int, timeout: float = STOP_TIMEOUT) -> None:
                 reaped, _ = os.waitpid(pid, os.WNOHANG)
             except ChildProcessError:
                 reaped = 0  # not our child: poll for its exit instead
-            if reaped == pid or not _alive(pid):
+            if reaped == pid or not alive(pid):
                 return
             time.sleep(0.05)
 
@@ -286,7 +301,7 @@ class LocalKube:
         last = ""
         while time.monotonic() < deadline:
             pid = self.state.components[-1].pid
-            if not _alive(pid):
+            if not alive(pid):
                 raise RuntimeError(f"{name} exited during start; see {self.logs}/{name}.log")
             try:
                 with opener.open(url, timeout=2) as response:
@@ -367,7 +382,7 @@ class LocalKube:
     def _wait_for_node(self) -> None:
         deadline = time.monotonic() + READY_TIMEOUT
         while time.monotonic() < deadline:
-            if not _alive(next(c.pid for c in self.state.components if c.name == "kubelet")):
+            if not alive(next(c.pid for c in self.state.components if c.name == "kubelet")):
                 raise RuntimeError(f"the kubelet exited; see {self.logs}/kubelet.log")
             result = self.kubectl(
                 "get",
@@ -427,7 +442,7 @@ class LocalKube:
 
     @staticmethod
     def _any_alive(state: State) -> bool:
-        return any(_alive(c.pid) for c in state.components)
+        return any(alive(c.pid) for c in state.components)
 
     def down(self) -> None:
         """Stop every component in reverse start order (the kubelet first stops its pods)."""
