@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from e2e.localkube.plane import LocalKube, State, alive
+from e2e.servers import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -380,3 +381,105 @@ def test_bad_pods_fail_clearly_and_the_plane_keeps_running(localkube: LocalKube)
     # Still serving: a new namespace round-trips.
     plane.kubectl("create", "namespace", "still-alive")
     assert get_json(plane, "namespace", "still-alive")["metadata"]["name"] == "still-alive"
+
+
+def test_apiserver_moves_off_a_taken_port(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        ports = iter([taken])
+        monkeypatch.setattr(
+            "e2e.localkube.plane.free_port", lambda: next(ports, None) or free_port()
+        )
+        plane = LocalKube(tmp_path / "plane")
+        try:
+            plane.up()
+            assert not plane.state.apiserver_url.endswith(f":{taken}")
+            assert get_json(plane, "nodes")["items"]
+        finally:
+            plane.down()
+
+
+def test_crashing_containers_restart_and_http_probes_gate_readiness(
+    localkube: LocalKube,
+) -> None:
+    plane, ns = localkube, "restarts"
+    create_namespace(plane, ns)
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))
+    free = port.getsockname()[1]
+    port.close()
+    server = (
+        "import http.server, time\n"
+        "time.sleep(4)\n"
+        f"http.server.HTTPServer(('127.0.0.1', {free}), "
+        "http.server.SimpleHTTPRequestHandler).serve_forever()\n"
+    )
+    apply(
+        plane,
+        [
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "crasher", "namespace": ns},
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "main",
+                            "image": "shoal:dev",
+                            "command": ["python", "-c", "raise SystemExit(3)"],
+                        }
+                    ]
+                },
+            },
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "web", "namespace": ns},
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "main",
+                            "image": "shoal:dev",
+                            "command": ["python", "-c", server],
+                            "ports": [{"name": "http", "containerPort": free}],
+                            "readinessProbe": {
+                                "httpGet": {"path": "/", "port": "http"},
+                                "periodSeconds": 1,
+                            },
+                        }
+                    ]
+                },
+            },
+        ],
+    )
+
+    def web_ready() -> bool:
+        pod = get_json(plane, "pod", "web", "-n", ns)
+        return any(
+            c["type"] == "Ready" and c["status"] == "True"
+            for c in pod["status"].get("conditions", [])
+        )
+
+    def web_running() -> bool:
+        statuses = get_json(plane, "pod", "web", "-n", ns)["status"].get("containerStatuses")
+        return bool(statuses and "running" in statuses[0]["state"])
+
+    wait_until(web_running, 30, "the web container to run")
+    assert not web_ready()  # running, but the server sleeps 4 s before it listens
+    wait_until(web_ready, 30, "the web pod to become ready")
+
+    def crasher() -> dict[str, Any]:
+        statuses = get_json(plane, "pod", "crasher", "-n", ns)["status"].get(
+            "containerStatuses"
+        ) or [{}]
+        return dict(statuses[0])
+
+    restarted = wait_until(
+        lambda: (c := crasher()).get("restartCount", 0) >= 2 and c,
+        60,
+        "the crasher to be restarted twice",
+    )
+    last = restarted.get("lastState", {}).get("terminated", {})
+    assert last.get("exitCode") == 3

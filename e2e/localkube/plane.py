@@ -62,6 +62,10 @@ CLIENTS = {
 }
 
 
+class PortTaken(RuntimeError):
+    """The port chosen for a component was taken before it could bind it."""
+
+
 @dataclass
 class Component:
     name: str
@@ -255,7 +259,17 @@ class LocalKube:
         return process.pid
 
     def _start_apiserver(self, tools: KubeTools, pki: Pki) -> None:
-        port = free_port()
+        """Start kube-apiserver; a port taken since it was chosen moves it to another."""
+        for attempt in range(1, 4):
+            try:
+                self._try_apiserver(tools, pki, free_port())
+                return
+            except PortTaken as exc:
+                log.info("%s; retrying on another port (attempt %d)", exc, attempt)
+                self.state.components.pop()
+        raise RuntimeError("kube-apiserver found no free port in 3 attempts")
+
+    def _try_apiserver(self, tools: KubeTools, pki: Pki, port: int) -> None:
         url = f"https://127.0.0.1:{port}"
         self._spawn(
             "kube-apiserver",
@@ -302,6 +316,9 @@ class LocalKube:
         while time.monotonic() < deadline:
             pid = self.state.components[-1].pid
             if not alive(pid):
+                tail = (self.logs / f"{name}.log").read_text(errors="replace")[-3000:]
+                if "address already in use" in tail:
+                    raise PortTaken(f"{name}: port already in use")
                 raise RuntimeError(f"{name} exited during start; see {self.logs}/{name}.log")
             try:
                 with opener.open(url, timeout=2) as response:
