@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import click
@@ -160,6 +161,22 @@ def _validation_message(exc: ValidationError) -> str:
     return "; ".join(
         f"{'.'.join(str(x) for x in err['loc']) or 'config'}: {err['msg']}" for err in exc.errors()
     )
+
+
+@main.command()
+@click.option(
+    "--file",
+    "ready_file",
+    envvar="SHOAL_READY_FILE",
+    required=True,
+    help="The ready file of the member [env SHOAL_READY_FILE].",
+)
+def ready(ready_file: str) -> None:
+    """Exit 0 if this pod's member has joined its group (the readiness probe)."""
+    path = Path(ready_file)
+    if not path.exists():
+        raise click.ClickException(f"not ready: {ready_file} does not exist yet")
+    click.echo(f"ready: member {path.read_text().strip()} has joined")
 
 
 @main.command()

@@ -63,6 +63,11 @@ class GroupConfig(BaseModel):
     drain_timeout: float = Field(30.0, gt=0)
     stats_interval: float = Field(5.0, gt=0)
     metrics_port: int | None = Field(None, ge=0, le=65535)
+    # Written once this member has joined its group, removed when it leaves: the pod's
+    # readiness probe (`shoal-consumer ready`) checks it.
+    ready_file: str | None = None
+    # A NATS credentials file (the operator mounts the group's credentials secret).
+    nats_creds_file: str | None = None
 
     @field_validator("namespace", "group", "member_id")
     @classmethod
@@ -131,6 +136,9 @@ ENV_FIELDS: dict[str, str] = {
     "SHOAL_KEEPALIVE_INTERVAL": "keepalive_interval",
     "SHOAL_METRICS_PORT": "metrics_port",
     "SHOAL_DRAIN_TIMEOUT": "drain_timeout",
+    "SHOAL_READY_FILE": "ready_file",
+    "SHOAL_ENSURE_JETSTREAM": "ensure_jetstream",
+    "NATS_CREDS_FILE": "nats_creds_file",
 }
 
 

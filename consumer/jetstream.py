@@ -54,7 +54,9 @@ class _Callbacks:
         log.info("Reconnected to NATS")
 
 
-async def connect(url: str, *, name: str, attempts: int | None = None) -> Any:
+async def connect(
+    url: str, *, name: str, attempts: int | None = None, creds_file: str | None = None
+) -> Any:
     """Connect to NATS, retrying with capped backoff and saying why each attempt failed.
 
     With reconnects enabled nats-py never fails a first connect (it retries on its own,
@@ -67,8 +69,10 @@ async def connect(url: str, *, name: str, attempts: int | None = None) -> Any:
         attempt += 1
         try:
             # max_reconnect_attempts=1: nats-py only gives up on a server when it is > 0.
+            auth: dict[str, Any] = {"user_credentials": creds_file} if creds_file else {}
             probe = await nats.connect(
                 url,
+                **auth,
                 name=name,
                 connect_timeout=2,
                 allow_reconnect=False,
@@ -80,6 +84,7 @@ async def connect(url: str, *, name: str, attempts: int | None = None) -> Any:
             callbacks = _Callbacks()
             nc = await nats.connect(
                 url,
+                **auth,
                 name=name,
                 connect_timeout=2,
                 max_reconnect_attempts=-1,

@@ -17,6 +17,7 @@ import os
 import resource
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 from shoal.consumer.config import GroupConfig
@@ -127,7 +128,9 @@ class ConsumerProcess:
         if c.metrics_port is not None:
             self.metrics_port = self.metrics.serve(c.metrics_port)
         await self.etcd.connect()
-        self.nc = await connect(c.nats_url, name=f"shoal-{c.group}-{c.member_id}")
+        self.nc = await connect(
+            c.nats_url, name=f"shoal-{c.group}-{c.member_id}", creds_file=c.nats_creds_file
+        )
         self.js = self.nc.jetstream()
         if c.ensure_jetstream:
             await ensure_group(self.js, c, ledger=c.handler.endswith(":ledger"))
@@ -137,6 +140,7 @@ class ConsumerProcess:
         self._tasks.append(asyncio.create_task(self.view.run(), name="view"))
         await self.view.synced.wait()
         await self.membership.join()
+        self._mark_ready(True)
         self._tasks += [
             asyncio.create_task(self.membership.run(), name="membership"),
             asyncio.create_task(self.leader.run(), name="leader"),
@@ -170,9 +174,21 @@ class ConsumerProcess:
                 log.error("Component %s failed: %r", task.get_name(), task.exception())
         stop.cancel()
 
+    def _mark_ready(self, ready: bool) -> None:
+        """Tell the readiness probe whether this member has joined its group."""
+        if not self.config.ready_file:
+            return
+        path = Path(self.config.ready_file)
+        if ready:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(self.config.member_id)
+        else:
+            path.unlink(missing_ok=True)
+
     async def shutdown(self) -> None:
         c = self.config
         log.info("Leaving the group gracefully")
+        self._mark_ready(False)
         await self.membership.leave()
         drained = True
         if self.worker is not None:

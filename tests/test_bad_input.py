@@ -292,3 +292,20 @@ async def test_cli_produce_and_status_on_a_live_group(
     assert status["counts"] == {"c-0": 8, "c-1": 8}
     assert status["skew"] == 0 and status["unowned"] == []
     assert status["leader"] in {"c-0", "c-1"}
+
+
+async def test_ready_file_tracks_membership(
+    fleet: Fleet, etcd: Etcd, group: str, namespace: str, tmp_path: Path
+) -> None:
+    ready_file = tmp_path / "c-0" / "ready"
+    command = [sys.executable, "-P", "-m", "shoal.consumer", "ready", "--file", str(ready_file)]
+    before = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True)
+    assert before.returncode == 1 and "not ready" in before.stderr
+    fleet.start("c-0", SHOAL_READY_FILE=str(ready_file))
+    await wait_for_status(etcd, namespace, group, 16, settled({"c-0"}), 30)
+    after = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True)
+    assert after.returncode == 0, after.stderr
+    assert "c-0" in after.stdout
+    fleet.term("c-0")
+    assert fleet.wait_exit("c-0", 30) == 0
+    assert not ready_file.exists()
