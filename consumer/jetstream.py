@@ -128,18 +128,23 @@ def consumer_config(config: GroupConfig, partition: int) -> api.ConsumerConfig:
     )
 
 
+class StreamConfigConflict(RuntimeError):
+    """A stream exists with a configuration JetStream cannot change in place."""
+
+
 async def _ensure_stream(js: Any, name: str, subjects: list[str], **kwargs: Any) -> None:
     try:
         await js.add_stream(name=name, subjects=subjects, **kwargs)
-    except BadRequestError as exc:
-        # "stream name already in use with a different configuration": keep what exists.
-        info = await js.stream_info(name)
-        log.warning(
-            "Stream %s exists with another config (%s); kept it as it is (%s)",
-            name,
-            exc.description,
-            info.config.subjects,
-        )
+    except BadRequestError:
+        # It exists with another configuration: apply ours in place where JetStream can.
+        try:
+            await js.update_stream(name=name, subjects=subjects, **kwargs)
+            log.info("Updated stream %s to the declared configuration", name)
+        except BadRequestError as exc:
+            raise StreamConfigConflict(
+                f"stream {name} exists with a configuration JetStream cannot change in "
+                f"place: {exc.description}"
+            ) from exc
 
 
 async def ensure_group(js: Any, config: GroupConfig, *, ledger: bool = False) -> None:

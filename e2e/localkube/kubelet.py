@@ -67,6 +67,7 @@ class ContainerState:
     probe_failures: int = 0
     liveness_next: float = 0.0
     liveness_failures: int = 0
+    env: dict[str, str] = field(default_factory=dict)  # as resolved at the last start
 
 
 @dataclass
@@ -164,6 +165,7 @@ class PodRunner:
         spec = state.spec
         env = dict(self.env)
         env.update(self.kubelet.container_env(self.pod, spec, self.env))
+        state.env = env
         state.log_path.parent.mkdir(parents=True, exist_ok=True)
         try:
             command = self._command(spec)
@@ -243,7 +245,7 @@ class PodRunner:
         probe = spec.readiness_probe
         if probe is not None and t >= state.probe_next:
             state.probe_next = t + (probe.period_seconds or 10)
-            if self.kubelet.run_probe(probe, spec, self.env, self.kubelet.pod_dir(self.pod)):
+            if self.kubelet.run_probe(probe, spec, state.env, self.kubelet.pod_dir(self.pod)):
                 state.probe_failures = 0
                 state.probe_successes += 1
                 if state.probe_successes >= (probe.success_threshold or 1):
@@ -256,7 +258,7 @@ class PodRunner:
         live = spec.liveness_probe
         if live is not None and t >= state.liveness_next and state.process is not None:
             state.liveness_next = t + (live.period_seconds or 10)
-            if self.kubelet.run_probe(live, spec, self.env, self.kubelet.pod_dir(self.pod)):
+            if self.kubelet.run_probe(live, spec, state.env, self.kubelet.pod_dir(self.pod)):
                 state.liveness_failures = 0
             else:
                 state.liveness_failures += 1
@@ -596,7 +598,7 @@ class ProcessKubelet:
                     command[0] = self.resolve(command[0]) or command[0]
                 result = subprocess.run(
                     command,
-                    env={**env, **self.container_env_cache(spec)},
+                    env=env,
                     cwd=cwd,
                     capture_output=True,
                     timeout=timeout,
@@ -615,9 +617,6 @@ class ProcessKubelet:
         except Exception:
             return False
         return True
-
-    def container_env_cache(self, spec: Any) -> dict[str, str]:
-        return {v.name: v.value for v in (spec.env or []) if v.value is not None}
 
     @staticmethod
     def _port(port: Any, spec: Any) -> int:

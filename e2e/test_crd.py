@@ -1,0 +1,215 @@
+"""The ConsumerGroup CRD on a real API server: defaults, printer columns, scale, CEL rules."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from e2e.localkube.plane import LocalKube
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+REPO = Path(__file__).resolve().parent.parent
+CRD_PATH = REPO / "crds" / "consumergroup.yaml"
+EXAMPLE_PATH = REPO / "examples" / "consumergroup.yaml"
+CRD_NAME = "consumergroups.shoal.dev"
+API_VERSION = "shoal.dev/v1alpha1"
+HANDLER = "shoal.consumer.handlers:ledger"
+
+
+def wait_until(check: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+
+
+def get_json(plane: LocalKube, *args: str) -> Any:
+    return json.loads(plane.kubectl("get", *args, "-o", "json").stdout)
+
+
+def apply(
+    plane: LocalKube, manifest: dict[str, Any], *, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    return plane.kubectl("apply", "-f", "-", check=check, input_text=json.dumps(manifest))
+
+
+def group(name: str, namespace: str, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "ConsumerGroup",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"handler": HANDLER, **spec},
+    }
+
+
+def refused(plane: LocalKube, manifest: dict[str, Any]) -> str:
+    """Apply a manifest the API server must refuse; return its message."""
+    result = apply(plane, manifest, check=False)
+    assert result.returncode != 0, f"accepted: {manifest}\n{result.stdout}"
+    assert "is invalid" in result.stderr, result.stderr
+    return result.stderr
+
+
+@pytest.fixture(scope="module")
+def crd(localkube: LocalKube) -> LocalKube:
+    """The plane with the CRD installed and Established."""
+    localkube.kubectl("apply", "-f", str(CRD_PATH))
+    localkube.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=30s")
+    return localkube
+
+
+@pytest.fixture
+def namespace(crd: LocalKube, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A namespace of the test's own, deleted (with its groups) afterwards."""
+    name = "crd-" + request.node.name.removeprefix("test_").replace("_", "-")[:40].rstrip("-")
+    crd.kubectl("create", "namespace", name)
+    yield name
+    crd.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+def test_crd_is_established_and_explained(crd: LocalKube) -> None:
+    spec = yaml.safe_load(CRD_PATH.read_text())["spec"]
+    assert spec["names"]["shortNames"] == ["cg"]
+    conditions = get_json(crd, "crd", CRD_NAME)["status"]["conditions"]
+    assert {c["type"]: c["status"] for c in conditions}["Established"] == "True"
+    # The published OpenAPI catches up with a new CRD a moment after it is Established.
+    explained = wait_until(
+        lambda: (
+            (r := crd.kubectl("explain", "consumergroup.spec.handler", check=False)).returncode == 0
+            and r.stdout
+        ),
+        30,
+        "kubectl explain to know the CRD",
+    )
+    assert "module:function" in explained
+    assert "cg" in crd.kubectl("api-resources", "--api-group=shoal.dev").stdout
+    assert "consumergroups" in crd.kubectl("api-resources", "--categories=shoal").stdout
+
+
+def test_example_gets_defaults_columns_and_scales(crd: LocalKube) -> None:
+    example = yaml.safe_load(EXAMPLE_PATH.read_text())
+    assert example["metadata"] == {"name": "orders", "namespace": "default"}
+    crd.kubectl("apply", "-f", str(EXAMPLE_PATH))
+    try:
+        spec = get_json(crd, "cg", "orders", "-n", "default")["spec"]
+        assert spec["handler"] == HANDLER
+        assert spec["replicas"] == 3
+        assert spec["partitions"] == 128
+        assert (spec["minReplicas"], spec["maxReplicas"]) == (1, 10)
+        assert spec["deletionPolicy"] == "Retain"
+        # Nested defaults apply under parents that themselves default to {}.
+        stream = spec["nats"]["stream"]
+        assert stream == {"retention": "workqueue", "storage": "file", "replicas": 1}
+        assert spec["nats"]["consumer"]["ackWaitSeconds"] == 5
+        assert spec["nats"]["consumer"]["maxDeliver"] == 5
+        assert spec["autoscaling"]["cooldownSeconds"] == 600
+        assert spec["autoscaling"]["enabled"] is False
+        assert "targetLagPerMember" not in spec["autoscaling"]
+        assert spec["assignment"] == {"strategy": "sticky", "loadAware": False}
+        assert "etcd" not in spec
+
+        header, row = crd.kubectl("get", "cg", "-n", "default").stdout.strip().splitlines()
+        assert header.split() == ["NAME", "REPLICAS", "READY", "LEADER", "SKEW", "LAG", "AGE"]
+        assert row.split()[:2] == ["orders", "3"]
+        wide = crd.kubectl("get", "cg", "orders", "-n", "default", "-o", "wide").stdout
+        assert wide.split()[7:10] == ["PARTITIONS", "MIN", "MAX"]
+
+        # Through the scale subresource: works before the operator has set status.selector.
+        scale = get_json(crd, "cg", "orders", "-n", "default", "--subresource=scale")
+        assert scale["kind"] == "Scale"
+        assert scale["spec"]["replicas"] == 3
+        crd.kubectl("scale", "cg", "orders", "-n", "default", "--replicas=5")
+        assert get_json(crd, "cg", "orders", "-n", "default")["spec"]["replicas"] == 5
+    finally:
+        crd.kubectl("delete", "-f", str(EXAMPLE_PATH), "--wait=false", check=False)
+
+
+def test_status_subresource_takes_status(crd: LocalKube, namespace: str) -> None:
+    apply(crd, group("g", namespace))
+    status = {
+        "observedGeneration": 1,
+        "replicas": 3,
+        "readyReplicas": 2,
+        "selector": "shoal.dev/group=g",
+        "leader": "g-abc",
+        "skew": 1,
+        "lag": 42,
+        "partitionsPerMember": {"min": 42, "max": 43},
+        "conditions": [
+            {
+                "type": "Ready",
+                "status": "Unknown",
+                "reason": "Starting",
+                "message": "Waiting for the first member",
+                "lastTransitionTime": "2025-01-01T00:00:00Z",
+                "observedGeneration": 1,
+            }
+        ],
+    }
+    crd.kubectl(
+        "patch",
+        "cg",
+        "g",
+        "-n",
+        namespace,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps({"status": status}),
+    )
+    assert get_json(crd, "cg", "g", "-n", namespace)["status"] == status
+    _, row = crd.kubectl("get", "cg", "g", "-n", namespace).stdout.strip().splitlines()
+    assert row.split()[:6] == ["g", "3", "2", "g-abc", "1", "42"]
+    scale = get_json(crd, "cg", "g", "-n", namespace, "--subresource=scale")
+    assert scale["status"] == {"replicas": 3, "selector": "shoal.dev/group=g"}
+
+
+def test_invalid_groups_are_refused_with_readable_messages(crd: LocalKube, namespace: str) -> None:
+    message = refused(crd, group("too-many", namespace, partitions=4, maxReplicas=8))
+    assert "maxReplicas must not exceed partitions" in message
+    message = refused(crd, group("negative", namespace, replicas=-1))
+    assert "spec.replicas" in message
+    assert "should be greater than or equal to 0" in message
+    message = refused(crd, group("min-max", namespace, minReplicas=6, maxReplicas=5))
+    assert "minReplicas must not exceed maxReplicas" in message
+    message = refused(crd, group("no-colon", namespace, handler="shoal.consumer.handlers.ledger"))
+    assert "spec.handler" in message
+    assert "should match" in message
+    message = refused(crd, group("no-handler", namespace, handler=None))
+    assert "spec.handler: Required value" in message
+    message = refused(crd, group("retention", namespace, nats={"stream": {"retention": "forever"}}))
+    assert "spec.nats.stream.retention" in message
+    assert '"workqueue", "limits", "interest"' in message
+    message = refused(crd, group("prefix", namespace, nats={"subjectPrefix": "orders.*"}))
+    assert "spec.nats.subjectPrefix" in message
+    # 0 as an integer: the schema's minimum (0.1) alone would let it through.
+    for wait in (0, 0.05):
+        message = refused(crd, group("ack", namespace, nats={"consumer": {"ackWaitSeconds": wait}}))
+        assert "spec.nats.consumer.ackWaitSeconds" in message
+    # Nothing was stored.
+    assert get_json(crd, "cg", "-n", namespace)["items"] == []
+
+
+def test_partitions_are_immutable(crd: LocalKube, namespace: str) -> None:
+    apply(crd, group("fixed", namespace, partitions=64))
+    message = refused(crd, group("fixed", namespace, partitions=32))
+    assert "partitions is immutable" in message
+    # Everything else still changes, and the same value is no change.
+    apply(crd, group("fixed", namespace, partitions=64, replicas=4))
+    spec = get_json(crd, "cg", "fixed", "-n", namespace)["spec"]
+    assert (spec["partitions"], spec["replicas"]) == (64, 4)
+    # Leaving partitions out defaults it to 128: also a change, also refused.
+    message = refused(crd, group("fixed", namespace))
+    assert "partitions is immutable" in message

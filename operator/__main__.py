@@ -1,0 +1,3 @@
+from shoal.operator.cli import main
+
+main()

@@ -1,0 +1,50 @@
+"""`shoal-operator`: run the ConsumerGroup operator (kopf, one replica, standalone)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import click
+import kopf
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--namespace",
+    "-n",
+    "namespaces",
+    multiple=True,
+    envvar="SHOAL_WATCH_NAMESPACES",
+    help="Watch only these namespaces (repeatable; default: the whole cluster).",
+)
+@click.option(
+    "--liveness",
+    default="http://0.0.0.0:8080/healthz",
+    show_default=True,
+    envvar="SHOAL_LIVENESS",
+    help="Where to serve the liveness probe.",
+)
+@click.option(
+    "--log-level",
+    envvar="SHOAL_LOG_LEVEL",
+    default="info",
+    show_default=True,
+    type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
+)
+def main(namespaces: tuple[str, ...], liveness: str, log_level: str) -> None:
+    """Reconcile ConsumerGroups into consumer Deployments, RBAC, PDBs and JetStream streams.
+
+    NATS and etcd default to NATS_URL and ETCD_ENDPOINTS; the consumer image to
+    SHOAL_OPERATOR_IMAGE. Credentials: in a pod, its service account; elsewhere KUBECONFIG.
+    """
+    logging.basicConfig(
+        level=getattr(logging, log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    # Importing registers the handlers with kopf.
+    import shoal.operator.reconciler  # noqa: F401
+
+    spaces = [n for item in namespaces for n in item.split(",") if n]
+    os.environ.setdefault("SHOAL_WATCH_NAMESPACES", ",".join(spaces))
+    kopf.run(standalone=True, clusterwide=not spaces, namespaces=spaces, liveness_endpoint=liveness)

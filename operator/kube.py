@@ -1,0 +1,57 @@
+"""The operator's Kubernetes I/O, on the official client (synchronous: run in threads)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any
+
+from kubernetes import client, config, dynamic
+from kubernetes.client.rest import ApiException
+
+log = logging.getLogger(__name__)
+
+FIELD_MANAGER = "shoal-operator"
+
+
+def api_client() -> Any:
+    """In a pod with a mounted token: in-cluster; otherwise KUBECONFIG (or ~/.kube/config)."""
+    if os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG"):
+        config.load_incluster_config()
+        return client.ApiClient()
+    return config.new_client_from_config(os.environ.get("KUBECONFIG"))
+
+
+class Kube:
+    def __init__(self, api: Any) -> None:
+        self.api = api
+        self.dynamic = dynamic.DynamicClient(api)
+        self.apps = client.AppsV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
+
+    def _apply(self, obj: dict[str, Any]) -> None:
+        resource = self.dynamic.resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
+        resource.server_side_apply(
+            body=obj,
+            name=obj["metadata"]["name"],
+            namespace=obj["metadata"].get("namespace"),
+            field_manager=FIELD_MANAGER,
+            force_conflicts=True,
+        )
+
+    async def apply(self, obj: dict[str, Any]) -> None:
+        """Server-side apply: we own the fields we set, nothing else is touched."""
+        await asyncio.to_thread(self._apply, obj)
+
+    async def deployment_status(self, namespace: str, name: str) -> dict[str, int]:
+        try:
+            dep = await asyncio.to_thread(
+                self.apps.read_namespaced_deployment_status, name, namespace
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return {"replicas": 0, "ready": 0}
+            raise
+        st = dep.status
+        return {"replicas": int(st.replicas or 0), "ready": int(st.ready_replicas or 0)}

@@ -1,0 +1,151 @@
+"""From what is observed (Deployment, etcd, JetStream) to a ConsumerGroup's status.
+
+Pure: the reconciler gathers the facts, this module decides what they mean. Conditions
+follow the Kubernetes API conventions: Ready, Progressing and Degraded, each with a
+CamelCase reason, a message for people, observedGeneration, and a lastTransitionTime
+that moves only when the condition's status does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Observed:
+    generation: int
+    spec_replicas: int
+    replicas: int  # pods of the Deployment
+    ready_replicas: int
+    members: Mapping[str, int]  # member -> partitions it owns
+    leader: str | None
+    assignment_generation: int
+    partitions: int
+    unowned: int
+    unclaimed: int
+    lag: int | None
+    problem: tuple[str, str] | None = None  # reason, message: why the group cannot work
+    selector: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _condition(
+    kind: str, status: bool | None, reason: str, message: str, generation: int
+) -> dict[str, Any]:
+    value = "Unknown" if status is None else ("True" if status else "False")
+    return {
+        "type": kind,
+        "status": value,
+        "reason": reason,
+        "message": message,
+        "observedGeneration": generation,
+    }
+
+
+def conditions(o: Observed) -> list[dict[str, Any]]:
+    if o.problem is not None:
+        reason, message = o.problem
+        degraded = _condition("Degraded", True, reason, message, o.generation)
+    else:
+        degraded = _condition("Degraded", False, "AsExpected", "No problem found", o.generation)
+
+    settled = (
+        o.replicas == o.spec_replicas
+        and o.ready_replicas == o.spec_replicas
+        and len(o.members) == o.spec_replicas
+    )
+    if o.spec_replicas == 0:
+        ready = _condition(
+            "Ready",
+            o.replicas == 0,
+            "ScaledToZero",
+            "The group is scaled to zero members",
+            o.generation,
+        )
+    elif o.problem is not None:
+        ready = _condition("Ready", False, o.problem[0], o.problem[1], o.generation)
+    elif o.ready_replicas < o.spec_replicas:
+        ready = _condition(
+            "Ready",
+            False,
+            "WaitingForMembers",
+            f"{o.ready_replicas} of {o.spec_replicas} members ready",
+            o.generation,
+        )
+    elif o.leader is None:
+        ready = _condition(
+            "Ready", False, "NoLeader", "No member leads the group yet", o.generation
+        )
+    elif o.unowned or o.unclaimed:
+        ready = _condition(
+            "Ready",
+            False,
+            "PartitionsUnassigned",
+            f"{o.unowned} partitions without an owner, {o.unclaimed} not being consumed",
+            o.generation,
+        )
+    else:
+        ready = _condition(
+            "Ready",
+            True,
+            "GroupReady",
+            f"{len(o.members)} members consume {o.partitions} partitions, led by {o.leader}",
+            o.generation,
+        )
+
+    if settled and o.unclaimed == 0:
+        progressing = _condition(
+            "Progressing", False, "Stable", "Members and assignment match the spec", o.generation
+        )
+    else:
+        progressing = _condition(
+            "Progressing",
+            True,
+            "Reconciling",
+            f"{o.replicas} pods ({o.ready_replicas} ready, {len(o.members)} members) "
+            f"for {o.spec_replicas} replicas",
+            o.generation,
+        )
+    return [ready, progressing, degraded]
+
+
+def stamp(
+    new: Sequence[Mapping[str, Any]], old: Sequence[Mapping[str, Any]], now: str
+) -> list[dict[str, Any]]:
+    """Carry lastTransitionTime over for conditions whose status did not change."""
+    previous = {c.get("type"): c for c in old}
+    stamped = []
+    for condition in new:
+        before = previous.get(condition["type"])
+        if (
+            before is not None
+            and before.get("status") == condition["status"]
+            and before.get("lastTransitionTime")
+        ):
+            when = before["lastTransitionTime"]
+        else:
+            when = now
+        stamped.append({**condition, "lastTransitionTime": when})
+    return stamped
+
+
+def status(o: Observed, old_conditions: Sequence[Mapping[str, Any]], now: str) -> dict[str, Any]:
+    counts = list(o.members.values())
+    result: dict[str, Any] = {
+        "observedGeneration": o.generation,
+        "replicas": o.replicas,
+        "readyReplicas": o.ready_replicas,
+        "selector": o.selector,
+        "leader": o.leader or "",
+        "assignmentGeneration": o.assignment_generation,
+        "members": len(o.members),
+        "partitionsPerMember": {"min": min(counts, default=0), "max": max(counts, default=0)},
+        "skew": (max(counts) - min(counts)) if counts else 0,
+        "conditions": stamp(conditions(o), old_conditions, now),
+    }
+    if o.lag is not None:
+        result["lag"] = o.lag
+    result.update(o.extra)
+    return result

@@ -1,0 +1,295 @@
+"""The ConsumerGroup reconciler: kopf handlers, thin over builders and observe.
+
+Intent (create, update, resume): apply the children built from the spec (Deployment,
+ServiceAccount, Role, RoleBinding, PodDisruptionBudget), all adopted so deletion
+cascades, and make sure the JetStream stream and per-partition durables exist.
+Observation (a timer): read the Deployment, etcd and JetStream into status, with an
+Event for each new assignment generation and each change of replicas.
+Deletion: a finalizer clears the group's etcd prefix; the stream goes only with
+deletionPolicy Delete. A spec that passes the schema but cannot work (unreachable NATS,
+an unknown handler) becomes Degraded with a Warning Event and is retried with backoff.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from typing import Any
+
+import kopf
+
+from shoal.consumer.config import GroupConfig, config_from_env
+from shoal.consumer.etcd import Etcd
+from shoal.consumer.handlers import HandlerError, load_handler
+from shoal.consumer.jetstream import StreamConfigConflict, connect, ensure_group
+from shoal.consumer.partitioning import Keys
+from shoal.consumer.status import read_status
+from shoal.operator import observe
+from shoal.operator.builders import children, consumer_env, resource_names, selector_string
+from shoal.operator.kube import Kube, api_client
+from shoal.operator.settings import OperatorSettings, settings_from_env
+
+log = logging.getLogger(__name__)
+
+GROUP, VERSION, PLURAL = "shoal.dev", "v1alpha1", "consumergroups"
+FINALIZER = "shoal.dev/cleanup"
+OBSERVE_INTERVAL = 5.0
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def group_config(name: str, namespace: str, spec: Any, settings: OperatorSettings) -> GroupConfig:
+    """The consumers' configuration, from the very env the pods get (one source of truth)."""
+    env = {
+        var["name"]: var["value"]
+        for var in consumer_env(name, namespace, dict(spec), settings)
+        if "value" in var and "$(" not in str(var["value"])
+    }
+    env["SHOAL_MEMBER_ID"] = "shoal-operator"
+    return config_from_env(env)
+
+
+def handler_problem(spec: Any, settings: OperatorSettings) -> str | None:
+    """An unknown handler, when the pods run the operator's own image (we can check it)."""
+    if spec.get("image") and spec.get("image") != settings.default_image:
+        return None  # a custom image may carry handlers the operator cannot import
+    try:
+        load_handler(str(spec.get("handler", "")))
+    except HandlerError as exc:
+        return str(exc)
+    return None
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
+    settings.persistence.finalizer = FINALIZER
+    settings.posting.level = logging.INFO
+    settings.watching.server_timeout = 60
+    settings.watching.client_timeout = 90
+    memo.settings = settings_from_env(os.environ)
+    memo.kube = Kube(api_client())
+    memo.etcd = {}
+    memo.seen = {}
+    log.info(
+        "Shoal operator started: default image %s, NATS %s, etcd %s",
+        memo.settings.default_image,
+        memo.settings.nats_url,
+        memo.settings.etcd_endpoints,
+    )
+
+
+@kopf.on.cleanup()
+async def cleanup_clients(memo: Any, **_: Any) -> None:
+    for etcd in memo.get("etcd", {}).values():
+        etcd.close()
+
+
+@kopf.on.probe(id="operator")
+async def alive(**_: Any) -> str:
+    return "ok"
+
+
+def _degraded(patch: kopf.Patch, status: Any, reason: str, message: str, generation: int) -> None:
+    condition = {
+        "type": "Degraded",
+        "status": "True",
+        "reason": reason,
+        "message": message,
+        "observedGeneration": generation,
+    }
+    others = [c for c in (status or {}).get("conditions", []) if c.get("type") != "Degraded"]
+    patch.status["conditions"] = observe.stamp(
+        [*others, condition], (status or {}).get("conditions", []), now()
+    )
+
+
+async def ensure_jetstream(config: GroupConfig) -> None:
+    nc = await connect(
+        config.nats_url, name="shoal-operator", attempts=2, creds_file=config.nats_creds_file
+    )
+    try:
+        await ensure_group(nc.jetstream(), config, ledger=config.handler.endswith(":ledger"))
+    finally:
+        await nc.close()
+
+
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL)
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+async def reconcile(
+    name: str,
+    namespace: str | None,
+    spec: kopf.Spec,
+    meta: kopf.Meta,
+    status: kopf.Status,
+    body: kopf.Body,
+    memo: Any,
+    patch: kopf.Patch,
+    retry: int,
+    **_: Any,
+) -> None:
+    namespace = namespace or "default"  # ConsumerGroups are namespaced
+    settings: OperatorSettings = memo.settings
+    generation = int(meta.get("generation") or 0)
+    patch.status["selector"] = selector_string(name)
+    problem = handler_problem(spec, settings)
+    if problem is not None:
+        _degraded(patch, status, "HandlerInvalid", problem, generation)
+        kopf.warn(body, reason="HandlerInvalid", message=problem)
+        raise kopf.TemporaryError(problem, delay=min(300, 10 * 2 ** min(retry, 5)))
+
+    for obj in children(name, namespace, dict(spec), settings):
+        kopf.adopt(obj, owner=body)
+        await memo.kube.apply(obj)
+
+    config = group_config(name, namespace, spec, settings)
+    try:
+        await ensure_jetstream(config)
+    except StreamConfigConflict as exc:
+        _degraded(patch, status, "StreamConfigConflict", str(exc), generation)
+        kopf.warn(body, reason="StreamConfigConflict", message=str(exc))
+        raise kopf.TemporaryError(str(exc), delay=60) from exc
+    except Exception as exc:
+        message = f"JetStream at {config.nats_url} unavailable: {exc}"
+        _degraded(patch, status, "NatsUnavailable", message, generation)
+        kopf.warn(body, reason="NatsUnavailable", message=message)
+        raise kopf.TemporaryError(message, delay=min(300, 5 * 2 ** min(retry, 6))) from exc
+    kopf.info(
+        body,
+        reason="Reconciled",
+        message=f"Applied {resource_names(name)['deployment']} with "
+        f"{spec.get('replicas')} replicas; stream {config.stream} with "
+        f"{config.partitions} durable consumers",
+    )
+
+
+async def _etcd(memo: Any, endpoints: str) -> Etcd:
+    cache: dict[str, Etcd] = memo.etcd
+    if endpoints not in cache:
+        etcd = Etcd(endpoints)
+        await etcd.connect(attempts=2)
+        cache[endpoints] = etcd
+    return cache[endpoints]
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=OBSERVE_INTERVAL, initial_delay=1.0)
+async def observe_group(
+    name: str,
+    namespace: str | None,
+    spec: kopf.Spec,
+    meta: kopf.Meta,
+    status: kopf.Status,
+    body: kopf.Body,
+    memo: Any,
+    patch: kopf.Patch,
+    **_: Any,
+) -> None:
+    namespace = namespace or "default"  # ConsumerGroups are namespaced
+    settings: OperatorSettings = memo.settings
+    config = group_config(name, namespace, spec, settings)
+    dep = await memo.kube.deployment_status(namespace, resource_names(name)["deployment"])
+    problem: tuple[str, str] | None = None
+    members: dict[str, int] = {}
+    leader, generation_seen, unowned, unclaimed = None, 0, config.partitions, config.partitions
+    try:
+        etcd = await _etcd(memo, config.etcd_endpoints)
+        group = await read_status(etcd, namespace, name, config.partitions)
+        members = {m: group.counts.get(m, 0) for m in group.members}
+        leader, generation_seen = group.leader, group.generation
+        unowned, unclaimed = len(group.unowned), len(group.unclaimed)
+    except Exception as exc:
+        problem = ("EtcdUnavailable", f"etcd at {config.etcd_endpoints} unavailable: {exc}")
+    lag: int | None = None
+    try:
+        nc = await connect(
+            config.nats_url,
+            name="shoal-operator-observer",
+            attempts=1,
+            creds_file=config.nats_creds_file,
+        )
+        try:
+            info = await nc.jetstream().stream_info(config.stream)
+            lag = int(info.state.messages) if config.retention == "workqueue" else None
+        finally:
+            await nc.close()
+    except Exception as exc:
+        problem = problem or ("NatsUnavailable", f"JetStream at {config.nats_url}: {exc}")
+
+    generation = int(meta.get("generation") or 0)
+    old = dict(status or {})
+    observed = observe.Observed(
+        generation=generation,
+        spec_replicas=int(spec.get("replicas", 0)),
+        replicas=dep["replicas"],
+        ready_replicas=dep["ready"],
+        members=members,
+        leader=leader,
+        assignment_generation=generation_seen,
+        partitions=config.partitions,
+        unowned=unowned,
+        unclaimed=unclaimed,
+        lag=lag,
+        problem=problem,
+        selector=selector_string(name),
+    )
+    new = observe.status(observed, old.get("conditions", []), now())
+    if generation_seen and generation_seen != old.get("assignmentGeneration"):
+        new["lastRebalanceTime"] = now()
+        kopf.info(
+            body,
+            reason="Rebalanced",
+            message=f"Assignment generation {generation_seen}: {len(members)} members, "
+            f"leader {leader}, skew {new['skew']}",
+        )
+    seen: dict[str, int] = memo.seen
+    uid = str(meta.get("uid"))
+    want = int(spec.get("replicas", 0))
+    if uid in seen and seen[uid] != want:
+        new["lastScale"] = {
+            "time": now(),
+            "from": seen[uid],
+            "to": want,
+            "reason": "spec.replicas changed",
+        }
+        kopf.info(body, reason="Scaled", message=f"Replicas {seen[uid]} -> {want}")
+    seen[uid] = want
+    for key, value in new.items():
+        patch.status[key] = value
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL)
+async def delete(
+    name: str, namespace: str | None, spec: kopf.Spec, memo: Any, body: kopf.Body, **_: Any
+) -> None:
+    namespace = namespace or "default"  # ConsumerGroups are namespaced
+    settings: OperatorSettings = memo.settings
+    config = group_config(name, namespace, spec, settings)
+    etcd = await _etcd(memo, config.etcd_endpoints)
+    await etcd.delete_prefix(Keys(namespace, name).prefix)
+    if spec.get("deletionPolicy") == "Delete":
+        nc = await connect(config.nats_url, name="shoal-operator", attempts=2)
+        try:
+            js = nc.jetstream()
+            for stream in (
+                config.stream,
+                config.dlq_stream,
+                f"{config.stream}_log",
+                config.ledger_stream,
+            ):
+                try:
+                    await js.delete_stream(stream)
+                except Exception as exc:
+                    log.debug("Stream %s not deleted: %r", stream, exc)
+        finally:
+            await nc.close()
+        log.info("Deleted group %s/%s with its streams", namespace, name)
+    else:
+        log.info(
+            "Deleted group %s/%s; kept stream %s (deletionPolicy Retain)",
+            namespace,
+            name,
+            config.stream,
+        )

@@ -1,0 +1,50 @@
+"""The operator's own configuration: what it fills in when a ConsumerGroup leaves it out.
+
+The Helm chart sets these through the operator Deployment's environment; a
+ConsumerGroup's spec always wins over them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Environment variable -> field. Empty values count as unset, as in the consumer's
+# config_from_env, so a chart can render `value: ""` for "use the default".
+ENV_FIELDS: dict[str, str] = {
+    "SHOAL_OPERATOR_IMAGE": "default_image",
+    "SHOAL_OPERATOR_IMAGE_PULL_POLICY": "image_pull_policy",
+    "NATS_URL": "nats_url",
+    "ETCD_ENDPOINTS": "etcd_endpoints",
+    "SHOAL_DRAIN_TIMEOUT": "drain_timeout_seconds",
+}
+
+
+class OperatorSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # "shoal:dev" is what the local control plane runs (e2e/localkube/kubelet.py).
+    default_image: str = Field("shoal:dev", min_length=1)
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    nats_url: str = Field("nats://nats:4222", min_length=1)
+    etcd_endpoints: str = Field("etcd:2379", min_length=1)
+    # Whole seconds: it also sizes terminationGracePeriodSeconds, an integer field.
+    drain_timeout_seconds: int = Field(30, ge=1)
+    # Empty: watch the whole cluster.
+    watch_namespaces: list[str] = Field(default_factory=list)
+
+
+def parse_list(value: str) -> list[str]:
+    """A comma list as people write it: blanks around items and empty items are ignored."""
+    return [item.strip() for item in value.split(",") if item.strip()]
+
+
+def settings_from_env(env: Mapping[str, str]) -> OperatorSettings:
+    values: dict[str, object] = {
+        field: env[var].strip() for var, field in ENV_FIELDS.items() if env.get(var, "").strip()
+    }
+    if env.get("SHOAL_WATCH_NAMESPACES"):
+        values["watch_namespaces"] = parse_list(env["SHOAL_WATCH_NAMESPACES"])
+    return OperatorSettings.model_validate(values)

@@ -1,0 +1,708 @@
+"""The operator's builders and settings, without any cluster.
+
+The env tests go all the way to the consumer: they resolve the pod's environment as the
+kubelet would (downward API, $(VAR) expansion) and feed it to config_from_env, so the
+operator and the consumer cannot drift apart on a variable's name or format.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from shoal.consumer.config import ENV_FIELDS, GroupConfig, config_from_env
+from shoal.consumer.partitioning import default_stream_name, default_subject_prefix
+from shoal.operator.builders import (
+    READY_FILE,
+    build_deployment,
+    build_pdb,
+    build_role,
+    build_role_binding,
+    build_service_account,
+    children,
+    consumer_env,
+    labels,
+    resource_names,
+    selector,
+    selector_string,
+    stream_name,
+    subject_prefix,
+)
+from shoal.operator.settings import OperatorSettings, settings_from_env
+
+NAME = "orders"
+NAMESPACE = "prod"
+POD = "orders-consumer-7c9d8f-x2x5q"
+HANDLER = "app.handlers:process"
+SETTINGS = OperatorSettings()
+
+# Variables the pod gets that config_from_env does not map to a field itself.
+EXTRA_VARS = {
+    "POD_NAME",
+    "SHOAL_BACKOFF",
+    "SHOAL_READY_FILE",
+    "SHOAL_ENSURE_JETSTREAM",
+    "NATS_CREDS_FILE",
+}
+
+
+def full_spec() -> dict[str, Any]:
+    return {
+        "replicas": 4,
+        "minReplicas": 2,
+        "maxReplicas": 10,
+        "partitions": 64,
+        "image": "registry.example/shoal:1.2.3",
+        "imagePullPolicy": "Always",
+        "handler": HANDLER,
+        "env": [{"name": "USER_VAR", "value": "x"}],
+        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}},
+        "nats": {
+            "url": "nats://nats.messaging:4222",
+            "credentialsSecret": "orders-nats",
+            "subjectPrefix": "acme.orders",
+            "stream": {"name": "ORDERS", "retention": "limits", "storage": "memory", "replicas": 3},
+            "consumer": {
+                "ackWaitSeconds": 30,
+                "maxAckPending": 500,
+                "maxDeliver": 7,
+                "backoffSeconds": [1, 2.5, 10],
+            },
+        },
+        "etcd": {"endpoints": "etcd-0.etcd:2379,etcd-1.etcd:2379"},
+        "autoscaling": {"enabled": True},
+        "assignment": {"strategy": "sticky", "loadAware": False},
+        "deletionPolicy": "Delete",
+    }
+
+
+def minimal_spec() -> dict[str, Any]:
+    return {"handler": HANDLER}
+
+
+_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def resolve(
+    env: list[dict[str, Any]], pod: str = POD, namespace: str = NAMESPACE
+) -> dict[str, str]:
+    """The container's environment as the kubelet makes it: fieldRefs from the pod,
+    $(VAR) expanded from variables defined earlier in the list, $$ for a literal $."""
+    fields = {"metadata.name": pod, "metadata.namespace": namespace}
+    out: dict[str, str] = {}
+
+    def expand(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        return out.get(match.group(1), match.group(0))
+
+    for var in env:
+        if "valueFrom" in var:
+            out[var["name"]] = fields[var["valueFrom"]["fieldRef"]["fieldPath"]]
+        else:
+            out[var["name"]] = _REF.sub(expand, var.get("value", ""))
+    return out
+
+
+def config_of(spec: Mapping[str, Any], name: str = NAME, namespace: str = NAMESPACE) -> GroupConfig:
+    return config_from_env(
+        resolve(consumer_env(name, namespace, spec, SETTINGS), namespace=namespace)
+    )
+
+
+def env_names(env: list[dict[str, Any]]) -> list[str]:
+    return [var["name"] for var in env]
+
+
+def pod_spec(deployment: dict[str, Any]) -> dict[str, Any]:
+    result: dict[str, Any] = deployment["spec"]["template"]["spec"]
+    return result
+
+
+def container(deployment: dict[str, Any]) -> dict[str, Any]:
+    (only,) = pod_spec(deployment)["containers"]
+    result: dict[str, Any] = only
+    return result
+
+
+# -- names and labels ------------------------------------------------------------------------
+
+
+def test_every_child_is_named_after_the_group() -> None:
+    assert resource_names(NAME) == {
+        "deployment": "orders-consumer",
+        "service_account": "orders-consumer",
+        "role": "orders-consumer",
+        "role_binding": "orders-consumer",
+        "pdb": "orders-consumer",
+    }
+
+
+def test_labels_are_the_standard_ones_plus_the_group() -> None:
+    assert labels(NAME) == {
+        "app.kubernetes.io/name": "shoal-consumer",
+        "app.kubernetes.io/instance": NAME,
+        "app.kubernetes.io/component": "consumer",
+        "app.kubernetes.io/managed-by": "shoal-operator",
+        "shoal.dev/group": NAME,
+    }
+
+
+def test_selector_is_part_of_the_labels_and_its_string_parses_back() -> None:
+    assert selector(NAME).items() <= labels(NAME).items()
+    text = selector_string(NAME)
+    assert text == "app.kubernetes.io/name=shoal-consumer,shoal.dev/group=orders"
+    assert dict(pair.split("=", 1) for pair in text.split(",")) == selector(NAME)
+
+
+def test_selectors_of_two_groups_do_not_overlap() -> None:
+    assert selector("a").items() - selector("b").items()
+
+
+def test_derived_names_come_from_the_consumer_package() -> None:
+    assert subject_prefix(NAME, NAMESPACE, {}) == default_subject_prefix(NAMESPACE, NAME)
+    assert stream_name(NAME, NAMESPACE, {}) == default_stream_name(NAMESPACE, NAME)
+    assert subject_prefix(NAME, NAMESPACE, full_spec()) == "acme.orders"
+    assert stream_name(NAME, NAMESPACE, full_spec()) == "ORDERS"
+
+
+# -- the consumer's environment --------------------------------------------------------------
+
+
+def test_full_spec_env_is_accepted_by_the_consumer() -> None:
+    config = config_of(full_spec())
+    assert config.group == NAME
+    assert config.namespace == NAMESPACE
+    assert config.member_id == POD
+    assert config.partitions == 64
+    assert config.nats_url == "nats://nats.messaging:4222"
+    assert config.etcd_endpoints == "etcd-0.etcd:2379,etcd-1.etcd:2379"
+    assert config.subject_prefix == "acme.orders"
+    assert config.stream == "ORDERS"
+    assert config.stream_replicas == 3
+    assert config.retention == "limits"
+    assert config.storage == "memory"
+    assert config.handler == HANDLER
+    assert config.ack_wait == 30
+    assert config.max_ack_pending == 500
+    assert config.max_deliver == 7
+    assert config.backoff == (1.0, 2.5, 10.0)
+    assert config.drain_timeout == SETTINGS.drain_timeout_seconds
+
+
+def test_missing_sections_give_the_documented_defaults() -> None:
+    config = config_of(minimal_spec())
+    assert config.partitions == 128
+    assert config.subject_prefix == "shoal.prod.orders"
+    assert config.stream == "shoal_prod_orders"
+    assert config.stream_replicas == 1
+    assert config.retention == "workqueue"
+    assert config.storage == "file"
+    assert config.ack_wait == 5
+    assert config.max_ack_pending == 1000
+    assert config.max_deliver == 5
+    assert config.backoff == ()
+
+
+def test_empty_and_null_sections_count_as_missing() -> None:
+    spec: dict[str, Any] = {
+        "handler": HANDLER,
+        "image": "",
+        "env": None,
+        "resources": None,
+        "nats": {"url": "", "subjectPrefix": "", "stream": None, "consumer": {}},
+        "etcd": None,
+    }
+    env = resolve(consumer_env(NAME, NAMESPACE, spec, SETTINGS))
+    assert env["NATS_URL"] == SETTINGS.nats_url
+    assert env["SHOAL_SUBJECT_PREFIX"] == "shoal.prod.orders"
+    assert config_of(spec).stream == "shoal_prod_orders"
+    deployment = build_deployment(NAME, NAMESPACE, spec, SETTINGS)
+    assert container(deployment)["image"] == SETTINGS.default_image
+    assert container(deployment)["resources"] == {}
+
+
+def test_nats_and_etcd_fall_back_to_the_operator_settings() -> None:
+    custom = OperatorSettings(nats_url="nats://elsewhere:4222", etcd_endpoints="e1:2379")
+    env = resolve(consumer_env(NAME, NAMESPACE, minimal_spec(), custom))
+    assert env["NATS_URL"] == "nats://elsewhere:4222"
+    assert env["ETCD_ENDPOINTS"] == "e1:2379"
+    full = resolve(consumer_env(NAME, NAMESPACE, full_spec(), custom))
+    assert full["NATS_URL"] == "nats://nats.messaging:4222"
+
+
+def test_etcd_endpoints_as_a_list_become_a_comma_list() -> None:
+    spec = {**minimal_spec(), "etcd": {"endpoints": ["a:2379", "b:2379"]}}
+    assert config_of(spec).etcd_endpoints == "a:2379,b:2379"
+
+
+def test_member_id_and_pod_name_come_from_the_downward_api() -> None:
+    env = consumer_env(NAME, NAMESPACE, minimal_spec(), SETTINGS)
+    by_name = {var["name"]: var for var in env}
+    for var in ("POD_NAME", "SHOAL_MEMBER_ID"):
+        assert by_name[var]["valueFrom"] == {
+            "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}
+        }
+
+
+def test_ready_file_is_per_pod_and_pod_name_is_defined_before_it() -> None:
+    env = consumer_env(NAME, NAMESPACE, minimal_spec(), SETTINGS)
+    names = env_names(env)
+    assert names.index("POD_NAME") < names.index("SHOAL_READY_FILE")
+    assert resolve(env)["SHOAL_READY_FILE"] == f"/tmp/shoal/{POD}/ready"
+    assert READY_FILE.startswith("/tmp/")  # on the writable emptyDir
+
+
+def test_the_operator_owns_jetstream() -> None:
+    env = resolve(consumer_env(NAME, NAMESPACE, minimal_spec(), SETTINGS))
+    assert env["SHOAL_ENSURE_JETSTREAM"] == "false"
+
+
+def test_every_variable_is_one_the_consumer_knows() -> None:
+    names = env_names(consumer_env(NAME, NAMESPACE, {**full_spec(), "env": []}, SETTINGS))
+    assert set(names) <= set(ENV_FIELDS) | EXTRA_VARS
+    needed = set(ENV_FIELDS) - {"SHOAL_LEASE_TTL", "SHOAL_KEEPALIVE_INTERVAL", "SHOAL_METRICS_PORT"}
+    assert needed <= set(names)
+
+
+def test_env_values_are_strings_and_names_unique() -> None:
+    for spec in (minimal_spec(), full_spec()):
+        env = consumer_env(NAME, NAMESPACE, spec, SETTINGS)
+        assert len(set(env_names(env))) == len(env)
+        assert all(isinstance(var["value"], str) for var in env if "value" in var)
+
+
+def test_integral_floats_lose_their_fraction_so_int_fields_parse() -> None:
+    spec = {
+        "handler": HANDLER,
+        "partitions": 16.0,
+        "nats": {"consumer": {"ackWaitSeconds": 0.5, "maxDeliver": 3.0, "maxAckPending": 10.0}},
+    }
+    env = resolve(consumer_env(NAME, NAMESPACE, spec, SETTINGS))
+    assert (env["SHOAL_PARTITIONS"], env["SHOAL_MAX_DELIVER"]) == ("16", "3")
+    assert env["SHOAL_ACK_WAIT"] == "0.5"
+    assert config_of(spec).max_ack_pending == 10
+
+
+@pytest.mark.parametrize(
+    ("backoff", "expected"), [(None, None), ([], None), ([1, 2.5, 10], "1,2.5,10")]
+)
+def test_backoff_only_when_set(backoff: list[float] | None, expected: str | None) -> None:
+    spec = {"handler": HANDLER, "nats": {"consumer": {"backoffSeconds": backoff}}}
+    assert resolve(consumer_env(NAME, NAMESPACE, spec, SETTINGS)).get("SHOAL_BACKOFF") == expected
+
+
+def test_user_env_comes_last_and_overrides() -> None:
+    user = [
+        {"name": "SHOAL_HANDLER", "value": "other.module:fn"},
+        {"name": "FROM_SECRET", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+        {"name": "GREETING", "value": "group $(SHOAL_GROUP)"},
+    ]
+    env = consumer_env(NAME, NAMESPACE, {**minimal_spec(), "env": user}, SETTINGS)
+    assert env[-3:] == user
+    assert env_names(env).count("SHOAL_HANDLER") == 1
+    # resolve() knows no secrets; the secret ref itself is checked by env[-3:] above.
+    plain = [var for var in env if var["name"] != "FROM_SECRET"]
+    assert resolve(plain)["GREETING"] == "group orders"  # ours are defined before theirs
+    assert config_from_env(resolve(plain)).handler == "other.module:fn"
+
+
+def test_builders_do_not_alias_or_mutate_the_spec() -> None:
+    spec = full_spec()
+    before = copy.deepcopy(spec)
+    deployment = build_deployment(NAME, NAMESPACE, spec, SETTINGS)
+    container(deployment)["env"][-1]["value"] = "changed"
+    container(deployment)["resources"]["requests"]["cpu"] = "9"
+    assert spec == before
+
+
+@pytest.mark.parametrize(
+    ("name", "spec", "message"),
+    [
+        ("a.b", minimal_spec(), "ConsumerGroup name"),
+        (NAME, {"handler": ""}, "spec.handler is required"),
+        (NAME, {}, "spec.handler is required"),
+        (NAME, {"handler": HANDLER, "nats": {"subjectPrefix": "a..b"}}, "subject prefix"),
+        (NAME, {"handler": HANDLER, "nats": {"subjectPrefix": "a.*"}}, "subject prefix"),
+    ],
+)
+def test_specs_the_consumer_cannot_run_are_rejected_up_front(
+    name: str, spec: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_deployment(name, NAMESPACE, spec, SETTINGS)
+
+
+# -- credentials -----------------------------------------------------------------------------
+
+
+def test_credentials_secret_is_mounted_read_only_and_named_in_env() -> None:
+    deployment = build_deployment(NAME, NAMESPACE, full_spec(), SETTINGS)
+    volumes = {volume["name"]: volume for volume in pod_spec(deployment)["volumes"]}
+    assert volumes["nats-credentials"]["secret"] == {
+        "secretName": "orders-nats",
+        "items": [{"key": "creds", "path": "creds"}],
+    }
+    mounts = {mount["name"]: mount for mount in container(deployment)["volumeMounts"]}
+    assert mounts["nats-credentials"] == {
+        "name": "nats-credentials",
+        "mountPath": "/etc/shoal/nats",
+        "readOnly": True,
+    }
+    env = resolve(container(deployment)["env"])
+    assert env["NATS_CREDS_FILE"] == "/etc/shoal/nats/creds"
+
+
+def test_no_credentials_secret_no_volume_no_env() -> None:
+    deployment = build_deployment(NAME, NAMESPACE, minimal_spec(), SETTINGS)
+    assert [volume["name"] for volume in pod_spec(deployment)["volumes"]] == ["tmp"]
+    assert "NATS_CREDS_FILE" not in env_names(container(deployment)["env"])
+
+
+# -- deployment -------------------------------------------------------------------------------
+
+
+def test_deployment_shape() -> None:
+    deployment = build_deployment(NAME, NAMESPACE, full_spec(), SETTINGS)
+    assert (deployment["apiVersion"], deployment["kind"]) == ("apps/v1", "Deployment")
+    assert deployment["metadata"]["name"] == "orders-consumer"
+    assert deployment["metadata"]["namespace"] == NAMESPACE
+    assert "ownerReferences" not in deployment["metadata"]
+    spec = deployment["spec"]
+    assert spec["replicas"] == 4
+    assert spec["selector"] == {"matchLabels": selector(NAME)}
+    assert spec["template"]["metadata"]["labels"] == labels(NAME)
+    assert spec["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+    }
+    c = container(deployment)
+    assert c["name"] == "consumer"
+    assert c["command"] == ["shoal-consumer", "run"]
+    assert c["image"] == "registry.example/shoal:1.2.3"
+    assert c["imagePullPolicy"] == "Always"
+    assert c["resources"] == {"requests": {"cpu": "100m", "memory": "128Mi"}}
+    assert c["env"] == consumer_env(NAME, NAMESPACE, full_spec(), SETTINGS)
+
+
+def test_image_and_pull_policy_default_to_the_operator_settings() -> None:
+    custom = OperatorSettings(default_image="shoal:9", image_pull_policy="Never")
+    c = container(build_deployment(NAME, NAMESPACE, minimal_spec(), custom))
+    assert (c["image"], c["imagePullPolicy"]) == ("shoal:9", "Never")
+
+
+@pytest.mark.parametrize(("replicas", "expected"), [(None, 3), (0, 0), (1, 1), (12, 12)])
+def test_replicas_follow_the_spec(replicas: int | None, expected: int) -> None:
+    spec = {**minimal_spec(), "replicas": replicas}
+    assert build_deployment(NAME, NAMESPACE, spec, SETTINGS)["spec"]["replicas"] == expected
+
+
+def test_grace_period_leaves_room_to_drain() -> None:
+    for drain in (1, 30, 120):
+        custom = OperatorSettings(drain_timeout_seconds=drain)
+        deployment = build_deployment(NAME, NAMESPACE, minimal_spec(), custom)
+        assert pod_spec(deployment)["terminationGracePeriodSeconds"] == drain + 15
+        assert resolve(container(deployment)["env"])["SHOAL_DRAIN_TIMEOUT"] == str(drain)
+
+
+def test_readiness_is_membership() -> None:
+    probe = container(build_deployment(NAME, NAMESPACE, minimal_spec(), SETTINGS))["readinessProbe"]
+    assert probe["exec"] == {"command": ["shoal-consumer", "ready"]}
+    assert probe["periodSeconds"] == 2
+    assert probe["failureThreshold"] == 1
+    assert probe["timeoutSeconds"] <= probe["periodSeconds"]
+
+
+def test_security_context_is_locked_down_with_a_writable_tmp() -> None:
+    deployment = build_deployment(NAME, NAMESPACE, minimal_spec(), SETTINGS)
+    c = container(deployment)
+    assert c["securityContext"] == {
+        "runAsNonRoot": True,
+        "readOnlyRootFilesystem": True,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert pod_spec(deployment)["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+    assert {"name": "tmp", "emptyDir": {}} in pod_spec(deployment)["volumes"]
+    assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
+
+
+def test_pods_run_as_the_groups_service_account() -> None:
+    deployment = build_deployment(NAME, NAMESPACE, minimal_spec(), SETTINGS)
+    sa = build_service_account(NAME, NAMESPACE)
+    assert pod_spec(deployment)["serviceAccountName"] == sa["metadata"]["name"]
+
+
+# -- RBAC ------------------------------------------------------------------------------------
+
+
+def rules_for(role: dict[str, Any], group: str, resource: str) -> list[dict[str, Any]]:
+    return [r for r in role["rules"] if group in r["apiGroups"] and resource in r["resources"]]
+
+
+def test_role_restricts_consumergroups_and_scale_to_the_group() -> None:
+    role = build_role(NAME, NAMESPACE)
+    (cg,) = rules_for(role, "shoal.dev", "consumergroups")
+    assert (cg["resourceNames"], cg["verbs"]) == ([NAME], ["get"])
+    (scale,) = rules_for(role, "shoal.dev", "consumergroups/scale")
+    assert scale["resourceNames"] == [NAME]
+    assert sorted(scale["verbs"]) == ["get", "patch", "update"]
+    assert not rules_for(role, "shoal.dev", "consumergroups/status")
+
+
+def test_role_has_events_and_pods_only_as_needed() -> None:
+    role = build_role(NAME, NAMESPACE)
+    for group in ("", "events.k8s.io"):
+        (events,) = rules_for(role, group, "events")
+        assert sorted(events["verbs"]) == ["create", "patch"]
+    (pods,) = rules_for(role, "", "pods")
+    assert sorted(pods["verbs"]) == ["get", "list", "patch"]
+
+
+def test_role_has_no_wildcards_and_no_secrets() -> None:
+    role = build_role(NAME, NAMESPACE)
+    assert role["kind"] == "Role"  # namespaced, never a ClusterRole
+    for rule in role["rules"]:
+        for key in ("apiGroups", "resources", "verbs", "resourceNames"):
+            assert "*" not in rule.get(key, [])
+        assert not any("*" in resource for resource in rule["resources"])
+        assert "secrets" not in rule["resources"]
+        assert not {"delete", "deletecollection", "escalate", "bind", "impersonate"} & set(
+            rule["verbs"]
+        )
+    resources = {resource for rule in role["rules"] for resource in rule["resources"]}
+    assert resources == {"consumergroups", "consumergroups/scale", "events", "pods"}
+
+
+def test_role_binding_binds_the_role_to_the_service_account() -> None:
+    binding = build_role_binding(NAME, NAMESPACE)
+    role = build_role(NAME, NAMESPACE)
+    sa = build_service_account(NAME, NAMESPACE)
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": NAMESPACE}
+    ]
+
+
+# -- PDB and children ------------------------------------------------------------------------
+
+
+def test_pdb_lets_one_member_drain_at_a_time() -> None:
+    pdb = build_pdb(NAME, NAMESPACE, full_spec())
+    assert (pdb["apiVersion"], pdb["kind"]) == ("policy/v1", "PodDisruptionBudget")
+    assert pdb["metadata"]["name"] == "orders-consumer"
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert "minAvailable" not in pdb["spec"]
+    assert pdb["spec"]["selector"] == {"matchLabels": selector(NAME)}
+
+
+def test_children_in_apply_order_all_in_the_groups_namespace() -> None:
+    objects = children(NAME, NAMESPACE, full_spec(), SETTINGS)
+    assert [o["kind"] for o in objects] == [
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "Deployment",
+        "PodDisruptionBudget",
+    ]
+    for o in objects:
+        assert o["metadata"]["namespace"] == NAMESPACE
+        assert o["metadata"]["labels"] == labels(NAME)
+        assert "ownerReferences" not in o["metadata"]
+    names = resource_names(NAME)
+    assert [o["metadata"]["name"] for o in objects] == [
+        names["service_account"],
+        names["role"],
+        names["role_binding"],
+        names["deployment"],
+        names["pdb"],
+    ]
+    # What kopf sends to the API server must survive JSON.
+    assert json.loads(json.dumps(objects)) == objects
+
+
+def test_builders_are_deterministic() -> None:
+    assert children(NAME, NAMESPACE, full_spec(), SETTINGS) == children(
+        NAME, NAMESPACE, full_spec(), SETTINGS
+    )
+
+
+# -- settings --------------------------------------------------------------------------------
+
+
+def test_settings_defaults() -> None:
+    s = settings_from_env({})
+    assert s == OperatorSettings()
+    assert s.default_image == "shoal:dev"
+    assert s.image_pull_policy == "IfNotPresent"
+    assert s.nats_url == "nats://nats:4222"
+    assert s.etcd_endpoints == "etcd:2379"
+    assert s.drain_timeout_seconds == 30
+    assert s.watch_namespaces == []
+
+
+def test_settings_from_env() -> None:
+    s = settings_from_env(
+        {
+            "SHOAL_OPERATOR_IMAGE": "registry.example/shoal:1.2.3",
+            "SHOAL_OPERATOR_IMAGE_PULL_POLICY": "Always",
+            "NATS_URL": "nats://n:4222",
+            "ETCD_ENDPOINTS": "e1:2379,e2:2379",
+            "SHOAL_DRAIN_TIMEOUT": "45",
+            "SHOAL_WATCH_NAMESPACES": " team-a, team-b ,,",
+            "UNRELATED": "ignored",
+        }
+    )
+    assert s.default_image == "registry.example/shoal:1.2.3"
+    assert s.image_pull_policy == "Always"
+    assert s.nats_url == "nats://n:4222"
+    assert s.etcd_endpoints == "e1:2379,e2:2379"
+    assert s.drain_timeout_seconds == 45
+    assert s.watch_namespaces == ["team-a", "team-b"]
+
+
+def test_settings_empty_values_mean_default() -> None:
+    env = {"SHOAL_OPERATOR_IMAGE": "", "NATS_URL": " ", "SHOAL_WATCH_NAMESPACES": ""}
+    assert settings_from_env(env) == OperatorSettings()
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"SHOAL_OPERATOR_IMAGE_PULL_POLICY": "Sometimes"},
+        {"SHOAL_DRAIN_TIMEOUT": "0"},
+        {"SHOAL_DRAIN_TIMEOUT": "soon"},
+    ],
+)
+def test_settings_reject_nonsense(env: dict[str, str]) -> None:
+    with pytest.raises(ValidationError):
+        settings_from_env(env)
+
+
+def test_settings_are_frozen() -> None:
+    with pytest.raises(ValidationError):
+        OperatorSettings().nats_url = "nats://x"  # type: ignore[misc]
+
+
+# -- properties ------------------------------------------------------------------------------
+
+dns_label = st.from_regex(r"[a-z]([a-z0-9-]{0,20}[a-z0-9])?", fullmatch=True)
+token = st.from_regex(r"[A-Za-z0-9_-]{1,8}", fullmatch=True)
+seconds = st.one_of(st.integers(1, 600), st.floats(0.1, 600, allow_nan=False))
+stream_section = st.fixed_dictionaries(
+    {},
+    optional={
+        "name": st.one_of(st.just(""), st.from_regex(r"[A-Za-z0-9_-]{1,20}", fullmatch=True)),
+        "retention": st.sampled_from(["workqueue", "limits", "interest"]),
+        "storage": st.sampled_from(["file", "memory"]),
+        "replicas": st.integers(1, 5),
+    },
+)
+consumer_section = st.fixed_dictionaries(
+    {},
+    optional={
+        "ackWaitSeconds": seconds,
+        "maxAckPending": st.integers(1, 100_000),
+        "maxDeliver": st.integers(1, 100),
+        "backoffSeconds": st.lists(seconds, max_size=4),
+    },
+)
+nats_section = st.fixed_dictionaries(
+    {},
+    optional={
+        "url": st.sampled_from(["", "nats://n:4222", "tls://a:4222,tls://b:4222"]),
+        "credentialsSecret": st.one_of(st.just(""), dns_label),
+        "subjectPrefix": st.one_of(
+            st.just(""), st.lists(token, min_size=1, max_size=4).map(".".join)
+        ),
+        "stream": stream_section,
+        "consumer": consumer_section,
+    },
+)
+user_env = st.lists(
+    st.fixed_dictionaries(
+        {
+            "name": st.from_regex(r"USER_[A-Z0-9_]{1,8}", fullmatch=True),
+            # No "$": $(VAR) expansion is tested on its own.
+            "value": st.text(st.characters(codec="ascii", exclude_characters="$"), max_size=10),
+        }
+    ),
+    max_size=3,
+    unique_by=lambda var: var["name"],
+)
+specs = st.fixed_dictionaries(
+    {"handler": st.sampled_from([HANDLER, "shoal.consumer.handlers:noop"])},
+    optional={
+        "replicas": st.integers(0, 50),
+        "partitions": st.integers(1, 4096),
+        "image": st.sampled_from(["", "registry.example/shoal:2"]),
+        "imagePullPolicy": st.sampled_from(["Always", "IfNotPresent", "Never"]),
+        "env": user_env,
+        "resources": st.just({"limits": {"cpu": "1"}}),
+        "nats": nats_section,
+        "etcd": st.fixed_dictionaries(
+            {}, optional={"endpoints": st.sampled_from(["", "x:2379", "x:2379,y:2379"])}
+        ),
+    },
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(name=dns_label, namespace=dns_label, spec=specs, drain=st.integers(1, 600))
+def test_any_valid_spec_builds_a_consistent_deployment_the_consumer_accepts(
+    name: str, namespace: str, spec: dict[str, Any], drain: int
+) -> None:
+    before = copy.deepcopy(spec)
+    ops = OperatorSettings(drain_timeout_seconds=drain)
+    deployment = build_deployment(name, namespace, spec, ops)
+    assert spec == before
+
+    template = deployment["spec"]["template"]
+    assert (
+        deployment["spec"]["selector"]["matchLabels"].items()
+        <= template["metadata"]["labels"].items()
+    )
+    assert template["spec"]["terminationGracePeriodSeconds"] > drain
+    volumes = {volume["name"] for volume in template["spec"]["volumes"]}
+    assert {mount["name"] for mount in container(deployment)["volumeMounts"]} == volumes
+
+    env = container(deployment)["env"]
+    assert len(set(env_names(env))) == len(env)
+    pod = f"{resource_names(name)['deployment']}-5d8f7-abcde"
+    resolved = resolve(env, pod=pod, namespace=namespace)
+    config = config_from_env(resolved)
+
+    nats = spec.get("nats", {})
+    stream = nats.get("stream", {})
+    consumer = nats.get("consumer", {})
+    assert (config.group, config.namespace, config.member_id) == (name, namespace, pod)
+    assert config.partitions == spec.get("partitions", 128)
+    assert config.subject_prefix == (nats.get("subjectPrefix") or f"shoal.{namespace}.{name}")
+    assert config.stream == (stream.get("name") or default_stream_name(namespace, name))
+    assert config.retention == stream.get("retention", "workqueue")
+    assert config.storage == stream.get("storage", "file")
+    assert config.stream_replicas == stream.get("replicas", 1)
+    assert config.handler == spec["handler"]
+    assert config.ack_wait == pytest.approx(consumer.get("ackWaitSeconds", 5))
+    assert config.max_ack_pending == consumer.get("maxAckPending", 1000)
+    assert config.max_deliver == consumer.get("maxDeliver", 5)
+    assert config.backoff == pytest.approx(tuple(consumer.get("backoffSeconds") or ()))
+    assert config.drain_timeout == drain
+    assert ("NATS_CREDS_FILE" in resolved) == bool(nats.get("credentialsSecret"))
+    for var in spec.get("env") or []:
+        assert resolved[var["name"]] == var["value"]
+
+    for child in children(name, namespace, spec, ops):
+        assert child["metadata"]["namespace"] == namespace
