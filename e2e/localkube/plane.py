@@ -466,7 +466,10 @@ class LocalKube:
         if not self.state_path.exists():
             return
         state = State.load(self.state_path)
-        for component in reversed(state.components):
+        # The kubelet first, while its pods can still reach NATS, etcd and the API server
+        # to leave their groups gracefully; then the rest in reverse start order.
+        order = sorted(reversed(state.components), key=lambda c: c.name != "kubelet")
+        for component in order:
             # The kubelet needs time to stop its pods gracefully.
             timeout = 40.0 if component.name == "kubelet" else STOP_TIMEOUT
             started = time.monotonic()
