@@ -28,6 +28,7 @@ class Kube:
         self.api = api
         self.dynamic = dynamic.DynamicClient(api)
         self.apps = client.AppsV1Api(api)
+        self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
 
     def _apply(self, obj: dict[str, Any]) -> None:
@@ -55,3 +56,20 @@ class Kube:
             raise
         st = dep.status
         return {"replicas": int(st.replicas or 0), "ready": int(st.ready_replicas or 0)}
+
+    async def remove_consumers(self, namespace: str, deployment: str, selector: str) -> int:
+        """Delete the consumers' Deployment (if still there); how many pods remain."""
+        try:
+            await asyncio.to_thread(
+                self.apps.delete_namespaced_deployment,
+                deployment,
+                namespace,
+                propagation_policy="Background",
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+        pods = await asyncio.to_thread(
+            self.core.list_namespaced_pod, namespace, label_selector=selector
+        )
+        return len(pods.items)

@@ -267,6 +267,13 @@ async def delete(
     namespace = namespace or "default"  # ConsumerGroups are namespaced
     settings: OperatorSettings = memo.settings
     config = group_config(name, namespace, spec, settings)
+    # The consumers must be gone first: garbage collection would remove them only after
+    # this finalizer, and a live leader would write the assignment straight back.
+    remaining = await memo.kube.remove_consumers(
+        namespace, resource_names(name)["deployment"], selector_string(name)
+    )
+    if remaining:
+        raise kopf.TemporaryError(f"waiting for {remaining} consumer pods to leave", delay=3)
     etcd = await _etcd(memo, config.etcd_endpoints)
     await etcd.delete_prefix(Keys(namespace, name).prefix)
     if spec.get("deletionPolicy") == "Delete":

@@ -1,0 +1,250 @@
+"""The operator on the local control plane: a ConsumerGroup becomes a working group.
+
+The operator runs as a local process (the Helm test runs it as a Pod) and watches only
+this file's namespaces, so it can share the session's plane with other suites.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+import yaml
+
+from e2e.fleet import wait_for_status
+from e2e.localkube.plane import LocalKube
+from e2e.servers import free_port
+from shoal.consumer.assignor import min_moves, moved
+from shoal.consumer.etcd import Etcd
+from shoal.consumer.handlers import SEQ_HEADER
+from shoal.consumer.ledger import audit, read_ledger
+from shoal.consumer.partitioning import Keys
+from shoal.consumer.producer import Outgoing, Producer
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
+
+ROOT = Path(__file__).resolve().parent.parent
+NAMESPACES = ("op-test", "op-bad")
+
+
+def wait_until(check: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+
+
+def get_json(plane: LocalKube, *args: str) -> Any:
+    return json.loads(plane.kubectl("get", *args, "-o", "json").stdout)
+
+
+def condition(cg: dict[str, Any], kind: str) -> dict[str, Any]:
+    for c in cg.get("status", {}).get("conditions", []):
+        if c["type"] == kind:
+            return dict(c)
+    return {}
+
+
+@pytest.fixture(scope="module")
+def operator(localkube: LocalKube, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    plane = localkube
+    plane.kubectl("apply", "--server-side", "-f", str(ROOT / "crds" / "consumergroup.yaml"))
+    plane.kubectl(
+        "wait", "--for=condition=Established", "crd/consumergroups.shoal.dev", "--timeout=60s"
+    )
+    for ns in NAMESPACES:
+        plane.kubectl("create", "namespace", ns)
+
+        def has_default_sa(namespace: str = ns) -> bool:
+            found = plane.kubectl("get", "sa", "default", "-n", namespace, check=False)
+            return found.returncode == 0
+
+        wait_until(has_default_sa, 30, f"the default service account of {ns}")
+    log_path = tmp_path_factory.mktemp("operator") / "operator.log"
+    env = {
+        **os.environ,
+        **plane.env(),
+        "SHOAL_OPERATOR_IMAGE": "shoal:dev",
+        "NATS_URL": plane.state.nats_url,
+        "ETCD_ENDPOINTS": plane.state.etcd_endpoint,
+    }
+    args = [a for ns in NAMESPACES for a in ("--namespace", ns)]
+    with log_path.open("wb") as out:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-P",
+                "-m",
+                "shoal.operator",
+                *args,
+                "--liveness",
+                f"http://127.0.0.1:{free_port()}/healthz",
+            ],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        yield log_path
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def example(namespace: str, replicas: int = 3, **spec: Any) -> str:
+    manifest = yaml.safe_load((ROOT / "examples" / "consumergroup.yaml").read_text())
+    manifest["metadata"]["namespace"] = namespace
+    manifest["spec"]["replicas"] = replicas
+    manifest["spec"].update(spec)
+    return json.dumps(manifest)
+
+
+def test_a_group_becomes_ready_scales_and_deletes(localkube: LocalKube, operator: Path) -> None:
+    plane, ns = localkube, "op-test"
+    started = time.monotonic()
+    plane.kubectl("apply", "-f", "-", input_text=example(ns))
+    cg = wait_until(
+        lambda: (
+            (c := get_json(plane, "cg", "orders", "-n", ns))
+            and condition(c, "Ready").get("status") == "True"
+            and c
+        ),
+        90,
+        "the group to become Ready",
+    )
+    became_ready = time.monotonic() - started
+    assert became_ready < 60, f"Ready only after {became_ready:.0f} s"
+    status = cg["status"]
+    assert status["leader"].startswith("orders-consumer-")
+    assert status["skew"] <= 1 and status["members"] == 3 and status["readyReplicas"] == 3
+
+    # The children, adopted by the group.
+    uid = cg["metadata"]["uid"]
+    for kind in ("deployment", "serviceaccount", "role", "rolebinding", "pdb"):
+        child = get_json(plane, kind, "orders-consumer", "-n", ns)
+        assert [o["uid"] for o in child["metadata"]["ownerReferences"]] == [uid], kind
+    role = get_json(plane, "role", "orders-consumer", "-n", ns)
+    scale_rules = [r for r in role["rules"] if "consumergroups/scale" in r["resources"]]
+    assert scale_rules and scale_rules[0]["resourceNames"] == ["orders"]
+
+    table = plane.kubectl("get", "cg", "-n", ns).stdout
+    assert table.split("\n")[0].split() == [
+        "NAME",
+        "REPLICAS",
+        "READY",
+        "LEADER",
+        "SKEW",
+        "LAG",
+        "AGE",
+    ]
+    described = plane.kubectl("describe", "cg", "orders", "-n", ns).stdout
+    assert "Reconciled" in described and "Rebalanced" in described
+
+    asyncio.run(_scale_while_producing(plane, ns))
+    scaled = get_json(plane, "cg", "orders", "-n", ns)
+    assert scaled["status"]["lastScale"]["to"] == 5
+    assert "Scaled" in plane.kubectl("describe", "cg", "orders", "-n", ns).stdout
+
+    plane.kubectl("delete", "cg", "orders", "-n", ns, "--timeout=120s")
+    wait_until(lambda: not get_json(plane, "pods", "-n", ns)["items"], 90, "pods to go")
+    assert (
+        plane.kubectl("get", "deployment", "orders-consumer", "-n", ns, check=False).returncode != 0
+    )
+    asyncio.run(_stream_kept_and_etcd_cleared(plane, ns))
+
+
+async def _scale_while_producing(plane: LocalKube, ns: str) -> None:
+    etcd = Etcd(plane.state.etcd_endpoint)
+    await etcd.connect(attempts=5)
+    nc = await nats.connect(plane.state.nats_url)
+    try:
+        js = nc.jetstream()
+        before = await wait_for_status(
+            etcd, ns, "orders", 128, lambda s: len(s.members) == 3 and not s.unclaimed, 30
+        )
+        items = [
+            Outgoing(f"project-{i % 1000}", b"x", f"op-{i}", {SEQ_HEADER: str(i // 1000)})
+            for i in range(6000)
+        ]
+        producer = Producer(js, f"shoal.{ns}.orders", 128)
+        production = asyncio.create_task(producer.publish_many(items, window=256))
+        await asyncio.to_thread(plane.kubectl, "scale", "cg", "orders", "-n", ns, "--replicas=5")
+        after = await wait_for_status(
+            etcd,
+            ns,
+            "orders",
+            128,
+            lambda s: (
+                len(s.members) == 5 and not s.unowned and s.claims == s.owners and s.skew <= 1
+            ),
+            90,
+        )
+        moves = moved(before.owners, after.owners)
+        assert len(moves) == min_moves(128, after.members, before.owners)
+        await production
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if (await js.stream_info(f"shoal_{ns}_orders")).state.messages == 0:
+                break
+            await asyncio.sleep(0.5)
+        records = await read_ledger(js, f"shoal_{ns}_orders_ledger")
+        result = audit(records, [i.message_id or "" for i in items])
+        assert result.summary()["lost"] == 0
+        assert result.summary()["duplicates"] == 0
+    finally:
+        await nc.close()
+        etcd.close()
+
+
+async def _stream_kept_and_etcd_cleared(plane: LocalKube, ns: str) -> None:
+    etcd = Etcd(plane.state.etcd_endpoint)
+    await etcd.connect(attempts=5)
+    nc = await nats.connect(plane.state.nats_url)
+    try:
+        info = await nc.jetstream().stream_info(f"shoal_{ns}_orders")
+        assert info.config.name == f"shoal_{ns}_orders"  # deletionPolicy Retain
+        _, kvs = await etcd.get_prefix(Keys(ns, "orders").prefix)
+        assert kvs == {}
+    finally:
+        await nc.close()
+        etcd.close()
+
+
+def test_an_unknown_handler_degrades_with_a_warning(localkube: LocalKube, operator: Path) -> None:
+    plane, ns = localkube, "op-bad"
+    plane.kubectl("apply", "-f", "-", input_text=example(ns, 1, handler="no_such_module:handle"))
+    degraded = wait_until(
+        lambda: condition(get_json(plane, "cg", "orders", "-n", ns), "Degraded"),
+        60,
+        "a Degraded condition",
+    )
+    assert degraded["status"] == "True" and degraded["reason"] == "HandlerInvalid"
+    assert "no_such_module" in degraded["message"]
+    events = plane.kubectl(
+        "get", "events", "-n", ns, "--field-selector", "reason=HandlerInvalid"
+    ).stdout
+    assert "Warning" in events and "no_such_module" in events
+    # Nothing was created for a group that cannot work.
+    assert (
+        plane.kubectl("get", "deployment", "orders-consumer", "-n", ns, check=False).returncode != 0
+    )
+    plane.kubectl("delete", "cg", "orders", "-n", ns, "--timeout=60s")
