@@ -48,7 +48,7 @@ echo "etcd: $$etcd ($$("$$etcd" --version 2>&1 | head -n1))"; \
 export SHOAL_NATS_SERVER="$$nats" SHOAL_ETCD="$$etcd";
 endef
 
-.PHONY: venv test test-fast lint typecheck bench demo servers clean tools cluster-up cluster-down
+.PHONY: venv test test-fast lint typecheck bench demo demo-local servers clean tools cluster-up cluster-down
 
 venv: $(STAMP)
 
@@ -115,7 +115,13 @@ cluster-down: venv
 test-fast: venv
 	$(PYM) pytest -m "not e2e" $(PYTEST_ARGS)
 
-demo: venv
+# The real thing: the local plane (left up), helm install, the example group, scaling.
+demo: venv tools
+	@$(servers_env) \
+	$(PYM) e2e.kubedemo $(DEMO_ARGS)
+
+# The consumer runtime alone: real etcd and nats-server, consumer processes, no Kubernetes.
+demo-local: venv
 	@$(servers_env) \
 	$(PYM) e2e.demo $(DEMO_ARGS)
 

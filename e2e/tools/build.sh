@@ -49,9 +49,17 @@ build() {  # build <dest dir> <binary names...> -- <go command...>
     echo "$dest"
 }
 
+# The version the official build stamps in (hack/lib/version.sh); without it the
+# binaries say v0.0.0-master, which kubectl cannot parse and Helm's kubeVersion rejects.
+minor="$(echo "$KUBE" | cut -d. -f2)"
+ldflags=""
+for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    ldflags="$ldflags -X $pkg.gitVersion=$KUBE -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
+    ldflags="$ldflags -X $pkg.gitTreeState=clean"
+done
 kube="$cache/kube-$KUBE"
 build "$kube" kube-apiserver kube-controller-manager kubectl -- \
-    sh -c "\"$go_bin\" build -o \"\$GOBIN/\" k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kubectl"
+    sh -c "\"$go_bin\" build -ldflags \"$ldflags\" -o \"\$GOBIN/\" k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kubectl"
 build "$cache/etcd-$ETCD" etcd -- sh -c "\"$go_bin\" build -o \"\$GOBIN/etcd\" ./etcd"
 build "$cache/helm-$HELM" helm -- "$go_bin" install "helm.sh/helm/v3/cmd/helm@$HELM"
 grep -q "github.com/nats-io/natscli $NATSCLI" "$here/natscli/go.mod" \
