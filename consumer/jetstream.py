@@ -13,7 +13,7 @@ from typing import Any
 
 import nats
 from nats.js import api
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import APIError, BadRequestError, NotFoundError
 
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.partitioning import (
@@ -140,7 +140,7 @@ async def _ensure_stream(js: Any, name: str, subjects: list[str], **kwargs: Any)
         try:
             await js.update_stream(name=name, subjects=subjects, **kwargs)
             log.info("Updated stream %s to the declared configuration", name)
-        except BadRequestError as exc:
+        except APIError as exc:  # JetStream refuses some changes as 400, others as 500
             raise StreamConfigConflict(
                 f"stream {name} exists with a configuration JetStream cannot change in "
                 f"place: {exc.description}"

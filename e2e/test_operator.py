@@ -248,3 +248,80 @@ def test_an_unknown_handler_degrades_with_a_warning(localkube: LocalKube, operat
         plane.kubectl("get", "deployment", "orders-consumer", "-n", ns, check=False).returncode != 0
     )
     plane.kubectl("delete", "cg", "orders", "-n", ns, "--timeout=60s")
+
+
+def _degraded_reason(plane: LocalKube, ns: str, name: str) -> dict[str, Any]:
+    cg = get_json(plane, "cg", name, "-n", ns)
+    found = condition(cg, "Degraded")
+    return found if found.get("status") == "True" else {}
+
+
+def test_unreachable_nats_degrades_and_retries(localkube: LocalKube, operator: Path) -> None:
+    plane, ns = localkube, "op-bad"
+    manifest = json.loads(example(ns, 1))
+    manifest["metadata"]["name"] = "lost"
+    manifest["spec"]["nats"] = {"url": f"nats://127.0.0.1:{free_port()}"}
+    plane.kubectl("apply", "-f", "-", input_text=json.dumps(manifest))
+    degraded = wait_until(lambda: _degraded_reason(plane, ns, "lost"), 60, "Degraded")
+    assert degraded["reason"] == "NatsUnavailable"
+    assert "unavailable" in degraded["message"]
+    events = plane.kubectl(
+        "get", "events", "-n", ns, "--field-selector", "reason=NatsUnavailable"
+    ).stdout
+    assert "Warning" in events
+    plane.kubectl("delete", "cg", "lost", "-n", ns, "--timeout=90s")
+
+
+def test_stream_config_and_policies(localkube: LocalKube, operator: Path) -> None:
+    plane, ns = localkube, "op-bad"
+    manifest = json.loads(example(ns, 1))
+    manifest["metadata"]["name"] = "streams"
+    manifest["spec"]["deletionPolicy"] = "Delete"
+    manifest["spec"]["nats"] = {"consumer": {"ackWaitSeconds": 7, "maxDeliver": 4}}
+    plane.kubectl("apply", "-f", "-", input_text=json.dumps(manifest))
+    stream = f"shoal_{ns}_streams"
+
+    async def durables() -> list[Any]:
+        nc = await nats.connect(plane.state.nats_url)
+        try:
+            return list(await nc.jetstream().consumers_info(stream))
+        except Exception:
+            return []
+        finally:
+            await nc.close()
+
+    infos = wait_until(
+        lambda: (d := asyncio.run(durables())) and len(d) == 128 and d, 60, "128 durable consumers"
+    )
+    p7 = next(i for i in infos if i.name == "p7")
+    assert p7.config.filter_subject == f"shoal.{ns}.streams.7"
+    assert p7.config.ack_wait == 7 and p7.config.max_deliver == 4
+
+    # Retention cannot change in place: Degraded, a Warning, and the stream left as it is.
+    plane.kubectl(
+        "patch",
+        "cg",
+        "streams",
+        "-n",
+        ns,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"nats": {"stream": {"retention": "limits"}}}}),
+    )
+    degraded = wait_until(
+        lambda: _degraded_reason(plane, ns, "streams"), 60, "a StreamConfigConflict"
+    )
+    assert degraded["reason"] == "StreamConfigConflict", degraded
+    assert stream in degraded["message"]
+
+    # deletionPolicy Delete: the streams go with the group.
+    plane.kubectl("delete", "cg", "streams", "-n", ns, "--timeout=120s")
+
+    async def stream_names() -> list[str]:
+        nc = await nats.connect(plane.state.nats_url)
+        try:
+            return [str(s.config.name) for s in await nc.jetstream().streams_info()]
+        finally:
+            await nc.close()
+
+    assert not [s for s in asyncio.run(stream_names()) if s.startswith(stream)]
