@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from e2e.kubetest import get_json, wait_until
 from e2e.localkube.plane import LocalKube
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -22,21 +22,6 @@ EXAMPLE_PATH = REPO / "examples" / "consumergroup.yaml"
 CRD_NAME = "consumergroups.shoal.dev"
 API_VERSION = "shoal.dev/v1alpha1"
 HANDLER = "shoal.consumer.handlers:ledger"
-
-
-def wait_until(check: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
-
-
-def get_json(plane: LocalKube, *args: str) -> Any:
-    return json.loads(plane.kubectl("get", *args, "-o", "json").stdout)
 
 
 def apply(

@@ -12,13 +12,12 @@ import os
 import re
 import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 
+from e2e.kubetest import condition, get_json, wait_until
 from e2e.localkube.plane import LocalKube
 from e2e.servers import free_port
 
@@ -32,17 +31,6 @@ OPERATOR = f"{RELEASE}-operator"  # the chart's Deployment: <fullname>-operator
 CRD = "consumergroups.shoal.dev"
 GROUP = "orders"
 RELEASE_LABELS = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/managed-by=Helm"
-
-
-def wait_until(check: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
 
 
 def run(
@@ -73,17 +61,6 @@ def kubectl(
     plane: LocalKube, *args: str, check: bool = True, input_text: str | None = None
 ) -> subprocess.CompletedProcess[str]:
     return run(plane, "kubectl", *args, check=check, input_text=input_text)
-
-
-def get_json(plane: LocalKube, *args: str) -> Any:
-    return json.loads(kubectl(plane, "get", *args, "-o", "json").stdout)
-
-
-def condition(cg: dict[str, Any], kind: str) -> dict[str, Any]:
-    for c in cg.get("status", {}).get("conditions", []):
-        if c["type"] == kind:
-            return dict(c)
-    return {}
 
 
 def ensure_namespace(plane: LocalKube, name: str) -> None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from e2e.kubetest import create_namespace, get_json, wait_until
 from e2e.localkube.plane import LocalKube, State, alive
 from e2e.servers import free_port
 
@@ -28,21 +28,6 @@ SLEEPER = (
 )
 
 
-def wait_until(check: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
-
-
-def get_json(plane: LocalKube, *args: str) -> Any:
-    return json.loads(plane.kubectl("get", *args, "-o", "json").stdout)
-
-
 def apply(plane: LocalKube, manifest: dict[str, Any] | list[dict[str, Any]]) -> None:
     items = manifest if isinstance(manifest, list) else [manifest]
     plane.kubectl(
@@ -50,19 +35,6 @@ def apply(plane: LocalKube, manifest: dict[str, Any] | list[dict[str, Any]]) -> 
         "-f",
         "-",
         input_text=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}),
-    )
-
-
-def create_namespace(plane: LocalKube, name: str) -> None:
-    """Create a namespace and wait for its default ServiceAccount (pods need it)."""
-    plane.kubectl("create", "namespace", name)
-    wait_until(
-        lambda: (
-            plane.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode
-            == 0
-        ),
-        30,
-        f"the default service account of {name}",
     )
 
 

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from e2e.fleet import wait_for_status
+from e2e.kubetest import condition, get_json, wait_until
 from e2e.localkube.plane import LocalKube
 from e2e.servers import free_port
 from shoal.consumer.assignor import min_moves, moved
@@ -35,28 +36,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMESPACES = ("op-test", "op-bad")
-
-
-def wait_until(check: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
-
-
-def get_json(plane: LocalKube, *args: str) -> Any:
-    return json.loads(plane.kubectl("get", *args, "-o", "json").stdout)
-
-
-def condition(cg: dict[str, Any], kind: str) -> dict[str, Any]:
-    for c in cg.get("status", {}).get("conditions", []):
-        if c["type"] == kind:
-            return dict(c)
-    return {}
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +139,12 @@ def test_a_group_becomes_ready_scales_and_deletes(localkube: LocalKube, operator
     assert "Reconciled" in described and "Rebalanced" in described
 
     asyncio.run(_scale_while_producing(plane, ns))
-    scaled = get_json(plane, "cg", "orders", "-n", ns)
+    scaled = wait_until(
+        lambda: (c := get_json(plane, "cg", "orders", "-n", ns))["status"].get("lastScale") and c,
+        30,
+        "status.lastScale",
+    )
+    assert scaled["status"]["lastScale"]["from"] == 3
     assert scaled["status"]["lastScale"]["to"] == 5
     assert "Scaled" in plane.kubectl("describe", "cg", "orders", "-n", ns).stdout
 

@@ -72,7 +72,6 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     memo.settings = settings_from_env(os.environ)
     memo.kube = Kube(api_client())
     memo.etcd = {}
-    memo.seen = {}
     log.info(
         "Shoal operator started: default image %s, NATS %s, etcd %s",
         memo.settings.default_image,
@@ -129,6 +128,7 @@ async def reconcile(
     memo: Any,
     patch: kopf.Patch,
     retry: int,
+    old: Any = None,
     **_: Any,
 ) -> None:
     namespace = namespace or "default"  # ConsumerGroups are namespaced
@@ -140,6 +140,18 @@ async def reconcile(
         _degraded(patch, status, "HandlerInvalid", problem, generation)
         kopf.warn(body, reason="HandlerInvalid", message=problem)
         raise kopf.TemporaryError(problem, delay=min(300, 10 * 2 ** min(retry, 5)))
+
+    before = ((old or {}).get("spec") or {}).get("replicas")
+    after = spec.get("replicas")
+    if before is not None and before != after:
+        # Whoever set spec.replicas (kubectl scale, an HPA, the leader) came through here.
+        patch.status["lastScale"] = {
+            "time": now(),
+            "from": before,
+            "to": after,
+            "reason": "spec.replicas changed",
+        }
+        kopf.info(body, reason="Scaled", message=f"Replicas {before} -> {after}")
 
     for obj in children(name, namespace, dict(spec), settings):
         kopf.adopt(obj, owner=body)
@@ -244,18 +256,6 @@ async def observe_group(
             message=f"Assignment generation {generation_seen}: {len(members)} members, "
             f"leader {leader}, skew {new['skew']}",
         )
-    seen: dict[str, int] = memo.seen
-    uid = str(meta.get("uid"))
-    want = int(spec.get("replicas", 0))
-    if uid in seen and seen[uid] != want:
-        new["lastScale"] = {
-            "time": now(),
-            "from": seen[uid],
-            "to": want,
-            "reason": "spec.replicas changed",
-        }
-        kopf.info(body, reason="Scaled", message=f"Replicas {seen[uid]} -> {want}")
-    seen[uid] = want
     for key, value in new.items():
         patch.status[key] = value
 

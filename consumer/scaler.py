@@ -1,0 +1,574 @@
+"""Autoscaling decisions for a consumer group (DESIGN.md, "Scaling").
+
+Pure and deterministic: no I/O, no clock reads (``now`` is a parameter), no randomness.
+The leader calls :func:`decide` every ``interval_seconds`` with the stats each member
+published in etcd, applies the returned :class:`Decision` through the ConsumerGroup's
+``scale`` subresource (unless it is a dry run) and keeps the returned
+:class:`ScalerState` for the next round. The only side effect is logging: a member whose
+stats are missing, garbage or stale is logged once when it starts being ignored, not on
+every round.
+
+Rules (the seed's, made safe, plus an HPA-like lag target):
+
+* **Up** when any member's CPU (percent of its limit) is ``>= cpu_threshold``, or the
+  average number of active projects per member is ``> max_projects_per_member`` (+1
+  each, as the seed), or, when ``target_lag_per_member`` is set, toward
+  ``ceil(total lag / target)`` unless the lag per member is within ``tolerance`` (10%)
+  of the target. Several rules asking for more take the largest; one step adds at most
+  ``max_step_up`` members.
+* **Down** by exactly one member when the average number of active projects per member
+  is ``< min_projects_per_member`` or the lag target asks for fewer members, and only if
+
+  - every expected member reported usable stats this round (a missing member might be
+    the busy one: missing data may scale up, never down);
+  - removing one member would not immediately trip an up rule: the projected CPU
+    (``cpu_max * n / (n - 1)``), active projects per member and lag per member stay
+    under their thresholds (this is the hysteresis the seed lacks: without it a
+    down/up pair flaps once per cooldown), and going to zero needs an idle group;
+  - every recommendation of the last ``scale_down_window_seconds`` agreed (a spike's
+    trough, a sawtooth or noise never lasts a whole window).
+
+* **Never** a change inside ``cooldown_seconds`` after an action (so no reversal in a
+  cooldown), while a rebalance (hand-over) is in progress, or without any data; never
+  outside ``[min_replicas, min(max_replicas, partitions)]``. A current count outside
+  those bounds is brought back to them at once ("below minReplicas"), even inside a
+  cooldown and without data: bounds are hard limits, not load heuristics, and clamping
+  is idempotent so it cannot flap.
+
+Defaults that are not in the CRD:
+
+* ``max_step_up = 4``: the seed rules only ever ask for +1, so the cap only bounds the
+  lag rule. With a 10-minute cooldown, +1 per step would need an hour to go from 2 to 8
+  members under a backlog; 4 gets there in one step while a single bogus lag reading
+  (a stuck ``num_pending``) costs at most 4 pods for one cooldown. One rebalance that
+  adds 4 members moves fewer partitions than 4 rebalances adding one each.
+* ``scale_down_window_seconds = 300`` (the HPA's default scale-down stabilization):
+  10 rounds at 30 s must agree. It is shorter than the cooldown, so after an action the
+  window fills during the cooldown and adds no delay; and a new leader (empty history)
+  cannot scale down in its first 5 minutes on a single reading.
+
+Dry run: decisions are computed, reported with ``dry_run=True`` and the cooldown is
+recorded as if they had been applied, so the Events a dry run produces are the ones a
+real run would (one action per cooldown, not one per interval).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+__all__ = [
+    "DEFAULT_MAX_STEP_UP",
+    "DEFAULT_SCALE_DOWN_WINDOW_SECONDS",
+    "DEFAULT_TOLERANCE",
+    "MAX_CPU_PERCENT",
+    "STALE_INTERVALS",
+    "Action",
+    "Decision",
+    "MemberStats",
+    "Policy",
+    "ScalerState",
+    "decide",
+    "parse_stats",
+]
+
+log = logging.getLogger(__name__)
+
+Action = Literal["up", "down", "none"]
+SignalValue = float | int | str | None
+
+DEFAULT_TOLERANCE = 0.10
+DEFAULT_MAX_STEP_UP = 4
+DEFAULT_SCALE_DOWN_WINDOW_SECONDS = 300.0
+#: Stats older than this many intervals (by their ``ts``) count as missing.
+STALE_INTERVALS = 3
+#: CPU above this (percent of the limit) is not a reading but garbage.
+MAX_CPU_PERCENT = 10_000.0
+
+
+# -- policy -------------------------------------------------------------------------------
+
+
+def _spec_int(section: Mapping[str, Any], key: str, default: int, minimum: int, where: str) -> int:
+    value = section.get(key, default)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{where}{key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _spec_bool(section: Mapping[str, Any], key: str, default: bool, where: str) -> bool:
+    value = section.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"{where}{key} must be a boolean, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How to scale: ConsumerGroup ``spec.autoscaling`` plus the replica bounds."""
+
+    enabled: bool = False
+    interval_seconds: float = 30.0
+    cooldown_seconds: float = 600.0
+    cpu_threshold: float = 90.0
+    max_projects_per_member: int = 50
+    min_projects_per_member: int = 2
+    target_lag_per_member: int | None = None
+    dry_run: bool = False
+    min_replicas: int = 1
+    max_replicas: int = 10
+    partitions: int = 128
+    tolerance: float = DEFAULT_TOLERANCE
+    max_step_up: int = DEFAULT_MAX_STEP_UP
+    scale_down_window_seconds: float = DEFAULT_SCALE_DOWN_WINDOW_SECONDS
+
+    def __post_init__(self) -> None:
+        checks: list[tuple[str, bool]] = [
+            ("interval_seconds > 0", self.interval_seconds > 0),
+            ("cooldown_seconds >= 0", self.cooldown_seconds >= 0),
+            ("cpu_threshold > 0", self.cpu_threshold > 0),
+            ("max_projects_per_member >= 0", self.max_projects_per_member >= 0),
+            ("min_projects_per_member >= 0", self.min_projects_per_member >= 0),
+            (
+                "target_lag_per_member is None or >= 1",
+                self.target_lag_per_member is None or self.target_lag_per_member >= 1,
+            ),
+            ("min_replicas >= 0", self.min_replicas >= 0),
+            ("max_replicas >= 1", self.max_replicas >= 1),
+            ("partitions >= 1", self.partitions >= 1),
+            ("0 <= tolerance < 1", 0 <= self.tolerance < 1),
+            ("max_step_up >= 1", self.max_step_up >= 1),
+            ("scale_down_window_seconds >= 0", self.scale_down_window_seconds >= 0),
+        ]
+        for text, ok in checks:
+            if not ok:
+                raise ValueError(f"invalid scaling policy: need {text} ({self!r})")
+
+    @property
+    def upper(self) -> int:
+        """Most replicas allowed: ``maxReplicas``, and never more members than partitions."""
+        return min(self.max_replicas, self.partitions)
+
+    @property
+    def lower(self) -> int:
+        """Fewest replicas allowed (``minReplicas``, at most :attr:`upper`)."""
+        return min(self.min_replicas, self.upper)
+
+    @property
+    def stale_after_seconds(self) -> float:
+        return STALE_INTERVALS * self.interval_seconds
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any]) -> Policy:
+        """Read a ConsumerGroup ``spec`` (camelCase, as the API server returns it).
+
+        Missing fields take the CRD's defaults; ill-typed or out-of-range values raise
+        :class:`ValueError` (the CRD's schema normally refuses them first).
+        """
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"spec must be a mapping, got {type(spec).__name__}")
+        section = spec.get("autoscaling") or {}
+        if not isinstance(section, Mapping):
+            raise ValueError(f"spec.autoscaling must be a mapping, got {section!r}")
+        a = "spec.autoscaling."
+        target = section.get("targetLagPerMember")
+        return cls(
+            enabled=_spec_bool(section, "enabled", False, a),
+            interval_seconds=_spec_int(section, "intervalSeconds", 30, 1, a),
+            cooldown_seconds=_spec_int(section, "cooldownSeconds", 600, 0, a),
+            cpu_threshold=_spec_int(section, "cpuThreshold", 90, 1, a),
+            max_projects_per_member=_spec_int(section, "maxProjectsPerMember", 50, 1, a),
+            min_projects_per_member=_spec_int(section, "minProjectsPerMember", 2, 0, a),
+            target_lag_per_member=(
+                None if target is None else _spec_int(section, "targetLagPerMember", 0, 1, a)
+            ),
+            dry_run=_spec_bool(section, "dryRun", False, a),
+            min_replicas=_spec_int(spec, "minReplicas", 1, 0, "spec."),
+            max_replicas=_spec_int(spec, "maxReplicas", 10, 1, "spec."),
+            partitions=_spec_int(spec, "partitions", 128, 1, "spec."),
+        )
+
+
+# -- member stats -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemberStats:
+    """One member's validated stats (what it wrote to its member key in etcd)."""
+
+    cpu: float
+    active_projects: int
+    lag: int
+    rate: float
+    owned: tuple[int, ...]
+    inflight: int
+    ts: float
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return True  # ints are finite (math.isfinite would overflow on huge ones)
+    return isinstance(value, float) and math.isfinite(value)
+
+
+def _stats_problem(raw: object) -> str | None:
+    """Why ``raw`` is not usable member stats, or None when it is."""
+    if not isinstance(raw, Mapping):
+        return f"not a mapping ({type(raw).__name__})"
+    for key in ("cpu", "ts", "active_projects", "lag"):
+        if key not in raw:
+            return f"no {key!r}"
+    cpu, ts = raw["cpu"], raw["ts"]
+    if not _is_number(cpu) or not 0 <= cpu <= MAX_CPU_PERCENT:
+        return f"cpu {cpu!r} is not a percent in [0, {MAX_CPU_PERCENT:g}]"
+    if not _is_number(ts) or ts <= 0:
+        return f"ts {ts!r} is not a positive epoch time"
+    for key in ("active_projects", "lag", "inflight"):
+        if key in raw and (not _is_int(raw[key]) or raw[key] < 0):
+            return f"{key} {raw[key]!r} is not a non-negative integer"
+    if "rate" in raw and (not _is_number(raw["rate"]) or raw["rate"] < 0):
+        return f"rate {raw['rate']!r} is not a non-negative number"
+    owned = raw.get("owned", [])
+    if not isinstance(owned, list | tuple) or not all(_is_int(p) and p >= 0 for p in owned):
+        return f"owned {owned!r} is not a list of partitions"
+    return None
+
+
+def parse_stats(raw: Mapping[str, Any]) -> MemberStats | None:
+    """Validate one member's stats; None for garbage.
+
+    Required: ``cpu`` (number, 0..10000 percent of the member's limit), ``ts`` (positive
+    epoch seconds), ``active_projects`` and ``lag`` (non-negative ints). Optional, with
+    defaults: ``rate`` (non-negative number, 0.0), ``owned`` (list of non-negative ints,
+    empty), ``inflight`` (non-negative int, 0). Booleans are not numbers here; NaN and
+    infinities are garbage; unknown keys are ignored.
+    """
+    if _stats_problem(raw) is not None:
+        return None
+    return MemberStats(
+        cpu=float(raw["cpu"]),
+        active_projects=raw["active_projects"],
+        lag=raw["lag"],
+        rate=float(raw.get("rate", 0.0)),
+        owned=tuple(sorted(set(raw.get("owned", ())))),
+        inflight=raw.get("inflight", 0),
+        ts=float(raw["ts"]),
+    )
+
+
+# -- decision and state -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the leader should do this round.
+
+    ``replicas`` is the desired count (equal to the current one when ``action`` is
+    "none"). ``recommended`` is what the load rules asked for before the cooldown and
+    the stabilization window held it back (for Events and status). With ``dry_run`` the
+    caller reports the decision and changes nothing. ``ignored`` maps members whose stats
+    were not used this round to the reason.
+    """
+
+    replicas: int
+    reason: str
+    signals: dict[str, SignalValue]
+    action: Action = "none"
+    dry_run: bool = False
+    recommended: int = 0
+    ignored: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ScalerState:
+    """What :func:`decide` remembers between rounds (immutable; decide returns a new one).
+
+    ``history``: ``(time, recommendation)`` of recent rounds, ``None`` for a round that
+    had no recommendation (no data, rebalance, disabled), which breaks the scale-down
+    window's agreement. ``ignored``: members ignored last round (to log each only once).
+    """
+
+    history: tuple[tuple[float, int | None], ...] = ()
+    last_action_time: float | None = None
+    last_action_direction: Action | None = None
+    ignored: frozenset[str] = frozenset()
+
+
+def _fmt(value: float) -> str:
+    """A short number: 95, 50.5, 1.3."""
+    return f"{round(value, 1):g}"
+
+
+def _utc(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _collect(
+    stats: Mapping[str, Mapping[str, Any] | None], policy: Policy, now: float
+) -> tuple[dict[str, MemberStats], dict[str, str]]:
+    reports: dict[str, MemberStats] = {}
+    ignored: dict[str, str] = {}
+    for member in sorted(stats, key=str):
+        raw = stats[member]
+        if raw is None:
+            ignored[member] = "no stats"
+            continue
+        problem = _stats_problem(raw)
+        parsed = None if problem is not None else parse_stats(raw)
+        if parsed is None:
+            ignored[member] = f"garbage stats: {problem}"
+            continue
+        age = now - parsed.ts
+        if age > policy.stale_after_seconds:
+            ignored[member] = f"stale stats ({_fmt(age)}s old)"
+        elif -age > policy.stale_after_seconds:
+            ignored[member] = f"stats from the future ({_fmt(-age)}s ahead)"
+        else:
+            reports[member] = parsed
+    return reports, ignored
+
+
+def _signals(reports: Mapping[str, MemberStats], current: int) -> dict[str, SignalValue]:
+    n = len(reports)
+    signals: dict[str, SignalValue] = {
+        "members_reporting": n,
+        "members_expected": current,
+        "cpu_max": None,
+        "cpu_max_member": None,
+        "projects_avg": None,
+        "projects_total": None,
+        "lag_total": None,
+        "lag_per_member": None,
+        "rate_total": None,
+        "inflight_total": None,
+    }
+    if n == 0:
+        return signals
+    # Ties go to the first member by id, so the reason is deterministic.
+    hot = max(sorted(reports), key=lambda m: reports[m].cpu)
+    projects = sum(s.active_projects for s in reports.values())
+    lag = sum(s.lag for s in reports.values())
+    signals.update(
+        cpu_max=reports[hot].cpu,
+        cpu_max_member=hot,
+        projects_avg=projects / n,
+        projects_total=projects,
+        lag_total=lag,
+        lag_per_member=lag / max(current, 1),
+        rate_total=round(sum(s.rate for s in reports.values()), 6),
+        inflight_total=sum(s.inflight for s in reports.values()),
+    )
+    return signals
+
+
+def _recommend(reports: Mapping[str, MemberStats], current: int, policy: Policy) -> tuple[int, str]:
+    """The load rules' recommendation for this round (before cooldown and window)."""
+    n = current
+    hot = max(sorted(reports), key=lambda m: reports[m].cpu)
+    cpu_max = reports[hot].cpu
+    projects = sum(s.active_projects for s in reports.values())
+    avg = projects / len(reports)
+    lag = sum(s.lag for s in reports.values())
+    inflight = sum(s.inflight for s in reports.values())
+    target = policy.target_lag_per_member
+
+    ups: list[tuple[int, str]] = []
+    downs: list[str] = []
+    holds: list[str] = []
+    if cpu_max >= policy.cpu_threshold:
+        ups.append((n + 1, f"cpu {_fmt(cpu_max)}% on {hot} >= {_fmt(policy.cpu_threshold)}%"))
+    if avg > policy.max_projects_per_member:
+        ups.append(
+            (
+                n + 1,
+                f"avg {_fmt(avg)} active projects per member > {policy.max_projects_per_member}",
+            )
+        )
+    elif avg < policy.min_projects_per_member:
+        downs.append(
+            f"avg {_fmt(avg)} active projects per member < {policy.min_projects_per_member}"
+        )
+    if target is not None:
+        desired = -(-lag // target)  # ceil, exact on ints
+        members = "member" if n == 1 else "members"
+        if abs(lag - target * n) <= policy.tolerance * target * n:
+            holds.append(
+                f"within tolerance: lag {lag} over {n} {members}, target {target} "
+                f"+/- {policy.tolerance:.0%}"
+            )
+        elif desired > n:
+            ups.append((desired, f"lag {lag} over {n} {members}, target {target} -> {desired}"))
+        elif desired < n:
+            downs.append(f"lag {lag} over {n} {members}, target {target} -> {desired}")
+        else:
+            holds.append(f"lag {lag} over {n} {members}, target {target} -> {desired}")
+
+    if ups:
+        rec = max(v for v, _ in ups)
+        reason = "; ".join(r for _, r in ups)
+        if rec > policy.upper:
+            bound = "maxReplicas" if policy.max_replicas <= policy.partitions else "partitions"
+            if policy.upper <= n:
+                return n, f"{reason}, but already at {bound} {policy.upper}"
+            rec = policy.upper
+            reason += f" (capped at {bound} {policy.upper})"
+        if rec > n + policy.max_step_up:
+            rec = n + policy.max_step_up
+            reason += f" (step capped at +{policy.max_step_up})"
+        return rec, reason
+
+    if downs:
+        reason = "; ".join(downs)
+        if len(reports) < n:
+            return n, (
+                f"{reason}, but scale-down needs stats from all {n} members "
+                f"({len(reports)} reporting)"
+            )
+        if n - 1 < policy.lower:
+            return n, f"{reason}, but already at minReplicas {policy.lower}"
+        if n - 1 == 0:
+            if projects or lag or inflight:
+                return n, f"{reason}, but scaling to zero needs an idle group"
+            return 0, reason
+        # Hysteresis: a member less must not trip an up rule right away.
+        cpu_after = cpu_max * n / (n - 1)
+        if cpu_after >= policy.cpu_threshold:
+            return n, (
+                f"{reason}, but a member less would put cpu at ~{_fmt(cpu_after)}% "
+                f">= {_fmt(policy.cpu_threshold)}%"
+            )
+        avg_after = projects / (n - 1)
+        if avg_after > policy.max_projects_per_member:
+            return n, (
+                f"{reason}, but a member less would put {_fmt(avg_after)} active projects "
+                f"per member > {policy.max_projects_per_member}"
+            )
+        if target is not None and lag > target * (n - 1) * (1 + policy.tolerance):
+            return n, (
+                f"{reason}, but a member less would put lag per member at "
+                f"{_fmt(lag / (n - 1))} > target {target}"
+            )
+        return n - 1, reason
+
+    if holds:
+        return n, "; ".join(holds)
+    return n, (
+        f"within thresholds: cpu max {_fmt(cpu_max)}% on {hot}, "
+        f"avg {_fmt(avg)} active projects per member"
+    )
+
+
+def _agreed_since(history: tuple[tuple[float, int | None], ...], current: int) -> float | None:
+    """Start of the unbroken run of recommendations below ``current`` ending now."""
+    since: float | None = None
+    for t, rec in reversed(history):
+        if rec is None or rec >= current:
+            break
+        since = t
+    return since
+
+
+def decide(
+    stats: Mapping[str, Mapping[str, Any] | None],
+    current: int,
+    policy: Policy,
+    now: float,
+    state: ScalerState,
+    rebalancing: bool = False,
+) -> tuple[Decision, ScalerState]:
+    """One autoscaling round: the decision and the state for the next round.
+
+    ``stats`` maps member id -> the stats it published (None when it has none yet);
+    ``current`` is the group's replica count (``spec.replicas``); ``rebalancing`` is
+    True while a hand-over is in progress. Deterministic; ``state`` is not modified.
+    """
+    if isinstance(current, bool) or not isinstance(current, int) or current < 0:
+        raise ValueError(f"current replicas must be a non-negative int, got {current!r}")
+    reports, ignored = _collect(stats, policy, now)
+    for member, why in ignored.items():
+        if member not in state.ignored:
+            log.warning("scaler: ignoring stats of member %s: %s", member, why)
+    signals = _signals(reports, current)
+    # Keep one entry at or before the window's start so a full window can be proven.
+    horizon = now - policy.scale_down_window_seconds - policy.interval_seconds
+    history = tuple((t, r) for t, r in state.history if horizon <= t <= now)
+    base = replace(state, history=history, ignored=frozenset(ignored))
+
+    def hold(reason: str, rec: int | None = None) -> tuple[Decision, ScalerState]:
+        decision = Decision(
+            replicas=current,
+            reason=reason,
+            signals=signals,
+            action="none",
+            dry_run=policy.dry_run,
+            recommended=current if rec is None else rec,
+            ignored=ignored,
+        )
+        return decision, replace(base, history=(*history, (now, rec)))
+
+    def act(replicas: int, reason: str, rec: int | None) -> tuple[Decision, ScalerState]:
+        action: Action = "up" if replicas > current else "down"
+        decision = Decision(
+            replicas=replicas,
+            reason=reason,
+            signals=signals,
+            action=action,
+            dry_run=policy.dry_run,
+            recommended=replicas,
+            ignored=ignored,
+        )
+        return decision, replace(
+            base,
+            history=(*history, (now, rec)),
+            last_action_time=now,
+            last_action_direction=action,
+        )
+
+    if not policy.enabled:
+        return hold("autoscaling disabled")
+    if rebalancing:
+        return hold("rebalance in progress")
+    if current < policy.lower:
+        return act(policy.lower, f"below minReplicas ({current} < {policy.lower})", None)
+    if current > policy.upper:
+        bound = "maxReplicas" if policy.max_replicas <= policy.partitions else "partitions"
+        return act(policy.upper, f"above {bound} ({current} > {policy.upper})", None)
+    if not reports:
+        return hold("no data" if current else "no data (scaled to zero)")
+    if current == 0:
+        return hold("scaled to zero; members still reporting are leaving")
+
+    rec, reason = _recommend(reports, current, policy)
+    if rec == current:
+        return hold(reason, rec)
+    if policy.cooldown_seconds and state.last_action_time is not None:
+        until = state.last_action_time + policy.cooldown_seconds
+        if now < until:
+            return hold(
+                f"cooldown until {_utc(until)} ({_fmt(until - now)}s left) after scaling "
+                f"{state.last_action_direction}; wants {rec}: {reason}",
+                rec,
+            )
+    if rec > current:
+        return act(rec, reason, rec)
+    since = _agreed_since((*history, (now, rec)), current)
+    agreed = 0.0 if since is None else now - since
+    if agreed < policy.scale_down_window_seconds:
+        return hold(
+            f"stabilizing: wants {rec} for {_fmt(agreed)}s of "
+            f"{_fmt(policy.scale_down_window_seconds)}s; {reason}",
+            rec,
+        )
+    return act(rec, reason, rec)
