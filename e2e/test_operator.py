@@ -309,3 +309,14 @@ def test_stream_config_and_policies(localkube: LocalKube, operator: Path) -> Non
             await nc.close()
 
     assert not [s for s in asyncio.run(stream_names()) if s.startswith(stream)]
+
+
+def test_an_unsupported_etcd_tls_secret_is_reported(localkube: LocalKube, operator: Path) -> None:
+    plane, ns = localkube, "op-bad"
+    manifest = json.loads(example(ns, 1))
+    manifest["metadata"]["name"] = "tls"
+    manifest["spec"]["etcd"] = {"tlsSecret": "etcd-client"}
+    plane.kubectl("apply", "-f", "-", input_text=json.dumps(manifest))
+    degraded = wait_until(lambda: _degraded_reason(plane, ns, "tls"), 60, "Degraded")
+    assert degraded["reason"] == "EtcdTLSNotSupported"
+    plane.kubectl("delete", "cg", "tls", "-n", ns, "--timeout=60s")

@@ -42,6 +42,8 @@ def main(namespaces: tuple[str, ...], liveness: str, log_level: str) -> None:
         level=getattr(logging, log_level.upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # Every liveness probe would otherwise be an INFO line.
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     # Importing registers the handlers with kopf.
     import shoal.operator.reconciler  # noqa: F401
 

@@ -140,6 +140,12 @@ async def reconcile(
         _degraded(patch, status, "HandlerInvalid", problem, generation)
         kopf.warn(body, reason="HandlerInvalid", message=problem)
         raise kopf.TemporaryError(problem, delay=min(300, 10 * 2 ** min(retry, 5)))
+    if (spec.get("etcd") or {}).get("tlsSecret"):
+        # Accepted by the schema, not implemented yet: say so rather than ignore it.
+        message = "spec.etcd.tlsSecret is not supported yet: remove it or use plain etcd"
+        _degraded(patch, status, "EtcdTLSNotSupported", message, generation)
+        kopf.warn(body, reason="EtcdTLSNotSupported", message=message)
+        raise kopf.PermanentError(message)
 
     before = ((old or {}).get("spec") or {}).get("replicas")
     after = spec.get("replicas")
