@@ -6,6 +6,7 @@ else on stderr (``note``), so ``make bench`` can keep stdout as a .jsonl file.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -15,7 +16,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -214,3 +215,23 @@ def log_problems(paths: Iterable[Path], *, samples: int = 10) -> dict[str, Any]:
 def failed(figures: Iterable[dict[str, Any]] = RESULTS) -> list[str]:
     """Figures that carry ok=false."""
     return [str(f.get("figure")) for f in figures if f.get("ok") is False]
+
+
+def run_bench(
+    prefix: str,
+    keep: bool,
+    strict: bool,
+    body: Callable[[Path], Coroutine[Any, Any, None]],
+) -> int:
+    """Run body in a fresh work directory; report wall time and missed targets.
+
+    The exit status is 1 only with strict and a figure that missed its target.
+    """
+    started = time.monotonic()
+    with workdir(prefix, keep) as root:
+        asyncio.run(body(root))
+    note(f"wall time {time.monotonic() - started:.1f} s")
+    missed = failed()
+    if missed:
+        note(f"figures that missed their target: {', '.join(missed)}")
+    return 1 if strict and missed else 0

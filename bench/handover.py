@@ -59,13 +59,12 @@ import nats
 from bench._common import (
     cpu_seconds,
     emit,
-    failed,
     host_cpu,
     log_problems,
     note,
     read_stream_json,
+    run_bench,
     summary,
-    workdir,
 )
 from e2e.fleet import Fleet, settled, wait_for_status
 from e2e.servers import EtcdServer, NatsServer
@@ -555,14 +554,7 @@ async def measure(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    started = time.monotonic()
-    with workdir("shoal-bench-handover-", args.keep) as root:
-        asyncio.run(run(args, root))
-    note(f"wall time {time.monotonic() - started:.1f} s")
-    missed = failed()
-    if missed:
-        note(f"figures that missed their target: {', '.join(missed)}")
-    return 1 if args.strict and missed else 0
+    return run_bench("shoal-bench-handover-", args.keep, args.strict, lambda root: run(args, root))
 
 
 if __name__ == "__main__":

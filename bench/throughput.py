@@ -48,7 +48,7 @@ from typing import Any
 import nats
 from nats.js import api
 
-from bench._common import cpu_seconds, emit, failed, log_problems, note, scrape_counter, workdir
+from bench._common import cpu_seconds, emit, log_problems, note, run_bench, scrape_counter
 from e2e.fleet import Fleet, Member, settled, wait_for_status
 from e2e.servers import EtcdServer, NatsServer, free_port
 from shoal.consumer.config import GroupConfig
@@ -485,14 +485,9 @@ async def run(args: argparse.Namespace, root: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    started = time.monotonic()
-    with workdir("shoal-bench-throughput-", args.keep) as root:
-        asyncio.run(run(args, root))
-    note(f"wall time {time.monotonic() - started:.1f} s")
-    missed = failed()
-    if missed:
-        note(f"figures that missed their target: {', '.join(missed)}")
-    return 1 if args.strict and missed else 0
+    return run_bench(
+        "shoal-bench-throughput-", args.keep, args.strict, lambda root: run(args, root)
+    )
 
 
 if __name__ == "__main__":

@@ -114,15 +114,14 @@ class Leader:
             eligible = self.membership.safe() and not self.membership.leaving
             if eligible and self.view.leader() is None:
                 try:
-                    won = await self.etcd.create(
+                    # The create_revision of the key we created is our epoch.
+                    epoch = await self.etcd.create_returning_revision(
                         keys.leader, self.config.member_id.encode(), self.membership.lease_id
                     )
-                    if won:
-                        kv = await self.etcd.get(keys.leader)
-                        if kv is not None and kv.value.decode() == self.config.member_id:
-                            self.epoch = kv.create_revision
-                            await self._lead()
-                            continue
+                    if epoch is not None:
+                        self.epoch = epoch
+                        await self._lead()
+                        continue
                 except TRANSIENT_ERRORS as exc:
                     log.warning("Campaign failed (etcd: %s)", exc)
             try:

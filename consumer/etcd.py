@@ -156,12 +156,6 @@ class Etcd:
         }
         return int(response.header.revision), kvs
 
-    async def get(self, key: str) -> KV | None:
-        value, meta = await self.call(self.client.get, key)
-        if meta is None:
-            return None
-        return KV(key, value, meta.create_revision, meta.mod_revision, meta.lease_id)
-
     async def put(self, key: str, value: bytes, lease: int | None = None) -> None:
         await self.call(self.client.put, key, value, lease=lease)
 
@@ -170,17 +164,6 @@ class Etcd:
 
     async def delete_prefix(self, prefix: str) -> None:
         await self.call(self.client.delete_prefix, prefix)
-
-    async def create(self, key: str, value: bytes, lease: int | None) -> bool:
-        """Create key only if it does not exist (create_revision == 0)."""
-        tx = self.client.transactions
-        ok, _ = await self.call(
-            self.client.transaction,
-            compare=[tx.create(key) == 0],
-            success=[tx.put(key, value, lease=lease)],
-            failure=[],
-        )
-        return bool(ok)
 
     async def create_returning_revision(
         self, key: str, value: bytes, lease: int | None

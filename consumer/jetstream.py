@@ -180,12 +180,10 @@ async def ensure_group(js: Any, config: GroupConfig, *, ledger: bool = False) ->
             storage=_STORAGE[config.storage],
             num_replicas=config.stream_replicas,
         )
-    existing: set[str] = set()
     try:
-        async for info in _consumer_infos(js, config.stream):
-            existing.add(info)
+        existing = {info.name for info in await js.consumers_info(config.stream)}
     except NotFoundError:
-        pass
+        existing = set()
     missing = [p for p in range(config.partitions) if durable_name(p) not in existing]
     sem = asyncio.Semaphore(16)
 
@@ -196,11 +194,6 @@ async def ensure_group(js: Any, config: GroupConfig, *, ledger: bool = False) ->
     await asyncio.gather(*(add(p) for p in missing))
     if missing:
         log.info("Created %d durable consumers on stream %s", len(missing), config.stream)
-
-
-async def _consumer_infos(js: Any, stream: str) -> Any:
-    for info in await js.consumers_info(stream):
-        yield info.name
 
 
 async def partition_lag(js: Any, config: GroupConfig, partition: int) -> int:

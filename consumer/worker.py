@@ -21,7 +21,6 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 from shoal.consumer.config import GroupConfig
@@ -90,10 +89,6 @@ class PartitionRunner:
         self.inflight = 0
         self.stop_requested_at = 0.0
         self.task: asyncio.Task[None] | None = None
-
-    @property
-    def label(self) -> str:
-        return str(self.partition)
 
     def stop(self) -> None:
         self.stopping = True
@@ -507,9 +502,3 @@ class Worker:
 
     def owned(self) -> list[int]:
         return sorted(self.runners)
-
-    def all_tasks(self) -> list[asyncio.Task[Any]]:
-        return [r.task for r in self.runners.values() if r.task] + list(self._tasks)
-
-
-StatsFn = Callable[[], dict[str, Any]]

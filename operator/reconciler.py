@@ -72,6 +72,7 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     memo.settings = settings_from_env(os.environ)
     memo.kube = Kube(api_client())
     memo.etcd = {}
+    memo.nats = {}
     log.info(
         "Shoal operator started: default image %s, NATS %s, etcd %s",
         memo.settings.default_image,
@@ -84,6 +85,8 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
 async def cleanup_clients(memo: Any, **_: Any) -> None:
     for etcd in memo.get("etcd", {}).values():
         etcd.close()
+    for nc in memo.get("nats", {}).values():
+        await nc.close()
 
 
 @kopf.on.probe(id="operator")
@@ -105,14 +108,28 @@ def _degraded(patch: kopf.Patch, status: Any, reason: str, message: str, generat
     )
 
 
-async def ensure_jetstream(config: GroupConfig) -> None:
-    nc = await connect(
-        config.nats_url, name="shoal-operator", attempts=2, creds_file=config.nats_creds_file
-    )
-    try:
-        await ensure_group(nc.jetstream(), config, ledger=config.handler.endswith(":ledger"))
-    finally:
-        await nc.close()
+async def _nats(memo: Any, config: GroupConfig, attempts: int) -> Any:
+    """One NATS connection per server and credentials, kept across handler calls.
+
+    The status timer runs every few seconds per group: connecting each time would cost
+    two connections (probe and real) per tick. A failed connect is not cached, so the
+    next call tries again; a kept connection reconnects by itself.
+    """
+    cache: dict[tuple[str, str | None], Any] = memo.nats
+    key = (config.nats_url, config.nats_creds_file)
+    if key not in cache or cache[key].is_closed:
+        cache[key] = await connect(
+            config.nats_url,
+            name="shoal-operator",
+            attempts=attempts,
+            creds_file=config.nats_creds_file,
+        )
+    return cache[key]
+
+
+async def ensure_jetstream(memo: Any, config: GroupConfig) -> None:
+    nc = await _nats(memo, config, attempts=2)
+    await ensure_group(nc.jetstream(), config, ledger=config.handler.endswith(":ledger"))
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)
@@ -165,7 +182,7 @@ async def reconcile(
 
     config = group_config(name, namespace, spec, settings)
     try:
-        await ensure_jetstream(config)
+        await ensure_jetstream(memo, config)
     except StreamConfigConflict as exc:
         _degraded(patch, status, "StreamConfigConflict", str(exc), generation)
         kopf.warn(body, reason="StreamConfigConflict", message=str(exc))
@@ -222,17 +239,9 @@ async def observe_group(
         problem = ("EtcdUnavailable", f"etcd at {config.etcd_endpoints} unavailable: {exc}")
     lag: int | None = None
     try:
-        nc = await connect(
-            config.nats_url,
-            name="shoal-operator-observer",
-            attempts=1,
-            creds_file=config.nats_creds_file,
-        )
-        try:
-            info = await nc.jetstream().stream_info(config.stream)
-            lag = int(info.state.messages) if config.retention == "workqueue" else None
-        finally:
-            await nc.close()
+        nc = await _nats(memo, config, attempts=1)
+        info = await nc.jetstream().stream_info(config.stream)
+        lag = int(info.state.messages) if config.retention == "workqueue" else None
     except Exception as exc:
         problem = problem or ("NatsUnavailable", f"JetStream at {config.nats_url}: {exc}")
 
@@ -283,21 +292,17 @@ async def delete(
     etcd = await _etcd(memo, config.etcd_endpoints)
     await etcd.delete_prefix(Keys(namespace, name).prefix)
     if spec.get("deletionPolicy") == "Delete":
-        nc = await connect(config.nats_url, name="shoal-operator", attempts=2)
-        try:
-            js = nc.jetstream()
-            for stream in (
-                config.stream,
-                config.dlq_stream,
-                f"{config.stream}_log",
-                config.ledger_stream,
-            ):
-                try:
-                    await js.delete_stream(stream)
-                except Exception as exc:
-                    log.debug("Stream %s not deleted: %r", stream, exc)
-        finally:
-            await nc.close()
+        js = (await _nats(memo, config, attempts=2)).jetstream()
+        for stream in (
+            config.stream,
+            config.dlq_stream,
+            f"{config.stream}_log",
+            config.ledger_stream,
+        ):
+            try:
+                await js.delete_stream(stream)
+            except Exception as exc:
+                log.debug("Stream %s not deleted: %r", stream, exc)
         log.info("Deleted group %s/%s with its streams", namespace, name)
     else:
         log.info(

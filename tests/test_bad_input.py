@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,25 @@ def fleet(
         env={"SHOAL_LEASE_TTL": "5", "SHOAL_KEEPALIVE_INTERVAL": "1"},
     ) as f:
         yield f
+
+
+@pytest.fixture
+def make_config(
+    group: str, namespace: str, nats_url: str, etcd_endpoint: str
+) -> Callable[..., GroupConfig]:
+    """The config the fleet's members run with (16 partitions), plus overrides."""
+
+    def make(**overrides: Any) -> GroupConfig:
+        return GroupConfig(
+            group=group,
+            namespace=namespace,
+            partitions=16,
+            nats_url=nats_url,
+            etcd_endpoints=etcd_endpoint,
+            **overrides,
+        )
+
+    return make
 
 
 async def wait_for_log(fleet: Fleet, member: str, text: str, timeout: float) -> str:
@@ -115,16 +134,9 @@ async def test_bad_messages_go_to_the_dead_letter_subject(
     js: Any,
     group: str,
     namespace: str,
-    nats_url: str,
-    etcd_endpoint: str,
+    make_config: Callable[..., GroupConfig],
 ) -> None:
-    config = GroupConfig(
-        group=group,
-        namespace=namespace,
-        partitions=16,
-        nats_url=nats_url,
-        etcd_endpoints=etcd_endpoint,
-    )
+    config = make_config()
     await ensure_group(js, config)
     fleet.start("c-0")
     await wait_for_status(etcd, namespace, group, 16, settled({"c-0"}), 30)
@@ -158,19 +170,11 @@ async def test_failing_handlers_retry_then_dead_letter(
     js: Any,
     group: str,
     namespace: str,
-    nats_url: str,
-    etcd_endpoint: str,
     handler: str,
     reason: str,
+    make_config: Callable[..., GroupConfig],
 ) -> None:
-    config = GroupConfig(
-        group=group,
-        namespace=namespace,
-        partitions=16,
-        nats_url=nats_url,
-        etcd_endpoints=etcd_endpoint,
-        max_deliver=2,
-    )
+    config = make_config(max_deliver=2)
     await ensure_group(js, config)
     fleet.start("c-0", SHOAL_HANDLER=handler, SHOAL_MAX_DELIVER="2")
     await wait_for_status(etcd, namespace, group, 16, settled({"c-0"}), 30)
@@ -208,18 +212,10 @@ async def test_a_handler_slower_than_ack_wait_is_not_redelivered(
     js: Any,
     group: str,
     namespace: str,
-    nats_url: str,
-    etcd_endpoint: str,
+    make_config: Callable[..., GroupConfig],
 ) -> None:
     # 2.5 s of work against a 1 s ack_wait: only in-progress acks keep the message ours.
-    config = GroupConfig(
-        group=group,
-        namespace=namespace,
-        partitions=16,
-        nats_url=nats_url,
-        etcd_endpoints=etcd_endpoint,
-        ack_wait=1.0,
-    )
+    config = make_config(ack_wait=1.0)
     await ensure_group(js, config, ledger=True)
     fleet.start("c-0", SHOAL_HANDLER_DELAY_MS="2500", SHOAL_ACK_WAIT="1")
     await wait_for_status(etcd, namespace, group, 16, settled({"c-0"}), 30)
@@ -241,14 +237,9 @@ async def test_cli_produce_and_status_on_a_live_group(
     namespace: str,
     nats_url: str,
     etcd_endpoint: str,
+    make_config: Callable[..., GroupConfig],
 ) -> None:
-    config = GroupConfig(
-        group=group,
-        namespace=namespace,
-        partitions=16,
-        nats_url=nats_url,
-        etcd_endpoints=etcd_endpoint,
-    )
+    config = make_config()
     await ensure_group(js, config, ledger=True)
     fleet.start("c-0")
     fleet.start("c-1")

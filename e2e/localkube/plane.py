@@ -201,6 +201,12 @@ class LocalKube:
     def logs(self) -> Path:
         return self.root / "logs"
 
+    def _tools(self) -> KubeTools:
+        """The binaries, looked up once (every kubectl call goes through here)."""
+        if self.tools is None:
+            self.tools = find_tools()
+        return self.tools
+
     # -- up ------------------------------------------------------------------------------
 
     def up(self) -> Self:
@@ -209,7 +215,7 @@ class LocalKube:
                 f"a local plane is already running from {self.root}; run `make cluster-down` first"
             )
         started = time.monotonic()
-        tools = self.tools or find_tools()
+        tools = self._tools()
         self.root.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
         pki = ensure_pki(self.root / "pki", dict(CLIENTS))
@@ -226,7 +232,7 @@ class LocalKube:
             self.down()
             raise
         self.state.save(self.state_path)
-        self._write_env(tools)
+        self._write_env()
         self._write_values()
         log.info(
             "Local plane up in %.1f s (%s)", time.monotonic() - started, self.state.apiserver_url
@@ -417,7 +423,7 @@ class LocalKube:
     def kubectl(
         self, *args: str, check: bool = True, input_text: str | None = None
     ) -> subprocess.CompletedProcess[str]:
-        tools = self.tools or find_tools()
+        tools = self._tools()
         return subprocess.run(
             [str(tools.kubectl), f"--kubeconfig={self.kubeconfig_path}", *args],
             capture_output=True,
@@ -428,7 +434,7 @@ class LocalKube:
         )
 
     def env(self) -> dict[str, str]:
-        tools = self.tools or find_tools()
+        tools = self._tools()
         path = ":".join(
             [*(str(d) for d in tools.bin_dirs), str(self.venv_bin), os.environ.get("PATH", "")]
         )
@@ -439,7 +445,7 @@ class LocalKube:
             "ETCD_ENDPOINTS": self.state.etcd_endpoint,
         }
 
-    def _write_env(self, tools: KubeTools) -> None:
+    def _write_env(self) -> None:
         lines = ["# Written by `make cluster-up`: source it to use the local plane."]
         lines += [f"export {k}={json.dumps(v)}" for k, v in self.env().items()]
         (self.root / "env").write_text("\n".join(lines) + "\n")
