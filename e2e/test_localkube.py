@@ -455,3 +455,44 @@ def test_crashing_containers_restart_and_http_probes_gate_readiness(
     )
     last = restarted.get("lastState", {}).get("terminated", {})
     assert last.get("exitCode") == 3
+
+
+def test_commands_expand_only_kubernetes_variables(localkube: LocalKube) -> None:
+    plane, ns = localkube, "expand"
+    create_namespace(plane, ns)
+    apply(
+        plane,
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "echo", "namespace": ns},
+            "spec": {
+                "restartPolicy": "Never",
+                "containers": [
+                    {
+                        "name": "main",
+                        "image": "shoal:dev",
+                        "env": [
+                            {
+                                "name": "WHO",
+                                "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
+                            }
+                        ],
+                        "command": [
+                            "python",
+                            "-c",
+                            "import sys; print(sys.argv[1:])",
+                            "$(WHO)",
+                            "$HOME",
+                        ],
+                    }
+                ],
+            },
+        },
+    )
+    wait_until(
+        lambda: get_json(plane, "pod", "echo", "-n", ns)["status"].get("phase") == "Succeeded",
+        60,
+        "the echo pod to finish",
+    )
+    assert "['echo', '$HOME']" in plane.kubectl("logs", "-n", ns, "echo").stdout

@@ -147,8 +147,10 @@ class PodRunner:
             return bool(state.terminated and state.terminated["exitCode"] != 0)
         return False
 
-    def _command(self, spec: Any) -> list[str]:
-        command = list(spec.command or []) + list(spec.args or [])
+    def _command(self, spec: Any, env: dict[str, str]) -> list[str]:
+        # Kubernetes expands only $(VAR), from the container's own environment; $VAR and
+        # the kubelet's environment never reach a command.
+        command = [_expand(c, env) for c in list(spec.command or []) + list(spec.args or [])]
         if not command:
             raise FileNotFoundError("the container has no command (shoal:dev has no entrypoint)")
         head = command[0]
@@ -159,7 +161,7 @@ class PodRunner:
             command[0] = resolved
         elif not os.access(head, os.X_OK):
             raise FileNotFoundError(f"{head}: no such executable")
-        return [os.path.expandvars(c) if "$(" not in c else _expand(c, self.env) for c in command]
+        return command
 
     def _start_container(self, state: ContainerState) -> None:
         spec = state.spec
@@ -168,7 +170,7 @@ class PodRunner:
         state.env = env
         state.log_path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            command = self._command(spec)
+            command = self._command(spec, env)
             with state.log_path.open("ab") as out:
                 state.process = subprocess.Popen(
                     command,
