@@ -182,8 +182,15 @@ async def _scale_while_producing(plane: LocalKube, ns: str) -> None:
             ),
             90,
         )
-        moves = moved(before.owners, after.owners)
-        assert len(moves) == min_moves(128, after.members, before.owners)
+        # Pods that register further apart than the leader's debounce give one generation
+        # each; every generation must move the minimum from the one before it.
+        previous = before.owners
+        for event in await assignment_events(js, f"shoal_{ns}_orders_log", before.generation):
+            current = {int(p): m for p, m in event["assignment"].items()}
+            assert len(moved(previous, current)) == len(event["moved"])
+            assert len(event["moved"]) == min_moves(128, event["members"], previous), event
+            previous = current
+        assert previous == after.owners
         await production
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
@@ -197,6 +204,16 @@ async def _scale_while_producing(plane: LocalKube, ns: str) -> None:
     finally:
         await nc.close()
         etcd.close()
+
+
+async def assignment_events(js: Any, stream: str, after_generation: int) -> list[Any]:
+    """The leader's assignment log (one JSON event per generation), in order."""
+    info = await js.stream_info(stream)
+    events = [
+        json.loads((await js.get_msg(stream, seq)).data)
+        for seq in range(info.state.first_seq, info.state.last_seq + 1)
+    ]
+    return [e for e in events if e["generation"] > after_generation]
 
 
 async def _stream_kept_and_etcd_cleared(plane: LocalKube, ns: str) -> None:
