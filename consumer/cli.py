@@ -15,8 +15,8 @@ import click
 from pydantic import ValidationError
 
 from shoal.consumer.assignor import assign, min_moves, moved, owner_counts, skew
-from shoal.consumer.config import config_from_env
-from shoal.consumer.etcd import Etcd
+from shoal.consumer.config import config_from_env, etcd_options_from_env
+from shoal.consumer.etcd import Etcd, EtcdAuthError, EtcdConfigError
 from shoal.consumer.handlers import SEQ_HEADER, HandlerError
 from shoal.consumer.partitioning import DEFAULT_PARTITIONS, default_subject_prefix
 
@@ -133,7 +133,17 @@ def run(
     metrics_port: int | None,
     lease_ttl: int | None,
 ) -> None:
-    """Run one member of a consumer group until SIGTERM (then leave gracefully)."""
+    """Run one member of a consumer group until SIGTERM (then leave gracefully).
+
+    \b
+    etcd TLS and authentication come from the environment only:
+      ETCD_CA_FILE    CA certificate of the etcd servers (PEM): enables TLS
+      ETCD_CERT_FILE  client certificate (PEM), with ETCD_KEY_FILE
+      ETCD_KEY_FILE   client private key (PEM)
+      ETCD_USERNAME   etcd user, with ETCD_PASSWORD
+      ETCD_PASSWORD   its password
+    NATS credentials: NATS_CREDS_FILE. Other settings: SHOAL_* (see the README).
+    """
     from shoal.consumer.runtime import run_consumer
 
     try:
@@ -153,7 +163,7 @@ def run(
         raise click.UsageError(_validation_message(exc)) from None
     try:
         asyncio.run(run_consumer(config))
-    except HandlerError as exc:
+    except (HandlerError, EtcdConfigError, EtcdAuthError) as exc:
         raise click.ClickException(str(exc)) from None
 
 
@@ -314,11 +324,15 @@ def plan(partitions: int, before: str, after: str, as_json: bool) -> None:
 @_partitions
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def status(group: str, namespace: str, etcd_endpoints: str, partitions: int, as_json: bool) -> None:
-    """Show a group's members, leader, owners per member and skew, read from etcd."""
+    """Show a group's members, leader, owners per member and skew, read from etcd.
+
+    etcd TLS and authentication: ETCD_CA_FILE, ETCD_CERT_FILE, ETCD_KEY_FILE, ETCD_USERNAME,
+    ETCD_PASSWORD (see `run --help`).
+    """
     from shoal.consumer.status import read_status
 
     async def go() -> Any:
-        etcd = Etcd(etcd_endpoints)
+        etcd = Etcd(etcd_endpoints, **etcd_options_from_env(os.environ))
         try:
             await etcd.connect(attempts=3)
             return await read_status(etcd, namespace, group, partitions)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping
-from typing import Literal
+from typing import Literal, TypedDict
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from shoal.consumer.partitioning import (
     DEFAULT_PARTITIONS,
@@ -26,6 +26,14 @@ from shoal.consumer.partitioning import (
 def default_member_id() -> str:
     # In a pod the operator sets POD_NAME through the downward API.
     return os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
+
+
+class EtcdOptions(TypedDict):
+    ca_file: str | None
+    cert_file: str | None
+    key_file: str | None
+    username: str | None
+    password: str | None
 
 
 class GroupConfig(BaseModel):
@@ -68,6 +76,18 @@ class GroupConfig(BaseModel):
     ready_file: str | None = None
     # A NATS credentials file (the operator mounts the group's credentials secret).
     nats_creds_file: str | None = None
+    # etcd over TLS (CA, client certificate and key files: the operator mounts the group's
+    # spec.etcd.tlsSecret) and etcd authentication. Files are checked when the etcd client
+    # is made (shoal.consumer.etcd.check_security), not here: the operator builds this
+    # config too, where the pods' paths do not exist.
+    etcd_ca_file: str | None = None
+    etcd_cert_file: str | None = None
+    etcd_key_file: str | None = None
+    etcd_username: str | None = None
+    etcd_password: SecretStr | None = None
+    # "kubernetes": the leader autoscales the group through its ConsumerGroup's scale
+    # subresource, with the pod's ServiceAccount (the operator sets this); "off": never.
+    autoscaler: Literal["off", "kubernetes"] = "off"
 
     @field_validator("namespace", "group", "member_id")
     @classmethod
@@ -110,6 +130,17 @@ class GroupConfig(BaseModel):
     def dlq_stream(self) -> str:
         return f"{self.stream}_dlq"
 
+    def etcd_options(self) -> EtcdOptions:
+        """TLS and credentials, as keyword arguments of shoal.consumer.etcd.Etcd."""
+        password = self.etcd_password.get_secret_value() if self.etcd_password else None
+        return EtcdOptions(
+            ca_file=self.etcd_ca_file,
+            cert_file=self.etcd_cert_file,
+            key_file=self.etcd_key_file,
+            username=self.etcd_username,
+            password=password,
+        )
+
     @property
     def fence_after(self) -> float:
         return self.lease_ttl - self.fence_margin
@@ -136,10 +167,28 @@ ENV_FIELDS: dict[str, str] = {
     "SHOAL_KEEPALIVE_INTERVAL": "keepalive_interval",
     "SHOAL_METRICS_PORT": "metrics_port",
     "SHOAL_DRAIN_TIMEOUT": "drain_timeout",
+    "SHOAL_STATS_INTERVAL": "stats_interval",
     "SHOAL_READY_FILE": "ready_file",
     "SHOAL_ENSURE_JETSTREAM": "ensure_jetstream",
     "NATS_CREDS_FILE": "nats_creds_file",
+    "ETCD_CA_FILE": "etcd_ca_file",
+    "ETCD_CERT_FILE": "etcd_cert_file",
+    "ETCD_KEY_FILE": "etcd_key_file",
+    "ETCD_USERNAME": "etcd_username",
+    "ETCD_PASSWORD": "etcd_password",
+    "SHOAL_AUTOSCALER": "autoscaler",
 }
+
+
+def etcd_options_from_env(env: Mapping[str, str]) -> EtcdOptions:
+    """Only etcd's TLS and credentials, for commands that need no whole group config."""
+    return EtcdOptions(
+        ca_file=env.get("ETCD_CA_FILE") or None,
+        cert_file=env.get("ETCD_CERT_FILE") or None,
+        key_file=env.get("ETCD_KEY_FILE") or None,
+        username=env.get("ETCD_USERNAME") or None,
+        password=env.get("ETCD_PASSWORD") or None,
+    )
 
 
 def config_from_env(env: Mapping[str, str], **overrides: object) -> GroupConfig:

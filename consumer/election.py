@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 
 # How often a leader re-checks the assignment even when no watch event arrived.
 RECHECK_SECONDS = 5.0
+# After a scale-up, how long the leader waits for the new members before rebalancing.
+SCALE_JOIN_WAIT = 15.0
 
 
 @dataclass
@@ -85,6 +87,9 @@ class Leader:
         self.is_leader = False
         self.rebalances = 0
         self.resigning = False
+        # Set by the autoscaler: generations until the members number `replicas` (or the
+        # deadline passes) are logged with reason "scale".
+        self._scale_expected: tuple[int, float] | None = None
         self._on_change: list[Callable[[bool], None]] = []
 
     def on_leadership(self, callback: Callable[[bool], None]) -> None:
@@ -95,6 +100,19 @@ class Leader:
             self.is_leader = value
             for callback in self._on_change:
                 callback(value)
+
+    def expect_scale(self, replicas: int, until: float) -> None:
+        self._scale_expected = (replicas, until)
+
+    def _reason(self, applied: set[str], previous: set[str], members: set[str], first: bool) -> str:
+        reason = classify(applied or previous, members, bool(previous), first)
+        if self._scale_expected is not None and reason in ("join", "leave", "rebalance"):
+            replicas, until = self._scale_expected
+            if time.monotonic() < until:
+                reason = "scale"
+            if len(members) == replicas or time.monotonic() >= until:
+                self._scale_expected = None
+        return reason
 
     def _still_leader(self) -> bool:
         current = self.view.leader()
@@ -177,15 +195,28 @@ class Leader:
         return LeaderKey(self.config.member_id, self.epoch)
 
     async def _settle(self) -> None:
-        """Debounce: wait until members stop changing for `debounce` seconds (max 5x)."""
-        deadline = time.monotonic() + 5 * self.config.debounce
+        """Debounce: wait until members stop changing for `debounce` seconds (max 5x).
+
+        After the autoscaler added members, wait (up to SCALE_JOIN_WAIT) for all of them:
+        pods start seconds apart, and one generation for all moves fewer partitions
+        than one per newcomer.
+        """
+        started = time.monotonic()
+        deadline = started + 5 * self.config.debounce
         last = set(self.view.members())
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline or self._awaiting_scale_up(last, started):
             await asyncio.sleep(self.config.debounce)
             now = set(self.view.members())
-            if now == last:
+            if now == last and not self._awaiting_scale_up(now, started):
                 return
             last = now
+
+    def _awaiting_scale_up(self, members: set[str], started: float) -> bool:
+        if self._scale_expected is None:
+            return False
+        replicas, until = self._scale_expected
+        now = time.monotonic()
+        return len(members) < replicas and now < until and now < started + SCALE_JOIN_WAIT
 
     async def _rebalance(self, members: set[str], applied: set[str], first: bool) -> bool:
         targets = self.view.targets()
@@ -216,7 +247,7 @@ class Leader:
             return False
         self.rebalances += 1
         moves = moved(previous, new)
-        reason = classify(applied or set(previous.values()), members, bool(previous), first)
+        reason = self._reason(applied, set(previous.values()), members, first)
         log.info(
             "Wrote generation %d (%s): %d members, %d partitions moved",
             generation,

@@ -3,6 +3,14 @@
 etcd3 blocks; every call here runs in a worker thread so the event loop never stalls
 (a stalled loop would miss lease keep-alives and fetch deadlines). Watches run on
 etcd3's own watcher thread and are handed to the loop with call_soon_threadsafe.
+
+TLS and authentication: `Etcd(endpoints, ca_file=, cert_file=, key_file=, username=,
+password=)` uses the same settings for every endpoint. The files are checked when the
+`Etcd` is made (EtcdConfigError: one line naming the file), etcd3 reads them whenever it
+opens a channel. With a username, etcd3 authenticates while it builds its client (a
+blocking RPC), so that client is made in `connect()`, in a worker thread, and made again
+when etcd refuses its token (an expired simple token, or a JWT from an older auth store):
+the refused call fails as a transient error and the caller's retry uses the new token.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ import functools
 import logging
 import random
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,6 +28,7 @@ from typing import Any, TypeVar
 
 import etcd3
 import etcd3.exceptions
+import grpc
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +68,70 @@ class EtcdUnavailable(RuntimeError):
     """etcd could not be reached within the allowed attempts."""
 
 
+class EtcdConfigError(ValueError):
+    """The TLS or credential settings cannot work: an unreadable file, half a pair."""
+
+
+class EtcdAuthError(RuntimeError):
+    """etcd refused the username and password (retrying will not help)."""
+
+
+# What gRPC says when a TLS handshake fails (no client certificate, an unknown CA, TLS
+# spoken to a plain port).
+_TLS_SIGNS = ("TSI_", "SSL", "ssl", "handshake", "certificate")
+
+
+def describe(exc: BaseException) -> str:
+    """An etcd3 error with what gRPC said (etcd3 raises its errors without a message)."""
+    text = str(exc)
+    cause = exc.__cause__ or exc.__context__
+    if isinstance(cause, grpc.RpcError):
+        details = str(cause.details() or "")
+        if details:
+            text = f"{text}: {details}" if text else details
+            if any(sign in details for sign in _TLS_SIGNS):
+                text += (
+                    " (a TLS problem? check that the CA, client certificate and key match"
+                    " the etcd server's TLS settings)"
+                )
+    return text or type(exc).__name__
+
+
+def _check_readable(what: str, path: str) -> None:
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as exc:
+        raise EtcdConfigError(
+            f"etcd {what} file {path} is not readable: {exc.strerror or exc}"
+        ) from None
+
+
+def check_security(
+    ca_file: str | None,
+    cert_file: str | None,
+    key_file: str | None,
+    username: str | None,
+    password: str | None,
+) -> None:
+    """Raise EtcdConfigError (one line) unless these settings can make an etcd3 client."""
+    if bool(cert_file) != bool(key_file):
+        raise EtcdConfigError(
+            "etcd client certificate and key go together: set both files or neither"
+        )
+    if cert_file and not ca_file:
+        raise EtcdConfigError("an etcd client certificate needs the CA file of the etcd server")
+    if bool(username) != bool(password):
+        raise EtcdConfigError("etcd username and password go together: set both or neither")
+    if username and not ca_file:
+        # etcd3 sends the token as gRPC call credentials, which gRPC sends only over TLS
+        # (and a password in clear text would be a bad idea anyway).
+        raise EtcdConfigError("an etcd username and password need TLS: set the CA file too")
+    for what, path in (("CA", ca_file), ("client certificate", cert_file), ("key", key_file)):
+        if path:
+            _check_readable(what, path)
+
+
 def parse_endpoints(value: str | Sequence[str]) -> list[tuple[str, int]]:
     """Parse "host:port,host2:port2" (an optional http:// is dropped) into pairs."""
     items = value.split(",") if isinstance(value, str) else list(value)
@@ -89,22 +163,86 @@ class KV:
     lease: int
 
 
+# How a refused token shows: an expired one, or (JWT) one from before an auth store change.
+_TOKEN_REFUSED = ("invalid auth token", "revision of auth store is old")
+
+
 class Etcd:
     """A connection to one of several etcd endpoints, with async wrappers."""
 
-    def __init__(self, endpoints: str | Sequence[str], *, timeout: float = 3.0) -> None:
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        *,
+        timeout: float = 3.0,
+        ca_file: str | None = None,
+        cert_file: str | None = None,
+        key_file: str | None = None,
+        username: str | None = None,
+        password: str | None = None,
+    ) -> None:
         self.endpoints = parse_endpoints(endpoints)
         self.timeout = timeout
+        check_security(ca_file, cert_file, key_file, username, password)
+        self.ca_file = ca_file or None
+        self.cert_file = cert_file or None
+        self.key_file = key_file or None
+        self.username = username or None
+        self._password = password or None
         self._index = 0
-        self.client: Any = self._make_client()
+        self._lock = threading.Lock()
+        self._renewed = 0.0
+        # Clients replaced after a refused token: their watches may still deliver, so
+        # they are closed with this one, not at once.
+        self._retired: list[Any] = []
+        # With a username, building a client is an RPC: connect() does it, off the loop.
+        self._client: Any = None if self.username else self._make_client()
         # Our own threads: a hand-over issues dozens of claims and releases at once, and
         # asyncio's default executor (cores + 4 threads) would queue them one behind the
         # other. The gRPC channel multiplexes the calls.
         self._executor = ThreadPoolExecutor(max_workers=16, thread_name_prefix="etcd")
 
     def _make_client(self) -> Any:
+        """A client for the current endpoint (blocking when it must authenticate)."""
         host, port = self.endpoints[self._index % len(self.endpoints)]
-        return etcd3.client(host=host, port=port, timeout=self.timeout)
+        try:
+            return etcd3.client(
+                host=host,
+                port=port,
+                timeout=self.timeout,
+                ca_cert=self.ca_file,
+                cert_cert=self.cert_file,
+                cert_key=self.key_file,
+                user=self.username,
+                password=self._password,
+            )
+        except OSError as exc:  # etcd3 reads the TLS files here
+            raise EtcdConfigError(f"etcd TLS file unreadable: {exc}") from None
+        except grpc.RpcError as exc:  # only the Authenticate call raises these
+            code = exc.code()
+            if code == grpc.StatusCode.UNAVAILABLE:
+                raise etcd3.exceptions.ConnectionFailedError() from exc
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise etcd3.exceptions.ConnectionTimeoutError() from exc
+            raise EtcdAuthError(
+                f"etcd at {host}:{port} refused user {self.username!r}: {exc.details()}"
+            ) from None
+
+    @property
+    def client(self) -> Any:
+        """The etcd3 client. With a username, connect() first (building it blocks)."""
+        if self._client is None:
+            with self._lock:
+                if self._client is None:
+                    self._client = self._make_client()
+        return self._client
+
+    @client.setter
+    def client(self, value: Any) -> None:
+        self._client = value
+
+    def _ensure_client(self) -> None:
+        _ = self.client  # builds it
 
     @property
     def endpoint(self) -> str:
@@ -115,33 +253,74 @@ class Etcd:
         """Move to the next endpoint (after a connection failure)."""
         if len(self.endpoints) > 1:
             self._index += 1
-            self.client.close()
-            self.client = self._make_client()
+            old, self._client = self._client, None
+            if old is not None:
+                old.close()
+            if not self.username:
+                self._client = self._make_client()
+
+    def _renew_token(self) -> None:
+        """etcd refused our token: authenticate again (in a worker thread)."""
+        with self._lock:
+            if time.monotonic() - self._renewed < 1.0:
+                return  # another thread just did
+            fresh = self._make_client()
+            self._renewed = time.monotonic()
+            if self._client is not None:
+                self._retired.append(self._client)
+            self._client = fresh
+        log.info("Authenticated again to etcd at %s (its token was refused)", self.endpoint)
+
+    def _run(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except grpc.RpcError as exc:
+            code, details = exc.code(), str(exc.details() or "")
+            if self.username and (
+                code == grpc.StatusCode.UNAUTHENTICATED
+                or any(text in details for text in _TOKEN_REFUSED)
+            ):
+                self._renew_token()
+                # Refused, so not applied: the caller's usual retry is safe.
+                raise etcd3.exceptions.ConnectionFailedError() from exc
+            if code == grpc.StatusCode.PERMISSION_DENIED or "user name is empty" in details:
+                who = f"user {self.username!r}" if self.username else "an anonymous client"
+                raise EtcdAuthError(
+                    f"etcd at {self.endpoint} refused {who}: {details or code}"
+                ) from None
+            raise
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+        return await loop.run_in_executor(
+            self._executor, functools.partial(self._run, fn, args, kwargs)
+        )
 
     async def connect(self, *, attempts: int | None = None, max_delay: float = 10.0) -> None:
-        """Wait until etcd answers, retrying with capped exponential backoff and jitter."""
+        """Wait until etcd answers, retrying with capped exponential backoff and jitter.
+
+        EtcdAuthError (wrong username or password) is not retried.
+        """
         delay = 0.2
         attempt = 0
         while True:
             attempt += 1
             try:
-                await self.call(self.client.status)
+                await self.call(self._ensure_client)
+                await self.call(lambda: self.client.status())
                 if attempt > 1:
                     log.info("Connected to etcd at %s after %d attempts", self.endpoint, attempt)
                 return
             except TRANSIENT_ERRORS as exc:
+                why = describe(exc)
                 if attempts is not None and attempt >= attempts:
                     raise EtcdUnavailable(
-                        f"etcd at {self.endpoint} unreachable after {attempt} attempts: {exc}"
+                        f"etcd at {self.endpoint} unreachable after {attempt} attempts: {why}"
                     ) from exc
                 log.warning(
-                    "etcd at %s unreachable (%s); retrying in %.1f s", self.endpoint, exc, delay
+                    "etcd at %s unreachable (%s); retrying in %.1f s", self.endpoint, why, delay
                 )
-                self.rotate()
+                await self.call(self.rotate)
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, max_delay)
 
@@ -249,8 +428,12 @@ class Etcd:
             log.debug("Cancelling watch %s failed", watch_id, exc_info=True)
 
     def close(self) -> None:
-        try:
-            self.client.close()
-        except Exception:
-            log.debug("Closing the etcd client failed", exc_info=True)
+        for client in [*self._retired, self._client]:
+            if client is None:
+                continue
+            try:
+                client.close()
+            except Exception:
+                log.debug("Closing the etcd client failed", exc_info=True)
+        self._retired.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -99,13 +99,20 @@ def load_handler(spec: str) -> Handler:
 
 
 async def _simulated_work() -> None:
+    """SHOAL_HANDLER_DELAY_MS of waiting (I/O-bound work) and SHOAL_HANDLER_CPU_MS of
+    computing (CPU-bound work: it holds the event loop, as real CPU-bound handlers do)."""
+    cpu_ms = float(os.environ.get("SHOAL_HANDLER_CPU_MS", "0") or 0)
+    if cpu_ms > 0:
+        spent = time.process_time()
+        while time.process_time() - spent < cpu_ms / 1000:
+            pass
     delay_ms = float(os.environ.get("SHOAL_HANDLER_DELAY_MS", "0") or 0)
     if delay_ms > 0:
         await asyncio.sleep(delay_ms / 1000)
 
 
 async def noop(msg: Message) -> None:
-    """Accept everything (plus SHOAL_HANDLER_DELAY_MS of simulated work)."""
+    """Accept everything (plus simulated work: SHOAL_HANDLER_DELAY_MS, SHOAL_HANDLER_CPU_MS)."""
     await _simulated_work()
 
 

@@ -84,6 +84,9 @@ class Keys:
         self.leader = self.prefix + "leader"
         self.partitions = self.prefix + "partitions/"
         self.claims = self.prefix + "claims/"
+        # The autoscaler's last action (time, from, to, reason): the operator reports it
+        # as status.lastScale, and a new leader keeps the cooldown it started.
+        self.scale = self.prefix + "scale"
 
     def member(self, member_id: str) -> str:
         return self.members + member_id

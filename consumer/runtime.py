@@ -20,11 +20,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shoal.consumer.autoscaler import Autoscaler
 from shoal.consumer.config import GroupConfig
+from shoal.consumer.cpu import CpuMeter
 from shoal.consumer.election import GenerationRecord, Leader
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.handlers import load_handler
 from shoal.consumer.jetstream import connect, ensure_group, partition_lag
+from shoal.consumer.kube import GroupObject
 from shoal.consumer.membership import Membership
 from shoal.consumer.metrics import Metrics
 from shoal.consumer.partitioning import assignments_subject
@@ -33,20 +36,8 @@ from shoal.consumer.worker import Worker
 
 log = logging.getLogger(__name__)
 
-
-class CpuMeter:
-    """Process CPU use as a percentage of one core since the previous reading."""
-
-    def __init__(self) -> None:
-        self._wall = time.monotonic()
-        self._cpu = time.process_time()
-
-    def read(self) -> float:
-        wall, cpu = time.monotonic(), time.process_time()
-        elapsed = wall - self._wall
-        percent = 100.0 * (cpu - self._cpu) / elapsed if elapsed > 0 else 0.0
-        self._wall, self._cpu = wall, cpu
-        return round(percent, 1)
+#: How long a generation's log event waits for its hand-overs to finish.
+HANDOVER_LOG_TIMEOUT = 30.0
 
 
 class ConsumerProcess:
@@ -55,7 +46,7 @@ class ConsumerProcess:
         # An unknown handler stops start-up here, before any connection is made.
         self.handler = load_handler(config.handler)
         self.metrics = Metrics()
-        self.etcd = Etcd(config.etcd_endpoints)
+        self.etcd = Etcd(config.etcd_endpoints, **config.etcd_options())
         self.view = GroupView(self.etcd, config.keys, config.partitions)
         self.cpu = CpuMeter()
         self.lag = 0
@@ -65,11 +56,13 @@ class ConsumerProcess:
         )
         self.leader.on_leadership(lambda value: self.metrics.is_leader.set(1 if value else 0))
         self.worker: Worker | None = None
+        self.autoscaler: Autoscaler | None = None
         self.nc: Any = None
         self.js: Any = None
         self.metrics_port: int | None = None
         self.stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
+        self._generations: asyncio.Queue[GenerationRecord] = asyncio.Queue()
 
     def _stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = {
@@ -85,9 +78,50 @@ class ConsumerProcess:
 
     async def _record_generation(self, record: GenerationRecord) -> None:
         self.metrics.rebalances.inc()
-        if self.js is None:
-            return
-        event = {
+        self._generations.put_nowait(record)
+
+    async def _publish_generations(self) -> None:
+        """Log each generation, in order, once its moves are done (or given up on)."""
+        while True:
+            record = await self._generations.get()
+            try:
+                handover = await self._handover_times(record, HANDOVER_LOG_TIMEOUT)
+                await self.js.publish(
+                    assignments_subject(self.config.subject_prefix),
+                    json.dumps(self._event(record, handover)).encode(),
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("Could not log generation %d: %r", record.generation, exc)
+            finally:
+                self._generations.task_done()
+
+    async def _handover_times(self, record: GenerationRecord, timeout: float) -> dict[int, float]:
+        """Milliseconds from the leader's write until each moved partition's new owner
+        claimed it (as this member's view saw it); moves not done by `timeout` are left out.
+        """
+        pending = {p: to for p, _, to in record.moved}
+        times: dict[int, float] = {}
+        deadline = time.monotonic() + timeout
+        while pending and time.monotonic() < deadline:
+            changed = self.view.change_event()
+            claims, now = self.view.claims(), time.time()
+            for p, to in list(pending.items()):
+                claim = claims.get(p)
+                if claim is not None and claim.member == to:
+                    times[p] = round(max(0.0, now - record.ts) * 1000, 1)
+                    del pending[p]
+            if pending:
+                try:
+                    await asyncio.wait_for(changed.wait(), deadline - time.monotonic())
+                except TimeoutError:
+                    pass
+        return times
+
+    def _event(self, record: GenerationRecord, handover: dict[int, float]) -> dict[str, Any]:
+        """The analytics log's event (schema 1)."""
+        return {
             "schema": 1,
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.ts))
             + f".{int(record.ts % 1 * 1000):03d}Z",
@@ -101,11 +135,9 @@ class ConsumerProcess:
             "members": record.members,
             "assignment": {str(p): m for p, m in record.assignment.items()},
             "moved": [{"partition": p, "from": a, "to": b} for p, a, b in record.moved],
+            "handover_ms": {str(p): ms for p, ms in sorted(handover.items())},
             "loads": {str(p): v for p, v in record.loads.items()},
         }
-        await self.js.publish(
-            assignments_subject(self.config.subject_prefix), json.dumps(event).encode()
-        )
 
     async def start(self) -> None:
         c = self.config
@@ -146,19 +178,43 @@ class ConsumerProcess:
             asyncio.create_task(self.leader.run(), name="leader"),
             asyncio.create_task(self.worker.run(), name="worker"),
             asyncio.create_task(self._lag_loop(), name="lag"),
+            asyncio.create_task(self._publish_generations(), name="assignment-log"),
         ]
+        if c.autoscaler == "kubernetes":
+            self._start_autoscaler()
+
+    def _start_autoscaler(self) -> None:
+        c = self.config
+        try:
+            target = GroupObject(c.namespace, c.group)
+        except Exception as exc:
+            # Consuming matters more than scaling: run on, without autoscaling, and say so.
+            log.error("Autoscaling disabled: no Kubernetes credentials (%s)", exc)
+            return
+        self.autoscaler = Autoscaler(c, self.etcd, self.view, self.leader, target)
+        self._tasks.append(asyncio.create_task(self.autoscaler.run(), name="autoscaler"))
 
     async def _lag_loop(self) -> None:
+        """Our lag (num_pending + num_ack_pending over owned partitions) for the autoscaler.
+
+        The durables' info comes from JetStream's API, answered by each consumer's
+        leader (never a follower's stale copy). All partitions are asked at once: one
+        round trip, so the figure is at most one stats interval old.
+        """
         while True:
             await asyncio.sleep(self.config.stats_interval)
             if self.worker is None:
                 continue
+            owned = sorted(self.worker.owned())
+            results = await asyncio.gather(
+                *(partition_lag(self.js, self.config, p) for p in owned), return_exceptions=True
+            )
             total = 0
-            for p in self.worker.owned():
-                try:
-                    total += await partition_lag(self.js, self.config, p)
-                except Exception as exc:
-                    log.debug("Lag of partition %d unavailable: %r", p, exc)
+            for p, result in zip(owned, results, strict=True):
+                if isinstance(result, BaseException):
+                    log.debug("Lag of partition %d unavailable: %r", p, result)
+                else:
+                    total += result
             self.lag = total
             self.metrics.lag.set(total)
 
@@ -195,6 +251,12 @@ class ConsumerProcess:
             drained = await self.worker.drain(c.drain_timeout)
         if self.leader.is_leader:
             await self._wait_reassigned(min(c.drain_timeout, 15.0))
+        if self.leader.is_leader:
+            # Log the last generations (our own departure's) before the connection goes.
+            try:
+                await asyncio.wait_for(self._generations.join(), HANDOVER_LOG_TIMEOUT / 10)
+            except TimeoutError:
+                log.info("Some assignment-log events were not written before leaving")
         await self.leader.resign()
         for task in self._tasks:
             task.cancel()

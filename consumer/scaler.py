@@ -42,10 +42,10 @@ Defaults that are not in the CRD:
   members under a backlog; 4 gets there in one step while a single bogus lag reading
   (a stuck ``num_pending``) costs at most 4 pods for one cooldown. One rebalance that
   adds 4 members moves fewer partitions than 4 rebalances adding one each.
-* ``scale_down_window_seconds = 300`` (the HPA's default scale-down stabilization):
-  10 rounds at 30 s must agree. It is shorter than the cooldown, so after an action the
-  window fills during the cooldown and adds no delay; and a new leader (empty history)
-  cannot scale down in its first 5 minutes on a single reading.
+* ``scale_down_window_seconds = min(300, cooldown)`` (300 s is the HPA's default
+  scale-down stabilization): 10 rounds at 30 s must agree. It is never longer than the
+  cooldown, so after an action the window fills during the cooldown and adds no delay;
+  and a new leader (empty history) cannot scale down on a single reading.
 
 Dry run: decisions are computed, reported with ``dry_run=True`` and the cooldown is
 recorded as if they had been applied, so the Events a dry run produces are the ones a
@@ -178,10 +178,11 @@ class Policy:
             raise ValueError(f"spec.autoscaling must be a mapping, got {section!r}")
         a = "spec.autoscaling."
         target = section.get("targetLagPerMember")
+        cooldown = _spec_int(section, "cooldownSeconds", 600, 0, a)
         return cls(
             enabled=_spec_bool(section, "enabled", False, a),
             interval_seconds=_spec_int(section, "intervalSeconds", 30, 1, a),
-            cooldown_seconds=_spec_int(section, "cooldownSeconds", 600, 0, a),
+            cooldown_seconds=cooldown,
             cpu_threshold=_spec_int(section, "cpuThreshold", 90, 1, a),
             max_projects_per_member=_spec_int(section, "maxProjectsPerMember", 50, 1, a),
             min_projects_per_member=_spec_int(section, "minProjectsPerMember", 2, 0, a),
@@ -192,6 +193,9 @@ class Policy:
             min_replicas=_spec_int(spec, "minReplicas", 1, 0, "spec."),
             max_replicas=_spec_int(spec, "maxReplicas", 10, 1, "spec."),
             partitions=_spec_int(spec, "partitions", 128, 1, "spec."),
+            # Never longer than the cooldown: the window then fills during the cooldown
+            # and a short cooldown (tests, demos) is not silently stretched to 5 minutes.
+            scale_down_window_seconds=min(DEFAULT_SCALE_DOWN_WINDOW_SECONDS, cooldown),
         )
 
 

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from e2e.localkube.plane import LocalKube
+from e2e.servers import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.3) -> Any:
@@ -46,3 +55,51 @@ def create_namespace(plane: LocalKube, name: str) -> None:
         30,
         f"the default service account of {name}",
     )
+
+
+@contextlib.contextmanager
+def operator_process(
+    plane: LocalKube, namespaces: Sequence[str], log_path: Path
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`shoal-operator` as a local process watching `namespaces`, stopped on exit.
+
+    The CRD is applied first. Suites that run an operator each watch their own namespaces,
+    so they can share the session's plane.
+    """
+    plane.kubectl("apply", "--server-side", "-f", str(ROOT / "crds" / "consumergroup.yaml"))
+    plane.kubectl(
+        "wait", "--for=condition=Established", "crd/consumergroups.shoal.dev", "--timeout=60s"
+    )
+    env = {
+        **os.environ,
+        **plane.env(),
+        "SHOAL_OPERATOR_IMAGE": "shoal:dev",
+        "NATS_URL": plane.state.nats_url,
+        "ETCD_ENDPOINTS": plane.state.etcd_endpoint,
+    }
+    args = [a for ns in namespaces for a in ("--namespace", ns)]
+    with log_path.open("wb") as out:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-P",
+                "-m",
+                "shoal.operator",
+                *args,
+                "--liveness",
+                f"http://127.0.0.1:{free_port()}/healthz",
+            ],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        yield process
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()

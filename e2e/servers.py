@@ -28,11 +28,12 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import ClassVar, Self
 
-__all__ = ["EtcdServer", "NatsServer", "ServerProcess", "cache_dir", "free_port"]
+__all__ = ["EtcdServer", "EtcdTLS", "NatsServer", "ServerProcess", "cache_dir", "free_port"]
 
 logger = logging.getLogger(__name__)
 
@@ -305,8 +306,23 @@ class ServerProcess:
         return f"<{type(self).__name__} {self.workdir} {state}>"
 
 
+@dataclass(frozen=True)
+class EtcdTLS:
+    """Client TLS for an EtcdServer: its serving certificate and key (valid for 127.0.0.1)
+    and the CA whose client certificates it accepts (and, with client_cert_auth, requires)."""
+
+    cert_file: Path
+    key_file: Path
+    trusted_ca_file: Path
+    client_cert_auth: bool = True
+
+
 class EtcdServer(ServerProcess):
-    """A single-member etcd cluster on 127.0.0.1 (client and peer ports both free ports)."""
+    """A single-member etcd cluster on 127.0.0.1 (client and peer ports both free ports).
+
+    With `tls`, clients speak TLS (https) on the client port; /health and /metrics then
+    move to a plain-HTTP metrics port of their own, which readiness checks use.
+    """
 
     name = "etcd"
     env_var = "SHOAL_ETCD"
@@ -316,12 +332,26 @@ class EtcdServer(ServerProcess):
 
     port: int
     peer_port: int
+    metrics_port: int
+
+    def __init__(
+        self,
+        workdir: str | os.PathLike[str],
+        binary: str | os.PathLike[str] | None = None,
+        *,
+        tls: EtcdTLS | None = None,
+    ):
+        self.tls = tls
+        super().__init__(workdir, binary)
 
     def _allocate_ports(self) -> None:
-        self.port = free_port()
-        self.peer_port = free_port()
-        while self.peer_port == self.port:
-            self.peer_port = free_port()
+        taken: set[int] = set()
+        for attr in ("port", "peer_port", "metrics_port"):
+            port = free_port()
+            while port in taken:
+                port = free_port()
+            taken.add(port)
+            setattr(self, attr, port)
 
     @property
     def endpoint(self) -> str:
@@ -330,12 +360,13 @@ class EtcdServer(ServerProcess):
 
     @property
     def client_url(self) -> str:
-        return f"http://{HOST}:{self.port}"
+        scheme = "https" if self.tls else "http"
+        return f"{scheme}://{HOST}:{self.port}"
 
     @property
     def monitor_url(self) -> str:
-        """etcd serves /health and /metrics on its client port."""
-        return self.client_url
+        """/health and /metrics: the client port, or with TLS the plain metrics port."""
+        return f"http://{HOST}:{self.metrics_port}" if self.tls else self.client_url
 
     @property
     def data_dir(self) -> Path:
@@ -365,6 +396,15 @@ class EtcdServer(ServerProcess):
             "--logger=zap",
             "--log-outputs=stderr",
         ]
+        if self.tls is not None:
+            command += [
+                f"--cert-file={self.tls.cert_file}",
+                f"--key-file={self.tls.key_file}",
+                f"--trusted-ca-file={self.tls.trusted_ca_file}",
+                f"--listen-metrics-urls={self.monitor_url}",
+            ]
+            if self.tls.client_cert_auth:
+                command.append("--client-cert-auth")
         # etcd >= 3.5: tests need no durability and run much faster without fsync.
         # Debian bookworm's 3.4.23 does not have the flag.
         if self._supports("--unsafe-no-fsync"):
@@ -386,7 +426,7 @@ class EtcdServer(ServerProcess):
 
     def _is_ready(self) -> bool:
         try:
-            status, body = _http_get(f"{self.client_url}/health")
+            status, body = _http_get(f"{self.monitor_url}/health")
         except (OSError, ValueError):
             return False
         if status != 200:

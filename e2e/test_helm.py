@@ -215,6 +215,27 @@ def _install_run_a_group_test_and_uninstall(plane: LocalKube, chart: Path) -> No
     kubectl(plane, "get", "role", OPERATOR, "-n", DEMO_NS)
     cluster_role = get_json(plane, "clusterrole", f"{RELEASE_NS}-{RELEASE}-operator")
     assert not any("shoal.dev" in rule["apiGroups"] for rule in cluster_role["rules"])
+    # Groups' spec.etcd.tlsSecret: the operator may get Secrets in the watched namespace
+    # only, and never list them.
+    operator_sa = f"system:serviceaccount:{RELEASE_NS}:{OPERATOR}"
+    for verb, namespace, allowed in (
+        ("get", DEMO_NS, "yes"),
+        ("list", DEMO_NS, "no"),
+        ("get", "default", "no"),
+    ):
+        answer = kubectl(
+            plane,
+            "auth",
+            "can-i",
+            verb,
+            "secrets",
+            "-n",
+            namespace,
+            "--as",
+            operator_sa,
+            check=False,
+        ).stdout.strip()
+        assert answer == allowed, (verb, namespace, answer)
 
     # A first group, as NOTES.txt suggests: Ready with a leader and balanced partitions.
     started = time.monotonic()

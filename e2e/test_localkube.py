@@ -496,3 +496,114 @@ def test_commands_expand_only_kubernetes_variables(localkube: LocalKube) -> None
         "the echo pod to finish",
     )
     assert "['echo', '$HOME']" in plane.kubectl("logs", "-n", ns, "echo").stdout
+
+
+# Prints what a pod sees of its secret volume and secret env, for the test below.
+SECRET_READER = (
+    "import os, stat\n"
+    "path = os.environ['CA_FILE']\n"
+    "print('content', open(path).read(), flush=True)\n"
+    "print('file mode', oct(stat.S_IMODE(os.stat(path).st_mode)), flush=True)\n"
+    "print('dir mode', oct(stat.S_IMODE(os.stat(os.environ['CREDS']).st_mode)), flush=True)\n"
+    "print('moved', not path.startswith('/etc/creds'), flush=True)\n"
+    "print('listing', sorted(os.listdir(os.environ['CREDS'])), flush=True)\n"
+    "print('user', os.environ.get('USER_NAME'), 'missing', 'NOPE' in os.environ, flush=True)\n"
+)
+
+
+def test_secret_volumes_and_secret_refs(localkube: LocalKube) -> None:
+    plane, ns = localkube, "secret-volumes"
+    create_namespace(plane, ns)
+    secret_ref = {"secretKeyRef": {"name": "creds", "key": "username"}}
+    reader = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "reader", "namespace": ns},
+        "spec": {
+            "restartPolicy": "Never",
+            "volumes": [
+                {
+                    "name": "creds",
+                    "secret": {
+                        "secretName": "creds",
+                        "items": [{"key": "ca.crt", "path": "sub/ca.pem"}],
+                    },
+                }
+            ],
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "shoal:dev",
+                    "command": ["python", "-c", SECRET_READER],
+                    "env": [
+                        {"name": "CREDS", "value": "/etc/creds"},
+                        {"name": "CA_FILE", "value": "$(CREDS)/sub/ca.pem"},
+                        {"name": "USER_NAME", "valueFrom": secret_ref},
+                        {
+                            "name": "NOPE",
+                            "valueFrom": {
+                                "secretKeyRef": {"name": "creds", "key": "no", "optional": True}
+                            },
+                        },
+                    ],
+                    "volumeMounts": [
+                        {"name": "creds", "mountPath": "/etc/creds/", "readOnly": True}
+                    ],
+                }
+            ],
+        },
+    }
+    apply(plane, reader)
+
+    def waiting(name: str) -> dict[str, Any]:
+        pod = get_json(plane, "pod", name, "-n", ns)
+        statuses = pod["status"].get("containerStatuses") or [{}]
+        return dict(statuses[0].get("state", {}).get("waiting") or {})
+
+    # No Secret yet: the volume cannot be set up, and the pod says so (and keeps trying).
+    stuck = wait_until(lambda: waiting("reader").get("message"), 60, "a mount failure")
+    assert waiting("reader")["reason"] == "ContainerCreating"
+    assert 'secret "creds" not found' in stuck
+
+    plane.kubectl(
+        "create",
+        "secret",
+        "generic",
+        "creds",
+        "-n",
+        ns,
+        "--from-literal=ca.crt=PEM DATA",
+        "--from-literal=username=alice",
+        "--from-literal=other=not mounted",
+    )
+    wait_until(
+        lambda: get_json(plane, "pod", "reader", "-n", ns)["status"].get("phase") == "Succeeded",
+        60,
+        "the reader pod to run once the Secret exists",
+    )
+    logs = plane.kubectl("logs", "-n", ns, "reader").stdout
+    assert "content PEM DATA" in logs
+    assert "file mode 0o600" in logs and "dir mode 0o700" in logs
+    assert "moved True" in logs  # the env pointed into the mount: rewritten
+    assert "listing ['sub']" in logs  # only the listed item, at its path
+    assert "user alice missing False" in logs
+
+    # A non-optional key that does not exist: the container cannot be configured.
+    broken = json.loads(json.dumps(reader))
+    broken["metadata"]["name"] = "broken"
+    broken["spec"]["containers"][0]["env"][2]["valueFrom"]["secretKeyRef"]["key"] = "absent"
+    apply(plane, broken)
+    failed = wait_until(lambda: waiting("broken").get("message"), 60, "a config error")
+    assert waiting("broken")["reason"] == "CreateContainerConfigError"
+    assert failed == f"couldn't find key absent in Secret {ns}/creds"
+
+    # The pods' directories (kubeconfig, secrets) go with them.
+    uids = [
+        get_json(plane, "pod", name, "-n", ns)["metadata"]["uid"] for name in ("reader", "broken")
+    ]
+    plane.kubectl("delete", "pod", "reader", "broken", "-n", ns, "--wait=true", "--timeout=60s")
+    pod_dirs = [plane.root / "kubelet" / "pods" / uid for uid in uids]
+    wait_until(
+        lambda: not any(d.exists() for d in pod_dirs), 30, "the pod directories to be removed"
+    )
+    plane.kubectl("delete", "namespace", ns, "--wait=false")

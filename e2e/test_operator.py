@@ -8,10 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +18,7 @@ import pytest
 import yaml
 
 from e2e.fleet import wait_for_status
-from e2e.kubetest import condition, get_json, wait_until
+from e2e.kubetest import condition, create_namespace, get_json, operator_process, wait_until
 from e2e.localkube.plane import LocalKube
 from e2e.servers import free_port
 from shoal.consumer.assignor import min_moves, moved
@@ -40,53 +36,11 @@ NAMESPACES = ("op-test", "op-bad")
 
 @pytest.fixture(scope="module")
 def operator(localkube: LocalKube, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    plane = localkube
-    plane.kubectl("apply", "--server-side", "-f", str(ROOT / "crds" / "consumergroup.yaml"))
-    plane.kubectl(
-        "wait", "--for=condition=Established", "crd/consumergroups.shoal.dev", "--timeout=60s"
-    )
-    for ns in NAMESPACES:
-        plane.kubectl("create", "namespace", ns)
-
-        def has_default_sa(namespace: str = ns) -> bool:
-            found = plane.kubectl("get", "sa", "default", "-n", namespace, check=False)
-            return found.returncode == 0
-
-        wait_until(has_default_sa, 30, f"the default service account of {ns}")
     log_path = tmp_path_factory.mktemp("operator") / "operator.log"
-    env = {
-        **os.environ,
-        **plane.env(),
-        "SHOAL_OPERATOR_IMAGE": "shoal:dev",
-        "NATS_URL": plane.state.nats_url,
-        "ETCD_ENDPOINTS": plane.state.etcd_endpoint,
-    }
-    args = [a for ns in NAMESPACES for a in ("--namespace", ns)]
-    with log_path.open("wb") as out:
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-P",
-                "-m",
-                "shoal.operator",
-                *args,
-                "--liveness",
-                f"http://127.0.0.1:{free_port()}/healthz",
-            ],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
+    with operator_process(localkube, NAMESPACES, log_path):
+        for ns in NAMESPACES:
+            create_namespace(localkube, ns)
         yield log_path
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
 
 
 def example(namespace: str, replicas: int = 3, **spec: Any) -> str:
@@ -185,7 +139,9 @@ async def _scale_while_producing(plane: LocalKube, ns: str) -> None:
         # Pods that register further apart than the leader's debounce give one generation
         # each; every generation must move the minimum from the one before it.
         previous = before.owners
-        for event in await assignment_events(js, f"shoal_{ns}_orders_log", before.generation):
+        log_stream = f"shoal_{ns}_orders_log"
+        events = await assignment_events(js, log_stream, before.generation, after.generation)
+        for event in events:
             current = {int(p): m for p, m in event["assignment"].items()}
             assert len(moved(previous, current)) == len(event["moved"])
             assert len(event["moved"]) == min_moves(128, event["members"], previous), event
@@ -206,14 +162,23 @@ async def _scale_while_producing(plane: LocalKube, ns: str) -> None:
         etcd.close()
 
 
-async def assignment_events(js: Any, stream: str, after_generation: int) -> list[Any]:
-    """The leader's assignment log (one JSON event per generation), in order."""
-    info = await js.stream_info(stream)
-    events = [
-        json.loads((await js.get_msg(stream, seq)).data)
-        for seq in range(info.state.first_seq, info.state.last_seq + 1)
-    ]
-    return [e for e in events if e["generation"] > after_generation]
+async def assignment_events(
+    js: Any, stream: str, after_generation: int, through_generation: int, timeout: float = 40
+) -> list[Any]:
+    """The leader's assignment log (one JSON event per generation), in order, once it holds
+    `through_generation` (an event is written when its hand-overs are done, up to 30 s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = await js.stream_info(stream)
+        events = [
+            json.loads((await js.get_msg(stream, seq)).data)
+            for seq in range(info.state.first_seq, info.state.last_seq + 1)
+        ]
+        if any(e["generation"] >= through_generation for e in events):
+            break
+        assert time.monotonic() < deadline, f"generation {through_generation} never logged"
+        await asyncio.sleep(0.5)
+    return [e for e in events if after_generation < e["generation"] <= through_generation]
 
 
 async def _stream_kept_and_etcd_cleared(plane: LocalKube, ns: str) -> None:
@@ -326,14 +291,3 @@ def test_stream_config_and_policies(localkube: LocalKube, operator: Path) -> Non
             await nc.close()
 
     assert not [s for s in asyncio.run(stream_names()) if s.startswith(stream)]
-
-
-def test_an_unsupported_etcd_tls_secret_is_reported(localkube: LocalKube, operator: Path) -> None:
-    plane, ns = localkube, "op-bad"
-    manifest = json.loads(example(ns, 1))
-    manifest["metadata"]["name"] = "tls"
-    manifest["spec"]["etcd"] = {"tlsSecret": "etcd-client"}
-    plane.kubectl("apply", "-f", "-", input_text=json.dumps(manifest))
-    degraded = wait_until(lambda: _degraded_reason(plane, ns, "tls"), 60, "Degraded")
-    assert degraded["reason"] == "EtcdTLSNotSupported"
-    plane.kubectl("delete", "cg", "tls", "-n", ns, "--timeout=60s")

@@ -13,9 +13,11 @@ it; the handlers turn it into kopf.PermanentError.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping
 from typing import Any, TypedDict
 
+from shoal.consumer.cpu import LIMIT_ENV as CPU_LIMIT_ENV
 from shoal.consumer.partitioning import (
     DEFAULT_PARTITIONS,
     check_subject_prefix,
@@ -54,6 +56,17 @@ READY_FILE = "/tmp/shoal/$(POD_NAME)/ready"
 NATS_CREDS_DIR = "/etc/shoal/nats"
 NATS_CREDS_KEY = "creds"
 NATS_CREDS_FILE = f"{NATS_CREDS_DIR}/{NATS_CREDS_KEY}"
+
+# spec.etcd.tlsSecret: a kubernetes.io/tls-style Secret. The three files are required (the
+# mount fails with a clear event without them); username and password are optional keys.
+ETCD_TLS_DIR = "/etc/shoal/etcd"
+ETCD_CA_KEY, ETCD_CERT_KEY, ETCD_KEY_KEY = "ca.crt", "tls.crt", "tls.key"
+ETCD_TLS_FILES = {  # env var -> key in the Secret (and file name in ETCD_TLS_DIR)
+    "ETCD_CA_FILE": ETCD_CA_KEY,
+    "ETCD_CERT_FILE": ETCD_CERT_KEY,
+    "ETCD_KEY_FILE": ETCD_KEY_KEY,
+}
+ETCD_AUTH_KEYS = {"ETCD_USERNAME": "username", "ETCD_PASSWORD": "password"}
 
 
 class ResourceNames(TypedDict):
@@ -147,6 +160,22 @@ def _field_env(name: str, field_path: str) -> Obj:
     return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": field_path}}}
 
 
+def cpu_millicores(quantity: object) -> int | None:
+    """A CPU quantity ("500m", "2", "0.5", 1) in millicores; None when unset or unreadable
+    (the API server validated it; an exotic form only loses the autoscaler's hint)."""
+    if quantity is None or isinstance(quantity, bool):
+        return None
+    text = str(quantity).strip()
+    try:
+        if text.endswith("m"):
+            value = float(text[:-1])
+        else:
+            value = float(text) * 1000
+    except ValueError:
+        return None
+    return math.ceil(value) if value > 0 else None
+
+
 def consumer_env(name: str, namespace: str, spec: Spec, settings: OperatorSettings) -> list[Obj]:
     """The consumer container's env: what shoal.consumer.config.config_from_env reads."""
     check_token(namespace, "namespace")
@@ -188,9 +217,28 @@ def consumer_env(name: str, namespace: str, spec: Spec, settings: OperatorSettin
         # The operator creates the stream and the durables: pods need no stream-admin
         # permissions and cannot race each other creating them.
         _env("SHOAL_ENSURE_JETSTREAM", False),
+        # The leader reads spec.autoscaling itself on every round (it may be switched on
+        # or off at any time) and scales through the group's scale subresource.
+        _env("SHOAL_AUTOSCALER", "kubernetes"),
     ]
+    cpu_limit = cpu_millicores(((spec.get("resources") or {}).get("limits") or {}).get("cpu"))
+    if cpu_limit is not None:
+        # What 100% CPU means for the autoscaler's cpuThreshold (consumer/cpu.py).
+        env.append(_env(CPU_LIMIT_ENV, cpu_limit))
     if nats.get("credentialsSecret"):
         env.append(_env("NATS_CREDS_FILE", NATS_CREDS_FILE))
+    if etcd.get("tlsSecret"):
+        env += [_env(var, f"{ETCD_TLS_DIR}/{key}") for var, key in ETCD_TLS_FILES.items()]
+        env += [
+            # optional: a Secret without these keys means no etcd authentication.
+            {
+                "name": var,
+                "valueFrom": {
+                    "secretKeyRef": {"name": etcd["tlsSecret"], "key": key, "optional": True}
+                },
+            }
+            for var, key in ETCD_AUTH_KEYS.items()
+        ]
 
     # The user's variables go last so that they win. Ours that they name are dropped rather
     # than listed twice: duplicate names draw API warnings and break server-side apply.
@@ -225,6 +273,19 @@ def _volumes(spec: Spec) -> tuple[list[Obj], list[Obj]]:
             }
         )
         mounts.append({"name": "nats-credentials", "mountPath": NATS_CREDS_DIR, "readOnly": True})
+    etcd_secret = _section(spec, "etcd").get("tlsSecret")
+    if etcd_secret:
+        # Only the files, listed: the username and password reach the pod as env vars.
+        volumes.append(
+            {
+                "name": "etcd-tls",
+                "secret": {
+                    "secretName": etcd_secret,
+                    "items": [{"key": key, "path": key} for key in ETCD_TLS_FILES.values()],
+                },
+            }
+        )
+        mounts.append({"name": "etcd-tls", "mountPath": ETCD_TLS_DIR, "readOnly": True})
     return volumes, mounts
 
 

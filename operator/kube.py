@@ -4,23 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from typing import Any
 
-from kubernetes import client, config, dynamic
+from kubernetes import client, dynamic
 from kubernetes.client.rest import ApiException
+
+from shoal.consumer.kube import api_client
+from shoal.operator.etcdsecret import SecretData
+
+__all__ = ["Kube", "api_client"]
 
 log = logging.getLogger(__name__)
 
 FIELD_MANAGER = "shoal-operator"
-
-
-def api_client() -> Any:
-    """In a pod with a mounted token: in-cluster; otherwise KUBECONFIG (or ~/.kube/config)."""
-    if os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG"):
-        config.load_incluster_config()
-        return client.ApiClient()
-    return config.new_client_from_config(os.environ.get("KUBECONFIG"))
 
 
 class Kube:
@@ -56,6 +52,19 @@ class Kube:
             raise
         st = dep.status
         return {"replicas": int(st.replicas or 0), "ready": int(st.ready_replicas or 0)}
+
+    async def read_secret(self, namespace: str, name: str) -> SecretData | None:
+        """A Secret's resourceVersion and (base64) data; None if there is no such Secret.
+
+        Only `get`: the operator reads the Secrets groups name and never lists any.
+        """
+        try:
+            secret = await asyncio.to_thread(self.core.read_namespaced_secret, name, namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return SecretData(str(secret.metadata.resource_version), dict(secret.data or {}))
 
     async def remove_consumers(self, namespace: str, deployment: str, selector: str) -> int:
         """Delete the consumers' Deployment (if still there); how many pods remain."""

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
+
+from shoal.consumer.autoscaler import ScaleRecord
 
 
 @dataclass(frozen=True)
@@ -149,3 +152,35 @@ def status(o: Observed, old_conditions: Sequence[Mapping[str, Any]], now: str) -
         result["lag"] = o.lag
     result.update(o.extra)
     return result
+
+
+#: An autoscaler record older than this does not explain a replicas change.
+SCALE_RECORD_MAX_AGE = 300.0
+
+
+def last_scale(
+    before: int, after: int, record: ScaleRecord | None, now: float
+) -> tuple[dict[str, Any], bool]:
+    """status.lastScale for a change of spec.replicas, and whether the autoscaler made it.
+
+    The leader records each decision in etcd just before it patches the scale
+    subresource; a change that matches a fresh record is the autoscaler's, with its
+    reason. Anything else (kubectl scale, an HPA, an edit) is reported as such.
+    """
+    ours = (
+        record is not None
+        and not record.dry_run
+        and (record.from_replicas, record.to_replicas) == (before, after)
+        and 0 <= now - record.time < SCALE_RECORD_MAX_AGE
+    )
+    when = record.time if ours and record is not None else now
+    reason = (
+        f"autoscaler: {record.reason}" if ours and record is not None else ("spec.replicas changed")
+    )
+    value = {
+        "time": datetime.fromtimestamp(when, UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "from": before,
+        "to": after,
+        "reason": reason,
+    }
+    return value, ours

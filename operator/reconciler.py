@@ -7,7 +7,9 @@ Observation (a timer): read the Deployment, etcd and JetStream into status, with
 Event for each new assignment generation and each change of replicas.
 Deletion: a finalizer clears the group's etcd prefix; the stream goes only with
 deletionPolicy Delete. A spec that passes the schema but cannot work (unreachable NATS,
-an unknown handler) becomes Degraded with a Warning Event and is retried with backoff.
+an unknown handler, a missing or unusable spec.etcd.tlsSecret) becomes Degraded with a
+Warning Event and is retried with backoff. etcd connections, and the files of the groups'
+etcd Secrets, live in memo.etcd (shoal.operator.etcdsecret.EtcdClients).
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import time
 from typing import Any
 
 import kopf
 
+from shoal.consumer.autoscaler import ScaleRecord
 from shoal.consumer.config import GroupConfig, config_from_env
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.handlers import HandlerError, load_handler
@@ -27,6 +31,7 @@ from shoal.consumer.partitioning import Keys
 from shoal.consumer.status import read_status
 from shoal.operator import observe
 from shoal.operator.builders import children, consumer_env, resource_names, selector_string
+from shoal.operator.etcdsecret import EtcdClients, EtcdSecretProblem
 from shoal.operator.kube import Kube, api_client
 from shoal.operator.settings import OperatorSettings, settings_from_env
 
@@ -71,7 +76,7 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     settings.watching.client_timeout = 90
     memo.settings = settings_from_env(os.environ)
     memo.kube = Kube(api_client())
-    memo.etcd = {}
+    memo.etcd = EtcdClients(memo.kube)
     memo.nats = {}
     log.info(
         "Shoal operator started: default image %s, NATS %s, etcd %s",
@@ -83,8 +88,8 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
 
 @kopf.on.cleanup()
 async def cleanup_clients(memo: Any, **_: Any) -> None:
-    for etcd in memo.get("etcd", {}).values():
-        etcd.close()
+    if memo.get("etcd") is not None:
+        memo.etcd.close()  # and removes the Secrets' files
     for nc in memo.get("nats", {}).values():
         await nc.close()
 
@@ -157,24 +162,27 @@ async def reconcile(
         _degraded(patch, status, "HandlerInvalid", problem, generation)
         kopf.warn(body, reason="HandlerInvalid", message=problem)
         raise kopf.TemporaryError(problem, delay=min(300, 10 * 2 ** min(retry, 5)))
-    if (spec.get("etcd") or {}).get("tlsSecret"):
-        # Accepted by the schema, not implemented yet: say so rather than ignore it.
-        message = "spec.etcd.tlsSecret is not supported yet: remove it or use plain etcd"
-        _degraded(patch, status, "EtcdTLSNotSupported", message, generation)
-        kopf.warn(body, reason="EtcdTLSNotSupported", message=message)
-        raise kopf.PermanentError(message)
+    etcd_secret = etcd_secret_name(spec)
+    if etcd_secret:
+        # Before any pod exists: pods would only wait for a volume that cannot mount.
+        try:
+            await memo.etcd.files(namespace, etcd_secret)
+        except EtcdSecretProblem as exc:
+            _degraded(patch, status, exc.reason, exc.message, generation)
+            kopf.warn(body, reason=exc.reason, message=exc.message)
+            # Capped low: a Secret is usually created right after the group.
+            raise kopf.TemporaryError(exc.message, delay=min(60, 5 * 2 ** min(retry, 4))) from exc
 
     before = ((old or {}).get("spec") or {}).get("replicas")
     after = spec.get("replicas")
     if before is not None and before != after:
         # Whoever set spec.replicas (kubectl scale, an HPA, the leader) came through here.
-        patch.status["lastScale"] = {
-            "time": now(),
-            "from": before,
-            "to": after,
-            "reason": "spec.replicas changed",
-        }
-        kopf.info(body, reason="Scaled", message=f"Replicas {before} -> {after}")
+        config = group_config(name, namespace, spec, settings)
+        record = await _scale_record(memo, config, etcd_secret_name(spec))
+        last, by_autoscaler = observe.last_scale(int(before), int(after or 0), record, time.time())
+        patch.status["lastScale"] = last
+        if not by_autoscaler:  # the leader posted its own ScaledUp/ScaledDown Event
+            kopf.info(body, reason="Scaled", message=f"Replicas {before} -> {after}")
 
     for obj in children(name, namespace, dict(spec), settings):
         kopf.adopt(obj, owner=body)
@@ -201,13 +209,37 @@ async def reconcile(
     )
 
 
-async def _etcd(memo: Any, endpoints: str) -> Etcd:
-    cache: dict[str, Etcd] = memo.etcd
-    if endpoints not in cache:
-        etcd = Etcd(endpoints)
-        await etcd.connect(attempts=2)
-        cache[endpoints] = etcd
-    return cache[endpoints]
+def etcd_secret_name(spec: Any) -> str | None:
+    return (spec.get("etcd") or {}).get("tlsSecret") or None
+
+
+async def _etcd(
+    memo: Any,
+    endpoints: str,
+    namespace: str | None = None,
+    secret: str | None = None,
+    *,
+    stale_ok: bool = False,
+) -> Etcd:
+    """A connected etcd client, cached; with the group's tlsSecret (namespace, name) if any.
+
+    EtcdSecretProblem: the Secret is missing or unusable (stale_ok: a Secret that is gone
+    may be served from the version read before).
+    """
+    clients: EtcdClients = memo.etcd
+    return await clients.get(endpoints, namespace, secret, stale_ok=stale_ok)
+
+
+async def _scale_record(memo: Any, config: GroupConfig, secret: str | None) -> ScaleRecord | None:
+    """The autoscaler's last decision, if etcd can tell (a best effort: status only)."""
+    try:
+        etcd = await _etcd(memo, config.etcd_endpoints, config.namespace, secret)
+        _, kvs = await etcd.get_prefix(config.keys.scale)
+    except Exception as exc:
+        log.debug("Autoscaler record unavailable: %r", exc)
+        return None
+    kv = kvs.get(config.keys.scale)
+    return None if kv is None else ScaleRecord.parse(kv.value)
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=OBSERVE_INTERVAL, initial_delay=1.0)
@@ -230,11 +262,13 @@ async def observe_group(
     members: dict[str, int] = {}
     leader, generation_seen, unowned, unclaimed = None, 0, config.partitions, config.partitions
     try:
-        etcd = await _etcd(memo, config.etcd_endpoints)
+        etcd = await _etcd(memo, config.etcd_endpoints, namespace, etcd_secret_name(spec))
         group = await read_status(etcd, namespace, name, config.partitions)
         members = {m: group.counts.get(m, 0) for m in group.members}
         leader, generation_seen = group.leader, group.generation
         unowned, unclaimed = len(group.unowned), len(group.unclaimed)
+    except EtcdSecretProblem as exc:
+        problem = (exc.reason, exc.message)
     except Exception as exc:
         problem = ("EtcdUnavailable", f"etcd at {config.etcd_endpoints} unavailable: {exc}")
     lag: int | None = None
@@ -275,9 +309,20 @@ async def observe_group(
         patch.status[key] = value
 
 
+# A deleted group whose etcd Secret is gone (and was never read by this process) keeps
+# its etcd keys after this many retries, rather than blocking its namespace's deletion.
+DELETE_SECRET_RETRIES = 5
+
+
 @kopf.on.delete(GROUP, VERSION, PLURAL)
 async def delete(
-    name: str, namespace: str | None, spec: kopf.Spec, memo: Any, body: kopf.Body, **_: Any
+    name: str,
+    namespace: str | None,
+    spec: kopf.Spec,
+    memo: Any,
+    body: kopf.Body,
+    retry: int = 0,
+    **_: Any,
 ) -> None:
     namespace = namespace or "default"  # ConsumerGroups are namespaced
     settings: OperatorSettings = memo.settings
@@ -289,8 +334,18 @@ async def delete(
     )
     if remaining:
         raise kopf.TemporaryError(f"waiting for {remaining} consumer pods to leave", delay=3)
-    etcd = await _etcd(memo, config.etcd_endpoints)
-    await etcd.delete_prefix(Keys(namespace, name).prefix)
+    prefix = Keys(namespace, name).prefix
+    try:
+        etcd = await _etcd(
+            memo, config.etcd_endpoints, namespace, etcd_secret_name(spec), stale_ok=True
+        )
+    except EtcdSecretProblem as exc:
+        if retry < DELETE_SECRET_RETRIES:
+            raise kopf.TemporaryError(exc.message, delay=min(30, 3 * 2**retry)) from exc
+        message = f"{exc.message}: the group's etcd keys under {prefix} are left in place"
+        kopf.warn(body, reason="EtcdKeysKept", message=message)
+    else:
+        await etcd.delete_prefix(prefix)
     if spec.get("deletionPolicy") == "Delete":
         js = (await _nats(memo, config, attempts=2)).jetstream()
         for stream in (

@@ -51,6 +51,7 @@ EXTRA_VARS = {
     "SHOAL_READY_FILE",
     "SHOAL_ENSURE_JETSTREAM",
     "NATS_CREDS_FILE",
+    "SHOAL_CPU_LIMIT_MILLICORES",  # read by consumer/cpu.py
 }
 
 
@@ -77,7 +78,7 @@ def full_spec() -> dict[str, Any]:
                 "backoffSeconds": [1, 2.5, 10],
             },
         },
-        "etcd": {"endpoints": "etcd-0.etcd:2379,etcd-1.etcd:2379"},
+        "etcd": {"endpoints": "etcd-0.etcd:2379,etcd-1.etcd:2379", "tlsSecret": "orders-etcd"},
         "autoscaling": {"enabled": True},
         "assignment": {"strategy": "sticky", "loadAware": False},
         "deletionPolicy": "Delete",
@@ -92,10 +93,15 @@ _REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 
 def resolve(
-    env: list[dict[str, Any]], pod: str = POD, namespace: str = NAMESPACE
+    env: list[dict[str, Any]],
+    pod: str = POD,
+    namespace: str = NAMESPACE,
+    secrets: Mapping[str, Mapping[str, str]] | None = None,
 ) -> dict[str, str]:
     """The container's environment as the kubelet makes it: fieldRefs from the pod,
-    $(VAR) expanded from variables defined earlier in the list, $$ for a literal $."""
+    secretKeyRefs from `secrets` (name -> key -> value; an optional ref to a missing
+    key is left out), $(VAR) expanded from variables defined earlier in the list, $$ for a
+    literal $."""
     fields = {"metadata.name": pod, "metadata.namespace": namespace}
     out: dict[str, str] = {}
 
@@ -105,7 +111,15 @@ def resolve(
         return out.get(match.group(1), match.group(0))
 
     for var in env:
-        if "valueFrom" in var:
+        source = var.get("valueFrom", {})
+        if "secretKeyRef" in source:
+            ref = source["secretKeyRef"]
+            value = (secrets or {}).get(ref["name"], {}).get(ref["key"])
+            if value is None and not ref.get("optional"):
+                raise KeyError(f"secret {ref['name']} has no key {ref['key']}")
+            if value is not None:
+                out[var["name"]] = value
+        elif "valueFrom" in var:
             out[var["name"]] = fields[var["valueFrom"]["fieldRef"]["fieldPath"]]
         else:
             out[var["name"]] = _REF.sub(expand, var.get("value", ""))
@@ -269,7 +283,8 @@ def test_the_operator_owns_jetstream() -> None:
 def test_every_variable_is_one_the_consumer_knows() -> None:
     names = env_names(consumer_env(NAME, NAMESPACE, {**full_spec(), "env": []}, SETTINGS))
     assert set(names) <= set(ENV_FIELDS) | EXTRA_VARS
-    needed = set(ENV_FIELDS) - {"SHOAL_LEASE_TTL", "SHOAL_KEEPALIVE_INTERVAL", "SHOAL_METRICS_PORT"}
+    tuning = {"SHOAL_LEASE_TTL", "SHOAL_KEEPALIVE_INTERVAL", "SHOAL_METRICS_PORT"}
+    needed = set(ENV_FIELDS) - tuning - {"SHOAL_STATS_INTERVAL"}
     assert needed <= set(names)
 
 
@@ -364,7 +379,73 @@ def test_credentials_secret_is_mounted_read_only_and_named_in_env() -> None:
 def test_no_credentials_secret_no_volume_no_env() -> None:
     deployment = build_deployment(NAME, NAMESPACE, minimal_spec(), SETTINGS)
     assert [volume["name"] for volume in pod_spec(deployment)["volumes"]] == ["tmp"]
-    assert "NATS_CREDS_FILE" not in env_names(container(deployment)["env"])
+    names = env_names(container(deployment)["env"])
+    assert "NATS_CREDS_FILE" not in names
+    assert not [name for name in names if name.startswith("ETCD_") and name != "ETCD_ENDPOINTS"]
+
+
+def etcd_tls_spec(**etcd: Any) -> dict[str, Any]:
+    return {**minimal_spec(), "etcd": {"tlsSecret": "orders-etcd", **etcd}}
+
+
+def test_etcd_tls_secret_is_mounted_read_only_with_exactly_the_files() -> None:
+    deployment = build_deployment(NAME, NAMESPACE, etcd_tls_spec(), SETTINGS)
+    volumes = {volume["name"]: volume for volume in pod_spec(deployment)["volumes"]}
+    # Listed items: a Secret without one of them fails the mount with a clear event; the
+    # username and password are not files.
+    assert volumes["etcd-tls"]["secret"] == {
+        "secretName": "orders-etcd",
+        "items": [
+            {"key": "ca.crt", "path": "ca.crt"},
+            {"key": "tls.crt", "path": "tls.crt"},
+            {"key": "tls.key", "path": "tls.key"},
+        ],
+    }
+    mounts = {mount["name"]: mount for mount in container(deployment)["volumeMounts"]}
+    assert mounts["etcd-tls"] == {
+        "name": "etcd-tls",
+        "mountPath": "/etc/shoal/etcd",
+        "readOnly": True,
+    }
+
+
+def test_etcd_tls_env_points_at_the_mounted_files_and_the_secrets_credentials() -> None:
+    env = consumer_env(NAME, NAMESPACE, etcd_tls_spec(), SETTINGS)
+    by_name = {var["name"]: var for var in env}
+    for var in ("ETCD_USERNAME", "ETCD_PASSWORD"):
+        key = var.removeprefix("ETCD_").lower()
+        assert by_name[var]["valueFrom"] == {
+            "secretKeyRef": {"name": "orders-etcd", "key": key, "optional": True}
+        }
+    with_auth = resolve(env, secrets={"orders-etcd": {"username": "shoal", "password": "pw"}})
+    config = config_from_env(with_auth)
+    assert (config.etcd_ca_file, config.etcd_cert_file, config.etcd_key_file) == (
+        "/etc/shoal/etcd/ca.crt",
+        "/etc/shoal/etcd/tls.crt",
+        "/etc/shoal/etcd/tls.key",
+    )
+    assert config.etcd_options()["username"] == "shoal"
+    assert config.etcd_options()["password"] == "pw"
+    # A Secret without the optional keys: TLS only, no authentication.
+    without = config_from_env(resolve(env, secrets={"orders-etcd": {}}))
+    assert without.etcd_ca_file == "/etc/shoal/etcd/ca.crt"
+    assert without.etcd_username is None and without.etcd_password is None
+
+
+def test_etcd_tls_and_nats_credentials_together() -> None:
+    spec = {**etcd_tls_spec(), "nats": {"credentialsSecret": "orders-nats"}}
+    deployment = build_deployment(NAME, NAMESPACE, spec, SETTINGS)
+    volumes = [volume["name"] for volume in pod_spec(deployment)["volumes"]]
+    assert volumes == ["tmp", "nats-credentials", "etcd-tls"]
+    mounts = [mount["mountPath"] for mount in container(deployment)["volumeMounts"]]
+    assert len(set(mounts)) == len(mounts)
+
+
+def test_a_user_env_var_overrides_an_etcd_tls_variable() -> None:
+    user = [{"name": "ETCD_CA_FILE", "value": "/custom/ca.pem"}]
+    env = consumer_env(NAME, NAMESPACE, {**etcd_tls_spec(), "env": user}, SETTINGS)
+    assert env_names(env).count("ETCD_CA_FILE") == 1
+    assert resolve(env)["ETCD_CA_FILE"] == "/custom/ca.pem"
 
 
 # -- deployment -------------------------------------------------------------------------------
@@ -653,7 +734,11 @@ specs = st.fixed_dictionaries(
         "resources": st.just({"limits": {"cpu": "1"}}),
         "nats": nats_section,
         "etcd": st.fixed_dictionaries(
-            {}, optional={"endpoints": st.sampled_from(["", "x:2379", "x:2379,y:2379"])}
+            {},
+            optional={
+                "endpoints": st.sampled_from(["", "x:2379", "x:2379,y:2379"]),
+                "tlsSecret": st.one_of(st.just(""), dns_label),
+            },
         ),
     },
 )
@@ -701,6 +786,9 @@ def test_any_valid_spec_builds_a_consistent_deployment_the_consumer_accepts(
     assert config.backoff == pytest.approx(tuple(consumer.get("backoffSeconds") or ()))
     assert config.drain_timeout == drain
     assert ("NATS_CREDS_FILE" in resolved) == bool(nats.get("credentialsSecret"))
+    tls_secret = spec.get("etcd", {}).get("tlsSecret")
+    assert (config.etcd_ca_file is not None) == bool(tls_secret)
+    assert ("etcd-tls" in volumes) == bool(tls_secret)
     for var in spec.get("env") or []:
         assert resolved[var["name"]] == var["value"]
 

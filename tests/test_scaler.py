@@ -232,6 +232,7 @@ def test_from_spec_camel_case() -> None:
         min_replicas=2,
         max_replicas=6,
         partitions=8,
+        scale_down_window_seconds=120,
     )
     assert pol.upper == 6 and pol.lower == 2 and pol.stale_after_seconds == 45
 

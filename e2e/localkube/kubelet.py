@@ -11,6 +11,23 @@ deletion sends SIGTERM, then SIGKILL after the grace period. Logs go to
 
 Only the image `shoal:dev` runs (it is this checkout's installation); any other image
 leaves the container waiting with reason ErrImageNotLocal and a message saying so.
+
+Secret volumes are written, before the pod's containers start, into a private per-pod
+directory (`<root>/kubelet/pods/<uid>/volumes/<volume>`: directories 0700, files 0600,
+whatever defaultMode says; `items` and `optional` as in Kubernetes). A Secret or a listed
+key that is missing (and not optional) keeps the containers waiting in ContainerCreating
+with the reason, retried every few seconds, like a real kubelet's FailedMount. Other
+volume types are not materialized (emptyDir `/tmp` is simply the host's /tmp).
+
+Differences from a real kubelet, because pods are host processes without a mount
+namespace: a volume cannot appear at its mountPath. Instead, every env value (and every
+command argument) that is a mountPath of a materialized volume, or a path under one, is
+rewritten to the materialized location (`ETCD_CA_FILE=/etc/shoal/etcd/ca.crt` becomes
+`.../volumes/etcd-tls/ca.crt`). A program that builds such paths itself, or reads them
+from a file, will not find them. Volumes are written once per pod: a Secret changed
+later is not synced into a running pod. The directory is removed when the pod goes away.
+Env `secretKeyRef`/`configMapKeyRef` and `envFrom` honour `optional`; a missing
+non-optional one leaves the container in CreateContainerConfigError, retried.
 """
 
 from __future__ import annotations
@@ -22,6 +39,7 @@ import http.server
 import logging
 import os
 import shlex
+import shutil
 import signal
 import socket
 import ssl
@@ -80,6 +98,13 @@ class PodRunner:
     done: threading.Event = field(default_factory=threading.Event)
     last_status: dict[str, Any] | None = None
     started_at: str = field(default_factory=now)
+    # Volume name -> where it was materialized; None until the pod's volumes are set up.
+    volumes: dict[str, Path] | None = None
+    next_mount: float = 0.0
+    # The pod's own environment (token, kubeconfig) could not be made: nothing will run.
+    broken: bool = False
+    # terminate() has stopped every process.
+    stopped: bool = False
 
     @property
     def key(self) -> str:
@@ -95,6 +120,7 @@ class PodRunner:
             self.env = self.kubelet.pod_env(self.pod)
         except Exception as exc:
             log.warning("Pod %s: cannot prepare its environment: %s", self.key, exc)
+            self.broken = True
             for spec in self.pod.spec.containers:
                 self.containers[spec.name] = ContainerState(
                     spec,
@@ -106,18 +132,43 @@ class PodRunner:
         for spec in self.pod.spec.containers:
             self.containers.setdefault(spec.name, ContainerState(spec, self._log_path(spec.name)))
         while not self.deleting:
-            for state in self.containers.values():
-                self._supervise(state)
+            if self.volumes is None and not self.broken:
+                self._mount()
+            if self.volumes is not None:
+                for state in self.containers.values():
+                    self._supervise(state)
             self.report()
             time.sleep(STATUS_PERIOD)
         self.done.set()
+        if self.stopped:
+            self.kubelet.remove_pod_dir(self.pod)
+
+    def _mount(self) -> None:
+        """Set up the pod's volumes (retried every few seconds while a Secret is missing)."""
+        if time.monotonic() < self.next_mount:
+            return
+        try:
+            self.volumes = self.kubelet.mount_volumes(self.pod)
+        except (VolumeError, ApiException) as exc:
+            message = str(exc) if isinstance(exc, VolumeError) else f"API error: {exc.reason}"
+            if not any(
+                s.waiting == ("ContainerCreating", message) for s in self.containers.values()
+            ):
+                log.warning("Pod %s: %s", self.key, message)
+            for state in self.containers.values():
+                state.waiting = ("ContainerCreating", message)
+            self.next_mount = time.monotonic() + 2.0
+            return
+        for state in self.containers.values():
+            if state.waiting and state.waiting[0] == "ContainerCreating":
+                state.waiting = None
 
     def _log_path(self, container: str) -> Path:
         meta = self.pod.metadata
         return self.kubelet.log_dir / f"{meta.namespace}_{meta.name}_{container}.log"
 
     def _supervise(self, state: ContainerState) -> None:
-        if state.waiting and state.waiting[0] in ("CreateContainerConfigError",):
+        if self.broken:
             return
         image = state.spec.image or ""
         if image not in LOCAL_IMAGES:
@@ -166,11 +217,21 @@ class PodRunner:
     def _start_container(self, state: ContainerState) -> None:
         spec = state.spec
         env = dict(self.env)
-        env.update(self.kubelet.container_env(self.pod, spec, self.env))
+        try:
+            env.update(self.kubelet.container_env(self.pod, spec, self.env))
+        except (ConfigError, ApiException) as exc:
+            message = str(exc) if isinstance(exc, ConfigError) else f"API error: {exc.reason}"
+            if state.waiting != ("CreateContainerConfigError", message):
+                log.warning("Pod %s container %s: %s", self.key, spec.name, message)
+            state.waiting = ("CreateContainerConfigError", message)
+            state.next_start = time.monotonic() + 2.0
+            return
+        moved = _mounted_paths(spec, self.volumes or {})
+        env = {key: _rewrite_path(value, moved) for key, value in env.items()}
         state.env = env
         state.log_path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            command = self._command(spec, env)
+            command = [_rewrite_path(arg, moved) for arg in self._command(spec, env)]
             with state.log_path.open("ab") as out:
                 state.process = subprocess.Popen(
                     command,
@@ -385,6 +446,40 @@ class PodRunner:
                 process.wait()
         for name in self.containers:
             self.kubelet.forget_pid(self.pod, name)
+        # Its directory goes once its processes are gone and its loop has ended (whichever
+        # of the two comes last removes it): nothing will use it again.
+        self.stopped = True
+        if self.done.is_set():
+            self.kubelet.remove_pod_dir(self.pod)
+
+
+class VolumeError(RuntimeError):
+    """A volume cannot be set up (MountVolume.SetUp failed, in kubelet terms)."""
+
+
+class ConfigError(RuntimeError):
+    """A container's env refers to what does not exist (CreateContainerConfigError)."""
+
+
+def _mounted_paths(spec: Any, volumes: dict[str, Path]) -> list[tuple[str, str]]:
+    """(mountPath, materialized path) of the container's materialized volumes, deepest
+    mountPath first so that nested mounts win."""
+    pairs = []
+    for mount in spec.volume_mounts or []:
+        if mount.name in volumes:
+            target = volumes[mount.name] / (mount.sub_path or "")
+            pairs.append((mount.mount_path.rstrip("/") or "/", str(target).rstrip("/")))
+    return sorted(pairs, key=lambda pair: len(pair[0]), reverse=True)
+
+
+def _rewrite_path(value: str, moved: list[tuple[str, str]]) -> str:
+    """A path at or under a mountPath, moved to where the volume really is."""
+    for mount_path, target in moved:
+        if value == mount_path:
+            return target
+        if value.startswith(mount_path + "/"):
+            return target + value[len(mount_path) :]
+    return value
 
 
 def _without_stamps(status: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -443,8 +538,72 @@ class ProcessKubelet:
 
     def pod_dir(self, pod: Any) -> Path:
         path = self.state_dir / "pods" / str(pod.metadata.uid)
-        path.mkdir(parents=True, exist_ok=True)
+        if not path.is_dir():
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
         return path
+
+    def remove_pod_dir(self, pod: Any) -> None:
+        """The pod's kubeconfig (a token) and materialized volumes (secrets) go with it."""
+        shutil.rmtree(self.state_dir / "pods" / str(pod.metadata.uid), ignore_errors=True)
+
+    # -- volumes --------------------------------------------------------------------------
+
+    def mount_volumes(self, pod: Any) -> dict[str, Path]:
+        """Write the pod's secret volumes into its private directory; name -> directory.
+
+        VolumeError if a Secret, or a key listed in `items`, is missing and not optional.
+        """
+        root = self.pod_dir(pod) / "volumes"
+        root.mkdir(mode=0o700, exist_ok=True)
+        mounted: dict[str, Path] = {}
+        for volume in pod.spec.volumes or []:
+            source = volume.secret
+            if source is None:
+                continue
+            files = self._secret_volume_files(pod.metadata.namespace, volume.name, source)
+            target = root / volume.name
+            fresh = root / f".{volume.name}.new"
+            shutil.rmtree(fresh, ignore_errors=True)
+            fresh.mkdir(mode=0o700)
+            for relative, content in files.items():
+                path = fresh / relative
+                path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    os.write(fd, content)
+                finally:
+                    os.close(fd)
+            shutil.rmtree(target, ignore_errors=True)
+            fresh.rename(target)
+            mounted[volume.name] = target
+        return mounted
+
+    def _secret_volume_files(self, namespace: str, volume: str, source: Any) -> dict[str, bytes]:
+        """relative path -> content, as the kubelet projects a secret volume."""
+        name = source.secret_name
+        secret = self._read_secret(namespace, name)
+        if secret is None:
+            if source.optional:
+                return {}
+            raise VolumeError(
+                f'MountVolume.SetUp failed for volume "{volume}": secret "{name}" not found'
+            )
+        data = {k: base64.b64decode(v) for k, v in (secret.data or {}).items()}
+        if not source.items:
+            return data
+        files: dict[str, bytes] = {}
+        for item in source.items:
+            if item.key not in data:
+                if source.optional:
+                    continue
+                raise VolumeError(
+                    f'MountVolume.SetUp failed for volume "{volume}": references '
+                    f"non-existent secret key: {item.key}"
+                )
+            if item.path.startswith("/") or ".." in Path(item.path).parts:
+                raise VolumeError(f'volume "{volume}": invalid item path {item.path!r}')
+            files[item.path] = data[item.key]
+        return files
 
     def record_pid(self, pod: Any, container: str, pid: int) -> None:
         (self.pid_dir / f"{pod.metadata.uid}_{container}.pid").write_text(str(pid))
@@ -543,32 +702,54 @@ class ProcessKubelet:
                 return str((values or {}).get(path[len(prefix) + 2 : -2], ""))
         raise ValueError(f"unsupported fieldRef {path!r}")
 
-    def _secret_value(self, namespace: str, name: str, key: str) -> str | None:
-        secret = self.core.read_namespaced_secret(name, namespace)
-        raw = (secret.data or {}).get(key)
-        return base64.b64decode(raw).decode() if raw is not None else None
+    def _read_secret(self, namespace: str, name: str) -> Any:
+        """The Secret, or None if it does not exist."""
+        try:
+            return self.core.read_namespaced_secret(name, namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
 
-    def _config_map_value(self, namespace: str, name: str, key: str) -> str | None:
-        cm = self.core.read_namespaced_config_map(name, namespace)
-        value = (cm.data or {}).get(key)
-        return str(value) if value is not None else None
+    def _read_config_map(self, namespace: str, name: str) -> Any:
+        try:
+            return self.core.read_namespaced_config_map(name, namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def _secret_data(self, namespace: str, name: str, optional: bool | None) -> dict[str, str]:
+        secret = self._read_secret(namespace, name)
+        if secret is None:
+            if optional:
+                return {}
+            raise ConfigError(f'secret "{name}" not found')
+        return {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
+
+    def _config_map_data(self, namespace: str, name: str, optional: bool | None) -> dict[str, str]:
+        cm = self._read_config_map(namespace, name)
+        if cm is None:
+            if optional:
+                return {}
+            raise ConfigError(f'configmap "{name}" not found')
+        return {k: str(v) for k, v in (cm.data or {}).items()}
 
     def container_env(self, pod: Any, spec: Any, base: dict[str, str]) -> dict[str, str]:
+        """The container's own variables. ConfigError: a non-optional reference to a
+        Secret, ConfigMap or key that does not exist."""
         namespace = pod.metadata.namespace
         env: dict[str, str] = {}
         for source in spec.env_from or []:
             prefix = source.prefix or ""
             if source.config_map_ref is not None:
-                cm = self.core.read_namespaced_config_map(source.config_map_ref.name, namespace)
-                env.update({prefix + k: str(v) for k, v in (cm.data or {}).items()})
+                ref = source.config_map_ref
+                data = self._config_map_data(namespace, ref.name, ref.optional)
+                env.update({prefix + k: v for k, v in data.items()})
             if source.secret_ref is not None:
-                secret = self.core.read_namespaced_secret(source.secret_ref.name, namespace)
-                env.update(
-                    {
-                        prefix + k: base64.b64decode(v).decode()
-                        for k, v in (secret.data or {}).items()
-                    }
-                )
+                ref = source.secret_ref
+                data = self._secret_data(namespace, ref.name, ref.optional)
+                env.update({prefix + k: v for k, v in data.items()})
         for var in spec.env or []:
             if var.value_from is None:
                 env[var.name] = _expand(var.value or "", {**base, **env})
@@ -577,12 +758,18 @@ class ProcessKubelet:
             value: str | None = None
             if source.field_ref is not None:
                 value = self._field(pod, source.field_ref.field_path)
-            elif source.secret_key_ref is not None:
-                ref = source.secret_key_ref
-                value = self._secret_value(namespace, ref.name, ref.key)
-            elif source.config_map_key_ref is not None:
-                ref = source.config_map_key_ref
-                value = self._config_map_value(namespace, ref.name, ref.key)
+            elif source.secret_key_ref is not None or source.config_map_key_ref is not None:
+                is_secret = source.secret_key_ref is not None
+                ref = source.secret_key_ref if is_secret else source.config_map_key_ref
+                data = (self._secret_data if is_secret else self._config_map_data)(
+                    namespace, ref.name, ref.optional
+                )
+                value = data.get(ref.key)
+                if value is None and not ref.optional and ref.name is not None:
+                    kind = "Secret" if is_secret else "ConfigMap"
+                    raise ConfigError(
+                        f"couldn't find key {ref.key} in {kind} {namespace}/{ref.name}"
+                    )
             elif source.resource_field_ref is not None:
                 value = "0"
             if value is not None:

@@ -113,6 +113,22 @@ def _issue(
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
 
 
+def ensure_serving_cert(
+    pki: Pki,
+    name: str,
+    dns_names: tuple[str, ...] = ("localhost",),
+    ip_addresses: tuple[str, ...] = ("127.0.0.1",),
+) -> tuple[Path, Path]:
+    """A server certificate `<name>.crt`/`<name>.key` signed by the CA (written once), for
+    other TLS servers than the API server, e.g. an etcd with client-certificate auth."""
+    cert_path, key_path = pki.client(name)
+    if not cert_path.exists():
+        sans: list[x509.GeneralName] = [x509.DNSName(d) for d in dns_names]
+        sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ip_addresses]
+        _issue(pki, cert_path, key_path, _name(name), [ExtendedKeyUsageOID.SERVER_AUTH], sans)
+    return cert_path, key_path
+
+
 def ensure_pki(directory: Path, client_names: dict[str, str | None]) -> Pki:
     """Create (once) the CA, serving cert, SA key pair and the named client certs.
 

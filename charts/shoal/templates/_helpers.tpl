@@ -134,6 +134,13 @@ holds those permissions itself rather than the broader `escalate` and `bind` ver
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "patch"]
+# A group's spec.etcd.tlsSecret: the operator reads it by name to reach the group's etcd
+# (status, and clearing etcd on deletion). Only get: it never lists or watches Secrets,
+# so it sees only those the groups name. Names are the users' choice, so resourceNames
+# cannot narrow this; watchNamespaces confines it to those namespaces.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get"]
 {{- end }}
 
 {{/*

@@ -1,0 +1,301 @@
+"""The leader's autoscaling loop: read stats, decide (consumer/scaler.py), act.
+
+Every ``spec.autoscaling.intervalSeconds`` the leader
+  1. reads its ConsumerGroup (the spec may change at any time: policy and replicas are
+     never cached);
+  2. collects the stats every member keeps in its member key (cpu, active projects, lag,
+     rate) and whether a hand-over is in progress (some partition not yet consumed by the
+     owner the assignment names: no decision then);
+  3. calls the pure :func:`decide`;
+  4. acts: records the decision in etcd (``<prefix>scale``, epoch-guarded: the operator
+     turns it into ``status.lastScale`` and a successor keeps the cooldown), marks the
+     scale-down victim with ``pod-deletion-cost``, patches the ``scale`` subresource and
+     posts a ``ScaledUp``/``ScaledDown`` Event with the signal values. A dry run records
+     and reports (``WouldScaleUp``/``WouldScaleDown``) but changes nothing.
+
+API errors back off (doubling, up to 5 minutes) and are logged; a member whose stats are
+missing or garbage is left out for that round by the decision function.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from shoal.consumer.config import GroupConfig
+from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd
+from shoal.consumer.scaler import Action, Decision, Policy, ScalerState, decide
+from shoal.consumer.view import Claim, GroupView, Target
+
+log = logging.getLogger(__name__)
+
+MAX_BACKOFF_SECONDS = 300.0
+#: Pod deletion costs: the ReplicaSet removes the lowest first (ties: its own ranking).
+LEADER_COST = 1_000_000
+VICTIM_COST = -1_000_000
+#: Generations written this long after a scale, until the members match it, are its doing.
+SCALE_SETTLE_SECONDS = 120.0
+
+
+class ScaleTarget(Protocol):
+    """What the loop needs from Kubernetes (consumer/kube.py's GroupObject)."""
+
+    async def read(self) -> dict[str, Any]: ...
+
+    async def scale(self, replicas: int) -> None: ...
+
+    async def event(self, reason: str, message: str, uid: str, warning: bool = False) -> None: ...
+
+    async def set_deletion_costs(self, costs: dict[str, int]) -> None: ...
+
+
+class LeaderState(Protocol):
+    is_leader: bool
+    epoch: int
+
+    def expect_scale(self, replicas: int, until: float) -> None: ...
+
+
+# -- pure helpers -------------------------------------------------------------------------
+
+
+def handover_in_progress(
+    partitions: int, targets: Mapping[int, Target], claims: Mapping[int, Claim]
+) -> bool:
+    """True while some partition has no owner or is not consumed by the owner named."""
+    for p in range(partitions):
+        target, claim = targets.get(p), claims.get(p)
+        if target is None or claim is None or claim.member != target.owner:
+            return True
+    return False
+
+
+def choose_victim(owners: Mapping[int, str], members: list[str], leader: str) -> str | None:
+    """The member a scale-down should remove: not the leader, fewest partitions.
+
+    Ties go to the greatest member id (with generated pod names: an arbitrary but stable
+    pick, so two rounds agree).
+    """
+    counts = Counter(owners.values())
+    candidates = [m for m in members if m != leader]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda m: (counts.get(m, 0), _reverse(m)))
+
+
+def _reverse(text: str) -> tuple[int, ...]:
+    return tuple(-ord(c) for c in text)
+
+
+def deletion_costs(
+    owners: Mapping[int, str], members: list[str], leader: str, victim: str | None
+) -> dict[str, int]:
+    """Every member's pod-deletion-cost: its partition count, the leader highest, the victim
+    lowest. All members are annotated, so a stale mark from an earlier round (a member
+    that was the victim then and now owns partitions) cannot pick the wrong pod."""
+    counts = Counter(owners.values())
+    costs = {m: counts.get(m, 0) for m in members}
+    costs[leader] = LEADER_COST
+    if victim is not None:
+        costs[victim] = VICTIM_COST
+    return costs
+
+
+def event_message(decision: Decision, current: int) -> str:
+    """One line for ``kubectl describe cg``: the change, the reason, the signals."""
+    shown = {k: v for k, v in decision.signals.items() if v is not None}
+    signals = ", ".join(
+        f"{k}={round(v, 2) if isinstance(v, float) else v}" for k, v in shown.items()
+    )
+    prefix = "dry run: would scale" if decision.dry_run else "Scaled"
+    return f"{prefix} {current} -> {decision.replicas}: {decision.reason} [{signals}]"
+
+
+@dataclass(frozen=True)
+class ScaleRecord:
+    """The last action, as kept in etcd (``<prefix>scale``)."""
+
+    time: float
+    from_replicas: int
+    to_replicas: int
+    reason: str
+    dry_run: bool
+    epoch: int
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {
+                "time": self.time,
+                "from": self.from_replicas,
+                "to": self.to_replicas,
+                "reason": self.reason,
+                "dryRun": self.dry_run,
+                "epoch": self.epoch,
+            }
+        ).encode()
+
+    @classmethod
+    def parse(cls, raw: bytes) -> ScaleRecord | None:
+        """The record, or None for anything else (garbage in etcd is ignored)."""
+        try:
+            data = json.loads(raw)
+            return cls(
+                time=float(data["time"]),
+                from_replicas=int(data["from"]),
+                to_replicas=int(data["to"]),
+                reason=str(data["reason"]),
+                dry_run=bool(data.get("dryRun", False)),
+                epoch=int(data.get("epoch", 0)),
+            )
+        except (ValueError, TypeError, KeyError):
+            return None
+
+
+def resume_state(record: ScaleRecord | None) -> ScalerState:
+    """A new leader's scaler state: it keeps the cooldown its predecessor started."""
+    if record is None:
+        return ScalerState()
+    direction: Action = "up" if record.to_replicas > record.from_replicas else "down"
+    return ScalerState(last_action_time=record.time, last_action_direction=direction)
+
+
+# -- the loop -----------------------------------------------------------------------------
+
+
+class Autoscaler:
+    def __init__(
+        self,
+        config: GroupConfig,
+        etcd: Etcd,
+        view: GroupView,
+        leader: LeaderState,
+        target: ScaleTarget,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.etcd = etcd
+        self.view = view
+        self.leader = leader
+        self.target = target
+        self.clock = clock
+        self.state: ScalerState | None = None
+        self.last_reason = ""
+        self.decisions = 0
+        self.actions = 0
+
+    async def run(self) -> None:
+        interval, failures = 30.0, 0
+        while True:
+            if not self.leader.is_leader:
+                self.state = None  # a later term starts from etcd's record, not memory
+                await asyncio.sleep(1.0)
+                continue
+            try:
+                interval = await self.round()
+                failures = 0
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                failures += 1
+                delay = min(MAX_BACKOFF_SECONDS, interval * 2**failures)
+                log.warning(
+                    "Autoscaling round failed (%s); next try in %.0f s",
+                    _short(exc),
+                    delay,
+                )
+                await asyncio.sleep(delay)
+                continue
+            await asyncio.sleep(interval)
+
+    async def round(self) -> float:
+        """One decision (and action); returns the interval until the next."""
+        group = await self.target.read()
+        spec = group.get("spec") or {}
+        policy = Policy.from_spec(spec)
+        if not policy.enabled:
+            self.state = None
+            return policy.interval_seconds
+        if self.state is None:
+            self.state = resume_state(self._record())
+        current = int(spec.get("replicas", 0))
+        stats = {member: data for member, data in self.view.members().items()}
+        busy = handover_in_progress(self.config.partitions, self.view.targets(), self.view.claims())
+        decision, self.state = decide(stats, current, policy, self.clock(), self.state, busy)
+        self.decisions += 1
+        if decision.action == "none":
+            if decision.reason != self.last_reason:
+                log.info("Autoscaler: %d replicas; %s", current, decision.reason)
+                self.last_reason = decision.reason
+            return policy.interval_seconds
+        self.last_reason = ""
+        await self._act(decision, current, str(group["metadata"].get("uid", "")))
+        return policy.interval_seconds
+
+    def _record(self) -> ScaleRecord | None:
+        kv = self.view.kvs.get(self.config.keys.scale)
+        if kv is None:
+            return None
+        record = ScaleRecord.parse(kv.value)
+        if record is None:
+            log.warning("Ignoring garbage at %s", self.config.keys.scale)
+        return record
+
+    async def _act(self, decision: Decision, current: int, uid: str) -> None:
+        record = ScaleRecord(
+            time=self.clock(),
+            from_replicas=current,
+            to_replicas=decision.replicas,
+            reason=decision.reason,
+            dry_run=decision.dry_run,
+            epoch=self.leader.epoch,
+        )
+        keys = self.config.keys
+        try:
+            written = await self.etcd.guarded_put_many(
+                keys.leader, self.leader.epoch, {keys.scale: record.to_json()}
+            )
+        except TRANSIENT_ERRORS as exc:
+            raise RuntimeError(f"could not record the decision in etcd: {exc}") from exc
+        if not written:
+            log.info("Lost leadership before scaling; leaving it to the next leader")
+            return
+        message = event_message(decision, current)
+        up = decision.action == "up"
+        if decision.dry_run:
+            log.info("Autoscaler (dry run): %s", message)
+            await self._event("WouldScaleUp" if up else "WouldScaleDown", message, uid)
+            return
+        if not up:
+            owners = self.view.owners()
+            members = sorted(self.view.members())
+            me = self.config.member_id
+            victim = choose_victim(owners, members, me)
+            await self.target.set_deletion_costs(deletion_costs(owners, members, me, victim))
+            log.info("Scale-down victim: %s (fewest partitions, not the leader)", victim)
+        # The generation that follows is this scale's doing, for the assignment log.
+        self.leader.expect_scale(decision.replicas, time.monotonic() + SCALE_SETTLE_SECONDS)
+        await self.target.scale(decision.replicas)
+        self.actions += 1
+        log.info("Autoscaler: %s", message)
+        await self._event("ScaledUp" if up else "ScaledDown", message, uid)
+
+    async def _event(self, reason: str, message: str, uid: str) -> None:
+        # The decision stands even when its Event cannot be posted.
+        try:
+            await self.target.event(reason, message, uid)
+        except Exception as exc:
+            log.warning("Could not post the %s Event: %s", reason, _short(exc))
+
+
+def _short(exc: BaseException) -> str:
+    reason = getattr(exc, "reason", None)
+    status = getattr(exc, "status", None)
+    if status is not None:
+        return f"API {status} {reason or ''}".strip()
+    return f"{type(exc).__name__}: {exc}"

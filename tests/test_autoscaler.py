@@ -1,0 +1,330 @@
+"""The autoscaling loop's pure parts, the CPU ceiling, and one loop round on a real etcd.
+
+The loop's proof is e2e/test_autoscaling.py (real API server, pods, NATS); here a
+recording stand-in for the Kubernetes calls lets a round run against a real etcd fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shoal.consumer.autoscaler import (
+    LEADER_COST,
+    VICTIM_COST,
+    Autoscaler,
+    ScaleRecord,
+    choose_victim,
+    deletion_costs,
+    event_message,
+    handover_in_progress,
+    resume_state,
+)
+from shoal.consumer.config import GroupConfig
+from shoal.consumer.cpu import (
+    CpuMeter,
+    ceiling_cores,
+    cgroup_limit_cores,
+    parse_cfs,
+    parse_cpu_max,
+    parse_millicores,
+)
+from shoal.consumer.etcd import Etcd
+from shoal.consumer.scaler import Decision
+from shoal.consumer.view import Claim, GroupView, Target
+from shoal.operator.builders import consumer_env, cpu_millicores
+from shoal.operator.observe import last_scale
+from shoal.operator.settings import OperatorSettings
+
+# -- hand-over detection ------------------------------------------------------------------
+
+
+def _targets(owners: dict[int, str]) -> dict[int, Target]:
+    return {p: Target(m, 1, 1, None, 1) for p, m in owners.items()}
+
+
+def _claims(owners: dict[int, str]) -> dict[int, Claim]:
+    return {p: Claim(m, 1, 1) for p, m in owners.items()}
+
+
+def test_settled_group_is_not_handing_over() -> None:
+    owners = {p: "a" if p % 2 else "b" for p in range(8)}
+    assert not handover_in_progress(8, _targets(owners), _claims(owners))
+
+
+@pytest.mark.parametrize(
+    ("targets", "claims"),
+    [
+        ({p: "a" for p in range(7)}, {p: "a" for p in range(8)}),  # a partition unowned
+        ({p: "a" for p in range(8)}, {p: "a" for p in range(7)}),  # one not claimed yet
+        ({p: "a" for p in range(8)}, {**{p: "a" for p in range(7)}, 7: "b"}),  # old owner
+    ],
+)
+def test_any_unfinished_partition_is_a_handover(
+    targets: dict[int, str], claims: dict[int, str]
+) -> None:
+    assert handover_in_progress(8, _targets(targets), _claims(claims))
+
+
+# -- the victim ---------------------------------------------------------------------------
+
+
+def test_victim_is_the_non_leader_with_fewest_partitions() -> None:
+    owners = {**{p: "lead" for p in range(2)}, **{p: "x" for p in range(2, 6)}}
+    owners.update({p: "y" for p in range(6, 9)})
+    assert choose_victim(owners, ["lead", "x", "y"], "lead") == "y"
+
+
+def test_leader_is_never_the_victim_even_with_fewest() -> None:
+    owners = {0: "lead", **{p: "x" for p in range(1, 5)}, **{p: "y" for p in range(5, 9)}}
+    assert choose_victim(owners, ["lead", "x", "y"], "lead") in {"x", "y"}
+    assert choose_victim(owners, ["lead"], "lead") is None
+
+
+def test_victim_ties_are_stable() -> None:
+    owners = {0: "a", 1: "b", 2: "c"}
+    members = ["a", "b", "c"]
+    picks = {choose_victim(owners, members, "a") for _ in range(5)}
+    assert len(picks) == 1 and picks != {"a"}
+
+
+def test_deletion_costs_rank_victim_lowest_and_leader_highest() -> None:
+    owners = {0: "lead", 1: "x", 2: "x", 3: "y"}
+    costs = deletion_costs(owners, ["lead", "x", "y", "new"], "lead", "y")
+    assert costs == {"lead": LEADER_COST, "x": 2, "y": VICTIM_COST, "new": 0}
+    assert min(costs, key=lambda m: costs[m]) == "y"
+
+
+# -- the record in etcd -------------------------------------------------------------------
+
+
+def test_scale_record_round_trips_and_garbage_is_none() -> None:
+    record = ScaleRecord(1.5, 2, 3, "lag 9000", False, 7)
+    assert ScaleRecord.parse(record.to_json()) == record
+    for garbage in (b"", b"{", b"[]", b'{"time": "x", "from": 1, "to": 2, "reason": ""}', b"{}"):
+        assert ScaleRecord.parse(garbage) is None
+
+
+def test_a_new_leader_keeps_the_cooldown() -> None:
+    state = resume_state(ScaleRecord(100.0, 4, 3, "idle", False, 1))
+    assert state.last_action_time == 100.0 and state.last_action_direction == "down"
+    assert resume_state(None).last_action_time is None
+
+
+def test_event_message_names_change_reason_and_signals() -> None:
+    decision = Decision(
+        replicas=4,
+        reason="lag 30000 over 1 member, target 4000 -> 8 (step capped at +4)",
+        signals={"lag_total": 30000, "cpu_max": 12.345, "projects_avg": None},
+        action="up",
+    )
+    text = event_message(decision, 1)
+    assert text.startswith("Scaled 1 -> 4: lag 30000")
+    assert "lag_total=30000" in text and "cpu_max=12.35" in text and "projects_avg" not in text
+    dry = Decision(4, "x", {}, "up", dry_run=True)
+    assert event_message(dry, 1).startswith("dry run: would scale 1 -> 4")
+
+
+# -- status.lastScale ---------------------------------------------------------------------
+
+
+def test_last_scale_credits_a_fresh_matching_record() -> None:
+    now = time.time()
+    value, ours = last_scale(2, 3, ScaleRecord(now - 1, 2, 3, "cpu 95%", False, 1), now)
+    assert ours and value["reason"] == "autoscaler: cpu 95%"
+    assert (value["from"], value["to"]) == (2, 3)
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        None,
+        ScaleRecord(0.0, 2, 3, "old", False, 1),  # too old
+        ScaleRecord(-1.0, 3, 4, "other change", False, 1),  # another change
+        ScaleRecord(-1.0, 2, 3, "dry", True, 1),  # a dry run changes nothing
+    ],
+)
+def test_last_scale_otherwise_says_spec_changed(record: ScaleRecord | None) -> None:
+    now = time.time()
+    if record is not None and record.time < 0:
+        record = ScaleRecord(now - 1, *list(record.__dict__.values())[1:])
+    value, ours = last_scale(2, 3, record, now)
+    assert not ours and value["reason"] == "spec.replicas changed"
+
+
+# -- CPU ----------------------------------------------------------------------------------
+
+
+def test_cgroup_v2_and_v1_quotas() -> None:
+    assert parse_cpu_max("max 100000\n") is None
+    assert parse_cpu_max("50000 100000\n") == 0.5
+    assert parse_cpu_max("200000 100000") == 2.0
+    assert parse_cpu_max("garbage") is None
+    assert parse_cfs("-1", "100000") is None
+    assert parse_cfs("25000\n", "100000\n") == 0.25
+    assert parse_cfs("x", "100000") is None
+
+
+def test_cgroup_files_are_read(tmp_path: Path) -> None:
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert cgroup_limit_cores(tmp_path) == 1.5
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("50000")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000")
+    assert cgroup_limit_cores(v1) == 0.5
+    assert cgroup_limit_cores(tmp_path / "none") is None
+
+
+def test_ceiling_is_the_tightest_limit_and_at_most_one_process() -> None:
+    assert ceiling_cores(None, None) == 1.0  # never the host's core count
+    assert ceiling_cores(0.5, None) == 0.5
+    assert ceiling_cores(None, 0.25) == 0.25
+    assert ceiling_cores(0.5, 0.25) == 0.25
+    assert ceiling_cores(4.0, 2.0) == 1.0  # one Python process cannot use more
+    assert parse_millicores("500") == 0.5
+    assert parse_millicores("0") is None and parse_millicores("x") is None
+
+
+def test_cpu_meter_is_relative_to_its_ceiling() -> None:
+    half, whole = CpuMeter(ceiling=0.5), CpuMeter(ceiling=1.0)
+    spent = time.process_time()
+    while time.process_time() - spent < 0.1:
+        pass  # burn CPU (however much of the host this process gets)
+    a, b = half.read(), whole.read()
+    # The same usage reads twice as high against half the ceiling.
+    assert b > 0 and a == pytest.approx(2 * b, rel=0.05)
+
+
+@pytest.mark.parametrize(
+    ("quantity", "millicores"),
+    [("500m", 500), ("2", 2000), ("0.5", 500), (1, 1000), ("1.5", 1500), ("250.5m", 251)],
+)
+def test_cpu_quantities(quantity: object, millicores: int) -> None:
+    assert cpu_millicores(quantity) == millicores
+
+
+@pytest.mark.parametrize("quantity", [None, "", "x", "0", True, "-1"])
+def test_unreadable_cpu_quantities_give_no_hint(quantity: object) -> None:
+    assert cpu_millicores(quantity) is None
+
+
+def test_builder_passes_the_cpu_limit_and_enables_the_autoscaler() -> None:
+    settings = OperatorSettings()
+    spec = {"handler": "m:f", "resources": {"limits": {"cpu": "500m"}}}
+    env = {v["name"]: v.get("value") for v in consumer_env("g", "ns", spec, settings)}
+    assert env["SHOAL_CPU_LIMIT_MILLICORES"] == "500"
+    assert env["SHOAL_AUTOSCALER"] == "kubernetes"
+    bare = {v["name"] for v in consumer_env("g", "ns", {"handler": "m:f"}, settings)}
+    assert "SHOAL_CPU_LIMIT_MILLICORES" not in bare
+
+
+# -- one round against a real etcd --------------------------------------------------------
+
+
+class RecordingTarget:
+    """Stands in for the API server: a ConsumerGroup in memory, calls recorded."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.calls: list[tuple[str, Any]] = []
+
+    async def read(self) -> dict[str, Any]:
+        return {"metadata": {"uid": "u1"}, "spec": dict(self.spec)}
+
+    async def scale(self, replicas: int) -> None:
+        self.calls.append(("scale", replicas))
+        self.spec["replicas"] = replicas
+
+    async def event(self, reason: str, message: str, uid: str, warning: bool = False) -> None:
+        self.calls.append(("event", reason))
+
+    async def set_deletion_costs(self, costs: dict[str, int]) -> None:
+        self.calls.append(("costs", costs))
+
+
+class FakeLeader:
+    is_leader = True
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.expected: tuple[int, float] | None = None
+
+    def expect_scale(self, replicas: int, until: float) -> None:
+        self.expected = (replicas, until)
+
+
+async def _group(etcd: Etcd, config: GroupConfig, members: dict[str, dict[str, Any]]) -> int:
+    """Write a settled group of `members` with us as leader; returns the leader epoch."""
+    keys = config.keys
+    epoch = await etcd.create_returning_revision(keys.leader, config.member_id.encode(), None)
+    assert epoch is not None
+    names = sorted(members)
+    for p in range(config.partitions):
+        owner = names[p % len(names)]
+        target = {"owner": owner, "generation": 1, "epoch": epoch, "ts": time.time()}
+        await etcd.put(keys.partition(p), json.dumps(target).encode())
+        await etcd.put(keys.claim(p), owner.encode())
+    for name, stats in members.items():
+        await etcd.put(keys.member(name), json.dumps(stats).encode())
+    return epoch
+
+
+def _stats(lag: int, **extra: Any) -> dict[str, Any]:
+    return {"cpu": 10.0, "active_projects": 5, "lag": lag, "ts": time.time(), **extra}
+
+
+@pytest.mark.e2e
+# etcd3's watcher thread raises "Channel closed" when the client closes under it; the
+# runtime quiets that through threading.excepthook, which pytest replaces during tests.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+async def test_a_round_scales_down_sparing_the_leader_and_records_it(
+    etcd: Etcd, group: str, namespace: str
+) -> None:
+    config = GroupConfig(namespace=namespace, group=group, partitions=8, member_id="lead")
+    epoch = await _group(etcd, config, {"lead": _stats(0), "x": _stats(0), "y": _stats(0)})
+    view = GroupView(etcd, config.keys, config.partitions)
+    watcher = asyncio.create_task(view.run())
+    try:
+        await view.synced.wait()
+        spec = {
+            "replicas": 3,
+            "minReplicas": 1,
+            "maxReplicas": 4,
+            "partitions": 8,
+            "autoscaling": {"enabled": True, "cooldownSeconds": 0, "targetLagPerMember": 100},
+        }
+        target, leader = RecordingTarget(spec), FakeLeader(epoch)
+        scaler = Autoscaler(config, etcd, view, leader, target)
+        await scaler.round()
+        assert [c[0] for c in target.calls] == ["costs", "scale", "event"], target.calls
+        costs = target.calls[0][1]
+        assert costs["lead"] == LEADER_COST and VICTIM_COST in costs.values()
+        assert target.calls[1] == ("scale", 2)
+        assert target.calls[2] == ("event", "ScaledDown")
+        assert leader.expected is not None and leader.expected[0] == 2
+        _, kvs = await etcd.get_prefix(config.keys.scale)
+        record = ScaleRecord.parse(kvs[config.keys.scale].value)
+        assert record is not None and (record.from_replicas, record.to_replicas) == (3, 2)
+
+        # Dry run: reported, recorded, nothing changed.
+        target.calls.clear()
+        target.spec["autoscaling"] = {"enabled": True, "cooldownSeconds": 0, "dryRun": True}
+        target.spec["autoscaling"]["targetLagPerMember"] = 100
+        await scaler.round()
+        assert target.calls == [("event", "WouldScaleDown")]
+
+        # Garbage in the record is ignored by a new leader's loop.
+        await etcd.put(config.keys.scale, b"not json")
+        await view.changed(1.0)
+        fresh = Autoscaler(config, etcd, view, leader, RecordingTarget(dict(spec)))
+        await fresh.round()
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+        await etcd.delete_prefix(config.keys.prefix)
