@@ -23,6 +23,7 @@ from typing import Any
 from shoal.consumer.autoscaler import Autoscaler
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.cpu import CpuMeter
+from shoal.consumer.deadletter import ExhaustedMessages
 from shoal.consumer.election import GenerationRecord, Leader
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.handlers import load_handler
@@ -169,6 +170,7 @@ class ConsumerProcess:
         self.worker = Worker(
             c, self.etcd, self.view, self.membership, self.nc, self.js, self.handler, self.metrics
         )
+        self.exhausted = ExhaustedMessages(c, self.nc, self.js, self.leader)
         self._tasks.append(asyncio.create_task(self.view.run(), name="view"))
         await self.view.synced.wait()
         await self.membership.join()
@@ -179,6 +181,7 @@ class ConsumerProcess:
             asyncio.create_task(self.worker.run(), name="worker"),
             asyncio.create_task(self._lag_loop(), name="lag"),
             asyncio.create_task(self._publish_generations(), name="assignment-log"),
+            asyncio.create_task(self.exhausted.run(), name="exhausted-messages"),
         ]
         if c.autoscaler == "kubernetes":
             self._start_autoscaler()

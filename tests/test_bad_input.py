@@ -300,3 +300,39 @@ async def test_ready_file_tracks_membership(
     fleet.term("c-0")
     assert fleet.wait_exit("c-0", 30) == 0
     assert not ready_file.exists()
+
+
+async def test_a_message_jetstream_gave_up_on_is_dead_lettered(
+    fleet: Fleet,
+    etcd: Etcd,
+    js: Any,
+    group: str,
+    namespace: str,
+    make_config: Callable[..., GroupConfig],
+) -> None:
+    """Its only delivery dies with its member (kill -9 mid-handler, max_deliver 1): the
+    leader hears JetStream's max-deliveries advisory and moves it to the dead letters."""
+    config = make_config(max_deliver=1, ack_wait=1.0)
+    await ensure_group(js, config)
+    env = {"SHOAL_MAX_DELIVER": "1", "SHOAL_ACK_WAIT": "1", "SHOAL_HANDLER_DELAY_MS": "60000"}
+    fleet.start("leader", **env)
+    await wait_for_status(etcd, namespace, group, 16, settled({"leader"}), 30)
+    fleet.start("doomed", **env)
+    status = await wait_for_status(etcd, namespace, group, 16, settled({"leader", "doomed"}), 30)
+    assert status.leader == "leader"
+    project = next(
+        f"p{i}" for i in range(1000) if status.owners[partition_for(f"p{i}", 16)] == "doomed"
+    )
+    await Producer(js, config.subject_prefix, 16).publish(project, b"stuck", message_id="s-1")
+    deadline = time.monotonic() + 10
+    while (
+        await js.consumer_info(config.stream, f"p{partition_for(project, 16)}")
+    ).num_ack_pending < 1:
+        assert time.monotonic() < deadline, "the message was never delivered"
+        await asyncio.sleep(0.1)
+    fleet.kill("doomed")
+    [letter] = await dead_letters(js, config.dlq_stream, 1, timeout=30)
+    assert "not acknowledged after 1 deliveries" in letter.headers["Shoal-Dead-Letter-Reason"]
+    assert letter.headers["Shoal-Project-Id"] == project
+    assert letter.data == b"stuck"
+    assert (await js.stream_info(config.stream)).state.messages == 0
