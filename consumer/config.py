@@ -85,6 +85,11 @@ class GroupConfig(BaseModel):
     etcd_key_file: str | None = None
     etcd_username: str | None = None
     etcd_password: SecretStr | None = None
+    # How the leader assigns partitions (ConsumerGroup spec.assignment): "sticky" moves
+    # the fewest; "modulo" is the seed's p % n, kept as a baseline for comparison. With
+    # load_aware, sticky also evens out the members' measured message rates.
+    strategy: Literal["sticky", "modulo"] = "sticky"
+    load_aware: bool = False
     # "kubernetes": the leader autoscales the group through its ConsumerGroup's scale
     # subresource, with the pod's ServiceAccount (the operator sets this); "off": never.
     autoscaler: Literal["off", "kubernetes"] = "off"
@@ -104,6 +109,8 @@ class GroupConfig(BaseModel):
 
     @model_validator(mode="after")
     def _derived(self) -> GroupConfig:
+        if self.load_aware and self.strategy == "modulo":
+            raise ValueError("load_aware needs strategy 'sticky' (modulo ignores loads)")
         if self.fence_margin >= self.lease_ttl:
             raise ValueError("fence_margin must be smaller than lease_ttl")
         if self.keepalive_interval >= self.lease_ttl - self.fence_margin:
@@ -177,6 +184,8 @@ ENV_FIELDS: dict[str, str] = {
     "ETCD_USERNAME": "etcd_username",
     "ETCD_PASSWORD": "etcd_password",
     "SHOAL_AUTOSCALER": "autoscaler",
+    "SHOAL_STRATEGY": "strategy",
+    "SHOAL_LOAD_AWARE": "load_aware",
 }
 
 

@@ -17,8 +17,9 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from shoal.consumer.assignor import assign, moved
 from shoal.consumer.config import GroupConfig
@@ -31,6 +32,11 @@ log = logging.getLogger(__name__)
 
 # How often a leader re-checks the assignment even when no watch event arrived.
 RECHECK_SECONDS = 5.0
+# Load-aware groups: how often the leader weighs the measured loads without a membership
+# change, and by how much the busiest member must get lighter to justify moving partitions
+# (every move pauses its partition briefly).
+LOAD_CHECK_SECONDS = 60.0
+LOAD_GAIN_THRESHOLD = 0.10
 # After a scale-up, how long the leader waits for the new members before rebalancing.
 SCALE_JOIN_WAIT = 15.0
 
@@ -51,6 +57,34 @@ class GenerationRecord:
 
 
 OnGeneration = Callable[[GenerationRecord], Awaitable[None]]
+
+
+def loads_from_stats(stats: Mapping[str, Mapping[str, Any]]) -> dict[int, float]:
+    """Messages per second of every partition, from the rates the members report.
+
+    A partition two members report (during a hand-over) takes the larger rate; garbage
+    entries are skipped (a member's stats are its own business, not a reason to stop).
+    """
+    loads: dict[int, float] = {}
+    for data in stats.values():
+        rates = data.get("partition_rates") if isinstance(data, Mapping) else None
+        if not isinstance(rates, Mapping):
+            continue
+        for key, value in rates.items():
+            if not str(key).isdigit() or isinstance(value, bool):
+                continue
+            if not isinstance(value, int | float) or not value >= 0:
+                continue
+            p = int(key)
+            loads[p] = max(loads.get(p, 0.0), float(value))
+    return loads
+
+
+def max_member_load(assignment: Mapping[int, str], loads: Mapping[int, float]) -> float:
+    totals: dict[str, float] = {}
+    for p, member in assignment.items():
+        totals[member] = totals.get(member, 0.0) + loads.get(p, 0.0)
+    return max(totals.values(), default=0.0)
 
 
 def classify(previous_members: set[str], members: set[str], had_owners: bool, first: bool) -> str:
@@ -163,6 +197,7 @@ class Leader:
         )
         first = True
         applied_members: set[str] = set()
+        next_load_check = time.monotonic() + LOAD_CHECK_SECONDS
         try:
             while self._still_leader() and not self.resigning:
                 changed = self.view.change_event()
@@ -178,6 +213,13 @@ class Leader:
                             break
                         applied_members = members
                         first = False
+                elif self.config.load_aware and time.monotonic() >= next_load_check:
+                    next_load_check = time.monotonic() + LOAD_CHECK_SECONDS
+                    gain = self._load_gain(members)
+                    if gain >= LOAD_GAIN_THRESHOLD:
+                        log.info("Rebalancing for load: busiest member %.0f%% lighter", gain * 100)
+                        if not await self._rebalance(members, applied_members, first):
+                            break
                 try:
                     await asyncio.wait_for(changed.wait(), RECHECK_SECONDS)
                 except TimeoutError:
@@ -190,6 +232,25 @@ class Leader:
                 self.config.group,
                 self.epoch,
             )
+
+    def _loads(self) -> dict[int, float]:
+        if not self.config.load_aware or self.config.strategy != "sticky":
+            return {}
+        if self.loads is not None:
+            return self.loads()
+        return loads_from_stats(self.view.members())
+
+    def _load_gain(self, members: set[str]) -> float:
+        """How much a load-aware reassignment would lower the busiest member's load."""
+        loads = self._loads()
+        current = self.view.owners()
+        before = max_member_load(current, loads)
+        if not loads or before <= 0:
+            return 0.0
+        after = max_member_load(
+            assign(self.config.partitions, members, current, loads=loads), loads
+        )
+        return (before - after) / before
 
     def _me(self) -> LeaderKey:
         return LeaderKey(self.config.member_id, self.epoch)
@@ -221,8 +282,14 @@ class Leader:
     async def _rebalance(self, members: set[str], applied: set[str], first: bool) -> bool:
         targets = self.view.targets()
         previous = {p: t.owner for p, t in targets.items()}
-        loads = self.loads() if self.loads else None
-        new = assign(self.config.partitions, members, previous, loads=loads or None)
+        loads = self._loads()
+        new = assign(
+            self.config.partitions,
+            members,
+            previous,
+            loads=loads or None,
+            strategy=self.config.strategy,
+        )
         changes = {p: owner for p, owner in new.items() if previous.get(p) != owner}
         if not changes:
             return True

@@ -11,7 +11,6 @@ Shutdown order (SIGTERM) is what makes a planned departure lossless and fast:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import resource
@@ -20,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shoal.analytics.events import AssignmentEvent
 from shoal.consumer.autoscaler import Autoscaler
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.cpu import CpuMeter
@@ -89,7 +89,7 @@ class ConsumerProcess:
                 handover = await self._handover_times(record, HANDOVER_LOG_TIMEOUT)
                 await self.js.publish(
                     assignments_subject(self.config.subject_prefix),
-                    json.dumps(self._event(record, handover)).encode(),
+                    self._event(record, handover).to_bytes(),
                 )
             except asyncio.CancelledError:
                 raise
@@ -120,25 +120,23 @@ class ConsumerProcess:
                     pass
         return times
 
-    def _event(self, record: GenerationRecord, handover: dict[int, float]) -> dict[str, Any]:
-        """The analytics log's event (schema 1)."""
-        return {
-            "schema": 1,
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.ts))
-            + f".{int(record.ts % 1 * 1000):03d}Z",
-            "namespace": self.config.namespace,
-            "group": self.config.group,
-            "generation": record.generation,
-            "epoch": record.epoch,
-            "leader": record.leader,
-            "reason": record.reason,
-            "strategy": "sticky",
-            "members": record.members,
-            "assignment": {str(p): m for p, m in record.assignment.items()},
-            "moved": [{"partition": p, "from": a, "to": b} for p, a, b in record.moved],
-            "handover_ms": {str(p): ms for p, ms in sorted(handover.items())},
-            "loads": {str(p): v for p, v in record.loads.items()},
-        }
+    def _event(self, record: GenerationRecord, handover: dict[int, float]) -> AssignmentEvent:
+        """The analytics log's event (shoal.analytics.events, schema 1)."""
+        return AssignmentEvent.of(
+            ts=record.ts,
+            namespace=self.config.namespace,
+            group=self.config.group,
+            generation=record.generation,
+            epoch=record.epoch,
+            leader=record.leader,
+            reason=record.reason,
+            strategy=self.config.strategy,
+            members=record.members,
+            assignment=record.assignment,
+            moved=record.moved,
+            handover_ms=handover,
+            loads=record.loads,
+        )
 
     async def start(self) -> None:
         c = self.config

@@ -20,7 +20,7 @@ import asyncio
 import json
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Any
 
 from shoal.consumer.config import GroupConfig
@@ -41,6 +41,8 @@ from shoal.consumer.view import GroupView
 log = logging.getLogger(__name__)
 
 ACTIVE_PROJECT_WINDOW = 60.0
+# Seconds over which processing rates (per member and per partition) are measured.
+RATE_WINDOW = 10.0
 
 
 class Inbox:
@@ -302,7 +304,7 @@ class PartitionRunner:
             w.metrics.handler_seconds.observe(time.perf_counter() - started)
         await msg.ack()
         w.metrics.processed.labels("ok").inc()
-        w.note_processed(project)
+        w.note_processed(project, self.partition)
 
     async def _keep_in_progress(self, msg: Any) -> None:
         """For long handlers: tell JetStream we are still at it, before ack_wait runs out."""
@@ -338,28 +340,40 @@ class Worker:
         self.leaving = False
         self._incarnation = 0
         self._projects: dict[str, float] = {}
-        self._processed: deque[float] = deque()
+        # Messages processed per partition, in one-second buckets over RATE_WINDOW.
+        self._processed: deque[tuple[int, Counter[int]]] = deque()
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # -- stats for the member key -----------------------------------------------------
 
-    def note_processed(self, project: str) -> None:
+    def note_processed(self, project: str, partition: int) -> None:
         now = time.monotonic()
         self._projects[project] = now
-        self._processed.append(now)
+        second = int(now)
+        if not self._processed or self._processed[-1][0] != second:
+            self._processed.append((second, Counter()))
+        self._processed[-1][1][partition] += 1
 
     def stats(self) -> dict[str, Any]:
         now = time.monotonic()
-        while self._processed and now - self._processed[0] > 10.0:
+        while self._processed and now - self._processed[0][0] >= RATE_WINDOW:
             self._processed.popleft()
         for project, seen in list(self._projects.items()):
             if now - seen > ACTIVE_PROJECT_WINDOW:
                 del self._projects[project]
+        per_partition: Counter[int] = Counter()
+        for _, counts in self._processed:
+            per_partition.update(counts)
         return {
             "owned": sorted(self.runners),
             "inflight": sum(r.inflight for r in self.runners.values()),
-            "rate": round(len(self._processed) / 10.0, 2),
+            "rate": round(sum(per_partition.values()) / RATE_WINDOW, 2),
+            # Messages per second of each owned partition: the leader's loads when the
+            # group's assignment is load-aware.
+            "partition_rates": {
+                str(p): round(n / RATE_WINDOW, 2) for p, n in sorted(per_partition.items())
+            },
             "active_projects": len(self._projects),
         }
 

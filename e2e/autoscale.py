@@ -18,6 +18,7 @@ from typing import Any
 import nats
 from kubernetes import client, config
 
+from e2e.fleet import stream_json
 from e2e.kubetest import condition, get_json, wait_until
 from e2e.localkube.plane import LocalKube
 from shoal.consumer.handlers import SEQ_HEADER
@@ -132,13 +133,7 @@ async def _audit(nats_url: str, ns: str, ids: list[str]) -> tuple[Audit, list[di
     try:
         js = nc.jetstream()
         result = audit(await read_ledger(js, f"shoal_{ns}_{NAME}_ledger"), ids)
-        stream = f"shoal_{ns}_{NAME}_log"
-        info = await js.stream_info(stream)
-        events = [
-            json.loads((await js.get_msg(stream, seq)).data or b"{}")
-            for seq in range(info.state.first_seq, info.state.last_seq + 1)
-        ]
-        return result, events
+        return result, await stream_json(js, f"shoal_{ns}_{NAME}_log")
     finally:
         await nc.close()
 

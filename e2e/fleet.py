@@ -7,6 +7,7 @@ to its own file, and is stopped by `close()` whatever state it is in.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -17,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.status import GroupStatus, read_status
@@ -178,3 +179,13 @@ def settled(members: set[str]) -> Callable[[GroupStatus], bool]:
         )
 
     return check
+
+
+async def stream_json(js: Any, stream: str) -> list[dict[str, Any]]:
+    """Every message of a (small) stream as JSON, in order, e.g. the assignment log."""
+    info = await js.stream_info(stream)
+    return [
+        json.loads((await js.get_msg(stream, seq)).data or b"{}")
+        for seq in range(info.state.first_seq, info.state.last_seq + 1)
+        if info.state.messages
+    ]

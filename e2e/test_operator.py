@@ -17,7 +17,7 @@ import nats
 import pytest
 import yaml
 
-from e2e.fleet import wait_for_status
+from e2e.fleet import stream_json, wait_for_status
 from e2e.kubetest import condition, create_namespace, get_json, operator_process, wait_until
 from e2e.localkube.plane import LocalKube
 from e2e.servers import free_port
@@ -169,11 +169,7 @@ async def assignment_events(
     `through_generation` (an event is written when its hand-overs are done, up to 30 s)."""
     deadline = time.monotonic() + timeout
     while True:
-        info = await js.stream_info(stream)
-        events = [
-            json.loads((await js.get_msg(stream, seq)).data)
-            for seq in range(info.state.first_seq, info.state.last_seq + 1)
-        ]
+        events = await stream_json(js, stream)
         if any(e["generation"] >= through_generation for e in events):
             break
         assert time.monotonic() < deadline, f"generation {through_generation} never logged"

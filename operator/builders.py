@@ -189,6 +189,7 @@ def consumer_env(name: str, namespace: str, spec: Spec, settings: OperatorSettin
     stream = _section(nats, "stream")
     consumer = _section(nats, "consumer")
     etcd = _section(spec, "etcd")
+    assignment = _section(spec, "assignment")
 
     env = [
         _field_env("POD_NAME", "metadata.name"),
@@ -220,6 +221,8 @@ def consumer_env(name: str, namespace: str, spec: Spec, settings: OperatorSettin
         # The leader reads spec.autoscaling itself on every round (it may be switched on
         # or off at any time) and scales through the group's scale subresource.
         _env("SHOAL_AUTOSCALER", "kubernetes"),
+        _env("SHOAL_STRATEGY", _text(assignment, "strategy", "sticky")),
+        _env("SHOAL_LOAD_AWARE", bool(assignment.get("loadAware", False))),
     ]
     cpu_limit = cpu_millicores(((spec.get("resources") or {}).get("limits") or {}).get("cpu"))
     if cpu_limit is not None:

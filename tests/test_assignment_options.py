@@ -1,0 +1,110 @@
+"""spec.assignment reaches the leader: strategy, and the loads of a load-aware group."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from e2e.fleet import Fleet, settled, stream_json, wait_for_status
+from shoal.consumer.assignor import assign
+from shoal.consumer.config import GroupConfig, config_from_env
+from shoal.consumer.election import loads_from_stats, max_member_load
+from shoal.consumer.etcd import Etcd
+from shoal.consumer.jetstream import ensure_group
+from shoal.operator.builders import consumer_env
+from shoal.operator.settings import OperatorSettings
+
+
+def _env(spec: dict[str, object]) -> dict[str, str]:
+    env = consumer_env("g", "ns", {"handler": "m:f", **spec}, OperatorSettings())
+    return {v["name"]: v["value"] for v in env if "value" in v}
+
+
+def test_builders_pass_the_assignment_options() -> None:
+    assert _env({})["SHOAL_STRATEGY"] == "sticky"
+    assert _env({})["SHOAL_LOAD_AWARE"] == "false"
+    env = _env({"assignment": {"strategy": "modulo"}})
+    assert config_from_env({**env, "SHOAL_MEMBER_ID": "m"}).strategy == "modulo"
+    env = _env({"assignment": {"loadAware": True}})
+    assert config_from_env({**env, "SHOAL_MEMBER_ID": "m"}).load_aware is True
+
+
+def test_load_aware_modulo_is_refused() -> None:
+    with pytest.raises(ValidationError, match="load_aware needs strategy 'sticky'"):
+        GroupConfig(group="g", strategy="modulo", load_aware=True)
+
+
+def test_loads_come_from_member_stats_and_garbage_is_skipped() -> None:
+    stats = {
+        "a": {"partition_rates": {"0": 10.0, "1": 2, "x": 5, "2": -1, "3": True, "4": "7"}},
+        "b": {"partition_rates": {"0": 12.5, "5": 0.5}},  # 0 mid-hand-over: the larger
+        "c": {"cpu": 3},
+        "d": {"partition_rates": [1, 2]},
+    }
+    assert loads_from_stats(stats) == {0: 12.5, 1: 2.0, 5: 0.5}
+
+
+def test_load_aware_assignment_lowers_the_busiest_member() -> None:
+    members = {"a", "b", "c", "d"}
+    balanced = assign(16, members)
+    # Every partition of one member is hot.
+    hot = next(iter(members))
+    loads = {p: (100.0 if owner == hot else 1.0) for p, owner in balanced.items()}
+    before = max_member_load(balanced, loads)
+    after = max_member_load(assign(16, members, balanced, loads=loads), loads)
+    assert before == 400.0 and after < before
+
+
+@pytest.mark.e2e
+async def test_a_modulo_group_assigns_and_logs_as_modulo(
+    tmp_path: Path,
+    etcd: Etcd,
+    js: Any,
+    group: str,
+    namespace: str,
+    nats_url: str,
+    etcd_endpoint: str,
+) -> None:
+    config = GroupConfig(
+        group=group,
+        namespace=namespace,
+        partitions=16,
+        nats_url=nats_url,
+        etcd_endpoints=etcd_endpoint,
+        strategy="modulo",
+    )
+    await ensure_group(js, config)
+    with Fleet(
+        tmp_path / "members",
+        nats_url=nats_url,
+        etcd_endpoint=etcd_endpoint,
+        namespace=namespace,
+        group=group,
+        partitions=16,
+        handler="shoal.consumer.handlers:noop",
+        env={"SHOAL_STRATEGY": "modulo"},
+    ) as fleet:
+        for member in ("c-0", "c-1"):
+            fleet.start(member)
+        await wait_for_status(etcd, namespace, group, 16, settled({"c-0", "c-1"}), 30)
+        fleet.start("c-2")
+        status = await wait_for_status(
+            etcd, namespace, group, 16, settled({"c-0", "c-1", "c-2"}), 30
+        )
+    # The seed's p % n over the sorted members, exactly.
+    assert status.owners == {p: ["c-0", "c-1", "c-2"][p % 3] for p in range(16)}
+    deadline = time.monotonic() + 30
+    while True:
+        events = await stream_json(js, f"{config.stream}_log")
+        if any(len(e["members"]) == 3 for e in events) or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.5)
+    assert {e["strategy"] for e in events} == {"modulo"}
+    join = next(e for e in events if len(e["members"]) == 3)
+    # Modulo moves far more than the minimum a balanced assignment needs (5 of 16).
+    assert len(join["moved"]) > 5
