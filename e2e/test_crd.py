@@ -179,6 +179,10 @@ def test_invalid_groups_are_refused_with_readable_messages(crd: LocalKube, names
     assert '"workqueue", "limits", "interest"' in message
     message = refused(crd, group("prefix", namespace, nats={"subjectPrefix": "orders.*"}))
     assert "spec.nats.subjectPrefix" in message
+    message = refused(
+        crd, group("weighed", namespace, assignment={"strategy": "modulo", "loadAware": True})
+    )
+    assert "loadAware needs strategy sticky" in message
     message = refused(crd, group("orders.eu", namespace))
     assert "metadata.name must not contain '.'" in message
     # 0 as an integer: the schema's minimum (0.1) alone would let it through.
