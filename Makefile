@@ -1,13 +1,13 @@
 # Shoal: build, test, demo and benchmark entry points.
 #
 #   make test       lint + typecheck + every pytest test (unit and e2e; starts real servers)
-#   make test-fast  unit tests only (pytest -m "not e2e"; needs no servers)
+#   make test-fast  unit tests only (pytest -m "not e2e and not spark"; no servers, no JVM)
 #   make lint       ruff check + ruff format --check
 #   make typecheck  mypy --strict on the shoal packages and e2e/
 #   make bench      run every bench/*.py; JSON lines go to bench/results/<time>/<name>.jsonl
 #   make demo       python -m e2e.demo against real servers (DEMO_ARGS=... to pass options)
 #   make servers    only make sure nats-server and etcd are available and print their paths
-#   make venv       (implied by the others) .venv with `pip install -e '.[test]'`
+#   make venv       (implied by the others) .venv with `pip install -e '.[test,analytics]'`
 #   make clean      remove .venv, .tmp, caches and build metadata (keeps bench/results)
 #
 # Nothing needs installing by hand: Python packages come from PyPI, nats-server is built
@@ -68,10 +68,10 @@ $(STAMP): pyproject.toml
 	@start=$$SECONDS; \
 	$(PYTHON) -P -m venv $(VENV); \
 	$(PYM) pip install --quiet --upgrade pip; \
-	$(PYM) pip install --quiet -e '.[test]'; \
+	$(PYM) pip install --quiet -e '.[test,analytics]'; \
 	site="$$($(PY) -P -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"; \
 	echo "$(CURDIR)" > "$$site/shoal-repo-root.pth"; \
-	(cd / && $(CURDIR)/$(PY) -c "import shoal.consumer.partitioning, e2e") \
+	(cd / && $(CURDIR)/$(PY) -c "import shoal.consumer.partitioning, shoal.analytics.events, e2e") \
 	  || { echo "venv: the editable install cannot import shoal.consumer / e2e" >&2; exit 1; }; \
 	touch $@; \
 	echo "venv: ready in $$((SECONDS - start)) s"
@@ -113,7 +113,7 @@ cluster-down: venv
 	@$(PYM) e2e.localkube down --root .localkube
 
 test-fast: venv
-	$(PYM) pytest -m "not e2e" $(PYTEST_ARGS)
+	$(PYM) pytest -m "not e2e and not spark" $(PYTEST_ARGS)
 
 # The real thing: the local plane (left up), helm install, the example group, scaling.
 demo: venv tools

@@ -1,0 +1,267 @@
+"""Copy a group's assignment log from JetStream to date-partitioned files.
+
+The log is the stream ``<stream>_log`` (``shoal_<namespace>_<group>_log`` by default) on
+``<subjectPrefix>.log.assignments``. It is read with an ephemeral pull consumer (no acks,
+deleted afterwards, and dropped by the server anyway after 30 s unused), from the first
+message or from the first stored at or after ``since``, up to the last message there was
+when the export started. Files are partitioned by the date each message was stored (UTC),
+so the order of the files is the order of the log.
+
+JSON lines are copied verbatim, bad ones included: the report counts and lists them.
+Parquet holds typed columns (nested lists and maps for members, the assignment, moves,
+hand-over times and loads) for other tools; messages that are not valid events cannot be
+typed, so they are counted, logged and left out.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, timedelta
+from pathlib import Path
+from typing import IO, Any
+
+from shoal.analytics.events import AssignmentEvent, EventError, parse_event
+from shoal.analytics.layout import PartWriter, part_prefix
+from shoal.consumer.partitioning import default_stream_name
+
+__all__ = ["ExportError", "ExportResult", "export_log", "log_stream_name", "parse_since"]
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("jsonl", "parquet")
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+class ExportError(RuntimeError):
+    """The export cannot run (the message is one line, meant for the user)."""
+
+
+def log_stream_name(namespace: str, group: str, stream: str | None = None) -> str:
+    return f"{stream or default_stream_name(namespace, group)}_log"
+
+
+def parse_since(text: str, now: datetime | None = None) -> datetime:
+    """``--since``: an RFC 3339 time or date (UTC unless it says otherwise) or a duration
+    back from now (``90s``, ``15m``, ``24h``, ``7d``, ``2w``)."""
+    match = _DURATION.match(text)
+    if match:
+        seconds = float(match.group(1)) * _UNITS[match.group(2)]
+        return (now or datetime.now(UTC)) - timedelta(seconds=seconds)
+    try:
+        value = datetime.fromisoformat(text.strip().replace("z", "Z"))
+    except ValueError:
+        raise ValueError(
+            f"--since {text!r}: expected an RFC 3339 time (2026-11-21T10:00:00Z), a date "
+            "(2026-11-21) or a duration (30m, 24h, 7d)"
+        ) from None
+    return value.astimezone(UTC) if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+@dataclass
+class ExportResult:
+    stream: str
+    messages: int = 0
+    first_seq: int | None = None
+    last_seq: int | None = None
+    rejected: list[int] = field(default_factory=list)
+    files: list[Path] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "stream": self.stream,
+            "messages": self.messages,
+            "first_seq": self.first_seq,
+            "last_seq": self.last_seq,
+            "rejected": len(self.rejected),
+            "files": [str(p) for p in self.files],
+        }
+
+
+def _parquet_encoder(rejected: list[int]) -> Callable[[list[bytes], IO[bytes]], None]:
+    """Encode buffered lines (each prefixed with b"<seq> <stored-at-us> ") as Parquet."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def partition_map(value: Any) -> Any:
+        return pa.map_(pa.int32(), value)
+
+    schema = pa.schema(
+        [
+            ("seq", pa.int64()),
+            ("stored_at", pa.timestamp("us", tz="UTC")),
+            ("schema", pa.int32()),
+            ("ts", pa.timestamp("ms", tz="UTC")),
+            ("namespace", pa.string()),
+            ("group", pa.string()),
+            ("generation", pa.int64()),
+            ("epoch", pa.int64()),
+            ("leader", pa.string()),
+            ("reason", pa.string()),
+            ("strategy", pa.string()),
+            ("members", pa.list_(pa.string())),
+            ("assignment", partition_map(pa.string())),
+            (
+                "moved",
+                pa.list_(
+                    pa.struct(
+                        [("partition", pa.int32()), ("from", pa.string()), ("to", pa.string())]
+                    )
+                ),
+            ),
+            ("handover_ms", partition_map(pa.float64())),
+            ("loads", partition_map(pa.float64())),
+        ]
+    )
+
+    def encode(lines: list[bytes], out: IO[bytes]) -> None:
+        rows: list[dict[str, Any]] = []
+        for framed in lines:
+            seq_text, stored_text, payload = framed.split(b" ", 2)
+            seq = int(seq_text)
+            try:
+                event = parse_event(payload)
+            except EventError as exc:
+                rejected.append(seq)
+                log.warning("Message %d is not a valid event, left out: %s", seq, exc)
+                continue
+            rows.append(_parquet_row(seq, int(stored_text), event))
+        pq.write_table(pa.Table.from_pylist(rows, schema=schema), out)
+
+    return encode
+
+
+def _parquet_row(seq: int, stored_us: int, event: AssignmentEvent) -> dict[str, Any]:
+    return {
+        "seq": seq,
+        "stored_at": datetime.fromtimestamp(stored_us / 1e6, UTC),
+        "schema": event.schema_version,
+        "ts": event.ts,
+        "namespace": event.namespace,
+        "group": event.group,
+        "generation": event.generation,
+        "epoch": event.epoch,
+        "leader": event.leader,
+        "reason": event.reason,
+        "strategy": event.strategy,
+        "members": event.members,
+        "assignment": list(event.assignment.items()),
+        "moved": [{"partition": m.partition, "from": m.from_, "to": m.to} for m in event.moved],
+        "handover_ms": list(event.handover_ms.items()),
+        "loads": list(event.loads.items()),
+    }
+
+
+async def export_log(
+    *,
+    nats_url: str,
+    namespace: str,
+    group: str,
+    out: Path,
+    fmt: str = "jsonl",
+    since: datetime | None = None,
+    stream: str | None = None,
+    creds_file: str | None = None,
+    connect_attempts: int = 5,
+    batch: int = 500,
+    max_lines: int = 20_000,
+    fetch_timeout: float = 5.0,
+    progress: Callable[[str], None] | None = None,
+) -> ExportResult:
+    """Export the group's log to ``out``; raises :class:`ExportError` when it cannot."""
+    from nats.errors import TimeoutError as NatsTimeout
+    from nats.js import api
+    from nats.js.errors import NotFoundError
+
+    from shoal.consumer.jetstream import connect
+
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    name = log_stream_name(namespace, group, stream)
+    result = ExportResult(stream=name)
+    try:
+        nc = await connect(
+            nats_url,
+            name=f"shoal-analytics-export-{namespace}-{group}",
+            attempts=connect_attempts,
+            creds_file=creds_file,
+        )
+    except ConnectionError as exc:
+        raise ExportError(str(exc)) from None
+    try:
+        js = nc.jetstream()
+        try:
+            info = await js.stream_info(name)
+        except NotFoundError:
+            raise ExportError(
+                f"no assignment log for {namespace}/{group}: stream {name} does not exist on "
+                f"{nats_url} (has the group run? is --stream right?)"
+            ) from None
+        last = int(info.state.last_seq)
+        if int(info.state.messages) == 0:
+            log.info("Stream %s is empty: nothing to export", name)
+            return result
+        config = api.ConsumerConfig(
+            ack_policy=api.AckPolicy.NONE,
+            deliver_policy=api.DeliverPolicy.BY_START_TIME if since else api.DeliverPolicy.ALL,
+            opt_start_time=since,
+            inactive_threshold=30.0,
+        )
+        consumer = await js.add_consumer(name, config=config)
+        sub = await js.pull_subscribe_bind(stream=name, consumer=consumer.name)
+        pending = int(consumer.num_pending or 0)
+        log.info("Exporting %d messages of stream %s to %s", pending, name, out)
+        prefix = part_prefix(namespace, group)
+        encode = _parquet_encoder(result.rejected) if fmt == "parquet" else None
+        suffix = ".parquet" if fmt == "parquet" else ".jsonl"
+        started = time.monotonic()
+        try:
+            with PartWriter(out, prefix, max_lines=max_lines, suffix=suffix, encode=encode) as w:
+                while pending > 0:
+                    try:
+                        msgs = await sub.fetch(batch, timeout=fetch_timeout)
+                    except (TimeoutError, NatsTimeout):
+                        log.warning("No message within %.0f s; stopping early", fetch_timeout)
+                        break
+                    for msg in msgs:
+                        meta = msg.metadata
+                        seq = int(meta.sequence.stream)
+                        stored: datetime = meta.timestamp
+                        day: date = stored.astimezone(UTC).date()
+                        # A newline can only be whitespace in valid JSON: keep one per line.
+                        line = msg.data.replace(b"\r", b" ").replace(b"\n", b" ")
+                        if encode is not None:
+                            stored_us = int(stored.timestamp() * 1e6)
+                            line = f"{seq} {stored_us} ".encode() + line
+                        w.write(day, seq, line)
+                        result.messages += 1
+                        result.first_seq = seq if result.first_seq is None else result.first_seq
+                        result.last_seq = seq
+                        pending = int(meta.num_pending)
+                        if seq >= last:
+                            pending = 0
+                    if progress is not None:
+                        progress(
+                            f"export: {result.messages} messages, {pending} pending "
+                            f"({time.monotonic() - started:.1f} s)"
+                        )
+            result.files = list(w.files)
+        finally:
+            try:
+                await sub.unsubscribe()
+                await js.delete_consumer(name, consumer.name)
+            except Exception as exc:  # the server drops it after inactive_threshold anyway
+                log.debug("Could not delete the export consumer: %r", exc)
+    finally:
+        await nc.close()
+    if result.rejected:
+        log.warning(
+            "%d messages were not valid events and are not in the Parquet files "
+            "(export as jsonl to keep them)",
+            len(result.rejected),
+        )
+    return result

@@ -1,0 +1,303 @@
+"""``shoal-analytics report``: run an engine, write the tables, summary.json and report.html.
+
+Output in ``--out``::
+
+    summary.json             input counts, problems, by_strategy.<strategy>, per-group figures
+    report.html, plots/*.png the same with plots; static files, readable without Spark
+    tables/<name>/*.parquet  every table of shoal.analytics.tables
+    tables/<name>.csv        the small ones (generations, groups, reasons, by_strategy,
+                             problems) also as CSV
+
+The Spark engine (default) is the report; the pandas engine is its test oracle, also handy
+for small logs on a machine without Java.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+
+from shoal.analytics.events import format_ts
+from shoal.analytics.ingest import PROBLEM_KINDS
+from shoal.analytics.tables import (
+    BIG_TABLES,
+    COLUMNS,
+    INTEGER_COLUMNS,
+    KEYS,
+    TIMESTAMP_COLUMNS,
+    ReportData,
+)
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+__all__ = ["ENGINES", "build_summary", "normalize", "run_report"]
+
+log = logging.getLogger(__name__)
+
+ENGINES = ("spark", "pandas")
+Progress = Callable[[str], None]
+
+HEATMAP_GENERATIONS = 160
+HEATMAP_MEMBERS = 32
+HANDOVER_SAMPLE = 200_000
+LISTED_PROBLEMS = 1000
+
+
+def normalize(frame: pd.DataFrame, name: str) -> pd.DataFrame:
+    """Columns in table order, rows in key order, timestamps as UTC-aware."""
+    frame = frame.loc[:, COLUMNS[name]].copy()
+    for column in TIMESTAMP_COLUMNS & set(frame.columns):
+        frame[column] = pd.to_datetime(frame[column], utc=True)
+    for column in INTEGER_COLUMNS & set(frame.columns):
+        frame[column] = frame[column].astype("Int64")
+    return frame.sort_values(KEYS[name], kind="stable").reset_index(drop=True)
+
+
+def plain(value: Any) -> Any:
+    """A JSON-ready value: numpy scalars to Python, NaN/NaT to None, times to RFC 3339."""
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    if value is None or value is pd.NaT:
+        return None
+    if isinstance(value, pd.Timestamp | datetime):
+        return format_ts(value.to_pydatetime() if isinstance(value, pd.Timestamp) else value)
+    if hasattr(value, "item"):  # numpy scalar
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    try:
+        if pd.isna(value):
+            return None
+    except (TypeError, ValueError):
+        pass
+    return value
+
+
+def _records(frame: pd.DataFrame) -> list[dict[str, Any]]:
+    return [plain(r) for r in frame.to_dict("records")]
+
+
+def _heatmap_selection(generations: pd.DataFrame) -> pd.DataFrame:
+    """(namespace, group, generation) of the heat map: per strategy, the group with the most
+    generations, at most HEATMAP_GENERATIONS of its generations evenly spread."""
+    picked: list[pd.DataFrame] = []
+    if generations.empty:
+        return pd.DataFrame(columns=["namespace", "group", "generation"])
+    sizes = generations.groupby(["strategy", "namespace", "group"]).size().reset_index(name="n")
+    for _, best in sizes.sort_values(["strategy", "n"], ascending=[True, False]).groupby(
+        "strategy"
+    ):
+        ns, group = best.iloc[0]["namespace"], best.iloc[0]["group"]
+        rows = generations[(generations["namespace"] == ns) & (generations["group"] == group)]
+        step = max(1, math.ceil(len(rows) / HEATMAP_GENERATIONS))
+        picked.append(rows.iloc[::step][["namespace", "group", "generation"]])
+    return pd.concat(picked).drop_duplicates().reset_index(drop=True)
+
+
+def _member_totals(churn: pd.DataFrame) -> pd.DataFrame:
+    cols = ["namespace", "group", "member", "gained", "lost", "moves"]
+    if churn.empty:
+        return pd.DataFrame(columns=cols)
+    totals = churn.groupby(["namespace", "group", "member"], as_index=False)[
+        ["gained", "lost"]
+    ].sum()
+    totals["moves"] = totals["gained"] + totals["lost"]
+    return totals.sort_values("moves", ascending=False, kind="stable")[cols].reset_index(drop=True)
+
+
+def _write_parquet(frame: pd.DataFrame, out: Path, name: str) -> None:
+    folder = out / "tables" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob("*.parquet"):
+        stale.unlink()
+    frame.to_parquet(folder / "part-00000.parquet", index=False)
+
+
+def _pandas_data(input_path: Path, out: Path, progress: Progress) -> ReportData:
+    from shoal.analytics.oracle import compute_path
+
+    computed = compute_path(input_path, progress)
+    tables = {name: normalize(frame, name) for name, frame in computed.tables.items()}
+    for name, frame in tables.items():
+        _write_parquet(frame, out, name)
+    selection = _heatmap_selection(tables["generations"])
+    heatmap = tables["member_counts"].merge(selection, on=["namespace", "group", "generation"])
+    handover = computed.handover
+    if len(handover) > HANDOVER_SAMPLE:
+        handover = handover.sample(HANDOVER_SAMPLE, random_state=1)
+    return ReportData(
+        tables={n: f for n, f in tables.items() if n not in BIG_TABLES},
+        stats=computed.stats,
+        heatmap=heatmap,
+        handover_sample=handover[["strategy", "handover_ms"]].reset_index(drop=True),
+        member_totals=_member_totals(tables["member_churn"]),
+        engine="pandas",
+    )
+
+
+def _spark_data(
+    input_path: str,
+    out: Path,
+    progress: Progress,
+    spark: SparkSession,
+) -> ReportData:
+    from pyspark.sql import functions as F
+
+    from shoal.analytics.spark_job import compute, input_stats, to_pandas, write_table
+
+    started = time.monotonic()
+
+    def step(what: str) -> None:
+        progress(f"spark: {what} ({time.monotonic() - started:.1f} s)")
+
+    report = compute(spark, input_path)
+    try:
+        # The big tables and the problems (any number of bad lines) are written by Spark;
+        # the others are collected, written with pandas and drawn.
+        for name in (*BIG_TABLES, "problems"):
+            write_table(report, name, str(out), progress)
+        small: dict[str, pd.DataFrame] = {}
+        for name in ("generations", "groups", "reasons", "by_strategy"):
+            small[name] = to_pandas(report.tables[name], name)
+            _write_parquet(small[name], out, name)
+            step(f"collected {name}")
+        small["problems"] = to_pandas(
+            report.tables["problems"].orderBy("file", "line").limit(LISTED_PROBLEMS), "problems"
+        )
+        stats = input_stats(report)
+        step("counted the input")
+        selection = _heatmap_selection(small["generations"])
+        heatmap = pd.DataFrame(columns=COLUMNS["member_counts"])
+        if not selection.empty:
+            chosen = spark.createDataFrame(selection)
+            heatmap = to_pandas(
+                report.tables["member_counts"].join(
+                    F.broadcast(chosen), ["namespace", "group", "generation"]
+                ),
+                "member_counts",
+            )
+        total = int(small["generations"]["handovers"].sum())
+        sample = report.handover.select("strategy", "handover_ms")
+        if total > HANDOVER_SAMPLE:
+            sample = sample.sample(False, HANDOVER_SAMPLE / total, seed=1)
+        handover = sample.toPandas() if total else pd.DataFrame(columns=["strategy", "handover_ms"])
+        totals = (
+            report.tables["member_churn"]
+            .groupBy("namespace", "group", "member")
+            .agg(F.sum("gained").alias("gained"), F.sum("lost").alias("lost"))
+            .toPandas()
+        )
+        step("collected the plots' data")
+    finally:
+        report.unpersist()
+    return ReportData(
+        tables=small,
+        stats=stats,
+        heatmap=heatmap,
+        handover_sample=handover,
+        member_totals=_member_totals(totals),
+        engine="spark",
+        extra={"master": spark.sparkContext.master, "spark": spark.version},
+    )
+
+
+def build_summary(data: ReportData, *, input_path: str, elapsed_s: float) -> dict[str, Any]:
+    """The content of summary.json."""
+    stats = data.stats
+    problems = data.tables["problems"]
+    empty = stats.get("used", 0) == 0
+    if empty:
+        message = (
+            f"empty report: no usable assignment events in {input_path} "
+            f"({stats.get('files', 0)} files, {stats.get('lines', 0)} lines)"
+        )
+    else:
+        message = (
+            f"{stats['used']} generations of {len(data.tables['groups'])} groups from "
+            f"{stats.get('files', 0)} files"
+        )
+    by_strategy = {
+        row["strategy"]: {k: v for k, v in row.items() if k != "strategy"}
+        for row in _records(data.tables["by_strategy"])
+    }
+    groups = {
+        f"{row['namespace']}/{row['group']}": {
+            k: v for k, v in row.items() if k not in ("namespace", "group")
+        }
+        for row in _records(data.tables["groups"])
+    }
+    return {
+        "schema": 1,
+        "generated_at": format_ts(datetime.now(UTC)),
+        "engine": data.engine,
+        **{k: v for k, v in data.extra.items() if isinstance(v, str)},
+        "input": input_path,
+        "elapsed_s": round(elapsed_s, 3),
+        "empty": empty,
+        "message": message,
+        "input_stats": dict(stats),
+        "problems": {
+            "count": sum(stats.get(kind, 0) for kind in PROBLEM_KINDS),
+            "by_kind": {kind: stats.get(kind, 0) for kind in PROBLEM_KINDS},
+            "first": _records(problems.head(50)),
+        },
+        "by_strategy": by_strategy,
+        "groups": groups,
+    }
+
+
+def run_report(
+    input_path: str,
+    out: Path,
+    *,
+    engine: str = "spark",
+    master: str | None = None,
+    driver_memory: str = "2g",
+    conf: Mapping[str, str] | None = None,
+    progress: Progress | None = None,
+    spark: SparkSession | None = None,
+) -> dict[str, Any]:
+    """Compute the report of the logs below ``input_path`` into ``out``; returns the summary.
+
+    The Spark engine uses ``spark`` if given (and leaves it running), else starts a session
+    (``master``, ``driver_memory``, ``conf``) and stops it, JVM included, when done.
+    """
+    from shoal.analytics.html_report import write_html
+
+    say: Progress = progress or (lambda message: log.info("%s", message))
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
+    started = time.monotonic()
+    out.mkdir(parents=True, exist_ok=True)
+    if engine == "pandas":
+        data = _pandas_data(Path(input_path), out, say)
+    elif spark is not None:
+        data = _spark_data(input_path, out, say, spark)
+    else:
+        from shoal.analytics.session import spark_session, stop_spark
+
+        session = spark_session(master, driver_memory=driver_memory, conf=conf)
+        say(f"spark: session up, master {session.sparkContext.master}")
+        try:
+            data = _spark_data(input_path, out, say, session)
+        finally:
+            stop_spark(session)
+    for name, frame in data.tables.items():
+        frame.to_csv(out / "tables" / f"{name}.csv", index=False)
+    summary = build_summary(data, input_path=input_path, elapsed_s=time.monotonic() - started)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_html(data, summary, out)
+    say(f"report: {summary['message']} -> {os.path.join(out, 'report.html')}")
+    return summary

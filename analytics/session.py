@@ -1,0 +1,170 @@
+"""The Spark session of the report: local by default, any master by flag, or spark-submit's.
+
+Before starting a JVM we check for Java ourselves, so a missing runtime is one clear line
+instead of a Py4J stack trace. Under ``spark-submit`` (which sets ``PYSPARK_GATEWAY_PORT``)
+the JVM already runs with the master and options given there; nothing is overridden.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+__all__ = [
+    "DEFAULT_MASTER",
+    "JavaMissing",
+    "find_java",
+    "spark_session",
+    "stop_spark",
+    "under_spark_submit",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MASTER = "local[*]"
+MIN_JAVA = 17
+
+
+class JavaMissing(RuntimeError):
+    """No usable Java runtime for Spark (the message is one line, meant for the user)."""
+
+
+def under_spark_submit() -> bool:
+    return bool(os.environ.get("PYSPARK_GATEWAY_PORT"))
+
+
+def _java_major(java: str) -> int | None:
+    try:
+        done = subprocess.run(
+            [java, "-version"], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    match = re.search(r'version "(\d+)(?:\.(\d+))?', done.stderr + done.stdout)
+    if not match:
+        return None
+    major = int(match.group(1))
+    return int(match.group(2) or 0) if major == 1 else major  # "1.8.0" is Java 8
+
+
+def find_java(env: Mapping[str, str] | None = None) -> str:
+    """The java executable Spark will use ($JAVA_HOME/bin/java, else java on PATH)."""
+    env = os.environ if env is None else env
+    home = env.get("JAVA_HOME")
+    if home:
+        java = os.path.join(home, "bin", "java")
+        if not os.access(java, os.X_OK):
+            raise JavaMissing(
+                f"JAVA_HOME={home} has no bin/java: point it at a Java {MIN_JAVA}+ runtime "
+                "or unset it to use java from PATH"
+            )
+    else:
+        found = shutil.which("java", path=env.get("PATH"))
+        if found is None:
+            raise JavaMissing(
+                f"no Java runtime: the report runs on Spark, which needs Java {MIN_JAVA}+ "
+                "(install e.g. openjdk-17-jre-headless, or set JAVA_HOME)"
+            )
+        java = found
+    major = _java_major(java)
+    if major is None:
+        raise JavaMissing(f"{java} does not run or does not say its version (java -version)")
+    if major < MIN_JAVA:
+        raise JavaMissing(f"{java} is Java {major}; Spark 4 needs Java {MIN_JAVA} or newer")
+    return java
+
+
+def spark_session(
+    master: str | None = None,
+    *,
+    app_name: str = "shoal-analytics",
+    driver_memory: str = "2g",
+    conf: Mapping[str, str] | None = None,
+) -> SparkSession:
+    """A SparkSession for the report: ``master`` (default ``local[*]``) unless running under
+    spark-submit, UTC, no UI, Arrow transfers, this Python for the workers."""
+    submitted = under_spark_submit()
+    if not submitted:
+        find_java()
+        # Python workers: this interpreter (not whatever "python3" is on PATH), without the
+        # working directory on sys.path (a folder named "operator" in it would shadow the
+        # standard library's operator module, as in this repository).
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+        os.environ["PYTHONSAFEPATH"] = "1"
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder.appName(app_name)
+    settings: dict[str, str] = {
+        "spark.sql.session.timeZone": "UTC",
+        "spark.sql.execution.arrow.pyspark.enabled": "true",
+        "spark.executorEnv.PYTHONSAFEPATH": "1",
+        "spark.ui.showConsoleProgress": "false",
+        # Standard Parquet timestamps (not the legacy INT96) for readers other than Spark.
+        "spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS",
+    }
+    if not submitted:
+        chosen = master or DEFAULT_MASTER
+        builder = builder.master(chosen)
+        scratch = tempfile.gettempdir()
+        settings.update(
+            {
+                "spark.driver.memory": driver_memory,
+                "spark.ui.enabled": "false",
+                # Keep spark-warehouse / metastore files out of the working directory.
+                "spark.sql.warehouse.dir": os.path.join(scratch, "shoal-spark-warehouse"),
+                "spark.driver.extraJavaOptions": f"-Dderby.system.home={scratch}",
+            }
+        )
+        if chosen.startswith("local"):
+            # The default 200 shuffle partitions are for clusters; a few per core do here.
+            settings["spark.sql.shuffle.partitions"] = str(4 * (os.cpu_count() or 2))
+    elif master:
+        log.warning("--master %s ignored: spark-submit decides the master", master)
+    for key, value in {**settings, **(conf or {})}.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("WARN")
+    log.info("Spark %s, master %s", spark.version, spark.sparkContext.master)
+    return spark
+
+
+def stop_spark(spark: SparkSession, timeout: float = 30.0) -> None:
+    """Stop the session and, unless under spark-submit, the JVM pyspark started for it
+    (it would otherwise live until this Python process exits)."""
+    from pyspark import SparkContext
+
+    gateway = SparkContext._gateway
+    spark.stop()
+    if gateway is None or under_spark_submit():
+        return
+    proc: subprocess.Popen[bytes] | None = getattr(gateway, "proc", None)
+    try:
+        gateway.shutdown()
+    except Exception as exc:  # already gone
+        log.debug("Gateway shutdown: %r", exc)
+    # Class attributes: the next session launches a new JVM.
+    setattr(SparkContext, "_gateway", None)  # noqa: B010
+    setattr(SparkContext, "_jvm", None)  # noqa: B010
+    if proc is None:
+        return
+    if proc.stdin is not None:
+        proc.stdin.close()  # the JVM exits when its stdin closes
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)

@@ -1,0 +1,543 @@
+"""The skew and churn report as a PySpark job.
+
+    PYSPARK_PYTHON=.venv/bin/python spark-submit --master spark://host:7077 \
+        analytics/spark_job.py --input DIR --out DIR
+
+or ``shoal-analytics report`` (``local[*]`` unless ``--master``). ``PYSPARK_PYTHON`` names a
+Python with ``shoal`` installed (the driver imports it, and the executors parse lines with
+its event model). On a cluster the input and output paths must be visible to every executor
+(a shared mount, NFS, ...).
+
+The pipeline, in Spark terms (metric definitions: :mod:`shoal.analytics.metrics`):
+
+1. ``binaryFile`` reads every ``*.jsonl`` file; ``mapInArrow`` parses each file's lines with
+   the shared event model (:func:`shoal.analytics.ingest.parse_file`).
+2. A window per group in read order finds out-of-order events (generation not above an
+   earlier one); the rest, ordered by generation, get their previous generation.
+3. Assignments explode into one row per partition ownership; a window per partition gives
+   each row its previous owner (only from the group's immediately previous generation),
+   hence moves, ownership stints and cumulative churn.
+4. Previous owners grouped by member give each member's holding; ranked per generation,
+   they give the quotas and so the minimum moves.
+5. Aggregations make the per-generation, per-group and per-strategy tables.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import urllib.parse
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from shoal.analytics.ingest import PROBLEM_KINDS, ROW_COLUMNS, SPARK_ROW_SCHEMA, parse_file
+from shoal.analytics.layout import relative_name
+from shoal.analytics.tables import COLUMNS, KEYS
+
+if TYPE_CHECKING:
+    import pandas as pd
+    import pyarrow as pa
+    from pyspark.sql import Column, DataFrame, SparkSession
+
+__all__ = ["SparkReport", "compute", "main"]
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str], None]
+GEN_KEYS = ["namespace", "group", "generation"]
+GROUP_KEYS = ["namespace", "group"]
+ARROW_BATCH_ROWS = 2048
+
+
+def _local_path(uri: str) -> str:
+    parsed = urllib.parse.urlparse(uri)
+    if parsed.scheme in ("", "file"):
+        return urllib.parse.unquote(parsed.path)
+    return uri
+
+
+def _arrow_schema() -> pa.Schema:
+    import pyarrow as pa
+
+    types = {
+        "string": pa.string(),
+        "bigint": pa.int64(),
+        "int": pa.int32(),
+        "boolean": pa.bool_(),
+        "array<string>": pa.list_(pa.string()),
+        "array<int>": pa.list_(pa.int32()),
+        "array<double>": pa.list_(pa.float64()),
+    }
+    return pa.schema([(name, types[kind]) for name, kind in ROW_COLUMNS.items()])
+
+
+def _parser(root: str) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """The mapInArrow function: (path, content) batches in, parsed line rows out."""
+    local_root = _local_path(root)
+
+    def parse(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        import pyarrow as pa
+
+        schema = _arrow_schema()
+        for batch in batches:
+            paths = batch.column("path").to_pylist()
+            contents = batch.column("content")
+            for i, path in enumerate(paths):
+                name = relative_name(local_root, _local_path(path))
+                rows: list[dict[str, Any]] = []
+                for row in parse_file(name, contents[i].as_py()):
+                    rows.append(row)
+                    if len(rows) >= ARROW_BATCH_ROWS:
+                        yield pa.RecordBatch.from_pylist(rows, schema=schema)
+                        rows = []
+                if rows:
+                    yield pa.RecordBatch.from_pylist(rows, schema=schema)
+
+    return parse
+
+
+def _ratio(moves: Column, minimum: Column) -> Column:
+    from pyspark.sql import functions as F
+
+    return (
+        F.when(minimum == 0, F.when(moves == 0, F.lit(1.0)))
+        .otherwise(moves.cast("double") / minimum.cast("double"))
+        .alias("churn_ratio")
+    )
+
+
+@dataclass
+class SparkReport:
+    """Lazy DataFrames of every table (see :mod:`shoal.analytics.tables`), plus what the
+    HTML report samples from."""
+
+    tables: dict[str, DataFrame]
+    files: DataFrame
+    rows: DataFrame
+    handover: DataFrame
+    cached: list[DataFrame]
+
+    def unpersist(self) -> None:
+        for frame in self.cached:
+            frame.unpersist()
+
+
+def compute(spark: SparkSession, input_path: str) -> SparkReport:
+    """Build the report's DataFrames over every ``*.jsonl`` below ``input_path``."""
+    from pyspark import StorageLevel
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    col = F.col
+    cached: list[DataFrame] = []
+
+    def keep(frame: DataFrame) -> DataFrame:
+        cached.append(frame.persist(StorageLevel.MEMORY_AND_DISK))
+        return frame
+
+    files = (
+        spark.read.format("binaryFile")
+        .option("recursiveFileLookup", "true")
+        .option("pathGlobFilter", "*.jsonl")
+        .load(input_path)
+    )
+    rows = keep(files.select("path", "content").mapInArrow(_parser(input_path), SPARK_ROW_SCHEMA))
+
+    # Out of order: not above every earlier generation of the group, in read order.
+    ok = rows.filter(col("kind").isNull())
+    earlier = (
+        Window.partitionBy(*GROUP_KEYS)
+        .orderBy("file", "line")
+        .rowsBetween(Window.unboundedPreceding, -1)
+    )
+    ok = ok.withColumn("prior", F.max("generation").over(earlier))
+    late = col("prior").isNotNull() & (col("generation") <= col("prior"))
+    out_of_order = ok.filter(late).select(
+        "file",
+        "line",
+        F.lit("out_of_order").alias("kind"),
+        F.concat(
+            F.lit("generation "),
+            col("generation").cast("string"),
+            F.lit(" after "),
+            col("prior").cast("string"),
+        ).alias("detail"),
+        "namespace",
+        "group",
+        "generation",
+    )
+    problems = rows.filter(col("kind").isNotNull()).select(*COLUMNS["problems"])
+    problems = problems.unionByName(out_of_order)
+
+    by_generation = Window.partitionBy(*GROUP_KEYS).orderBy("generation")
+    ev = keep(
+        ok.filter(~late)
+        .drop("prior", "file", "line", "kind", "detail")
+        .withColumn("index", F.row_number().over(by_generation))
+        .withColumn("prev_generation", F.lag("generation").over(by_generation))
+        .withColumn("prev_ts_us", F.lag("ts_us").over(by_generation))
+        .withColumn("next_ts_us", F.lead("ts_us").over(by_generation))
+        .withColumn("n", F.size("members"))
+        .withColumn("P", F.size("parts"))
+    )
+
+    # One row per partition ownership, with the previous generation's owner.
+    by_partition = Window.partitionBy(*GROUP_KEYS, "partition").orderBy("generation")
+    own = (
+        ev.select(
+            *GEN_KEYS,
+            "prev_generation",
+            "ts_us",
+            "next_ts_us",
+            F.inline(F.arrays_zip("parts", "owners", "loads")),
+        )
+        .withColumnRenamed("parts", "partition")
+        .withColumnRenamed("owners", "owner")
+        .withColumnRenamed("loads", "load")
+        .withColumn(
+            "prev_owner",
+            F.when(
+                F.lag("generation").over(by_partition) == col("prev_generation"),
+                F.lag("owner").over(by_partition),
+            ),
+        )
+    )
+    moved = col("prev_owner").isNotNull() & (col("prev_owner") != col("owner"))
+    # A stint starts wherever the partition had no owner in the previous generation, or
+    # another one; numbering the starts along the partition's history names the stints.
+    starts = F.when(col("prev_owner").isNull() | moved, 1).otherwise(0)
+    own = keep(
+        own.withColumn(
+            "stint",
+            F.sum(starts).over(
+                by_partition.rowsBetween(Window.unboundedPreceding, Window.currentRow)
+            ),
+        ).drop("prev_generation")
+    )
+
+    members = ev.select(*GEN_KEYS, F.explode("members").alias("member")).withColumn(
+        "is_member", F.lit(True)
+    )
+
+    # One pass over the ownership rows: partitions per (previous owner, owner) pair. Owner
+    # counts, loads, moves, holdings and churn all follow from these few rows.
+    pairs = keep(
+        own.groupBy(*GEN_KEYS, "owner", "prev_owner").agg(
+            F.count("*").alias("count"), F.sum("load").alias("load_sum")
+        )
+    )
+    moved_pairs = pairs.filter(col("prev_owner").isNotNull() & (col("prev_owner") != col("owner")))
+
+    # Minimum moves: orphaned partitions plus each member's excess over its quota.
+    held = (
+        pairs.filter(col("prev_owner").isNotNull())
+        .groupBy(*GEN_KEYS, col("prev_owner").alias("member"))
+        .agg(F.sum("count").alias("held"))
+        .join(members, [*GEN_KEYS, "member"], "left")
+    )
+    orphaned = (
+        held.filter(col("is_member").isNull())
+        .groupBy(*GEN_KEYS)
+        .agg(F.sum("held").alias("orphaned"))
+    )
+    ranked = Window.partitionBy(*GEN_KEYS).orderBy(col("held").desc(), col("member").asc())
+    excess = (
+        held.filter(col("is_member"))
+        .join(ev.select(*GEN_KEYS, "n", "P"), GEN_KEYS)
+        .withColumn("rank", F.row_number().over(ranked))
+        .withColumn(
+            "quota",
+            F.floor(col("P") / col("n")).cast("long")
+            + F.when(col("rank") <= F.pmod(col("P"), col("n")), 1).otherwise(0),
+        )
+        .groupBy(*GEN_KEYS)
+        .agg(F.sum(F.greatest(col("held") - col("quota"), F.lit(0))).alias("excess"))
+    )
+
+    # Owner counts per member and non-member owner.
+    owned = pairs.groupBy(*GEN_KEYS, col("owner").alias("member")).agg(
+        F.sum("count").alias("owned"), F.sum("load_sum").alias("load_sum")
+    )
+    member_counts = keep(
+        owned.join(members, [*GEN_KEYS, "member"], "full_outer")
+        .join(ev.select(*GEN_KEYS, "has_loads"), GEN_KEYS)
+        .select(
+            *GEN_KEYS,
+            "member",
+            F.coalesce(col("owned"), F.lit(0)).cast("long").alias("partitions"),
+            F.when(col("has_loads"), F.coalesce(col("load_sum"), F.lit(0.0))).alias("load"),
+            F.coalesce(col("is_member"), F.lit(False)).alias("is_member"),
+        )
+    )
+    count_stats = member_counts.groupBy(*GEN_KEYS).agg(
+        F.min("partitions").alias("min_count"),
+        F.max("partitions").alias("max_count"),
+        F.avg("partitions").alias("mean_count"),
+        F.stddev_pop("partitions").alias("stddev_count"),
+        F.max("load").alias("load_max"),
+        F.avg("load").alias("load_mean"),
+    )
+    moves = moved_pairs.groupBy(*GEN_KEYS).agg(F.sum("count").alias("moves"))
+
+    handover = ev.select(*GEN_KEYS, "strategy", F.explode("handover").alias("handover_ms"))
+    quantiles = F.percentile("handover_ms", [0.5, 0.9, 0.99])
+    handover_stats = handover.groupBy(*GEN_KEYS).agg(
+        F.count("*").alias("handovers"),
+        quantiles.alias("q"),
+        F.max("handover_ms").alias("handover_max"),
+    )
+
+    positive = col("mean_count") > 0
+    min_moves = F.when(
+        col("prev_generation").isNull() | (col("n") == 0), F.lit(0).cast("long")
+    ).otherwise(F.coalesce(col("orphaned"), F.lit(0)) + F.coalesce(col("excess"), F.lit(0)))
+    generations = keep(
+        ev.join(count_stats, GEN_KEYS, "left")
+        .join(moves, GEN_KEYS, "left")
+        .join(orphaned, GEN_KEYS, "left")
+        .join(excess, GEN_KEYS, "left")
+        .join(handover_stats, GEN_KEYS, "left")
+        .withColumn("moves", F.coalesce(col("moves"), F.lit(0)).cast("long"))
+        .withColumn("min_moves", min_moves.cast("long"))
+        .select(
+            *GEN_KEYS,
+            col("index").cast("long").alias("index"),
+            F.timestamp_micros("ts_us").alias("ts"),
+            "epoch",
+            "leader",
+            "reason",
+            "strategy",
+            col("n").cast("long").alias("members"),
+            col("P").cast("long").alias("partitions"),
+            "min_count",
+            "max_count",
+            "mean_count",
+            "stddev_count",
+            F.when(positive, col("max_count") / col("mean_count")).alias("max_over_mean"),
+            F.coalesce(col("max_count") - col("min_count"), F.lit(0)).alias("skew"),
+            "load_max",
+            "load_mean",
+            F.when(col("load_mean") > 0, col("load_max") / col("load_mean")).alias("load_skew"),
+            "moves",
+            col("moved_recorded").cast("long").alias("moves_recorded"),
+            "min_moves",
+            _ratio(col("moves"), col("min_moves")),
+            F.coalesce(col("handovers"), F.lit(0)).alias("handovers"),
+            col("q")[0].alias("handover_p50"),
+            col("q")[1].alias("handover_p90"),
+            col("q")[2].alias("handover_p99"),
+            "handover_max",
+            ((col("ts_us") - col("prev_ts_us")) / 1e6).alias("interval_s"),
+        )
+    )
+
+    # Cumulative churn per member.
+    changes = moved_pairs.select(
+        *GEN_KEYS, col("owner").alias("member"), col("count").alias("g"), F.lit(0).alias("l")
+    ).unionByName(
+        moved_pairs.select(
+            *GEN_KEYS,
+            col("prev_owner").alias("member"),
+            F.lit(0).alias("g"),
+            col("count").alias("l"),
+        )
+    )
+    running = (
+        Window.partitionBy(*GROUP_KEYS, "member")
+        .orderBy("generation")
+        .rowsBetween(Window.unboundedPreceding, Window.currentRow)
+    )
+    member_churn = (
+        changes.groupBy(*GEN_KEYS, "member")
+        .agg(F.sum("g").cast("long").alias("gained"), F.sum("l").cast("long").alias("lost"))
+        .withColumn("cum_gained", F.sum("gained").over(running))
+        .withColumn("cum_lost", F.sum("lost").over(running))
+        .withColumn("cum_moves", col("cum_gained") + col("cum_lost"))
+    )
+
+    # Ownership stints.
+    last_ts = ev.groupBy(*GROUP_KEYS).agg(F.max("ts_us").alias("group_last_us"))
+    ownership = keep(
+        own.groupBy(*GROUP_KEYS, "partition", "stint")
+        .agg(
+            F.min("owner").alias("member"),
+            F.min("generation").alias("first_generation"),
+            F.max("generation").alias("last_generation"),
+            F.count("*").alias("generations"),
+            F.min("ts_us").alias("start_us"),
+            F.max_by("next_ts_us", "generation").alias("next_us"),
+        )
+        .join(last_ts, GROUP_KEYS)
+        .withColumn("end_us", F.coalesce(col("next_us"), col("group_last_us")))
+        .select(
+            *GROUP_KEYS,
+            "partition",
+            "member",
+            "first_generation",
+            "last_generation",
+            "generations",
+            F.timestamp_micros("start_us").alias("start"),
+            F.timestamp_micros("end_us").alias("end"),
+            ((col("end_us") - col("start_us")) / 1e6).alias("duration_s"),
+            col("next_us").isNotNull().alias("ended"),
+        )
+    )
+
+    # Per group.
+    gen_ts = generations.withColumn("ts_us", F.unix_micros("ts"))
+    span = (col("last_us") - col("first_us")) / 1e6
+    seen = (
+        member_counts.filter(col("is_member"))
+        .groupBy(*GROUP_KEYS)
+        .agg(F.countDistinct("member").alias("members_seen"))
+    )
+    group_handover = handover.groupBy(*GROUP_KEYS).agg(
+        F.percentile("handover_ms", [0.5, 0.99]).alias("gq")
+    )
+    stint_stats = ownership.groupBy(*GROUP_KEYS).agg(
+        F.count("*").alias("stints"),
+        F.avg(F.when(col("ended"), col("generations"))).alias("ownership_mean_generations"),
+        F.avg(F.when(col("ended"), col("duration_s"))).alias("ownership_mean_s"),
+    )
+    groups = (
+        gen_ts.groupBy(*GROUP_KEYS)
+        .agg(
+            F.concat_ws(",", F.array_sort(F.collect_set("strategy"))).alias("strategies"),
+            F.count("*").alias("generations"),
+            F.min("ts_us").alias("first_us"),
+            F.max("ts_us").alias("last_us"),
+            F.avg("interval_s").alias("interval_mean_s"),
+            F.percentile("interval_s", 0.5).alias("interval_p50_s"),
+            F.max("skew").alias("max_skew"),
+            F.avg("skew").alias("mean_skew"),
+            F.sum("moves").alias("moves"),
+            F.sum("min_moves").alias("min_moves"),
+        )
+        .join(seen, GROUP_KEYS, "left")
+        .join(group_handover, GROUP_KEYS, "left")
+        .join(stint_stats, GROUP_KEYS, "left")
+        .select(
+            *GROUP_KEYS,
+            "strategies",
+            "generations",
+            F.coalesce(col("members_seen"), F.lit(0)).alias("members_seen"),
+            F.timestamp_micros("first_us").alias("first_ts"),
+            F.timestamp_micros("last_us").alias("last_ts"),
+            span.alias("span_s"),
+            F.when(span > 0, (col("generations") - 1) / (span / 3600)).alias("per_hour"),
+            "interval_mean_s",
+            "interval_p50_s",
+            "max_skew",
+            "mean_skew",
+            "moves",
+            "min_moves",
+            _ratio(col("moves"), col("min_moves")),
+            col("gq")[0].alias("handover_p50"),
+            col("gq")[1].alias("handover_p99"),
+            F.coalesce(col("stints"), F.lit(0)).alias("stints"),
+            "ownership_mean_generations",
+            "ownership_mean_s",
+        )
+    )
+    reasons = generations.groupBy(*GROUP_KEYS, "reason").agg(
+        F.count("*").alias("generations"),
+        F.sum("moves").alias("moves"),
+        F.sum("min_moves").alias("min_moves"),
+    )
+    strategy_handover = handover.groupBy("strategy").agg(
+        F.percentile("handover_ms", [0.5, 0.99]).alias("sq")
+    )
+    by_strategy = (
+        generations.groupBy("strategy")
+        .agg(
+            F.countDistinct("namespace", "group").alias("groups"),
+            F.count("*").alias("generations"),
+            F.max("skew").alias("max_skew"),
+            F.avg("skew").alias("mean_skew"),
+            F.sum("moves").alias("moves"),
+            F.sum("min_moves").alias("min_moves"),
+        )
+        .join(strategy_handover, "strategy", "left")
+        .select(
+            "strategy",
+            "groups",
+            "generations",
+            "max_skew",
+            "mean_skew",
+            "moves",
+            "min_moves",
+            _ratio(col("moves"), col("min_moves")),
+            col("sq")[0].alias("handover_p50"),
+            col("sq")[1].alias("handover_p99"),
+        )
+    )
+    tables = {
+        "generations": generations,
+        "member_counts": member_counts,
+        "member_churn": member_churn,
+        "ownership": ownership,
+        "groups": groups,
+        "reasons": reasons,
+        "by_strategy": by_strategy,
+        "problems": problems,
+    }
+    tables = {name: frame.select(*COLUMNS[name]) for name, frame in tables.items()}
+    return SparkReport(tables, files, rows, handover, cached)
+
+
+def input_stats(report: SparkReport) -> dict[str, int]:
+    """Files, lines, events, used, and one count per problem kind (two small jobs)."""
+    from pyspark.sql import functions as F
+
+    col = F.col
+    parsed = [k for k in PROBLEM_KINDS if k != "out_of_order"]
+    counts = report.rows.agg(
+        F.count("*").alias("lines"),
+        F.count(F.when(col("kind").isNull(), 1)).alias("events"),
+        *[F.count(F.when(col("kind") == k, 1)).alias(k) for k in parsed],
+    ).first()
+    late = report.tables["problems"].filter(col("kind") == "out_of_order").count()
+    stats = {
+        "files": len(report.files.inputFiles()),
+        "lines": int(counts["lines"]) if counts else 0,
+        "events": int(counts["events"]) if counts else 0,
+    }
+    stats["used"] = stats["events"] - late
+    for kind in parsed:
+        stats[kind] = int(counts[kind]) if counts else 0
+    stats["out_of_order"] = late
+    return stats
+
+
+def to_pandas(frame: DataFrame, name: str) -> pd.DataFrame:
+    """A Spark table as pandas, sorted like :data:`shoal.analytics.tables.KEYS`, with the
+    timestamps UTC-aware."""
+    from shoal.analytics.report import normalize
+
+    return normalize(frame.toPandas(), name)
+
+
+def write_table(report: SparkReport, name: str, out: str, progress: Progress) -> None:
+    """One table as Parquet files under ``out/tables/<name>/``."""
+    started = time.monotonic()
+    frame = report.tables[name]
+    target = os.path.join(out, "tables", name)
+    frame.sortWithinPartitions(*KEYS[name]).write.mode("overwrite").parquet(target)
+    progress(f"spark: wrote {name} ({time.monotonic() - started:.1f} s)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``spark-submit spark_job.py --input DIR --out DIR [...]``: ``shoal-analytics report``
+    under spark-submit (exits with its status)."""
+    import sys
+
+    from shoal.analytics.cli import main as cli
+
+    args = sys.argv[1:] if argv is None else argv
+    cli.main(args=["report", "--engine", "spark", *args], prog_name="spark_job.py")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""The skew and churn report at scale: Spark (local[2]) beside its pandas oracle.
+
+Generates synthetic assignment logs of ``--rows`` partition-ownership rows (default 10
+million: about 78k generations of 128 partitions) over ``--groups`` groups per strategy
+(sticky and modulo, with loads and hand-over times), then runs the same report with the
+Spark engine and with the pandas engine on the same files.
+
+Figures (one JSON line each on stdout; progress on stderr while it runs):
+
+* ``generate_s``: writing the logs (not part of either engine's figure); rows, lines, MB.
+* ``spark_startup_s``: starting the JVM and the session.
+* ``spark_report_s``: the Spark report (read, parse, metrics, tables, summary, HTML) on a
+  running session; ``rows_per_s`` = ownership rows / that time; ``with_startup_s`` too.
+* ``pandas_report_s``: the same report with the pandas engine; ``rows_per_s``, peak RSS.
+* ``engines_agree``: both summaries give the same numbers (ok true/false).
+* ``churn_ratio``: moves / minimum per strategy, from the report (sticky ~1, modulo ~3).
+
+Run: ``python bench/analytics.py`` (``make bench`` runs it with the others). ``--rows``
+smaller for a quick look; ``--keep`` keeps the logs and both reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import resource
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from bench._common import emit, failed, note, workdir
+from shoal.analytics.generate import HistorySpec, history, specs_for, write_history
+
+BENCH = "analytics"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--rows", type=int, default=10_000_000, help="ownership rows")
+    parser.add_argument("--partitions", type=int, default=128)
+    parser.add_argument("--groups", type=int, default=4, help="groups per strategy")
+    parser.add_argument("--master", default="local[2]", help="Spark master")
+    parser.add_argument("--driver-memory", default="4g")
+    parser.add_argument("--skip-pandas", action="store_true", help="Spark only")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--strict", action="store_true", help="exit 1 if the engines disagree")
+    return parser.parse_args(argv)
+
+
+def _write(spec: HistorySpec, out: Path) -> tuple[str, int, float]:
+    started = time.monotonic()
+    lines, _ = write_history(history(spec), out)
+    return spec.group, lines, time.monotonic() - started
+
+
+def generate(args: argparse.Namespace, logs: Path) -> int:
+    generations = math.ceil(args.rows / args.partitions)
+    specs = specs_for(args.groups, 1, partitions=args.partitions, seed=7)
+    share, extra = divmod(generations, len(specs))
+    specs = [replace(s, generations=share + (1 if i < extra else 0)) for i, s in enumerate(specs)]
+    note(
+        f"generating {generations} generations x {args.partitions} partitions "
+        f"in {len(specs)} groups"
+    )
+    started = time.monotonic()
+    lines = 0
+    with ProcessPoolExecutor(max_workers=min(len(specs), os.cpu_count() or 2)) as pool:
+        futures = [pool.submit(_write, spec, logs) for spec in specs]
+        for done, future in enumerate(futures, start=1):
+            group, count, seconds = future.result()
+            lines += count
+            note(f"generate: {group} {count} generations in {seconds:.1f} s ({done}/{len(specs)})")
+    size = sum(p.stat().st_size for p in logs.rglob("*.jsonl"))
+    emit(
+        BENCH,
+        "generate_s",
+        time.monotonic() - started,
+        rows=generations * args.partitions,
+        lines=lines,
+        mb=size / 1e6,
+        groups=len(specs),
+    )
+    return generations * args.partitions
+
+
+def _figures(summary: dict[str, Any]) -> dict[str, Any]:
+    return {
+        strategy: {k: figures[k] for k in ("generations", "moves", "min_moves", "max_skew")}
+        for strategy, figures in summary["by_strategy"].items()
+    }
+
+
+def run(args: argparse.Namespace, root: Path) -> None:
+    from shoal.analytics.report import run_report
+    from shoal.analytics.session import spark_session, stop_spark
+
+    logs = root / "logs"
+    rows = generate(args, logs)
+
+    started = time.monotonic()
+    spark = spark_session(
+        args.master,
+        driver_memory=args.driver_memory,
+        conf={"spark.ui.showConsoleProgress": "true"},  # stage progress bars on stderr
+    )
+    startup = time.monotonic() - started
+    emit(BENCH, "spark_startup_s", startup, master=spark.sparkContext.master)
+    try:
+        started = time.monotonic()
+        from_spark = run_report(
+            str(logs), root / "spark", engine="spark", spark=spark, progress=note
+        )
+        wall = time.monotonic() - started
+    finally:
+        stop_spark(spark)
+    emit(
+        BENCH,
+        "spark_report_s",
+        wall,
+        rows=rows,
+        rows_per_s=rows / wall,
+        with_startup_s=wall + startup,
+        master=args.master,
+        generations=from_spark["input_stats"]["used"],
+    )
+    for strategy, figures in from_spark["by_strategy"].items():
+        emit(
+            BENCH,
+            "churn_ratio",
+            figures["churn_ratio"],
+            strategy=strategy,
+            **{
+                k: figures[k]
+                for k in ("generations", "moves", "min_moves", "max_skew", "mean_skew")
+            },
+        )
+    if args.skip_pandas:
+        return
+    started = time.monotonic()
+    from_pandas = run_report(str(logs), root / "pandas", engine="pandas", progress=note)
+    wall = time.monotonic() - started
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    emit(BENCH, "pandas_report_s", wall, rows=rows, rows_per_s=rows / wall, peak_rss_mb=peak_mb)
+    same = _figures(from_spark) == _figures(from_pandas) and (
+        from_spark["input_stats"] == from_pandas["input_stats"]
+    )
+    emit(BENCH, "engines_agree", int(same), ok=same, spark=_figures(from_spark))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+    with workdir("shoal-bench-analytics-", args.keep) as root:
+        run(args, root)
+    note(f"wall time {time.monotonic() - started:.1f} s")
+    missed = failed()
+    if missed:
+        note(f"figures that missed their target: {', '.join(missed)}")
+    return 1 if args.strict and missed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

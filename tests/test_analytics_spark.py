@@ -1,0 +1,204 @@
+"""The PySpark report against its pandas oracle: the same tables, row for row.
+
+One JVM for the session (``local[2]``), stopped at the end. The input mixes generated
+histories under both strategies (loads, hand-over times, empty groups, bad lines of every
+kind) with the hand-written corner cases of ``shoal.analytics.generate.edge_cases``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+import pytest
+from pandas.api.types import is_float_dtype
+
+from shoal.analytics.generate import history, specs_for, write_edge_cases, write_history
+from shoal.analytics.oracle import Computed, compute_path
+from shoal.analytics.report import normalize, run_report
+from shoal.analytics.session import JavaMissing, find_java, spark_session, stop_spark
+from shoal.analytics.tables import COLUMNS
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[SparkSession]:
+    """One JVM for the whole test session, stopped (JVM included) at its end."""
+    session = spark_session("local[2]", driver_memory="1g")
+    try:
+        yield session
+    finally:
+        stop_spark(session)
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("logs")
+    write_edge_cases(root / "edge")
+    bad = {"malformed": 4, "unknown_schema": 2, "out_of_order": 3}
+    for i, spec in enumerate(specs_for(2, 120, seed=5, empty_weight=3)):
+        write_history(history(spec), root / "synthetic", bad=bad, seed=i, max_lines=50)
+    return root
+
+
+@pytest.fixture(scope="module")
+def oracle(logs: Path) -> Computed:
+    return compute_path(logs)
+
+
+@pytest.fixture(scope="module")
+def spark_out(
+    spark: SparkSession, logs: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("spark-report")
+    summary = run_report(str(logs), out, engine="spark", spark=spark)
+    return out, summary
+
+
+def assert_same_table(name: str, got: pd.DataFrame, want: pd.DataFrame) -> None:
+    got, want = normalize(got, name), normalize(want, name)
+    assert len(got) == len(want), f"{name}: {len(got)} rows from Spark, {len(want)} from pandas"
+    for column in COLUMNS[name]:
+        a, b = got[column], want[column]
+        where = f"{name}.{column}"
+        if is_float_dtype(a) or is_float_dtype(b):
+            np.testing.assert_allclose(
+                a.astype(float),
+                b.astype(float),
+                rtol=1e-9,
+                atol=1e-9,
+                equal_nan=True,
+                err_msg=where,
+            )
+        else:
+            plain_a = [None if pd.isna(v) else v for v in a]
+            plain_b = [None if pd.isna(v) else v for v in b]
+            mismatch = [i for i, (x, y) in enumerate(zip(plain_a, plain_b, strict=True)) if x != y]
+            assert not mismatch, f"{where}: first difference at row {mismatch[0]}: " + repr(
+                (got.iloc[mismatch[0]].to_dict(), want.iloc[mismatch[0]].to_dict())
+            )
+
+
+@pytest.mark.parametrize("name", list(COLUMNS))
+def test_spark_tables_match_the_oracle(
+    name: str, spark_out: tuple[Path, dict[str, Any]], oracle: Computed
+) -> None:
+    out, _ = spark_out
+    assert_same_table(name, pd.read_parquet(out / "tables" / name), oracle.tables[name])
+
+
+def test_the_input_is_rich_enough(oracle: Computed) -> None:
+    gens = oracle.tables["generations"]
+    assert set(gens["strategy"]) == {"sticky", "modulo"}
+    assert (gens["members"] == 0).any() and (gens["members"] == 1).any()
+    assert gens["load_skew"].notna().any() and gens["handovers"].gt(0).any()
+    assert (gens["moves"] > gens["min_moves"]).any()
+    assert oracle.stats["malformed"] >= 16 and oracle.stats["unknown_schema"] >= 8
+    assert oracle.stats["out_of_order"] >= 12
+
+
+def test_summaries_agree(
+    spark_out: tuple[Path, dict[str, Any]], logs: Path, tmp_path: Path
+) -> None:
+    _, from_spark = spark_out
+    from_pandas = run_report(str(logs), tmp_path, engine="pandas")
+    for key in ("input_stats", "empty", "message"):
+        assert from_spark[key] == from_pandas[key], key
+    assert from_spark["problems"]["by_kind"] == from_pandas["problems"]["by_kind"]
+    for section in ("by_strategy", "groups"):
+        assert from_spark[section].keys() == from_pandas[section].keys()
+        for key, figures in from_spark[section].items():
+            for figure, value in figures.items():
+                other = from_pandas[section][key][figure]
+                if isinstance(value, float) or isinstance(other, float):
+                    assert value == pytest.approx(other, rel=1e-9, abs=1e-9), (key, figure)
+                else:
+                    assert value == other, (key, figure)
+    sticky = from_spark["by_strategy"]["sticky"]
+    modulo = from_spark["by_strategy"]["modulo"]
+    # Sticky moves the minimum except for load rebalances; modulo reshuffles far more.
+    assert 1.0 <= sticky["churn_ratio"] < 1.2 < modulo["churn_ratio"]
+
+
+def test_spark_report_files(spark_out: tuple[Path, dict[str, Any]]) -> None:
+    out, summary = spark_out
+    assert summary["engine"] == "spark" and summary["master"] == "local[2]"
+    on_disk = json.loads((out / "summary.json").read_text())
+    assert on_disk["by_strategy"] == json.loads(json.dumps(summary["by_strategy"]))
+    html = (out / "report.html").read_text()
+    for png in ("skew.png", "moves.png", "heatmap.png", "handover.png"):
+        assert (out / "plots" / png).stat().st_size > 5000
+        assert f"plots/{png}" in html
+    assert "out_of_order" in html and "unknown_schema" in html
+
+
+def test_empty_input_gives_an_empty_report(spark: SparkSession, tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "bad.jsonl").write_text('nonsense\n{"schema": 9}\n')
+    (logs / "blank.jsonl").write_text("\n")
+    summary = run_report(str(logs), tmp_path / "out", engine="spark", spark=spark)
+    assert summary["empty"] is True
+    assert summary["message"].startswith("empty report: no usable assignment events")
+    assert summary["input_stats"] == {
+        "files": 2,
+        "lines": 2,
+        "events": 0,
+        "used": 0,
+        "malformed": 1,
+        "unknown_schema": 1,
+        "out_of_order": 0,
+    }
+    assert summary["by_strategy"] == {} and summary["groups"] == {}
+    assert "empty report" in (tmp_path / "out" / "report.html").read_text()
+
+    nothing = tmp_path / "nothing"
+    nothing.mkdir()
+    summary = run_report(str(nothing), tmp_path / "out2", engine="spark", spark=spark)
+    assert summary["empty"] is True and summary["input_stats"]["files"] == 0
+
+
+def test_missing_java_is_one_clear_line(tmp_path: Path) -> None:
+    empty_path = tmp_path / "bin"
+    empty_path.mkdir()
+    with pytest.raises(JavaMissing, match="no Java runtime"):
+        find_java({"PATH": str(empty_path)})
+    with pytest.raises(JavaMissing, match="has no bin/java"):
+        find_java({"JAVA_HOME": str(tmp_path), "PATH": os.environ.get("PATH", "")})
+    (tmp_path / "logs").mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "JAVA_HOME"}
+    env["PATH"] = str(empty_path)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-P",
+            "-m",
+            "shoal.analytics.cli",
+            "report",
+            "-i",
+            str(tmp_path / "logs"),
+            "-o",
+            str(tmp_path / "out"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "Error: no Java runtime: the report runs on Spark, which needs Java 17+ (install e.g. "
+        "openjdk-17-jre-headless, or set JAVA_HOME)"
+    ]
