@@ -280,9 +280,6 @@ def _stats(lag: int, **extra: Any) -> dict[str, Any]:
 
 
 @pytest.mark.e2e
-# etcd3's watcher thread raises "Channel closed" when the client closes under it; the
-# runtime quiets that through threading.excepthook, which pytest replaces during tests.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 async def test_a_round_scales_down_sparing_the_leader_and_records_it(
     etcd: Etcd, group: str, namespace: str
 ) -> None:
