@@ -13,8 +13,11 @@ Every ``spec.autoscaling.intervalSeconds`` the leader
      posts a ``ScaledUp``/``ScaledDown`` Event with the signal values. A dry run records
      and reports (``WouldScaleUp``/``WouldScaleDown``) but changes nothing.
 
-API errors back off (doubling, up to 5 minutes) and are logged; a member whose stats are
-missing or garbage is left out for that round by the decision function.
+Every round, autoscaling on or off, the leader also keeps the members' pod-deletion-cost
+current (its own highest, the others their partition counts), so a scale-down by anyone
+spares the leader. API errors back off (doubling, up to 5 minutes) and are logged; a
+member whose stats are missing or garbage is left out for that round by the decision
+function.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ LEADER_COST = 1_000_000
 VICTIM_COST = -1_000_000
 #: Generations written this long after a scale, until the members match it, are its doing.
 SCALE_SETTLE_SECONDS = 120.0
+#: How long a scale-down victim stays marked if it does not leave.
+VICTIM_MARK_SECONDS = 120.0
 
 
 class ScaleTarget(Protocol):
@@ -186,6 +191,8 @@ class Autoscaler:
         self.clock = clock
         self.state: ScalerState | None = None
         self.last_reason = ""
+        self._marked: dict[str, int] = {}  # pod-deletion-costs this term has set
+        self._victim: tuple[str | None, float] | None = None  # (member, mark until)
         self.decisions = 0
         self.actions = 0
 
@@ -194,6 +201,7 @@ class Autoscaler:
         while True:
             if not self.leader.is_leader:
                 self.state = None  # a later term starts from etcd's record, not memory
+                self._marked = {}
                 await asyncio.sleep(1.0)
                 continue
             try:
@@ -215,6 +223,7 @@ class Autoscaler:
 
     async def round(self) -> float:
         """One decision (and action); returns the interval until the next."""
+        await self._mark_pods(self._pending_victim())
         group = await self.target.read()
         spec = group.get("spec") or {}
         policy = Policy.from_spec(spec)
@@ -236,6 +245,28 @@ class Autoscaler:
         self.last_reason = ""
         await self._act(decision, current, str(group["metadata"].get("uid", "")))
         return policy.interval_seconds
+
+    def _pending_victim(self) -> str | None:
+        """The victim of our last scale-down while it is still a member (and not too long)."""
+        if self._victim is None:
+            return None
+        victim, until = self._victim
+        if victim not in self.view.members() or time.monotonic() > until:
+            self._victim = None
+            return None
+        return victim
+
+    async def _mark_pods(self, victim: str | None) -> None:
+        """Keep every member's pod-deletion-cost current, so that any scale-down (ours,
+        `kubectl scale`, an HPA) removes a member with few partitions, never the leader.
+        Only changed values are patched."""
+        costs = deletion_costs(
+            self.view.owners(), sorted(self.view.members()), self.config.member_id, victim
+        )
+        changed = {m: c for m, c in costs.items() if self._marked.get(m) != c}
+        if changed:
+            await self.target.set_deletion_costs(changed)
+            self._marked.update(changed)
 
     def _record(self) -> ScaleRecord | None:
         kv = self.view.kvs.get(self.config.keys.scale)
@@ -272,11 +303,13 @@ class Autoscaler:
             await self._event("WouldScaleUp" if up else "WouldScaleDown", message, uid)
             return
         if not up:
-            owners = self.view.owners()
-            members = sorted(self.view.members())
-            me = self.config.member_id
-            victim = choose_victim(owners, members, me)
-            await self.target.set_deletion_costs(deletion_costs(owners, members, me, victim))
+            victim = choose_victim(
+                self.view.owners(), sorted(self.view.members()), self.config.member_id
+            )
+            # The mark must outlive this round: the ReplicaSet acts only once the operator
+            # has moved the Deployment.
+            self._victim = (victim, time.monotonic() + VICTIM_MARK_SECONDS)
+            await self._mark_pods(victim)
             log.info("Scale-down victim: %s (fewest partitions, not the leader)", victim)
         # The generation that follows is this scale's doing, for the assignment log.
         self.leader.expect_scale(decision.replicas, time.monotonic() + SCALE_SETTLE_SECONDS)

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from kubernetes import client, config
+from kubernetes.client.rest import ApiException
 
 log = logging.getLogger(__name__)
 
@@ -98,4 +99,8 @@ class GroupObject:
         """Annotate pods so a ReplicaSet scaling down removes the cheapest first."""
         for pod, cost in costs.items():
             patch = {"metadata": {"annotations": {DELETION_COST: str(cost)}}}
-            await asyncio.to_thread(self.core.patch_namespaced_pod, pod, self.namespace, patch)
+            try:
+                await asyncio.to_thread(self.core.patch_namespaced_pod, pod, self.namespace, patch)
+            except ApiException as exc:
+                if exc.status != 404:  # a member whose pod is gone needs no mark
+                    raise

@@ -299,11 +299,12 @@ async def test_a_round_scales_down_sparing_the_leader_and_records_it(
         target, leader = RecordingTarget(spec), FakeLeader(epoch)
         scaler = Autoscaler(config, etcd, view, leader, target)
         await scaler.round()
-        assert [c[0] for c in target.calls] == ["costs", "scale", "event"], target.calls
-        costs = target.calls[0][1]
-        assert costs["lead"] == LEADER_COST and VICTIM_COST in costs.values()
-        assert target.calls[1] == ("scale", 2)
-        assert target.calls[2] == ("event", "ScaledDown")
+        assert [c[0] for c in target.calls] == ["costs", "costs", "scale", "event"], target.calls
+        # Every member marked (the leader highest), then only the victim's mark changes.
+        assert target.calls[0][1] == {"lead": LEADER_COST, "x": 3, "y": 2}
+        assert target.calls[1][1] == {"y": VICTIM_COST}  # fewest partitions, not the leader
+        assert target.calls[2] == ("scale", 2)
+        assert target.calls[3] == ("event", "ScaledDown")
         assert leader.expected is not None and leader.expected[0] == 2
         _, kvs = await etcd.get_prefix(config.keys.scale)
         record = ScaleRecord.parse(kvs[config.keys.scale].value)
@@ -314,6 +315,7 @@ async def test_a_round_scales_down_sparing_the_leader_and_records_it(
         target.spec["autoscaling"] = {"enabled": True, "cooldownSeconds": 0, "dryRun": True}
         target.spec["autoscaling"]["targetLagPerMember"] = 100
         await scaler.round()
+        # (y, still a member here, keeps its mark until it leaves.)
         assert target.calls == [("event", "WouldScaleDown")]
 
         # Garbage in the record is ignored by a new leader's loop.
