@@ -15,8 +15,8 @@ Figures:
 * ``drain_s``: from publication until the work stream was empty, autoscaled and fixed,
   and their ratio (``speedup``).
 * ``replicas_over_time``: spec.replicas and members, sampled every ~0.5 s (the series),
-  also drawn as a text chart on stderr and, when matplotlib is installed, as a PNG in the
-  work directory.
+  also drawn as a text chart on stderr and as a PNG (``--plot``, by default
+  ``bench/results/autoscale-replicas.png``).
 * ``audit``: lost + duplicates in the ledger (must be 0).
 """
 
@@ -67,17 +67,18 @@ def plot(series: list[tuple[float, int]], members: list[tuple[float, int]], path
     ax.set_ylabel("replicas")
     ax.legend()
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
     return True
 
 
-async def scenario(root: Path, messages: int) -> None:
+async def scenario(root: Path, messages: int, plot_path: Path | None) -> None:
     # The plane and the scenario are synchronous (kubectl); keep the event loop free.
-    await asyncio.to_thread(_scenario, root, messages)
+    await asyncio.to_thread(_scenario, root, messages, plot_path)
 
 
-def _scenario(root: Path, messages: int) -> None:
+def _scenario(root: Path, messages: int, plot_path: Path | None) -> None:
     options = {"messages": messages, "max_replicas": 2, "cpu_ms": 2.0, "delay_ms": 0}
     with LocalKube(root / "plane") as plane:
         with operator_process(plane, ["bench-auto", "bench-fixed"], root / "operator.log"):
@@ -111,7 +112,7 @@ def _scenario(root: Path, messages: int) -> None:
         members=[[round(t, 1), m] for t, m in auto.members],
     )
     print(text_chart(auto.replicas), file=sys.stderr)
-    png = root / "replicas.png"
+    png = plot_path or root / "replicas.png"
     if plot(auto.replicas, auto.members, png):
         note(f"plot: {png}")
     problems = 0
@@ -127,13 +128,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--messages", type=int, default=30_000)
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=Path("bench/results/autoscale-replicas.png"),
+        help="where to draw replicas over time (PNG; default %(default)s)",
+    )
     parser.add_argument("--strict", action="store_true", help="exit 1 on a missed target")
     args = parser.parse_args()
     return run_bench(
         "shoal-bench-autoscale-",
         args.keep,
         args.strict,
-        lambda root: scenario(root, args.messages),
+        lambda root: scenario(root, args.messages, args.plot),
     )
 
 

@@ -1,0 +1,3 @@
+from shoal.analytics.cli import main
+
+main()
