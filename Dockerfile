@@ -27,6 +27,7 @@ RUN /opt/shoal/bin/pip install . \
  && /opt/shoal/bin/python -c "import shoal.operator.reconciler, shoal.consumer.cli" \
  && /opt/shoal/bin/shoal-operator --help >/dev/null \
  && /opt/shoal/bin/shoal-consumer --help >/dev/null \
+ && /opt/shoal/bin/shoal-ready --help >/dev/null \
  && /opt/shoal/bin/pip uninstall --yes pip
 
 # -- runtime: the same Python, only the virtualenv copied (no sources, no build tools) ----

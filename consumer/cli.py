@@ -8,12 +8,12 @@ import logging
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import click
 from pydantic import ValidationError
 
+from shoal.consumer import ready as readiness
 from shoal.consumer.assignor import assign, min_moves, moved, owner_counts, skew
 from shoal.consumer.config import config_from_env, etcd_options_from_env
 from shoal.consumer.etcd import Etcd, EtcdAuthError, EtcdConfigError
@@ -182,11 +182,12 @@ def _validation_message(exc: ValidationError) -> str:
     help="The ready file of the member [env SHOAL_READY_FILE].",
 )
 def ready(ready_file: str) -> None:
-    """Exit 0 if this pod's member has joined its group (the readiness probe)."""
-    path = Path(ready_file)
-    if not path.exists():
-        raise click.ClickException(f"not ready: {ready_file} does not exist yet")
-    click.echo(f"ready: member {path.read_text().strip()} has joined")
+    """Exit 0 if this pod's member has joined its group (pods probe with `shoal-ready`,
+    the same check without this CLI's imports)."""
+    ok, message = readiness.check(ready_file)
+    if not ok:
+        raise click.ClickException(message)
+    click.echo(message)
 
 
 @main.command()

@@ -72,7 +72,7 @@ class GroupConfig(BaseModel):
     stats_interval: float = Field(5.0, gt=0)
     metrics_port: int | None = Field(None, ge=0, le=65535)
     # Written once this member has joined its group, removed when it leaves: the pod's
-    # readiness probe (`shoal-consumer ready`) checks it.
+    # readiness probe (`shoal-ready`) checks it.
     ready_file: str | None = None
     # A NATS credentials file (the operator mounts the group's credentials secret).
     nats_creds_file: str | None = None

@@ -34,7 +34,9 @@ API_GROUP = "shoal.dev"
 PLURAL = "consumergroups"
 CONTAINER_NAME = "consumer"
 COMMAND = ["shoal-consumer", "run"]
-READY_COMMAND = ["shoal-consumer", "ready"]
+# The readiness probe: a standard-library-only check (consumer/ready.py), cheap enough
+# to run every 2 s.
+READY_COMMAND = ["shoal-ready"]
 
 # The CRD's defaults, for specs that reach us without them.
 DEFAULT_REPLICAS = 3

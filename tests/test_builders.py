@@ -496,7 +496,7 @@ def test_grace_period_leaves_room_to_drain() -> None:
 
 def test_readiness_is_membership() -> None:
     probe = container(build_deployment(NAME, NAMESPACE, minimal_spec(), SETTINGS))["readinessProbe"]
-    assert probe["exec"] == {"command": ["shoal-consumer", "ready"]}
+    assert probe["exec"] == {"command": ["shoal-ready"]}
     assert probe["periodSeconds"] == 2
     assert probe["failureThreshold"] == 1
     assert probe["timeoutSeconds"] <= probe["periodSeconds"]

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -101,3 +104,24 @@ def test_cli_run_refuses_a_bad_config_with_a_usage_error() -> None:
     result = CliRunner().invoke(main, ["run", "--group", "a.b"])
     assert result.exit_code == 2
     assert "NATS subject token" in result.output
+
+
+def test_the_readiness_probe_is_cheap_and_says_why(tmp_path: Path) -> None:
+    from shoal.consumer import ready
+
+    ready_file = tmp_path / "m" / "ready"
+    assert ready.main([str(ready_file)]) == 1
+    ready_file.parent.mkdir()
+    ready_file.write_text("c-0")
+    assert ready.check(str(ready_file)) == (True, "ready: member c-0 has joined")
+    assert ready.main([str(ready_file)]) == 0
+    # Only the standard library: a fresh interpreter imports no third-party module for it.
+    probe = subprocess.run(
+        [sys.executable, "-P", "-c", "import sys, shoal.consumer.ready; print(list(sys.modules))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    loaded = probe.stdout
+    for heavy in ("pydantic", "nats", "etcd3", "click", "kubernetes", "grpc"):
+        assert f"'{heavy}'" not in loaded, heavy
