@@ -65,6 +65,7 @@ def plot(series: list[tuple[float, int]], members: list[tuple[float, int]], path
     ax.step([t for t, _ in members], [m for _, m in members], where="post", label="members")
     ax.set_xlabel("seconds since the backlog arrived")
     ax.set_ylabel("replicas")
+    ax.yaxis.get_major_locator().set_params(integer=True)
     ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
