@@ -36,6 +36,7 @@ from e2e.servers import EtcdServer, EtcdTLS
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.partitioning import Keys
 from shoal.consumer.status import GroupStatus, read_status
+from shoal.operator.builders import ETCD_SECRET_VERSION
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
@@ -248,6 +249,25 @@ def test_a_group_on_tls_etcd_runs_and_its_finalizer_clears_it(
     env = {var["name"]: var for var in template["spec"]["containers"][0]["env"]}
     assert env["ETCD_CA_FILE"]["value"] == "/etc/shoal/etcd/ca.crt"
     assert env["ETCD_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "etcd-client"
+
+    # A rotated Secret rolls the pods (they read their certificates at start).
+    before = {p["metadata"]["name"] for p in _pods(plane, NS)}
+    create_secret(
+        plane, NS, "etcd-client", tls_etcd.files(), username=USER, password=PASSWORD, rotated="1"
+    )
+    version = get_json(plane, "secret", "etcd-client", "-n", NS)["metadata"]["resourceVersion"]
+
+    def rolled() -> Any:
+        dep = get_json(plane, "deployment", f"{name}-consumer", "-n", NS)
+        annotations = dep["spec"]["template"]["metadata"].get("annotations") or {}
+        pods = {p["metadata"]["name"] for p in _pods(plane, NS)}
+        cg = ready(plane, NS, name)
+        fresh = pods and not pods & before and len(pods) == 2
+        return annotations.get(ETCD_SECRET_VERSION) == version and fresh and cg
+
+    cg = wait_until(rolled, 120, "the pods to roll onto the rotated Secret")
+    assert cg["status"]["members"] == 2
+    assert "EtcdSecretRotated" in plane.kubectl("describe", "cg", name, "-n", NS).stdout
 
     plane.kubectl("delete", "cg", name, "-n", NS, "--timeout=120s")
     assert not [p for p in _pods(plane, NS) if p["metadata"]["name"].startswith(name)]

@@ -37,6 +37,8 @@ COMMAND = ["shoal-consumer", "run"]
 # The readiness probe: a standard-library-only check (consumer/ready.py), cheap enough
 # to run every 2 s.
 READY_COMMAND = ["shoal-ready"]
+# Pod-template annotation: the etcd tlsSecret version the pods were started with.
+ETCD_SECRET_VERSION = "shoal.dev/etcd-secret-version"
 
 # The CRD's defaults, for specs that reach us without them.
 DEFAULT_REPLICAS = 3
@@ -323,9 +325,21 @@ def _container(name: str, namespace: str, spec: Spec, settings: OperatorSettings
     }
 
 
-def build_deployment(name: str, namespace: str, spec: Spec, settings: OperatorSettings) -> Obj:
+def build_deployment(
+    name: str,
+    namespace: str,
+    spec: Spec,
+    settings: OperatorSettings,
+    etcd_secret_version: str | None = None,
+) -> Obj:
+    """The consumers' Deployment. `etcd_secret_version` (the tlsSecret's resourceVersion)
+    goes into the pod template: members read their certificates once, at start, so a
+    rotated Secret must roll the pods (one at a time, each hand-over lossless)."""
     names = resource_names(name)
     volumes, _ = _volumes(spec)
+    template_meta: Obj = {"labels": labels(name)}
+    if etcd_secret_version:
+        template_meta["annotations"] = {ETCD_SECRET_VERSION: etcd_secret_version}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -340,7 +354,7 @@ def build_deployment(name: str, namespace: str, spec: Spec, settings: OperatorSe
                 "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
             },
             "template": {
-                "metadata": {"labels": labels(name)},
+                "metadata": template_meta,
                 "spec": {
                     "serviceAccountName": names["service_account"],
                     "terminationGracePeriodSeconds": settings.drain_timeout_seconds
@@ -437,12 +451,18 @@ def build_pdb(name: str, namespace: str, spec: Spec) -> Obj:
     }
 
 
-def children(name: str, namespace: str, spec: Spec, settings: OperatorSettings) -> list[Obj]:
+def children(
+    name: str,
+    namespace: str,
+    spec: Spec,
+    settings: OperatorSettings,
+    etcd_secret_version: str | None = None,
+) -> list[Obj]:
     """Every child, in apply order: identity and permissions before the pods that use them."""
     return [
         build_service_account(name, namespace),
         build_role(name, namespace),
         build_role_binding(name, namespace),
-        build_deployment(name, namespace, spec, settings),
+        build_deployment(name, namespace, spec, settings, etcd_secret_version),
         build_pdb(name, namespace, spec),
     ]

@@ -30,7 +30,13 @@ from shoal.consumer.jetstream import StreamConfigConflict, connect, ensure_group
 from shoal.consumer.partitioning import Keys
 from shoal.consumer.status import read_status
 from shoal.operator import observe
-from shoal.operator.builders import children, consumer_env, resource_names, selector_string
+from shoal.operator.builders import (
+    build_deployment,
+    children,
+    consumer_env,
+    resource_names,
+    selector_string,
+)
 from shoal.operator.etcdsecret import EtcdClients, EtcdSecretProblem
 from shoal.operator.kube import Kube, api_client
 from shoal.operator.settings import OperatorSettings, settings_from_env
@@ -78,6 +84,8 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     memo.kube = Kube(api_client())
     memo.etcd = EtcdClients(memo.kube)
     memo.nats = {}
+    # (namespace, group) -> the etcd tlsSecret version its Deployment was applied with.
+    memo.secret_versions = {}
     log.info(
         "Shoal operator started: default image %s, NATS %s, etcd %s",
         memo.settings.default_image,
@@ -163,10 +171,11 @@ async def reconcile(
         kopf.warn(body, reason="HandlerInvalid", message=problem)
         raise kopf.TemporaryError(problem, delay=min(300, 10 * 2 ** min(retry, 5)))
     etcd_secret = etcd_secret_name(spec)
+    secret_version: str | None = None
     if etcd_secret:
         # Before any pod exists: pods would only wait for a volume that cannot mount.
         try:
-            await memo.etcd.files(namespace, etcd_secret)
+            secret_version = (await memo.etcd.files(namespace, etcd_secret)).resource_version
         except EtcdSecretProblem as exc:
             _degraded(patch, status, exc.reason, exc.message, generation)
             kopf.warn(body, reason=exc.reason, message=exc.message)
@@ -184,9 +193,10 @@ async def reconcile(
         if not by_autoscaler:  # the leader posted its own ScaledUp/ScaledDown Event
             kopf.info(body, reason="Scaled", message=f"Replicas {before} -> {after}")
 
-    for obj in children(name, namespace, dict(spec), settings):
+    for obj in children(name, namespace, dict(spec), settings, secret_version):
         kopf.adopt(obj, owner=body)
         await memo.kube.apply(obj)
+    memo.secret_versions[(namespace, name)] = secret_version
 
     config = group_config(name, namespace, spec, settings)
     try:
@@ -206,6 +216,29 @@ async def reconcile(
         message=f"Applied {resource_names(name)['deployment']} with "
         f"{spec.get('replicas')} replicas; stream {config.stream} with "
         f"{config.partitions} durable consumers",
+    )
+
+
+async def _roll_on_rotation(
+    memo: Any, name: str, namespace: str, spec: kopf.Spec, body: kopf.Body
+) -> None:
+    """A new version of the group's etcd Secret: re-apply the Deployment with it, which
+    rolls the pods (they read their certificates only at start)."""
+    secret = etcd_secret_name(spec)
+    key = (namespace, name)
+    if secret is None or key not in memo.secret_versions:
+        return  # not reconciled by this process yet: the resume handler applies it
+    version = (await memo.etcd.files(namespace, secret)).resource_version
+    if version == memo.secret_versions[key]:
+        return
+    deployment = build_deployment(name, namespace, dict(spec), memo.settings, version)
+    kopf.adopt(deployment, owner=body)
+    await memo.kube.apply(deployment)
+    memo.secret_versions[key] = version
+    kopf.info(
+        body,
+        reason="EtcdSecretRotated",
+        message=f"Secret {secret} changed (version {version}): rolling the consumer pods",
     )
 
 
@@ -271,6 +304,8 @@ async def observe_group(
         problem = (exc.reason, exc.message)
     except Exception as exc:
         problem = ("EtcdUnavailable", f"etcd at {config.etcd_endpoints} unavailable: {exc}")
+    if problem is None and etcd_secret_name(spec):
+        await _roll_on_rotation(memo, name, namespace, spec, body)
     lag: int | None = None
     try:
         nc = await _nats(memo, config, attempts=1)

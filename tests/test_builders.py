@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from shoal.consumer.config import ENV_FIELDS, GroupConfig, config_from_env
 from shoal.consumer.partitioning import default_stream_name, default_subject_prefix
 from shoal.operator.builders import (
+    ETCD_SECRET_VERSION,
     READY_FILE,
     build_deployment,
     build_pdb,
@@ -794,3 +795,16 @@ def test_any_valid_spec_builds_a_consistent_deployment_the_consumer_accepts(
 
     for child in children(name, namespace, spec, ops):
         assert child["metadata"]["namespace"] == namespace
+
+
+def test_the_etcd_secret_version_rolls_the_pod_template() -> None:
+    plain = build_deployment(NAME, NAMESPACE, minimal_spec(), SETTINGS)
+    assert "annotations" not in plain["spec"]["template"]["metadata"]
+    v1 = build_deployment(NAME, NAMESPACE, minimal_spec(), SETTINGS, "101")
+    v2 = children(NAME, NAMESPACE, minimal_spec(), SETTINGS, "202")[3]
+    assert v1["spec"]["template"]["metadata"]["annotations"] == {ETCD_SECRET_VERSION: "101"}
+    assert v2["kind"] == "Deployment"
+    assert v2["spec"]["template"]["metadata"]["annotations"] == {ETCD_SECRET_VERSION: "202"}
+    # Only the annotation differs: a rotation changes nothing else about the pods.
+    v1["spec"]["template"]["metadata"].pop("annotations")
+    assert v1 == plain
