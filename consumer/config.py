@@ -90,6 +90,8 @@ class GroupConfig(BaseModel):
     # load_aware, sticky also evens out the members' measured message rates.
     strategy: Literal["sticky", "modulo"] = "sticky"
     load_aware: bool = False
+    # Load-aware: how often the leader weighs the measured loads between membership changes.
+    load_check_interval: float = Field(60.0, gt=0)
     # "kubernetes": the leader autoscales the group through its ConsumerGroup's scale
     # subresource, with the pod's ServiceAccount (the operator sets this); "off": never.
     autoscaler: Literal["off", "kubernetes"] = "off"
@@ -186,6 +188,7 @@ ENV_FIELDS: dict[str, str] = {
     "SHOAL_AUTOSCALER": "autoscaler",
     "SHOAL_STRATEGY": "strategy",
     "SHOAL_LOAD_AWARE": "load_aware",
+    "SHOAL_LOAD_CHECK_INTERVAL": "load_check_interval",
 }
 
 

@@ -32,10 +32,9 @@ log = logging.getLogger(__name__)
 
 # How often a leader re-checks the assignment even when no watch event arrived.
 RECHECK_SECONDS = 5.0
-# Load-aware groups: how often the leader weighs the measured loads without a membership
-# change, and by how much the busiest member must get lighter to justify moving partitions
-# (every move pauses its partition briefly).
-LOAD_CHECK_SECONDS = 60.0
+# Load-aware groups: by how much the busiest member must get lighter to justify moving
+# partitions between membership changes (every move pauses its partition briefly). How
+# often the leader weighs the loads is config.load_check_interval.
 LOAD_GAIN_THRESHOLD = 0.10
 # After a scale-up, how long the leader waits for the new members before rebalancing.
 SCALE_JOIN_WAIT = 15.0
@@ -197,7 +196,7 @@ class Leader:
         )
         first = True
         applied_members: set[str] = set()
-        next_load_check = time.monotonic() + LOAD_CHECK_SECONDS
+        next_load_check = time.monotonic() + self.config.load_check_interval
         try:
             while self._still_leader() and not self.resigning:
                 changed = self.view.change_event()
@@ -214,7 +213,7 @@ class Leader:
                         applied_members = members
                         first = False
                 elif self.config.load_aware and time.monotonic() >= next_load_check:
-                    next_load_check = time.monotonic() + LOAD_CHECK_SECONDS
+                    next_load_check = time.monotonic() + self.config.load_check_interval
                     gain = self._load_gain(members)
                     if gain >= LOAD_GAIN_THRESHOLD:
                         log.info("Rebalancing for load: busiest member %.0f%% lighter", gain * 100)

@@ -16,6 +16,8 @@ from shoal.consumer.config import GroupConfig, config_from_env
 from shoal.consumer.election import loads_from_stats, max_member_load
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.jetstream import ensure_group
+from shoal.consumer.partitioning import partition_for
+from shoal.consumer.producer import Producer
 from shoal.operator.builders import consumer_env
 from shoal.operator.settings import OperatorSettings
 
@@ -108,3 +110,69 @@ async def test_a_modulo_group_assigns_and_logs_as_modulo(
     join = next(e for e in events if len(e["members"]) == 3)
     # Modulo moves far more than the minimum a balanced assignment needs (5 of 16).
     assert len(join["moved"]) > 5
+
+
+@pytest.mark.e2e
+async def test_a_load_aware_leader_moves_a_hot_partition_off_the_busy_member(
+    tmp_path: Path,
+    etcd: Etcd,
+    js: Any,
+    group: str,
+    namespace: str,
+    nats_url: str,
+    etcd_endpoint: str,
+) -> None:
+    config = GroupConfig(
+        group=group,
+        namespace=namespace,
+        partitions=8,
+        nats_url=nats_url,
+        etcd_endpoints=etcd_endpoint,
+        load_aware=True,
+    )
+    await ensure_group(js, config)
+    env = {
+        "SHOAL_LOAD_AWARE": "true",
+        "SHOAL_LOAD_CHECK_INTERVAL": "2",
+        "SHOAL_STATS_INTERVAL": "1",
+        "SHOAL_HANDLER_DELAY_MS": "10",
+    }
+    with Fleet(
+        tmp_path / "members",
+        nats_url=nats_url,
+        etcd_endpoint=etcd_endpoint,
+        namespace=namespace,
+        group=group,
+        partitions=8,
+        handler="shoal.consumer.handlers:noop",
+        env=env,
+    ) as fleet:
+        fleet.start("c-0")
+        fleet.start("c-1")
+        before = await wait_for_status(etcd, namespace, group, 8, settled({"c-0", "c-1"}), 30)
+        # Two hot partitions, both on c-0; everything else idle.
+        hot = [p for p, m in sorted(before.owners.items()) if m == "c-0"][:2]
+        projects = [
+            next(f"k{i}" for i in range(10_000) if partition_for(f"k{i}", 8) == p) for p in hot
+        ]
+        producer = Producer(js, config.subject_prefix, 8)
+        deadline = time.monotonic() + 30
+        split = False
+        while time.monotonic() < deadline and not split:
+            for n in range(20):
+                await producer.publish(projects[n % 2], b"x")
+            await asyncio.sleep(0.1)
+            owners = (await wait_for_status(etcd, namespace, group, 8, lambda s: True, 5)).owners
+            split = owners[hot[0]] != owners[hot[1]]
+        assert split, "the hot partitions were never split between the members"
+        # The generation is logged once its hand-overs are done.
+        deadline = time.monotonic() + 30
+        while True:
+            events = await stream_json(js, f"{config.stream}_log")
+            weighed = [e for e in events if e["reason"] == "rebalance" and e["loads"]]
+            if weighed or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.3)
+    assert weighed, [(e["generation"], e["reason"]) for e in events]
+    loads = {int(p): v for p, v in weighed[0]["loads"].items()}
+    assert min(loads[p] for p in hot) > 0
