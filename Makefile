@@ -88,7 +88,7 @@ lint: venv
 # .tmp/typecheck/shoal/{consumer,operator,analytics} -> the top-level folders.
 typecheck: venv
 	@rm -rf $(TYPECHECK_ROOT); mkdir -p $(TYPECHECK_ROOT)/shoal
-	@ln -s ../../../shoal/__init__.py ../../../shoal/py.typed $(TYPECHECK_ROOT)/shoal/
+	@for f in shoal/*.py shoal/py.typed; do ln -s ../../../$$f $(TYPECHECK_ROOT)/shoal/; done
 	@for pkg in consumer operator analytics; do \
 	  ln -s ../../../$$pkg $(TYPECHECK_ROOT)/shoal/$$pkg; \
 	done

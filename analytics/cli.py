@@ -6,23 +6,14 @@ import asyncio
 import json
 import logging
 import random
-import sys
 import time
 from pathlib import Path
 
 import click
 
+from shoal.logs import log_level_option, setup_logging
+
 log = logging.getLogger(__name__)
-
-
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    # py4j logs every gateway command at INFO.
-    logging.getLogger("py4j").setLevel(logging.WARNING)
 
 
 def _progress(message: str) -> None:
@@ -30,14 +21,7 @@ def _progress(message: str) -> None:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option(
-    "--log-level",
-    envvar="SHOAL_LOG_LEVEL",
-    default="info",
-    show_default=True,
-    type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
-    help="Log level [env SHOAL_LOG_LEVEL].",
-)
+@log_level_option
 def main(log_level: str) -> None:
     """Shoal's assignment-log analytics.
 
@@ -46,7 +30,7 @@ def main(log_level: str) -> None:
     shoal-analytics report   skew and churn report (PySpark) of such files
     shoal-analytics generate synthetic logs (sticky and modulo) for tests and scale runs
     """
-    _setup_logging(log_level)
+    setup_logging(log_level, quiet=["py4j"])  # py4j logs every gateway command at INFO
 
 
 @main.command()

@@ -6,7 +6,6 @@ import asyncio
 import json
 import logging
 import os
-import sys
 import time
 from typing import Any
 
@@ -19,6 +18,7 @@ from shoal.consumer.config import config_from_env, etcd_options_from_env
 from shoal.consumer.etcd import Etcd, EtcdAuthError, EtcdConfigError
 from shoal.consumer.handlers import SEQ_HEADER, HandlerError
 from shoal.consumer.partitioning import DEFAULT_PARTITIONS, default_subject_prefix
+from shoal.logs import log_level_option, setup_logging
 
 log = logging.getLogger(__name__)
 
@@ -64,29 +64,15 @@ _partitions = click.option(
 )
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-
-
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option(
-    "--log-level",
-    envvar="SHOAL_LOG_LEVEL",
-    default="info",
-    show_default=True,
-    type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
-)
+@log_level_option
 def main(log_level: str) -> None:
     """Shoal consumer: elastic consumer groups for NATS JetStream.
 
     Every member of a group runs `shoal-consumer run`. Members register in etcd, one of
     them leads and assigns the group's partitions, and each consumes only what it owns.
     """
-    _setup_logging(log_level)
+    setup_logging(log_level)
 
 
 @main.command()

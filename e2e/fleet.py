@@ -20,6 +20,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
+from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.status import GroupStatus, read_status
 
@@ -66,6 +67,22 @@ class Fleet:
         self.partitions = partitions
         self.env = dict(env or {})
         self.members: dict[str, Member] = {}
+
+    @classmethod
+    def for_config(
+        cls, workdir: Path, config: GroupConfig, env: Mapping[str, str] | None = None
+    ) -> Fleet:
+        """Members of the group `config` describes (its servers, handler, partitions)."""
+        return cls(
+            workdir,
+            nats_url=config.nats_url,
+            etcd_endpoint=config.etcd_endpoints,
+            namespace=config.namespace,
+            group=config.group,
+            handler=config.handler,
+            partitions=config.partitions,
+            env=env,
+        )
 
     def start(self, member_id: str, **extra_env: str) -> Member:
         env = dict(os.environ)
@@ -179,6 +196,21 @@ def settled(members: set[str]) -> Callable[[GroupStatus], bool]:
         )
 
     return check
+
+
+async def wait_for_events(
+    js: Any, stream: str, done: Callable[[list[dict[str, Any]]], bool], timeout: float
+) -> list[dict[str, Any]]:
+    """A stream's JSON events once `done(events)` holds, or as they are after `timeout`.
+
+    The leader logs a generation only once its hand-overs are done (up to 30 s later).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        events = await stream_json(js, stream)
+        if done(events) or time.monotonic() > deadline:
+            return events
+        await asyncio.sleep(0.3)
 
 
 async def stream_json(js: Any, stream: str) -> list[dict[str, Any]]:

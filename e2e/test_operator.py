@@ -17,7 +17,7 @@ import nats
 import pytest
 import yaml
 
-from e2e.fleet import stream_json, wait_for_status
+from e2e.fleet import wait_for_events, wait_for_status
 from e2e.kubetest import condition, create_namespace, get_json, operator_process, wait_until
 from e2e.localkube.plane import LocalKube
 from e2e.servers import free_port
@@ -167,13 +167,12 @@ async def assignment_events(
 ) -> list[Any]:
     """The leader's assignment log (one JSON event per generation), in order, once it holds
     `through_generation` (an event is written when its hand-overs are done, up to 30 s)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        events = await stream_json(js, stream)
-        if any(e["generation"] >= through_generation for e in events):
-            break
-        assert time.monotonic() < deadline, f"generation {through_generation} never logged"
-        await asyncio.sleep(0.5)
+
+    def logged(events: list[Any]) -> bool:
+        return any(e["generation"] >= through_generation for e in events)
+
+    events = await wait_for_events(js, stream, logged, timeout)
+    assert logged(events), f"generation {through_generation} never logged"
     return [e for e in events if after_generation < e["generation"] <= through_generation]
 
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 import os
 
 import click
 import kopf
+
+from shoal.logs import log_level_option, setup_logging
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -25,25 +26,15 @@ import kopf
     envvar="SHOAL_LIVENESS",
     help="Where to serve the liveness probe.",
 )
-@click.option(
-    "--log-level",
-    envvar="SHOAL_LOG_LEVEL",
-    default="info",
-    show_default=True,
-    type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
-)
+@log_level_option
 def main(namespaces: tuple[str, ...], liveness: str, log_level: str) -> None:
     """Reconcile ConsumerGroups into consumer Deployments, RBAC, PDBs and JetStream streams.
 
     NATS and etcd default to NATS_URL and ETCD_ENDPOINTS; the consumer image to
     SHOAL_OPERATOR_IMAGE. Credentials: in a pod, its service account; elsewhere KUBECONFIG.
     """
-    logging.basicConfig(
-        level=getattr(logging, log_level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    # Every liveness probe would otherwise be an INFO line.
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    # aiohttp.access: every liveness probe would otherwise be an INFO line.
+    setup_logging(log_level, quiet=["aiohttp.access"])
     # Importing registers the handlers with kopf.
     import shoal.operator.reconciler  # noqa: F401
 

@@ -237,6 +237,11 @@ class EtcdClients:
             log.info("Using %s version %s", where, secret.resource_version)
             return files
 
+    def known_version(self, namespace: str, name: str) -> str | None:
+        """The version of the Secret last read (by `files` or `get`), without reading it."""
+        files = self._files.get((namespace, name))
+        return None if files is None else files.resource_version
+
     def _forget(self, key: SecretKey, old: SecretFiles) -> None:
         """Close what the replaced version served and remove its files."""
         for tls_key, (version, etcd) in list(self._tls.items()):

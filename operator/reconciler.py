@@ -182,12 +182,12 @@ async def reconcile(
             # Capped low: a Secret is usually created right after the group.
             raise kopf.TemporaryError(exc.message, delay=min(60, 5 * 2 ** min(retry, 4))) from exc
 
+    config = group_config(name, namespace, spec, settings)
     before = ((old or {}).get("spec") or {}).get("replicas")
     after = spec.get("replicas")
     if before is not None and before != after:
         # Whoever set spec.replicas (kubectl scale, an HPA, the leader) came through here.
-        config = group_config(name, namespace, spec, settings)
-        record = await _scale_record(memo, config, etcd_secret_name(spec))
+        record = await _scale_record(memo, config, etcd_secret)
         last, by_autoscaler = observe.last_scale(int(before), int(after or 0), record, time.time())
         patch.status["lastScale"] = last
         if not by_autoscaler:  # the leader posted its own ScaledUp/ScaledDown Event
@@ -198,7 +198,6 @@ async def reconcile(
         await memo.kube.apply(obj)
     memo.secret_versions[(namespace, name)] = secret_version
 
-    config = group_config(name, namespace, spec, settings)
     try:
         await ensure_jetstream(memo, config)
     except StreamConfigConflict as exc:
@@ -228,8 +227,8 @@ async def _roll_on_rotation(
     key = (namespace, name)
     if secret is None or key not in memo.secret_versions:
         return  # not reconciled by this process yet: the resume handler applies it
-    version = (await memo.etcd.files(namespace, secret)).resource_version
-    if version == memo.secret_versions[key]:
+    version = memo.etcd.known_version(namespace, secret)
+    if version is None or version == memo.secret_versions[key]:
         return
     deployment = build_deployment(name, namespace, dict(spec), memo.settings, version)
     kopf.adopt(deployment, owner=body)
@@ -305,6 +304,7 @@ async def observe_group(
     except Exception as exc:
         problem = ("EtcdUnavailable", f"etcd at {config.etcd_endpoints} unavailable: {exc}")
     if problem is None and etcd_secret_name(spec):
+        # _etcd above has just read the Secret: compare versions without reading it again.
         await _roll_on_rotation(memo, name, namespace, spec, body)
     lag: int | None = None
     try:

@@ -9,13 +9,14 @@ SHOAL_ETCD and SHOAL_NATS_SERVER).
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import nats
 import pytest
 
 from e2e.servers import EtcdServer, NatsServer
+from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
 
 
@@ -79,3 +80,21 @@ async def js(nats_url: str) -> AsyncIterator[Any]:
     nc = await nats.connect(nats_url)
     yield nc.jetstream()
     await nc.close()
+
+
+@pytest.fixture
+def make_config(
+    group: str, namespace: str, nats_url: str, etcd_endpoint: str
+) -> Callable[..., GroupConfig]:
+    """A config of this test's group on the session's servers, plus overrides."""
+
+    def make(**overrides: Any) -> GroupConfig:
+        return GroupConfig(
+            group=group,
+            namespace=namespace,
+            nats_url=nats_url,
+            etcd_endpoints=etcd_endpoint,
+            **overrides,
+        )
+
+    return make

@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from e2e.fleet import Fleet, settled, stream_json, wait_for_status
+from e2e.fleet import Fleet, settled, wait_for_events, wait_for_status
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.jetstream import ensure_group
@@ -87,10 +86,10 @@ async def test_report_on_a_real_group_run(
     assert fleet.wait_exit(leaver, 30) == 0, fleet.logs()
     log = config.stream + "_log"
     # The leader logs a generation once its hand-overs are done: wait for the last one.
-    deadline = time.monotonic() + 30
-    while not any(e["generation"] == final.generation for e in await stream_json(js, log)):
-        assert time.monotonic() < deadline, "the last generation was never logged"
-        await asyncio.sleep(0.2)
+    logged = await wait_for_events(
+        js, log, lambda es: any(e["generation"] == final.generation for e in es), 30
+    )
+    assert any(e["generation"] == final.generation for e in logged), "last generation not logged"
     events = int((await js.stream_info(log)).state.messages)
     assert events >= 3
 

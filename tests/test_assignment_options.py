@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
-from e2e.fleet import Fleet, settled, stream_json, wait_for_status
+from e2e.fleet import Fleet, settled, wait_for_events, wait_for_status
 from shoal.consumer.assignor import assign
 from shoal.consumer.config import GroupConfig, config_from_env
 from shoal.consumer.election import loads_from_stats, max_member_load
@@ -69,28 +70,11 @@ async def test_a_modulo_group_assigns_and_logs_as_modulo(
     js: Any,
     group: str,
     namespace: str,
-    nats_url: str,
-    etcd_endpoint: str,
+    make_config: Callable[..., GroupConfig],
 ) -> None:
-    config = GroupConfig(
-        group=group,
-        namespace=namespace,
-        partitions=16,
-        nats_url=nats_url,
-        etcd_endpoints=etcd_endpoint,
-        strategy="modulo",
-    )
+    config = make_config(partitions=16, strategy="modulo")
     await ensure_group(js, config)
-    with Fleet(
-        tmp_path / "members",
-        nats_url=nats_url,
-        etcd_endpoint=etcd_endpoint,
-        namespace=namespace,
-        group=group,
-        partitions=16,
-        handler="shoal.consumer.handlers:noop",
-        env={"SHOAL_STRATEGY": "modulo"},
-    ) as fleet:
+    with Fleet.for_config(tmp_path / "members", config, {"SHOAL_STRATEGY": "modulo"}) as fleet:
         for member in ("c-0", "c-1"):
             fleet.start(member)
         await wait_for_status(etcd, namespace, group, 16, settled({"c-0", "c-1"}), 30)
@@ -100,12 +84,9 @@ async def test_a_modulo_group_assigns_and_logs_as_modulo(
         )
     # The seed's p % n over the sorted members, exactly.
     assert status.owners == {p: ["c-0", "c-1", "c-2"][p % 3] for p in range(16)}
-    deadline = time.monotonic() + 30
-    while True:
-        events = await stream_json(js, f"{config.stream}_log")
-        if any(len(e["members"]) == 3 for e in events) or time.monotonic() > deadline:
-            break
-        await asyncio.sleep(0.5)
+    events = await wait_for_events(
+        js, f"{config.stream}_log", lambda es: any(len(e["members"]) == 3 for e in es), 30
+    )
     assert {e["strategy"] for e in events} == {"modulo"}
     join = next(e for e in events if len(e["members"]) == 3)
     # Modulo moves far more than the minimum a balanced assignment needs (5 of 16).
@@ -119,17 +100,9 @@ async def test_a_load_aware_leader_moves_a_hot_partition_off_the_busy_member(
     js: Any,
     group: str,
     namespace: str,
-    nats_url: str,
-    etcd_endpoint: str,
+    make_config: Callable[..., GroupConfig],
 ) -> None:
-    config = GroupConfig(
-        group=group,
-        namespace=namespace,
-        partitions=8,
-        nats_url=nats_url,
-        etcd_endpoints=etcd_endpoint,
-        load_aware=True,
-    )
+    config = make_config(partitions=8, load_aware=True)
     await ensure_group(js, config)
     env = {
         "SHOAL_LOAD_AWARE": "true",
@@ -137,16 +110,7 @@ async def test_a_load_aware_leader_moves_a_hot_partition_off_the_busy_member(
         "SHOAL_STATS_INTERVAL": "1",
         "SHOAL_HANDLER_DELAY_MS": "10",
     }
-    with Fleet(
-        tmp_path / "members",
-        nats_url=nats_url,
-        etcd_endpoint=etcd_endpoint,
-        namespace=namespace,
-        group=group,
-        partitions=8,
-        handler="shoal.consumer.handlers:noop",
-        env=env,
-    ) as fleet:
+    with Fleet.for_config(tmp_path / "members", config, env) as fleet:
         fleet.start("c-0")
         fleet.start("c-1")
         before = await wait_for_status(etcd, namespace, group, 8, settled({"c-0", "c-1"}), 30)
@@ -165,14 +129,15 @@ async def test_a_load_aware_leader_moves_a_hot_partition_off_the_busy_member(
             owners = (await wait_for_status(etcd, namespace, group, 8, lambda s: True, 5)).owners
             split = owners[hot[0]] != owners[hot[1]]
         assert split, "the hot partitions were never split between the members"
-        # The generation is logged once its hand-overs are done.
-        deadline = time.monotonic() + 30
-        while True:
-            events = await stream_json(js, f"{config.stream}_log")
-            weighed = [e for e in events if e["reason"] == "rebalance" and e["loads"]]
-            if weighed or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.3)
+        events = await wait_for_events(
+            js, f"{config.stream}_log", lambda es: any(_weighed(e) for e in es), 30
+        )
+    weighed = [e for e in events if _weighed(e)]
     assert weighed, [(e["generation"], e["reason"]) for e in events]
     loads = {int(p): v for p, v in weighed[0]["loads"].items()}
     assert min(loads[p] for p in hot) > 0
+
+
+def _weighed(event: dict[str, Any]) -> bool:
+    """A rebalance the leader made for load alone."""
+    return bool(event["reason"] == "rebalance" and event["loads"])

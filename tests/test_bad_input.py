@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import subprocess
@@ -44,22 +45,9 @@ def fleet(
 
 
 @pytest.fixture
-def make_config(
-    group: str, namespace: str, nats_url: str, etcd_endpoint: str
-) -> Callable[..., GroupConfig]:
+def make_config(make_config: Callable[..., GroupConfig]) -> Callable[..., GroupConfig]:
     """The config the fleet's members run with (16 partitions), plus overrides."""
-
-    def make(**overrides: Any) -> GroupConfig:
-        return GroupConfig(
-            group=group,
-            namespace=namespace,
-            partitions=16,
-            nats_url=nats_url,
-            etcd_endpoints=etcd_endpoint,
-            **overrides,
-        )
-
-    return make
+    return functools.partial(make_config, partitions=16)
 
 
 async def wait_for_log(fleet: Fleet, member: str, text: str, timeout: float) -> str:
