@@ -86,6 +86,8 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     memo.nats = {}
     # (namespace, group) -> the etcd tlsSecret version its Deployment was applied with.
     memo.secret_versions = {}
+    # (namespace, group) -> (reason, message) of the last failed reconcile.
+    memo.problems = {}
     log.info(
         "Shoal operator started: default image %s, NATS %s, etcd %s",
         memo.settings.default_image,
@@ -107,7 +109,18 @@ async def alive(**_: Any) -> str:
     return "ok"
 
 
-def _degraded(patch: kopf.Patch, status: Any, reason: str, message: str, generation: int) -> None:
+def _degraded(
+    memo: Any,
+    key: tuple[str, str],
+    patch: kopf.Patch,
+    status: Any,
+    reason: str,
+    message: str,
+    generation: int,
+) -> None:
+    """Report why the spec cannot work. The status timer keeps reporting it (it sees only
+    etcd and NATS) until a reconcile succeeds."""
+    memo.problems[key] = (reason, message)
     condition = {
         "type": "Degraded",
         "status": "True",
@@ -167,7 +180,7 @@ async def reconcile(
     patch.status["selector"] = selector_string(name)
     problem = handler_problem(spec, settings)
     if problem is not None:
-        _degraded(patch, status, "HandlerInvalid", problem, generation)
+        _degraded(memo, (namespace, name), patch, status, "HandlerInvalid", problem, generation)
         kopf.warn(body, reason="HandlerInvalid", message=problem)
         raise kopf.TemporaryError(problem, delay=min(300, 10 * 2 ** min(retry, 5)))
     etcd_secret = etcd_secret_name(spec)
@@ -177,7 +190,7 @@ async def reconcile(
         try:
             secret_version = (await memo.etcd.files(namespace, etcd_secret)).resource_version
         except EtcdSecretProblem as exc:
-            _degraded(patch, status, exc.reason, exc.message, generation)
+            _degraded(memo, (namespace, name), patch, status, exc.reason, exc.message, generation)
             kopf.warn(body, reason=exc.reason, message=exc.message)
             # Capped low: a Secret is usually created right after the group.
             raise kopf.TemporaryError(exc.message, delay=min(60, 5 * 2 ** min(retry, 4))) from exc
@@ -201,14 +214,16 @@ async def reconcile(
     try:
         await ensure_jetstream(memo, config)
     except StreamConfigConflict as exc:
-        _degraded(patch, status, "StreamConfigConflict", str(exc), generation)
+        reason, message = "StreamConfigConflict", str(exc)
+        _degraded(memo, (namespace, name), patch, status, reason, message, generation)
         kopf.warn(body, reason="StreamConfigConflict", message=str(exc))
         raise kopf.TemporaryError(str(exc), delay=60) from exc
     except Exception as exc:
         message = f"JetStream at {config.nats_url} unavailable: {exc}"
-        _degraded(patch, status, "NatsUnavailable", message, generation)
+        _degraded(memo, (namespace, name), patch, status, "NatsUnavailable", message, generation)
         kopf.warn(body, reason="NatsUnavailable", message=message)
         raise kopf.TemporaryError(message, delay=min(300, 5 * 2 ** min(retry, 6))) from exc
+    memo.problems.pop((namespace, name), None)
     kopf.info(
         body,
         reason="Reconciled",
@@ -306,6 +321,8 @@ async def observe_group(
     if problem is None and etcd_secret_name(spec):
         # _etcd above has just read the Secret: compare versions without reading it again.
         await _roll_on_rotation(memo, name, namespace, spec, body)
+    # A problem the last reconcile found (a handler, a stream change) stands until fixed.
+    problem = problem or memo.problems.get((namespace, name))
     lag: int | None = None
     try:
         nc = await _nats(memo, config, attempts=1)
@@ -361,6 +378,8 @@ async def delete(
 ) -> None:
     namespace = namespace or "default"  # ConsumerGroups are namespaced
     settings: OperatorSettings = memo.settings
+    memo.problems.pop((namespace, name), None)
+    memo.secret_versions.pop((namespace, name), None)
     config = group_config(name, namespace, spec, settings)
     # The consumers must be gone first: garbage collection would remove them only after
     # this finalizer, and a live leader would write the assignment straight back.
