@@ -14,9 +14,10 @@ FROM ${PYTHON_IMAGE} AS builder
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PYTHONDONTWRITEBYTECODE=1
 RUN python -m venv /opt/shoal
 WORKDIR /src
-# Only what the build reads (pyproject maps these folders to the shoal.* subpackages).
+# Only what the build reads: each folder holds one part of the `shoal` namespace package
+# (pyproject.toml; hatchling builds the wheel from all four).
 COPY pyproject.toml README.md ./
-COPY shoal ./shoal
+COPY common ./common
 COPY consumer ./consumer
 COPY operator ./operator
 COPY analytics ./analytics

@@ -3,9 +3,10 @@
 #   make test       lint + typecheck + every pytest test (unit and e2e; starts real servers)
 #   make test-fast  unit tests only (pytest -m "not e2e and not spark"; no servers, no JVM)
 #   make lint       ruff check + ruff format --check
-#   make typecheck  mypy --strict on the shoal packages and e2e/
+#   make typecheck  mypy --strict on the shoal packages and the harness
 #   make bench      run every bench/*.py; JSON lines go to bench/results/<time>/<name>.jsonl
-#   make demo       python -m e2e.demo against real servers (DEMO_ARGS=... to pass options)
+#   make demo       python -m harness.kubedemo: the local control plane, helm, a ConsumerGroup
+#   make demo-local python -m harness.demo against real servers (DEMO_ARGS=... to pass options)
 #   make servers    only make sure nats-server and etcd are available and print their paths
 #   make venv       (implied by the others) .venv with `pip install -e '.[test,analytics]'`
 #   make clean      remove .venv, .tmp, caches and build metadata (keeps bench/results)
@@ -16,8 +17,8 @@
 # other binaries.
 
 # Every tool version (nats-server, Kubernetes, etcd, helm, the nats CLI) is pinned in
-# one place: e2e/tools/versions.mk.
-include e2e/tools/versions.mk
+# one place: harness/tools/versions.mk.
+include harness/tools/versions.mk
 
 SHELL := bash
 .SHELLFLAGS := -euo pipefail -c
@@ -27,19 +28,13 @@ SHELL := bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# -P (Python >= 3.11): do not put the current directory first on sys.path. Without it,
-# `python -m ...` run from the repo root imports the folder operator/ as the standard
-# library's operator module (before the editable install can map it to shoal.operator)
-# and Python dies in runpy with "cannot import name 'eq' from 'operator'". The same goes
-# for PYTHONPATH=. : never use it here.
-PYM := $(PY) -P -m
+PYM := $(PY) -m
 STAMP := $(VENV)/.shoal-installed
-TYPECHECK_ROOT := .tmp/typecheck
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
 # Runs before recipes that need the servers: makes sure both binaries exist (building
-# nats-server on first use) and exports their paths for e2e/servers.py.
+# nats-server on first use) and exports their paths for harness/src/harness/servers.py.
 define servers_env
 nats="$${SHOAL_NATS_SERVER:-$$(bash scripts/ensure-nats-server.sh $(NATS_SERVER_VERSION) | tail -n1)}"; \
 etcd="$${SHOAL_ETCD:-$$(bash scripts/ensure-etcd.sh | tail -n1)}"; \
@@ -52,27 +47,16 @@ endef
 
 venv: $(STAMP)
 
-# Re-runs only when pyproject.toml changes (or the venv is gone).
-#
-# Editable install: setuptools' default editable mode installs an import hook (a
-# meta-path finder with the package-dir mapping shoal.consumer -> consumer/ etc.), so
-# `import shoal.consumer.partitioning` works from anywhere and picks up edits at once;
-# no `editable_mode=compat` is needed (compat would only add the repo root to sys.path,
-# which cannot express the folder -> subpackage mapping). Static tools cannot follow the
-# hook: mypy gets a symlink tree instead (see typecheck).
-#
-# The repo root itself goes on sys.path through a .pth file, i.e. AFTER the standard
-# library, so that e2e/, tests/ and bench/ can import each other while the folder
-# operator/ never shadows the standard library's operator module.
+# Re-runs only when pyproject.toml changes (or the venv is gone). The editable install is
+# a .pth of the source folders (pyproject.toml: dev-mode-dirs), so edits apply at once and
+# `python -m shoal.consumer` works from anywhere, the repo root included.
 $(STAMP): pyproject.toml
 	@start=$$SECONDS; \
-	$(PYTHON) -P -m venv $(VENV); \
+	$(PYTHON) -m venv $(VENV); \
 	$(PYM) pip install --quiet --upgrade pip; \
 	$(PYM) pip install --quiet -e '.[test,analytics]'; \
-	site="$$($(PY) -P -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"; \
-	echo "$(CURDIR)" > "$$site/shoal-repo-root.pth"; \
-	(cd / && $(CURDIR)/$(PY) -c "import shoal.consumer.partitioning, shoal.analytics.events, e2e") \
-	  || { echo "venv: the editable install cannot import shoal.consumer / e2e" >&2; exit 1; }; \
+	(cd / && $(CURDIR)/$(PY) -c "import shoal.consumer.partitioning, shoal.analytics.events, harness") \
+	  || { echo "venv: the editable install cannot import shoal.consumer / harness" >&2; exit 1; }; \
 	touch $@; \
 	echo "venv: ready in $$((SECONDS - start)) s"
 
@@ -83,16 +67,9 @@ lint: venv
 	$(PYM) ruff check .
 	$(PYM) ruff format --check .
 
-# mypy cannot see through the editable install's import hook, so it checks a package
-# tree of symlinks: .tmp/typecheck/shoal/{__init__.py,py.typed} -> shoal/ and
-# .tmp/typecheck/shoal/{consumer,operator,analytics} -> the top-level folders.
+# The source folders and the files to check are in pyproject.toml ([tool.mypy]).
 typecheck: venv
-	@rm -rf $(TYPECHECK_ROOT); mkdir -p $(TYPECHECK_ROOT)/shoal
-	@for f in shoal/*.py shoal/py.typed; do ln -s ../../../$$f $(TYPECHECK_ROOT)/shoal/; done
-	@for pkg in consumer operator analytics; do \
-	  ln -s ../../../$$pkg $(TYPECHECK_ROOT)/shoal/$$pkg; \
-	done
-	MYPYPATH=$(TYPECHECK_ROOT) $(PYM) mypy --strict -p shoal -p e2e
+	$(PYM) mypy
 
 test: lint typecheck tools
 	@$(servers_env) \
@@ -102,15 +79,15 @@ test: lint typecheck tools
 # with Go once per machine into ~/.cache/shoal (the first build takes a while and says
 # how long; later runs build nothing).
 tools:
-	@e2e/tools/build.sh >/dev/null
+	@harness/tools/build.sh >/dev/null
 
-# The local Kubernetes control plane (no containers): see e2e/localkube/plane.py.
+# The local Kubernetes control plane (no containers): see harness/src/harness/localkube/plane.py.
 cluster-up: venv tools
 	@$(servers_env) \
-	$(PYM) e2e.localkube up --root .localkube
+	$(PYM) harness.localkube up --root .localkube
 
 cluster-down: venv
-	@$(PYM) e2e.localkube down --root .localkube
+	@$(PYM) harness.localkube down --root .localkube
 
 test-fast: venv
 	$(PYM) pytest -m "not e2e and not spark" $(PYTEST_ARGS)
@@ -118,12 +95,12 @@ test-fast: venv
 # The real thing: the local plane (left up), helm install, the example group, scaling.
 demo: venv tools
 	@$(servers_env) \
-	$(PYM) e2e.kubedemo $(DEMO_ARGS)
+	$(PYM) harness.kubedemo $(DEMO_ARGS)
 
 # The consumer runtime alone: real etcd and nats-server, consumer processes, no Kubernetes.
 demo-local: venv
 	@$(servers_env) \
-	$(PYM) e2e.demo $(DEMO_ARGS)
+	$(PYM) harness.demo $(DEMO_ARGS)
 
 bench: venv
 	@$(servers_env) \

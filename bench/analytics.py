@@ -31,7 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench._common import emit, failed, note, workdir
+from harness.bench import emit, failed, note, workdir
 from shoal.analytics.generate import HistorySpec, history, specs_for, write_history
 
 BENCH = "analytics"
@@ -85,7 +85,7 @@ def generate(args: argparse.Namespace, logs: Path) -> int:
         mb=size / 1e6,
         groups=len(specs),
     )
-    return generations * args.partitions
+    return int(generations * args.partitions)
 
 
 def _figures(summary: dict[str, Any]) -> dict[str, Any]:

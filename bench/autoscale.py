@@ -1,6 +1,6 @@
 """Autoscaling on the local control plane: how fast it reacts, and what it buys.
 
-Scenario (e2e/autoscale.py): a ConsumerGroup (ledger handler with 2 ms of CPU-bound
+Scenario (harness.autoscale): a ConsumerGroup (ledger handler with 2 ms of CPU-bound
 work per message, minReplicas 1, maxReplicas 2, interval 2 s, cooldown 15 s,
 targetLagPerMember 4,000, cpuThreshold 90) receives a backlog of 30,000 messages over
 1,000 projects at once. Then the same backlog goes to a fixed group of minReplicas
@@ -26,11 +26,12 @@ import argparse
 import asyncio
 import sys
 from pathlib import Path
+from typing import Any
 
-from bench._common import emit, note, run_bench
-from e2e import autoscale
-from e2e.kubetest import create_namespace, operator_process
-from e2e.localkube.plane import LocalKube
+from harness import autoscale
+from harness.bench import emit, note, run_bench
+from harness.kubetest import create_namespace, operator_process
+from harness.localkube.plane import LocalKube
 
 BENCH = "autoscale"
 
@@ -58,6 +59,7 @@ def plot(series: list[tuple[float, int]], members: list[tuple[float, int]], path
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(8, 3))
@@ -65,7 +67,7 @@ def plot(series: list[tuple[float, int]], members: list[tuple[float, int]], path
     ax.step([t for t, _ in members], [m for _, m in members], where="post", label="members")
     ax.set_xlabel("seconds since the backlog arrived")
     ax.set_ylabel("replicas")
-    ax.yaxis.get_major_locator().set_params(integer=True)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -80,7 +82,12 @@ async def scenario(root: Path, messages: int, plot_path: Path | None) -> None:
 
 
 def _scenario(root: Path, messages: int, plot_path: Path | None) -> None:
-    options = {"messages": messages, "max_replicas": 2, "cpu_ms": 2.0, "delay_ms": 0}
+    options: dict[str, Any] = {
+        "messages": messages,
+        "max_replicas": 2,
+        "cpu_ms": 2.0,
+        "delay_ms": 0,
+    }
     with LocalKube(root / "plane") as plane:
         with operator_process(plane, ["bench-auto", "bench-fixed"], root / "operator.log"):
             create_namespace(plane, "bench-auto")

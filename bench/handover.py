@@ -56,7 +56,7 @@ from typing import Any
 
 import nats
 
-from bench._common import (
+from harness.bench import (
     cpu_seconds,
     emit,
     host_cpu,
@@ -66,8 +66,8 @@ from bench._common import (
     run_bench,
     summary,
 )
-from e2e.fleet import Fleet, settled, wait_for_status
-from e2e.servers import EtcdServer, NatsServer
+from harness.fleet import Fleet, settled, wait_for_status
+from harness.servers import EtcdServer, NatsServer
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.handlers import SEQ_HEADER

@@ -48,9 +48,9 @@ from typing import Any
 import nats
 from nats.js import api
 
-from bench._common import cpu_seconds, emit, log_problems, note, run_bench, scrape_counter
-from e2e.fleet import Fleet, Member, settled, wait_for_status
-from e2e.servers import EtcdServer, NatsServer, free_port
+from harness.bench import cpu_seconds, emit, log_problems, note, run_bench, scrape_counter
+from harness.fleet import Fleet, Member, settled, wait_for_status
+from harness.servers import EtcdServer, NatsServer, free_port
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.jetstream import ensure_group

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from e2e.localkube.plane import LocalKube
+from harness.localkube.plane import LocalKube
 
 
 @pytest.fixture(scope="session")

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from e2e import autoscale
-from e2e.kubetest import create_namespace, operator_process
-from e2e.localkube.plane import LocalKube
+from harness import autoscale
+from harness.kubetest import create_namespace, operator_process
+from harness.localkube.plane import LocalKube
 from shoal.consumer.assignor import min_moves
 from shoal.consumer.autoscaler import LEADER_COST
 

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.kubetest import get_json, wait_until
-from e2e.localkube.plane import LocalKube
+from harness.kubetest import get_json, wait_until
+from harness.localkube.plane import LocalKube
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

@@ -1,7 +1,7 @@
 """spec.etcd.tlsSecret on the local control plane: a group on an etcd with client TLS.
 
 This file starts its own etcd with client TLS and client-certificate auth
-(`--client-cert-auth`; certificates from e2e/localkube/pki.py) and with etcd
+(`--client-cert-auth`; certificates from harness/src/harness/localkube/pki.py) and with etcd
 authentication on. Each namespace's groups can only work one way: user `shoal`, with a
 password from the Secret, may use /shoal/etcd-tls/ only; user `shoal-consumer`, the
 client certificate's CN (no password: etcd takes the CN as the user), may use
@@ -29,10 +29,10 @@ import yaml
 from etcd3 import etcdrpc
 from etcd3.etcdrpc import auth_pb2
 
-from e2e.kubetest import condition, create_namespace, get_json, operator_process, wait_until
-from e2e.localkube.pki import Pki, ensure_pki, ensure_serving_cert
-from e2e.localkube.plane import LocalKube
-from e2e.servers import EtcdServer, EtcdTLS
+from harness.kubetest import condition, create_namespace, get_json, operator_process, wait_until
+from harness.localkube.pki import Pki, ensure_pki, ensure_serving_cert
+from harness.localkube.plane import LocalKube
+from harness.servers import EtcdServer, EtcdTLS
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.partitioning import Keys
 from shoal.consumer.status import GroupStatus, read_status

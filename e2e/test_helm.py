@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from e2e.kubetest import condition, get_json, wait_until
-from e2e.localkube.plane import LocalKube
-from e2e.servers import free_port
+from harness.kubetest import condition, get_json, wait_until
+from harness.localkube.plane import LocalKube
+from harness.servers import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from e2e.kubetest import create_namespace, get_json, wait_until
-from e2e.localkube.plane import LocalKube, State, alive
-from e2e.servers import free_port
+from harness.kubetest import create_namespace, get_json, wait_until
+from harness.localkube.plane import LocalKube, State, alive
+from harness.servers import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -362,7 +362,7 @@ def test_apiserver_moves_off_a_taken_port(tmp_path: Path, monkeypatch: pytest.Mo
         taken = squatter.getsockname()[1]
         ports = iter([taken])
         monkeypatch.setattr(
-            "e2e.localkube.plane.free_port", lambda: next(ports, None) or free_port()
+            "harness.localkube.plane.free_port", lambda: next(ports, None) or free_port()
         )
         plane = LocalKube(tmp_path / "plane")
         try:

@@ -17,10 +17,10 @@ import nats
 import pytest
 import yaml
 
-from e2e.fleet import wait_for_events, wait_for_status
-from e2e.kubetest import condition, create_namespace, get_json, operator_process, wait_until
-from e2e.localkube.plane import LocalKube
-from e2e.servers import free_port
+from harness.fleet import wait_for_events, wait_for_status
+from harness.kubetest import condition, create_namespace, get_json, operator_process, wait_until
+from harness.localkube.plane import LocalKube
+from harness.servers import free_port
 from shoal.consumer.assignor import min_moves, moved
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.handlers import SEQ_HEADER

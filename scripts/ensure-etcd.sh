@@ -4,7 +4,7 @@
 # installs Debian's etcd-server package (bookworm: 3.4.x).
 #
 # Installing the package may start a system etcd on 127.0.0.1:2379 (where an init system
-# runs services). Shoal's tests never use it: e2e/servers.py starts its own etcd on free
+# runs services). Shoal's tests never use it: harness.servers starts its own etcd on free
 # ports with its own data directory.
 set -euo pipefail
 

@@ -4,7 +4,7 @@
 #
 #   scripts/ensure-nats-server.sh [VERSION]
 #
-# VERSION defaults to NATS_SERVER_VERSION from e2e/tools/versions.mk, where every tool
+# VERSION defaults to NATS_SERVER_VERSION from harness/tools/versions.mk, where every tool
 # version is pinned.
 # The binary is built once with `go install` into
 #   ${XDG_CACHE_HOME:-$HOME/.cache}/shoal/nats-server-<VERSION>/nats-server
@@ -16,10 +16,10 @@ repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 version="${1:-}"
 if [[ -z "$version" ]]; then
     version="$(sed -n 's/^NATS_SERVER_VERSION[[:space:]]*[:?]*=[[:space:]]*//p' \
-        "$repo_root/e2e/tools/versions.mk" | head -n1 | tr -d '[:space:]')"
+        "$repo_root/harness/tools/versions.mk" | head -n1 | tr -d '[:space:]')"
 fi
 if [[ -z "$version" ]]; then
-    echo "ensure-nats-server: no version given and none in e2e/tools/versions.mk" >&2
+    echo "ensure-nats-server: no version given and none in harness/tools/versions.mk" >&2
     exit 2
 fi
 

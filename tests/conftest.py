@@ -2,7 +2,7 @@
 
 The servers start lazily, on the first test that asks for them (unit tests never do), in
 a pytest tmp directory, bound to 127.0.0.1 on free ports; they are stopped when the
-session ends, whatever happened. Binaries: see e2e/servers.py (`make test` sets
+session ends, whatever happened. Binaries: see harness.servers (`make test` sets
 SHOAL_ETCD and SHOAL_NATS_SERVER).
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 import nats
 import pytest
 
-from e2e.servers import EtcdServer, NatsServer
+from harness.servers import EtcdServer, NatsServer
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
 

@@ -21,7 +21,7 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from e2e.fleet import Fleet, settled, wait_for_events, wait_for_status
+from harness.fleet import Fleet, settled, wait_for_events, wait_for_status
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.jetstream import ensure_group
@@ -49,7 +49,7 @@ def fleet(
 
 def cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-P", "-m", "shoal.analytics.cli", *args],
+        [sys.executable, "-m", "shoal.analytics.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -14,7 +14,7 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from e2e.servers import free_port
+from harness.servers import free_port
 from shoal.analytics.events import parse_event
 from shoal.analytics.export import ExportError, export_log
 from shoal.analytics.generate import HistorySpec, history
@@ -25,7 +25,7 @@ from shoal.consumer.partitioning import assignments_subject, default_subject_pre
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-P", "-m", "shoal.analytics.cli", *args],
+        [sys.executable, "-m", "shoal.analytics.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

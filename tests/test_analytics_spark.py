@@ -182,7 +182,6 @@ def test_missing_java_is_one_clear_line(tmp_path: Path) -> None:
     done = subprocess.run(
         [
             sys.executable,
-            "-P",
             "-m",
             "shoal.analytics.cli",
             "report",

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from e2e.fleet import Fleet, settled, wait_for_status
-from e2e.servers import free_port
+from harness.fleet import Fleet, settled, wait_for_status
+from harness.servers import free_port
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.jetstream import ensure_group
@@ -233,7 +233,7 @@ async def test_cli_produce_and_status_on_a_live_group(
     fleet.start("c-1")
     await wait_for_status(etcd, namespace, group, 16, settled({"c-0", "c-1"}), 30)
     env = {**os.environ, "NATS_URL": nats_url, "ETCD_ENDPOINTS": etcd_endpoint}
-    base = [sys.executable, "-P", "-m", "shoal.consumer"]
+    base = [sys.executable, "-m", "shoal.consumer"]
     produced = await asyncio.to_thread(
         subprocess.run,
         [
@@ -277,7 +277,7 @@ async def test_ready_file_tracks_membership(
     fleet: Fleet, etcd: Etcd, group: str, namespace: str, tmp_path: Path
 ) -> None:
     ready_file = tmp_path / "c-0" / "ready"
-    command = [sys.executable, "-P", "-m", "shoal.consumer", "ready", "--file", str(ready_file)]
+    command = [sys.executable, "-m", "shoal.consumer", "ready", "--file", str(ready_file)]
     before = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True)
     assert before.returncode == 1 and "not ready" in before.stderr
     fleet.start("c-0", SHOAL_READY_FILE=str(ready_file))

@@ -52,7 +52,7 @@ EXTRA_VARS = {
     "SHOAL_READY_FILE",
     "SHOAL_ENSURE_JETSTREAM",
     "NATS_CREDS_FILE",
-    "SHOAL_CPU_LIMIT_MILLICORES",  # read by consumer/cpu.py
+    "SHOAL_CPU_LIMIT_MILLICORES",  # read by shoal.consumer.cpu
 }
 
 

@@ -117,7 +117,7 @@ def test_the_readiness_probe_is_cheap_and_says_why(tmp_path: Path) -> None:
     assert ready.main([str(ready_file)]) == 0
     # Only the standard library: a fresh interpreter imports no third-party module for it.
     probe = subprocess.run(
-        [sys.executable, "-P", "-c", "import sys, shoal.consumer.ready; print(list(sys.modules))"],
+        [sys.executable, "-c", "import sys, shoal.consumer.ready; print(list(sys.modules))"],
         capture_output=True,
         text=True,
         check=True,

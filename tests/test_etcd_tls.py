@@ -18,8 +18,8 @@ from click.testing import CliRunner
 from etcd3 import etcdrpc
 from etcd3.etcdrpc import auth_pb2
 
-from e2e.localkube.pki import Pki, ensure_pki, ensure_serving_cert
-from e2e.servers import EtcdServer, EtcdTLS
+from harness.localkube.pki import Pki, ensure_pki, ensure_serving_cert
+from harness.servers import EtcdServer, EtcdTLS
 from shoal.consumer.cli import main
 from shoal.consumer.config import config_from_env
 from shoal.consumer.etcd import (

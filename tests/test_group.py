@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from e2e.fleet import Fleet, settled, wait_for_status
+from harness.fleet import Fleet, settled, wait_for_status
 from shoal.consumer.assignor import min_moves, moved
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd

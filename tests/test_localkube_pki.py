@@ -8,7 +8,7 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from e2e.localkube.pki import ensure_pki
+from harness.localkube.pki import ensure_pki
 
 
 def load(path: Path) -> x509.Certificate:

@@ -9,7 +9,7 @@ import etcd3
 import nats
 import pytest
 
-from e2e.servers import HOST, EtcdServer, NatsServer, free_port
+from harness.servers import HOST, EtcdServer, NatsServer, free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -1,6 +1,6 @@
 """Where the local control plane's binaries are: built once per version into the cache.
 
-`e2e/tools/build.sh` builds them (see e2e/tools/versions.mk for the versions); this module
+`harness/tools/build.sh` builds them (see harness/tools/versions.mk for the versions); this module
 only finds them and says, in one line, how to get them when they are missing.
 """
 
@@ -11,13 +11,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from e2e.servers import cache_dir
+from harness.servers import cache_dir
 
-VERSIONS_FILE = Path(__file__).resolve().parent.parent / "tools" / "versions.mk"
+VERSIONS_FILE = Path(__file__).resolve().parents[3] / "tools" / "versions.mk"
 
 
 def versions() -> dict[str, str]:
-    """The pinned versions, read from e2e/tools/versions.mk."""
+    """The pinned versions, read from harness/tools/versions.mk."""
     pinned: dict[str, str] = {}
     for line in VERSIONS_FILE.read_text().splitlines():
         match = re.match(r"^([A-Z_]+)\s*[:?]?=\s*(\S+)", line)

@@ -18,9 +18,9 @@ from typing import Any
 import nats
 from kubernetes import client, config
 
-from e2e.fleet import stream_json
-from e2e.kubetest import condition, get_json, wait_until
-from e2e.localkube.plane import LocalKube
+from harness.fleet import stream_json
+from harness.kubetest import condition, get_json, wait_until
+from harness.localkube.plane import LocalKube
 from shoal.consumer.handlers import SEQ_HEADER
 from shoal.consumer.kube import DELETION_COST
 from shoal.consumer.ledger import Audit, audit, read_ledger

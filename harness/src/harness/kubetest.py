@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from e2e.localkube.plane import LocalKube
-from e2e.servers import free_port
+from harness.localkube.plane import LocalKube
+from harness.servers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -82,7 +82,6 @@ def operator_process(
         process = subprocess.Popen(
             [
                 sys.executable,
-                "-P",
                 "-m",
                 "shoal.operator",
                 *args,

@@ -19,8 +19,8 @@ from typing import Any
 
 import nats
 
-from e2e.fleet import Fleet, settled, wait_for_status
-from e2e.servers import EtcdServer, NatsServer
+from harness.fleet import Fleet, settled, wait_for_status
+from harness.servers import EtcdServer, NatsServer
 from shoal.consumer.assignor import moved
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd

@@ -20,7 +20,7 @@ from typing import Any
 
 import nats
 
-from e2e.localkube.plane import LocalKube, State, alive
+from harness.localkube.plane import LocalKube, State, alive
 from shoal.consumer.handlers import SEQ_HEADER
 from shoal.consumer.ledger import audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer

@@ -3,7 +3,7 @@
 etcd, kube-apiserver (RBAC, service-account tokens, a self-signed serving certificate)
 and kube-controller-manager (deployments, replicasets, service accounts and their
 tokens, namespaces, garbage collection, disruption budgets) run as local processes; a
-process kubelet (e2e/localkube/kubelet.py) registers a Node and runs Pods as processes
+process kubelet (harness.localkube.kubelet) registers a Node and runs Pods as processes
 of this project's virtualenv. A NATS server and a second etcd serve the consumer groups.
 
 `LocalKube(root).up()` starts everything and writes `root/env` (KUBECONFIG, PATH,
@@ -30,9 +30,9 @@ from typing import Any, Self
 
 import yaml
 
-from e2e.localkube.pki import Pki, ensure_pki
-from e2e.localkube.tools import KubeTools, find_tools
-from e2e.servers import EtcdServer, NatsServer, free_port
+from harness.localkube.pki import Pki, ensure_pki
+from harness.localkube.tools import KubeTools, find_tools
+from harness.servers import EtcdServer, NatsServer, free_port
 
 log = logging.getLogger(__name__)
 
@@ -377,9 +377,8 @@ class LocalKube:
             "kubelet",
             [
                 str(self.venv_bin / "python"),
-                "-P",
                 "-m",
-                "e2e.localkube.kubelet",
+                "harness.localkube.kubelet",
                 "--kubeconfig",
                 str(self.root / "kubelet.kubeconfig"),
                 "--root",

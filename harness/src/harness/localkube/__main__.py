@@ -1,4 +1,4 @@
-"""`python -P -m e2e.localkube up|down|status [--root .localkube]` (`make cluster-up`)."""
+"""`python -m harness.localkube up|down|status [--root .localkube]` (`make cluster-up`)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import sys
 import time
 from pathlib import Path
 
-from e2e.localkube.plane import LocalKube, State, alive
-from e2e.localkube.tools import ToolMissing
+from harness.localkube.plane import LocalKube, State, alive
+from harness.localkube.tools import ToolMissing
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        prog="python -P -m e2e.localkube",
+        prog="python -m harness.localkube",
         description="Start or stop the local Kubernetes control plane (no containers).",
     )
     parser.add_argument("command", choices=["up", "down", "status"])
