@@ -4,6 +4,8 @@
 #   make test-fast  unit tests only (pytest -m "not e2e and not spark"; no servers, no JVM)
 #   make lint       ruff check + ruff format --check
 #   make typecheck  mypy --strict on the shoal packages and the harness
+#   make faults     the fault suite (faults/): one fault per scenario on a real group under
+#                   load; one JSON line of figures per scenario in .tmp/faults/<time>.jsonl
 #   make bench      run every bench/*.py; JSON lines go to bench/results/<time>/<name>.jsonl
 #   make demo       python -m harness.kubedemo: the local control plane, helm, a ConsumerGroup
 #   make demo-local python -m harness.demo against real servers (DEMO_ARGS=... to pass options)
@@ -43,7 +45,7 @@ echo "etcd: $$etcd ($$("$$etcd" --version 2>&1 | head -n1))"; \
 export SHOAL_NATS_SERVER="$$nats" SHOAL_ETCD="$$etcd";
 endef
 
-.PHONY: venv test test-fast lint typecheck bench demo demo-local servers clean tools cluster-up cluster-down
+.PHONY: venv test test-fast faults lint typecheck bench demo demo-local servers clean tools cluster-up cluster-down
 
 venv: $(STAMP)
 
@@ -91,6 +93,17 @@ cluster-down: venv
 
 test-fast: venv
 	$(PYM) pytest -m "not e2e and not spark" $(PYTEST_ARGS)
+
+# One scenario at a time (they kill and freeze servers, and time their recovery).
+# FAULTS_RESULTS=file to choose where the figures go.
+faults: venv
+	@$(servers_env) \
+	start=$$SECONDS; results="$${FAULTS_RESULTS:-.tmp/faults/$$(date -u +%Y%m%dT%H%M%SZ).jsonl}"; \
+	mkdir -p "$$(dirname "$$results")"; status=0; \
+	SHOAL_FAULTS_RESULTS="$$results" $(PYM) pytest faults -m faults $(PYTEST_ARGS) || status=$$?; \
+	echo "faults: $$((SECONDS - start)) s; figures ($$results):"; \
+	cat "$$results" 2>/dev/null || true; \
+	exit $$status
 
 # The real thing: the local plane (left up), helm install, the example group, scaling.
 demo: venv tools

@@ -1,0 +1,57 @@
+"""Fixtures of the fault suite: fresh servers per scenario, a group that is always stopped.
+
+Each scenario gets its own etcd and nats-server (they are killed, frozen and restarted
+here, so no other test may share them), on free loopback ports, in the test's tmp
+directory. Every process a scenario starts (servers, members, proxies) is stopped when it
+ends, passed or failed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness.faults import FaultGroup
+from harness.servers import EtcdServer, NatsServer
+
+
+@pytest.fixture
+def etcd_server(tmp_path: Path) -> Iterator[EtcdServer]:
+    server = EtcdServer(tmp_path / "etcd")
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
+    server = NatsServer(tmp_path / "nats")
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+async def make_group(
+    tmp_path: Path, nats_server: NatsServer, etcd_server: EtcdServer
+) -> AsyncIterator[Callable[..., FaultGroup]]:
+    """FaultGroup(...) on this scenario's servers; closed at the end whatever happened."""
+    groups: list[FaultGroup] = []
+
+    def make(**kwargs: Any) -> FaultGroup:
+        group = FaultGroup(tmp_path / f"group{len(groups)}", nats_server, etcd_server, **kwargs)
+        groups.append(group)
+        return group
+
+    try:
+        yield make
+    finally:
+        for group in groups:
+            await group.close()

@@ -1,0 +1,83 @@
+"""NATS faults: the whole server killed and restarted; one member cut from it.
+
+Every scenario ends with FaultGroup.finish(): nothing acked lost, no overlap, no member
+died, every partition claimed by a live member, one leader, skew <= 1. Measured figures
+go to one JSON line each (harness.faults.report).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+
+from harness.audit import resumed_after
+from harness.faults import FaultGroup, report
+from harness.servers import NatsServer
+
+pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.timeout(240)]
+
+
+async def test_nats_kill_9_and_restart_after_6s(
+    make_group: Callable[..., FaultGroup], nats_server: NatsServer
+) -> None:
+    """Bound: every partition consumed again within 10 s of the restart."""
+    g = make_group()
+    await g.start()
+    await asyncio.sleep(3)
+    nats_server.kill()
+    await asyncio.sleep(6)
+    nats_server.start()
+    restarted = time.time()
+    await asyncio.sleep(12)
+    figures = await g.finish()
+    worst, _ = resumed_after(await g.records(), restarted, range(g.config.partitions))
+    figures["resumed_after_restart_s"] = round(worst, 2)
+    report("nats kill -9, restart after 6 s", figures)
+    assert worst <= 10, figures
+
+
+async def test_member_cut_from_nats_30s(make_group: Callable[..., FaultGroup]) -> None:
+    """Bound: its partitions move to healthy members within 20 s; it takes work again
+    after the heal."""
+    victim = "m-2"
+    g = make_group(proxied={victim: ("nats",)})
+    await g.start()
+    await asyncio.sleep(3)
+    before = await g.status()
+    lost_partitions = g.partitions_of(before, victim)
+    assert lost_partitions
+    cut = time.time()
+    g.proxy(victim, "nats").blackhole()
+    healthy = set(g.member_ids) - {victim}
+    try:
+        await g.wait_for(
+            lambda s: all(s.claims.get(p) in healthy for p in lost_partitions),
+            30,
+            f"{victim}'s partitions to be claimed by healthy members",
+        )
+        moved_in = time.time() - cut
+    except TimeoutError:
+        moved_in = float("inf")
+    await asyncio.sleep(max(0.0, 30 - (time.time() - cut)))
+    g.proxy(victim, "nats").pass_through()
+    healed = time.time()
+    await g.wait_for(
+        lambda s: victim in s.claims.values(),
+        30,
+        f"{victim} to consume again after the heal",
+    )
+    back_in = time.time() - healed
+    await asyncio.sleep(3)
+    figures = await g.finish()
+    worst, _ = resumed_after(await g.records(), cut, lost_partitions, not_by=victim)
+    figures.update(
+        victim_partitions=len(lost_partitions),
+        claims_moved_s=round(moved_in, 2),
+        consumed_elsewhere_s=round(worst, 2),
+        took_work_after_heal_s=round(back_in, 2),
+    )
+    report("one member cut from NATS (blackhole) 30 s", figures)
+    assert worst <= 20, figures

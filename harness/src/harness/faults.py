@@ -1,0 +1,431 @@
+"""A real group under a steady producer, for one injected fault at a time.
+
+    async with FaultGroup(workdir, nats, etcd, proxied={"m-2": ("etcd", "nats")}) as g:
+        await g.start()                      # streams, 3 members, settled, producer on
+        g.proxy("m-2", "nats").blackhole()   # the fault
+        ...
+        g.proxy("m-2", "nats").pass_through()
+        figures = await g.finish()           # settled, drained, audited; asserts the rest
+
+Every member is a real `shoal-consumer run` process (harness.fleet) running the `ledger`
+handler; the members named in `proxied` reach etcd and/or NATS through a TcpProxy the
+group owns (harness.proxy), the others directly. The harness's own clients (status
+reads, the producer) always connect directly.
+
+`finish()` checks what every scenario must show (the fault issue's table): every member
+process alive, every partition claimed by a live member, one leader, skew <= 1, nothing
+acked lost, no two members on one partition at overlapping times. It returns the
+measured figures; `report()` writes them as one JSON line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal, Self
+
+import nats
+
+from harness.audit import FaultAudit, audit_faults
+from harness.fleet import Fleet
+from harness.proxy import TcpProxy
+from harness.servers import EtcdServer, NatsServer
+from shoal.consumer.config import GroupConfig
+from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd
+from shoal.consumer.handlers import MSG_ID_HEADER, PROJECT_HEADER, SEQ_HEADER
+from shoal.consumer.jetstream import ensure_group
+from shoal.consumer.ledger import LedgerRecord, read_ledger
+from shoal.consumer.partitioning import partition_for, partition_subject
+from shoal.consumer.status import GroupStatus, read_status
+
+__all__ = ["FaultGroup", "SteadyProducer", "report"]
+
+log = logging.getLogger(__name__)
+
+Server = Literal["etcd", "nats"]
+
+# Short leases keep scenarios short; the protocol does not depend on the value. ack_wait
+# stays below fence_after (TTL - fence margin), as with the defaults.
+TTL = 5
+MEMBER_ENV = {
+    "SHOAL_LEASE_TTL": str(TTL),
+    "SHOAL_KEEPALIVE_INTERVAL": "1",
+    "SHOAL_ACK_WAIT": "2",
+}
+FENCE_AFTER = TTL - 2.0  # GroupConfig's default fence margin is 2 s
+
+
+class SteadyProducer:
+    """Publishes `rate` messages per second over `projects` projects until stopped.
+
+    It never catches up after an outage (a tick whose publishes cannot be sent is
+    skipped), so the load stays what it says. Only messages JetStream acknowledged are
+    promised to the consumers: `acked` maps their ids to the time they were sent.
+    """
+
+    TICK = 0.05
+
+    def __init__(
+        self,
+        js: Any,
+        subject_prefix: str,
+        partitions: int,
+        *,
+        rate: float,
+        projects: int,
+        run: str,
+    ) -> None:
+        self.js = js
+        self.subject_prefix = subject_prefix
+        self.partitions = partitions
+        self.rate = rate
+        self.projects = projects
+        self.run_id = run
+        self.published = 0
+        self.failed = 0
+        self.skipped = 0
+        self.acked: dict[str, float] = {}
+        self.started_at = 0.0
+        self.stopped_at = 0.0
+        self._task: asyncio.Task[None] | None = None
+        self._inflight: set[asyncio.Task[None]] = set()
+        self._subjects = [
+            partition_subject(subject_prefix, partition_for(f"project-{i}", partitions))
+            for i in range(projects)
+        ]
+
+    def start(self) -> None:
+        self.started_at = time.time()
+        self._task = asyncio.create_task(self._run(), name="steady-producer")
+
+    async def stop(self) -> None:
+        """Stop sending and wait for the publishes in flight (each ends within 2 s)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._inflight:
+            await asyncio.gather(*self._inflight, return_exceptions=True)
+        self.stopped_at = time.time()
+
+    async def _one(self, i: int) -> None:
+        project = i % self.projects
+        mid = f"{self.run_id}-{i}"
+        headers = {
+            PROJECT_HEADER: f"project-{project}",
+            MSG_ID_HEADER: mid,
+            SEQ_HEADER: str(i // self.projects),
+        }
+        sent = time.time()
+        try:
+            await self.js.publish(self._subjects[project], b"x", headers=headers, timeout=2)
+        except Exception as exc:  # NATS away: this one is not promised to anyone
+            self.failed += 1
+            log.debug("publish %s failed: %r", mid, exc)
+            return
+        self.acked[mid] = sent
+
+    async def _run(self) -> None:
+        per_tick = max(1, round(self.rate * self.TICK))
+        limit = int(self.rate * 2)  # at most 2 s of publishes awaiting their acks
+        i = 0
+        next_tick = time.monotonic()
+        while True:
+            if len(self._inflight) + per_tick > limit:
+                self.skipped += per_tick
+            else:
+                for _ in range(per_tick):
+                    task = asyncio.create_task(self._one(i))
+                    self._inflight.add(task)
+                    task.add_done_callback(self._inflight.discard)
+                    i += 1
+                    self.published += 1
+            next_tick += self.TICK
+            await asyncio.sleep(max(0.0, next_tick - time.monotonic()))
+
+
+def report(name: str, figures: Mapping[str, Any]) -> str:
+    """One JSON line per scenario: to stdout, and appended to $SHOAL_FAULTS_RESULTS."""
+    line = json.dumps({"scenario": name, **figures}, sort_keys=False, default=str)
+    print(line, flush=True)
+    path = os.environ.get("SHOAL_FAULTS_RESULTS")
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as out:
+            out.write(line + "\n")
+    return line
+
+
+class FaultGroup:
+    """One group (3 members by default) on the given servers, with optional proxies."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        nats_server: NatsServer,
+        etcd_server: EtcdServer,
+        *,
+        members: int = 3,
+        proxied: Mapping[str, Collection[Server]] | None = None,
+        env: Mapping[str, str] | None = None,
+        rate: float = 400,
+        projects: int = 1000,
+        partitions: int = 128,
+    ) -> None:
+        self.workdir = Path(workdir)
+        self.nats_server = nats_server
+        self.etcd_server = etcd_server
+        self.member_ids = [f"m-{i}" for i in range(members)]
+        self.proxied = {m: set(servers) for m, servers in (proxied or {}).items()}
+        self.rate = rate
+        self.projects = projects
+        self.config = GroupConfig(
+            group=f"f{uuid.uuid4().hex[:8]}",
+            namespace="faults",
+            partitions=partitions,
+            nats_url=nats_server.url,
+            etcd_endpoints=etcd_server.endpoint,
+            handler="shoal.consumer.handlers:ledger",
+            ack_wait=float(MEMBER_ENV["SHOAL_ACK_WAIT"]),
+        )
+        self.env = {**MEMBER_ENV, **(env or {})}
+        self.fleet = Fleet.for_config(self.workdir / "members", self.config, env=self.env)
+        self.proxies: dict[tuple[str, Server], TcpProxy] = {}
+        self.etcd = Etcd(etcd_server.endpoint)
+        self.nc: Any = None
+        self.js: Any = None
+        self.producer: SteadyProducer | None = None
+        # Members a scenario stopped on purpose (no longer expected alive at the end).
+        self.gone: set[str] = set()
+
+    # -- set-up and tear-down ------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def start(self, *, settle_timeout: float = 30) -> GroupStatus:
+        """Streams, members (through their proxies), settled; then the producer starts."""
+        await self.etcd.connect(attempts=20)
+        self.nc = await nats.connect(
+            self.nats_server.url,
+            name="fault-harness",
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.2,
+            connect_timeout=2,
+        )
+        self.js = self.nc.jetstream()
+        await ensure_group(self.js, self.config, ledger=True)
+        for member in self.member_ids:
+            self.start_member(member)
+        status = await self.wait_for(self.settled(), settle_timeout, "the group to settle")
+        self.producer = SteadyProducer(
+            self.js,
+            self.config.subject_prefix,
+            self.config.partitions,
+            rate=self.rate,
+            projects=self.projects,
+            run=self.config.group,
+        )
+        self.producer.start()
+        return status
+
+    def start_member(self, member: str) -> None:
+        servers = self.proxied.get(member, set())
+        extra: dict[str, str] = {}
+        if "etcd" in servers:
+            extra["ETCD_ENDPOINTS"] = self._proxy(member, "etcd").address
+        if "nats" in servers:
+            extra["NATS_URL"] = f"nats://{self._proxy(member, 'nats').address}"
+        self.fleet.start(member, **extra)
+        self.gone.discard(member)
+
+    def _proxy(self, member: str, server: Server) -> TcpProxy:
+        key = (member, server)
+        if key not in self.proxies:
+            upstream = self.etcd_server.endpoint if server == "etcd" else self._nats_address()
+            self.proxies[key] = TcpProxy(upstream, name=f"{member}-{server}").start()
+        return self.proxies[key]
+
+    def _nats_address(self) -> str:
+        return self.nats_server.url.removeprefix("nats://")
+
+    def proxy(self, member: str, server: Server) -> TcpProxy:
+        """The proxy between `member` and `server` (the member must be in `proxied`)."""
+        return self.proxies[(member, server)]
+
+    async def close(self) -> None:
+        """Stop everything this group started, whatever state it is in."""
+        try:
+            if self.producer is not None:
+                await asyncio.wait_for(self.producer.stop(), 10)
+        except Exception:
+            log.exception("stopping the producer")
+        self.fleet.close()
+        for proxy in self.proxies.values():
+            proxy.close()
+        if self.nc is not None:
+            try:
+                await asyncio.wait_for(self.nc.close(), 5)
+            except Exception:
+                log.debug("closing NATS", exc_info=True)
+        self.etcd.close()
+
+    # -- observing -----------------------------------------------------------------------
+
+    def alive(self) -> set[str]:
+        return {m for m, member in self.fleet.members.items() if member.alive()}
+
+    def expected(self) -> set[str]:
+        return set(self.member_ids) - self.gone
+
+    async def status(self) -> GroupStatus:
+        c = self.config
+        return await read_status(self.etcd, c.namespace, c.group, c.partitions)
+
+    async def wait_for(
+        self, predicate: Callable[[GroupStatus], bool], timeout: float, what: str
+    ) -> GroupStatus:
+        """Poll the status until predicate holds (etcd errors are retried until timeout)."""
+        deadline = time.monotonic() + timeout
+        last: GroupStatus | None = None
+        while True:
+            try:
+                last = await self.status()
+                if predicate(last):
+                    return last
+            except TRANSIENT_ERRORS as exc:
+                log.debug("status read failed: %s", exc)
+            if time.monotonic() > deadline:
+                state = last.as_dict() if last is not None else "(etcd unreachable)"
+                raise TimeoutError(f"waited {timeout:.0f} s for {what}; last status: {state}")
+            await asyncio.sleep(0.1)
+
+    def settled(self, members: set[str] | None = None) -> Callable[[GroupStatus], bool]:
+        """Exactly these members (default: the expected ones), one leader among them,
+        every partition owned by one of them and claimed by its owner, skew <= 1."""
+
+        def check(status: GroupStatus) -> bool:
+            want = self.expected() if members is None else members
+            return (
+                set(status.members) == want
+                and status.leader in want
+                and not status.unowned
+                and all(owner in want for owner in status.owners.values())
+                and status.claims == status.owners
+                and status.skew <= 1
+            )
+
+        return check
+
+    def partitions_of(self, status: GroupStatus, member: str) -> set[int]:
+        return {p for p, m in status.owners.items() if m == member}
+
+    def log_of(self, member: str) -> str:
+        return self.fleet.members[member].log_text()
+
+    async def wait_log(self, member: str, text: str, timeout: float, *, after: int = 0) -> float:
+        """Wait until `member`'s log shows `text` (past offset `after`); the time it took."""
+        started = time.monotonic()
+        while text not in self.log_of(member)[after:]:
+            if time.monotonic() - started > timeout:
+                raise TimeoutError(f"{member} never logged {text!r} within {timeout:.0f} s")
+            await asyncio.sleep(0.05)
+        return time.monotonic() - started
+
+    # -- the end of every scenario -------------------------------------------------------
+
+    async def records(self) -> list[LedgerRecord]:
+        return await read_ledger(self.js, self.config.ledger_stream)
+
+    async def finish(
+        self, *, settle_timeout: float = 45, drain_timeout: float = 60
+    ) -> dict[str, Any]:
+        """Check what every scenario must show; return the audit's figures.
+
+        The group must settle with every expected member (processes alive, partitions
+        claimed by their owners, one leader, skew <= 1) while the producer still runs;
+        then production stops, the stream drains, and the ledger is audited.
+        """
+        dead = self.expected() - self.alive()
+        assert not dead, f"member processes died: {sorted(dead)}\n{self.fleet.logs()}"
+        settle_started = time.monotonic()
+        final = await self.wait_for(self.settled(), settle_timeout, "the group to settle")
+        settled_in = time.monotonic() - settle_started
+        assert self.producer is not None
+        await self.producer.stop()
+        await self._drained(drain_timeout)
+        result = await self.audit()
+        dead = self.expected() - self.alive()
+        assert not dead, f"member processes died: {sorted(dead)}\n{self.fleet.logs()}"
+        figures: dict[str, Any] = {
+            **result.figures(),
+            "dead_lettered": await self._dead_lettered(),
+            "publish_failed": self.producer.failed,
+            "publish_skipped": self.producer.skipped,
+            "final_settle_s": round(settled_in, 2),
+            "final_members": sorted(final.members),
+            "final_skew": final.skew,
+            "leader": final.leader,
+        }
+        assert result.lost == [], (figures, result.lost[:10])
+        assert result.overlaps == [], (figures, result.overlaps[:10])
+        return figures
+
+    async def audit(self) -> FaultAudit:
+        assert self.producer is not None
+        records = await self.records()
+        window = (self.producer.started_at, self.producer.stopped_at or time.time())
+        return audit_faults(records, self.producer.published, self.producer.acked, window=window)
+
+    async def _drained(self, timeout: float) -> None:
+        """Every message the stream holds was acked (WorkQueue retention removes it)."""
+        deadline = time.monotonic() + timeout
+        left = -1
+        while time.monotonic() < deadline:
+            try:
+                info = await self.js.stream_info(self.config.stream)
+                left = int(info.state.messages)
+                if left == 0:
+                    return
+            except Exception as exc:
+                log.debug("stream info failed: %r", exc)
+            await asyncio.sleep(0.2)
+        raise TimeoutError(
+            f"stream not drained after {timeout:.0f} s: {left} messages left; "
+            f"durables holding them: {await self._stuck_durables()}"
+        )
+
+    async def _dead_lettered(self) -> int:
+        info = await self.js.stream_info(self.config.dlq_stream)
+        return int(info.state.messages)
+
+    async def _stuck_durables(self) -> dict[str, dict[str, int]]:
+        """Per durable with messages left: pending, ack pending, redelivered, waiting pulls."""
+        stuck: dict[str, dict[str, int]] = {}
+        try:
+            for info in await self.js.consumers_info(self.config.stream):
+                pending, acking = int(info.num_pending or 0), int(info.num_ack_pending or 0)
+                if pending or acking:
+                    stuck[info.name] = {
+                        "pending": pending,
+                        "ack_pending": acking,
+                        "redelivered": int(info.num_redelivered or 0),
+                        "waiting": int(info.num_waiting or 0),
+                    }
+        except Exception as exc:
+            log.warning("could not read the durables: %r", exc)
+        return stuck
