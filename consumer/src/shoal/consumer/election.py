@@ -38,6 +38,11 @@ RECHECK_SECONDS = 5.0
 LOAD_GAIN_THRESHOLD = 0.10
 # After a scale-up, how long the leader waits for the new members before rebalancing.
 SCALE_JOIN_WAIT = 15.0
+# A member whose stats say it cannot reach NATS ("nats_ok": false) gets no partitions,
+# but only while another member has reached NATS for at least this long (at least two
+# stats intervals): when NATS as a whole was down, members report its return seconds
+# apart, and the first one back must not take every partition for those seconds.
+NATS_STEADY_SECONDS = 5.0
 
 
 @dataclass
@@ -124,6 +129,8 @@ class Leader:
         # deadline passes) are logged with reason "scale".
         self._scale_expected: tuple[int, float] | None = None
         self._on_change: list[Callable[[bool], None]] = []
+        # Member -> since when (monotonic) we see it reach NATS; None while it cannot.
+        self._nats_ok_since: dict[str, float | None] = {}
 
     def on_leadership(self, callback: Callable[[bool], None]) -> None:
         self._on_change.append(callback)
@@ -146,6 +153,34 @@ class Leader:
             if len(members) == replicas or time.monotonic() >= until:
                 self._scale_expected = None
         return reason
+
+    def _eligible(self) -> set[str]:
+        """The members that may own partitions: the live ones, less those cut from NATS.
+
+        A member that reaches etcd but not NATS keeps its lease, so without this it would
+        keep its partitions, and nobody could consume them until NATS came back to it.
+        When no member has reached NATS steadily (NATS itself is down, or just came
+        back) everyone stays eligible: moving partitions then would only add churn.
+        """
+        stats = self.view.members()
+        now = time.monotonic()
+        steady = max(NATS_STEADY_SECONDS, 2 * self.config.keepalive_interval)
+        for member in list(self._nats_ok_since):
+            if member not in stats:
+                del self._nats_ok_since[member]
+        cut: set[str] = set()
+        for member, data in stats.items():
+            if data.get("nats_ok", True) is False:
+                cut.add(member)
+                self._nats_ok_since[member] = None
+            elif self._nats_ok_since.get(member) is None:
+                self._nats_ok_since[member] = now
+        healthy = any(
+            since is not None and now - since >= steady for since in self._nats_ok_since.values()
+        )
+        if cut and healthy:
+            return set(stats) - cut
+        return set(stats)
 
     def _still_leader(self) -> bool:
         current = self.view.leader()
@@ -200,12 +235,12 @@ class Leader:
         try:
             while self._still_leader() and not self.resigning:
                 changed = self.view.change_event()
-                members = set(self.view.members())
+                members = self._eligible()
                 if members != applied_members or first:
                     await self._settle()
                     if not self._still_leader() or self.resigning:
                         break
-                    members = set(self.view.members())
+                    members = self._eligible()
                     if members:
                         ok = await self._rebalance(members, applied_members, first)
                         if not ok:
@@ -263,10 +298,10 @@ class Leader:
         """
         started = time.monotonic()
         deadline = started + 5 * self.config.debounce
-        last = set(self.view.members())
+        last = self._eligible()
         while time.monotonic() < deadline or self._awaiting_scale_up(last, started):
             await asyncio.sleep(self.config.debounce)
-            now = set(self.view.members())
+            now = self._eligible()
             if now == last and not self._awaiting_scale_up(now, started):
                 return
             last = now

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from typing import Any
 
 import nats
@@ -110,6 +111,57 @@ async def connect(
 
 async def _quiet(exc: Exception) -> None:
     pass
+
+
+JS_INFO_SUBJECT = "$JS.API.INFO"
+
+
+class NatsHealth:
+    """Whether this member can reach JetStream, from a round trip every `interval`.
+
+    nats-py alone cannot tell: on a silent network (a partition, a blackhole) it keeps
+    the connection "connected" until ping_interval x max_outstanding_pings (4 minutes by
+    default), buffering publishes and letting every request time out. A member that can
+    reach etcd but not NATS must give its partitions up (DESIGN "Faults"), so it has to
+    know within seconds: `reachable()` turns false `grace` seconds after the last round
+    trip that succeeded.
+    """
+
+    def __init__(self, nc: Any, *, interval: float = 1.0, grace: float = 3.0) -> None:
+        self.nc = nc
+        self.interval = interval
+        self.grace = grace
+        self._ok_at = time.monotonic()
+
+    def reachable(self) -> bool:
+        return time.monotonic() - self._ok_at < self.grace
+
+    async def run(self) -> None:
+        was = True
+        while True:
+            started = time.monotonic()
+            try:
+                # A JetStream API request, not nc.flush(): the answer proves JetStream
+                # serves us, and a late answer to a timed-out request is just dropped.
+                # (nats-py 2.x crashes its read loop on a PONG for a flush that timed
+                # out, leaving a connection that writes but never reads again.)
+                await self.nc.request(JS_INFO_SUBJECT, b"", timeout=self.interval)
+                self._ok_at = started
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # nats-py raises several unrelated types here
+                log.debug("NATS round trip failed: %r", exc)
+            now = self.reachable()
+            if now != was:
+                was = now
+                if now:
+                    log.info("NATS reachable again")
+                else:
+                    log.warning(
+                        "NATS unreachable for %.0f s: giving this member's partitions up",
+                        self.grace,
+                    )
+            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
 
 
 def consumer_config(config: GroupConfig, partition: int) -> api.ConsumerConfig:

@@ -27,7 +27,7 @@ from shoal.consumer.deadletter import ExhaustedMessages
 from shoal.consumer.election import GenerationRecord, Leader
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.handlers import load_handler
-from shoal.consumer.jetstream import connect, ensure_group, partition_lag
+from shoal.consumer.jetstream import NatsHealth, connect, ensure_group, partition_lag
 from shoal.consumer.kube import GroupObject
 from shoal.consumer.membership import Membership
 from shoal.consumer.metrics import Metrics
@@ -60,6 +60,7 @@ class ConsumerProcess:
         self.autoscaler: Autoscaler | None = None
         self.nc: Any = None
         self.js: Any = None
+        self.nats_health: NatsHealth | None = None
         self.metrics_port: int | None = None
         self.stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
@@ -72,6 +73,8 @@ class ConsumerProcess:
             "lag": self.lag,
             "pid": os.getpid(),
             "ts": round(time.time(), 3),
+            # The leader gives no partitions to a member that cannot reach NATS.
+            "nats_ok": self.nats_health is None or self.nats_health.reachable(),
         }
         if self.worker is not None:
             stats.update(self.worker.stats())
@@ -163,10 +166,19 @@ class ConsumerProcess:
             c.nats_url, name=f"shoal-{c.group}-{c.member_id}", creds_file=c.nats_creds_file
         )
         self.js = self.nc.jetstream()
+        self.nats_health = NatsHealth(self.nc)
         if c.ensure_jetstream:
             await ensure_group(self.js, c, ledger=c.handler.endswith(":ledger"))
         self.worker = Worker(
-            c, self.etcd, self.view, self.membership, self.nc, self.js, self.handler, self.metrics
+            c,
+            self.etcd,
+            self.view,
+            self.membership,
+            self.nc,
+            self.js,
+            self.handler,
+            self.metrics,
+            nats_reachable=self.nats_health.reachable,
         )
         self.exhausted = ExhaustedMessages(c, self.nc, self.js, self.leader)
         self._tasks.append(asyncio.create_task(self.view.run(), name="view"))
@@ -180,6 +192,7 @@ class ConsumerProcess:
             asyncio.create_task(self._lag_loop(), name="lag"),
             asyncio.create_task(self._publish_generations(), name="assignment-log"),
             asyncio.create_task(self.exhausted.run(), name="exhausted-messages"),
+            asyncio.create_task(self.nats_health.run(), name="nats-health"),
         ]
         if c.autoscaler == "kubernetes":
             self._start_autoscaler()

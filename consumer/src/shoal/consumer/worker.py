@@ -21,6 +21,7 @@ import json
 import logging
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from typing import Any
 
 from shoal.consumer.config import GroupConfig
@@ -217,6 +218,10 @@ class PartitionRunner:
         """Return a fetched but unstarted message to JetStream for the next owner."""
         if self.fenced:
             return  # the partition may be someone else's now: touch nothing
+        if not self.worker.nats_reachable():
+            # A nak request would wait out its timeout (5 s per message) on a dead
+            # connection; unacked, the message is redelivered after ack_wait anyway.
+            return
         try:
             if int(msg.metadata.num_delivered) >= self.worker.config.max_deliver:
                 # A nak of its last delivery would strand it: JetStream would not
@@ -325,8 +330,13 @@ class Worker:
         js: Any,
         handler: Handler,
         metrics: Metrics,
+        *,
+        nats_reachable: Callable[[], bool] | None = None,
     ) -> None:
         self.config = config
+        # False while NATS does not answer (jetstream.NatsHealth): the leader then moves
+        # our partitions away, and releasing them must not wait on NATS round trips.
+        self.nats_reachable: Callable[[], bool] = nats_reachable or (lambda: True)
         self.etcd = etcd
         self.view = view
         self.membership = membership
@@ -484,8 +494,14 @@ class Worker:
         """The runner stopped fetching: make acks durable, then let the partition go."""
         p = runner.partition
         if not runner.fenced:
+            # Without NATS the flush can only time out: release at once, so that a member
+            # cut from NATS hands its partitions over in seconds. Acks it could not
+            # deliver mean redeliveries (at-least-once), never a loss.
             try:
-                await self.nc.flush(timeout=5)
+                if self.nats_reachable():
+                    await self.nc.flush(timeout=5)
+                else:
+                    log.warning("Releasing partition %d without flushing acks: NATS is away", p)
             except Exception:
                 log.warning("Flushing acks before releasing partition %d failed", p)
             try:
