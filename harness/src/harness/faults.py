@@ -24,6 +24,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import time
 import uuid
 from collections.abc import Callable, Collection, Mapping
@@ -36,7 +37,7 @@ import nats
 from harness.audit import FaultAudit, audit_faults
 from harness.fleet import Fleet
 from harness.proxy import TcpProxy
-from harness.servers import EtcdServer, NatsServer
+from harness.servers import EtcdServer, NatsServer, ServerProcess
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd
 from shoal.consumer.handlers import MSG_ID_HEADER, PROJECT_HEADER, SEQ_HEADER
@@ -45,7 +46,7 @@ from shoal.consumer.ledger import LedgerRecord, read_ledger
 from shoal.consumer.partitioning import partition_for, partition_subject
 from shoal.consumer.status import GroupStatus, read_status
 
-__all__ = ["FaultGroup", "SteadyProducer", "report"]
+__all__ = ["FaultGroup", "SteadyProducer", "freeze", "report", "thaw"]
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +151,17 @@ class SteadyProducer:
             await asyncio.sleep(max(0.0, next_tick - time.monotonic()))
 
 
+def freeze(server: ServerProcess) -> None:
+    """SIGSTOP a server (its whole process group): it keeps its sockets and says nothing."""
+    if server.pid is not None:
+        os.killpg(server.pid, signal.SIGSTOP)
+
+
+def thaw(server: ServerProcess) -> None:
+    if server.pid is not None:
+        os.killpg(server.pid, signal.SIGCONT)
+
+
 def report(name: str, figures: Mapping[str, Any]) -> str:
     """One JSON line per scenario: to stdout, and appended to $SHOAL_FAULTS_RESULTS."""
     line = json.dumps({"scenario": name, **figures}, sort_keys=False, default=str)
@@ -217,8 +229,11 @@ class FaultGroup:
     ) -> None:
         await self.close()
 
-    async def start(self, *, settle_timeout: float = 30) -> GroupStatus:
-        """Streams, members (through their proxies), settled; then the producer starts."""
+    async def start(self, *, leader: str | None = None, settle_timeout: float = 30) -> GroupStatus:
+        """Streams, members (through their proxies), settled; then the producer starts.
+
+        With `leader`, that member starts first and leads.
+        """
         await self.etcd.connect(attempts=20)
         self.nc = await nats.connect(
             self.nats_server.url,
@@ -229,8 +244,13 @@ class FaultGroup:
         )
         self.js = self.nc.jetstream()
         await ensure_group(self.js, self.config, ledger=True)
+        if leader is not None:
+            # Start it alone first, so that it is the one elected.
+            self.start_member(leader)
+            await self.wait_for(lambda s: s.leader == leader, settle_timeout, f"{leader} to lead")
         for member in self.member_ids:
-            self.start_member(member)
+            if member != leader:
+                self.start_member(member)
         status = await self.wait_for(self.settled(), settle_timeout, "the group to settle")
         self.producer = SteadyProducer(
             self.js,
