@@ -182,6 +182,17 @@ class Leader:
             return set(stats) - cut
         return set(stats)
 
+    def _leader_key_is_ours(self) -> bool:
+        """The leader key names us and lives on our current lease."""
+        current = self.view.leader()
+        kv = self.view.kvs.get(self.config.keys.leader)
+        return (
+            current is not None
+            and current.member == self.config.member_id
+            and kv is not None
+            and kv.lease == self.membership.lease_id
+        )
+
     def _still_leader(self) -> bool:
         current = self.view.leader()
         return (
@@ -198,7 +209,19 @@ class Leader:
             changed = self.view.change_event()
             # A member on its way out must not take over a group it is leaving.
             eligible = self.membership.safe() and not self.membership.leaving
-            if eligible and self.view.leader() is None:
+            if eligible and self._leader_key_is_ours():
+                # We stopped leading when we were fenced for a moment, but the lease
+                # survived and the leader key with it: nobody else can campaign while it
+                # exists, so unless we lead again nobody leads (no rebalance after a
+                # crash, no autoscaling, no dead-letter sweep) until this pod restarts.
+                # No one else can have led meanwhile: the key's create_revision, our
+                # epoch, is unchanged.
+                current = self.view.leader()
+                assert current is not None
+                log.info("Leading again under epoch %d (the lease survived)", current.epoch)
+                self.epoch = current.epoch
+                await self._lead()
+            elif eligible and self.view.leader() is None:
                 try:
                     # The create_revision of the key we created is our epoch.
                     epoch = await self.etcd.create_returning_revision(
@@ -254,10 +277,20 @@ class Leader:
                         log.info("Rebalancing for load: busiest member %.0f%% lighter", gain * 100)
                         if not await self._rebalance(members, applied_members, first):
                             break
+                # Also wake when our lease is in doubt (membership.changed): a leader cut
+                # from etcd sees no view changes, and must stop leading at the fence.
+                fenced = self.membership.changed
+                waiters = [
+                    asyncio.ensure_future(changed.wait()),
+                    asyncio.ensure_future(fenced.wait()),
+                ]
                 try:
-                    await asyncio.wait_for(changed.wait(), RECHECK_SECONDS)
-                except TimeoutError:
-                    pass
+                    await asyncio.wait(
+                        waiters, timeout=RECHECK_SECONDS, return_when=asyncio.FIRST_COMPLETED
+                    )
+                finally:
+                    for waiter in waiters:
+                        waiter.cancel()
         finally:
             self._set_leader(False)
             log.info(

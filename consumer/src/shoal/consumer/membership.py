@@ -76,8 +76,30 @@ class Membership:
         self.changed.set()
         self.changed = asyncio.Event()
 
+    async def _watch_fence(self) -> None:
+        """Signal `changed` the moment safe() turns false.
+
+        The keep-alive loop below notices only between its own waits (a sleep, then a
+        keep-alive that may hang for as long again), up to two intervals late; whoever
+        must stop at the fence (the worker, the leader) waits on `changed`.
+        """
+        was_safe = self.safe()
+        while True:
+            left = self.config.fence_after - (time.monotonic() - self._renewed_at)
+            await asyncio.sleep(min(max(left, 0.0) + 0.01, self.config.keepalive_interval))
+            if self.safe() != was_safe:
+                was_safe = self.safe()
+                self._signal()
+
     async def run(self) -> None:
         """Keep the lease alive and the stats fresh; re-join when the lease was lost."""
+        watcher = asyncio.create_task(self._watch_fence(), name="fence-watch")
+        try:
+            await self._keep_alive()
+        finally:
+            watcher.cancel()
+
+    async def _keep_alive(self) -> None:
         was_safe = True
         while True:
             await asyncio.sleep(self.config.keepalive_interval)
