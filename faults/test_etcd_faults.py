@@ -132,7 +132,8 @@ async def test_etcd_down_longer_than_ttl(
     figures["restarted_members"] = sorted(
         m for m, member in g.fleet.members.items() if member.pid != pids[m] or not member.alive()
     )
-    victim = next(m for m in g.member_ids if m != (await g.status()).leader)
+    leader = (await g.status()).leader
+    victim = next(m for m in g.member_ids if m != leader)
     await crash_is_rebalanced(g, victim, figures)
     await asyncio.sleep(2)
     figures.update(await g.finish())
