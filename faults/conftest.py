@@ -8,14 +8,27 @@ ends, passed or failed.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from harness.faults import FaultGroup
+from harness.faults import FaultGroup, report
 from harness.servers import EtcdServer, NatsServer
+
+_OUTCOME = pytest.StashKey[pytest.TestReport]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Keep the test's own outcome where its fixtures' teardown can read it."""
+    rep = yield
+    if rep.when == "call":
+        item.stash[_OUTCOME] = rep
+    return rep
 
 
 @pytest.fixture
@@ -40,9 +53,16 @@ def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
 
 @pytest.fixture
 async def make_group(
-    tmp_path: Path, nats_server: NatsServer, etcd_server: EtcdServer
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    nats_server: NatsServer,
+    etcd_server: EtcdServer,
 ) -> AsyncIterator[Callable[..., FaultGroup]]:
-    """FaultGroup(...) on this scenario's servers; closed at the end whatever happened."""
+    """FaultGroup(...) on this scenario's servers; closed at the end whatever happened.
+
+    A group with a name has its figures reported (one JSON line) with the outcome,
+    failed scenarios included.
+    """
     groups: list[FaultGroup] = []
 
     def make(**kwargs: Any) -> FaultGroup:
@@ -55,3 +75,13 @@ async def make_group(
     finally:
         for group in groups:
             await group.close()
+        outcome = request.node.stash.get(_OUTCOME, None)
+        for group in groups:
+            if group.name is not None:
+                figures: dict[str, Any] = {
+                    "passed": outcome is not None and outcome.passed,
+                    **group.figures,
+                }
+                if outcome is not None and outcome.failed:
+                    figures["failure"] = str(outcome.longrepr).splitlines()[-1][:300]
+                report(group.name, figures)

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import time
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 
-from harness.faults import TTL, FaultGroup, report
+from harness.faults import TTL, FaultGroup
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.timeout(240)]
 
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.timeout(240)]
 async def test_leader_sigstop_25s(make_group: Callable[..., FaultGroup]) -> None:
     """Bound: a new leader; the old one writes nothing after SIGCONT (its epoch is stale)."""
     old = "m-0"
-    g = make_group()
+    g = make_group(name="leader SIGSTOP 25 s")
     before = await g.start(leader=old)
     old_epoch = before.epoch
     await asyncio.sleep(3)
@@ -52,21 +52,21 @@ async def test_leader_sigstop_25s(make_group: Callable[..., FaultGroup]) -> None
         if kv.mod_revision > revision and json.loads(kv.value).get("epoch") == old_epoch
     ]
     wrote = [line for line in g.log_of(old)[offset:].splitlines() if "Wrote generation" in line]
-    figures: dict[str, Any] = {
+    figures = g.figures
+    figures |= {
         "new_leader_s": round(new_leader_s, 2),
         "new_leader": new.leader,
         "partitions_moved_s": round(moved_s, 2),
         "old_leader_writes_after_sigcont": len(stale) + len(wrote),
     }
-    figures.update(await g.finish())
-    report("leader SIGSTOP 25 s", figures)
+    await g.finish()
     assert new.epoch is not None and old_epoch is not None and new.epoch > old_epoch
     assert stale == [] and wrote == [], (stale, wrote)
 
 
 async def test_rolling_restart_under_load(make_group: Callable[..., FaultGroup]) -> None:
     """Bound: 0 duplicates, 0 order inversions, no partition paused more than 3 s."""
-    g = make_group()
+    g = make_group(name="rolling restart of every member under load")
     await g.start()
     await asyncio.sleep(3)
     started = time.monotonic()
@@ -82,13 +82,51 @@ async def test_rolling_restart_under_load(make_group: Callable[..., FaultGroup])
         g.start_member(member)
         await g.wait_for(g.settled(), 30, f"the group to settle after restarting {member}")
         await asyncio.sleep(1)
-    figures: dict[str, Any] = {"rolling_restart_s": round(time.monotonic() - started, 2)}
+    figures = g.figures
+    figures |= {"rolling_restart_s": round(time.monotonic() - started, 2)}
     await asyncio.sleep(2)
-    figures.update(await g.finish())
-    report("rolling restart of every member under load", figures)
+    await g.finish()
     assert figures["duplicates"] == 0, figures
     assert figures["order_inversions"] == 0, figures
     # A paused partition shows as waiting messages: the longest publish-to-processing
     # wait bounds every pause (the gap between two records of one partition also counts
     # the producer's own spacing, up to 2.5 s at 400 msg/s over 1,000 projects).
     assert figures["max_latency_s"] <= 3, figures
+
+
+async def test_handler_longer_than_drain_timeout_then_sigterm(
+    make_group: Callable[..., FaultGroup],
+) -> None:
+    """Bound: no overlap with the next owner (the handler stops before the partition
+    is handed over, although it is not done)."""
+    victim = "m-2"
+    g = make_group(
+        name="a handler running longer than the drain timeout, then SIGTERM",
+        handler="harness.handlers:slow_ledger",
+        env={"SHOAL_DRAIN_TIMEOUT": "2"},
+    )
+    await g.start(leader="m-0")
+    await asyncio.sleep(2)
+    offset = len(g.log_of(victim))
+    # Cancelled, it takes 0.5 s to stop: a shutdown that does not wait for it before
+    # handing the partition over lets the next owner start meanwhile.
+    mid, partition = await g.publish_slow(victim, 8, cleanup=0.5)
+    await g.wait_log(victim, "Slow message", 10, after=offset)
+    g.fleet.term(victim)
+    g.gone.add(victim)
+    code = await asyncio.to_thread(g.fleet.wait_exit, victim, 30)
+    found = re.search(rf"Slow message {mid} stopped at ([0-9.]+)", g.log_of(victim)[offset:])
+    assert found is not None, g.log_of(victim)[offset:][-3000:]
+    handler_end = float(found.group(1))
+    await asyncio.sleep(3)
+    figures = g.figures
+    figures["victim_exit_code"] = code
+    await g.finish()
+    others = [r for r in await g.records() if r.partition == partition and r.member != victim]
+    assert g.producer is not None
+    sent = g.producer.acked[mid]
+    next_start = min((r.started for r in others if r.started > sent), default=None)
+    assert next_start is not None
+    figures["handler_end_before_next_owner_s"] = round(next_start - handler_end, 3)
+    assert code == 0
+    assert handler_end < next_start, figures

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import pytest
 
 from harness.audit import resumed_after
-from harness.faults import FaultGroup, report
+from harness.faults import FaultGroup
 from harness.servers import NatsServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.timeout(240)]
@@ -24,7 +24,7 @@ async def test_nats_kill_9_and_restart_after_6s(
     make_group: Callable[..., FaultGroup], nats_server: NatsServer
 ) -> None:
     """Bound: every partition consumed again within 10 s of the restart."""
-    g = make_group()
+    g = make_group(name="nats kill -9, restart after 6 s")
     await g.start()
     await asyncio.sleep(3)
     nats_server.kill()
@@ -32,10 +32,9 @@ async def test_nats_kill_9_and_restart_after_6s(
     nats_server.start()
     restarted = time.time()
     await asyncio.sleep(12)
-    figures = await g.finish()
+    figures = await g.finish()  # g.figures, the audit's added
     worst, _ = resumed_after(await g.records(), restarted, range(g.config.partitions))
     figures["resumed_after_restart_s"] = round(worst, 2)
-    report("nats kill -9, restart after 6 s", figures)
     assert worst <= 10, figures
 
 
@@ -43,7 +42,7 @@ async def test_member_cut_from_nats_30s(make_group: Callable[..., FaultGroup]) -
     """Bound: its partitions move to healthy members within 20 s; it takes work again
     after the heal."""
     victim = "m-2"
-    g = make_group(proxied={victim: ("nats",)})
+    g = make_group(name="one member cut from NATS (blackhole) 30 s", proxied={victim: ("nats",)})
     await g.start()
     await asyncio.sleep(3)
     before = await g.status()
@@ -71,7 +70,7 @@ async def test_member_cut_from_nats_30s(make_group: Callable[..., FaultGroup]) -
     )
     back_in = time.time() - healed
     await asyncio.sleep(3)
-    figures = await g.finish()
+    figures = await g.finish()  # g.figures, the audit's added
     worst, _ = resumed_after(await g.records(), cut, lost_partitions, not_by=victim)
     figures.update(
         victim_partitions=len(lost_partitions),
@@ -79,5 +78,4 @@ async def test_member_cut_from_nats_30s(make_group: Callable[..., FaultGroup]) -
         consumed_elsewhere_s=round(worst, 2),
         took_work_after_heal_s=round(back_in, 2),
     )
-    report("one member cut from NATS (blackhole) 30 s", figures)
     assert worst <= 20, figures

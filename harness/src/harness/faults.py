@@ -36,6 +36,7 @@ import nats
 
 from harness.audit import FaultAudit, audit_faults
 from harness.fleet import Fleet
+from harness.handlers import SLEEP_PREFIX
 from harness.proxy import TcpProxy
 from harness.servers import EtcdServer, NatsServer, ServerProcess
 from shoal.consumer.config import GroupConfig
@@ -189,6 +190,8 @@ class FaultGroup:
         rate: float = 400,
         projects: int = 1000,
         partitions: int = 128,
+        handler: str = "shoal.consumer.handlers:ledger",
+        name: str | None = None,
     ) -> None:
         self.workdir = Path(workdir)
         self.nats_server = nats_server
@@ -203,7 +206,7 @@ class FaultGroup:
             partitions=partitions,
             nats_url=nats_server.url,
             etcd_endpoints=etcd_server.endpoint,
-            handler="shoal.consumer.handlers:ledger",
+            handler=handler,
             ack_wait=float(MEMBER_ENV["SHOAL_ACK_WAIT"]),
         )
         self.env = {**MEMBER_ENV, **(env or {})}
@@ -215,6 +218,10 @@ class FaultGroup:
         self.producer: SteadyProducer | None = None
         # Members a scenario stopped on purpose (no longer expected alive at the end).
         self.gone: set[str] = set()
+        # What the scenario measured; the suite reports it (one JSON line, see report())
+        # whether the scenario passed or not.
+        self.name = name
+        self.figures: dict[str, Any] = {}
 
     # -- set-up and tear-down ------------------------------------------------------------
 
@@ -304,6 +311,30 @@ class FaultGroup:
                 log.debug("closing NATS", exc_info=True)
         self.etcd.close()
 
+    async def publish_slow(
+        self, member: str, seconds: float, cleanup: float = 0.0
+    ) -> tuple[str, int]:
+        """One message that takes `seconds` (harness.handlers:slow_ledger; `cleanup` more
+        to stop when cancelled) on a partition `member` owns now; it counts as acked like
+        the producer's. Its id and partition."""
+        owned = self.partitions_of(await self.status(), member)
+        project = next(
+            f"slow-{k}"
+            for k in range(100_000)
+            if partition_for(f"slow-{k}", self.config.partitions) in owned
+        )
+        partition = partition_for(project, self.config.partitions)
+        mid = f"{self.config.group}-slow-{uuid.uuid4().hex[:6]}"
+        sent = time.time()
+        await self.js.publish(
+            partition_subject(self.config.subject_prefix, partition),
+            SLEEP_PREFIX + f"{seconds}:{cleanup}".encode(),
+            headers={PROJECT_HEADER: project, MSG_ID_HEADER: mid},
+        )
+        assert self.producer is not None
+        self.producer.acked[mid] = sent
+        return mid, partition
+
     # -- observing -----------------------------------------------------------------------
 
     def alive(self) -> set[str]:
@@ -374,7 +405,7 @@ class FaultGroup:
     async def finish(
         self, *, settle_timeout: float = 45, drain_timeout: float = 60
     ) -> dict[str, Any]:
-        """Check what every scenario must show; return the audit's figures.
+        """Check what every scenario must show; return `figures`, the audit's added.
 
         The group must settle with every expected member (processes alive, partitions
         claimed by their owners, one leader, skew <= 1) while the producer still runs;
@@ -391,16 +422,19 @@ class FaultGroup:
         result = await self.audit()
         dead = self.expected() - self.alive()
         assert not dead, f"member processes died: {sorted(dead)}\n{self.fleet.logs()}"
-        figures: dict[str, Any] = {
-            **result.figures(),
-            "dead_lettered": await self._dead_lettered(),
-            "publish_failed": self.producer.failed,
-            "publish_skipped": self.producer.skipped,
-            "final_settle_s": round(settled_in, 2),
-            "final_members": sorted(final.members),
-            "final_skew": final.skew,
-            "leader": final.leader,
-        }
+        figures = self.figures
+        figures.update(
+            {
+                **result.figures(),
+                "dead_lettered": await self._dead_lettered(),
+                "publish_failed": self.producer.failed,
+                "publish_skipped": self.producer.skipped,
+                "final_settle_s": round(settled_in, 2),
+                "final_members": sorted(final.members),
+                "final_skew": final.skew,
+                "leader": final.leader,
+            }
+        )
         assert result.lost == [], (figures, result.lost[:10])
         assert result.overlaps == [], (figures, result.overlaps[:10])
         return figures

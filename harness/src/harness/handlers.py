@@ -1,0 +1,58 @@
+"""Handlers for fault scenarios (members run them as `harness.handlers:<name>`).
+
+`slow_ledger` is the `ledger` handler of shoal.consumer.handlers with two differences a
+scenario needs: a message whose data is ``sleep:<seconds>[:<cleanup>]`` takes that long
+(and, when cancelled, `cleanup` seconds more to stop), and the
+record is published without `msg.ensure_owned()`. It models a handler whose side effect
+is not guarded, so the ledger shows when such a handler ran on after its member lost
+the partition (the overlap a fence or a shutdown must prevent by stopping the handler,
+since not every handler guards itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+from shoal.consumer.handlers import SEQ_HEADER, Message
+from shoal.consumer.partitioning import ledger_subject
+
+__all__ = ["SLEEP_PREFIX", "slow_ledger"]
+
+log = logging.getLogger(__name__)
+
+SLEEP_PREFIX = b"sleep:"
+
+
+async def slow_ledger(msg: Message) -> None:
+    started = time.time()
+    if msg.data.startswith(SLEEP_PREFIX):
+        seconds, _, cleanup = msg.data[len(SLEEP_PREFIX) :].decode().partition(":")
+        log.info("Slow message %s: %s s", msg.message_id, seconds)
+        try:
+            await asyncio.sleep(float(seconds))
+        except asyncio.CancelledError:
+            # Stopping takes time too (say, rolling a transaction back): `cleanup` s.
+            await asyncio.sleep(float(cleanup or 0))
+            # When it stopped, for scenarios that compare it with the next owner's start.
+            log.warning("Slow message %s stopped at %.3f (cancelled)", msg.message_id, time.time())
+            raise
+        log.info("Slow message %s stopped at %.3f (done)", msg.message_id, time.time())
+    seq = msg.headers.get(SEQ_HEADER, "")
+    record = {
+        "project_id": msg.project_id,
+        "message_id": msg.message_id,
+        "seq": int(seq) if seq.isdigit() else None,
+        "partition": msg.partition,
+        "member": msg.context.member_id,
+        "delivery_count": msg.delivery_count,
+        "stream_sequence": msg.stream_sequence,
+        "started": started,
+        "finished": time.time(),
+    }
+    await msg.context.js.publish(
+        ledger_subject(msg.context.subject_prefix, msg.partition),
+        json.dumps(record, separators=(",", ":")).encode(),
+    )
