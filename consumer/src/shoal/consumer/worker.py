@@ -90,6 +90,7 @@ class PartitionRunner:
         self.fenced = False
         self.first_message_seen = False
         self.inflight = 0
+        self.handler_cancelled = False
         self.stop_requested_at = 0.0
         self.task: asyncio.Task[None] | None = None
 
@@ -100,6 +101,24 @@ class PartitionRunner:
     def fence(self) -> None:
         self.stopping = True
         self.fenced = True
+        # A handler still running must stop now, not when it is done: fencing happens
+        # fence_margin before our lease can expire, and once it has, the next owner
+        # starts the partition. Left running, the handler would overlap with it, and
+        # its in-progress acks would keep JetStream from redelivering the message (so
+        # the next owner would also start on the later messages first). Cancelled, it
+        # stops at its next await; the message is redelivered after ack_wait.
+        # Not from inside the runner (it raises Fenced itself), and only once: a second
+        # cancel could interrupt the bookkeeping in run()'s finally.
+        task = self.task
+        if (
+            self.inflight
+            and not self.handler_cancelled
+            and task is not None
+            and task is not asyncio.current_task()
+        ):
+            self.handler_cancelled = True
+            task.cancel()
+            log.warning("Fenced: cancelled the handler running on partition %d", self.partition)
 
     async def run(self) -> None:
         w = self.worker
@@ -528,7 +547,17 @@ class Worker:
         while (self.runners or self.claiming) and time.monotonic() < deadline:
             self._reconcile()
             await asyncio.sleep(0.05)
-        return not self.runners
+        drained = not self.runners
+        if not drained:
+            # Handlers that outlived the drain timeout: stop them (as a fence does)
+            # before the caller revokes the lease and so hands the partitions to the
+            # next owners, which must not start while these still run.
+            for runner in list(self.runners.values()):
+                runner.fence()
+            stopped_by = time.monotonic() + 2.0
+            while self.runners and time.monotonic() < stopped_by:
+                await asyncio.sleep(0.05)
+        return drained
 
     def owned(self) -> list[int]:
         return sorted(self.runners)
