@@ -552,11 +552,11 @@ class Worker:
             # Handlers that outlived the drain timeout: stop them (as a fence does)
             # before the caller revokes the lease and so hands the partitions to the
             # next owners, which must not start while these still run.
+            tasks = [r.task for r in self.runners.values() if r.task is not None]
             for runner in list(self.runners.values()):
                 runner.fence()
-            stopped_by = time.monotonic() + 2.0
-            while self.runners and time.monotonic() < stopped_by:
-                await asyncio.sleep(0.05)
+            if tasks:
+                await asyncio.wait(tasks, timeout=2.0)
         return drained
 
     def owned(self) -> list[int]:
