@@ -178,3 +178,87 @@ async def test_long_handler_on_member_cut_from_etcd(
     figures.update(await g.finish(drain_timeout=90))
     slow = [r for r in await g.records() if r.message_id == mid]
     figures["slow_message_runs"] = [(r.member, round(r.finished - r.started, 1)) for r in slow]
+
+
+# The defaults (TTL 10 s, keep-alive every 3 s, fence after 8 s): "slow" means slower
+# than a keep-alive interval, yet well inside the fence.
+DEFAULT_TIMING = {"SHOAL_LEASE_TTL": "10", "SHOAL_KEEPALIVE_INTERVAL": "3"}
+
+
+async def test_one_slow_etcd_keepalive(make_group: Callable[..., FaultGroup]) -> None:
+    """Bound: nothing fenced, nothing moved or reordered, when for one keep-alive
+    interval every etcd call of one member takes 3.5 s."""
+    victim = "m-2"
+    g = make_group(
+        name="one slow etcd keep-alive (3.5 s)", proxied={victim: ("etcd",)}, env=DEFAULT_TIMING
+    )
+    await g.start(leader="m-0")
+    await asyncio.sleep(4)
+    before = await g.status()
+    offset = len(g.log_of(victim))
+    g.proxy(victim, "etcd").delay(3.5)
+    await asyncio.sleep(3)  # one keep-alive interval: one keep-alive (at least) is slow
+    g.proxy(victim, "etcd").delay(0)
+    await asyncio.sleep(12)  # past the fence the slow keep-alive could have caused
+    after = await g.status()
+    log = g.log_of(victim)[offset:]
+    figures = g.figures
+    figures |= {
+        "keepalive_failures": log.count("Lease keep-alive failed"),
+        # Whatever logged it: the fence watch, or the keep-alive loop finding the lease
+        # safe again after it had not been.
+        "fenced": "Fenced" in log or "keep-alive recovered" in log,
+        "partitions_moved": sum(1 for p, m in after.owners.items() if before.owners.get(p) != m),
+    }
+    await g.finish()
+    assert not figures["fenced"], log[-3000:]
+    assert figures["partitions_moved"] == 0, figures
+    assert figures["order_inversions"] == 0, figures
+
+
+async def test_etcd_error_on_claim_release(make_group: Callable[..., FaultGroup]) -> None:
+    """Bound: a claim whose release failed on an etcd error is released on a retry (the
+    lease is alive, so waiting for it to expire would wait forever)."""
+    victim = "m-2"
+    g = make_group(name="etcd error on a claim release", proxied={victim: ("etcd",)})
+    await g.start(leader="m-0")
+    await asyncio.sleep(2)
+    generation = (await g.status()).generation
+    # A fourth member joins: the victim must release some partitions to it, while its
+    # connections to etcd are being reset.
+    g.member_ids.append("m-3")
+    g.start_member("m-3")
+    await g.wait_for(lambda s: s.generation > generation, 20, "the join's generation")
+    g.proxy(victim, "etcd").reset()
+    await asyncio.sleep(1.5)
+    g.proxy(victim, "etcd").pass_through()
+    healed = time.monotonic()
+    await g.wait_for(g.settled(), 20, "every moved partition to be released and claimed")
+    figures = g.figures
+    figures["settled_after_heal_s"] = round(time.monotonic() - healed, 2)
+    figures["release_failures"] = g.log_of(victim).count("Could not delete claim")
+    await g.finish()
+
+
+async def test_etcd_error_on_assignment_write(make_group: Callable[..., FaultGroup]) -> None:
+    """Bound: an assignment write that failed on an etcd error is applied on a retry
+    (not taken as written: the targets would name a dead member until the next
+    membership change)."""
+    leader = "m-0"
+    g = make_group(name="etcd error on an assignment write", proxied={leader: ("etcd",)})
+    await g.start(leader=leader)
+    await asyncio.sleep(2)
+    g.fleet.kill("m-2")
+    g.gone.add("m-2")
+    # When the crashed member's key expires, the leader rebalances (after its debounce,
+    # 0.5 s): its connections to etcd are being reset then.
+    await g.wait_for(lambda s: "m-2" not in s.members, TTL + 5, "m-2's key to expire")
+    g.proxy(leader, "etcd").reset()
+    await asyncio.sleep(1.5)
+    g.proxy(leader, "etcd").pass_through()
+    healed = time.monotonic()
+    await g.wait_for(g.settled(), 20, "the assignment to be written on a retry")
+    figures = g.figures
+    figures["settled_after_heal_s"] = round(time.monotonic() - healed, 2)
+    figures["write_failures"] = g.log_of(leader).count("Could not write the assignment")
+    await g.finish()

@@ -10,6 +10,8 @@ switches the proxy between three modes at any moment:
 - ``reset``: every open connection is reset (RST, as from a crashed peer or a firewall)
   and new connections are reset as soon as they are accepted.
 
+Independently, `delay(seconds)` adds latency to every byte (a slow network or server).
+
 What the clients do with a blackholed connection (why a partition needs timeouts):
 
 - etcd3's gRPC channel has no keep-alive pings: unary calls fail at their deadline
@@ -89,6 +91,7 @@ class TcpProxy:
         self.name = name
         self.port = 0
         self._mode = Mode.PASS
+        self._delay = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server: asyncio.Server | None = None
@@ -137,6 +140,14 @@ class TcpProxy:
 
     def reset(self) -> None:
         self.set_mode(Mode.RESET)
+
+    def delay(self, seconds: float) -> None:
+        """Add `seconds` of latency to every byte from now on, both ways (0: none).
+
+        Bytes already on their way keep theirs (a stream is never reordered).
+        """
+        self._delay = seconds
+        log.info("proxy %s: latency %.1f s", self.name, seconds)
 
     def open_connections(self) -> int:
         return len(self._connections)
@@ -239,11 +250,32 @@ class TcpProxy:
         self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, connection: _Connection
     ) -> None:
         assert self._passing is not None
+        # Chunks go out in order, each no earlier than `delay` after it was read: a
+        # writer of its own, so that a latency does not slow the reading down, and a
+        # change of latency never reorders the bytes of a stream.
+        chunks: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+        writer = asyncio.create_task(self._write_chunks(chunks, dst))
+        try:
+            while True:
+                data = await src.read(CHUNK)
+                # Hold the chunk (and so stop reading: the kernel buffers fill up, as on
+                # a partition) until the network is back.
+                await self._passing.wait()
+                loop = asyncio.get_running_loop()
+                chunks.put_nowait((loop.time() + self._delay, data))
+                if not data:
+                    break
+            await writer
+        finally:
+            writer.cancel()
+
+    async def _write_chunks(
+        self, chunks: asyncio.Queue[tuple[float, bytes]], dst: asyncio.StreamWriter
+    ) -> None:
+        loop = asyncio.get_running_loop()
         while True:
-            data = await src.read(CHUNK)
-            # Hold the chunk (and so stop reading: the kernel buffers fill up, as on a
-            # partition) until the network is back.
-            await self._passing.wait()
+            due, data = await chunks.get()
+            await asyncio.sleep(max(0.0, due - loop.time()))
             if not data:
                 break
             dst.write(data)
