@@ -21,6 +21,9 @@ from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd
 
 log = logging.getLogger(__name__)
 
+# After a failed (or timed-out) keep-alive, the next attempt goes out this soon.
+KEEPALIVE_RETRY = 0.5
+
 
 class Membership:
     def __init__(
@@ -89,6 +92,12 @@ class Membership:
             await asyncio.sleep(min(max(left, 0.0) + 0.01, self.config.keepalive_interval))
             if self.safe() != was_safe:
                 was_safe = self.safe()
+                if not was_safe and self.lease_id:
+                    log.warning(
+                        "Fenced: lease %x not renewed for %.1f s; consuming nothing until it is",
+                        self.lease_id,
+                        time.monotonic() - self._renewed_at,
+                    )
                 self._signal()
 
     async def run(self) -> None:
@@ -101,8 +110,15 @@ class Membership:
 
     async def _keep_alive(self) -> None:
         was_safe = True
+        interval = self.config.keepalive_interval
+        next_at = time.monotonic() + interval
         while True:
-            await asyncio.sleep(self.config.keepalive_interval)
+            # Keep-alives go out every interval counted from the last one sent, not
+            # from when the last one (and the stats put after it) finished, and one that
+            # failed is retried soon: otherwise one slow keep-alive, or a slow put,
+            # pushes the next renewal a whole interval later, past the fence.
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            next_at = time.monotonic() + interval
             if self.safe() != was_safe:
                 was_safe = self.safe()
                 self._signal()
@@ -117,6 +133,7 @@ class Membership:
                     exc,
                     max(0.0, self.config.fence_after - (time.monotonic() - self._renewed_at)),
                 )
+                next_at = min(next_at, time.monotonic() + KEEPALIVE_RETRY)
                 continue
             if ttl <= 0:
                 log.warning("Lease %x expired; stopped consuming and re-joining", self.lease_id)
