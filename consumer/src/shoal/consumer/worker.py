@@ -528,7 +528,13 @@ class Worker:
                     self.config.keys.claim(p), runner.claim_revision
                 )
             except TRANSIENT_ERRORS as exc:
-                log.warning("Could not delete claim %d (%s); the lease will expire it", p, exc)
+                # Not "the lease will expire it": our lease is alive, so the claim would
+                # stay, and the next owner would wait for it forever. Retry until it is
+                # gone; meanwhile the partition counts as being claimed, so that we do
+                # not start it again under the claim we are deleting.
+                log.warning("Could not delete claim %d (%s); retrying", p, exc)
+                self.claiming.add(p)
+                self._spawn(self._release_later(p, runner.claim_revision))
             log.debug(
                 "Released partition %d %.0f ms after the stop",
                 p,
@@ -538,6 +544,26 @@ class Worker:
             del self.runners[p]
         self.metrics.partitions_owned.set(len(self.runners))
         self._wake.set()
+
+    async def _release_later(self, p: int, claim_revision: int) -> None:
+        """Delete claims/p (the incarnation we held) once etcd answers again."""
+        delay = 0.2
+        try:
+            while True:
+                await asyncio.sleep(delay)
+                claim = self.view.claims().get(p)
+                if claim is None or claim.create_revision != claim_revision:
+                    return  # gone already (deleted, or expired with an old lease)
+                try:
+                    await self.etcd.delete_if_created_at(self.config.keys.claim(p), claim_revision)
+                    log.info("Released partition %d on a retry", p)
+                    return
+                except TRANSIENT_ERRORS as exc:
+                    log.warning("Could not delete claim %d (%s); retrying", p, exc)
+                    delay = min(delay * 2, 5.0)
+        finally:
+            self.claiming.discard(p)
+            self._wake.set()
 
     async def drain(self, timeout: float) -> bool:
         """Leave: release every partition; True if all were released in time."""
