@@ -245,14 +245,19 @@ async def test_etcd_error_on_assignment_write(make_group: Callable[..., FaultGro
     (not taken as written: the targets would name a dead member until the next
     membership change)."""
     leader = "m-0"
-    g = make_group(name="etcd error on an assignment write", proxied={leader: ("etcd",)})
+    # Default timing: the leader must not fence itself during the errors (a new term
+    # writes the assignment anyway), and gRPC takes a while to reconnect after a reset.
+    g = make_group(
+        name="etcd error on an assignment write", proxied={leader: ("etcd",)}, env=DEFAULT_TIMING
+    )
     await g.start(leader=leader)
     await asyncio.sleep(2)
     g.fleet.kill("m-2")
     g.gone.add("m-2")
     # When the crashed member's key expires, the leader rebalances (after its debounce,
     # 0.5 s): its connections to etcd are being reset then.
-    await g.wait_for(lambda s: "m-2" not in s.members, TTL + 5, "m-2's key to expire")
+    ttl = int(DEFAULT_TIMING["SHOAL_LEASE_TTL"])
+    await g.wait_for(lambda s: "m-2" not in s.members, ttl + 5, "m-2's key to expire")
     g.proxy(leader, "etcd").reset()
     await asyncio.sleep(1.5)
     g.proxy(leader, "etcd").pass_through()
@@ -261,4 +266,6 @@ async def test_etcd_error_on_assignment_write(make_group: Callable[..., FaultGro
     figures = g.figures
     figures["settled_after_heal_s"] = round(time.monotonic() - healed, 2)
     figures["write_failures"] = g.log_of(leader).count("Could not write the assignment")
+    figures["leader_fenced"] = "Fenced" in g.log_of(leader)
     await g.finish()
+    assert figures["write_failures"] >= 1 and not figures["leader_fenced"], figures
