@@ -131,6 +131,8 @@ class Leader:
         self._on_change: list[Callable[[bool], None]] = []
         # Member -> since when (monotonic) we see it reach NATS; None while it cannot.
         self._nats_ok_since: dict[str, float | None] = {}
+        # The last _rebalance could not write its assignment (an etcd error): retry it.
+        self._write_failed = False
 
     def on_leadership(self, callback: Callable[[bool], None]) -> None:
         self._on_change.append(callback)
@@ -268,8 +270,13 @@ class Leader:
                         ok = await self._rebalance(members, applied_members, first)
                         if not ok:
                             break
-                        applied_members = members
-                        first = False
+                        # A write that failed on an etcd error was not applied: leave
+                        # applied_members as it was, so the next round writes it again
+                        # (the targets would otherwise name a dead member until the next
+                        # membership change).
+                        if not self._write_failed:
+                            applied_members = members
+                            first = False
                 elif self.config.load_aware and time.monotonic() >= next_load_check:
                     next_load_check = time.monotonic() + self.config.load_check_interval
                     gain = self._load_gain(members)
@@ -368,10 +375,12 @@ class Leader:
             ).encode()
             for p, owner in changes.items()
         }
+        self._write_failed = False
         try:
             ok = await self.etcd.guarded_put_many(self.config.keys.leader, self.epoch, items)
         except TRANSIENT_ERRORS as exc:
             log.warning("Could not write the assignment (etcd: %s); will retry", exc)
+            self._write_failed = True
             await asyncio.sleep(1.0)
             return True
         if not ok:
