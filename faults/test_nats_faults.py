@@ -8,7 +8,9 @@ go to one JSON line each (harness.faults.report).
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+import urllib.request
 from collections.abc import Callable
 
 import pytest
@@ -16,6 +18,7 @@ import pytest
 from harness.audit import resumed_after
 from harness.faults import FaultGroup
 from harness.servers import NatsServer
+from shoal.consumer.partitioning import durable_name
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.timeout(240)]
 
@@ -79,3 +82,40 @@ async def test_member_cut_from_nats_30s(make_group: Callable[..., FaultGroup]) -
         took_work_after_heal_s=round(back_in, 2),
     )
     assert worst <= 20, figures
+
+
+def in_msgs(nats_server: NatsServer) -> int:
+    """Messages the server has received so far (its /varz)."""
+    with urllib.request.urlopen(f"{nats_server.monitor_url}/varz", timeout=5) as response:
+        return int(json.load(response)["in_msgs"])
+
+
+async def inbound_rate(nats_server: NatsServer, seconds: float) -> float:
+    start = await asyncio.to_thread(in_msgs, nats_server)
+    await asyncio.sleep(seconds)
+    return (await asyncio.to_thread(in_msgs, nats_server) - start) / seconds
+
+
+async def test_durable_deleted_under_running_group(
+    make_group: Callable[..., FaultGroup], nats_server: NatsServer
+) -> None:
+    """Bound: the durable is recreated (its partition is consumed again) and its owner
+    does not busy-loop pull requests meanwhile."""
+    g = make_group(name="a durable consumer deleted under a running group")
+    status = await g.start()
+    partition = 5
+    await asyncio.sleep(2)
+    figures = g.figures
+    figures["inbound_msgs_per_s_before"] = round(await inbound_rate(nats_server, 4), 1)
+    await g.js.delete_consumer(g.config.stream, durable_name(partition))
+    deleted = time.time()
+    figures["inbound_msgs_per_s_after"] = round(await inbound_rate(nats_server, 4), 1)
+    await asyncio.sleep(4)
+    await g.finish()
+    worst, _ = resumed_after(await g.records(), deleted, [partition])
+    figures["partition_owner"] = status.owners[partition]
+    figures["consumed_again_s"] = round(worst, 2)
+    assert worst <= 15, figures
+    # The owner's pull loop on a missing durable must not add more than a few hundred
+    # requests a second (the group's usual traffic here is well over 1,000 a second).
+    assert figures["inbound_msgs_per_s_after"] < figures["inbound_msgs_per_s_before"] * 1.5, figures
