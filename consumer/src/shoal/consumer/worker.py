@@ -24,6 +24,8 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
+from nats.js.errors import NotFoundError
+
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd
 from shoal.consumer.handlers import (
@@ -34,6 +36,7 @@ from shoal.consumer.handlers import (
     Message,
     PermanentError,
 )
+from shoal.consumer.jetstream import consumer_config
 from shoal.consumer.membership import Membership
 from shoal.consumer.metrics import Metrics
 from shoal.consumer.partitioning import dlq_subject, durable_name, partition_for
@@ -44,6 +47,9 @@ log = logging.getLogger(__name__)
 ACTIVE_PROJECT_WINDOW = 60.0
 # Seconds over which processing rates (per member and per partition) are measured.
 RATE_WINDOW = 10.0
+# Pulls nobody answers (503: the durable or the stream is gone): first and longest wait.
+MISSING_DURABLE_BACKOFF = 0.5
+MISSING_DURABLE_BACKOFF_MAX = 5.0
 
 
 class Inbox:
@@ -91,6 +97,7 @@ class PartitionRunner:
         self.first_message_seen = False
         self.inflight = 0
         self.handler_cancelled = False
+        self.no_responders = False
         self.stop_requested_at = 0.0
         self.task: asyncio.Task[None] | None = None
 
@@ -141,9 +148,20 @@ class PartitionRunner:
         failed = False
         keeper = asyncio.create_task(self._keep_queued_alive(queue))
         try:
+            backoff = MISSING_DURABLE_BACKOFF
             while not self.stopping:
                 await nc.publish(api_subject, request, reply=inbox)
                 await self._read_one_request(queue, batch, expires, held)
+                if self.no_responders:
+                    # Nobody answers pulls on this durable: it (or the stream) was
+                    # deleted, or JetStream is away. Asking again at once is a busy loop
+                    # of requests; recreate what is missing, and back off meanwhile.
+                    self.no_responders = False
+                    await self._recreate_durable()
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, MISSING_DURABLE_BACKOFF_MAX)
+                else:
+                    backoff = MISSING_DURABLE_BACKOFF
             # A message of a request we gave up on (its end status lost) may still come.
             await asyncio.sleep(0.02)
             while (msg := queue.get_nowait()) is not None:
@@ -210,12 +228,46 @@ class PartitionRunner:
                     )
                     if status == "409":
                         await asyncio.sleep(0.1)
+                    elif status == "503":
+                        self.no_responders = True
                 return
             received += 1
             if self.stopping:
                 held.append(msg)
             else:
                 await self._process(msg)
+
+    async def _recreate_durable(self) -> None:
+        """Recreate this partition's durable, unless JetStream objects are not ours to
+        manage or the stream itself is gone."""
+        w = self.worker
+        c = w.config
+        if not c.ensure_jetstream:
+            log.error(
+                "No JetStream consumer answers for partition %d (durable %s on stream %s "
+                "deleted?); not recreating it (SHOAL_ENSURE_JETSTREAM is off)",
+                self.partition,
+                durable_name(self.partition),
+                c.stream,
+            )
+            return
+        try:
+            try:
+                # Creating a durable that exists with this config is a no-op; a new one
+                # starts with what the work-queue stream still holds: nothing acked.
+                await w.js.add_consumer(c.stream, config=consumer_config(c, self.partition))
+                log.warning(
+                    "Recreated the missing durable consumer of partition %d", self.partition
+                )
+            except NotFoundError:
+                # The stream itself is gone, and its messages with it: recreating it is a
+                # decision for whoever deleted it (the operator reconciles it). Say so
+                # once, and keep backing off.
+                if not w.stream_missing_logged:
+                    w.stream_missing_logged = True
+                    log.error("Stream %s is missing: nothing to consume until it is back", c.stream)
+        except Exception as exc:  # JetStream away, or refusing: the backoff goes on
+            log.warning("Could not recreate the durable of partition %d: %r", self.partition, exc)
 
     async def _keep_queued_alive(self, queue: Inbox) -> None:
         """Fetched messages wait their turn here while their ack_wait runs on the server.
@@ -365,6 +417,7 @@ class Worker:
         self.metrics = metrics
         self.context = HandlerContext(config.member_id, config.subject_prefix, js, membership.safe)
         self.runners: dict[int, PartitionRunner] = {}
+        self.stream_missing_logged = False
         self.claiming: set[int] = set()
         self.leaving = False
         self._incarnation = 0
