@@ -130,3 +130,34 @@ async def test_handler_longer_than_drain_timeout_then_sigterm(
     figures["handler_end_before_next_owner_s"] = round(next_start - handler_end, 3)
     assert code == 0
     assert handler_end < next_start, figures
+
+
+async def test_consumer_settings_change_reaches_the_durables(
+    make_group: Callable[..., FaultGroup],
+) -> None:
+    """Bound: after ack_wait / max_deliver / backoff change (the operator rolls the pods
+    with the new settings), every durable has them."""
+    g = make_group(name="ackWait / maxDeliver / backoff changed in the spec")
+    await g.start()
+    await asyncio.sleep(2)
+    changed = {"SHOAL_ACK_WAIT": "4", "SHOAL_MAX_DELIVER": "7", "SHOAL_BACKOFF": "1,3"}
+    g.fleet.env.update(changed)
+    restarted = time.monotonic()
+    for member in g.member_ids:
+        g.fleet.term(member)
+        code = await asyncio.to_thread(g.fleet.wait_exit, member, 30)
+        assert code == 0, g.log_of(member)[-3000:]
+        g.start_member(member)
+        await g.wait_for(g.settled(), 30, f"the group to settle after restarting {member}")
+    infos = await g.js.consumers_info(g.config.stream)
+    stale = sorted(
+        info.name
+        for info in infos
+        if info.config.max_deliver != 7 or list(info.config.backoff or []) != [1.0, 3.0]
+    )
+    figures = g.figures
+    figures["rolled_s"] = round(time.monotonic() - restarted, 2)
+    figures["durables"] = len(infos)
+    figures["durables_with_old_settings"] = len(stale)
+    await g.finish()
+    assert len(infos) == g.config.partitions and stale == [], figures
