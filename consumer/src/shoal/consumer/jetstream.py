@@ -233,19 +233,48 @@ async def ensure_group(js: Any, config: GroupConfig, *, ledger: bool = False) ->
             num_replicas=config.stream_replicas,
         )
     try:
-        existing = {info.name for info in await js.consumers_info(config.stream)}
+        existing = {info.name: info.config for info in await js.consumers_info(config.stream)}
     except NotFoundError:
-        existing = set()
+        existing = {}
     missing = [p for p in range(config.partitions) if durable_name(p) not in existing]
+    # Durables whose settings changed (ack_wait, max_deliver, backoff, max_ack_pending,
+    # e.g. the ConsumerGroup spec was edited and the pods rolled): creating a durable
+    # with a new config updates it in place. Without this they kept the settings they
+    # were created with, while the members worked with the new ones (in-progress acks
+    # paced for a longer ack_wait than the server's: redeliveries, duplicates).
+    outdated = [
+        p
+        for p in range(config.partitions)
+        if durable_name(p) in existing
+        and _settings_differ(existing[durable_name(p)], consumer_config(config, p))
+    ]
     sem = asyncio.Semaphore(16)
 
     async def add(p: int) -> None:
         async with sem:
             await js.add_consumer(config.stream, config=consumer_config(config, p))
 
-    await asyncio.gather(*(add(p) for p in missing))
+    await asyncio.gather(*(add(p) for p in missing + outdated))
     if missing:
         log.info("Created %d durable consumers on stream %s", len(missing), config.stream)
+    if outdated:
+        log.info("Updated %d durable consumers to the configured settings", len(outdated))
+
+
+def _settings_differ(current: api.ConsumerConfig, wanted: api.ConsumerConfig) -> bool:
+    """Whether an existing durable lacks settings a member would apply to it.
+
+    With a backoff the server sets ack_wait to its first step, so ack_wait is compared
+    only without one.
+    """
+    if list(current.backoff or []) != list(wanted.backoff or []):
+        return True
+    if not wanted.backoff and current.ack_wait != wanted.ack_wait:
+        return True
+    return bool(
+        current.max_deliver != wanted.max_deliver
+        or current.max_ack_pending != wanted.max_ack_pending
+    )
 
 
 async def partition_lag(js: Any, config: GroupConfig, partition: int) -> int:
