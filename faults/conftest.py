@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from harness.faults import FaultGroup, report
+from harness.faults import FaultGroup, QuotaEtcdServer, report
 from harness.servers import EtcdServer, NatsServer
 
 _OUTCOME = pytest.StashKey[pytest.TestReport]()
@@ -32,8 +32,15 @@ def pytest_runtest_makereport(
 
 
 @pytest.fixture
-def etcd_server(tmp_path: Path) -> Iterator[EtcdServer]:
-    server = EtcdServer(tmp_path / "etcd")
+def etcd_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[EtcdServer]:
+    """This scenario's etcd; parametrized indirectly with a number, its backend quota in
+    bytes (etcd raises its NOSPACE alarm beyond it)."""
+    quota: int | None = getattr(request, "param", None)
+    server = (
+        EtcdServer(tmp_path / "etcd")
+        if quota is None
+        else QuotaEtcdServer(tmp_path / "etcd", quota_bytes=quota)
+    )
     try:
         server.start()
         yield server

@@ -10,13 +10,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from harness.audit import resumed_after
-from harness.faults import FENCE_AFTER, TTL, FaultGroup, freeze, thaw
+from harness.audit import longest_gap, resumed_after
+from harness.faults import FENCE_AFTER, TTL, EtcdCluster, FaultGroup, freeze, thaw
 from harness.servers import EtcdServer
+from shoal.consumer.etcd import TRANSIENT_ERRORS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.timeout(240)]
 
@@ -269,3 +271,86 @@ async def test_etcd_error_on_assignment_write(make_group: Callable[..., FaultGro
     figures["leader_fenced"] = "Fenced" in g.log_of(leader)
     await g.finish()
     assert figures["write_failures"] >= 1 and not figures["leader_fenced"], figures
+
+
+async def fill_etcd(g: FaultGroup, prefix: str, chunk: int = 512 * 1024) -> int:
+    """Write junk under `prefix` until etcd refuses (its NOSPACE alarm); the bytes written."""
+    written = 0
+    for i in range(1000):
+        try:
+            await g.etcd.call(g.etcd.client.put, f"{prefix}{i}", b"\0" * chunk)
+        except Exception as exc:  # raw etcd3/gRPC error types, whatever this version raises
+            if "space" in str(exc) or "RESOURCE_EXHAUSTED" in repr(exc) or "NoSpace" in repr(exc):
+                return written
+            raise
+        written += chunk
+    raise AssertionError(f"etcd took {written} bytes without a NOSPACE alarm")
+
+
+@pytest.mark.parametrize("etcd_server", [32 * 1024 * 1024], indirect=True)
+async def test_etcd_nospace_alarm(make_group: Callable[..., FaultGroup]) -> None:
+    """Bound: no crash loop (no member dies) while etcd refuses writes; the logs say
+    why; after an operator frees space and disarms the alarm, the group goes on."""
+    g = make_group(name="etcd NOSPACE alarm")
+    await g.start()
+    await asyncio.sleep(2)
+    offsets = {m: len(g.log_of(m)) for m in g.member_ids}
+    junk = f"/faults-junk/{g.config.group}/"
+    figures = g.figures
+    figures["filled_bytes"] = await fill_etcd(g, junk)
+    alarms = await g.etcd.call(lambda: list(g.etcd.client.list_alarms()))
+    figures["alarms"] = [str(a.alarm_type) for a in alarms]
+    await asyncio.sleep(12)  # several stats puts and keep-alives of every member
+    figures["alive_during_alarm"] = sorted(g.alive())
+    said = [m for m in g.member_ids if "NOSPACE" in g.log_of(m)[offsets[m] :]]
+    figures["members_logging_nospace"] = said
+    # What an operator does: free space, compact, defragment, disarm.
+    await g.etcd.delete_prefix(junk)
+    revision, _ = await g.etcd.get_prefix(g.config.keys.prefix)
+    await g.etcd.call(g.etcd.client.compact, revision, physical=True)
+    await g.etcd.call(g.etcd.client.defragment)
+    await g.etcd.call(g.etcd.client.disarm_alarm)
+    await asyncio.sleep(3)
+    await g.finish()
+    assert figures["alarms"], figures
+    assert figures["alive_during_alarm"] == sorted(g.member_ids), figures
+    assert said == sorted(g.member_ids), figures
+
+
+async def test_etcd_cluster_first_endpoint_killed(
+    make_group: Callable[..., FaultGroup], tmp_path: Path
+) -> None:
+    """Bound: with a 3-member etcd cluster, killing the member behind the first endpoint
+    of ETCD_ENDPOINTS (where every member connected) stops nothing: consumption and
+    leases continue (the runtime fails over to the next endpoint)."""
+    cluster = EtcdCluster(tmp_path / "etcd-cluster")
+    try:
+        cluster.start()
+        g = make_group(
+            name="3-member etcd cluster, the first endpoint killed",
+            etcd_endpoints=cluster.endpoints,
+        )
+        await g.start()
+        await asyncio.sleep(3)
+        killed_wall = time.time()
+        cluster.members[0].kill()
+        fewest = len(g.member_ids)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                fewest = min(fewest, len((await g.status()).members))
+            except TRANSIENT_ERRORS:
+                pass
+            await asyncio.sleep(0.25)
+        records = await g.records()
+        gap, _ = longest_gap(records, killed_wall, killed_wall + 20)
+        figures = g.figures
+        figures["fewest_members_during"] = fewest
+        figures["longest_gap_after_kill_s"] = round(gap, 2)
+        figures["fenced_members"] = [m for m in g.member_ids if "Fenced" in g.log_of(m)]
+        cluster.members[0].start()
+        await g.finish()
+        assert fewest == len(g.member_ids), figures
+        assert gap <= 5, figures
+    finally:
+        cluster.stop()

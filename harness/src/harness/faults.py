@@ -28,6 +28,7 @@ import signal
 import time
 import uuid
 from collections.abc import Callable, Collection, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Self
@@ -38,7 +39,7 @@ from harness.audit import FaultAudit, audit_faults
 from harness.fleet import Fleet
 from harness.handlers import SLEEP_PREFIX
 from harness.proxy import TcpProxy
-from harness.servers import EtcdServer, NatsServer, ServerProcess
+from harness.servers import HOST, EtcdServer, NatsServer, ServerProcess
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd
 from shoal.consumer.handlers import MSG_ID_HEADER, PROJECT_HEADER, SEQ_HEADER
@@ -47,7 +48,15 @@ from shoal.consumer.ledger import LedgerRecord, read_ledger
 from shoal.consumer.partitioning import partition_for, partition_subject
 from shoal.consumer.status import GroupStatus, read_status
 
-__all__ = ["FaultGroup", "SteadyProducer", "freeze", "report", "thaw"]
+__all__ = [
+    "EtcdCluster",
+    "FaultGroup",
+    "QuotaEtcdServer",
+    "SteadyProducer",
+    "freeze",
+    "report",
+    "thaw",
+]
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +161,76 @@ class SteadyProducer:
             await asyncio.sleep(max(0.0, next_tick - time.monotonic()))
 
 
+class QuotaEtcdServer(EtcdServer):
+    """An etcd whose backend quota is small, so a scenario can fill it (NOSPACE)."""
+
+    def __init__(self, workdir: str | os.PathLike[str], *, quota_bytes: int) -> None:
+        self.quota_bytes = quota_bytes
+        super().__init__(workdir)
+
+    def _command(self) -> list[str]:
+        return [*super()._command(), f"--quota-backend-bytes={self.quota_bytes}"]
+
+
+class EtcdClusterMember(EtcdServer):
+    """One member of a multi-member etcd cluster (see EtcdCluster)."""
+
+    def __init__(self, workdir: str | os.PathLike[str], *, member_name: str) -> None:
+        self.member_name = member_name
+        self.initial_cluster = ""  # set by EtcdCluster once every member has its ports
+        super().__init__(workdir)
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{HOST}:{self.peer_port}"
+
+    def _command(self) -> list[str]:
+        command = [
+            self.binary,
+            f"--name={self.member_name}",
+            f"--data-dir={self.data_dir}",
+            f"--listen-client-urls={self.client_url}",
+            f"--advertise-client-urls={self.client_url}",
+            f"--listen-peer-urls={self.peer_url}",
+            f"--initial-advertise-peer-urls={self.peer_url}",
+            f"--initial-cluster={self.initial_cluster}",
+            "--initial-cluster-state=new",
+            "--initial-cluster-token=shoal-faults",
+            "--logger=zap",
+            "--log-outputs=stderr",
+        ]
+        if self._supports("--unsafe-no-fsync"):
+            command.append("--unsafe-no-fsync")
+        return command
+
+
+class EtcdCluster:
+    """Three etcd members on free loopback ports; `endpoints` as ETCD_ENDPOINTS wants."""
+
+    def __init__(self, workdir: Path, size: int = 3) -> None:
+        self.members = [
+            EtcdClusterMember(Path(workdir) / f"etcd{i}", member_name=f"e{i}") for i in range(size)
+        ]
+        cluster = ",".join(f"{m.member_name}={m.peer_url}" for m in self.members)
+        for member in self.members:
+            member.initial_cluster = cluster
+
+    @property
+    def endpoints(self) -> str:
+        return ",".join(m.endpoint for m in self.members)
+
+    def start(self) -> Self:
+        # Together: a member is healthy only once it has a quorum to talk to.
+        with ThreadPoolExecutor(len(self.members)) as pool:
+            for future in [pool.submit(m.start) for m in self.members]:
+                future.result()
+        return self
+
+    def stop(self) -> None:
+        for member in self.members:
+            member.stop()
+
+
 def freeze(server: ServerProcess) -> None:
     """SIGSTOP a server (its whole process group): it keeps its sockets and says nothing."""
     if server.pid is not None:
@@ -192,6 +271,7 @@ class FaultGroup:
         partitions: int = 128,
         handler: str = "shoal.consumer.handlers:ledger",
         name: str | None = None,
+        etcd_endpoints: str | None = None,
     ) -> None:
         self.workdir = Path(workdir)
         self.nats_server = nats_server
@@ -205,14 +285,18 @@ class FaultGroup:
             namespace="faults",
             partitions=partitions,
             nats_url=nats_server.url,
-            etcd_endpoints=etcd_server.endpoint,
+            # Several (an EtcdCluster's): the members get all of them, in order.
+            etcd_endpoints=etcd_endpoints or etcd_server.endpoint,
             handler=handler,
-            ack_wait=float(MEMBER_ENV["SHOAL_ACK_WAIT"]),
+            # The durables are created with the members' ack_wait.
+            ack_wait=float({**MEMBER_ENV, **(env or {})}["SHOAL_ACK_WAIT"]),
         )
         self.env = {**MEMBER_ENV, **(env or {})}
         self.fleet = Fleet.for_config(self.workdir / "members", self.config, env=self.env)
         self.proxies: dict[tuple[str, Server], TcpProxy] = {}
-        self.etcd = Etcd(etcd_server.endpoint)
+        # The harness reads through the last endpoint only: a scenario kills the first,
+        # and the harness's view must not depend on the fail-over under test.
+        self.etcd = Etcd((etcd_endpoints or etcd_server.endpoint).split(",")[-1])
         self.nc: Any = None
         self.js: Any = None
         self.producer: SteadyProducer | None = None
