@@ -34,13 +34,27 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+
+class EtcdNoSpace(RuntimeError):
+    """etcd refuses writes: its NOSPACE alarm is raised (the database reached its quota).
+
+    It lasts until an operator compacts, defragments and disarms the alarm; reads, deletes
+    and keep-alives still work. A retry later is right; a crash (and a crash loop, since
+    joining needs a write) is not.
+    """
+
+
 # Errors that mean "etcd is not reachable right now": worth a retry, never a crash.
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     etcd3.exceptions.ConnectionFailedError,
     etcd3.exceptions.ConnectionTimeoutError,
     etcd3.exceptions.InternalServerError,
+    EtcdNoSpace,
     TimeoutError,
 )
+
+# How often the NOSPACE error is logged at most (every refused write would flood the log).
+NOSPACE_LOG_INTERVAL = 30.0
 
 
 _previous_excepthook = threading.excepthook
@@ -192,6 +206,7 @@ class Etcd:
         self._index = 0
         self._lock = threading.Lock()
         self._renewed = 0.0
+        self._no_space_logged = 0.0
         # Clients replaced after a refused token: their watches may still deliver, so
         # they are closed with this one, not at once.
         self._retired: list[Any] = []
@@ -283,12 +298,30 @@ class Etcd:
                 self._renew_token()
                 # Refused, so not applied: the caller's usual retry is safe.
                 raise etcd3.exceptions.ConnectionFailedError() from exc
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                # etcd3 re-raises this one as a raw gRPC error, which no caller retries:
+                # every component that writes would die on it.
+                self._log_no_space(details)
+                raise EtcdNoSpace(details) from exc
             if code == grpc.StatusCode.PERMISSION_DENIED or "user name is empty" in details:
                 who = f"user {self.username!r}" if self.username else "an anonymous client"
                 raise EtcdAuthError(
                     f"etcd at {self.endpoint} refused {who}: {details or code}"
                 ) from None
             raise
+
+    def _log_no_space(self, details: str) -> None:
+        now = time.monotonic()
+        if now - self._no_space_logged < NOSPACE_LOG_INTERVAL and self._no_space_logged:
+            return
+        self._no_space_logged = now
+        log.error(
+            "etcd at %s refuses writes (%s): its NOSPACE alarm is raised. This member goes "
+            "on consuming the partitions it holds, but cannot join, claim or move any until "
+            "an operator frees space (etcdctl compact, defrag, alarm disarm)",
+            self.endpoint,
+            details or "RESOURCE_EXHAUSTED",
+        )
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
