@@ -44,6 +44,10 @@ class EtcdNoSpace(RuntimeError):
     """
 
 
+# Clients left behind by endpoint fail-overs that are kept open (calls may still run on
+# them); older ones are closed.
+MAX_RETIRED_CLIENTS = 4
+
 # Errors that mean "etcd is not reachable right now": worth a retry, never a crash.
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     etcd3.exceptions.ConnectionFailedError,
@@ -286,9 +290,43 @@ class Etcd:
             self._client = fresh
         log.info("Authenticated again to etcd at %s (its token was refused)", self.endpoint)
 
+    def _fail_over(self, failed: Any) -> None:
+        """`failed`, the client in use, lost its endpoint: use the next one from now on.
+
+        Endpoints used to rotate only in connect(), so once connected a member stayed on
+        its first endpoint: with that etcd member down, every call failed, the member
+        fenced itself and its lease expired, while the rest of the cluster was fine.
+        Only the first failure of the current client moves on (the calls in flight on it
+        fail too), and the old client is retired, not closed: closing it under those
+        calls would make them fail with errors nobody retries.
+        """
+        if len(self.endpoints) < 2 or failed is None:
+            return
+        with self._lock:
+            if self._client is not failed:
+                return  # another call moved on already
+            old = self.endpoint
+            self._index += 1
+            self._retired.append(failed)
+            while len(self._retired) > MAX_RETIRED_CLIENTS:
+                try:
+                    self._retired.pop(0).close()
+                except Exception:
+                    log.debug("Closing a retired etcd client failed", exc_info=True)
+            try:
+                self._client = self._make_client()
+            except Exception as exc:  # with a username, building it is an RPC
+                log.debug("etcd client for %s not built yet: %r", self.endpoint, exc)
+                self._client = None
+        log.warning("etcd at %s unreachable; using %s from now on", old, self.endpoint)
+
     def _run(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
+        client = self._client
         try:
             return fn(*args, **kwargs)
+        except (etcd3.exceptions.ConnectionFailedError, etcd3.exceptions.ConnectionTimeoutError):
+            self._fail_over(client)
+            raise
         except grpc.RpcError as exc:
             code, details = exc.code(), str(exc.details() or "")
             if self.username and (
