@@ -123,18 +123,22 @@ class NatsHealth:
     the connection "connected" until ping_interval x max_outstanding_pings (4 minutes by
     default), buffering publishes and letting every request time out. A member that can
     reach etcd but not NATS must give its partitions up (DESIGN "Faults"), so it has to
-    know within seconds: `reachable()` turns false `grace` seconds after the last round
-    trip that succeeded.
+    know within seconds: `reachable()` turns false once round trips have been failing for
+    `grace` seconds.
     """
 
     def __init__(self, nc: Any, *, interval: float = 1.0, grace: float = 3.0) -> None:
         self.nc = nc
         self.interval = interval
         self.grace = grace
-        self._ok_at = time.monotonic()
+        # When the round trips started failing (None: the last one succeeded). Counted
+        # from failures, not from the last success, so that a process that merely got
+        # no CPU for a while (its probes did not run) is not taken for one cut off.
+        self._failing_since: float | None = None
 
     def reachable(self) -> bool:
-        return time.monotonic() - self._ok_at < self.grace
+        since = self._failing_since
+        return since is None or time.monotonic() - since < self.grace
 
     async def run(self) -> None:
         was = True
@@ -146,11 +150,13 @@ class NatsHealth:
                 # (nats-py 2.x crashes its read loop on a PONG for a flush that timed
                 # out, leaving a connection that writes but never reads again.)
                 await self.nc.request(JS_INFO_SUBJECT, b"", timeout=self.interval)
-                self._ok_at = started
+                self._failing_since = None
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # nats-py raises several unrelated types here
                 log.debug("NATS round trip failed: %r", exc)
+                if self._failing_since is None:
+                    self._failing_since = started
             now = self.reachable()
             if now != was:
                 was = now
