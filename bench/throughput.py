@@ -54,9 +54,9 @@ from harness.servers import EtcdServer, NatsServer, free_port
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.jetstream import ensure_group
-from shoal.consumer.partitioning import durable_name
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.consumer.status import read_status
+from shoal.contracts.names import durable_name
 
 BENCH = "throughput"
 PLAIN = "plain"

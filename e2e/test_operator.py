@@ -23,10 +23,9 @@ from harness.localkube.plane import LocalKube
 from harness.servers import free_port
 from shoal.consumer.assignor import min_moves, moved
 from shoal.consumer.etcd import Etcd
-from shoal.consumer.handlers import SEQ_HEADER
 from shoal.consumer.ledger import audit, read_ledger
-from shoal.consumer.partitioning import Keys
 from shoal.consumer.producer import Outgoing, Producer
+from shoal.contracts.names import SEQ_HEADER, Keys
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 

@@ -15,12 +15,12 @@ import pandas as pd
 import pytest
 
 from harness.servers import free_port
-from shoal.analytics.events import parse_event
 from shoal.analytics.export import ExportError, export_log
 from shoal.analytics.generate import HistorySpec, history
 from shoal.analytics.layout import input_files
 from shoal.analytics.oracle import compute_path
-from shoal.consumer.partitioning import assignments_subject, default_subject_prefix
+from shoal.contracts.events import parse_event
+from shoal.contracts.names import assignments_subject, default_subject_prefix
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -17,8 +17,8 @@ from shoal.consumer.config import GroupConfig, config_from_env
 from shoal.consumer.election import loads_from_stats, max_member_load
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.jetstream import ensure_group
-from shoal.consumer.partitioning import partition_for
 from shoal.consumer.producer import Producer
+from shoal.contracts.names import partition_for
 from shoal.operator.builders import consumer_env
 from shoal.operator.settings import OperatorSettings
 

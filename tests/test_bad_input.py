@@ -22,8 +22,8 @@ from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.ledger import read_ledger
-from shoal.consumer.partitioning import Keys, partition_for, partition_subject
 from shoal.consumer.producer import Producer
+from shoal.contracts.names import Keys, partition_for, partition_subject
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -204,7 +204,7 @@ async def test_a_handler_slower_than_ack_wait_is_not_redelivered(
 ) -> None:
     # 2.5 s of work against a 1 s ack_wait: only in-progress acks keep the message ours.
     config = make_config(ack_wait=1.0)
-    await ensure_group(js, config, ledger=True)
+    await ensure_group(js, config)
     fleet.start("c-0", SHOAL_HANDLER_DELAY_MS="2500", SHOAL_ACK_WAIT="1")
     await wait_for_status(etcd, namespace, group, 16, settled({"c-0"}), 30)
     producer = Producer(js, config.subject_prefix, 16)
@@ -228,7 +228,7 @@ async def test_cli_produce_and_status_on_a_live_group(
     make_config: Callable[..., GroupConfig],
 ) -> None:
     config = make_config()
-    await ensure_group(js, config, ledger=True)
+    await ensure_group(js, config)
     fleet.start("c-0")
     fleet.start("c-1")
     await wait_for_status(etcd, namespace, group, 16, settled({"c-0", "c-1"}), 30)

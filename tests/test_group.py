@@ -20,11 +20,11 @@ from harness.fleet import Fleet, settled, wait_for_status
 from shoal.consumer.assignor import min_moves, moved
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
-from shoal.consumer.handlers import SEQ_HEADER
 from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.ledger import audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.consumer.status import GroupStatus
+from shoal.contracts.names import SEQ_HEADER
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -49,6 +49,7 @@ def config(group: str, namespace: str, nats_url: str, etcd_endpoint: str) -> Gro
         nats_url=nats_url,
         etcd_endpoints=etcd_endpoint,
         handler="shoal.consumer.handlers:ledger",
+        ledger=True,
         ack_wait=ACK_WAIT,
     )
 
@@ -97,7 +98,7 @@ async def start_group(
     fleet: Fleet, etcd: Etcd, js: Any, config: GroupConfig, members: list[str], **env: str
 ) -> GroupStatus:
     """Create the group's streams, start the members, wait until they own everything."""
-    await ensure_group(js, config, ledger=True)
+    await ensure_group(js, config)
     for member in members:
         fleet.start(member, **env)
     return await wait_for_status(

@@ -12,6 +12,7 @@ import itertools
 import logging
 import math
 import random
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -185,7 +186,7 @@ def test_huge_int_lag_is_not_a_crash() -> None:
 
 
 def test_from_spec_defaults() -> None:
-    pol = Policy.from_spec({})
+    pol = Policy.from_spec({"handler": "pkg.mod:fn"})
     assert pol == Policy()
     assert (pol.enabled, pol.interval_seconds, pol.cooldown_seconds, pol.cpu_threshold) == (
         False,
@@ -203,6 +204,7 @@ def test_from_spec_defaults() -> None:
 
 def test_from_spec_camel_case() -> None:
     spec = {
+        "handler": "pkg.mod:fn",
         "replicas": 3,
         "minReplicas": 2,
         "maxReplicas": 6,
@@ -238,27 +240,30 @@ def test_from_spec_camel_case() -> None:
 
 
 @pytest.mark.parametrize(
-    "spec",
+    ("garbage", "where"),
     [
-        {"autoscaling": {"enabled": "yes"}},
-        {"autoscaling": {"intervalSeconds": 0}},
-        {"autoscaling": {"cooldownSeconds": -1}},
-        {"autoscaling": {"cpuThreshold": "90"}},
-        {"autoscaling": {"targetLagPerMember": 0}},
-        {"autoscaling": {"maxProjectsPerMember": True}},
-        {"autoscaling": ["enabled"]},
-        {"minReplicas": -1},
-        {"maxReplicas": 0},
-        {"partitions": 2.5},
+        ({"autoscaling": {"enabled": "yes"}}, "spec.autoscaling.enabled"),
+        ({"autoscaling": {"intervalSeconds": 0}}, "spec.autoscaling.intervalSeconds"),
+        ({"autoscaling": {"cooldownSeconds": -1}}, "spec.autoscaling.cooldownSeconds"),
+        ({"autoscaling": {"cpuThreshold": "90"}}, "spec.autoscaling.cpuThreshold"),
+        ({"autoscaling": {"targetLagPerMember": 0}}, "spec.autoscaling.targetLagPerMember"),
+        ({"autoscaling": {"maxProjectsPerMember": True}}, "spec.autoscaling.maxProjects"),
+        ({"autoscaling": ["enabled"]}, "spec.autoscaling"),
+        ({"minReplicas": -1}, "spec.minReplicas"),
+        ({"maxReplicas": 0}, "spec.maxReplicas"),
+        ({"partitions": 2.5}, "spec.partitions"),
     ],
 )
-def test_from_spec_garbage_raises(spec: Mapping[str, Any]) -> None:
-    with pytest.raises(ValueError):
-        Policy.from_spec(spec)
+def test_from_spec_garbage_raises(garbage: Mapping[str, Any], where: str) -> None:
+    # A valid spec but for the garbage: the error must be about the garbage.
+    with pytest.raises(ValueError, match=re.escape(where)):
+        Policy.from_spec({"handler": "pkg.mod:fn", **garbage})
 
 
 def test_from_spec_integral_floats_and_null_target() -> None:
-    pol = Policy.from_spec({"partitions": 16.0, "autoscaling": {"targetLagPerMember": None}})
+    pol = Policy.from_spec(
+        {"handler": "a:b", "partitions": 16.0, "autoscaling": {"targetLagPerMember": None}}
+    )
     assert pol.partitions == 16 and pol.target_lag_per_member is None
 
 

@@ -21,10 +21,10 @@ from kubernetes import client, config
 from harness.fleet import stream_json
 from harness.kubetest import condition, get_json, wait_until
 from harness.localkube.plane import LocalKube
-from shoal.consumer.handlers import SEQ_HEADER
-from shoal.consumer.kube import DELETION_COST
 from shoal.consumer.ledger import Audit, audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer
+from shoal.contracts.names import DELETION_COST_ANNOTATION as DELETION_COST
+from shoal.contracts.names import SEQ_HEADER
 
 NAME = "work"
 
@@ -70,6 +70,7 @@ def manifest(
 ) -> str:
     spec: dict[str, Any] = {
         "handler": "shoal.consumer.handlers:ledger",
+        "nats": {"stream": {"ledger": True}},
         "replicas": replicas,
         "minReplicas": min_replicas,
         "maxReplicas": max_replicas,

@@ -24,11 +24,11 @@ from harness.servers import EtcdServer, NatsServer
 from shoal.consumer.assignor import moved
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
-from shoal.consumer.handlers import SEQ_HEADER
 from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.ledger import audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.consumer.status import GroupStatus, read_status
+from shoal.contracts.names import SEQ_HEADER
 
 NAMESPACE, GROUP = "demo", "orders"
 
@@ -95,6 +95,7 @@ async def demo(args: argparse.Namespace, workdir: Path) -> int:
             nats_url=nats_server.url,
             etcd_endpoints=etcd_server.endpoint,
             handler="shoal.consumer.handlers:ledger",
+            ledger=True,
             # A short lease so the crash below resolves quickly; ack_wait below it, in the
             # same ratio as the defaults (5 s and 10 s), keeps order across the crash.
             lease_ttl=5,
@@ -103,7 +104,7 @@ async def demo(args: argparse.Namespace, workdir: Path) -> int:
         )
         nc = await nats.connect(nats_server.url)
         js = nc.jetstream()
-        await ensure_group(js, config, ledger=True)
+        await ensure_group(js, config)
         etcd = Etcd(etcd_server.endpoint)
         await etcd.connect(attempts=10)
         env = {

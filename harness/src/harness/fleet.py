@@ -55,6 +55,7 @@ class Fleet:
         group: str,
         handler: str = "shoal.consumer.handlers:ledger",
         partitions: int = 128,
+        ledger: bool = True,
         env: Mapping[str, str] | None = None,
     ) -> None:
         self.workdir = Path(workdir)
@@ -65,6 +66,7 @@ class Fleet:
         self.group = group
         self.handler = handler
         self.partitions = partitions
+        self.ledger = ledger
         self.env = dict(env or {})
         self.members: dict[str, Member] = {}
 
@@ -81,6 +83,7 @@ class Fleet:
             group=config.group,
             handler=config.handler,
             partitions=config.partitions,
+            ledger=config.ledger,
             env=env,
         )
 
@@ -94,6 +97,7 @@ class Fleet:
                 "SHOAL_GROUP": self.group,
                 "SHOAL_PARTITIONS": str(self.partitions),
                 "SHOAL_HANDLER": self.handler,
+                "SHOAL_LEDGER": "true" if self.ledger else "false",
                 "SHOAL_MEMBER_ID": member_id,
                 "PYTHONUNBUFFERED": "1",
             }

@@ -21,9 +21,9 @@ from typing import Any
 import nats
 
 from harness.localkube.plane import LocalKube, State, alive
-from shoal.consumer.handlers import SEQ_HEADER
 from shoal.consumer.ledger import audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer
+from shoal.contracts.names import SEQ_HEADER
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMESPACE, GROUP = "default", "orders"

@@ -18,11 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.consumer.partitioning import ledger_subject
-
-PROJECT_HEADER = "Shoal-Project-Id"
-SEQ_HEADER = "Shoal-Seq"
-MSG_ID_HEADER = "Nats-Msg-Id"
+from shoal.contracts.names import MSG_ID_HEADER, SEQ_HEADER, ledger_subject
 
 
 class PermanentError(Exception):

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 from shoal.consumer.autoscaler import ScaleRecord
+from shoal.contracts.names import format_time
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ def last_scale(
         f"autoscaler: {record.reason}" if ours and record is not None else ("spec.replicas changed")
     )
     value = {
-        "time": datetime.fromtimestamp(when, UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "time": format_time(when),
         "from": before,
         "to": after,
         "reason": reason,

@@ -14,7 +14,6 @@ etcd Secrets, live in memo.etcd (shoal.operator.etcdsecret.EtcdClients).
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import time
@@ -23,17 +22,24 @@ from typing import Any
 import kopf
 
 from shoal.consumer.autoscaler import ScaleRecord
-from shoal.consumer.config import GroupConfig, config_from_env
+from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.handlers import HandlerError, load_handler
 from shoal.consumer.jetstream import StreamConfigConflict, connect, ensure_group
-from shoal.consumer.partitioning import Keys
 from shoal.consumer.status import read_status
+from shoal.contracts.names import (
+    API_GROUP,
+    API_VERSION,
+    FINALIZER,
+    PLURAL,
+    Keys,
+    format_time,
+)
 from shoal.operator import observe
 from shoal.operator.builders import (
     build_deployment,
     children,
-    consumer_env,
+    pod_config,
     resource_names,
     selector_string,
 )
@@ -43,24 +49,16 @@ from shoal.operator.settings import OperatorSettings, settings_from_env
 
 log = logging.getLogger(__name__)
 
-GROUP, VERSION, PLURAL = "shoal.dev", "v1alpha1", "consumergroups"
-FINALIZER = "shoal.dev/cleanup"
 OBSERVE_INTERVAL = 5.0
 
 
 def now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return format_time()
 
 
 def group_config(name: str, namespace: str, spec: Any, settings: OperatorSettings) -> GroupConfig:
-    """The consumers' configuration, from the very env the pods get (one source of truth)."""
-    env = {
-        var["name"]: var["value"]
-        for var in consumer_env(name, namespace, dict(spec), settings)
-        if "value" in var and "$(" not in str(var["value"])
-    }
-    env["SHOAL_MEMBER_ID"] = "shoal-operator"
-    return config_from_env(env)
+    """The consumers' configuration, as the pods get it (builders.pod_config)."""
+    return pod_config(name, namespace, dict(spec), settings)
 
 
 def handler_problem(spec: Any, settings: OperatorSettings) -> str | None:
@@ -155,12 +153,12 @@ async def _nats(memo: Any, config: GroupConfig, attempts: int) -> Any:
 
 async def ensure_jetstream(memo: Any, config: GroupConfig) -> None:
     nc = await _nats(memo, config, attempts=2)
-    await ensure_group(nc.jetstream(), config, ledger=config.handler.endswith(":ledger"))
+    await ensure_group(nc.jetstream(), config)
 
 
-@kopf.on.create(GROUP, VERSION, PLURAL)
-@kopf.on.update(GROUP, VERSION, PLURAL)
-@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(API_GROUP, API_VERSION, PLURAL)
+@kopf.on.update(API_GROUP, API_VERSION, PLURAL)
+@kopf.on.resume(API_GROUP, API_VERSION, PLURAL)
 async def reconcile(
     name: str,
     namespace: str | None,
@@ -289,7 +287,7 @@ async def _scale_record(memo: Any, config: GroupConfig, secret: str | None) -> S
     return None if kv is None else ScaleRecord.parse(kv.value)
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=OBSERVE_INTERVAL, initial_delay=1.0)
+@kopf.timer(API_GROUP, API_VERSION, PLURAL, interval=OBSERVE_INTERVAL, initial_delay=1.0)
 async def observe_group(
     name: str,
     namespace: str | None,
@@ -366,7 +364,7 @@ async def observe_group(
 DELETE_SECRET_RETRIES = 5
 
 
-@kopf.on.delete(GROUP, VERSION, PLURAL)
+@kopf.on.delete(API_GROUP, API_VERSION, PLURAL)
 async def delete(
     name: str,
     namespace: str | None,
@@ -405,7 +403,7 @@ async def delete(
         for stream in (
             config.stream,
             config.dlq_stream,
-            f"{config.stream}_log",
+            config.log_stream,
             config.ledger_stream,
         ):
             try:
