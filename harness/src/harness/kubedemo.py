@@ -20,12 +20,13 @@ from typing import Any
 
 import nats
 
+from harness import REPO_ROOT
 from harness.localkube.plane import LocalKube, State, alive
 from shoal.consumer.ledger import audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.contracts.names import SEQ_HEADER
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 NAMESPACE, GROUP = "default", "orders"
 
 

@@ -13,10 +13,11 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from harness import REPO_ROOT
 from harness.localkube.plane import LocalKube
 from harness.servers import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 
 
 def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.3) -> Any:
