@@ -100,7 +100,7 @@ def test_example_gets_defaults_columns_and_scales(crd: LocalKube) -> None:
             "retention": "workqueue",
             "storage": "file",
             "replicas": 1,
-            "ledger": False,
+            "ledger": True,  # the example asks for the ledger stream
         }
         assert spec["nats"]["consumer"]["ackWaitSeconds"] == 5
         assert spec["nats"]["consumer"]["maxDeliver"] == 5
