@@ -8,8 +8,12 @@ Event for each new assignment generation and each change of replicas.
 Deletion: a finalizer clears the group's etcd prefix; the stream goes only with
 deletionPolicy Delete. A spec that passes the schema but cannot work (unreachable NATS,
 an unknown handler, a missing or unusable spec.etcd.tlsSecret) becomes Degraded with a
-Warning Event and is retried with backoff. etcd connections, and the files of the groups'
-etcd Secrets, live in memo.etcd (shoal.operator.etcdsecret.EtcdClients).
+Warning Event and is retried with backoff.
+
+What all groups share is in the operator's memo, filled by the startup handler: settings,
+the Kubernetes client, etcd connections with the files of the groups' etcd Secrets
+(memo.etcd, shoal.operator.etcdsecret.EtcdClients) and NATS connections. What one group
+remembers is in its own memo (shoal.operator.state.GroupState).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from shoal.operator.builders import (
 from shoal.operator.etcdsecret import EtcdClients, EtcdSecretProblem
 from shoal.operator.kube import Kube, api_client
 from shoal.operator.settings import OperatorSettings, settings_from_env
+from shoal.operator.state import group_state
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +89,8 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     memo.kube = Kube(api_client())
     memo.etcd = EtcdClients(memo.kube)
     memo.nats = {}
-    # (namespace, group) -> the etcd tlsSecret version its Deployment was applied with.
-    memo.secret_versions = {}
-    # (namespace, group) -> (reason, message) of the last failed reconcile.
-    memo.problems = {}
+    # Nothing per group here: kopf shallow-copies this memo into every group's memo, so a
+    # dict set here would be one dict for all groups (see shoal.operator.state).
     log.info(
         "Shoal operator started: default image %s, NATS %s, etcd %s",
         memo.settings.default_image,
@@ -111,7 +114,6 @@ async def alive(**_: Any) -> str:
 
 def _degraded(
     memo: Any,
-    key: tuple[str, str],
     patch: kopf.Patch,
     status: Any,
     reason: str,
@@ -120,7 +122,7 @@ def _degraded(
 ) -> None:
     """Report why the spec cannot work. The status timer keeps reporting it (it sees only
     etcd and NATS) until a reconcile succeeds."""
-    memo.problems[key] = (reason, message)
+    group_state(memo).problem = (reason, message)
     condition = {
         "type": "Degraded",
         "status": "True",
@@ -180,7 +182,7 @@ async def reconcile(
     patch.status["selector"] = selector_string(name)
     problem = handler_problem(spec, settings)
     if problem is not None:
-        _degraded(memo, (namespace, name), patch, status, "HandlerInvalid", problem, generation)
+        _degraded(memo, patch, status, "HandlerInvalid", problem, generation)
         kopf.warn(body, reason="HandlerInvalid", message=problem)
         raise kopf.TemporaryError(problem, delay=min(300, 10 * 2 ** min(retry, 5)))
     etcd_secret = etcd_secret_name(spec)
@@ -190,7 +192,7 @@ async def reconcile(
         try:
             secret_version = (await memo.etcd.files(namespace, etcd_secret)).resource_version
         except EtcdSecretProblem as exc:
-            _degraded(memo, (namespace, name), patch, status, exc.reason, exc.message, generation)
+            _degraded(memo, patch, status, exc.reason, exc.message, generation)
             kopf.warn(body, reason=exc.reason, message=exc.message)
             # Capped low: a Secret is usually created right after the group.
             raise kopf.TemporaryError(exc.message, delay=min(60, 5 * 2 ** min(retry, 4))) from exc
@@ -209,21 +211,22 @@ async def reconcile(
     for obj in children(name, namespace, dict(spec), settings, secret_version):
         kopf.adopt(obj, owner=body)
         await memo.kube.apply(obj)
-    memo.secret_versions[(namespace, name)] = secret_version
+    state = group_state(memo)
+    state.applied, state.secret_version = True, secret_version
 
     try:
         await ensure_jetstream(memo, config)
     except StreamConfigConflict as exc:
         reason, message = "StreamConfigConflict", str(exc)
-        _degraded(memo, (namespace, name), patch, status, reason, message, generation)
+        _degraded(memo, patch, status, reason, message, generation)
         kopf.warn(body, reason="StreamConfigConflict", message=str(exc))
         raise kopf.TemporaryError(str(exc), delay=60) from exc
     except Exception as exc:
         message = f"JetStream at {config.nats_url} unavailable: {exc}"
-        _degraded(memo, (namespace, name), patch, status, "NatsUnavailable", message, generation)
+        _degraded(memo, patch, status, "NatsUnavailable", message, generation)
         kopf.warn(body, reason="NatsUnavailable", message=message)
         raise kopf.TemporaryError(message, delay=min(300, 5 * 2 ** min(retry, 6))) from exc
-    memo.problems.pop((namespace, name), None)
+    group_state(memo).problem = None
     kopf.info(
         body,
         reason="Reconciled",
@@ -239,16 +242,16 @@ async def _roll_on_rotation(
     """A new version of the group's etcd Secret: re-apply the Deployment with it, which
     rolls the pods (they read their certificates only at start)."""
     secret = etcd_secret_name(spec)
-    key = (namespace, name)
-    if secret is None or key not in memo.secret_versions:
+    state = group_state(memo)
+    if secret is None or not state.applied:
         return  # not reconciled by this process yet: the resume handler applies it
     version = memo.etcd.known_version(namespace, secret)
-    if version is None or version == memo.secret_versions[key]:
+    if version is None or version == state.secret_version:
         return
     deployment = build_deployment(name, namespace, dict(spec), memo.settings, version)
     kopf.adopt(deployment, owner=body)
     await memo.kube.apply(deployment)
-    memo.secret_versions[key] = version
+    state.secret_version = version
     kopf.info(
         body,
         reason="EtcdSecretRotated",
@@ -322,7 +325,7 @@ async def observe_group(
         # _etcd above has just read the Secret: compare versions without reading it again.
         await _roll_on_rotation(memo, name, namespace, spec, body)
     # A problem the last reconcile found (a handler, a stream change) stands until fixed.
-    problem = problem or memo.problems.get((namespace, name))
+    problem = problem or group_state(memo).problem
     lag: int | None = None
     try:
         nc = await _nats(memo, config, attempts=1)
@@ -378,8 +381,7 @@ async def delete(
 ) -> None:
     namespace = namespace or "default"  # ConsumerGroups are namespaced
     settings: OperatorSettings = memo.settings
-    memo.problems.pop((namespace, name), None)
-    memo.secret_versions.pop((namespace, name), None)
+    # The group's own state needs no clearing: kopf drops its memo with the object.
     config = group_config(name, namespace, spec, settings)
     # The consumers must be gone first: garbage collection would remove them only after
     # this finalizer, and a live leader would write the assignment straight back.
