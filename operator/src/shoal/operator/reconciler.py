@@ -8,7 +8,8 @@ Event for each new assignment generation and each change of replicas.
 Deletion: a finalizer clears the group's etcd prefix; the stream goes only with
 deletionPolicy Delete. A spec that passes the schema but cannot work (unreachable NATS,
 an unknown handler, a missing or unusable spec.etcd.tlsSecret) becomes Degraded with a
-Warning Event and is retried with backoff.
+Warning Event and is retried with backoff: a step of reconcile raises GroupProblem, and
+reconcile alone reports it.
 
 What all groups share is in the operator's memo, filled by the startup handler: settings,
 the Kubernetes client, etcd connections with the files of the groups' etcd Secrets
@@ -112,28 +113,15 @@ async def alive(**_: Any) -> str:
     return "ok"
 
 
-def _degraded(
-    memo: Any,
-    patch: kopf.Patch,
-    status: Any,
-    reason: str,
-    message: str,
-    generation: int,
-) -> None:
-    """Report why the spec cannot work. The status timer keeps reporting it (it sees only
-    etcd and NATS) until a reconcile succeeds."""
-    group_state(memo).problem = (reason, message)
-    condition = {
-        "type": "Degraded",
-        "status": "True",
-        "reason": reason,
-        "message": message,
-        "observedGeneration": generation,
-    }
-    others = [c for c in (status or {}).get("conditions", []) if c.get("type") != "Degraded"]
-    patch.status["conditions"] = observe.stamp(
-        [*others, condition], (status or {}).get("conditions", []), now()
-    )
+class GroupProblem(Exception):
+    """A group's spec cannot work now: the Degraded reason (CamelCase), a message for
+    people, and how long to wait before trying again (seconds)."""
+
+    def __init__(self, reason: str, message: str, delay: float) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.delay = delay
 
 
 async def _nats(memo: Any, config: GroupConfig, attempts: int) -> Any:
@@ -155,9 +143,86 @@ async def _nats(memo: Any, config: GroupConfig, attempts: int) -> Any:
     return cache[key]
 
 
-async def ensure_jetstream(memo: Any, config: GroupConfig) -> None:
-    nc = await _nats(memo, config, attempts=2)
-    await ensure_group(nc.jetstream(), config, ledger=config.handler.endswith(":ledger"))
+def check_handler(spec: Any, settings: OperatorSettings, retry: int) -> None:
+    """GroupProblem HandlerInvalid if the pods could not import the spec's handler."""
+    problem = handler_problem(spec, settings)
+    if problem is not None:
+        raise GroupProblem("HandlerInvalid", problem, delay=min(300, 10 * 2 ** min(retry, 5)))
+
+
+async def etcd_secret_version(
+    clients: EtcdClients, namespace: str, spec: Any, retry: int
+) -> str | None:
+    """The resourceVersion of the group's etcd Secret, read and checked (None: no Secret).
+
+    GroupProblem (EtcdSecretMissing, EtcdSecretInvalid, EtcdSecretForbidden) if it
+    cannot be used.
+    """
+    secret = etcd_secret_name(spec)
+    if not secret:
+        return None
+    try:
+        return (await clients.files(namespace, secret)).resource_version
+    except EtcdSecretProblem as exc:
+        # Capped low: a Secret is usually created right after the group.
+        delay = min(60, 5 * 2 ** min(retry, 4))
+        raise GroupProblem(exc.reason, exc.message, delay=delay) from exc
+
+
+async def report_scale(
+    memo: Any,
+    config: GroupConfig,
+    spec: Any,
+    old: Any,
+    secret: str | None,
+    patch: kopf.Patch,
+    body: kopf.Body,
+) -> None:
+    """status.lastScale when spec.replicas changed, and a Scaled Event unless the
+    autoscaler made the change (the leader posts its own ScaledUp/ScaledDown Event)."""
+    before = ((old or {}).get("spec") or {}).get("replicas")
+    after = spec.get("replicas")
+    if before is None or before == after:
+        return
+    # Whoever set spec.replicas (kubectl scale, an HPA, the leader) came through here.
+    record = await _scale_record(memo, config, secret)
+    last, by_autoscaler = observe.last_scale(int(before), int(after or 0), record, time.time())
+    patch.status["lastScale"] = last
+    if not by_autoscaler:
+        kopf.info(body, reason="Scaled", message=f"Replicas {before} -> {after}")
+
+
+async def apply_children(
+    kube: Kube,
+    body: kopf.Body,
+    name: str,
+    namespace: str,
+    spec: Any,
+    settings: OperatorSettings,
+    secret_version: str | None,
+) -> None:
+    """Server-side apply the Deployment, RBAC and PDB, owned by the group so that
+    deleting it deletes them."""
+    for obj in children(name, namespace, dict(spec), settings, secret_version):
+        kopf.adopt(obj, owner=body)
+        await kube.apply(obj)
+
+
+async def ensure_jetstream(memo: Any, config: GroupConfig, retry: int) -> None:
+    """The group's streams and one durable per partition.
+
+    GroupProblem StreamConfigConflict if the stream exists with a configuration JetStream
+    cannot change in place, NatsUnavailable if JetStream cannot be reached or refuses.
+    """
+    try:
+        nc = await _nats(memo, config, attempts=2)
+        await ensure_group(nc.jetstream(), config, ledger=config.handler.endswith(":ledger"))
+    except StreamConfigConflict as exc:
+        raise GroupProblem("StreamConfigConflict", str(exc), delay=60) from exc
+    except Exception as exc:
+        message = f"JetStream at {config.nats_url} unavailable: {exc}"
+        delay = min(300, 5 * 2 ** min(retry, 6))
+        raise GroupProblem("NatsUnavailable", message, delay=delay) from exc
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)
@@ -176,57 +241,47 @@ async def reconcile(
     old: Any = None,
     **_: Any,
 ) -> None:
+    """Make the group's children and JetStream match its spec, step by step.
+
+    A step that finds the spec cannot work raises GroupProblem; this handler alone turns
+    it into Degraded, a Warning Event and a retry after the problem's delay. Any other
+    exception is kopf's to retry.
+    """
     namespace = namespace or "default"  # ConsumerGroups are namespaced
     settings: OperatorSettings = memo.settings
-    generation = int(meta.get("generation") or 0)
-    patch.status["selector"] = selector_string(name)
-    problem = handler_problem(spec, settings)
-    if problem is not None:
-        _degraded(memo, patch, status, "HandlerInvalid", problem, generation)
-        kopf.warn(body, reason="HandlerInvalid", message=problem)
-        raise kopf.TemporaryError(problem, delay=min(300, 10 * 2 ** min(retry, 5)))
-    etcd_secret = etcd_secret_name(spec)
-    secret_version: str | None = None
-    if etcd_secret:
-        # Before any pod exists: pods would only wait for a volume that cannot mount.
-        try:
-            secret_version = (await memo.etcd.files(namespace, etcd_secret)).resource_version
-        except EtcdSecretProblem as exc:
-            _degraded(memo, patch, status, exc.reason, exc.message, generation)
-            kopf.warn(body, reason=exc.reason, message=exc.message)
-            # Capped low: a Secret is usually created right after the group.
-            raise kopf.TemporaryError(exc.message, delay=min(60, 5 * 2 ** min(retry, 4))) from exc
-
-    config = group_config(name, namespace, spec, settings)
-    before = ((old or {}).get("spec") or {}).get("replicas")
-    after = spec.get("replicas")
-    if before is not None and before != after:
-        # Whoever set spec.replicas (kubectl scale, an HPA, the leader) came through here.
-        record = await _scale_record(memo, config, etcd_secret)
-        last, by_autoscaler = observe.last_scale(int(before), int(after or 0), record, time.time())
-        patch.status["lastScale"] = last
-        if not by_autoscaler:  # the leader posted its own ScaledUp/ScaledDown Event
-            kopf.info(body, reason="Scaled", message=f"Replicas {before} -> {after}")
-
-    for obj in children(name, namespace, dict(spec), settings, secret_version):
-        kopf.adopt(obj, owner=body)
-        await memo.kube.apply(obj)
     state = group_state(memo)
-    state.applied, state.secret_version = True, secret_version
-
+    patch.status["selector"] = selector_string(name)
     try:
-        await ensure_jetstream(memo, config)
-    except StreamConfigConflict as exc:
-        reason, message = "StreamConfigConflict", str(exc)
-        _degraded(memo, patch, status, reason, message, generation)
-        kopf.warn(body, reason="StreamConfigConflict", message=str(exc))
-        raise kopf.TemporaryError(str(exc), delay=60) from exc
-    except Exception as exc:
-        message = f"JetStream at {config.nats_url} unavailable: {exc}"
-        _degraded(memo, patch, status, "NatsUnavailable", message, generation)
-        kopf.warn(body, reason="NatsUnavailable", message=message)
-        raise kopf.TemporaryError(message, delay=min(300, 5 * 2 ** min(retry, 6))) from exc
-    group_state(memo).problem = None
+        # 1. The handler: a group whose pods could not import it gets no pods.
+        check_handler(spec, settings, retry)
+        # 2. The etcd Secret, before any pod exists: pods would only wait for a volume
+        #    that cannot mount.
+        secret_version = await etcd_secret_version(memo.etcd, namespace, spec, retry)
+        # 3. The consumers' configuration.
+        config = group_config(name, namespace, spec, settings)
+        # 4. A change of spec.replicas: status.lastScale and who made it.
+        await report_scale(memo, config, spec, old, etcd_secret_name(spec), patch, body)
+        # 5. The children (Deployment, RBAC, PDB); the status timer compares later
+        #    versions of the Secret with the one applied here.
+        await apply_children(memo.kube, body, name, namespace, spec, settings, secret_version)
+        state.applied, state.secret_version = True, secret_version
+        # 6. JetStream: the streams and the durables.
+        await ensure_jetstream(memo, config, retry)
+    except GroupProblem as problem:
+        # The status timer sees only etcd and NATS: it keeps reporting this problem
+        # until a reconcile succeeds.
+        state.problem = (problem.reason, problem.message)
+        patch.status["conditions"] = observe.degraded(
+            status.get("conditions", []),
+            problem.reason,
+            problem.message,
+            int(meta.get("generation") or 0),
+            now(),
+        )
+        kopf.warn(body, reason=problem.reason, message=problem.message)
+        raise kopf.TemporaryError(problem.message, delay=problem.delay) from problem
+    # 7. Done: whatever went wrong before is fixed.
+    state.problem = None
     kopf.info(
         body,
         reason="Reconciled",
