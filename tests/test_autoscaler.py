@@ -290,6 +290,7 @@ async def test_a_round_scales_down_sparing_the_leader_and_records_it(
     try:
         await view.synced.wait()
         spec = {
+            "handler": "shoal.consumer.handlers:noop",
             "replicas": 3,
             "minReplicas": 1,
             "maxReplicas": 4,
