@@ -170,8 +170,7 @@ async def assignment_events(
     def logged(events: list[Any]) -> bool:
         return any(e["generation"] >= through_generation for e in events)
 
-    events = await wait_for_events(js, stream, logged, timeout)
-    assert logged(events), f"generation {through_generation} never logged"
+    events = await wait_for_events(js, stream, logged, timeout, f"generation {through_generation}")
     return [e for e in events if after_generation < e["generation"] <= through_generation]
 
 
