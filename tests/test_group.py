@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from harness.fleet import Fleet, settled, wait_for_status
+from harness.waiting import eventually_async
 from shoal.consumer.assignor import min_moves, moved
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
@@ -84,14 +85,19 @@ async def produce_paced(producer: Producer, items: list[Outgoing], seconds: floa
 
 
 async def drained(js: Any, config: GroupConfig, expected: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    async def left_and_done() -> tuple[int, int]:
         work = await js.stream_info(config.stream)
         ledger = await js.stream_info(config.ledger_stream)
-        if work.state.messages == 0 and ledger.state.messages >= expected:
-            return
-        await asyncio.sleep(0.2)
-    raise TimeoutError(f"not drained: {work.state.messages} left, {ledger.state.messages} done")
+        return work.state.messages, ledger.state.messages
+
+    await eventually_async(
+        left_and_done,
+        timeout,
+        f"the group to drain and record {expected} messages",
+        until=lambda counts: counts[0] == 0 and counts[1] >= expected,
+        interval=0.2,
+        describe=lambda counts: f"{counts[0]} left, {counts[1]} done",
+    )
 
 
 async def start_group(
