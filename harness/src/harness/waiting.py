@@ -93,7 +93,8 @@ def eventually(
     `what` completes "waiting for ...". Exceptions of the `retry_on` types count as "not
     yet" (e.g. a server that does not answer yet); any other exception propagates at
     once. On timeout: WaitTimeout with the last value (through `describe`) or exception.
-    `check` runs at least once, and once more at the deadline.
+    `check` runs at least once, and no sleep runs past the deadline: the last check runs
+    at the deadline (unless the one before ended after it).
     """
     poll = _Poll(timeout, what, describe)
     while True:
