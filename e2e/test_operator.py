@@ -21,6 +21,7 @@ from harness.fleet import wait_for_events, wait_for_status
 from harness.kubetest import condition, create_namespace, get_json, operator_process, wait_until
 from harness.localkube.plane import LocalKube
 from harness.servers import free_port
+from harness.waiting import eventually_async
 from shoal.consumer.assignor import min_moves, moved
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.ledger import audit, read_ledger
@@ -147,11 +148,14 @@ async def _scale_while_producing(plane: LocalKube, ns: str) -> None:
             previous = current
         assert previous == after.owners
         await production
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            if (await js.stream_info(f"shoal_{ns}_orders")).state.messages == 0:
-                break
-            await asyncio.sleep(0.5)
+
+        async def left() -> int:
+            return int((await js.stream_info(f"shoal_{ns}_orders")).state.messages)
+
+        # Fails with the number of messages left, rather than auditing an undrained group.
+        await eventually_async(
+            left, 90, "the group to drain its stream", until=lambda n: n == 0, interval=0.5
+        )
         records = await read_ledger(js, f"shoal_{ns}_orders_ledger")
         result = audit(records, [i.message_id or "" for i in items])
         assert result.summary()["lost"] == 0
@@ -170,8 +174,7 @@ async def assignment_events(
     def logged(events: list[Any]) -> bool:
         return any(e["generation"] >= through_generation for e in events)
 
-    events = await wait_for_events(js, stream, logged, timeout)
-    assert logged(events), f"generation {through_generation} never logged"
+    events = await wait_for_events(js, stream, logged, timeout, f"generation {through_generation}")
     return [e for e in events if after_generation < e["generation"] <= through_generation]
 
 

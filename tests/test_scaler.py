@@ -411,6 +411,8 @@ def test_noise_on_both_sides_never_reverses_inside_a_cooldown(seed: int) -> None
 
     _, decisions = simulate(load, policy(), start=4, steps=300)
     _no_reversal(decisions)
+    # A scaler that never acts never reverses: the noise must have made it act.
+    assert any(d.action != "none" for d in decisions)
 
 
 # -- missing, garbage, stale stats ---------------------------------------------------------

@@ -21,6 +21,7 @@ import nats
 
 from harness.fleet import Fleet, settled, wait_for_status
 from harness.servers import EtcdServer, NatsServer
+from harness.waiting import WaitTimeout, eventually_async
 from shoal.consumer.assignor import moved
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
@@ -78,11 +79,18 @@ async def produce(producer: Producer, total: int, projects: int, rate: float) ->
 
 
 async def drain(js: Any, stream: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not (await js.stream_info(stream)).state.messages:
-            return
-        await asyncio.sleep(0.5)
+    """Wait until the stream is empty; if it does not empty in time, say so and go on: the
+    audit that follows shows what was not processed."""
+
+    async def left() -> int:
+        return int((await js.stream_info(stream)).state.messages)
+
+    try:
+        await eventually_async(
+            left, timeout, f"{stream} to drain", until=lambda n: n == 0, interval=0.5
+        )
+    except WaitTimeout as exc:
+        say(f"  {exc}")
 
 
 async def demo(args: argparse.Namespace, workdir: Path) -> int:
