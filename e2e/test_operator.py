@@ -26,7 +26,13 @@ from shoal.consumer.assignor import min_moves, moved
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.ledger import audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer
-from shoal.contracts.names import SEQ_HEADER, Keys
+from shoal.contracts.names import (
+    SEQ_HEADER,
+    Keys,
+    default_stream_name,
+    ledger_stream_name,
+    log_stream_name,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
@@ -139,7 +145,7 @@ async def _scale_while_producing(plane: LocalKube, ns: str) -> None:
         # Pods that register further apart than the leader's debounce give one generation
         # each; every generation must move the minimum from the one before it.
         previous = before.owners
-        log_stream = f"shoal_{ns}_orders_log"
+        log_stream = log_stream_name(default_stream_name(ns, "orders"))
         events = await assignment_events(js, log_stream, before.generation, after.generation)
         for event in events:
             current = {int(p): m for p, m in event["assignment"].items()}
@@ -156,7 +162,7 @@ async def _scale_while_producing(plane: LocalKube, ns: str) -> None:
         await eventually_async(
             left, 90, "the group to drain its stream", until=lambda n: n == 0, interval=0.5
         )
-        records = await read_ledger(js, f"shoal_{ns}_orders_ledger")
+        records = await read_ledger(js, ledger_stream_name(default_stream_name(ns, "orders")))
         result = audit(records, [i.message_id or "" for i in items])
         assert result.summary()["lost"] == 0
         assert result.summary()["duplicates"] == 0

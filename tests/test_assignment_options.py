@@ -85,7 +85,7 @@ async def test_a_modulo_group_assigns_and_logs_as_modulo(
     # The seed's p % n over the sorted members, exactly.
     assert status.owners == {p: ["c-0", "c-1", "c-2"][p % 3] for p in range(16)}
     events = await wait_for_events(
-        js, f"{config.stream}_log", lambda es: any(len(e["members"]) == 3 for e in es), 30
+        js, config.log_stream, lambda es: any(len(e["members"]) == 3 for e in es), 30
     )
     assert {e["strategy"] for e in events} == {"modulo"}
     join = next(e for e in events if len(e["members"]) == 3)
@@ -135,7 +135,7 @@ async def test_a_load_aware_leader_moves_a_hot_partition_off_the_busy_member(
         )
         events = await wait_for_events(
             js,
-            f"{config.stream}_log",
+            config.log_stream,
             lambda es: any(_weighed(e) for e in es),
             30,
             "a rebalance for load",

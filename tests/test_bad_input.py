@@ -23,7 +23,14 @@ from shoal.consumer.etcd import Etcd
 from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.ledger import read_ledger
 from shoal.consumer.producer import Producer
-from shoal.contracts.names import Keys, partition_for, partition_subject
+from shoal.contracts.names import (
+    DEAD_LETTER_REASON_HEADER,
+    PROJECT_HEADER,
+    Keys,
+    dlq_subject,
+    partition_for,
+    partition_subject,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -145,13 +152,13 @@ async def test_bad_messages_go_to_the_dead_letter_subject(
     await js.publish(
         partition_subject(config.subject_prefix, p),
         b"misrouted",
-        headers={"Shoal-Project-Id": wrong},
+        headers={PROJECT_HEADER: wrong},
     )
     letters = await dead_letters(js, config.dlq_stream, 2)
-    reasons = sorted(m.headers["Shoal-Dead-Letter-Reason"] for m in letters)
+    reasons = sorted(m.headers[DEAD_LETTER_REASON_HEADER] for m in letters)
     assert "missing Shoal-Project-Id header" in reasons[0]
     assert f"belongs to partition {partition_for(wrong, 16)}" in reasons[1]
-    assert {m.subject for m in letters} == {f"{config.subject_prefix}.dlq.{p}"}
+    assert {m.subject for m in letters} == {dlq_subject(config.subject_prefix, p)}
     assert (await js.stream_info(config.stream)).state.messages == 0
 
 
@@ -179,8 +186,8 @@ async def test_failing_handlers_retry_then_dead_letter(
     producer = Producer(js, config.subject_prefix, 16)
     await producer.publish("project-9", b"payload", message_id="m-1")
     [letter] = await dead_letters(js, config.dlq_stream, 1)
-    assert reason in letter.headers["Shoal-Dead-Letter-Reason"]
-    assert letter.headers["Shoal-Project-Id"] == "project-9"
+    assert reason in letter.headers[DEAD_LETTER_REASON_HEADER]
+    assert letter.headers[PROJECT_HEADER] == "project-9"
     assert letter.data == b"payload"
     assert (await js.stream_info(config.stream)).state.messages == 0
 
@@ -337,7 +344,7 @@ async def test_a_message_jetstream_gave_up_on_is_dead_lettered(
     await eventually_async(ack_pending, 10, f"the message to be delivered ({durable})")
     fleet.kill("doomed")
     [letter] = await dead_letters(js, config.dlq_stream, 1, timeout=30)
-    assert "not acknowledged after 1 deliveries" in letter.headers["Shoal-Dead-Letter-Reason"]
-    assert letter.headers["Shoal-Project-Id"] == project
+    assert "not acknowledged after 1 deliveries" in letter.headers[DEAD_LETTER_REASON_HEADER]
+    assert letter.headers[PROJECT_HEADER] == project
     assert letter.data == b"stuck"
     assert (await js.stream_info(config.stream)).state.messages == 0

@@ -26,7 +26,7 @@ from harness.localkube.plane import LocalKube, State, alive
 from harness.waiting import WaitTimeout, eventually
 from shoal.consumer.ledger import audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer
-from shoal.contracts.names import SEQ_HEADER
+from shoal.contracts.names import SEQ_HEADER, default_stream_name, ledger_stream_name
 
 ROOT = REPO_ROOT
 NAMESPACE, GROUP = "default", "orders"
@@ -124,7 +124,9 @@ async def ledger_counts(plane: LocalKube, ids: list[str]) -> dict[str, int]:
         # The ledger keeps earlier runs' records too: audit this run's messages only.
         records = [
             r
-            for r in await read_ledger(js, f"shoal_{NAMESPACE}_{GROUP}_ledger")
+            for r in await read_ledger(
+                js, ledger_stream_name(default_stream_name(NAMESPACE, GROUP))
+            )
             if r.message_id in wanted
         ]
         return audit(records, ids).summary()
