@@ -404,15 +404,23 @@ def test_projects_noise_around_min(seed: int) -> None:
 
 @pytest.mark.parametrize("seed", range(5))
 def test_noise_on_both_sides_never_reverses_inside_a_cooldown(seed: int) -> None:
+    """Noisy load that swings between busy and idle phases of random length, so the
+    scaler has reasons to go both ways: it must, and never inside a cooldown."""
     rng = random.Random(seed)
+    phases: list[bool] = []  # busy or idle, one entry per step
+    while len(phases) < 400:
+        phases += [rng.random() < 0.5] * rng.randint(15, 90)
 
     def load(i: int, n: int, now: float) -> Stats:
-        return uniform(n, now, cpu=rng.uniform(20.0, 95.0), projects=rng.randint(0, 60))
+        if phases[i]:
+            return uniform(n, now, cpu=rng.uniform(50.0, 99.0), projects=rng.randint(20, 90))
+        return uniform(n, now, cpu=rng.uniform(1.0, 40.0), projects=rng.randint(0, 1))
 
-    _, decisions = simulate(load, policy(), start=4, steps=300)
+    _, decisions = simulate(load, policy(), start=4, steps=400)
     _no_reversal(decisions)
-    # A scaler that never acts never reverses: the noise must have made it act.
-    assert any(d.action != "none" for d in decisions)
+    # A scaler that never acts never reverses: the noise must have made it act both ways.
+    actions = {d.action for d in decisions}
+    assert {"up", "down"} <= actions, actions
 
 
 # -- missing, garbage, stale stats ---------------------------------------------------------
