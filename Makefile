@@ -57,7 +57,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV); \
 	$(PYM) pip install --quiet --upgrade pip; \
 	$(PYM) pip install --quiet -e '.[test,analytics]'; \
-	(cd / && $(CURDIR)/$(PY) -c "import shoal.consumer.partitioning, shoal.analytics.events, harness") \
+	(cd / && $(CURDIR)/$(PY) -c "import shoal.consumer.partitioning, shoal.contracts.events, harness") \
 	  || { echo "venv: the editable install cannot import shoal.consumer / harness" >&2; exit 1; }; \
 	touch $@; \
 	echo "venv: ready in $$((SECONDS - start)) s"

@@ -70,12 +70,11 @@ from harness.fleet import Fleet, settled, wait_for_status
 from harness.servers import EtcdServer, NatsServer
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
-from shoal.consumer.handlers import SEQ_HEADER
 from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.ledger import LedgerRecord, audit, read_ledger
-from shoal.consumer.partitioning import partition_for
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.consumer.status import read_status
+from shoal.contracts.names import SEQ_HEADER, partition_for
 
 BENCH = "handover"
 NAMESPACE = "bench"
@@ -456,6 +455,7 @@ async def run(args: argparse.Namespace, root: Path) -> None:
             namespace=NAMESPACE,
             group=GROUP,
             partitions=args.partitions,
+            ledger=True,
             nats_url=nats_server.url,
             etcd_endpoints=etcd_server.endpoint,
             handler=HANDLER,
@@ -488,7 +488,7 @@ async def measure(
     etcd_pid: int,
 ) -> None:
     js = nc.jetstream()
-    await ensure_group(js, config, ledger=True)
+    await ensure_group(js, config)
     initial = {"c-0", "c-1", "c-2"}
     for member in sorted(initial):
         fleet.start(member)
@@ -524,7 +524,7 @@ async def measure(
     result = audit(records, [i.message_id or "" for i in items])
     counts = result.summary()
     note(f"audit: {counts}; server: {server}")
-    events = await read_stream_json(js, f"{config.stream}_log")
+    events = await read_stream_json(js, config.log_stream)
     moved_ever = {int(m["partition"]) for e in events for m in e.get("moved", [])}
     partition_of = {i.message_id: partition_for(i.project_id, args.partitions) for i in items}
     lost_partitions = Counter(partition_of[m] for m in result.lost)

@@ -51,12 +51,13 @@ from nats.js import api
 from harness.bench import cpu_seconds, emit, log_problems, note, run_bench, scrape_counter
 from harness.fleet import Fleet, Member, settled, wait_for_status
 from harness.servers import EtcdServer, NatsServer, free_port
+from harness.waiting import eventually_async
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.jetstream import ensure_group
-from shoal.consumer.partitioning import durable_name
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.consumer.status import read_status
+from shoal.contracts.names import durable_name
 
 BENCH = "throughput"
 PLAIN = "plain"
@@ -121,20 +122,26 @@ async def set_paused(js: Any, stream: str, durables: list[str], paused: bool) ->
 
 async def check_drained(js: Any, stream: str, durables: list[str], timeout: float = 10.0) -> None:
     """Every durable has nothing pending and nothing unacknowledged on the server."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    async def undrained() -> dict[str, tuple[int, int]]:
         left: dict[str, tuple[int, int]] = {}
         for durable in durables:
             info = await js.consumer_info(stream, durable)
             pending, unacked = int(info.num_pending or 0), int(info.num_ack_pending or 0)
             if pending or unacked:
                 left[durable] = (pending, unacked)
-        if not left:
-            return
-        if time.monotonic() > deadline:
-            sample = dict(list(left.items())[:5])
-            raise RuntimeError(f"{len(left)} durables not drained (pending, unacked): {sample}")
-        await asyncio.sleep(0.2)
+        return left
+
+    await eventually_async(
+        undrained,
+        timeout,
+        f"{len(durables)} durables to drain",
+        until=lambda left: not left,
+        interval=0.2,
+        describe=lambda left: (
+            f"{len(left)} durables not drained (pending, unacked): {dict(list(left.items())[:5])}"
+        ),
+    )
 
 
 async def processed(ports: list[int]) -> float:
@@ -147,15 +154,13 @@ async def processed(ports: list[int]) -> float:
 
 async def wait_metrics(port: int, timeout: float) -> None:
     """Wait until a member's /metrics page answers."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            await processed([port])
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.1)
+    await eventually_async(
+        lambda: processed([port]),
+        timeout,
+        f"the metrics page on port {port}",
+        until=lambda _: True,  # any answer will do, 0 messages included
+        retry_on=(OSError,),
+    )
 
 
 async def watch_counter(
@@ -164,20 +169,27 @@ async def watch_counter(
     """Poll the counters until their sum reaches target.
 
     Returns (monotonic time the sum first moved, time it reached target, the sum)."""
-    deadline = time.monotonic() + timeout
     base = await processed(ports)
     first: float | None = None
     total = base
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError):
+
+    async def progress() -> tuple[float | None, float, float]:
+        nonlocal first, total
+        with contextlib.suppress(OSError):  # a missed scrape keeps the last sum
             total = await processed(ports)
         now = time.monotonic()
         if first is None and total > base:
             first = now
-        if total >= target:
-            return first, now, total
-        await asyncio.sleep(interval)
-    raise TimeoutError(f"members processed only {total:.0f} of {target:.0f} messages")
+        return first, now, total
+
+    return await eventually_async(
+        progress,
+        timeout,
+        f"the members to process {target:.0f} messages",
+        until=lambda seen: seen[2] >= target,
+        interval=interval,
+        describe=lambda seen: f"{seen[2]:.0f} processed",
+    )
 
 
 @dataclass

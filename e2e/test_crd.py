@@ -96,7 +96,12 @@ def test_example_gets_defaults_columns_and_scales(crd: LocalKube) -> None:
         assert spec["deletionPolicy"] == "Retain"
         # Nested defaults apply under parents that themselves default to {}.
         stream = spec["nats"]["stream"]
-        assert stream == {"retention": "workqueue", "storage": "file", "replicas": 1}
+        assert stream == {
+            "retention": "workqueue",
+            "storage": "file",
+            "replicas": 1,
+            "ledger": True,  # the example asks for the ledger stream
+        }
         assert spec["nats"]["consumer"]["ackWaitSeconds"] == 5
         assert spec["nats"]["consumer"]["maxDeliver"] == 5
         assert spec["autoscaling"]["cooldownSeconds"] == 600

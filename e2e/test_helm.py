@@ -20,6 +20,7 @@ import yaml
 from harness.kubetest import condition, get_json, wait_until
 from harness.localkube.plane import LocalKube
 from harness.servers import free_port
+from harness.waiting import eventually
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
@@ -310,8 +311,11 @@ def _install_run_a_group_test_and_uninstall(plane: LocalKube, chart: Path) -> No
         "the operator pod to be gone",
     )
     assert kubectl(plane, "get", "deployment", OPERATOR, "-n", RELEASE_NS, check=False).returncode
-    deadline = time.monotonic() + 60
-    while (left := release_objects(plane)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert left == [], f"release resources left after helm uninstall: {left}"
+    eventually(
+        lambda: release_objects(plane),
+        60,
+        "no resources of the release left after helm uninstall",
+        until=lambda left: not left,
+        interval=0.5,
+    )
     assert get_json(plane, "crd", CRD)["metadata"]["name"] == CRD

@@ -21,12 +21,18 @@ from harness.fleet import wait_for_events, wait_for_status
 from harness.kubetest import condition, create_namespace, get_json, operator_process, wait_until
 from harness.localkube.plane import LocalKube
 from harness.servers import free_port
+from harness.waiting import eventually_async
 from shoal.consumer.assignor import min_moves, moved
 from shoal.consumer.etcd import Etcd
-from shoal.consumer.handlers import SEQ_HEADER
 from shoal.consumer.ledger import audit, read_ledger
-from shoal.consumer.partitioning import Keys
 from shoal.consumer.producer import Outgoing, Producer
+from shoal.contracts.names import (
+    SEQ_HEADER,
+    Keys,
+    default_stream_name,
+    ledger_stream_name,
+    log_stream_name,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
@@ -139,7 +145,7 @@ async def _scale_while_producing(plane: LocalKube, ns: str) -> None:
         # Pods that register further apart than the leader's debounce give one generation
         # each; every generation must move the minimum from the one before it.
         previous = before.owners
-        log_stream = f"shoal_{ns}_orders_log"
+        log_stream = log_stream_name(default_stream_name(ns, "orders"))
         events = await assignment_events(js, log_stream, before.generation, after.generation)
         for event in events:
             current = {int(p): m for p, m in event["assignment"].items()}
@@ -148,12 +154,15 @@ async def _scale_while_producing(plane: LocalKube, ns: str) -> None:
             previous = current
         assert previous == after.owners
         await production
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            if (await js.stream_info(f"shoal_{ns}_orders")).state.messages == 0:
-                break
-            await asyncio.sleep(0.5)
-        records = await read_ledger(js, f"shoal_{ns}_orders_ledger")
+
+        async def left() -> int:
+            return int((await js.stream_info(f"shoal_{ns}_orders")).state.messages)
+
+        # Fails with the number of messages left, rather than auditing an undrained group.
+        await eventually_async(
+            left, 90, "the group to drain its stream", until=lambda n: n == 0, interval=0.5
+        )
+        records = await read_ledger(js, ledger_stream_name(default_stream_name(ns, "orders")))
         result = audit(records, [i.message_id or "" for i in items])
         assert result.summary()["lost"] == 0
         assert result.summary()["duplicates"] == 0
@@ -171,8 +180,7 @@ async def assignment_events(
     def logged(events: list[Any]) -> bool:
         return any(e["generation"] >= through_generation for e in events)
 
-    events = await wait_for_events(js, stream, logged, timeout)
-    assert logged(events), f"generation {through_generation} never logged"
+    events = await wait_for_events(js, stream, logged, timeout, f"generation {through_generation}")
     return [e for e in events if after_generation < e["generation"] <= through_generation]
 
 

@@ -89,6 +89,8 @@ def make_config(
     """A config of this test's group on the session's servers, plus overrides."""
 
     def make(**overrides: Any) -> GroupConfig:
+        # The tests' members run the ledger handler (harness.fleet), which needs its stream.
+        overrides.setdefault("ledger", True)
         return GroupConfig(
             group=group,
             namespace=namespace,

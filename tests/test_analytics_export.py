@@ -15,12 +15,17 @@ import pandas as pd
 import pytest
 
 from harness.servers import free_port
-from shoal.analytics.events import parse_event
 from shoal.analytics.export import ExportError, export_log
 from shoal.analytics.generate import HistorySpec, history
 from shoal.analytics.layout import input_files
 from shoal.analytics.oracle import compute_path
-from shoal.consumer.partitioning import assignments_subject, default_subject_prefix
+from shoal.contracts.events import parse_event
+from shoal.contracts.names import (
+    assignments_subject,
+    default_stream_name,
+    default_subject_prefix,
+    log_stream_name,
+)
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -61,7 +66,7 @@ async def test_export_copies_the_log_stream(
     js: Any, nats_url: str, namespace: str, group: str, tmp_path: Path
 ) -> None:
     prefix = default_subject_prefix(namespace, group)
-    stream = f"shoal_{namespace}_{group}_log"
+    stream = log_stream_name(default_stream_name(namespace, group))
     await js.add_stream(name=stream, subjects=[assignments_subject(prefix)])
     events = list(history(HistorySpec(namespace=namespace, group=group, generations=60, seed=9)))
     payloads = [e.to_bytes() for e in events]

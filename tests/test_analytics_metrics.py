@@ -18,12 +18,12 @@ import pytest
 from pydantic import ValidationError
 
 from shoal.analytics import metrics
-from shoal.analytics.events import AssignmentEvent, EventError, parse_event
-from shoal.analytics.export import log_stream_name, parse_since
+from shoal.analytics.export import group_log_stream, parse_since
 from shoal.analytics.generate import HistorySpec, corrupt, history, write_history
 from shoal.analytics.ingest import parse_file
 from shoal.analytics.layout import PartWriter, input_files, is_hidden, relative_name
 from shoal.consumer import assignor
+from shoal.contracts.events import AssignmentEvent, EventError, parse_event
 
 
 def event(**overrides: object) -> AssignmentEvent:
@@ -178,15 +178,8 @@ def test_min_moves_edge_cases() -> None:
     # 7 partitions, a and b held 3 each: their +1 quotas (2, 2, 2, 1) leave 1 excess each.
     previous = {0: "a", 1: "a", 2: "a", 3: "b", 4: "b", 5: "b", 6: "c"}
     assert metrics.min_moves(range(7), ["a", "b", "c", "d"], previous) == 2
-    # Ties in holdings: the smaller id gets the +1 quota.
-    assert metrics.quotas(7, {"a": 2, "b": 2, "c": 2, "d": 1, "e": 0}) == {
-        "a": 2,
-        "b": 2,
-        "c": 1,
-        "d": 1,
-        "e": 1,
-    }
-    assert metrics.quotas(5, {}) == {}
+    # Partitions named other than 0..P-1 (a partial log) count by position.
+    assert metrics.min_moves([10, 11, 12], ["a", "b"], {10: "a", 11: "a", 12: "a"}) == 1
 
 
 def test_moves_counts_only_partitions_that_had_another_owner() -> None:
@@ -283,8 +276,8 @@ def test_since_accepts_times_dates_and_durations() -> None:
     assert parse_since("2026-11-20T10:00:00Z", now) == datetime(2026, 11, 20, 10, tzinfo=UTC)
     with pytest.raises(ValueError, match="RFC 3339"):
         parse_since("last tuesday", now)
-    assert log_stream_name("prod", "orders") == "shoal_prod_orders_log"
-    assert log_stream_name("prod", "orders", "custom") == "custom_log"
+    assert group_log_stream("prod", "orders") == "shoal_prod_orders_log"
+    assert group_log_stream("prod", "orders", "custom") == "custom_log"
 
 
 # -- the generator ------------------------------------------------------------------------

@@ -22,9 +22,9 @@ from pandas.api.types import is_float_dtype
 
 from shoal.analytics.generate import history, specs_for, write_edge_cases, write_history
 from shoal.analytics.oracle import Computed, compute_path
-from shoal.analytics.report import normalize, run_report
+from shoal.analytics.report import run_report
 from shoal.analytics.session import JavaMissing, find_java, spark_session, stop_spark
-from shoal.analytics.tables import COLUMNS
+from shoal.analytics.tables import COLUMNS, normalize
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

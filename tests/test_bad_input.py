@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,12 +17,20 @@ import pytest
 
 from harness.fleet import Fleet, settled, wait_for_status
 from harness.servers import free_port
+from harness.waiting import eventually_async
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.ledger import read_ledger
-from shoal.consumer.partitioning import Keys, partition_for, partition_subject
 from shoal.consumer.producer import Producer
+from shoal.contracts.names import (
+    DEAD_LETTER_REASON_HEADER,
+    PROJECT_HEADER,
+    Keys,
+    dlq_subject,
+    partition_for,
+    partition_subject,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -51,20 +58,29 @@ def make_config(make_config: Callable[..., GroupConfig]) -> Callable[..., GroupC
 
 
 async def wait_for_log(fleet: Fleet, member: str, text: str, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        log = fleet.members[member].log_text()
-        if text in log:
-            return log
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{text!r} not in log of {member}:\n{fleet.members[member].log_text()}")
+    async def log() -> str:
+        return fleet.members[member].log_text()
+
+    return await eventually_async(
+        log,
+        timeout,
+        f"{text!r} in the log of {member}",
+        until=lambda log: text in log,
+        describe=lambda log: "\n" + log[-3000:],
+    )
+
+
+async def stream_messages(js: Any, stream: str) -> int:
+    return int((await js.stream_info(stream)).state.messages)
 
 
 async def dead_letters(js: Any, stream: str, expected: int, timeout: float = 20) -> list[Any]:
-    deadline = time.monotonic() + timeout
-    while (await js.stream_info(stream)).state.messages < expected:
-        assert time.monotonic() < deadline, "dead letters did not arrive"
-        await asyncio.sleep(0.1)
+    await eventually_async(
+        lambda: stream_messages(js, stream),
+        timeout,
+        f"{expected} dead letters in {stream}",
+        until=lambda n: n >= expected,
+    )
     info = await js.stream_info(stream)
     return [
         await js.get_msg(stream, seq)
@@ -73,12 +89,13 @@ async def dead_letters(js: Any, stream: str, expected: int, timeout: float = 20)
 
 
 async def processed(js: Any, ledger_stream: str, expected: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if (await js.stream_info(ledger_stream)).state.messages >= expected:
-            return
-        await asyncio.sleep(0.2)
-    raise TimeoutError(f"fewer than {expected} messages processed in {timeout} s")
+    await eventually_async(
+        lambda: stream_messages(js, ledger_stream),
+        timeout,
+        f"{expected} messages processed (ledger records)",
+        until=lambda n: n >= expected,
+        interval=0.2,
+    )
 
 
 async def test_garbage_in_etcd_is_logged_and_ignored(
@@ -135,13 +152,13 @@ async def test_bad_messages_go_to_the_dead_letter_subject(
     await js.publish(
         partition_subject(config.subject_prefix, p),
         b"misrouted",
-        headers={"Shoal-Project-Id": wrong},
+        headers={PROJECT_HEADER: wrong},
     )
     letters = await dead_letters(js, config.dlq_stream, 2)
-    reasons = sorted(m.headers["Shoal-Dead-Letter-Reason"] for m in letters)
+    reasons = sorted(m.headers[DEAD_LETTER_REASON_HEADER] for m in letters)
     assert "missing Shoal-Project-Id header" in reasons[0]
     assert f"belongs to partition {partition_for(wrong, 16)}" in reasons[1]
-    assert {m.subject for m in letters} == {f"{config.subject_prefix}.dlq.{p}"}
+    assert {m.subject for m in letters} == {dlq_subject(config.subject_prefix, p)}
     assert (await js.stream_info(config.stream)).state.messages == 0
 
 
@@ -169,8 +186,8 @@ async def test_failing_handlers_retry_then_dead_letter(
     producer = Producer(js, config.subject_prefix, 16)
     await producer.publish("project-9", b"payload", message_id="m-1")
     [letter] = await dead_letters(js, config.dlq_stream, 1)
-    assert reason in letter.headers["Shoal-Dead-Letter-Reason"]
-    assert letter.headers["Shoal-Project-Id"] == "project-9"
+    assert reason in letter.headers[DEAD_LETTER_REASON_HEADER]
+    assert letter.headers[PROJECT_HEADER] == "project-9"
     assert letter.data == b"payload"
     assert (await js.stream_info(config.stream)).state.messages == 0
 
@@ -179,16 +196,23 @@ async def test_metrics_endpoint(fleet: Fleet, etcd: Etcd, group: str, namespace:
     port = free_port()
     fleet.start("c-0", SHOAL_METRICS_PORT=str(port))
     await wait_for_status(etcd, namespace, group, 16, settled({"c-0"}), 30)
-    deadline = time.monotonic() + 10
-    while True:
+
+    async def metrics() -> str:
         body = await asyncio.to_thread(
             lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read()
         )
-        text = body.decode()
-        if "shoal_partitions_owned 16.0" in text or time.monotonic() > deadline:
-            break
-        await asyncio.sleep(0.2)
-    assert "shoal_partitions_owned 16.0" in text
+        return body.decode()
+
+    text = await eventually_async(
+        metrics,
+        10,
+        "16 partitions owned in the metrics",
+        until=lambda text: "shoal_partitions_owned 16.0" in text,
+        interval=0.2,
+        describe=lambda text: repr(
+            [line for line in text.splitlines() if line.startswith("shoal_partitions_owned")]
+        ),
+    )
     assert "shoal_is_leader 1.0" in text
     assert "shoal_rebalances_total 1.0" in text
     assert "shoal_handover_seconds_bucket" in text
@@ -204,7 +228,7 @@ async def test_a_handler_slower_than_ack_wait_is_not_redelivered(
 ) -> None:
     # 2.5 s of work against a 1 s ack_wait: only in-progress acks keep the message ours.
     config = make_config(ack_wait=1.0)
-    await ensure_group(js, config, ledger=True)
+    await ensure_group(js, config)
     fleet.start("c-0", SHOAL_HANDLER_DELAY_MS="2500", SHOAL_ACK_WAIT="1")
     await wait_for_status(etcd, namespace, group, 16, settled({"c-0"}), 30)
     producer = Producer(js, config.subject_prefix, 16)
@@ -228,7 +252,7 @@ async def test_cli_produce_and_status_on_a_live_group(
     make_config: Callable[..., GroupConfig],
 ) -> None:
     config = make_config()
-    await ensure_group(js, config, ledger=True)
+    await ensure_group(js, config)
     fleet.start("c-0")
     fleet.start("c-1")
     await wait_for_status(etcd, namespace, group, 16, settled({"c-0", "c-1"}), 30)
@@ -312,15 +336,15 @@ async def test_a_message_jetstream_gave_up_on_is_dead_lettered(
         f"p{i}" for i in range(1000) if status.owners[partition_for(f"p{i}", 16)] == "doomed"
     )
     await Producer(js, config.subject_prefix, 16).publish(project, b"stuck", message_id="s-1")
-    deadline = time.monotonic() + 10
-    while (
-        await js.consumer_info(config.stream, f"p{partition_for(project, 16)}")
-    ).num_ack_pending < 1:
-        assert time.monotonic() < deadline, "the message was never delivered"
-        await asyncio.sleep(0.1)
+    durable = f"p{partition_for(project, 16)}"
+
+    async def ack_pending() -> int:
+        return int((await js.consumer_info(config.stream, durable)).num_ack_pending)
+
+    await eventually_async(ack_pending, 10, f"the message to be delivered ({durable})")
     fleet.kill("doomed")
     [letter] = await dead_letters(js, config.dlq_stream, 1, timeout=30)
-    assert "not acknowledged after 1 deliveries" in letter.headers["Shoal-Dead-Letter-Reason"]
-    assert letter.headers["Shoal-Project-Id"] == project
+    assert "not acknowledged after 1 deliveries" in letter.headers[DEAD_LETTER_REASON_HEADER]
+    assert letter.headers[PROJECT_HEADER] == project
     assert letter.data == b"stuck"
     assert (await js.stream_info(config.stream)).state.messages == 0

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from shoal.consumer.config import ENV_FIELDS, GroupConfig, config_from_env
-from shoal.consumer.partitioning import default_stream_name, default_subject_prefix
+from shoal.contracts.names import default_stream_name, default_subject_prefix
 from shoal.operator.builders import (
     ETCD_SECRET_VERSION,
     READY_FILE,
@@ -31,11 +31,10 @@ from shoal.operator.builders import (
     children,
     consumer_env,
     labels,
+    pod_config,
     resource_names,
     selector,
     selector_string,
-    stream_name,
-    subject_prefix,
 )
 from shoal.operator.settings import OperatorSettings, settings_from_env
 
@@ -183,10 +182,11 @@ def test_selectors_of_two_groups_do_not_overlap() -> None:
 
 
 def test_derived_names_come_from_the_consumer_package() -> None:
-    assert subject_prefix(NAME, NAMESPACE, {}) == default_subject_prefix(NAMESPACE, NAME)
-    assert stream_name(NAME, NAMESPACE, {}) == default_stream_name(NAMESPACE, NAME)
-    assert subject_prefix(NAME, NAMESPACE, full_spec()) == "acme.orders"
-    assert stream_name(NAME, NAMESPACE, full_spec()) == "ORDERS"
+    plain = pod_config(NAME, NAMESPACE, minimal_spec(), SETTINGS)
+    assert plain.subject_prefix == default_subject_prefix(NAMESPACE, NAME)
+    assert plain.stream == default_stream_name(NAMESPACE, NAME)
+    full = pod_config(NAME, NAMESPACE, full_spec(), SETTINGS)
+    assert (full.subject_prefix, full.stream) == ("acme.orders", "ORDERS")
 
 
 # -- the consumer's environment --------------------------------------------------------------
@@ -344,7 +344,7 @@ def test_builders_do_not_alias_or_mutate_the_spec() -> None:
     ("name", "spec", "message"),
     [
         ("a.b", minimal_spec(), "ConsumerGroup name"),
-        (NAME, {"handler": ""}, "spec.handler is required"),
+        (NAME, {"handler": ""}, "spec.handler must look like 'package.module:function'"),
         (NAME, {}, "spec.handler is required"),
         (NAME, {"handler": HANDLER, "nats": {"subjectPrefix": "a..b"}}, "subject prefix"),
         (NAME, {"handler": HANDLER, "nats": {"subjectPrefix": "a.*"}}, "subject prefix"),
@@ -728,7 +728,8 @@ specs = st.fixed_dictionaries(
     {"handler": st.sampled_from([HANDLER, "shoal.consumer.handlers:noop"])},
     optional={
         "replicas": st.integers(0, 50),
-        "partitions": st.integers(1, 4096),
+        # At least the default maxReplicas (10): the CRD refuses maxReplicas > partitions.
+        "partitions": st.integers(10, 4096),
         "image": st.sampled_from(["", "registry.example/shoal:2"]),
         "imagePullPolicy": st.sampled_from(["Always", "IfNotPresent", "Never"]),
         "env": user_env,

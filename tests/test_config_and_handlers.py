@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,16 @@ from pydantic import ValidationError
 
 from shoal.consumer.cli import main
 from shoal.consumer.config import GroupConfig, config_from_env
-from shoal.consumer.handlers import HandlerError, ledger, load_handler, noop
+from shoal.consumer.handlers import (
+    HandlerContext,
+    HandlerError,
+    Message,
+    SimulatedWork,
+    ledger,
+    load_handler,
+    noop,
+    simulated_work,
+)
 
 
 def test_defaults_derive_names_from_namespace_and_group() -> None:
@@ -58,6 +69,52 @@ def test_invalid_configs_say_what_is_wrong(fields: dict[str, object], message: s
 def test_builtin_handlers_load() -> None:
     assert load_handler("shoal.consumer.handlers:noop") is noop
     assert load_handler("shoal.consumer.handlers:ledger") is ledger
+
+
+@pytest.fixture
+def fresh_simulated_work() -> Iterator[None]:
+    """The simulated work is read once per process: forget it around the test."""
+    simulated_work.cache_clear()
+    yield
+    simulated_work.cache_clear()
+
+
+def a_message() -> Message:
+    return Message(
+        project_id="p",
+        partition=0,
+        data=b"",
+        headers={},
+        stream_sequence=1,
+        delivery_count=1,
+        subject="s.0",
+        context=HandlerContext(member_id="m", subject_prefix="s", js=None),
+    )
+
+
+def test_simulated_work_comes_from_the_documented_variables() -> None:
+    env = {"SHOAL_HANDLER_DELAY_MS": "2.5", "SHOAL_HANDLER_CPU_MS": "7"}
+    assert SimulatedWork.from_env(env) == SimulatedWork(cpu_ms=7.0, delay_ms=2.5)
+    assert SimulatedWork.from_env({"SHOAL_HANDLER_DELAY_MS": ""}) == SimulatedWork()
+    assert SimulatedWork.from_env({}) == SimulatedWork()
+
+
+async def test_noop_reads_the_environment_once_not_per_message(
+    monkeypatch: pytest.MonkeyPatch, fresh_simulated_work: None
+) -> None:
+    monkeypatch.setenv("SHOAL_HANDLER_DELAY_MS", "50")
+    monkeypatch.setenv("SHOAL_HANDLER_CPU_MS", "20")
+    started, cpu = time.monotonic(), time.process_time()
+    await noop(a_message())
+    assert time.monotonic() - started >= 0.05
+    assert time.process_time() - cpu >= 0.02
+    # Read per message, these would fail the next message (float("per message")).
+    monkeypatch.setenv("SHOAL_HANDLER_DELAY_MS", "per message")
+    monkeypatch.setenv("SHOAL_HANDLER_CPU_MS", "per message")
+    started = time.monotonic()
+    await noop(a_message())
+    assert time.monotonic() - started >= 0.05
+    assert simulated_work() == SimulatedWork(cpu_ms=20.0, delay_ms=50.0)
 
 
 @pytest.mark.parametrize(

@@ -10,21 +10,22 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from harness.fleet import Fleet, settled, wait_for_status
+from harness.waiting import eventually_async
 from shoal.consumer.assignor import min_moves, moved
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
-from shoal.consumer.handlers import SEQ_HEADER
 from shoal.consumer.jetstream import ensure_group
-from shoal.consumer.ledger import audit, read_ledger
+from shoal.consumer.ledger import LedgerRecord, audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.consumer.status import GroupStatus
+from shoal.contracts.names import SEQ_HEADER
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -49,6 +50,7 @@ def config(group: str, namespace: str, nats_url: str, etcd_endpoint: str) -> Gro
         nats_url=nats_url,
         etcd_endpoints=etcd_endpoint,
         handler="shoal.consumer.handlers:ledger",
+        ledger=True,
         ack_wait=ACK_WAIT,
     )
 
@@ -83,21 +85,52 @@ async def produce_paced(producer: Producer, items: list[Outgoing], seconds: floa
 
 
 async def drained(js: Any, config: GroupConfig, expected: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    async def left_and_done() -> tuple[int, int]:
         work = await js.stream_info(config.stream)
         ledger = await js.stream_info(config.ledger_stream)
-        if work.state.messages == 0 and ledger.state.messages >= expected:
-            return
-        await asyncio.sleep(0.2)
-    raise TimeoutError(f"not drained: {work.state.messages} left, {ledger.state.messages} done")
+        return work.state.messages, ledger.state.messages
+
+    await eventually_async(
+        left_and_done,
+        timeout,
+        f"the group to drain and record {expected} messages",
+        until=lambda counts: counts[0] == 0 and counts[1] >= expected,
+        interval=0.2,
+        describe=lambda counts: f"{counts[0]} left, {counts[1]} done",
+    )
+
+
+def assert_mid_stream(
+    records: list[LedgerRecord],
+    fault: str,
+    at: float,
+    partitions: Collection[int],
+    before: Collection[str],
+    after: Collection[str],
+) -> None:
+    """The fault placed by a sleep at wall time `at` landed while messages flowed through
+    `partitions`: `before` processed some of them before it, `after` some after it.
+
+    The sleeps only aim; this checks they hit (a slow machine could let production end
+    first, and the test would then prove nothing about a fault under load).
+    """
+    ours = [r for r in records if r.partition in partitions]
+    done_before = [r for r in ours if r.member in before and r.finished <= at]
+    done_after = [r for r in ours if r.member in after and r.started >= at]
+    span = (min(r.started for r in ours) - at, max(r.finished for r in ours) - at) if ours else ()
+    assert done_before and done_after, (
+        f"{fault} did not land mid-stream: of the {len(ours)} messages of its partitions, "
+        f"{len(done_before)} were processed before it by {sorted(before)}, "
+        f"{len(done_after)} after it by {sorted(after)} (processing from/to, in seconds "
+        f"relative to the fault: {span})"
+    )
 
 
 async def start_group(
     fleet: Fleet, etcd: Etcd, js: Any, config: GroupConfig, members: list[str], **env: str
 ) -> GroupStatus:
     """Create the group's streams, start the members, wait until they own everything."""
-    await ensure_group(js, config, ledger=True)
+    await ensure_group(js, config)
     for member in members:
         fleet.start(member, **env)
     return await wait_for_status(
@@ -117,6 +150,7 @@ async def test_join_and_graceful_leave_while_producing(
 
     await asyncio.sleep(3)
     fleet.start("c-3")
+    joined_at = time.time()  # wall clock, like the ledger's times
     joined = await wait_for_status(etcd, ns, g, P, settled({"c-0", "c-1", "c-2", "c-3"}), 30)
     join_moves = moved(before.owners, joined.owners)
     assert len(join_moves) == min_moves(P, joined.members, before.owners) == 32
@@ -124,6 +158,7 @@ async def test_join_and_graceful_leave_while_producing(
 
     await asyncio.sleep(2)
     fleet.term("c-0")
+    left_at = time.time()
     left = await wait_for_status(etcd, ns, g, P, settled({"c-1", "c-2", "c-3"}), 30)
     leave_moves = moved(joined.owners, left.owners)
     assert len(leave_moves) == joined.counts["c-0"]
@@ -132,7 +167,24 @@ async def test_join_and_graceful_leave_while_producing(
 
     await production
     await drained(js, config, len(items), 60)
-    result = audit(await read_ledger(js, config.ledger_stream), [i.message_id for i in items])
+    records = await read_ledger(js, config.ledger_stream)
+    assert_mid_stream(
+        records,
+        "c-3 joining",
+        joined_at,
+        {p for p, _, _ in join_moves},
+        before={"c-0", "c-1", "c-2"},
+        after={"c-3"},
+    )
+    assert_mid_stream(
+        records,
+        "c-0 leaving",
+        left_at,
+        {p for p, _, _ in leave_moves},
+        before={"c-0"},
+        after={"c-1", "c-2", "c-3"},
+    )
+    result = audit(records, [i.message_id for i in items])
     assert result.summary() == {
         "expected": 20_000,
         "processed": 20_000,
@@ -157,7 +209,7 @@ async def test_kill_9_loses_nothing_and_resumes_within_ttl(
     production = asyncio.create_task(produce_paced(producer, items, 6.0))
     await asyncio.sleep(2)
     fleet.kill("c-1")
-    killed_at = time.monotonic()
+    killed_at, killed_wall = time.monotonic(), time.time()
     after = await wait_for_status(etcd, ns, g, P, settled({"c-0", "c-2"}), TTL + 10)
     resumed_in = time.monotonic() - killed_at
     assert resumed_in < TTL + 2, f"partitions resumed only after {resumed_in:.1f} s"
@@ -166,6 +218,9 @@ async def test_kill_9_loses_nothing_and_resumes_within_ttl(
     await production
     await drained(js, config, len(items), 60)
     records = await read_ledger(js, config.ledger_stream)
+    assert_mid_stream(
+        records, "kill -9 of c-1", killed_wall, victim_partitions, {"c-1"}, {"c-0", "c-2"}
+    )
     result = audit(records, [i.message_id for i in items])
     assert result.lost == []
     assert result.out_of_order == []
@@ -226,13 +281,17 @@ async def test_frozen_member_fences_itself(
     fleet: Fleet, etcd: Etcd, js: Any, config: GroupConfig
 ) -> None:
     P, ns, g = config.partitions, config.namespace, config.group
-    await start_group(fleet, etcd, js, config, ["c-0", "c-1", "c-2"], SHOAL_HANDLER_DELAY_MS="2")
+    before = await start_group(
+        fleet, etcd, js, config, ["c-0", "c-1", "c-2"], SHOAL_HANDLER_DELAY_MS="2"
+    )
+    frozen_partitions = {p for p, m in before.owners.items() if m == "c-1"}
 
     items = traffic(6_000, 300, "st")
     producer = Producer(js, config.subject_prefix, P)
     production = asyncio.create_task(produce_paced(producer, items, 8.0))
     await asyncio.sleep(1.5)
     fleet.signal("c-1", signal.SIGSTOP)
+    stopped_at = time.time()
     await wait_for_status(etcd, ns, g, P, settled({"c-0", "c-2"}), TTL + 10)
     await asyncio.sleep(2)
     fleet.signal("c-1", signal.SIGCONT)
@@ -241,7 +300,11 @@ async def test_frozen_member_fences_itself(
 
     await production
     await drained(js, config, len(items), 60)
-    result = audit(await read_ledger(js, config.ledger_stream), [i.message_id for i in items])
+    records = await read_ledger(js, config.ledger_stream)
+    assert_mid_stream(
+        records, "SIGSTOP of c-1", stopped_at, frozen_partitions, {"c-1"}, {"c-0", "c-2"}
+    )
+    result = audit(records, [i.message_id for i in items])
     assert result.lost == []
     assert result.overlaps == [], result.overlaps[:5]
     log = fleet.members["c-1"].log_text()

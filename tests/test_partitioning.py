@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shoal.consumer.partitioning import (
+from shoal.consumer import partitioning
+from shoal.contracts.names import (
     Keys,
     assignments_subject,
     default_stream_name,
@@ -92,3 +93,9 @@ def test_etcd_keys_follow_the_contract() -> None:
     assert keys.leader == "/shoal/prod/orders/leader"
     assert keys.partition(5) == "/shoal/prod/orders/partitions/5"
     assert keys.claim(5) == "/shoal/prod/orders/claims/5"
+
+
+def test_the_documented_import_path_still_works() -> None:
+    # DESIGN.md names shoal.consumer.partitioning.partition_for as a public contract.
+    assert partitioning.partition_for is partition_for
+    assert partitioning.partition_for("project-0") == partition_for("project-0", 128)

@@ -12,6 +12,7 @@ import itertools
 import logging
 import math
 import random
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -185,7 +186,7 @@ def test_huge_int_lag_is_not_a_crash() -> None:
 
 
 def test_from_spec_defaults() -> None:
-    pol = Policy.from_spec({})
+    pol = Policy.from_spec({"handler": "pkg.mod:fn"})
     assert pol == Policy()
     assert (pol.enabled, pol.interval_seconds, pol.cooldown_seconds, pol.cpu_threshold) == (
         False,
@@ -203,6 +204,7 @@ def test_from_spec_defaults() -> None:
 
 def test_from_spec_camel_case() -> None:
     spec = {
+        "handler": "pkg.mod:fn",
         "replicas": 3,
         "minReplicas": 2,
         "maxReplicas": 6,
@@ -238,27 +240,30 @@ def test_from_spec_camel_case() -> None:
 
 
 @pytest.mark.parametrize(
-    "spec",
+    ("garbage", "where"),
     [
-        {"autoscaling": {"enabled": "yes"}},
-        {"autoscaling": {"intervalSeconds": 0}},
-        {"autoscaling": {"cooldownSeconds": -1}},
-        {"autoscaling": {"cpuThreshold": "90"}},
-        {"autoscaling": {"targetLagPerMember": 0}},
-        {"autoscaling": {"maxProjectsPerMember": True}},
-        {"autoscaling": ["enabled"]},
-        {"minReplicas": -1},
-        {"maxReplicas": 0},
-        {"partitions": 2.5},
+        ({"autoscaling": {"enabled": "yes"}}, "spec.autoscaling.enabled"),
+        ({"autoscaling": {"intervalSeconds": 0}}, "spec.autoscaling.intervalSeconds"),
+        ({"autoscaling": {"cooldownSeconds": -1}}, "spec.autoscaling.cooldownSeconds"),
+        ({"autoscaling": {"cpuThreshold": "90"}}, "spec.autoscaling.cpuThreshold"),
+        ({"autoscaling": {"targetLagPerMember": 0}}, "spec.autoscaling.targetLagPerMember"),
+        ({"autoscaling": {"maxProjectsPerMember": True}}, "spec.autoscaling.maxProjects"),
+        ({"autoscaling": ["enabled"]}, "spec.autoscaling"),
+        ({"minReplicas": -1}, "spec.minReplicas"),
+        ({"maxReplicas": 0}, "spec.maxReplicas"),
+        ({"partitions": 2.5}, "spec.partitions"),
     ],
 )
-def test_from_spec_garbage_raises(spec: Mapping[str, Any]) -> None:
-    with pytest.raises(ValueError):
-        Policy.from_spec(spec)
+def test_from_spec_garbage_raises(garbage: Mapping[str, Any], where: str) -> None:
+    # A valid spec but for the garbage: the error must be about the garbage.
+    with pytest.raises(ValueError, match=re.escape(where)):
+        Policy.from_spec({"handler": "pkg.mod:fn", **garbage})
 
 
 def test_from_spec_integral_floats_and_null_target() -> None:
-    pol = Policy.from_spec({"partitions": 16.0, "autoscaling": {"targetLagPerMember": None}})
+    pol = Policy.from_spec(
+        {"handler": "a:b", "partitions": 16.0, "autoscaling": {"targetLagPerMember": None}}
+    )
     assert pol.partitions == 16 and pol.target_lag_per_member is None
 
 
@@ -399,13 +404,23 @@ def test_projects_noise_around_min(seed: int) -> None:
 
 @pytest.mark.parametrize("seed", range(5))
 def test_noise_on_both_sides_never_reverses_inside_a_cooldown(seed: int) -> None:
+    """Noisy load that swings between busy and idle phases of random length, so the
+    scaler has reasons to go both ways: it must, and never inside a cooldown."""
     rng = random.Random(seed)
+    phases: list[bool] = []  # busy or idle, one entry per step
+    while len(phases) < 400:
+        phases += [rng.random() < 0.5] * rng.randint(15, 90)
 
     def load(i: int, n: int, now: float) -> Stats:
-        return uniform(n, now, cpu=rng.uniform(20.0, 95.0), projects=rng.randint(0, 60))
+        if phases[i]:
+            return uniform(n, now, cpu=rng.uniform(50.0, 99.0), projects=rng.randint(20, 90))
+        return uniform(n, now, cpu=rng.uniform(1.0, 40.0), projects=rng.randint(0, 1))
 
-    _, decisions = simulate(load, policy(), start=4, steps=300)
+    _, decisions = simulate(load, policy(), start=4, steps=400)
     _no_reversal(decisions)
+    # A scaler that never acts never reverses: the noise must have made it act both ways.
+    actions = {d.action for d in decisions}
+    assert {"up", "down"} <= actions, actions
 
 
 # -- missing, garbage, stale stats ---------------------------------------------------------

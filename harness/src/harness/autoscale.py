@@ -21,10 +21,18 @@ from kubernetes import client, config
 from harness.fleet import stream_json
 from harness.kubetest import condition, get_json, wait_until
 from harness.localkube.plane import LocalKube
-from shoal.consumer.handlers import SEQ_HEADER
-from shoal.consumer.kube import DELETION_COST
 from shoal.consumer.ledger import Audit, audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer
+from shoal.contracts.names import (
+    API_GROUP,
+    API_VERSION,
+    PLURAL,
+    SEQ_HEADER,
+    default_stream_name,
+    ledger_stream_name,
+    log_stream_name,
+)
+from shoal.contracts.names import DELETION_COST_ANNOTATION as DELETION_COST
 
 NAME = "work"
 
@@ -70,6 +78,7 @@ def manifest(
 ) -> str:
     spec: dict[str, Any] = {
         "handler": "shoal.consumer.handlers:ledger",
+        "nats": {"stream": {"ledger": True}},
         "replicas": replicas,
         "minReplicas": min_replicas,
         "maxReplicas": max_replicas,
@@ -92,7 +101,7 @@ def manifest(
     }
     return json.dumps(
         {
-            "apiVersion": "shoal.dev/v1alpha1",
+            "apiVersion": f"{API_GROUP}/{API_VERSION}",
             "kind": "ConsumerGroup",
             "metadata": {"name": NAME, "namespace": ns},
             "spec": spec,
@@ -132,8 +141,10 @@ async def _audit(nats_url: str, ns: str, ids: list[str]) -> tuple[Audit, list[di
     nc = await nats.connect(nats_url)
     try:
         js = nc.jetstream()
-        result = audit(await read_ledger(js, f"shoal_{ns}_{NAME}_ledger"), ids)
-        return result, await stream_json(js, f"shoal_{ns}_{NAME}_log")
+        result = audit(
+            await read_ledger(js, ledger_stream_name(default_stream_name(ns, NAME))), ids
+        )
+        return result, await stream_json(js, log_stream_name(default_stream_name(ns, NAME)))
     finally:
         await nc.close()
 
@@ -170,7 +181,7 @@ def run(
     api = client.CustomObjectsApi(config.new_client_from_config(str(plane.kubeconfig_path)))
     while time.monotonic() - start < timeout:
         t = time.monotonic() - start
-        cg = api.get_namespaced_custom_object("shoal.dev", "v1alpha1", ns, "consumergroups", NAME)
+        cg = api.get_namespaced_custom_object(API_GROUP, API_VERSION, ns, PLURAL, NAME)
         spec_replicas, status = int(cg["spec"]["replicas"]), cg.get("status", {})
         line.replicas.append((t, spec_replicas))
         line.members.append((t, int(status.get("members", 0))))

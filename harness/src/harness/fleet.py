@@ -6,7 +6,6 @@ to its own file, and is stopped by `close()` whatever state it is in.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -20,6 +19,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
+from harness.waiting import eventually_async
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.status import GroupStatus, read_status
@@ -55,6 +55,7 @@ class Fleet:
         group: str,
         handler: str = "shoal.consumer.handlers:ledger",
         partitions: int = 128,
+        ledger: bool = True,
         env: Mapping[str, str] | None = None,
     ) -> None:
         self.workdir = Path(workdir)
@@ -65,6 +66,7 @@ class Fleet:
         self.group = group
         self.handler = handler
         self.partitions = partitions
+        self.ledger = ledger
         self.env = dict(env or {})
         self.members: dict[str, Member] = {}
 
@@ -81,6 +83,7 @@ class Fleet:
             group=config.group,
             handler=config.handler,
             partitions=config.partitions,
+            ledger=config.ledger,
             env=env,
         )
 
@@ -94,6 +97,7 @@ class Fleet:
                 "SHOAL_GROUP": self.group,
                 "SHOAL_PARTITIONS": str(self.partitions),
                 "SHOAL_HANDLER": self.handler,
+                "SHOAL_LEDGER": "true" if self.ledger else "false",
                 "SHOAL_MEMBER_ID": member_id,
                 "PYTHONUNBUFFERED": "1",
             }
@@ -172,15 +176,15 @@ async def wait_for_status(
     timeout: float,
     interval: float = 0.1,
 ) -> GroupStatus:
-    """Poll the group's status until predicate holds; TimeoutError with the last status."""
-    deadline = time.monotonic() + timeout
-    status = await read_status(etcd, namespace, group, partitions)
-    while not predicate(status):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"group never reached the expected state; last: {status.as_dict()}")
-        await asyncio.sleep(interval)
-        status = await read_status(etcd, namespace, group, partitions)
-    return status
+    """Poll the group's status until predicate holds; WaitTimeout with the last status."""
+    return await eventually_async(
+        lambda: read_status(etcd, namespace, group, partitions),
+        timeout,
+        f"group {namespace}/{group} to reach the expected state",
+        until=predicate,
+        interval=interval,
+        describe=lambda status: repr(status.as_dict()),
+    )
 
 
 def settled(members: set[str]) -> Callable[[GroupStatus], bool]:
@@ -199,18 +203,31 @@ def settled(members: set[str]) -> Callable[[GroupStatus], bool]:
 
 
 async def wait_for_events(
-    js: Any, stream: str, done: Callable[[list[dict[str, Any]]], bool], timeout: float
+    js: Any,
+    stream: str,
+    done: Callable[[list[dict[str, Any]]], bool],
+    timeout: float,
+    what: str = "the expected events",
 ) -> list[dict[str, Any]]:
-    """A stream's JSON events once `done(events)` holds, or as they are after `timeout`.
+    """A stream's JSON events once `done(events)` holds; WaitTimeout with the last events.
 
     The leader logs a generation only once its hand-overs are done (up to 30 s later).
     """
-    deadline = time.monotonic() + timeout
-    while True:
-        events = await stream_json(js, stream)
-        if done(events) or time.monotonic() > deadline:
-            return events
-        await asyncio.sleep(0.3)
+    return await eventually_async(
+        lambda: stream_json(js, stream),
+        timeout,
+        f"{what} in stream {stream}",
+        until=done,
+        interval=0.3,
+        describe=_brief_events,
+    )
+
+
+def _brief_events(events: list[dict[str, Any]]) -> str:
+    """Assignment-log events without their assignments (128 owners each): what tells the
+    story of a group is each generation's reason and members."""
+    keys = ("generation", "reason", "members")
+    return repr([{k: e[k] for k in keys if k in e} or e for e in events])
 
 
 async def stream_json(js: Any, stream: str) -> list[dict[str, Any]]:

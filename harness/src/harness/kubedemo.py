@@ -20,12 +20,15 @@ from typing import Any
 
 import nats
 
+from harness import REPO_ROOT
+from harness.demo import drain
 from harness.localkube.plane import LocalKube, State, alive
-from shoal.consumer.handlers import SEQ_HEADER
+from harness.waiting import WaitTimeout, eventually
 from shoal.consumer.ledger import audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer
+from shoal.contracts.names import SEQ_HEADER, default_stream_name, ledger_stream_name
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 NAMESPACE, GROUP = "default", "orders"
 
 
@@ -54,16 +57,22 @@ def get_cg(plane: LocalKube) -> None:
 
 
 def wait_ready(plane: LocalKube, members: int, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
     path = '{.status.conditions[?(@.type=="Ready")].status} {.status.members}'
-    while time.monotonic() < deadline:
-        out = run(
-            plane, "kubectl", "get", "cg", GROUP, "-n", NAMESPACE, "-o", f"jsonpath={path}"
-        ).split()
-        if out[:2] == ["True", str(members)]:
-            return
-        time.sleep(1)
-    raise SystemExit(f"demo: the group did not become Ready with {members} members")
+    try:
+        eventually(
+            lambda: run(
+                plane, "kubectl", "get", "cg", GROUP, "-n", NAMESPACE, "-o", f"jsonpath={path}"
+            ).split(),
+            timeout,
+            f"the group to be Ready with {members} members",
+            until=lambda out: out[:2] == ["True", str(members)],
+            interval=1,
+        )
+    except WaitTimeout as exc:
+        raise SystemExit(
+            f"demo: the group did not become Ready with {members} members "
+            f"(Ready, members: {exc.last})"
+        ) from exc
 
 
 def plane_up(root: Path) -> LocalKube:
@@ -110,16 +119,14 @@ async def ledger_counts(plane: LocalKube, ids: list[str]) -> dict[str, int]:
     nc = await nats.connect(plane.state.nats_url)
     try:
         js = nc.jetstream()
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if not (await js.stream_info(f"shoal_{NAMESPACE}_{GROUP}")).state.messages:
-                break
-            await asyncio.sleep(0.5)
+        await drain(js, f"shoal_{NAMESPACE}_{GROUP}", 120)
         wanted = set(ids)
         # The ledger keeps earlier runs' records too: audit this run's messages only.
         records = [
             r
-            for r in await read_ledger(js, f"shoal_{NAMESPACE}_{GROUP}_ledger")
+            for r in await read_ledger(
+                js, ledger_stream_name(default_stream_name(NAMESPACE, GROUP))
+            )
             if r.message_id in wanted
         ]
         return audit(records, ids).summary()

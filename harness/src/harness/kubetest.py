@@ -8,27 +8,22 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from harness import REPO_ROOT
 from harness.localkube.plane import LocalKube
 from harness.servers import free_port
+from harness.waiting import eventually
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 
 
 def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.3) -> Any:
-    """Poll check() until it returns something truthy (returned); else fail saying what."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+    """`harness.waiting.eventually`, polling every 0.3 s by default: most checks here start
+    a kubectl process, and the plane shares two cores with the group under test."""
+    return eventually(check, timeout, what, interval=interval)
 
 
 def get_json(plane: LocalKube, *args: str) -> Any:

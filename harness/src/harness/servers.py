@@ -33,6 +33,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import ClassVar, Self
 
+from harness.waiting import WaitTimeout, eventually
+
 __all__ = ["EtcdServer", "EtcdTLS", "NatsServer", "ServerProcess", "cache_dir", "free_port"]
 
 logger = logging.getLogger(__name__)
@@ -206,19 +208,26 @@ class ServerProcess:
             )
         with _live_lock:
             _live.add(self)
-        deadline = time.monotonic() + READY_TIMEOUT
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                logger.warning("%s exited with %s during start", self.name, self._proc.returncode)
-                self._reap()
-                return False
-            if self._is_ready():
-                logger.info("%s ready (pid %d)", self.name, self._proc.pid)
-                return True
-            time.sleep(0.05)
-        logger.warning("%s not ready after %.0f s", self.name, READY_TIMEOUT)
-        self.kill()
-        return False
+        proc = self._proc
+
+        def outcome() -> str | None:
+            # An exit ends the wait at once (e.g. the port was taken): start() may retry.
+            if proc.poll() is not None:
+                return "exited"
+            return "ready" if self._is_ready() else None
+
+        try:
+            result = eventually(outcome, READY_TIMEOUT, f"{self.name} to be ready", interval=0.05)
+        except WaitTimeout:
+            logger.warning("%s not ready after %.0f s", self.name, READY_TIMEOUT)
+            self.kill()
+            return False
+        if result == "exited":
+            logger.warning("%s exited with %s during start", self.name, proc.returncode)
+            self._reap()
+            return False
+        logger.info("%s ready (pid %d)", self.name, proc.pid)
+        return True
 
     def _env(self) -> dict[str, str]:
         return dict(os.environ)

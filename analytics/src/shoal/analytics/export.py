@@ -24,11 +24,11 @@ from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import IO, Any
 
-from shoal.analytics.events import AssignmentEvent, EventError, parse_event
 from shoal.analytics.layout import PartWriter, part_prefix
-from shoal.consumer.partitioning import default_stream_name
+from shoal.contracts.events import AssignmentEvent, EventError, parse_event
+from shoal.contracts.names import default_stream_name, log_stream_name
 
-__all__ = ["ExportError", "ExportResult", "export_log", "log_stream_name", "parse_since"]
+__all__ = ["ExportError", "ExportResult", "export_log", "group_log_stream", "parse_since"]
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,9 @@ class ExportError(RuntimeError):
     """The export cannot run (the message is one line, meant for the user)."""
 
 
-def log_stream_name(namespace: str, group: str, stream: str | None = None) -> str:
-    return f"{stream or default_stream_name(namespace, group)}_log"
+def group_log_stream(namespace: str, group: str, stream: str | None = None) -> str:
+    """The assignment log stream of a group (its stream's name unless given)."""
+    return log_stream_name(stream or default_stream_name(namespace, group))
 
 
 def parse_since(text: str, now: datetime | None = None) -> datetime:
@@ -181,7 +182,7 @@ async def export_log(
 
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
-    name = log_stream_name(namespace, group, stream)
+    name = group_log_stream(namespace, group, stream)
     result = ExportResult(stream=name)
     try:
         nc = await connect(

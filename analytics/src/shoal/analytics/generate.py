@@ -20,9 +20,9 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from shoal.analytics.events import AssignmentEvent
 from shoal.analytics.layout import PartWriter, part_prefix
 from shoal.consumer.assignor import assign, moved
+from shoal.contracts.events import AssignmentEvent
 
 __all__ = [
     "HistorySpec",

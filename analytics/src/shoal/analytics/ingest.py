@@ -2,7 +2,7 @@
 
 Both report engines read their input through :func:`parse_file` (the Spark job inside
 ``mapInArrow``, on the executors), so "what is a valid event" has one definition: the
-pydantic model in :mod:`shoal.analytics.events`. A row keeps the line's place (``file``,
+pydantic model in :mod:`shoal.contracts.events`. A row keeps the line's place (``file``,
 relative to the input folder, and 1-based ``line``), which fixes the log's order within a
 group. Blank lines are skipped silently.
 
@@ -17,7 +17,7 @@ from datetime import UTC, datetime, timedelta
 from sys import intern
 from typing import Any
 
-from shoal.analytics.events import AssignmentEvent, EventError, parse_event
+from shoal.contracts.events import AssignmentEvent, EventError, parse_event
 
 __all__ = ["PROBLEM_KINDS", "ROW_COLUMNS", "SPARK_ROW_SCHEMA", "event_row", "parse_file"]
 

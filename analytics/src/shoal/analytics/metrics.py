@@ -2,8 +2,10 @@
 
 Both report engines follow these definitions: the pandas oracle calls them directly, the
 Spark job expresses the same arithmetic as DataFrame operations (see ``spark_job``), and the
-tests check that the two agree and that :func:`min_moves` agrees with the assignor's own
-:func:`shoal.consumer.assignor.min_moves` and with brute force.
+tests check that the two agree and that :func:`min_moves` agrees with brute force. The
+assignor's own definitions are used, not copies: :func:`min_moves` is
+:func:`shoal.consumer.assignor.min_moves` over the event's partitions, and
+:func:`owner_counts` is the assignor's.
 
 Definitions (``previous`` is the previous generation's assignment in the log, ``None`` for a
 group's first generation):
@@ -28,6 +30,9 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from shoal.consumer import assignor
+from shoal.consumer.assignor import owner_counts
+
 __all__ = [
     "CountStats",
     "churn_ratio",
@@ -37,45 +42,25 @@ __all__ = [
     "moves",
     "owner_counts",
     "percentile",
-    "quotas",
 ]
-
-
-def quotas(partitions: int, held: Mapping[str, int]) -> dict[str, int]:
-    """Target owner count of each member in ``held`` (member -> partitions it holds now).
-
-    ``partitions // n`` each; the ``partitions % n`` larger quotas go to the members holding
-    the most, ties broken by the smaller id. An empty ``held`` has no quotas.
-    """
-    if not held:
-        return {}
-    base, extra = divmod(partitions, len(held))
-    ranked = sorted(held, key=lambda m: (-held[m], m))
-    return {m: base + (1 if i < extra else 0) for i, m in enumerate(ranked)}
 
 
 def min_moves(
     partitions: Iterable[int], members: Iterable[str], previous: Mapping[int, str] | None
 ) -> int:
-    """The fewest moves a balanced assignment of ``members`` over ``partitions`` needs."""
-    if previous is None:
-        return 0
-    current = set(members)
-    if not current:
-        return 0
+    """The fewest moves a balanced assignment of ``members`` over ``partitions`` needs.
+
+    The assignor's definition (:func:`shoal.consumer.assignor.min_moves`), over the
+    partitions the event lists: they are numbered 0..P-1 for the assignor in their order.
+    A group's first generation, no members or no partitions need 0.
+    """
     keys = list(partitions)
-    held = dict.fromkeys(current, 0)
-    orphaned = 0
-    for p in keys:
-        owner = previous.get(p)
-        if owner is None:
-            continue
-        if owner in held:
-            held[owner] += 1
-        else:
-            orphaned += 1
-    quota = quotas(len(keys), held)
-    return orphaned + sum(max(0, count - quota[m]) for m, count in held.items())
+    current = list(members)
+    if previous is None or not current or not keys:
+        return 0
+    index = {p: i for i, p in enumerate(keys)}
+    renumbered = {index[p]: owner for p, owner in previous.items() if p in index}
+    return assignor.min_moves(len(keys), current, renumbered)
 
 
 def moves(previous: Mapping[int, str] | None, current: Mapping[int, str]) -> int:
@@ -83,14 +68,6 @@ def moves(previous: Mapping[int, str] | None, current: Mapping[int, str]) -> int
     if previous is None:
         return 0
     return sum(1 for p, owner in current.items() if previous.get(p, owner) != owner)
-
-
-def owner_counts(assignment: Mapping[int, str], members: Iterable[str]) -> dict[str, int]:
-    """Partitions per member (0 for a member owning nothing) and per non-member owner."""
-    counts = dict.fromkeys(members, 0)
-    for owner in assignment.values():
-        counts[owner] = counts.get(owner, 0) + 1
-    return counts
 
 
 def member_loads(

@@ -26,21 +26,19 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from shoal.analytics.events import format_ts
 from shoal.analytics.ingest import PROBLEM_KINDS
 from shoal.analytics.tables import (
     BIG_TABLES,
     COLUMNS,
-    INTEGER_COLUMNS,
-    KEYS,
-    TIMESTAMP_COLUMNS,
     ReportData,
+    normalize,
 )
+from shoal.contracts.events import format_ts
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-__all__ = ["ENGINES", "build_summary", "normalize", "run_report"]
+__all__ = ["ENGINES", "build_summary", "run_report"]
 
 log = logging.getLogger(__name__)
 
@@ -51,16 +49,6 @@ HEATMAP_GENERATIONS = 160
 HEATMAP_MEMBERS = 32
 HANDOVER_SAMPLE = 200_000
 LISTED_PROBLEMS = 1000
-
-
-def normalize(frame: pd.DataFrame, name: str) -> pd.DataFrame:
-    """Columns in table order, rows in key order, timestamps as UTC-aware."""
-    frame = frame.loc[:, COLUMNS[name]].copy()
-    for column in TIMESTAMP_COLUMNS & set(frame.columns):
-        frame[column] = pd.to_datetime(frame[column], utc=True)
-    for column in INTEGER_COLUMNS & set(frame.columns):
-        frame[column] = frame[column].astype("Int64")
-    return frame.sort_values(KEYS[name], kind="stable").reset_index(drop=True)
 
 
 def plain(value: Any) -> Any:

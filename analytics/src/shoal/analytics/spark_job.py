@@ -26,15 +26,17 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from shoal.analytics.cli import main as cli
 from shoal.analytics.ingest import PROBLEM_KINDS, ROW_COLUMNS, SPARK_ROW_SCHEMA, parse_file
 from shoal.analytics.layout import relative_name
-from shoal.analytics.tables import COLUMNS, KEYS
+from shoal.analytics.tables import COLUMNS, KEYS, normalize
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -514,8 +516,6 @@ def input_stats(report: SparkReport) -> dict[str, int]:
 def to_pandas(frame: DataFrame, name: str) -> pd.DataFrame:
     """A Spark table as pandas, sorted like :data:`shoal.analytics.tables.KEYS`, with the
     timestamps UTC-aware."""
-    from shoal.analytics.report import normalize
-
     return normalize(frame.toPandas(), name)
 
 
@@ -531,10 +531,6 @@ def write_table(report: SparkReport, name: str, out: str, progress: Progress) ->
 def main(argv: list[str] | None = None) -> None:
     """``spark-submit spark_job.py --input DIR --out DIR [...]``: ``shoal-analytics report``
     under spark-submit (exits with its status)."""
-    import sys
-
-    from shoal.analytics.cli import main as cli
-
     args = sys.argv[1:] if argv is None else argv
     cli.main(args=["report", "--engine", "spark", *args], prog_name="spark_job.py")
 

@@ -220,3 +220,13 @@ class ReportData:
     member_totals: pd.DataFrame
     engine: str
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def normalize(frame: pd.DataFrame, name: str) -> pd.DataFrame:
+    """Columns in table order, rows in key order, timestamps as UTC-aware."""
+    frame = frame.loc[:, COLUMNS[name]].copy()
+    for column in TIMESTAMP_COLUMNS & set(frame.columns):
+        frame[column] = pd.to_datetime(frame[column], utc=True)
+    for column in INTEGER_COLUMNS & set(frame.columns):
+        frame[column] = frame[column].astype("Int64")
+    return frame.sort_values(KEYS[name], kind="stable").reset_index(drop=True)

@@ -35,6 +35,7 @@ from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd
 from shoal.consumer.scaler import Action, Decision, Policy, ScalerState, decide
 from shoal.consumer.view import Claim, GroupView, Target
+from shoal.contracts.spec import parse_spec
 
 log = logging.getLogger(__name__)
 
@@ -225,14 +226,14 @@ class Autoscaler:
         """One decision (and action); returns the interval until the next."""
         await self._mark_pods(self._pending_victim())
         group = await self.target.read()
-        spec = group.get("spec") or {}
+        spec = parse_spec(group.get("spec") or {})
         policy = Policy.from_spec(spec)
         if not policy.enabled:
             self.state = None
             return policy.interval_seconds
         if self.state is None:
             self.state = resume_state(self._record())
-        current = int(spec.get("replicas", 0))
+        current = spec.replicas
         stats = {member: data for member, data in self.view.members().items()}
         busy = handover_in_progress(self.config.partitions, self.view.targets(), self.view.claims())
         decision, self.state = decide(stats, current, policy, self.clock(), self.state, busy)

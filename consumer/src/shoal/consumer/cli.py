@@ -16,8 +16,8 @@ from shoal.consumer import ready as readiness
 from shoal.consumer.assignor import assign, min_moves, moved, owner_counts, skew
 from shoal.consumer.config import config_from_env, etcd_options_from_env
 from shoal.consumer.etcd import Etcd, EtcdAuthError, EtcdConfigError
-from shoal.consumer.handlers import SEQ_HEADER, HandlerError
-from shoal.consumer.partitioning import DEFAULT_PARTITIONS, default_subject_prefix
+from shoal.consumer.handlers import HandlerError
+from shoal.contracts.names import DEFAULT_PARTITIONS, SEQ_HEADER, default_subject_prefix
 from shoal.logs import log_level_option, setup_logging
 
 log = logging.getLogger(__name__)

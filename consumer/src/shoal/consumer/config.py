@@ -1,26 +1,44 @@
 """The configuration of one consumer process: which group, which servers, which limits.
 
-The operator passes it to pods through environment variables (SHOAL_*); the CLI maps
-flags onto the same fields. Validation happens here, once, with messages a person can act on.
+A pod's configuration comes from its ConsumerGroup's spec (shoal.contracts.spec): the
+operator derives a GroupConfig from the spec (:func:`group_config`) and renders it into
+the pod's environment (:func:`config_env`); the pod reads it back (:func:`config_from_env`),
+and the CLI maps flags onto the same fields. Environment variable names live in
+:data:`ENV_FIELDS` only. Defaults that the spec also has come from the spec's model, so
+each is written once. Validation happens here, once, with messages a person can act on.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Mapping
-from typing import Literal, TypedDict
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from shoal.consumer.partitioning import (
-    DEFAULT_PARTITIONS,
+from shoal.contracts.names import (
     Keys,
     check_subject_prefix,
     check_token,
     default_stream_name,
     default_subject_prefix,
+    dlq_stream_name,
+    ledger_stream_name,
+    log_stream_name,
 )
+from shoal.contracts.spec import (
+    AssignmentSpec,
+    ConsumerGroupSpec,
+    ConsumerSpec,
+    StreamSpec,
+    parse_spec,
+)
+
+_STREAM = StreamSpec()
+_CONSUMER = ConsumerSpec()
+_ASSIGNMENT = AssignmentSpec()
+_PARTITIONS: int = ConsumerGroupSpec.model_fields["partitions"].default
 
 
 def default_member_id() -> str:
@@ -41,23 +59,26 @@ class GroupConfig(BaseModel):
 
     namespace: str = "default"
     group: str
-    partitions: int = Field(DEFAULT_PARTITIONS, ge=1, le=4096)
+    partitions: int = Field(_PARTITIONS, ge=1, le=4096)
     member_id: str = Field(default_factory=default_member_id)
 
     nats_url: str = "nats://127.0.0.1:4222"
     etcd_endpoints: str = "127.0.0.1:2379"
     subject_prefix: str = ""
     stream: str = ""
-    stream_replicas: int = Field(1, ge=1, le=5)
-    retention: Literal["workqueue", "limits", "interest"] = "workqueue"
-    storage: Literal["file", "memory"] = "file"
+    stream_replicas: int = Field(_STREAM.replicas, ge=1, le=5)
+    retention: Literal["workqueue", "limits", "interest"] = _STREAM.retention
+    storage: Literal["file", "memory"] = _STREAM.storage
     ensure_jetstream: bool = True
+    # Create the ledger stream too (spec.nats.stream.ledger): the built-in `ledger`
+    # handler records every processed message there, for audits.
+    ledger: bool = _STREAM.ledger
 
     handler: str = "shoal.consumer.handlers:noop"
-    ack_wait: float = Field(5.0, gt=0)
-    max_ack_pending: int = Field(1000, ge=1)
-    max_deliver: int = Field(5, ge=1)
-    backoff: tuple[float, ...] = ()
+    ack_wait: float = Field(_CONSUMER.ack_wait_seconds, gt=0)
+    max_ack_pending: int = Field(_CONSUMER.max_ack_pending, ge=1)
+    max_deliver: int = Field(_CONSUMER.max_deliver, ge=1)
+    backoff: tuple[float, ...] = tuple(_CONSUMER.backoff_seconds)
     fetch_batch: int = Field(64, ge=1, le=1024)
     # A pull request lives at most this long; a released partition waits for it, so it
     # bounds the hand-over pause (DESIGN: p99 < 1 s for planned moves).
@@ -88,8 +109,8 @@ class GroupConfig(BaseModel):
     # How the leader assigns partitions (ConsumerGroup spec.assignment): "sticky" moves
     # the fewest; "modulo" is the seed's p % n, kept as a baseline for comparison. With
     # load_aware, sticky also evens out the members' measured message rates.
-    strategy: Literal["sticky", "modulo"] = "sticky"
-    load_aware: bool = False
+    strategy: Literal["sticky", "modulo"] = _ASSIGNMENT.strategy
+    load_aware: bool = _ASSIGNMENT.load_aware
     # Load-aware: how often the leader weighs the measured loads between membership changes.
     load_check_interval: float = Field(60.0, gt=0)
     # "kubernetes": the leader autoscales the group through its ConsumerGroup's scale
@@ -100,6 +121,14 @@ class GroupConfig(BaseModel):
     @classmethod
     def _token(cls, value: str) -> str:
         return check_token(value, "name")
+
+    @field_validator("backoff", mode="before")
+    @classmethod
+    def _backoff_list(cls, value: object) -> object:
+        # From the environment: "1,2,5" (config_env writes it so).
+        if isinstance(value, str):
+            return tuple(float(x) for x in value.split(",") if x.strip())
+        return value
 
     @field_validator("handler")
     @classmethod
@@ -133,11 +162,15 @@ class GroupConfig(BaseModel):
 
     @property
     def ledger_stream(self) -> str:
-        return f"{self.stream}_ledger"
+        return ledger_stream_name(self.stream)
 
     @property
     def dlq_stream(self) -> str:
-        return f"{self.stream}_dlq"
+        return dlq_stream_name(self.stream)
+
+    @property
+    def log_stream(self) -> str:
+        return log_stream_name(self.stream)
 
     def etcd_options(self) -> EtcdOptions:
         """TLS and credentials, as keyword arguments of shoal.consumer.etcd.Etcd."""
@@ -172,6 +205,8 @@ ENV_FIELDS: dict[str, str] = {
     "SHOAL_ACK_WAIT": "ack_wait",
     "SHOAL_MAX_ACK_PENDING": "max_ack_pending",
     "SHOAL_MAX_DELIVER": "max_deliver",
+    "SHOAL_BACKOFF": "backoff",
+    "SHOAL_LEDGER": "ledger",
     "SHOAL_LEASE_TTL": "lease_ttl",
     "SHOAL_KEEPALIVE_INTERVAL": "keepalive_interval",
     "SHOAL_METRICS_PORT": "metrics_port",
@@ -205,11 +240,77 @@ def etcd_options_from_env(env: Mapping[str, str]) -> EtcdOptions:
 
 def config_from_env(env: Mapping[str, str], **overrides: object) -> GroupConfig:
     """Build a config from environment variables, then explicit overrides (flags) on top."""
-    values: dict[str, object] = {}
-    for var, field in ENV_FIELDS.items():
-        if env.get(var):
-            values[field] = env[var]
-    if env.get("SHOAL_BACKOFF"):
-        values["backoff"] = tuple(float(x) for x in env["SHOAL_BACKOFF"].split(",") if x)
+    values: dict[str, object] = {
+        field: env[var] for var, field in ENV_FIELDS.items() if env.get(var)
+    }
     values.update({k: v for k, v in overrides.items() if v is not None})
     return GroupConfig.model_validate(values)
+
+
+# Field -> environment variable: config_env's half of ENV_FIELDS.
+ENV_VARS: dict[str, str] = {field: var for var, field in ENV_FIELDS.items()}
+
+
+def _env_value(value: object) -> str:
+    """Environment values are strings; integral floats lose ".0" so int fields parse."""
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, list | tuple):
+        return ",".join(_env_value(item) for item in value)
+    return str(value)
+
+
+def config_env(config: GroupConfig, fields: Iterable[str]) -> dict[str, str]:
+    """The environment that gives `config_from_env` these fields of `config` (in order).
+    Unset optional fields (None) and an empty backoff are left out."""
+    env: dict[str, str] = {}
+    for field in fields:
+        value = getattr(config, field)
+        if value is None or value == ():
+            continue
+        env[ENV_VARS[field]] = _env_value(value)
+    return env
+
+
+def group_config(
+    namespace: str,
+    name: str,
+    spec: Mapping[str, Any] | ConsumerGroupSpec,
+    *,
+    nats_url: str,
+    etcd_endpoints: str,
+    **fields: Any,
+) -> GroupConfig:
+    """A group member's configuration, derived from its ConsumerGroup's spec.
+
+    `nats_url` and `etcd_endpoints` are the defaults for a spec that names no servers (the
+    operator's settings); `fields` set what the spec does not decide (member id, files,
+    timeouts). Raises ValueError (SpecError) for a spec the members could not run with.
+    """
+    model = parse_spec(spec)
+    nats, stream, consumer = model.nats, model.nats.stream, model.nats.consumer
+    return GroupConfig(
+        namespace=namespace,
+        group=name,
+        partitions=model.partitions,
+        nats_url=nats.url or nats_url,
+        etcd_endpoints=model.etcd.endpoints or etcd_endpoints,
+        subject_prefix=nats.subject_prefix,
+        stream=stream.name,
+        stream_replicas=stream.replicas,
+        retention=stream.retention,
+        storage=stream.storage,
+        ledger=stream.ledger,
+        handler=model.handler,
+        ack_wait=consumer.ack_wait_seconds,
+        max_ack_pending=consumer.max_ack_pending,
+        max_deliver=consumer.max_deliver,
+        backoff=tuple(consumer.backoff_seconds),
+        strategy=model.assignment.strategy,
+        load_aware=model.assignment.load_aware,
+        **fields,
+    )

@@ -20,9 +20,29 @@ import logging
 from typing import Any
 
 from shoal.consumer.config import GroupConfig
-from shoal.consumer.partitioning import dlq_subject
+from shoal.contracts.names import (
+    DEAD_LETTER_REASON_HEADER,
+    MEMBER_HEADER,
+    MSG_ID_HEADER,
+    ORIGINAL_SUBJECT_HEADER,
+    dlq_subject,
+)
 
 log = logging.getLogger(__name__)
+
+
+def dead_letter_headers(
+    headers: dict[str, str] | None, subject: str, reason: str, member: str
+) -> dict[str, str]:
+    """A dead letter's headers: the original's, without its de-duplication id (the
+    dead-letter stream must keep every copy), plus why, from where and by whom."""
+    out = dict(headers or {})
+    out.pop(MSG_ID_HEADER, None)
+    out[DEAD_LETTER_REASON_HEADER] = reason[:500]
+    out[ORIGINAL_SUBJECT_HEADER] = subject
+    out[MEMBER_HEADER] = member
+    return out
+
 
 ADVISORY = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES"
 
@@ -107,11 +127,9 @@ class ExhaustedMessages:
             f"not acknowledged after {deliveries} deliveries "
             f"(max_deliver {self.config.max_deliver}); JetStream stopped delivering it"
         )
-        headers = dict(original.headers or {})
-        headers.pop("Nats-Msg-Id", None)
-        headers["Shoal-Dead-Letter-Reason"] = reason
-        headers["Shoal-Original-Subject"] = original.subject
-        headers["Shoal-Member"] = self.config.member_id
+        headers = dead_letter_headers(
+            original.headers, original.subject, reason, self.config.member_id
+        )
         try:
             await self.js.publish(
                 dlq_subject(self.config.subject_prefix, partition),

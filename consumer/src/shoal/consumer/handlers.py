@@ -9,20 +9,17 @@ at-least-once, so handlers should be idempotent (key side effects on `msg.messag
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import inspect
 import json
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.consumer.partitioning import ledger_subject
-
-PROJECT_HEADER = "Shoal-Project-Id"
-SEQ_HEADER = "Shoal-Seq"
-MSG_ID_HEADER = "Nats-Msg-Id"
+from shoal.contracts.names import MSG_ID_HEADER, SEQ_HEADER, ledger_subject
 
 
 class PermanentError(Exception):
@@ -98,17 +95,42 @@ def load_handler(spec: str) -> Handler:
     return handler
 
 
+@dataclass(frozen=True)
+class SimulatedWork:
+    """What the built-in handlers pretend to do per message: `cpu_ms` of computing
+    (CPU-bound work: it holds the event loop, as real CPU-bound handlers do), then
+    `delay_ms` of waiting (I/O-bound work)."""
+
+    cpu_ms: float = 0.0
+    delay_ms: float = 0.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> SimulatedWork:
+        """SHOAL_HANDLER_CPU_MS and SHOAL_HANDLER_DELAY_MS (unset or empty: none)."""
+        return cls(
+            cpu_ms=float(env.get("SHOAL_HANDLER_CPU_MS", "0") or 0),
+            delay_ms=float(env.get("SHOAL_HANDLER_DELAY_MS", "0") or 0),
+        )
+
+    async def run(self) -> None:
+        if self.cpu_ms > 0:
+            spent = time.process_time()
+            while time.process_time() - spent < self.cpu_ms / 1000:
+                pass
+        if self.delay_ms > 0:
+            await asyncio.sleep(self.delay_ms / 1000)
+
+
+@functools.cache
+def simulated_work() -> SimulatedWork:
+    """The process's simulated work, read from its environment once, at the first message:
+    the variables are set when a member starts, and a handler should not pay for a test
+    knob on every message."""
+    return SimulatedWork.from_env(os.environ)
+
+
 async def _simulated_work() -> None:
-    """SHOAL_HANDLER_DELAY_MS of waiting (I/O-bound work) and SHOAL_HANDLER_CPU_MS of
-    computing (CPU-bound work: it holds the event loop, as real CPU-bound handlers do)."""
-    cpu_ms = float(os.environ.get("SHOAL_HANDLER_CPU_MS", "0") or 0)
-    if cpu_ms > 0:
-        spent = time.process_time()
-        while time.process_time() - spent < cpu_ms / 1000:
-            pass
-    delay_ms = float(os.environ.get("SHOAL_HANDLER_DELAY_MS", "0") or 0)
-    if delay_ms > 0:
-        await asyncio.sleep(delay_ms / 1000)
+    await simulated_work().run()
 
 
 async def noop(msg: Message) -> None:

@@ -17,9 +17,11 @@ from nats.js import api
 from nats.js.errors import APIError, BadRequestError, NotFoundError
 
 from shoal.consumer.config import GroupConfig
-from shoal.consumer.partitioning import (
+from shoal.contracts.names import (
     assignments_subject,
+    dlq_subjects,
     durable_name,
+    ledger_subjects,
     partition_subject,
     stream_subjects,
 )
@@ -205,8 +207,9 @@ async def _ensure_stream(js: Any, name: str, subjects: list[str], **kwargs: Any)
             ) from exc
 
 
-async def ensure_group(js: Any, config: GroupConfig, *, ledger: bool = False) -> None:
-    """Create the partition stream, one durable per partition, the DLQ and log streams."""
+async def ensure_group(js: Any, config: GroupConfig) -> None:
+    """Create the partition stream, one durable per partition, the DLQ and log streams,
+    and the ledger stream when the config asks for it."""
     await _ensure_stream(
         js,
         config.stream,
@@ -219,22 +222,22 @@ async def ensure_group(js: Any, config: GroupConfig, *, ledger: bool = False) ->
     await _ensure_stream(
         js,
         config.dlq_stream,
-        [f"{config.subject_prefix}.dlq.*"],
+        dlq_subjects(config.subject_prefix),
         storage=_STORAGE[config.storage],
         num_replicas=config.stream_replicas,
     )
     await _ensure_stream(
         js,
-        f"{config.stream}_log",
+        config.log_stream,
         [assignments_subject(config.subject_prefix)],
         storage=_STORAGE[config.storage],
         num_replicas=config.stream_replicas,
     )
-    if ledger:
+    if config.ledger:
         await _ensure_stream(
             js,
             config.ledger_stream,
-            [f"{config.subject_prefix}.ledger.*"],
+            ledger_subjects(config.subject_prefix),
             storage=_STORAGE[config.storage],
             num_replicas=config.stream_replicas,
         )

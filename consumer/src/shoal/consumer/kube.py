@@ -16,10 +16,17 @@ from typing import Any
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
+from shoal.contracts.names import (
+    API_GROUP,
+    API_VERSION,
+    DELETION_COST_ANNOTATION,
+    KIND,
+    PLURAL,
+    format_time,
+)
+
 log = logging.getLogger(__name__)
 
-GROUP, VERSION, PLURAL, KIND = "shoal.dev", "v1alpha1", "consumergroups", "ConsumerGroup"
-DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 COMPONENT = "shoal-autoscaler"
 
 
@@ -32,7 +39,7 @@ def api_client() -> Any:
 
 
 def _rfc3339(t: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+    return format_time(t)
 
 
 class GroupObject:
@@ -49,8 +56,8 @@ class GroupObject:
         """The ConsumerGroup (spec and status) as the API server has it now."""
         obj = await asyncio.to_thread(
             self.custom.get_namespaced_custom_object,
-            GROUP,
-            VERSION,
+            API_GROUP,
+            API_VERSION,
             self.namespace,
             PLURAL,
             self.name,
@@ -61,8 +68,8 @@ class GroupObject:
         """Set spec.replicas through the scale subresource (what the Role allows)."""
         await asyncio.to_thread(
             self.custom.patch_namespaced_custom_object_scale,
-            GROUP,
-            VERSION,
+            API_GROUP,
+            API_VERSION,
             self.namespace,
             PLURAL,
             self.name,
@@ -76,7 +83,7 @@ class GroupObject:
             "kind": "Event",
             "metadata": {"generateName": f"{self.name}.", "namespace": self.namespace},
             "involvedObject": {
-                "apiVersion": f"{GROUP}/{VERSION}",
+                "apiVersion": f"{API_GROUP}/{API_VERSION}",
                 "kind": KIND,
                 "name": self.name,
                 "namespace": self.namespace,
@@ -98,7 +105,7 @@ class GroupObject:
     async def set_deletion_costs(self, costs: dict[str, int]) -> None:
         """Annotate pods so a ReplicaSet scaling down removes the cheapest first."""
         for pod, cost in costs.items():
-            patch = {"metadata": {"annotations": {DELETION_COST: str(cost)}}}
+            patch = {"metadata": {"annotations": {DELETION_COST_ANNOTATION: str(cost)}}}
             try:
                 await asyncio.to_thread(self.core.patch_namespaced_pod, pod, self.namespace, patch)
             except ApiException as exc:

@@ -14,8 +14,13 @@ from collections.abc import AsyncIterable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from shoal.consumer.handlers import MSG_ID_HEADER, PROJECT_HEADER
-from shoal.consumer.partitioning import DEFAULT_PARTITIONS, partition_for, partition_subject
+from shoal.contracts.names import (
+    DEFAULT_PARTITIONS,
+    MSG_ID_HEADER,
+    PROJECT_HEADER,
+    partition_for,
+    partition_subject,
+)
 
 log = logging.getLogger(__name__)
 

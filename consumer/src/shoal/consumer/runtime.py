@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shoal.analytics.events import AssignmentEvent
 from shoal.consumer.autoscaler import Autoscaler
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.cpu import CpuMeter
@@ -31,9 +30,10 @@ from shoal.consumer.jetstream import NatsHealth, connect, ensure_group, partitio
 from shoal.consumer.kube import GroupObject
 from shoal.consumer.membership import Membership
 from shoal.consumer.metrics import Metrics
-from shoal.consumer.partitioning import assignments_subject
 from shoal.consumer.view import GroupView
 from shoal.consumer.worker import Worker
+from shoal.contracts.events import AssignmentEvent
+from shoal.contracts.names import assignments_subject
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class ConsumerProcess:
         return times
 
     def _event(self, record: GenerationRecord, handover: dict[int, float]) -> AssignmentEvent:
-        """The analytics log's event (shoal.analytics.events, schema 1)."""
+        """The analytics log's event (shoal.contracts.events, schema 1)."""
         return AssignmentEvent.of(
             ts=record.ts,
             namespace=self.config.namespace,
@@ -168,7 +168,7 @@ class ConsumerProcess:
         self.js = self.nc.jetstream()
         self.nats_health = NatsHealth(self.nc)
         if c.ensure_jetstream:
-            await ensure_group(self.js, c, ledger=c.handler.endswith(":ledger"))
+            await ensure_group(self.js, c)
         self.worker = Worker(
             c,
             self.etcd,

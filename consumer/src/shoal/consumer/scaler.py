@@ -58,8 +58,10 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
 from typing import Any, Literal
+
+from shoal.contracts.names import format_time
+from shoal.contracts.spec import AutoscalingSpec, ConsumerGroupSpec, parse_spec
 
 __all__ = [
     "DEFAULT_MAX_STEP_UP",
@@ -93,37 +95,29 @@ MAX_CPU_PERCENT = 10_000.0
 # -- policy -------------------------------------------------------------------------------
 
 
-def _spec_int(section: Mapping[str, Any], key: str, default: int, minimum: int, where: str) -> int:
-    value = section.get(key, default)
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{where}{key} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _spec_bool(section: Mapping[str, Any], key: str, default: bool, where: str) -> bool:
-    value = section.get(key, default)
-    if not isinstance(value, bool):
-        raise ValueError(f"{where}{key} must be a boolean, got {value!r}")
-    return value
+# Policy's defaults are the spec's (shoal.contracts.spec), so each is written once.
+_AUTOSCALING = AutoscalingSpec()
+_GROUP_DEFAULTS = {
+    name: ConsumerGroupSpec.model_fields[name].default
+    for name in ("min_replicas", "max_replicas", "partitions")
+}
 
 
 @dataclass(frozen=True)
 class Policy:
     """How to scale: ConsumerGroup ``spec.autoscaling`` plus the replica bounds."""
 
-    enabled: bool = False
-    interval_seconds: float = 30.0
-    cooldown_seconds: float = 600.0
-    cpu_threshold: float = 90.0
-    max_projects_per_member: int = 50
-    min_projects_per_member: int = 2
-    target_lag_per_member: int | None = None
-    dry_run: bool = False
-    min_replicas: int = 1
-    max_replicas: int = 10
-    partitions: int = 128
+    enabled: bool = _AUTOSCALING.enabled
+    interval_seconds: float = _AUTOSCALING.interval_seconds
+    cooldown_seconds: float = _AUTOSCALING.cooldown_seconds
+    cpu_threshold: float = _AUTOSCALING.cpu_threshold
+    max_projects_per_member: int = _AUTOSCALING.max_projects_per_member
+    min_projects_per_member: int = _AUTOSCALING.min_projects_per_member
+    target_lag_per_member: int | None = _AUTOSCALING.target_lag_per_member
+    dry_run: bool = _AUTOSCALING.dry_run
+    min_replicas: int = _GROUP_DEFAULTS["min_replicas"]
+    max_replicas: int = _GROUP_DEFAULTS["max_replicas"]
+    partitions: int = _GROUP_DEFAULTS["partitions"]
     tolerance: float = DEFAULT_TOLERANCE
     max_step_up: int = DEFAULT_MAX_STEP_UP
     scale_down_window_seconds: float = DEFAULT_SCALE_DOWN_WINDOW_SECONDS
@@ -165,37 +159,27 @@ class Policy:
         return STALE_INTERVALS * self.interval_seconds
 
     @classmethod
-    def from_spec(cls, spec: Mapping[str, Any]) -> Policy:
-        """Read a ConsumerGroup ``spec`` (camelCase, as the API server returns it).
-
-        Missing fields take the CRD's defaults; ill-typed or out-of-range values raise
-        :class:`ValueError` (the CRD's schema normally refuses them first).
-        """
-        if not isinstance(spec, Mapping):
-            raise ValueError(f"spec must be a mapping, got {type(spec).__name__}")
-        section = spec.get("autoscaling") or {}
-        if not isinstance(section, Mapping):
-            raise ValueError(f"spec.autoscaling must be a mapping, got {section!r}")
-        a = "spec.autoscaling."
-        target = section.get("targetLagPerMember")
-        cooldown = _spec_int(section, "cooldownSeconds", 600, 0, a)
+    def from_spec(cls, spec: Mapping[str, Any] | ConsumerGroupSpec) -> Policy:
+        """The policy of a ConsumerGroup ``spec`` (camelCase, as the API server returns
+        it, or its model). Missing fields take the spec's defaults; ill-typed or
+        out-of-range values raise :class:`ValueError` (SpecError)."""
+        model = parse_spec(spec)
+        auto = model.autoscaling
         return cls(
-            enabled=_spec_bool(section, "enabled", False, a),
-            interval_seconds=_spec_int(section, "intervalSeconds", 30, 1, a),
-            cooldown_seconds=cooldown,
-            cpu_threshold=_spec_int(section, "cpuThreshold", 90, 1, a),
-            max_projects_per_member=_spec_int(section, "maxProjectsPerMember", 50, 1, a),
-            min_projects_per_member=_spec_int(section, "minProjectsPerMember", 2, 0, a),
-            target_lag_per_member=(
-                None if target is None else _spec_int(section, "targetLagPerMember", 0, 1, a)
-            ),
-            dry_run=_spec_bool(section, "dryRun", False, a),
-            min_replicas=_spec_int(spec, "minReplicas", 1, 0, "spec."),
-            max_replicas=_spec_int(spec, "maxReplicas", 10, 1, "spec."),
-            partitions=_spec_int(spec, "partitions", 128, 1, "spec."),
+            enabled=auto.enabled,
+            interval_seconds=auto.interval_seconds,
+            cooldown_seconds=auto.cooldown_seconds,
+            cpu_threshold=auto.cpu_threshold,
+            max_projects_per_member=auto.max_projects_per_member,
+            min_projects_per_member=auto.min_projects_per_member,
+            target_lag_per_member=auto.target_lag_per_member,
+            dry_run=auto.dry_run,
+            min_replicas=model.min_replicas,
+            max_replicas=model.max_replicas,
+            partitions=model.partitions,
             # Never longer than the cooldown: the window then fills during the cooldown
             # and a short cooldown (tests, demos) is not silently stretched to 5 minutes.
-            scale_down_window_seconds=min(DEFAULT_SCALE_DOWN_WINDOW_SECONDS, cooldown),
+            scale_down_window_seconds=min(DEFAULT_SCALE_DOWN_WINDOW_SECONDS, auto.cooldown_seconds),
         )
 
 
@@ -316,7 +300,7 @@ def _fmt(value: float) -> str:
 
 
 def _utc(t: float) -> str:
-    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return format_time(t)
 
 
 def _collect(

@@ -7,8 +7,8 @@ from typing import Any
 
 from shoal.consumer.assignor import owner_counts, skew
 from shoal.consumer.etcd import Etcd
-from shoal.consumer.partitioning import Keys
 from shoal.consumer.view import GroupView
+from shoal.contracts.names import Keys
 
 
 @dataclass

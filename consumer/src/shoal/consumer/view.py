@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shoal.consumer.etcd import KV, TRANSIENT_ERRORS, Etcd
-from shoal.consumer.partitioning import Keys
+from shoal.contracts.names import Keys
 
 log = logging.getLogger(__name__)
 

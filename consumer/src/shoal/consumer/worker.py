@@ -27,9 +27,9 @@ from typing import Any
 from nats.js.errors import NotFoundError
 
 from shoal.consumer.config import GroupConfig
+from shoal.consumer.deadletter import dead_letter_headers
 from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd
 from shoal.consumer.handlers import (
-    PROJECT_HEADER,
     Fenced,
     Handler,
     HandlerContext,
@@ -39,8 +39,8 @@ from shoal.consumer.handlers import (
 from shoal.consumer.jetstream import consumer_config
 from shoal.consumer.membership import Membership
 from shoal.consumer.metrics import Metrics
-from shoal.consumer.partitioning import dlq_subject, durable_name, partition_for
 from shoal.consumer.view import GroupView
+from shoal.contracts.names import PROJECT_HEADER, dlq_subject, durable_name, partition_for
 
 log = logging.getLogger(__name__)
 
@@ -467,11 +467,7 @@ class Worker:
 
     async def dead_letter(self, msg: Any, partition: int, reason: str) -> None:
         """Publish to <prefix>.dlq.<p> with the reason, then terminate the original."""
-        headers = dict(msg.headers or {})
-        headers.pop("Nats-Msg-Id", None)
-        headers["Shoal-Dead-Letter-Reason"] = reason[:500]
-        headers["Shoal-Original-Subject"] = msg.subject
-        headers["Shoal-Member"] = self.config.member_id
+        headers = dead_letter_headers(msg.headers, msg.subject, reason, self.config.member_id)
         await self.js.publish(
             dlq_subject(self.config.subject_prefix, partition), msg.data, headers=headers
         )

@@ -56,6 +56,8 @@ import yaml
 from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 
+from harness.waiting import WaitTimeout, eventually
+
 log = logging.getLogger("localkube.kubelet")
 
 LOCAL_IMAGES = {"shoal:dev", "docker.io/library/shoal:dev"}
@@ -638,20 +640,30 @@ class ProcessKubelet:
                 ),
             )
         )
-        deadline = time.monotonic() + 30
-        while True:
+
+        def create_token() -> str:
             try:
-                token = self.core.create_namespaced_service_account_token(
+                token: str = self.core.create_namespaced_service_account_token(
                     sa, namespace, request
                 ).status.token
-                break
+                return token
             except ApiException as exc:
-                # The service account may not exist yet (created by a controller).
-                if exc.status != 404 or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"no token for service account {namespace}/{sa}: {exc.reason}"
-                    ) from exc
-                time.sleep(0.5)
+                if exc.status == 404:
+                    raise  # the service account may not exist yet (a controller creates it)
+                raise RuntimeError(
+                    f"no token for service account {namespace}/{sa}: {exc.reason}"
+                ) from exc
+
+        try:
+            token = eventually(
+                create_token,
+                30,
+                f"service account {namespace}/{sa} to exist",
+                interval=0.5,
+                retry_on=(ApiException,),
+            )
+        except WaitTimeout as exc:
+            raise RuntimeError(f"no token for service account {namespace}/{sa}: {exc}") from exc
         path = self.pod_dir(pod) / "kubeconfig"
         path.write_text(
             yaml.safe_dump(

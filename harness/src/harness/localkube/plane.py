@@ -14,6 +14,7 @@ process) stops them, using the pids recorded in `root/state.json`.
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ import yaml
 from harness.localkube.pki import Pki, ensure_pki
 from harness.localkube.tools import KubeTools, find_tools
 from harness.servers import EtcdServer, NatsServer, free_port
+from harness.waiting import WaitTimeout, eventually
 
 log = logging.getLogger(__name__)
 
@@ -166,15 +168,19 @@ def _stop_process_group(pid: int, timeout: float) -> None:
             os.killpg(pid, sig)
         except ProcessLookupError:
             return
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                reaped, _ = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                reaped = 0  # not our child: poll for its exit instead
-            if reaped == pid or not alive(pid):
-                return
-            time.sleep(0.05)
+        try:
+            eventually(lambda: _exited(pid), timeout, f"pid {pid} to exit", interval=0.05)
+            return
+        except WaitTimeout:
+            continue  # SIGKILL next; after that, give up as before
+
+
+def _exited(pid: int) -> bool:
+    try:
+        reaped, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        reaped = 0  # not our child: poll for its exit instead
+    return reaped == pid or not alive(pid)
 
 
 class LocalKube:
@@ -317,25 +323,31 @@ class LocalKube:
         opener = urllib.request.build_opener(
             urllib.request.HTTPSHandler(context=context), urllib.request.ProxyHandler({})
         )
-        deadline = time.monotonic() + READY_TIMEOUT
-        last = ""
-        while time.monotonic() < deadline:
-            pid = self.state.components[-1].pid
+        pid = self.state.components[-1].pid
+
+        def ready() -> bool:
             if not alive(pid):
                 tail = (self.logs / f"{name}.log").read_text(errors="replace")[-3000:]
                 if "address already in use" in tail:
                     raise PortTaken(f"{name}: port already in use")
                 raise RuntimeError(f"{name} exited during start; see {self.logs}/{name}.log")
-            try:
-                with opener.open(url, timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except Exception as exc:
-                last = repr(exc)
-            time.sleep(0.2)
-        raise RuntimeError(
-            f"{name} not ready after {READY_TIMEOUT:.0f} s ({last}); see {self.logs}/{name}.log"
-        )
+            with opener.open(url, timeout=2) as response:
+                return bool(response.status == 200)
+
+        try:
+            # Refused connections, TLS errors and HTTP errors (non-2xx) mean "not yet".
+            eventually(
+                ready,
+                READY_TIMEOUT,
+                f"{name} to answer {url}",
+                interval=0.2,
+                retry_on=(OSError, http.client.HTTPException),
+            )
+        except WaitTimeout as exc:
+            raise RuntimeError(
+                f"{name} not ready after {READY_TIMEOUT:.0f} s ({exc.last!r}); "
+                f"see {self.logs}/{name}.log"
+            ) from exc
 
     def _write_kubeconfigs(self, pki: Pki) -> None:
         url = self.state.apiserver_url
@@ -402,11 +414,12 @@ class LocalKube:
         self._record("etcd", etcd.detach(), None, str(etcd.log_path))
 
     def _wait_for_node(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT
-        while time.monotonic() < deadline:
-            if not alive(next(c.pid for c in self.state.components if c.name == "kubelet")):
+        kubelet = next(c.pid for c in self.state.components if c.name == "kubelet")
+
+        def node_ready() -> subprocess.CompletedProcess[str]:
+            if not alive(kubelet):
                 raise RuntimeError(f"the kubelet exited; see {self.logs}/kubelet.log")
-            result = self.kubectl(
+            return self.kubectl(
                 "get",
                 "node",
                 NODE_NAME,
@@ -414,10 +427,20 @@ class LocalKube:
                 "jsonpath={.status.conditions[?(@.type=='Ready')].status}",
                 check=False,
             )
-            if result.stdout.strip() == "True":
-                return
-            time.sleep(0.3)
-        raise RuntimeError(f"node {NODE_NAME} not Ready; see {self.logs}/kubelet.log")
+
+        try:
+            eventually(
+                node_ready,
+                READY_TIMEOUT,
+                f"node {NODE_NAME} to be Ready",
+                until=lambda result: result.stdout.strip() == "True",
+                interval=0.3,
+                describe=lambda result: f"{result.stdout.strip()!r} {result.stderr.strip()!r}",
+            )
+        except WaitTimeout as exc:
+            raise RuntimeError(
+                f"node {NODE_NAME} not Ready ({exc}); see {self.logs}/kubelet.log"
+            ) from exc
 
     def kubectl(
         self, *args: str, check: bool = True, input_text: str | None = None

@@ -11,9 +11,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness import REPO_ROOT
 from harness.servers import cache_dir
 
-VERSIONS_FILE = Path(__file__).resolve().parents[3] / "tools" / "versions.mk"
+VERSIONS_FILE = REPO_ROOT / "harness" / "tools" / "versions.mk"
 
 
 def versions() -> dict[str, str]:

@@ -1,13 +1,15 @@
 """Pure builders: a ConsumerGroup's spec -> the Kubernetes objects that run its members.
 
-Every function takes plain values (the spec as the API server returns it, camelCase,
-defaults applied) and returns plain dicts: no I/O, no client objects, no ownerReferences
-(the handlers adopt children with kopf.adopt). Missing optional sections count as empty
-and missing fields as the CRD's defaults, so a half-defaulted spec still builds.
+Every function takes plain values (the spec as the API server returns it, or its model,
+shoal.contracts.spec.ConsumerGroupSpec) and returns plain dicts: no I/O, no client
+objects, no ownerReferences (the handlers adopt children with kopf.adopt). Missing
+optional fields take the model's defaults, which are the CRD's.
 
-A spec the consumer could never run with (a group name that is not a NATS subject token,
-an invalid subject prefix, no handler) is a ValueError here, before any pod crash-loops on
-it; the handlers turn it into kopf.PermanentError.
+The pods' configuration is derived once (:func:`pod_config`, a GroupConfig) and rendered
+into their environment (shoal.consumer.config.config_env), so the operator and its pods
+read the same values. A spec the consumer could never run with (a group name that is not
+a NATS subject token, an invalid subject prefix, no handler) is a ValueError here, before
+any pod crash-loops on it; the handlers turn it into kopf.PermanentError.
 """
 
 from __future__ import annotations
@@ -17,37 +19,29 @@ import math
 from collections.abc import Mapping
 from typing import Any, TypedDict
 
+from shoal.consumer.config import ENV_VARS, GroupConfig, config_env, group_config
 from shoal.consumer.cpu import LIMIT_ENV as CPU_LIMIT_ENV
-from shoal.consumer.partitioning import (
-    DEFAULT_PARTITIONS,
-    check_subject_prefix,
+from shoal.contracts.names import (
+    API_GROUP,
+    CONSUMER_APP_NAME,
+    ETCD_SECRET_VERSION_ANNOTATION,
+    GROUP_LABEL,
+    PLURAL,
     check_token,
-    default_stream_name,
-    default_subject_prefix,
 )
+from shoal.contracts.spec import ConsumerGroupSpec, parse_spec
 from shoal.operator.settings import OperatorSettings
 
 Obj = dict[str, Any]
-Spec = Mapping[str, Any]
+Spec = Mapping[str, Any] | ConsumerGroupSpec
 
-API_GROUP = "shoal.dev"
-PLURAL = "consumergroups"
 CONTAINER_NAME = "consumer"
 COMMAND = ["shoal-consumer", "run"]
-# The readiness probe: a standard-library-only check (consumer/ready.py), cheap enough
+# The readiness probe: a standard-library-only check (shoal.consumer.ready), cheap enough
 # to run every 2 s.
 READY_COMMAND = ["shoal-ready"]
 # Pod-template annotation: the etcd tlsSecret version the pods were started with.
-ETCD_SECRET_VERSION = "shoal.dev/etcd-secret-version"
-
-# The CRD's defaults, for specs that reach us without them.
-DEFAULT_REPLICAS = 3
-DEFAULT_RETENTION = "workqueue"
-DEFAULT_STORAGE = "file"
-DEFAULT_STREAM_REPLICAS = 1
-DEFAULT_ACK_WAIT_SECONDS = 5
-DEFAULT_MAX_ACK_PENDING = 1000
-DEFAULT_MAX_DELIVER = 5
+ETCD_SECRET_VERSION = ETCD_SECRET_VERSION_ANNOTATION
 
 # Beyond the consumer's own drain timeout: time to release the last partitions, let the
 # next owners claim them and leave etcd before the kubelet sends SIGKILL.
@@ -65,12 +59,40 @@ NATS_CREDS_FILE = f"{NATS_CREDS_DIR}/{NATS_CREDS_KEY}"
 # mount fails with a clear event without them); username and password are optional keys.
 ETCD_TLS_DIR = "/etc/shoal/etcd"
 ETCD_CA_KEY, ETCD_CERT_KEY, ETCD_KEY_KEY = "ca.crt", "tls.crt", "tls.key"
-ETCD_TLS_FILES = {  # env var -> key in the Secret (and file name in ETCD_TLS_DIR)
-    "ETCD_CA_FILE": ETCD_CA_KEY,
-    "ETCD_CERT_FILE": ETCD_CERT_KEY,
-    "ETCD_KEY_FILE": ETCD_KEY_KEY,
+ETCD_TLS_FILES = {  # GroupConfig field -> key in the Secret (and file name in ETCD_TLS_DIR)
+    "etcd_ca_file": ETCD_CA_KEY,
+    "etcd_cert_file": ETCD_CERT_KEY,
+    "etcd_key_file": ETCD_KEY_KEY,
 }
-ETCD_AUTH_KEYS = {"ETCD_USERNAME": "username", "ETCD_PASSWORD": "password"}
+ETCD_AUTH_KEYS = {"etcd_username": "username", "etcd_password": "password"}
+
+# What the pods' environment carries, in this order (the rest are the consumer's defaults).
+POD_FIELDS = (
+    "namespace",
+    "group",
+    "partitions",
+    "nats_url",
+    "etcd_endpoints",
+    "subject_prefix",
+    "stream",
+    "stream_replicas",
+    "retention",
+    "storage",
+    "ledger",
+    "handler",
+    "ack_wait",
+    "max_ack_pending",
+    "max_deliver",
+    "backoff",
+    "drain_timeout",
+    "ready_file",
+    "ensure_jetstream",
+    "autoscaler",
+    "strategy",
+    "load_aware",
+    "nats_creds_file",
+    *ETCD_TLS_FILES,
+)
 
 
 class ResourceNames(TypedDict):
@@ -91,7 +113,7 @@ def resource_names(name: str) -> ResourceNames:
 
 def selector(name: str) -> dict[str, str]:
     # A Deployment's selector is immutable: never add labels here, only to labels().
-    return {"shoal.dev/group": name, "app.kubernetes.io/name": "shoal-consumer"}
+    return {GROUP_LABEL: name, "app.kubernetes.io/name": CONSUMER_APP_NAME}
 
 
 def selector_string(name: str) -> str:
@@ -101,67 +123,15 @@ def selector_string(name: str) -> str:
 
 def labels(name: str) -> dict[str, str]:
     return {
-        "app.kubernetes.io/name": "shoal-consumer",
+        "app.kubernetes.io/name": CONSUMER_APP_NAME,
         "app.kubernetes.io/instance": name,
         "app.kubernetes.io/component": "consumer",
         "app.kubernetes.io/managed-by": "shoal-operator",
-        "shoal.dev/group": name,
+        GROUP_LABEL: name,
     }
 
 
-# -- reading the spec ----------------------------------------------------------------------
-
-
-def _section(parent: Spec, key: str) -> Spec:
-    value = parent.get(key)
-    return value if isinstance(value, Mapping) else {}
-
-
-def _number(parent: Spec, key: str, default: int) -> Any:
-    # Not `or`: 0 is a real value (replicas 0 parks a group).
-    value = parent.get(key)
-    return default if value is None else value
-
-
-def _text(parent: Spec, key: str, default: str) -> str:
-    # Here "" means unset: the CRD lets optional strings be empty.
-    value = parent.get(key)
-    return str(value) if value else default
-
-
-def _env_value(value: object) -> str:
-    """Environment values are strings; integral floats lose ".0" so int fields parse."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    if isinstance(value, list | tuple):
-        return ",".join(_env_value(item) for item in value)
-    return str(value)
-
-
-def subject_prefix(name: str, namespace: str, spec: Spec) -> str:
-    """The group's subject prefix; the operator's stream must use the consumers' one."""
-    prefix = _section(spec, "nats").get("subjectPrefix")
-    return check_subject_prefix(prefix) if prefix else default_subject_prefix(namespace, name)
-
-
-def stream_name(name: str, namespace: str, spec: Spec) -> str:
-    stream = _section(_section(spec, "nats"), "stream")
-    return _text(stream, "name", default_stream_name(namespace, name))
-
-
-# -- the consumer's environment --------------------------------------------------------------
-
-
-def _env(name: str, value: object) -> Obj:
-    return {"name": name, "value": _env_value(value)}
-
-
-def _field_env(name: str, field_path: str) -> Obj:
-    # apiVersion spelled out: the API server would default it, and a desired object
-    # equal to the stored one avoids spurious diffs.
-    return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": field_path}}}
+# -- the consumer's configuration and environment ---------------------------------------------
 
 
 def cpu_millicores(quantity: object) -> int | None:
@@ -180,76 +150,84 @@ def cpu_millicores(quantity: object) -> int | None:
     return math.ceil(value) if value > 0 else None
 
 
-def consumer_env(name: str, namespace: str, spec: Spec, settings: OperatorSettings) -> list[Obj]:
-    """The consumer container's env: what shoal.consumer.config.config_from_env reads."""
+def pod_config(
+    name: str,
+    namespace: str,
+    spec: Spec,
+    settings: OperatorSettings,
+    member_id: str = "shoal-operator",
+) -> GroupConfig:
+    """The consumers' configuration, derived from the spec and the operator's settings.
+
+    The operator uses it too (stream, durables, etcd keys, NATS credentials); in the pods
+    the member id is the pod's name instead of `member_id`.
+    """
     check_token(namespace, "namespace")
     check_token(name, "ConsumerGroup name")
-    handler = spec.get("handler")
-    if not handler:
-        # No silent default: the consumer's noop handler would ack and so delete every
-        # message of a work-queue stream.
-        raise ValueError("spec.handler is required ('package.module:function')")
-    nats = _section(spec, "nats")
-    stream = _section(nats, "stream")
-    consumer = _section(nats, "consumer")
-    etcd = _section(spec, "etcd")
-    assignment = _section(spec, "assignment")
+    model = parse_spec(spec)
+    files: dict[str, Any] = {}
+    if model.nats.credentials_secret:
+        files["nats_creds_file"] = NATS_CREDS_FILE
+    if model.etcd.tls_secret:
+        files.update({field: f"{ETCD_TLS_DIR}/{key}" for field, key in ETCD_TLS_FILES.items()})
+    return group_config(
+        namespace,
+        name,
+        model,
+        nats_url=settings.nats_url,
+        etcd_endpoints=settings.etcd_endpoints,
+        member_id=member_id,
+        drain_timeout=settings.drain_timeout_seconds,
+        ready_file=READY_FILE,
+        # The operator creates the stream and the durables: pods need no stream-admin
+        # permissions and cannot race each other creating them.
+        ensure_jetstream=False,
+        # The leader reads spec.autoscaling itself on every round (it may be switched on
+        # or off at any time) and scales through the group's scale subresource.
+        autoscaler="kubernetes",
+        **files,
+    )
 
+
+def _env(name: str, value: str) -> Obj:
+    return {"name": name, "value": value}
+
+
+def _field_env(name: str, field_path: str) -> Obj:
+    # apiVersion spelled out: the API server would default it, and a desired object
+    # equal to the stored one avoids spurious diffs.
+    return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": field_path}}}
+
+
+def consumer_env(name: str, namespace: str, spec: Spec, settings: OperatorSettings) -> list[Obj]:
+    """The consumer container's env: what shoal.consumer.config.config_from_env reads."""
+    model = parse_spec(spec)
+    config = pod_config(name, namespace, model, settings)
     env = [
         _field_env("POD_NAME", "metadata.name"),
         # The member id is the pod name: `kubectl get pods` and etcd tell the same story.
-        _field_env("SHOAL_MEMBER_ID", "metadata.name"),
-        _env("SHOAL_NAMESPACE", namespace),
-        _env("SHOAL_GROUP", name),
-        _env("SHOAL_PARTITIONS", _number(spec, "partitions", DEFAULT_PARTITIONS)),
-        _env("NATS_URL", nats.get("url") or settings.nats_url),
-        _env("ETCD_ENDPOINTS", etcd.get("endpoints") or settings.etcd_endpoints),
-        _env("SHOAL_SUBJECT_PREFIX", subject_prefix(name, namespace, spec)),
-        _env("SHOAL_STREAM", stream_name(name, namespace, spec)),
-        _env("SHOAL_STREAM_REPLICAS", _number(stream, "replicas", DEFAULT_STREAM_REPLICAS)),
-        _env("SHOAL_RETENTION", _text(stream, "retention", DEFAULT_RETENTION)),
-        _env("SHOAL_STORAGE", _text(stream, "storage", DEFAULT_STORAGE)),
-        _env("SHOAL_HANDLER", handler),
-        _env("SHOAL_ACK_WAIT", _number(consumer, "ackWaitSeconds", DEFAULT_ACK_WAIT_SECONDS)),
-        _env("SHOAL_MAX_ACK_PENDING", _number(consumer, "maxAckPending", DEFAULT_MAX_ACK_PENDING)),
-        _env("SHOAL_MAX_DELIVER", _number(consumer, "maxDeliver", DEFAULT_MAX_DELIVER)),
+        _field_env(ENV_VARS["member_id"], "metadata.name"),
     ]
-    if consumer.get("backoffSeconds"):
-        env.append(_env("SHOAL_BACKOFF", consumer["backoffSeconds"]))
-    env += [
-        _env("SHOAL_DRAIN_TIMEOUT", settings.drain_timeout_seconds),
-        _env("SHOAL_READY_FILE", READY_FILE),
-        # The operator creates the stream and the durables: pods need no stream-admin
-        # permissions and cannot race each other creating them.
-        _env("SHOAL_ENSURE_JETSTREAM", False),
-        # The leader reads spec.autoscaling itself on every round (it may be switched on
-        # or off at any time) and scales through the group's scale subresource.
-        _env("SHOAL_AUTOSCALER", "kubernetes"),
-        _env("SHOAL_STRATEGY", _text(assignment, "strategy", "sticky")),
-        _env("SHOAL_LOAD_AWARE", bool(assignment.get("loadAware", False))),
-    ]
-    cpu_limit = cpu_millicores(((spec.get("resources") or {}).get("limits") or {}).get("cpu"))
+    env += [_env(var, value) for var, value in config_env(config, POD_FIELDS).items()]
+    cpu_limit = cpu_millicores(model.cpu_limit())
     if cpu_limit is not None:
-        # What 100% CPU means for the autoscaler's cpuThreshold (consumer/cpu.py).
-        env.append(_env(CPU_LIMIT_ENV, cpu_limit))
-    if nats.get("credentialsSecret"):
-        env.append(_env("NATS_CREDS_FILE", NATS_CREDS_FILE))
-    if etcd.get("tlsSecret"):
-        env += [_env(var, f"{ETCD_TLS_DIR}/{key}") for var, key in ETCD_TLS_FILES.items()]
+        # What 100% CPU means for the autoscaler's cpuThreshold (shoal.consumer.cpu).
+        env.append(_env(CPU_LIMIT_ENV, str(cpu_limit)))
+    if model.etcd.tls_secret:
         env += [
             # optional: a Secret without these keys means no etcd authentication.
             {
-                "name": var,
+                "name": ENV_VARS[field],
                 "valueFrom": {
-                    "secretKeyRef": {"name": etcd["tlsSecret"], "key": key, "optional": True}
+                    "secretKeyRef": {"name": model.etcd.tls_secret, "key": key, "optional": True}
                 },
             }
-            for var, key in ETCD_AUTH_KEYS.items()
+            for field, key in ETCD_AUTH_KEYS.items()
         ]
 
     # The user's variables go last so that they win. Ours that they name are dropped rather
     # than listed twice: duplicate names draw API warnings and break server-side apply.
-    user = [copy.deepcopy(dict(var)) for var in spec.get("env") or []]
+    user = [copy.deepcopy(dict(var)) for var in model.env]
     overridden = {var.get("name") for var in user}
     return [var for var in env if var["name"] not in overridden] + user
 
@@ -261,12 +239,12 @@ def _metadata(child: str, name: str, namespace: str) -> Obj:
     return {"name": child, "namespace": namespace, "labels": labels(name)}
 
 
-def _volumes(spec: Spec) -> tuple[list[Obj], list[Obj]]:
+def _volumes(spec: ConsumerGroupSpec) -> tuple[list[Obj], list[Obj]]:
     """(pod volumes, container mounts)."""
     # A read-only root filesystem still needs a writable /tmp (the ready file, Python).
     volumes: list[Obj] = [{"name": "tmp", "emptyDir": {}}]
     mounts: list[Obj] = [{"name": "tmp", "mountPath": "/tmp"}]
-    secret = _section(spec, "nats").get("credentialsSecret")
+    secret = spec.nats.credentials_secret
     if secret:
         # Only the key we point NATS_CREDS_FILE at: a secret without it fails the mount
         # with a clear event instead of a consumer that cannot find its file.
@@ -280,7 +258,7 @@ def _volumes(spec: Spec) -> tuple[list[Obj], list[Obj]]:
             }
         )
         mounts.append({"name": "nats-credentials", "mountPath": NATS_CREDS_DIR, "readOnly": True})
-    etcd_secret = _section(spec, "etcd").get("tlsSecret")
+    etcd_secret = spec.etcd.tls_secret
     if etcd_secret:
         # Only the files, listed: the username and password reach the pod as env vars.
         volumes.append(
@@ -296,15 +274,17 @@ def _volumes(spec: Spec) -> tuple[list[Obj], list[Obj]]:
     return volumes, mounts
 
 
-def _container(name: str, namespace: str, spec: Spec, settings: OperatorSettings) -> Obj:
+def _container(
+    name: str, namespace: str, spec: ConsumerGroupSpec, settings: OperatorSettings
+) -> Obj:
     _, mounts = _volumes(spec)
     return {
         "name": CONTAINER_NAME,
-        "image": spec.get("image") or settings.default_image,
-        "imagePullPolicy": spec.get("imagePullPolicy") or settings.image_pull_policy,
+        "image": spec.image or settings.default_image,
+        "imagePullPolicy": spec.image_pull_policy or settings.image_pull_policy,
         "command": list(COMMAND),
         "env": consumer_env(name, namespace, spec, settings),
-        "resources": copy.deepcopy(dict(spec.get("resources") or {})),
+        "resources": copy.deepcopy(spec.resources),
         # Ready = registered as a member (the consumer writes SHOAL_READY_FILE once it has
         # joined), so a rollout waits for each new member before replacing the next one.
         # Timeout 2 s, not 1: the probe starts a Python process, and one slow start must
@@ -336,7 +316,8 @@ def build_deployment(
     goes into the pod template: members read their certificates once, at start, so a
     rotated Secret must roll the pods (one at a time, each hand-over lossless)."""
     names = resource_names(name)
-    volumes, _ = _volumes(spec)
+    model = parse_spec(spec)
+    volumes, _ = _volumes(model)
     template_meta: Obj = {"labels": labels(name)}
     if etcd_secret_version:
         template_meta["annotations"] = {ETCD_SECRET_VERSION: etcd_secret_version}
@@ -345,7 +326,7 @@ def build_deployment(
         "kind": "Deployment",
         "metadata": _metadata(names["deployment"], name, namespace),
         "spec": {
-            "replicas": _number(spec, "replicas", DEFAULT_REPLICAS),
+            "replicas": model.replicas,
             "selector": {"matchLabels": selector(name)},
             # Surge, never dip: a new member joins before an old one leaves, so a rollout
             # never runs below the group's capacity (the hand-over itself is lossless).
@@ -362,7 +343,7 @@ def build_deployment(
                     # RuntimeDefault seccomp: with the container's context this meets the
                     # "restricted" Pod Security Standard.
                     "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
-                    "containers": [_container(name, namespace, spec, settings)],
+                    "containers": [_container(name, namespace, model, settings)],
                     "volumes": volumes,
                 },
             },

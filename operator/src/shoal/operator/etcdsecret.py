@@ -38,7 +38,7 @@ from shoal.operator.builders import ETCD_AUTH_KEYS, ETCD_CA_KEY, ETCD_CERT_KEY, 
 log = logging.getLogger(__name__)
 
 REQUIRED_KEYS = (ETCD_CA_KEY, ETCD_CERT_KEY, ETCD_KEY_KEY)
-USERNAME_KEY, PASSWORD_KEY = ETCD_AUTH_KEYS["ETCD_USERNAME"], ETCD_AUTH_KEYS["ETCD_PASSWORD"]
+USERNAME_KEY, PASSWORD_KEY = ETCD_AUTH_KEYS["etcd_username"], ETCD_AUTH_KEYS["etcd_password"]
 
 # Degraded reasons.
 SECRET_MISSING = "EtcdSecretMissing"

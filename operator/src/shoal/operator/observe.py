@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 from shoal.consumer.autoscaler import ScaleRecord
+from shoal.contracts.names import format_time
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,23 @@ def stamp(
     return stamped
 
 
+def degraded(
+    old_conditions: Sequence[Mapping[str, Any]],
+    reason: str,
+    message: str,
+    generation: int,
+    now: str,
+) -> list[dict[str, Any]]:
+    """The conditions after a failed reconcile: Degraded is True for (reason, message).
+
+    The reconciler knows only the problem, not the Deployment, etcd or JetStream, so the
+    other conditions stay as the status timer last wrote them.
+    """
+    condition = _condition("Degraded", True, reason, message, generation)
+    others = [c for c in old_conditions if c.get("type") != "Degraded"]
+    return stamp([*others, condition], old_conditions, now)
+
+
 def status(o: Observed, old_conditions: Sequence[Mapping[str, Any]], now: str) -> dict[str, Any]:
     counts = list(o.members.values())
     result: dict[str, Any] = {
@@ -178,7 +195,7 @@ def last_scale(
         f"autoscaler: {record.reason}" if ours and record is not None else ("spec.replicas changed")
     )
     value = {
-        "time": datetime.fromtimestamp(when, UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "time": format_time(when),
         "from": before,
         "to": after,
         "reason": reason,

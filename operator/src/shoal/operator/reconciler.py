@@ -8,13 +8,17 @@ Event for each new assignment generation and each change of replicas.
 Deletion: a finalizer clears the group's etcd prefix; the stream goes only with
 deletionPolicy Delete. A spec that passes the schema but cannot work (unreachable NATS,
 an unknown handler, a missing or unusable spec.etcd.tlsSecret) becomes Degraded with a
-Warning Event and is retried with backoff. etcd connections, and the files of the groups'
-etcd Secrets, live in memo.etcd (shoal.operator.etcdsecret.EtcdClients).
+Warning Event and is retried with backoff: a step of reconcile raises GroupProblem, and
+reconcile alone reports it.
+
+What all groups share is in the operator's memo, filled by the startup handler: settings,
+the Kubernetes client, etcd connections with the files of the groups' etcd Secrets
+(memo.etcd, shoal.operator.etcdsecret.EtcdClients) and NATS connections. What one group
+remembers is in its own memo (shoal.operator.state.GroupState).
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import time
@@ -23,52 +27,59 @@ from typing import Any
 import kopf
 
 from shoal.consumer.autoscaler import ScaleRecord
-from shoal.consumer.config import GroupConfig, config_from_env
+from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.handlers import HandlerError, load_handler
 from shoal.consumer.jetstream import StreamConfigConflict, connect, ensure_group
-from shoal.consumer.partitioning import Keys
 from shoal.consumer.status import read_status
+from shoal.contracts.names import (
+    API_GROUP,
+    API_VERSION,
+    FINALIZER,
+    PLURAL,
+    Keys,
+    format_time,
+)
+from shoal.contracts.spec import ConsumerGroupSpec, SpecError, parse_spec
 from shoal.operator import observe
 from shoal.operator.builders import (
     build_deployment,
     children,
-    consumer_env,
+    pod_config,
     resource_names,
     selector_string,
 )
 from shoal.operator.etcdsecret import EtcdClients, EtcdSecretProblem
 from shoal.operator.kube import Kube, api_client
 from shoal.operator.settings import OperatorSettings, settings_from_env
+from shoal.operator.state import group_state
 
 log = logging.getLogger(__name__)
 
-GROUP, VERSION, PLURAL = "shoal.dev", "v1alpha1", "consumergroups"
-FINALIZER = "shoal.dev/cleanup"
 OBSERVE_INTERVAL = 5.0
 
 
 def now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return format_time()
+
+
+def spec_model(spec: Any) -> ConsumerGroupSpec:
+    """The spec as the one model every step reads (kopf hands a mapping view)."""
+    return parse_spec(spec if isinstance(spec, ConsumerGroupSpec) else dict(spec))
 
 
 def group_config(name: str, namespace: str, spec: Any, settings: OperatorSettings) -> GroupConfig:
-    """The consumers' configuration, from the very env the pods get (one source of truth)."""
-    env = {
-        var["name"]: var["value"]
-        for var in consumer_env(name, namespace, dict(spec), settings)
-        if "value" in var and "$(" not in str(var["value"])
-    }
-    env["SHOAL_MEMBER_ID"] = "shoal-operator"
-    return config_from_env(env)
+    """The consumers' configuration, as the pods get it (builders.pod_config)."""
+    return pod_config(name, namespace, spec_model(spec), settings)
 
 
 def handler_problem(spec: Any, settings: OperatorSettings) -> str | None:
     """An unknown handler, when the pods run the operator's own image (we can check it)."""
-    if spec.get("image") and spec.get("image") != settings.default_image:
+    model = spec_model(spec)
+    if model.image and model.image != settings.default_image:
         return None  # a custom image may carry handlers the operator cannot import
     try:
-        load_handler(str(spec.get("handler", "")))
+        load_handler(model.handler)
     except HandlerError as exc:
         return str(exc)
     return None
@@ -84,10 +95,8 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     memo.kube = Kube(api_client())
     memo.etcd = EtcdClients(memo.kube)
     memo.nats = {}
-    # (namespace, group) -> the etcd tlsSecret version its Deployment was applied with.
-    memo.secret_versions = {}
-    # (namespace, group) -> (reason, message) of the last failed reconcile.
-    memo.problems = {}
+    # Nothing per group here: kopf shallow-copies this memo into every group's memo, so a
+    # dict set here would be one dict for all groups (see shoal.operator.state).
     log.info(
         "Shoal operator started: default image %s, NATS %s, etcd %s",
         memo.settings.default_image,
@@ -109,29 +118,15 @@ async def alive(**_: Any) -> str:
     return "ok"
 
 
-def _degraded(
-    memo: Any,
-    key: tuple[str, str],
-    patch: kopf.Patch,
-    status: Any,
-    reason: str,
-    message: str,
-    generation: int,
-) -> None:
-    """Report why the spec cannot work. The status timer keeps reporting it (it sees only
-    etcd and NATS) until a reconcile succeeds."""
-    memo.problems[key] = (reason, message)
-    condition = {
-        "type": "Degraded",
-        "status": "True",
-        "reason": reason,
-        "message": message,
-        "observedGeneration": generation,
-    }
-    others = [c for c in (status or {}).get("conditions", []) if c.get("type") != "Degraded"]
-    patch.status["conditions"] = observe.stamp(
-        [*others, condition], (status or {}).get("conditions", []), now()
-    )
+class GroupProblem(Exception):
+    """A group's spec cannot work now: the Degraded reason (CamelCase), a message for
+    people, and how long to wait before trying again (seconds)."""
+
+    def __init__(self, reason: str, message: str, delay: float) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.delay = delay
 
 
 async def _nats(memo: Any, config: GroupConfig, attempts: int) -> Any:
@@ -153,14 +148,91 @@ async def _nats(memo: Any, config: GroupConfig, attempts: int) -> Any:
     return cache[key]
 
 
-async def ensure_jetstream(memo: Any, config: GroupConfig) -> None:
-    nc = await _nats(memo, config, attempts=2)
-    await ensure_group(nc.jetstream(), config, ledger=config.handler.endswith(":ledger"))
+def check_handler(spec: Any, settings: OperatorSettings, retry: int) -> None:
+    """GroupProblem HandlerInvalid if the pods could not import the spec's handler."""
+    problem = handler_problem(spec, settings)
+    if problem is not None:
+        raise GroupProblem("HandlerInvalid", problem, delay=min(300, 10 * 2 ** min(retry, 5)))
 
 
-@kopf.on.create(GROUP, VERSION, PLURAL)
-@kopf.on.update(GROUP, VERSION, PLURAL)
-@kopf.on.resume(GROUP, VERSION, PLURAL)
+async def etcd_secret_version(
+    clients: EtcdClients, namespace: str, spec: Any, retry: int
+) -> str | None:
+    """The resourceVersion of the group's etcd Secret, read and checked (None: no Secret).
+
+    GroupProblem (EtcdSecretMissing, EtcdSecretInvalid, EtcdSecretForbidden) if it
+    cannot be used.
+    """
+    secret = etcd_secret_name(spec)
+    if not secret:
+        return None
+    try:
+        return (await clients.files(namespace, secret)).resource_version
+    except EtcdSecretProblem as exc:
+        # Capped low: a Secret is usually created right after the group.
+        delay = min(60, 5 * 2 ** min(retry, 4))
+        raise GroupProblem(exc.reason, exc.message, delay=delay) from exc
+
+
+async def report_scale(
+    memo: Any,
+    config: GroupConfig,
+    spec: Any,
+    old: Any,
+    secret: str | None,
+    patch: kopf.Patch,
+    body: kopf.Body,
+) -> None:
+    """status.lastScale when spec.replicas changed, and a Scaled Event unless the
+    autoscaler made the change (the leader posts its own ScaledUp/ScaledDown Event)."""
+    before = ((old or {}).get("spec") or {}).get("replicas")
+    after = spec_model(spec).replicas
+    if before is None or before == after:
+        return
+    # Whoever set spec.replicas (kubectl scale, an HPA, the leader) came through here.
+    record = await _scale_record(memo, config, secret)
+    last, by_autoscaler = observe.last_scale(int(before), int(after or 0), record, time.time())
+    patch.status["lastScale"] = last
+    if not by_autoscaler:
+        kopf.info(body, reason="Scaled", message=f"Replicas {before} -> {after}")
+
+
+async def apply_children(
+    kube: Kube,
+    body: kopf.Body,
+    name: str,
+    namespace: str,
+    spec: Any,
+    settings: OperatorSettings,
+    secret_version: str | None,
+) -> None:
+    """Server-side apply the Deployment, RBAC and PDB, owned by the group so that
+    deleting it deletes them."""
+    for obj in children(name, namespace, spec_model(spec), settings, secret_version):
+        kopf.adopt(obj, owner=body)
+        await kube.apply(obj)
+
+
+async def ensure_jetstream(memo: Any, config: GroupConfig, retry: int) -> None:
+    """The group's streams and one durable per partition.
+
+    GroupProblem StreamConfigConflict if the stream exists with a configuration JetStream
+    cannot change in place, NatsUnavailable if JetStream cannot be reached or refuses.
+    """
+    try:
+        nc = await _nats(memo, config, attempts=2)
+        await ensure_group(nc.jetstream(), config)
+    except StreamConfigConflict as exc:
+        raise GroupProblem("StreamConfigConflict", str(exc), delay=60) from exc
+    except Exception as exc:
+        message = f"JetStream at {config.nats_url} unavailable: {exc}"
+        delay = min(300, 5 * 2 ** min(retry, 6))
+        raise GroupProblem("NatsUnavailable", message, delay=delay) from exc
+
+
+@kopf.on.create(API_GROUP, API_VERSION, PLURAL)
+@kopf.on.update(API_GROUP, API_VERSION, PLURAL)
+@kopf.on.resume(API_GROUP, API_VERSION, PLURAL)
 async def reconcile(
     name: str,
     namespace: str | None,
@@ -174,61 +246,58 @@ async def reconcile(
     old: Any = None,
     **_: Any,
 ) -> None:
+    """Make the group's children and JetStream match its spec, step by step.
+
+    A step that finds the spec cannot work raises GroupProblem; this handler alone turns
+    it into Degraded, a Warning Event and a retry after the problem's delay. Any other
+    exception is kopf's to retry.
+    """
     namespace = namespace or "default"  # ConsumerGroups are namespaced
     settings: OperatorSettings = memo.settings
-    generation = int(meta.get("generation") or 0)
+    state = group_state(memo)
     patch.status["selector"] = selector_string(name)
-    problem = handler_problem(spec, settings)
-    if problem is not None:
-        _degraded(memo, (namespace, name), patch, status, "HandlerInvalid", problem, generation)
-        kopf.warn(body, reason="HandlerInvalid", message=problem)
-        raise kopf.TemporaryError(problem, delay=min(300, 10 * 2 ** min(retry, 5)))
-    etcd_secret = etcd_secret_name(spec)
-    secret_version: str | None = None
-    if etcd_secret:
-        # Before any pod exists: pods would only wait for a volume that cannot mount.
-        try:
-            secret_version = (await memo.etcd.files(namespace, etcd_secret)).resource_version
-        except EtcdSecretProblem as exc:
-            _degraded(memo, (namespace, name), patch, status, exc.reason, exc.message, generation)
-            kopf.warn(body, reason=exc.reason, message=exc.message)
-            # Capped low: a Secret is usually created right after the group.
-            raise kopf.TemporaryError(exc.message, delay=min(60, 5 * 2 ** min(retry, 4))) from exc
-
-    config = group_config(name, namespace, spec, settings)
-    before = ((old or {}).get("spec") or {}).get("replicas")
-    after = spec.get("replicas")
-    if before is not None and before != after:
-        # Whoever set spec.replicas (kubectl scale, an HPA, the leader) came through here.
-        record = await _scale_record(memo, config, etcd_secret)
-        last, by_autoscaler = observe.last_scale(int(before), int(after or 0), record, time.time())
-        patch.status["lastScale"] = last
-        if not by_autoscaler:  # the leader posted its own ScaledUp/ScaledDown Event
-            kopf.info(body, reason="Scaled", message=f"Replicas {before} -> {after}")
-
-    for obj in children(name, namespace, dict(spec), settings, secret_version):
-        kopf.adopt(obj, owner=body)
-        await memo.kube.apply(obj)
-    memo.secret_versions[(namespace, name)] = secret_version
-
     try:
-        await ensure_jetstream(memo, config)
-    except StreamConfigConflict as exc:
-        reason, message = "StreamConfigConflict", str(exc)
-        _degraded(memo, (namespace, name), patch, status, reason, message, generation)
-        kopf.warn(body, reason="StreamConfigConflict", message=str(exc))
-        raise kopf.TemporaryError(str(exc), delay=60) from exc
-    except Exception as exc:
-        message = f"JetStream at {config.nats_url} unavailable: {exc}"
-        _degraded(memo, (namespace, name), patch, status, "NatsUnavailable", message, generation)
-        kopf.warn(body, reason="NatsUnavailable", message=message)
-        raise kopf.TemporaryError(message, delay=min(300, 5 * 2 ** min(retry, 6))) from exc
-    memo.problems.pop((namespace, name), None)
+        # 0. The spec, parsed once. The API server's schema normally refuses what the
+        #    model would; a spec that gets past it still becomes Degraded, not a crash.
+        try:
+            model = spec_model(spec)
+        except SpecError as exc:
+            raise GroupProblem("SpecInvalid", str(exc), delay=300) from exc
+        # 1. The handler: a group whose pods could not import it gets no pods.
+        check_handler(model, settings, retry)
+        # 2. The etcd Secret, before any pod exists: pods would only wait for a volume
+        #    that cannot mount.
+        secret_version = await etcd_secret_version(memo.etcd, namespace, model, retry)
+        # 3. The consumers' configuration.
+        config = group_config(name, namespace, model, settings)
+        # 4. A change of spec.replicas: status.lastScale and who made it.
+        await report_scale(memo, config, model, old, etcd_secret_name(model), patch, body)
+        # 5. The children (Deployment, RBAC, PDB); the status timer compares later
+        #    versions of the Secret with the one applied here.
+        await apply_children(memo.kube, body, name, namespace, model, settings, secret_version)
+        state.applied, state.secret_version = True, secret_version
+        # 6. JetStream: the streams and the durables.
+        await ensure_jetstream(memo, config, retry)
+    except GroupProblem as problem:
+        # The status timer sees only etcd and NATS: it keeps reporting this problem
+        # until a reconcile succeeds.
+        state.problem = (problem.reason, problem.message)
+        patch.status["conditions"] = observe.degraded(
+            status.get("conditions", []),
+            problem.reason,
+            problem.message,
+            int(meta.get("generation") or 0),
+            now(),
+        )
+        kopf.warn(body, reason=problem.reason, message=problem.message)
+        raise kopf.TemporaryError(problem.message, delay=problem.delay) from problem
+    # 7. Done: whatever went wrong before is fixed.
+    state.problem = None
     kopf.info(
         body,
         reason="Reconciled",
         message=f"Applied {resource_names(name)['deployment']} with "
-        f"{spec.get('replicas')} replicas; stream {config.stream} with "
+        f"{model.replicas} replicas; stream {config.stream} with "
         f"{config.partitions} durable consumers",
     )
 
@@ -239,16 +308,16 @@ async def _roll_on_rotation(
     """A new version of the group's etcd Secret: re-apply the Deployment with it, which
     rolls the pods (they read their certificates only at start)."""
     secret = etcd_secret_name(spec)
-    key = (namespace, name)
-    if secret is None or key not in memo.secret_versions:
+    state = group_state(memo)
+    if secret is None or not state.applied:
         return  # not reconciled by this process yet: the resume handler applies it
     version = memo.etcd.known_version(namespace, secret)
-    if version is None or version == memo.secret_versions[key]:
+    if version is None or version == state.secret_version:
         return
     deployment = build_deployment(name, namespace, dict(spec), memo.settings, version)
     kopf.adopt(deployment, owner=body)
     await memo.kube.apply(deployment)
-    memo.secret_versions[key] = version
+    state.secret_version = version
     kopf.info(
         body,
         reason="EtcdSecretRotated",
@@ -257,7 +326,7 @@ async def _roll_on_rotation(
 
 
 def etcd_secret_name(spec: Any) -> str | None:
-    return (spec.get("etcd") or {}).get("tlsSecret") or None
+    return spec_model(spec).etcd.tls_secret or None
 
 
 async def _etcd(
@@ -289,7 +358,7 @@ async def _scale_record(memo: Any, config: GroupConfig, secret: str | None) -> S
     return None if kv is None else ScaleRecord.parse(kv.value)
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=OBSERVE_INTERVAL, initial_delay=1.0)
+@kopf.timer(API_GROUP, API_VERSION, PLURAL, interval=OBSERVE_INTERVAL, initial_delay=1.0)
 async def observe_group(
     name: str,
     namespace: str | None,
@@ -303,13 +372,14 @@ async def observe_group(
 ) -> None:
     namespace = namespace or "default"  # ConsumerGroups are namespaced
     settings: OperatorSettings = memo.settings
-    config = group_config(name, namespace, spec, settings)
+    model = spec_model(spec)
+    config = group_config(name, namespace, model, settings)
     dep = await memo.kube.deployment_status(namespace, resource_names(name)["deployment"])
     problem: tuple[str, str] | None = None
     members: dict[str, int] = {}
     leader, generation_seen, unowned, unclaimed = None, 0, config.partitions, config.partitions
     try:
-        etcd = await _etcd(memo, config.etcd_endpoints, namespace, etcd_secret_name(spec))
+        etcd = await _etcd(memo, config.etcd_endpoints, namespace, etcd_secret_name(model))
         group = await read_status(etcd, namespace, name, config.partitions)
         members = {m: group.counts.get(m, 0) for m in group.members}
         leader, generation_seen = group.leader, group.generation
@@ -318,11 +388,11 @@ async def observe_group(
         problem = (exc.reason, exc.message)
     except Exception as exc:
         problem = ("EtcdUnavailable", f"etcd at {config.etcd_endpoints} unavailable: {exc}")
-    if problem is None and etcd_secret_name(spec):
+    if problem is None and etcd_secret_name(model):
         # _etcd above has just read the Secret: compare versions without reading it again.
         await _roll_on_rotation(memo, name, namespace, spec, body)
     # A problem the last reconcile found (a handler, a stream change) stands until fixed.
-    problem = problem or memo.problems.get((namespace, name))
+    problem = problem or group_state(memo).problem
     lag: int | None = None
     try:
         nc = await _nats(memo, config, attempts=1)
@@ -335,7 +405,7 @@ async def observe_group(
     old = dict(status or {})
     observed = observe.Observed(
         generation=generation,
-        spec_replicas=int(spec.get("replicas", 0)),
+        spec_replicas=model.replicas,
         replicas=dep["replicas"],
         ready_replicas=dep["ready"],
         members=members,
@@ -366,7 +436,7 @@ async def observe_group(
 DELETE_SECRET_RETRIES = 5
 
 
-@kopf.on.delete(GROUP, VERSION, PLURAL)
+@kopf.on.delete(API_GROUP, API_VERSION, PLURAL)
 async def delete(
     name: str,
     namespace: str | None,
@@ -378,9 +448,9 @@ async def delete(
 ) -> None:
     namespace = namespace or "default"  # ConsumerGroups are namespaced
     settings: OperatorSettings = memo.settings
-    memo.problems.pop((namespace, name), None)
-    memo.secret_versions.pop((namespace, name), None)
-    config = group_config(name, namespace, spec, settings)
+    # The group's own state needs no clearing: kopf drops its memo with the object.
+    model = spec_model(spec)
+    config = group_config(name, namespace, model, settings)
     # The consumers must be gone first: garbage collection would remove them only after
     # this finalizer, and a live leader would write the assignment straight back.
     remaining = await memo.kube.remove_consumers(
@@ -391,7 +461,7 @@ async def delete(
     prefix = Keys(namespace, name).prefix
     try:
         etcd = await _etcd(
-            memo, config.etcd_endpoints, namespace, etcd_secret_name(spec), stale_ok=True
+            memo, config.etcd_endpoints, namespace, etcd_secret_name(model), stale_ok=True
         )
     except EtcdSecretProblem as exc:
         if retry < DELETE_SECRET_RETRIES:
@@ -400,12 +470,12 @@ async def delete(
         kopf.warn(body, reason="EtcdKeysKept", message=message)
     else:
         await etcd.delete_prefix(prefix)
-    if spec.get("deletionPolicy") == "Delete":
+    if model.deletion_policy == "Delete":
         js = (await _nats(memo, config, attempts=2)).jetstream()
         for stream in (
             config.stream,
             config.dlq_stream,
-            f"{config.stream}_log",
+            config.log_stream,
             config.ledger_stream,
         ):
             try:

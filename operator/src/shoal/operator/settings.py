@@ -11,6 +11,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from shoal.consumer.config import GroupConfig
+
+_CONSUMER_DRAIN_TIMEOUT = int(GroupConfig.model_fields["drain_timeout"].default)
+
 # Environment variable -> field. Empty values count as unset, as in the consumer's
 # config_from_env, so a chart can render `value: ""` for "use the default".
 ENV_FIELDS: dict[str, str] = {
@@ -25,13 +29,14 @@ ENV_FIELDS: dict[str, str] = {
 class OperatorSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # "shoal:dev" is what the local control plane runs (e2e/localkube/kubelet.py).
+    # "shoal:dev" is what the local control plane runs (harness.localkube.kubelet).
     default_image: str = Field("shoal:dev", min_length=1)
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     nats_url: str = Field("nats://nats:4222", min_length=1)
     etcd_endpoints: str = Field("etcd:2379", min_length=1)
-    # Whole seconds: it also sizes terminationGracePeriodSeconds, an integer field.
-    drain_timeout_seconds: int = Field(30, ge=1)
+    # Whole seconds: it also sizes terminationGracePeriodSeconds, an integer field. The
+    # default is the consumer's own.
+    drain_timeout_seconds: int = Field(_CONSUMER_DRAIN_TIMEOUT, ge=1)
     # Empty: watch the whole cluster.
     watch_namespaces: list[str] = Field(default_factory=list)
 

@@ -1,0 +1,175 @@
+"""Every name Shoal's parts and its tests agree on, spelled once.
+
+Producers, consumers, the operator, analytics and the tests derive these names from here
+and nowhere else (DESIGN.md, "Contracts"): a project's partition, the NATS subjects and
+stream names of a group, message headers, etcd keys, the CRD's coordinates, annotation and
+label names, and the time format of status fields.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+
+# -- partitions ----------------------------------------------------------------------------
+
+DEFAULT_PARTITIONS = 128
+
+
+def partition_for(project_id: str, partitions: int = DEFAULT_PARTITIONS) -> int:
+    """The partition of a project: sha256 of its UTF-8 id, big-endian, modulo partitions."""
+    if not isinstance(project_id, str) or not project_id:
+        raise ValueError(f"project id must be a non-empty string, got {project_id!r}")
+    if partitions < 1:
+        raise ValueError(f"partitions must be >= 1, got {partitions!r}")
+    digest = hashlib.sha256(project_id.encode("utf-8")).digest()
+    return int.from_bytes(digest, "big") % partitions
+
+
+def durable_name(partition: int) -> str:
+    """The durable belongs to the partition, not to a member."""
+    return f"p{partition}"
+
+
+# -- subjects ------------------------------------------------------------------------------
+
+# A NATS subject token may not contain whitespace, "." or the wildcards.
+_TOKEN = re.compile(r"^[^\s.*>]+$")
+
+
+def check_token(value: str, what: str) -> str:
+    """Return value if it is usable as one NATS subject token, else raise ValueError."""
+    if not _TOKEN.match(value):
+        raise ValueError(f"{what} {value!r} is not a valid NATS subject token")
+    return value
+
+
+def default_subject_prefix(namespace: str, group: str) -> str:
+    return f"shoal.{check_token(namespace, 'namespace')}.{check_token(group, 'group')}"
+
+
+def check_subject_prefix(prefix: str) -> str:
+    tokens = prefix.split(".")
+    for token in tokens:
+        check_token(token, "subject prefix token")
+    return prefix
+
+
+def partition_subject(prefix: str, partition: int) -> str:
+    return f"{prefix}.{partition}"
+
+
+def stream_subjects(prefix: str) -> list[str]:
+    """The partition stream captures exactly one token below the prefix."""
+    return [f"{prefix}.*"]
+
+
+# Everything else lives two tokens below the prefix, in streams of its own, so that the
+# partition stream (one token below) never captures it.
+def dlq_subject(prefix: str, partition: int) -> str:
+    return f"{prefix}.dlq.{partition}"
+
+
+def dlq_subjects(prefix: str) -> list[str]:
+    return [f"{prefix}.dlq.*"]
+
+
+def assignments_subject(prefix: str) -> str:
+    return f"{prefix}.log.assignments"
+
+
+def ledger_subject(prefix: str, partition: int) -> str:
+    return f"{prefix}.ledger.{partition}"
+
+
+def ledger_subjects(prefix: str) -> list[str]:
+    return [f"{prefix}.ledger.*"]
+
+
+# -- streams -------------------------------------------------------------------------------
+
+
+def default_stream_name(namespace: str, group: str) -> str:
+    """JetStream stream names may not contain ".", "*", ">", whitespace or path separators."""
+    raw = f"shoal_{namespace}_{group}"
+    return re.sub(r"[^A-Za-z0-9_-]", "_", raw)
+
+
+def dlq_stream_name(stream: str) -> str:
+    return f"{stream}_dlq"
+
+
+def log_stream_name(stream: str) -> str:
+    """The assignment log (one event per generation, shoal.contracts.events)."""
+    return f"{stream}_log"
+
+
+def ledger_stream_name(stream: str) -> str:
+    """The ledger handler's records (shoal.consumer.handlers:ledger), for audits."""
+    return f"{stream}_ledger"
+
+
+# -- message headers -------------------------------------------------------------------------
+
+PROJECT_HEADER = "Shoal-Project-Id"
+SEQ_HEADER = "Shoal-Seq"  # the producer's per-project sequence (audits check order by it)
+MSG_ID_HEADER = "Nats-Msg-Id"  # JetStream's de-duplication id
+# On dead letters: why, where it came from, and which member gave up on it.
+DEAD_LETTER_REASON_HEADER = "Shoal-Dead-Letter-Reason"
+ORIGINAL_SUBJECT_HEADER = "Shoal-Original-Subject"
+MEMBER_HEADER = "Shoal-Member"
+
+# -- etcd ----------------------------------------------------------------------------------
+
+
+class Keys:
+    """etcd key layout of one group, under /shoal/<namespace>/<group>/."""
+
+    def __init__(self, namespace: str, group: str) -> None:
+        self.prefix = f"/shoal/{namespace}/{group}/"
+        self.members = self.prefix + "members/"
+        self.leader = self.prefix + "leader"
+        self.partitions = self.prefix + "partitions/"
+        self.claims = self.prefix + "claims/"
+        # The autoscaler's last action (time, from, to, reason): the operator reports it
+        # as status.lastScale, and a new leader keeps the cooldown it started.
+        self.scale = self.prefix + "scale"
+
+    def member(self, member_id: str) -> str:
+        return self.members + member_id
+
+    def partition(self, partition: int) -> str:
+        return f"{self.partitions}{partition}"
+
+    def claim(self, partition: int) -> str:
+        return f"{self.claims}{partition}"
+
+    @staticmethod
+    def tail(key: str, prefix: str) -> str:
+        return key[len(prefix) :]
+
+
+# -- Kubernetes ----------------------------------------------------------------------------
+
+API_GROUP = "shoal.dev"
+API_VERSION = "v1alpha1"
+KIND = "ConsumerGroup"
+PLURAL = "consumergroups"
+SHORT_NAME = "cg"
+FINALIZER = f"{API_GROUP}/cleanup"
+# Labels of every consumer pod (the Deployment's selector uses both).
+GROUP_LABEL = f"{API_GROUP}/group"
+CONSUMER_APP_NAME = "shoal-consumer"
+# Pod-template annotation: the etcd tlsSecret version the pods were started with.
+ETCD_SECRET_VERSION_ANNOTATION = f"{API_GROUP}/etcd-secret-version"
+# Which pod a ReplicaSet removes first on a scale-down (lowest cost goes first).
+DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
+
+# Status and Event times: RFC 3339 in UTC, whole seconds (as Kubernetes writes them).
+TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+
+
+def format_time(t: float | None = None) -> str:
+    """A Unix time (now when None) in TIME_FORMAT."""
+    return time.strftime(TIME_FORMAT, time.gmtime(time.time() if t is None else t))

@@ -1,0 +1,213 @@
+"""The ConsumerGroup spec: its shape and every default, in one place.
+
+The API server applies the CRD's defaults (crds/consumergroup.yaml; a test proves that its
+defaults, enums and bounds equal this model's), so specs usually arrive complete; specs
+built by hand or by tests may leave anything optional out and get the same defaults here.
+Fields use the CRD's camelCase names on the wire (``ackWaitSeconds``) and snake_case in
+Python.
+
+Everything that depends on the spec derives from this model: the operator's builders and
+the consumer pods' environment (through :class:`shoal.consumer.config.GroupConfig`), and
+the autoscaler's policy (:meth:`shoal.consumer.scaler.Policy.from_spec`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+
+from shoal.contracts.names import DEFAULT_PARTITIONS
+
+__all__ = [
+    "AssignmentSpec",
+    "AutoscalingSpec",
+    "ConsumerGroupSpec",
+    "ConsumerSpec",
+    "EtcdSpec",
+    "NatsSpec",
+    "SpecError",
+    "StreamSpec",
+    "parse_spec",
+]
+
+HANDLER_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$"
+
+
+def _integral(value: object) -> object:
+    # JSON has one number type: 3.0 is the integer 3 (YAML and some clients write it so).
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _comma_list(value: object) -> object:
+    # A list of endpoints, as people also write it, is the comma list etcd clients take.
+    if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+        return ",".join(value)
+    return value
+
+
+# Strict, so "yes" is not a boolean and "90" not a number, but 3.0 is still an integer.
+Int = Annotated[int, BeforeValidator(_integral)]
+
+
+class _Section(BaseModel):
+    # extra="ignore": the API server prunes unknown fields, and a newer CRD's fields must
+    # not break an older operator or pod reading the same object.
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        frozen=True,
+        extra="ignore",
+        strict=True,
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: object) -> object:
+        # A null field means "not set" (the API server prunes nulls; hand-written specs
+        # and templates leave them in): it takes the default.
+        if isinstance(data, Mapping):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
+
+class StreamSpec(_Section):
+    """The group's JetStream stream."""
+
+    name: str = Field("", pattern=r"^([^.*>\s/\\]+)?$")  # empty: shoal_<namespace>_<group>
+    retention: Literal["workqueue", "limits", "interest"] = "workqueue"
+    storage: Literal["file", "memory"] = "file"
+    replicas: Int = Field(1, ge=1, le=5)
+    # Also create <name>_ledger on <subjectPrefix>.ledger.*, where the built-in handler
+    # shoal.consumer.handlers:ledger records every processed message for audits.
+    ledger: bool = False
+
+
+class ConsumerSpec(_Section):
+    """The per-partition durable pull consumers (explicit ack)."""
+
+    ack_wait_seconds: float = Field(5.0, ge=0.1)
+    max_ack_pending: Int = Field(1000, ge=1)
+    max_deliver: Int = Field(5, ge=1)
+    backoff_seconds: list[Annotated[float, Field(ge=0)]] = Field(default_factory=list)
+
+
+class NatsSpec(_Section):
+    url: str = ""  # empty: the operator's default
+    credentials_secret: str = ""
+    subject_prefix: str = Field("", pattern=r"^([^.*>\s]+(\.[^.*>\s]+)*)?$")
+    stream: StreamSpec = StreamSpec()
+    consumer: ConsumerSpec = ConsumerSpec()
+
+
+class EtcdSpec(_Section):
+    endpoints: Annotated[str, BeforeValidator(_comma_list)] = ""  # empty: operator's default
+    tls_secret: str = ""
+
+
+class AutoscalingSpec(_Section):
+    """How the leader scales the group between minReplicas and maxReplicas."""
+
+    enabled: bool = False
+    interval_seconds: Int = Field(30, ge=1)
+    cooldown_seconds: Int = Field(600, ge=0)
+    cpu_threshold: Int = Field(90, ge=1, le=100)
+    max_projects_per_member: Int = Field(50, ge=1)
+    min_projects_per_member: Int = Field(2, ge=0)
+    target_lag_per_member: Annotated[Int, Field(ge=1)] | None = None
+    dry_run: bool = False
+
+
+class AssignmentSpec(_Section):
+    strategy: Literal["sticky", "modulo"] = "sticky"
+    load_aware: bool = False
+
+    @model_validator(mode="after")
+    def _load_needs_sticky(self) -> AssignmentSpec:
+        if self.load_aware and self.strategy != "sticky":
+            raise ValueError("loadAware needs strategy sticky (modulo ignores loads)")
+        return self
+
+
+class ConsumerGroupSpec(_Section):
+    """``spec`` of a ConsumerGroup (group shoal.dev, version v1alpha1)."""
+
+    replicas: Int = Field(3, ge=0)
+    min_replicas: Int = Field(1, ge=0)
+    max_replicas: Int = Field(10, ge=1)
+    partitions: Int = Field(DEFAULT_PARTITIONS, ge=1, le=4096)
+    image: str = ""  # empty: the operator's default image
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    # Required, with no default: the noop handler would ack, and so delete, every message
+    # of a work-queue stream.
+    handler: str = Field(pattern=HANDLER_PATTERN)
+    env: list[dict[str, Any]] = Field(default_factory=list)
+    resources: dict[str, Any] = Field(default_factory=dict)
+    nats: NatsSpec = NatsSpec()
+    etcd: EtcdSpec = EtcdSpec()
+    autoscaling: AutoscalingSpec = AutoscalingSpec()
+    assignment: AssignmentSpec = AssignmentSpec()
+    deletion_policy: Literal["Retain", "Delete"] = "Retain"
+
+    @model_validator(mode="after")
+    def _bounds(self) -> ConsumerGroupSpec:
+        # The CRD's CEL rules, for specs that did not come through the API server.
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("minReplicas must not exceed maxReplicas")
+        if self.max_replicas > self.partitions:
+            raise ValueError("maxReplicas must not exceed partitions")
+        return self
+
+    def cpu_limit(self) -> object:
+        """The consumer container's ``resources.limits.cpu`` as written (or None)."""
+        limits = self.resources.get("limits")
+        return limits.get("cpu") if isinstance(limits, Mapping) else None
+
+
+class SpecError(ValueError):
+    """A spec that does not fit the model, with one readable line per problem."""
+
+
+# Where pydantic's wording does not say what to write instead.
+_FRIENDLIER = {
+    ("spec.handler", "missing"): "is required ('package.module:function')",
+    ("spec.handler", "string_pattern_mismatch"): "must look like 'package.module:function'",
+    ("spec.nats.subjectPrefix", "string_pattern_mismatch"): (
+        "must be a subject prefix: dot-separated tokens without wildcards or whitespace"
+    ),
+}
+
+
+def _where(loc: tuple[int | str, ...]) -> str:
+    return "spec." + ".".join(str(part) for part in loc) if loc else "spec"
+
+
+def parse_spec(spec: Mapping[str, Any] | ConsumerGroupSpec) -> ConsumerGroupSpec:
+    """The model of a spec as the API server returns it (camelCase); SpecError if invalid."""
+    if isinstance(spec, ConsumerGroupSpec):
+        return spec
+    if not isinstance(spec, Mapping):
+        raise SpecError(f"spec must be a mapping, got {type(spec).__name__}")
+    try:
+        return ConsumerGroupSpec.model_validate(dict(spec))
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            where = _where(tuple(error["loc"]))
+            friendly = _FRIENDLIER.get((where, error["type"]))
+            if friendly:
+                problems.append(f"{where} {friendly}")
+            else:
+                problems.append(f"{where}: {error['msg'].removeprefix('Value error, ')}")
+        raise SpecError("; ".join(problems)) from None

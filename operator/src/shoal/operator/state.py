@@ -1,0 +1,46 @@
+"""What the operator remembers about one ConsumerGroup between handler calls.
+
+kopf gives every resource object its own memo, made with copy.copy of the operator's memo
+(the one the startup handler fills): a shallow copy, so whatever mutable object the
+operator's memo holds is shared by every group. That is right for the operator-wide
+things (settings, the Kubernetes client, etcd clients, NATS connections) and wrong for a
+group's own state, which therefore lives in a GroupState that group_state creates on the
+group's memo, the first time a handler of that group asks for it. kopf drops a resource's
+memo when the object is deleted, and a new object of the same name gets a new one.
+
+The state lives only in this process: after a restart the resume handler rebuilds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+# The key in a resource's memo; never set on the operator's memo (every group would share it).
+MEMO_KEY = "shoal_group_state"
+
+
+@dataclass
+class GroupState:
+    """One group's state, shared by its handlers (reconcile, the status timer, delete)."""
+
+    # (reason, message) of the last failed reconcile. The status timer sees only etcd and
+    # NATS, so it reports this as Degraded until a reconcile succeeds.
+    problem: tuple[str, str] | None = None
+    # Whether this process has applied the group's children: until then the status timer
+    # leaves a rotated etcd Secret to the resume handler, which applies it anyway.
+    applied: bool = False
+    # The etcd tlsSecret version the Deployment was last applied with (None: no Secret);
+    # a different version read later means the Secret was rotated.
+    secret_version: str | None = None
+
+
+def group_state(memo: MutableMapping[str, Any]) -> GroupState:
+    """The group's state in its own (per-resource) memo, created on first use."""
+    state = memo.get(MEMO_KEY)
+    if state is None:
+        state = memo[MEMO_KEY] = GroupState()
+    if not isinstance(state, GroupState):
+        raise TypeError(f"memo[{MEMO_KEY!r}] holds a {type(state).__name__}, not a GroupState")
+    return state

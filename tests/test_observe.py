@@ -1,0 +1,267 @@
+"""shoal.operator.observe: from observations to a ConsumerGroup's status (pure, no servers).
+
+Each Ready, Progressing and Degraded reason; observedGeneration on every condition; and
+lastTransitionTime, which moves only when a condition's status does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from shoal.operator.observe import Observed, conditions, degraded, stamp, status
+
+T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
+
+
+def observed(**changes: Any) -> Observed:
+    """A healthy group of 3 members, 128 partitions, generation 7; `changes` on top."""
+    healthy = Observed(
+        generation=7,
+        spec_replicas=3,
+        replicas=3,
+        ready_replicas=3,
+        members={"c-0": 43, "c-1": 43, "c-2": 42},
+        leader="c-0",
+        assignment_generation=12,
+        partitions=128,
+        unowned=0,
+        unclaimed=0,
+        lag=0,
+        selector="shoal.dev/group=orders",
+    )
+    return dataclasses.replace(healthy, **changes)
+
+
+def by_type(found: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in found}
+
+
+def summary(found: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in found}
+
+
+# -- conditions: one case per reason ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("changes", "ready", "progressing", "degraded_"),
+    [
+        pytest.param(
+            {},
+            ("True", "GroupReady"),
+            ("False", "Stable"),
+            ("False", "AsExpected"),
+            id="ready",
+        ),
+        pytest.param(
+            {"spec_replicas": 0, "replicas": 0, "ready_replicas": 0, "members": {}},
+            ("True", "ScaledToZero"),
+            ("False", "Stable"),
+            ("False", "AsExpected"),
+            id="scaled-to-zero",
+        ),
+        pytest.param(
+            # Scaled to zero, but a pod is still on its way out.
+            {"spec_replicas": 0, "replicas": 1, "ready_replicas": 1, "members": {"c-0": 128}},
+            ("False", "ScaledToZero"),
+            ("True", "Reconciling"),
+            ("False", "AsExpected"),
+            id="scaling-to-zero",
+        ),
+        pytest.param(
+            {"ready_replicas": 2, "members": {"c-0": 64, "c-1": 64}},
+            ("False", "WaitingForMembers"),
+            ("True", "Reconciling"),
+            ("False", "AsExpected"),
+            id="waiting-for-members",
+        ),
+        pytest.param(
+            {"leader": None},
+            ("False", "NoLeader"),
+            ("False", "Stable"),
+            ("False", "AsExpected"),
+            id="no-leader",
+        ),
+        pytest.param(
+            {"unowned": 5},
+            ("False", "PartitionsUnassigned"),
+            ("False", "Stable"),
+            ("False", "AsExpected"),
+            id="unowned",
+        ),
+        pytest.param(
+            {"unclaimed": 2},
+            ("False", "PartitionsUnassigned"),
+            ("True", "Reconciling"),
+            ("False", "AsExpected"),
+            id="unclaimed",
+        ),
+        pytest.param(
+            {"problem": ("NatsUnavailable", "JetStream at nats://x: timeout")},
+            ("False", "NatsUnavailable"),
+            ("False", "Stable"),
+            ("True", "NatsUnavailable"),
+            id="problem",
+        ),
+        pytest.param(
+            # A problem outranks missing members in Ready (it says why they are missing).
+            {"ready_replicas": 0, "members": {}, "problem": ("HandlerInvalid", "no module")},
+            ("False", "HandlerInvalid"),
+            ("True", "Reconciling"),
+            ("True", "HandlerInvalid"),
+            id="problem-and-no-members",
+        ),
+    ],
+)
+def test_each_reason(
+    changes: dict[str, Any],
+    ready: tuple[str, str],
+    progressing: tuple[str, str],
+    degraded_: tuple[str, str],
+) -> None:
+    found = conditions(observed(**changes))
+    assert [c["type"] for c in found] == ["Ready", "Progressing", "Degraded"]
+    assert summary(found) == {"Ready": ready, "Progressing": progressing, "Degraded": degraded_}
+
+
+def test_every_condition_carries_the_observed_generation_and_a_message() -> None:
+    for changes in (
+        {},
+        {"generation": 1, "leader": None},
+        {"generation": 99, "problem": ("R", "m")},
+    ):
+        o = observed(**changes)
+        for condition in conditions(o):
+            assert condition["observedGeneration"] == o.generation
+            assert condition["message"]
+
+
+def test_messages_say_what_is_wrong() -> None:
+    c = by_type(conditions(observed(ready_replicas=1, unowned=3, unclaimed=4)))
+    assert c["Ready"]["message"] == "1 of 3 members ready"
+    c = by_type(conditions(observed(unowned=3, unclaimed=4)))
+    assert c["Ready"]["message"] == "3 partitions without an owner, 4 not being consumed"
+    c = by_type(conditions(observed(problem=("StreamConfigConflict", "retention differs"))))
+    assert c["Ready"]["message"] == c["Degraded"]["message"] == "retention differs"
+    c = by_type(conditions(observed()))
+    assert c["Ready"]["message"] == "3 members consume 128 partitions, led by c-0"
+
+
+def test_progressing_until_pods_ready_pods_and_members_all_match_the_spec() -> None:
+    for changes in (
+        {"replicas": 4},  # a pod too many (scaling down)
+        {"ready_replicas": 2},
+        {"members": {"c-0": 64, "c-1": 64}},  # a pod not registered yet
+    ):
+        assert by_type(conditions(observed(**changes)))["Progressing"]["status"] == "True"
+
+
+# -- stamp: lastTransitionTime -----------------------------------------------------------------
+
+
+def test_a_new_condition_is_stamped_now() -> None:
+    found = stamp(conditions(observed()), [], T0)
+    assert {c["lastTransitionTime"] for c in found} == {T0}
+
+
+def test_the_time_stays_while_the_status_stays_even_if_reason_and_message_change() -> None:
+    before = stamp(conditions(observed(leader=None)), [], T0)
+    after = stamp(conditions(observed(unowned=9)), before, T1)
+    ready = by_type(after)["Ready"]
+    assert (ready["status"], ready["reason"]) == ("False", "PartitionsUnassigned")
+    assert ready["lastTransitionTime"] == T0
+
+
+def test_the_time_moves_when_the_status_changes() -> None:
+    before = stamp(conditions(observed(leader=None)), [], T0)
+    after = by_type(stamp(conditions(observed()), before, T1))
+    assert after["Ready"]["status"] == "True" and after["Ready"]["lastTransitionTime"] == T1
+    # The others did not change status: their times stay.
+    assert after["Progressing"]["lastTransitionTime"] == T0
+    assert after["Degraded"]["lastTransitionTime"] == T0
+
+
+def test_a_previous_condition_without_a_time_gets_one() -> None:
+    old = [{"type": "Ready", "status": "True", "reason": "GroupReady"}]
+    ready = by_type(stamp(conditions(observed()), old, T1))["Ready"]
+    assert ready["lastTransitionTime"] == T1
+
+
+def test_stamp_leaves_its_inputs_alone() -> None:
+    new = conditions(observed())
+    old = stamp(new, [], T0)
+    stamp(new, old, T1)
+    assert all("lastTransitionTime" not in c for c in new)
+    assert {c["lastTransitionTime"] for c in old} == {T0}
+
+
+# -- degraded: what a failed reconcile writes --------------------------------------------------
+
+
+def test_degraded_sets_only_the_degraded_condition() -> None:
+    old = stamp(conditions(observed()), [], T0)
+    found = degraded(old, "HandlerInvalid", "cannot import x", 8, T1)
+    c = by_type(found)
+    assert [x["type"] for x in found] == ["Ready", "Progressing", "Degraded"]
+    assert c["Degraded"] == {
+        "type": "Degraded",
+        "status": "True",
+        "reason": "HandlerInvalid",
+        "message": "cannot import x",
+        "observedGeneration": 8,
+        "lastTransitionTime": T1,  # False -> True
+    }
+    # Ready and Progressing stay as the status timer wrote them, times included.
+    assert [c["Ready"], c["Progressing"]] == [x for x in old if x["type"] != "Degraded"]
+
+
+def test_degraded_again_for_another_reason_keeps_the_transition_time() -> None:
+    first = degraded([], "EtcdSecretMissing", "Secret ns/s not found", 1, T0)
+    assert first == [
+        {
+            "type": "Degraded",
+            "status": "True",
+            "reason": "EtcdSecretMissing",
+            "message": "Secret ns/s not found",
+            "observedGeneration": 1,
+            "lastTransitionTime": T0,
+        }
+    ]
+    second = degraded(first, "EtcdSecretInvalid", "tls.key is not a PEM private key", 2, T1)
+    assert second[0]["reason"] == "EtcdSecretInvalid"
+    assert second[0]["observedGeneration"] == 2
+    assert second[0]["lastTransitionTime"] == T0
+
+
+# -- status ------------------------------------------------------------------------------------
+
+
+def test_status_fields() -> None:
+    o = observed(members={"c-0": 44, "c-1": 43, "c-2": 41}, lag=17)
+    st = status(o, [], T0)
+    assert st["observedGeneration"] == 7
+    assert st["replicas"] == st["readyReplicas"] == st["members"] == 3
+    assert st["selector"] == "shoal.dev/group=orders"
+    assert st["leader"] == "c-0" and st["assignmentGeneration"] == 12
+    assert st["partitionsPerMember"] == {"min": 41, "max": 44}
+    assert st["skew"] == 3
+    assert st["lag"] == 17
+    assert summary(st["conditions"])["Ready"] == ("True", "GroupReady")
+    assert {c["lastTransitionTime"] for c in st["conditions"]} == {T0}
+
+
+def test_status_without_members_or_lag() -> None:
+    o = observed(spec_replicas=0, replicas=0, ready_replicas=0, members={}, leader=None, lag=None)
+    st = status(o, [], T0)
+    assert st["leader"] == "" and st["skew"] == 0
+    assert st["partitionsPerMember"] == {"min": 0, "max": 0}
+    assert "lag" not in st  # limits retention: the stream's size is not lag
+
+
+def test_status_carries_transition_times_over() -> None:
+    first = status(observed(), [], T0)
+    second = status(observed(lag=5), first["conditions"], T1)
+    assert {c["lastTransitionTime"] for c in second["conditions"]} == {T0}

@@ -1,0 +1,583 @@
+"""The reconciler's steps and its per-group state, without servers.
+
+Kubernetes, NATS and etcd are fakes here: these tests pin down what reconcile decides and
+reports (Degraded reasons, messages, backoff, Events, the state it keeps per group). That
+the operator really works against an API server, NATS and etcd is e2e/test_operator.py's
+and e2e/test_etcd_tls.py's to prove.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import kopf
+import pytest
+
+from shoal.consumer.jetstream import StreamConfigConflict
+from shoal.operator import reconciler
+from shoal.operator.builders import selector_string
+from shoal.operator.etcdsecret import EtcdClients, SecretData
+from shoal.operator.reconciler import (
+    GroupProblem,
+    check_handler,
+    ensure_jetstream,
+    etcd_secret_version,
+    group_config,
+)
+from shoal.operator.settings import OperatorSettings
+from shoal.operator.state import MEMO_KEY, GroupState, group_state
+
+NAMESPACE = "prod"
+GOOD = "shoal.consumer.handlers:noop"
+BAD = "no_such_module:handle"
+NATS_URL = "nats://nats.test:4222"
+SPEC = {"handler": GOOD}  # the least a spec has
+
+CA = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+KEY = b"-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----\n"
+
+
+def b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
+
+
+TLS_DATA = {"ca.crt": b64(CA), "tls.crt": b64(CA), "tls.key": b64(KEY)}
+
+
+# -- fakes -------------------------------------------------------------------------------------
+
+
+class FakeKube:
+    """The operator's Kube: applies recorded, Secrets from a dict, one Deployment status."""
+
+    def __init__(self) -> None:
+        self.applied: list[dict[str, Any]] = []
+        self.secrets: dict[tuple[str, str], SecretData] = {}
+
+    async def apply(self, obj: dict[str, Any]) -> None:
+        self.applied.append(obj)
+
+    async def read_secret(self, namespace: str, name: str) -> SecretData | None:
+        return self.secrets.get((namespace, name))
+
+    async def deployment_status(self, namespace: str, name: str) -> dict[str, int]:
+        return {"replicas": 0, "ready": 0}
+
+    def kinds(self) -> list[str]:
+        return [obj["kind"] for obj in self.applied]
+
+
+@dataclass
+class FakeStreamState:
+    messages: int = 0
+
+
+@dataclass
+class FakeStreamInfo:
+    state: FakeStreamState = field(default_factory=FakeStreamState)
+
+
+class FakeJetStream:
+    async def stream_info(self, name: str) -> FakeStreamInfo:
+        return FakeStreamInfo()
+
+
+class FakeNats:
+    def __init__(self) -> None:
+        self.is_closed = False
+
+    def jetstream(self) -> FakeJetStream:
+        return FakeJetStream()
+
+    async def close(self) -> None:
+        self.is_closed = True
+
+
+class FakeEtcd:
+    """An empty etcd: no members, no leader, no autoscaler record."""
+
+    async def get_prefix(self, prefix: str) -> tuple[int, dict[str, Any]]:
+        return 1, {}
+
+
+@dataclass
+class World:
+    """What the fakes saw: Events, ensure_group calls; what they should do next."""
+
+    events: list[tuple[str, str, str]] = field(default_factory=list)  # type, reason, message
+    ensured: list[str] = field(default_factory=list)  # streams ensure_group was asked for
+    nats_error: Exception | None = None
+    stream_error: Exception | None = None
+
+    def reasons(self, kind: str) -> list[str]:
+        return [reason for type_, reason, _ in self.events if type_ == kind]
+
+
+@pytest.fixture
+def world(monkeypatch: pytest.MonkeyPatch) -> World:
+    """kopf's Events, NATS and etcd replaced by fakes that record into a World."""
+    w = World()
+
+    def event(kind: str) -> Any:
+        def post(body: Any, *, reason: str, message: str = "") -> None:
+            w.events.append((kind, reason, message))
+
+        return post
+
+    async def connect(url: str, **_: Any) -> FakeNats:
+        if w.nats_error is not None:
+            raise w.nats_error
+        return FakeNats()
+
+    async def ensure_group(js: Any, config: Any, *, ledger: bool = False) -> None:
+        if w.stream_error is not None:
+            raise w.stream_error
+        w.ensured.append(config.stream)
+
+    async def etcd(*_: Any, **__: Any) -> FakeEtcd:
+        return FakeEtcd()
+
+    monkeypatch.setattr(kopf, "info", event("Normal"))
+    monkeypatch.setattr(kopf, "warn", event("Warning"))
+    monkeypatch.setattr(reconciler, "connect", connect)
+    monkeypatch.setattr(reconciler, "ensure_group", ensure_group)
+    monkeypatch.setattr(reconciler, "_etcd", etcd)
+    return w
+
+
+@pytest.fixture
+async def operator_memo(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[kopf.Memo]:
+    """The operator's memo as the real startup handler fills it (with a fake Kube), and
+    the real cleanup handler at the end."""
+    monkeypatch.setattr(reconciler, "api_client", lambda: object())
+    monkeypatch.setattr(reconciler, "Kube", lambda api: FakeKube())
+    monkeypatch.setenv("NATS_URL", NATS_URL)
+    memo = kopf.Memo()
+    await reconciler.startup(settings=kopf.OperatorSettings(), memo=memo)
+    yield memo
+    await reconciler.cleanup_clients(memo=memo)
+
+
+def resource_memo(operator_memo: kopf.Memo) -> kopf.Memo:
+    """A group's memo, made as kopf makes it (kopf._core.reactor.inventory): copy.copy of
+    the operator's memo, i.e. a shallow copy."""
+    memo: kopf.Memo = copy.copy(operator_memo)
+    return memo
+
+
+def body(name: str, uid: str | None = None) -> kopf.Body:
+    return kopf.Body(
+        {
+            "apiVersion": "shoal.dev/v1alpha1",
+            "kind": "ConsumerGroup",
+            "metadata": {"name": name, "namespace": NAMESPACE, "uid": uid or f"uid-{name}"},
+        }
+    )
+
+
+async def reconcile(
+    memo: kopf.Memo,
+    name: str,
+    spec: dict[str, Any],
+    *,
+    retry: int = 0,
+    status: dict[str, Any] | None = None,
+    old: dict[str, Any] | None = None,
+    generation: int = 1,
+    patch: kopf.Patch | None = None,
+) -> kopf.Patch:
+    """Call the reconcile handler as kopf would; the patch it made (pass one to see it
+    when the handler raises)."""
+    patch = kopf.Patch() if patch is None else patch
+    await reconciler.reconcile(
+        name=name,
+        namespace=NAMESPACE,
+        spec=spec,
+        meta={"generation": generation},
+        status=status or {},
+        body=body(name),
+        memo=memo,
+        patch=patch,
+        retry=retry,
+        old=old,
+    )
+    return patch
+
+
+async def observe(memo: kopf.Memo, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """Call the status timer as kopf would; the status it wrote."""
+    patch = kopf.Patch()
+    await reconciler.observe_group(
+        name=name,
+        namespace=NAMESPACE,
+        spec=spec,
+        meta={"generation": 1},
+        status={},
+        body=body(name),
+        memo=memo,
+        patch=patch,
+    )
+    return dict(patch["status"])
+
+
+def degraded_of(patch: kopf.Patch) -> dict[str, Any]:
+    return next(c for c in patch["status"]["conditions"] if c["type"] == "Degraded")
+
+
+# -- per-group state ---------------------------------------------------------------------------
+
+
+async def test_two_groups_do_not_share_state(world: World, operator_memo: kopf.Memo) -> None:
+    memo_a, memo_b = resource_memo(operator_memo), resource_memo(operator_memo)
+
+    with pytest.raises(kopf.TemporaryError):
+        await reconcile(memo_a, "alpha", {"replicas": 1, "handler": BAD})
+    await reconcile(memo_b, "beta", {"replicas": 1, "handler": GOOD})
+
+    a, b = group_state(memo_a), group_state(memo_b)
+    assert a is not b
+    assert a.problem is not None and a.problem[0] == "HandlerInvalid"
+    assert not a.applied  # nothing was applied for a group that cannot work
+    assert b == GroupState(problem=None, applied=True, secret_version=None)
+    # Nothing per group landed where every group's memo is copied from.
+    assert MEMO_KEY not in operator_memo
+    # The status timer of each group reports its own problem only.
+    st_a = await observe(memo_a, "alpha", {"replicas": 1, "handler": BAD})
+    st_b = await observe(memo_b, "beta", {"replicas": 1, "handler": GOOD})
+    assert degraded_reason(st_a) == "HandlerInvalid"
+    assert degraded_reason(st_b) == "AsExpected"
+
+
+async def test_groups_share_the_operator_wide_things(
+    world: World, operator_memo: kopf.Memo
+) -> None:
+    memo_a, memo_b = resource_memo(operator_memo), resource_memo(operator_memo)
+    await reconcile(memo_a, "alpha", {"replicas": 1, "handler": GOOD})
+    for key in ("settings", "kube", "etcd", "nats"):
+        assert memo_a[key] is memo_b[key] is operator_memo[key], key
+    # The NATS connection alpha made is the one beta gets.
+    assert len(operator_memo.nats) == 1
+    await reconcile(memo_b, "beta", {"replicas": 1, "handler": GOOD})
+    assert len(operator_memo.nats) == 1
+    assert world.ensured == [f"shoal_{NAMESPACE}_alpha", f"shoal_{NAMESPACE}_beta"]
+
+
+def test_group_state_is_created_once_per_memo() -> None:
+    memo = kopf.Memo()
+    state = group_state(memo)
+    assert state == GroupState() and group_state(memo) is state
+    memo[MEMO_KEY] = "not a state"
+    with pytest.raises(TypeError):
+        group_state(memo)
+
+
+def degraded_reason(st: dict[str, Any]) -> str:
+    return str(next(c for c in st["conditions"] if c["type"] == "Degraded")["reason"])
+
+
+# -- step 1: the handler -----------------------------------------------------------------------
+
+SETTINGS = OperatorSettings(nats_url=NATS_URL)
+
+
+def test_a_known_handler_passes() -> None:
+    check_handler({"handler": GOOD}, SETTINGS, retry=0)
+
+
+def test_a_custom_image_may_carry_handlers_the_operator_cannot_import() -> None:
+    check_handler({"handler": BAD, "image": "registry.example/app:1"}, SETTINGS, retry=0)
+
+
+@pytest.mark.parametrize(
+    ("retry", "delay"), [(0, 10), (1, 20), (2, 40), (3, 80), (4, 160), (5, 300), (9, 300)]
+)
+def test_an_unknown_handler_is_handler_invalid_with_backoff(retry: int, delay: int) -> None:
+    with pytest.raises(GroupProblem) as caught:
+        check_handler({"handler": BAD}, SETTINGS, retry=retry)
+    assert caught.value.reason == "HandlerInvalid"
+    assert "no_such_module" in caught.value.message
+    assert caught.value.delay == delay
+
+
+# -- step 2: the etcd Secret -------------------------------------------------------------------
+
+
+@pytest.fixture
+def clients(tmp_path: Path) -> Iterator[tuple[EtcdClients, FakeKube]]:
+    kube = FakeKube()
+    etcd_clients = EtcdClients(kube, tmp_path / "etcd-secrets")
+    yield etcd_clients, kube
+    etcd_clients.close()
+
+
+async def test_no_etcd_secret_no_version(clients: tuple[EtcdClients, FakeKube]) -> None:
+    etcd_clients, _ = clients
+    assert await etcd_secret_version(etcd_clients, NAMESPACE, {**SPEC, "etcd": {}}, retry=0) is None
+    assert await etcd_secret_version(etcd_clients, NAMESPACE, SPEC, retry=0) is None
+
+
+async def test_the_etcd_secret_version(clients: tuple[EtcdClients, FakeKube]) -> None:
+    etcd_clients, kube = clients
+    kube.secrets[(NAMESPACE, "etcd-client")] = SecretData("42", TLS_DATA)
+    spec = {**SPEC, "etcd": {"tlsSecret": "etcd-client"}}
+    assert await etcd_secret_version(etcd_clients, NAMESPACE, spec, retry=0) == "42"
+
+
+@pytest.mark.parametrize(("retry", "delay"), [(0, 5), (1, 10), (3, 40), (4, 60), (8, 60)])
+async def test_a_missing_etcd_secret_is_a_problem_with_backoff(
+    clients: tuple[EtcdClients, FakeKube], retry: int, delay: int
+) -> None:
+    etcd_clients, _ = clients
+    spec = {**SPEC, "etcd": {"tlsSecret": "etcd-client"}}
+    with pytest.raises(GroupProblem) as caught:
+        await etcd_secret_version(etcd_clients, NAMESPACE, spec, retry=retry)
+    assert caught.value.reason == "EtcdSecretMissing"
+    assert caught.value.message == f"Secret {NAMESPACE}/etcd-client (spec.etcd.tlsSecret) not found"
+    assert caught.value.delay == delay
+
+
+async def test_an_invalid_etcd_secret_is_a_problem(clients: tuple[EtcdClients, FakeKube]) -> None:
+    etcd_clients, kube = clients
+    kube.secrets[(NAMESPACE, "etcd-client")] = SecretData("1", {"ca.crt": b64(CA)})
+    with pytest.raises(GroupProblem) as caught:
+        await etcd_secret_version(
+            etcd_clients, NAMESPACE, {**SPEC, "etcd": {"tlsSecret": "etcd-client"}}, retry=0
+        )
+    assert caught.value.reason == "EtcdSecretInvalid"
+    assert "tls.crt, tls.key" in caught.value.message
+
+
+# -- step 6: JetStream -------------------------------------------------------------------------
+
+
+def config_of(name: str = "orders") -> Any:
+    return group_config(name, NAMESPACE, {"replicas": 1, "handler": GOOD}, SETTINGS)
+
+
+async def test_jetstream_ensured(world: World) -> None:
+    memo = kopf.Memo(nats={})
+    await ensure_jetstream(memo, config_of(), retry=0)
+    assert world.ensured == [f"shoal_{NAMESPACE}_orders"]
+
+
+async def test_a_stream_conflict_is_retried_after_a_minute(world: World) -> None:
+    world.stream_error = StreamConfigConflict("stream shoal_prod_orders: retention differs")
+    with pytest.raises(GroupProblem) as caught:
+        await ensure_jetstream(kopf.Memo(nats={}), config_of(), retry=3)
+    problem = caught.value
+    assert (problem.reason, problem.message, problem.delay) == (
+        "StreamConfigConflict",
+        "stream shoal_prod_orders: retention differs",
+        60,
+    )
+
+
+@pytest.mark.parametrize(
+    ("retry", "delay"), [(0, 5), (1, 10), (2, 20), (5, 160), (6, 300), (10, 300)]
+)
+async def test_unreachable_nats_is_nats_unavailable_with_backoff(
+    world: World, retry: int, delay: int
+) -> None:
+    world.nats_error = OSError("connection refused")
+    memo = kopf.Memo(nats={})
+    with pytest.raises(GroupProblem) as caught:
+        await ensure_jetstream(memo, config_of(), retry=retry)
+    problem = caught.value
+    assert problem.reason == "NatsUnavailable"
+    assert problem.message == f"JetStream at {NATS_URL} unavailable: connection refused"
+    assert problem.delay == delay
+    assert memo.nats == {}  # a failed connect is not kept: the next call tries again
+
+
+# -- reconcile: the one place that reports problems --------------------------------------------
+
+
+async def test_a_reconciled_group(world: World, operator_memo: kopf.Memo) -> None:
+    memo = resource_memo(operator_memo)
+    patch = await reconcile(memo, "orders", {"replicas": 2, "handler": GOOD})
+    assert patch["status"] == {"selector": selector_string("orders")}
+    kinds = operator_memo.kube.kinds()
+    assert set(kinds) == {
+        "Deployment",
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "PodDisruptionBudget",
+    }
+    for obj in operator_memo.kube.applied:  # adopted: deleting the group deletes them
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == "uid-orders"
+    assert world.reasons("Warning") == []
+    assert world.reasons("Normal") == ["Reconciled"]
+    assert "orders-consumer with 2 replicas" in world.events[-1][2]
+
+
+@dataclass
+class Case:
+    spec: dict[str, Any]
+    reason: str
+    delay: int
+    applied: bool  # whether the children were applied before the problem was found
+    stream_error: Exception | None = None
+    nats_error: Exception | None = None
+
+
+CASES = {
+    "handler": Case({"handler": BAD}, "HandlerInvalid", 20, applied=False),
+    "etcd-secret": Case(
+        {"handler": GOOD, "etcd": {"tlsSecret": "gone"}}, "EtcdSecretMissing", 10, applied=False
+    ),
+    "stream": Case(
+        {"handler": GOOD},
+        "StreamConfigConflict",
+        60,
+        applied=True,
+        stream_error=StreamConfigConflict("retention differs"),
+    ),
+    "nats": Case(
+        {"handler": GOOD}, "NatsUnavailable", 10, applied=True, nats_error=OSError("refused")
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+async def test_each_problem_degrades_warns_and_retries(
+    case: Case, world: World, operator_memo: kopf.Memo
+) -> None:
+    memo = resource_memo(operator_memo)
+    world.stream_error, world.nats_error = case.stream_error, case.nats_error
+    ready = {
+        "type": "Ready",
+        "status": "True",
+        "reason": "GroupReady",
+        "message": "3 members",
+        "observedGeneration": 1,
+        "lastTransitionTime": "2026-01-01T00:00:00Z",
+    }
+    patch = kopf.Patch()
+    with pytest.raises(kopf.TemporaryError) as caught:
+        await reconcile(
+            memo,
+            "orders",
+            {"replicas": 1, **case.spec},
+            retry=1,
+            status={"conditions": [ready]},
+            generation=4,
+            patch=patch,
+        )
+    degraded = degraded_of(patch)
+    message = degraded["message"]
+    assert (degraded["status"], degraded["reason"]) == ("True", case.reason)
+    assert degraded["observedGeneration"] == 4
+    assert patch["status"]["conditions"][0] == ready  # the timer's conditions stay
+    assert world.events == [("Warning", case.reason, message)]
+    assert caught.value.delay == case.delay
+    assert str(caught.value) == message
+    assert isinstance(caught.value.__cause__, GroupProblem)
+    state = group_state(memo)
+    assert state.problem == (case.reason, message)
+    assert state.applied is case.applied
+    assert bool(operator_memo.kube.applied) is case.applied
+
+
+async def test_a_problem_stands_until_a_reconcile_succeeds(
+    world: World, operator_memo: kopf.Memo
+) -> None:
+    memo = resource_memo(operator_memo)
+    spec = {"replicas": 1, "handler": GOOD}
+    world.stream_error = StreamConfigConflict("retention differs")
+    with pytest.raises(kopf.TemporaryError):
+        await reconcile(memo, "orders", spec)
+    # The status timer sees NATS and etcd working, and still reports the conflict.
+    assert degraded_reason(await observe(memo, "orders", spec)) == "StreamConfigConflict"
+
+    world.stream_error = None
+    await reconcile(memo, "orders", spec, retry=1)
+    assert group_state(memo).problem is None
+    assert degraded_reason(await observe(memo, "orders", spec)) == "AsExpected"
+    assert world.reasons("Warning") == ["StreamConfigConflict"]
+    assert world.reasons("Normal") == ["Reconciled"]
+
+
+async def test_other_errors_are_kopfs_to_retry(
+    world: World, operator_memo: kopf.Memo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def refuse(obj: dict[str, Any]) -> None:
+        raise RuntimeError("API server said no")
+
+    monkeypatch.setattr(operator_memo.kube, "apply", refuse)
+    memo = resource_memo(operator_memo)
+    with pytest.raises(RuntimeError, match="API server said no"):
+        await reconcile(memo, "orders", {"replicas": 1, "handler": GOOD})
+    assert group_state(memo).problem is None
+    assert world.events == []
+
+
+# -- step 4: a change of replicas --------------------------------------------------------------
+
+
+async def test_a_replicas_change_is_recorded(world: World, operator_memo: kopf.Memo) -> None:
+    memo = resource_memo(operator_memo)
+    spec = {"replicas": 5, "handler": GOOD}
+    patch = await reconcile(memo, "orders", spec, old={"spec": {"replicas": 3}})
+    last = patch["status"]["lastScale"]
+    assert (last["from"], last["to"], last["reason"]) == (3, 5, "spec.replicas changed")
+    assert world.events[0] == ("Normal", "Scaled", "Replicas 3 -> 5")
+
+
+async def test_an_unchanged_replicas_is_not_a_scale(world: World, operator_memo: kopf.Memo) -> None:
+    memo = resource_memo(operator_memo)
+    spec = {"replicas": 3, "handler": GOOD}
+    patch = await reconcile(memo, "orders", spec, old={"spec": {"replicas": 3}})
+    assert "lastScale" not in patch["status"]
+    assert world.reasons("Normal") == ["Reconciled"]
+
+
+# -- the status timer and a rotated etcd Secret ------------------------------------------------
+
+
+async def test_a_rotated_secret_rolls_only_its_own_group(
+    world: World, operator_memo: kopf.Memo
+) -> None:
+    kube: FakeKube = operator_memo.kube
+    for name in ("alpha", "beta"):
+        kube.secrets[(NAMESPACE, f"{name}-etcd")] = SecretData("1", TLS_DATA)
+    memos = {name: resource_memo(operator_memo) for name in ("alpha", "beta")}
+    specs = {
+        name: {"replicas": 1, "handler": GOOD, "etcd": {"tlsSecret": f"{name}-etcd"}}
+        for name in memos
+    }
+    for name, memo in memos.items():
+        await reconcile(memo, name, specs[name])
+        assert group_state(memo).secret_version == "1"
+
+    # alpha's Secret is rotated; the operator reads it (as its etcd client does).
+    kube.secrets[(NAMESPACE, "alpha-etcd")] = SecretData("2", TLS_DATA)
+    await operator_memo.etcd.files(NAMESPACE, "alpha-etcd")
+    kube.applied.clear()
+    world.events.clear()
+    for name, memo in memos.items():
+        await observe(memo, name, specs[name])
+
+    assert [obj["metadata"]["name"] for obj in kube.applied] == ["alpha-consumer"]
+    assert world.reasons("Normal") == ["EtcdSecretRotated"]
+    assert group_state(memos["alpha"]).secret_version == "2"
+    assert group_state(memos["beta"]).secret_version == "1"
+
+
+async def test_the_timer_leaves_a_group_not_yet_reconciled_alone(
+    world: World, operator_memo: kopf.Memo
+) -> None:
+    kube: FakeKube = operator_memo.kube
+    kube.secrets[(NAMESPACE, "alpha-etcd")] = SecretData("1", TLS_DATA)
+    await operator_memo.etcd.files(NAMESPACE, "alpha-etcd")
+    memo = resource_memo(operator_memo)
+    spec = {"replicas": 1, "handler": GOOD, "etcd": {"tlsSecret": "alpha-etcd"}}
+    st = await observe(memo, "alpha", spec)
+    assert kube.applied == []  # the resume handler applies it
+    assert degraded_reason(st) == "AsExpected"
+    assert group_state(memo) == GroupState()

@@ -1,0 +1,220 @@
+"""The ConsumerGroup spec model (shoal.contracts.spec) against the CRD, and its parsing.
+
+The CRD's schema (crds/consumergroup.yaml) and the model hold the same defaults, enums and
+bounds: the API server applies the CRD's, everything else the model's, and a change to one
+without the other fails here.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from shoal.consumer.config import GroupConfig, group_config
+from shoal.consumer.scaler import Policy
+from shoal.contracts.spec import (
+    AutoscalingSpec,
+    ConsumerGroupSpec,
+    ConsumerSpec,
+    SpecError,
+    StreamSpec,
+    parse_spec,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+CRD = ROOT / "crds" / "consumergroup.yaml"
+
+
+def crd_spec_schema() -> dict[str, Any]:
+    crd = yaml.safe_load(CRD.read_text())
+    (version,) = crd["spec"]["versions"]
+    schema: dict[str, Any] = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    return schema
+
+
+def model_schema() -> dict[str, Any]:
+    schema: dict[str, Any] = ConsumerGroupSpec.model_json_schema(by_alias=True)
+    return schema
+
+
+def resolve(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """Follow $ref, and take the non-null branch of an Optional (anyOf [X, null])."""
+    if "$ref" in node:
+        return resolve(defs[node["$ref"].rsplit("/", 1)[1]], defs)
+    if "anyOf" in node:
+        (branch,) = [b for b in node["anyOf"] if b.get("type") != "null"]
+        return resolve({**branch, **{k: v for k, v in node.items() if k != "anyOf"}}, defs)
+    return node
+
+
+def pairs(
+    crd: dict[str, Any], model: dict[str, Any], defs: dict[str, Any], path: str = "spec"
+) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(path, CRD property, model property) for every property of both, recursively."""
+    out = []
+    crd_props = crd.get("properties", {})
+    model_props = resolve(model, defs).get("properties", {})
+    assert set(crd_props) == set(model_props), (
+        f"{path}: CRD-only {sorted(set(crd_props) - set(model_props))}, "
+        f"model-only {sorted(set(model_props) - set(crd_props))}"
+    )
+    for name, crd_prop in crd_props.items():
+        model_prop = resolve(model_props[name], defs)
+        out.append((f"{path}.{name}", crd_prop, model_prop))
+        if crd_prop.get("type") == "object" and "properties" in crd_prop:
+            out += pairs(crd_prop, model_props[name], defs, f"{path}.{name}")
+    return out
+
+
+ALL_PAIRS = pairs(crd_spec_schema(), model_schema(), model_schema().get("$defs", {}))
+
+
+def test_the_crd_and_the_model_have_the_same_fields() -> None:
+    # pairs() asserts equal property sets at every level; this also covers `required`.
+    assert len(ALL_PAIRS) >= 40
+    assert crd_spec_schema()["required"] == model_schema()["required"] == ["handler"]
+
+
+@pytest.mark.parametrize(("path", "crd", "model"), ALL_PAIRS, ids=[p for p, _, _ in ALL_PAIRS])
+def test_defaults_enums_and_bounds_agree(
+    path: str, crd: dict[str, Any], model: dict[str, Any]
+) -> None:
+    if crd.get("type") == "object" and "properties" in crd:
+        # An object section: the CRD defaults it to {} so that its fields' defaults apply;
+        # the model's default is the section with every field at its default.
+        # (Sections without a default, like etcd, stay absent until someone sets them.)
+        assert crd.get("default", {}) == {}, f"{path}: a section's default can only be {{}}"
+        return
+    if "default" in crd:
+        assert model.get("default") == crd["default"], path
+    else:
+        # No CRD default: the model's is "unset" (empty or None), never a value the API
+        # server would not show.
+        assert model.get("default") in (None, "", [], {}), path
+    if "enum" in crd:
+        assert sorted(model["enum"]) == sorted(crd["enum"]), path
+    # pydantic writes a bound it cannot place on the JSON type (inside an Optional) as
+    # ge/le; the meaning is the same.
+    assert model.get("minimum", model.get("ge")) == crd.get("minimum"), path
+    assert model.get("maximum", model.get("le")) == crd.get("maximum"), path
+    if "pattern" in crd:
+        assert model.get("pattern") is not None, path
+
+
+def test_a_minimal_spec_gets_every_default() -> None:
+    spec = parse_spec({"handler": "pkg.mod:fn"})
+    assert spec.replicas == 3 and spec.partitions == 128
+    assert (spec.min_replicas, spec.max_replicas) == (1, 10)
+    assert spec.nats.stream == StreamSpec()
+    assert spec.nats.consumer.ack_wait_seconds == 5
+    assert spec.autoscaling == AutoscalingSpec()
+    assert spec.assignment.strategy == "sticky"
+    assert spec.deletion_policy == "Retain"
+
+
+def test_camel_case_in_snake_case_out() -> None:
+    spec = parse_spec(
+        {
+            "handler": "pkg.mod:fn",
+            "nats": {"consumer": {"ackWaitSeconds": 2.5, "backoffSeconds": [1, 2]}},
+            "etcd": {"tlsSecret": "etcd-client"},
+            "deletionPolicy": "Delete",
+        }
+    )
+    assert spec.nats.consumer == ConsumerSpec(ack_wait_seconds=2.5, backoff_seconds=[1.0, 2.0])
+    assert spec.etcd.tls_secret == "etcd-client"
+    assert spec.deletion_policy == "Delete"
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({}, "spec.handler is required ('package.module:function')"),
+        ({"handler": "nocolon"}, "spec.handler"),
+        ({"handler": "a:b", "autoscaling": {"enabled": "yes"}}, "spec.autoscaling.enabled"),
+        ({"handler": "a:b", "autoscaling": {"cpuThreshold": "90"}}, "cpuThreshold"),
+        ({"handler": "a:b", "partitions": 2.5}, "spec.partitions"),
+        ({"handler": "a:b", "replicas": True}, "spec.replicas"),
+        ({"handler": "a:b", "minReplicas": 4, "maxReplicas": 2}, "minReplicas must not exceed"),
+        ({"handler": "a:b", "maxReplicas": 200}, "maxReplicas must not exceed partitions"),
+        (
+            {"handler": "a:b", "assignment": {"strategy": "modulo", "loadAware": True}},
+            "loadAware needs strategy sticky",
+        ),
+        ({"handler": "a:b", "nats": {"subjectPrefix": "a..b"}}, "spec.nats.subjectPrefix"),
+        ({"handler": "a:b", "nats": {"consumer": {"backoffSeconds": [-1]}}}, "backoffSeconds"),
+        ("not a mapping", "spec must be a mapping"),
+    ],
+)
+def test_bad_specs_are_one_readable_error(spec: Any, message: str) -> None:
+    with pytest.raises(SpecError, match=re.escape(message)):
+        parse_spec(spec)
+
+
+def test_integral_floats_are_integers() -> None:
+    assert parse_spec({"handler": "a:b", "replicas": 2.0}).replicas == 2
+
+
+def test_unknown_fields_are_ignored() -> None:
+    # A newer CRD's fields must not break an older reader of the same object.
+    assert parse_spec({"handler": "a:b", "futureField": 1}).handler == "a:b"
+
+
+def test_group_config_and_policy_derive_from_the_spec() -> None:
+    spec = {
+        "handler": "pkg.mod:fn",
+        "partitions": 16,
+        "maxReplicas": 8,
+        "nats": {
+            "stream": {"replicas": 3, "ledger": True},
+            "consumer": {"maxDeliver": 9, "backoffSeconds": [1, 2]},
+        },
+        "assignment": {"strategy": "modulo"},
+        "autoscaling": {"enabled": True, "cooldownSeconds": 60},
+    }
+    config = group_config("prod", "orders", spec, nats_url="nats://n", etcd_endpoints="e:1")
+    assert (config.partitions, config.stream_replicas, config.ledger) == (16, 3, True)
+    assert (config.max_deliver, config.backoff, config.strategy) == (9, (1.0, 2.0), "modulo")
+    assert (config.nats_url, config.etcd_endpoints) == ("nats://n", "e:1")
+    assert config.stream == "shoal_prod_orders"
+    policy = Policy.from_spec(spec)
+    assert (policy.enabled, policy.cooldown_seconds, policy.max_replicas) == (True, 60, 8)
+    assert policy.partitions == 16
+
+
+def test_the_consumers_defaults_are_the_specs() -> None:
+    config = GroupConfig(group="g", member_id="m")
+    spec = parse_spec({"handler": "a:b"})
+    consumer, stream = spec.nats.consumer, spec.nats.stream
+    assert config.partitions == spec.partitions
+    assert (config.ack_wait, config.max_ack_pending, config.max_deliver) == (
+        consumer.ack_wait_seconds,
+        consumer.max_ack_pending,
+        consumer.max_deliver,
+    )
+    assert (config.retention, config.storage, config.stream_replicas, config.ledger) == (
+        stream.retention,
+        stream.storage,
+        stream.replicas,
+        stream.ledger,
+    )
+    assert (config.strategy, config.load_aware) == (
+        spec.assignment.strategy,
+        spec.assignment.load_aware,
+    )
+    policy = Policy()
+    auto = spec.autoscaling
+    assert (policy.interval_seconds, policy.cooldown_seconds, policy.cpu_threshold) == (
+        auto.interval_seconds,
+        auto.cooldown_seconds,
+        auto.cpu_threshold,
+    )
+    assert (policy.min_replicas, policy.max_replicas, policy.partitions) == (
+        spec.min_replicas,
+        spec.max_replicas,
+        spec.partitions,
+    )
