@@ -187,9 +187,24 @@ async def test_long_handler_on_member_cut_from_etcd(
 DEFAULT_TIMING = {"SHOAL_LEASE_TTL": "10", "SHOAL_KEEPALIVE_INTERVAL": "3"}
 
 
+async def wait_lease_renewed(g: FaultGroup, lease: int, timeout: float) -> float:
+    """The monotonic time at which `lease`'s remaining TTL next goes up (a keep-alive)."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        info = await g.etcd.call(g.etcd.client.get_lease_info, lease)
+        ttl = int(info.TTL)
+        if last is not None and ttl > last:
+            return time.monotonic()
+        last = ttl
+        await asyncio.sleep(0.05)
+    raise TimeoutError(f"lease {lease:x} was not renewed within {timeout:.0f} s")
+
+
 async def test_one_slow_etcd_keepalive(make_group: Callable[..., FaultGroup]) -> None:
-    """Bound: nothing fenced, nothing moved or reordered, when for one keep-alive
-    interval every etcd call of one member takes 3.5 s."""
+    """Bound: nothing fenced, nothing moved or reordered, when one keep-alive of one
+    member takes 3.5 s (its etcd traffic gets 3.5 s of latency for a moment, just as a
+    keep-alive goes out)."""
     victim = "m-2"
     g = make_group(
         name="one slow etcd keep-alive (3.5 s)", proxied={victim: ("etcd",)}, env=DEFAULT_TIMING
@@ -198,8 +213,17 @@ async def test_one_slow_etcd_keepalive(make_group: Callable[..., FaultGroup]) ->
     await asyncio.sleep(4)
     before = await g.status()
     offset = len(g.log_of(victim))
+    interval = float(DEFAULT_TIMING["SHOAL_KEEPALIVE_INTERVAL"])
+    # The latency must hit one keep-alive, and as few other bytes as possible: the proxy
+    # keeps a stream in order, so every byte read during the window waits its 3.5 s and
+    # delays whatever follows it. So find when the victim renews its lease (its TTL goes
+    # up), and slow its traffic down for 0.3 s around the next renewal.
+    _, members = await g.etcd.get_prefix(g.config.keys.member(victim))
+    lease = next(iter(members.values())).lease
+    renewed = await wait_lease_renewed(g, lease, 2 * interval)
+    await asyncio.sleep(max(0.0, renewed + interval - 0.15 - time.monotonic()))
     g.proxy(victim, "etcd").delay(3.5)
-    await asyncio.sleep(3)  # one keep-alive interval: one keep-alive (at least) is slow
+    await asyncio.sleep(0.3)
     g.proxy(victim, "etcd").delay(0)
     await asyncio.sleep(12)  # past the fence the slow keep-alive could have caused
     after = await g.status()
