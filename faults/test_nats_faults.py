@@ -18,7 +18,7 @@ import pytest
 from harness.audit import resumed_after
 from harness.faults import FaultGroup
 from harness.servers import NatsServer
-from shoal.consumer.partitioning import durable_name
+from shoal.contracts.names import durable_name
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.timeout(240)]
 

@@ -42,11 +42,16 @@ from harness.proxy import TcpProxy
 from harness.servers import HOST, EtcdServer, NatsServer, ServerProcess
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd
-from shoal.consumer.handlers import MSG_ID_HEADER, PROJECT_HEADER, SEQ_HEADER
 from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.ledger import LedgerRecord, read_ledger
-from shoal.consumer.partitioning import partition_for, partition_subject
 from shoal.consumer.status import GroupStatus, read_status
+from shoal.contracts.names import (
+    MSG_ID_HEADER,
+    PROJECT_HEADER,
+    SEQ_HEADER,
+    partition_for,
+    partition_subject,
+)
 
 __all__ = [
     "EtcdCluster",
@@ -288,6 +293,7 @@ class FaultGroup:
             # Several (an EtcdCluster's): the members get all of them, in order.
             etcd_endpoints=etcd_endpoints or etcd_server.endpoint,
             handler=handler,
+            ledger=True,  # the audit reads the ledger handler's records
             # The durables are created with the members' ack_wait.
             ack_wait=float({**MEMBER_ENV, **(env or {})}["SHOAL_ACK_WAIT"]),
         )
@@ -334,7 +340,7 @@ class FaultGroup:
             connect_timeout=2,
         )
         self.js = self.nc.jetstream()
-        await ensure_group(self.js, self.config, ledger=True)
+        await ensure_group(self.js, self.config)
         if leader is not None:
             # Start it alone first, so that it is the one elected.
             self.start_member(leader)

@@ -16,8 +16,8 @@ import json
 import logging
 import time
 
-from shoal.consumer.handlers import SEQ_HEADER, Message
-from shoal.consumer.partitioning import ledger_subject
+from shoal.consumer.handlers import Message
+from shoal.contracts.names import SEQ_HEADER, ledger_subject
 
 __all__ = ["SLEEP_PREFIX", "slow_ledger"]
 
