@@ -305,6 +305,28 @@ def _container(
     }
 
 
+def _placement(name: str, spec: ConsumerGroupSpec) -> Obj:
+    """The pod spec's scheduling fields the group sets (unset ones are left out, so the
+    applied object equals the stored one and server-side apply sees no change)."""
+    placement: Obj = {}
+    if spec.node_selector:
+        placement["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        placement["tolerations"] = copy.deepcopy(spec.tolerations)
+    if spec.affinity:
+        placement["affinity"] = copy.deepcopy(spec.affinity)
+    if spec.topology_spread_constraints:
+        constraints = copy.deepcopy(spec.topology_spread_constraints)
+        for constraint in constraints:
+            # Without a labelSelector a constraint counts no pods at all, so it could never
+            # spread anything; the group's own members are what people mean.
+            constraint.setdefault("labelSelector", {"matchLabels": selector(name)})
+        placement["topologySpreadConstraints"] = constraints
+    if spec.priority_class_name:
+        placement["priorityClassName"] = spec.priority_class_name
+    return placement
+
+
 def build_deployment(
     name: str,
     namespace: str,
@@ -318,9 +340,25 @@ def build_deployment(
     names = resource_names(name)
     model = parse_spec(spec)
     volumes, _ = _volumes(model)
-    template_meta: Obj = {"labels": labels(name)}
+    # The user's labels and annotations first, ours over them: the selector's labels must
+    # stay (the Deployment would not own its pods otherwise), and so must the Secret
+    # version that rolls the pods.
+    template_meta: Obj = {"labels": {**model.pod_labels, **labels(name)}}
+    annotations = dict(model.pod_annotations)
     if etcd_secret_version:
-        template_meta["annotations"] = {ETCD_SECRET_VERSION: etcd_secret_version}
+        annotations[ETCD_SECRET_VERSION] = etcd_secret_version
+    if annotations:
+        template_meta["annotations"] = annotations
+    pod_spec: Obj = {
+        "serviceAccountName": names["service_account"],
+        "terminationGracePeriodSeconds": settings.drain_timeout_seconds + DRAIN_SLACK_SECONDS,
+        # RuntimeDefault seccomp: with the container's context this meets the
+        # "restricted" Pod Security Standard.
+        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [_container(name, namespace, model, settings)],
+        "volumes": volumes,
+        **_placement(name, model),
+    }
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -334,19 +372,7 @@ def build_deployment(
                 "type": "RollingUpdate",
                 "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
             },
-            "template": {
-                "metadata": template_meta,
-                "spec": {
-                    "serviceAccountName": names["service_account"],
-                    "terminationGracePeriodSeconds": settings.drain_timeout_seconds
-                    + DRAIN_SLACK_SECONDS,
-                    # RuntimeDefault seccomp: with the container's context this meets the
-                    # "restricted" Pod Security Standard.
-                    "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
-                    "containers": [_container(name, namespace, model, settings)],
-                    "volumes": volumes,
-                },
-            },
+            "template": {"metadata": template_meta, "spec": pod_spec},
         },
     }
 
