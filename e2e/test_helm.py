@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness.kubetest import condition, get_json, wait_until
+from harness.kubetest import adopt_crd_for_helm, condition, get_json, wait_until
 from harness.localkube.plane import LocalKube
 from harness.servers import free_port
 from harness.waiting import eventually
@@ -173,6 +173,8 @@ def test_install_run_a_group_test_and_uninstall(localkube: LocalKube, chart: Pat
 
 
 def _install_run_a_group_test_and_uninstall(plane: LocalKube, chart: Path) -> None:
+    # The chart manages the CRD; other suites may have applied it with kubectl already.
+    adopt_crd_for_helm(plane, RELEASE, RELEASE_NS)
     # Pods share the host's loopback: the liveness endpoint gets a free port, not 8080.
     started = time.monotonic()
     helm(
@@ -302,7 +304,7 @@ def _install_run_a_group_test_and_uninstall(plane: LocalKube, chart: Path) -> No
     for refusal in ("Forbidden", "Not enough permissions"):
         assert refusal not in log, log[-4000:]
 
-    # ... then the release: nothing of it is left, the CRD stays (Helm never deletes crds/).
+    # ... then the release: nothing of it is left, the CRD stays (crds.keep, the default).
     helm(plane, "uninstall", RELEASE, "-n", RELEASE_NS, "--wait", "--timeout", "120s")
     assert helm(plane, "list", "-n", RELEASE_NS, "-q").stdout.strip() == ""
     wait_until(

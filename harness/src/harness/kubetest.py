@@ -97,3 +97,24 @@ def operator_process(
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+def adopt_crd_for_helm(plane: LocalKube, release: str, namespace: str) -> None:
+    """Let a Helm release take over the ConsumerGroup CRD if it already exists.
+
+    Other suites on the session's plane apply the CRD with kubectl, and Helm refuses to
+    install over an object it does not own ("invalid ownership metadata"). These are the
+    label and annotations Helm checks: the same step a cluster upgrading from a chart that
+    shipped the CRD in crds/ needs (README, "Upgrading").
+    """
+    crd = "crd/consumergroups.shoal.dev"
+    if plane.kubectl("get", crd, check=False).returncode != 0:
+        return
+    plane.kubectl("label", "--overwrite", crd, "app.kubernetes.io/managed-by=Helm")
+    plane.kubectl(
+        "annotate",
+        "--overwrite",
+        crd,
+        f"meta.helm.sh/release-name={release}",
+        f"meta.helm.sh/release-namespace={namespace}",
+    )

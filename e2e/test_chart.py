@@ -1,0 +1,125 @@
+"""The Helm chart rendered with `helm template`: what each value puts where (no cluster).
+
+Marked e2e because it needs the helm binary `make tools` builds; it starts no server.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from harness.localkube.tools import find_tools
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+REPO = Path(__file__).resolve().parent.parent
+CHART = REPO / "charts" / "shoal"
+SOURCE_CRD = REPO / "crds" / "consumergroup.yaml"
+KUBE_VERSION = "1.35.0"
+KEEP = "helm.sh/resource-policy"
+
+
+def helm_template(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            str(find_tools().helm),
+            "template",
+            "shoal",
+            str(CHART),
+            "-n",
+            "shoal-system",
+            "--kube-version",
+            KUBE_VERSION,
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=check,
+    )
+
+
+def render(*args: str) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(helm_template(*args).stdout) if doc]
+
+
+def only(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    (found,) = [doc for doc in docs if doc["kind"] == kind]
+    return found
+
+
+def test_rendered_crd_is_the_source_crd_plus_helm_metadata() -> None:
+    rendered = only(render(), "CustomResourceDefinition")
+    source = yaml.safe_load(SOURCE_CRD.read_text())
+    # Helm's labels are added, the CRD's own kept; the keep policy is on by default.
+    assert source["metadata"]["labels"].items() <= rendered["metadata"]["labels"].items()
+    assert rendered["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
+    assert rendered["metadata"]["annotations"] == {KEEP: "keep"}
+    # Everything else is the source, value for value (JSON: YAML's 5.0 and 5 are one number).
+    rendered_rest = {k: v for k, v in rendered.items() if k != "metadata"}
+    source_rest = {k: v for k, v in source.items() if k != "metadata"}
+    assert json.loads(json.dumps(rendered_rest)) == json.loads(json.dumps(source_rest))
+    assert rendered["metadata"]["name"] == source["metadata"]["name"]
+
+
+def test_crds_keep_false_and_crds_enabled_false() -> None:
+    crd = only(render("--set", "crds.keep=false"), "CustomResourceDefinition")
+    assert KEEP not in crd["metadata"].get("annotations", {})
+    kinds = [doc["kind"] for doc in render("--set", "crds.enabled=false")]
+    assert "CustomResourceDefinition" not in kinds and "Deployment" in kinds
+
+
+def test_operator_extension_points_reach_the_operator_pod(tmp_path: Path) -> None:
+    values = {
+        "extraEnv": [
+            {"name": "HTTPS_PROXY", "value": "http://proxy:3128"},
+            {"name": "SHOAL_LOG_LEVEL", "value": "debug"},
+        ],
+        "resources": {"requests": {"cpu": "50m"}, "limits": {"memory": "256Mi"}},
+        "nodeSelector": {"pool": "system"},
+        "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
+        "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}},
+        "podAnnotations": {"example.com/scrape": "true"},
+        "priorityClassName": "system-cluster-critical",
+        "imagePullSecrets": [{"name": "registry"}],
+    }
+    path = tmp_path / "values.json"
+    path.write_text(json.dumps(values))
+    deployment = only(render("-f", str(path)), "Deployment")
+    pod = deployment["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    env = container["env"]
+    # extraEnv comes last, so its SHOAL_LOG_LEVEL is the one the container gets.
+    assert env[-2:] == values["extraEnv"]
+    assert [v["value"] for v in env if v["name"] == "SHOAL_LOG_LEVEL"][-1] == "debug"
+    assert container["resources"] == values["resources"]
+    assert pod["metadata"]["annotations"] == values["podAnnotations"]
+    for field in ("nodeSelector", "tolerations", "affinity", "priorityClassName"):
+        assert pod["spec"][field] == values[field], field
+    assert pod["spec"]["imagePullSecrets"] == values["imagePullSecrets"]
+
+
+def test_unset_extension_points_leave_the_operator_pod_plain() -> None:
+    pod = only(render(), "Deployment")["spec"]["template"]
+    for field in ("nodeSelector", "tolerations", "affinity", "priorityClassName"):
+        assert field not in pod["spec"], field
+    assert "annotations" not in pod["metadata"]
+
+
+@pytest.mark.parametrize(
+    ("setting", "where"),
+    [
+        ("crds.enabled=maybe", "/crds/enabled"),
+        ("extraEnv[0].value=x", "/extraEnv/0"),
+        ("priorityClassName[0]=x", "/priorityClassName"),
+    ],
+)
+def test_the_schema_refuses_bad_values(setting: str, where: str) -> None:
+    result = helm_template("--set", setting, check=False)
+    assert result.returncode != 0
+    assert where in result.stderr, result.stderr
