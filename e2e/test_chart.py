@@ -123,3 +123,41 @@ def test_the_schema_refuses_bad_values(setting: str, where: str) -> None:
     result = helm_template("--set", setting, check=False)
     assert result.returncode != 0
     assert where in result.stderr, result.stderr
+
+
+def test_operator_secret_access_is_get_only_and_narrowed_by_secret_names() -> None:
+    def secret_rules(*args: str) -> list[dict[str, Any]]:
+        return [
+            rule
+            for doc in render(*args)
+            if doc["kind"] in ("Role", "ClusterRole")
+            for rule in doc["rules"]
+            if "secrets" in rule["resources"]
+        ]
+
+    (everywhere,) = secret_rules()
+    assert everywhere == {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}
+    narrowed = secret_rules(
+        "--set", "watchNamespaces={a,b}", "--set", "rbac.secretNames={etcd-client}"
+    )
+    assert len(narrowed) == 2  # one Role per watched namespace, no cluster-wide rule
+    for rule in narrowed:
+        assert rule["verbs"] == ["get"] and rule["resourceNames"] == ["etcd-client"]
+
+
+def test_consumer_pod_policy_is_bound_to_the_watched_namespaces() -> None:
+    docs = render("--set", "watchNamespaces={a,b}")
+    policy = only(docs, "ValidatingAdmissionPolicy")
+    binding = only(docs, "ValidatingAdmissionPolicyBinding")
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    assert policy["spec"]["paramKind"] == {
+        "apiVersion": "shoal.dev/v1alpha1",
+        "kind": "ConsumerGroup",
+    }
+    (expression,) = binding["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"]
+    assert expression["values"] == ["a", "b"]
+    # Cluster-wide without a list; none at all when switched off.
+    assert "matchResources" not in only(render(), "ValidatingAdmissionPolicyBinding")["spec"]
+    kinds = {doc["kind"] for doc in render("--set", "consumerPodPolicy.enabled=false")}
+    assert not kinds & {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}

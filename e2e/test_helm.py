@@ -21,6 +21,7 @@ from harness.kubetest import adopt_crd_for_helm, condition, get_json, wait_until
 from harness.localkube.plane import LocalKube
 from harness.servers import free_port
 from harness.waiting import eventually
+from shoal.contracts.names import DELETION_COST_ANNOTATION
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
@@ -257,6 +258,21 @@ def _install_run_a_group_test_and_uninstall(plane: LocalKube, chart: Path) -> No
     assert status["leader"].startswith(f"{GROUP}-consumer-")
     assert status["skew"] <= 1
     assert status["members"] == 2 and status["readyReplicas"] == 2
+
+    # The leader marks its members' pods with pod-deletion-cost (its own highest) through
+    # the chart's consumer-pod policy, which lets exactly that through.
+    leader_pod = wait_until(
+        lambda: (
+            (p := get_json(plane, "pod", status["leader"], "-n", DEMO_NS))
+            and DELETION_COST_ANNOTATION in p["metadata"].get("annotations", {})
+            and p
+        ),
+        30,
+        "the leader to mark its pod with pod-deletion-cost",
+    )
+    assert int(leader_pod["metadata"]["annotations"][DELETION_COST_ANNOTATION]) > 0
+    for pod_log in (plane.root / "logs" / "pods").glob(f"{DEMO_NS}_{GROUP}-consumer-*.log"):
+        assert "Forbidden" not in pod_log.read_text(errors="replace"), pod_log.name
 
     header, row = kubectl(plane, "get", "cg", "-n", DEMO_NS).stdout.strip().splitlines()
     assert header.split() == ["NAME", "REPLICAS", "READY", "LEADER", "SKEW", "LAG", "AGE"]
