@@ -7,7 +7,7 @@
 #   make bench      run every bench/*.py; JSON lines go to bench/results/<time>/<name>.jsonl
 #   make demo       python -m harness.kubedemo: the local control plane, helm, a ConsumerGroup
 #   make demo-local python -m harness.demo against real servers (DEMO_ARGS=... to pass options)
-#   make servers    only make sure nats-server and etcd are available and print their paths
+#   make servers    only make sure nats-server, etcd and promtool are available; print their paths
 #   make venv       (implied by the others) .venv with `pip install -e '.[test,analytics]'`
 #   make clean      remove .venv, .tmp, caches and build metadata (keeps bench/results)
 #
@@ -33,14 +33,17 @@ STAMP := $(VENV)/.shoal-installed
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-# Runs before recipes that need the servers: makes sure both binaries exist (building
-# nats-server on first use) and exports their paths for harness/src/harness/servers.py.
+# Runs before recipes that need the servers: makes sure the binaries exist (building
+# nats-server on first use; Debian's etcd-server and prometheus packages) and exports their
+# paths for harness/src/harness/servers.py and the promtool / Prometheus tests.
 define servers_env
 nats="$${SHOAL_NATS_SERVER:-$$(bash scripts/ensure-nats-server.sh $(NATS_SERVER_VERSION) | tail -n1)}"; \
 etcd="$${SHOAL_ETCD:-$$(bash scripts/ensure-etcd.sh | tail -n1)}"; \
+promtool="$${SHOAL_PROMTOOL:-$$(bash scripts/ensure-prometheus.sh | tail -n1)}"; \
 echo "nats-server: $$nats ($$("$$nats" --version 2>&1 | head -n1))"; \
 echo "etcd: $$etcd ($$("$$etcd" --version 2>&1 | head -n1))"; \
-export SHOAL_NATS_SERVER="$$nats" SHOAL_ETCD="$$etcd";
+echo "promtool: $$promtool ($$("$$promtool" --version 2>&1 | head -n1))"; \
+export SHOAL_NATS_SERVER="$$nats" SHOAL_ETCD="$$etcd" SHOAL_PROMTOOL="$$promtool";
 endef
 
 .PHONY: venv test test-fast lint typecheck bench demo demo-local servers clean tools cluster-up cluster-down

@@ -161,3 +161,48 @@ def test_consumer_pod_policy_is_bound_to_the_watched_namespaces() -> None:
     assert "matchResources" not in only(render(), "ValidatingAdmissionPolicyBinding")["spec"]
     kinds = {doc["kind"] for doc in render("--set", "consumerPodPolicy.enabled=false")}
     assert not kinds & {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
+
+
+def test_monitoring_resources_ship_the_files_as_they_are() -> None:
+    docs = render(
+        "--set",
+        "monitoring.podMonitor.enabled=true",
+        "--set",
+        "monitoring.prometheusRule.enabled=true",
+        "--set",
+        "watchNamespaces={team-a}",
+    )
+    rule = only(docs, "PrometheusRule")
+    alerts = yaml.safe_load((CHART / "files" / "prometheus" / "alerts.yaml").read_text())
+    assert rule["spec"]["groups"] == alerts["groups"]
+    monitor = only(docs, "PodMonitor")
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["team-a"]}
+    assert monitor["spec"]["selector"] == {
+        "matchLabels": {"app.kubernetes.io/name": "shoal-consumer"}
+    }
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "metrics"
+    targets = {r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"]}
+    assert targets == {
+        "group": ["__meta_kubernetes_pod_label_shoal_dev_group"],
+        "member": ["__meta_kubernetes_pod_name"],
+    }
+    dashboard = only(docs, "ConfigMap")
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = json.loads(dashboard["data"]["shoal.json"])
+    assert shipped == json.loads((CHART / "files" / "dashboards" / "shoal.json").read_text())
+
+
+def test_monitoring_is_opt_in_except_the_dashboard_and_the_metrics_port() -> None:
+    docs = render()
+    kinds = {doc["kind"] for doc in docs}
+    assert not kinds & {"PodMonitor", "PrometheusRule"}
+    assert "ConfigMap" in kinds
+    (container,) = only(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    env = {var["name"]: var.get("value") for var in container["env"]}
+    assert env["SHOAL_CONSUMER_METRICS_PORT"] == "9102"
+    (container,) = only(render("--set", "consumerMetrics.port=null"), "Deployment")["spec"][
+        "template"
+    ]["spec"]["containers"]
+    env = {var["name"]: var.get("value") for var in container["env"]}
+    assert env["SHOAL_CONSUMER_METRICS_PORT"] == ""

@@ -703,6 +703,23 @@ def test_settings_defaults() -> None:
     assert s.etcd_endpoints == "etcd:2379"
     assert s.drain_timeout_seconds == 30
     assert s.watch_namespaces == []
+    assert s.consumer_metrics_port is None
+
+
+@pytest.mark.parametrize(
+    ("port", "declared"), [(None, None), (0, None), (9102, 9102)], ids=["off", "any", "fixed"]
+)
+def test_consumer_metrics_port(port: int | None, declared: int | None) -> None:
+    settings = OperatorSettings(consumer_metrics_port=port)
+    deployment = build_deployment(NAME, NAMESPACE, minimal_spec(), settings)
+    env = resolve(container(deployment)["env"])
+    assert env.get("SHOAL_METRICS_PORT") == (None if port is None else str(port))
+    assert config_from_env(env).metrics_port == port
+    ports = container(deployment).get("ports")
+    if declared is None:
+        assert ports is None
+    else:
+        assert ports == [{"name": "metrics", "containerPort": declared, "protocol": "TCP"}]
 
 
 def test_settings_from_env() -> None:

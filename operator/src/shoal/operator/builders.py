@@ -91,8 +91,12 @@ POD_FIELDS = (
     "strategy",
     "load_aware",
     "nats_creds_file",
+    "metrics_port",
     *ETCD_TLS_FILES,
 )
+
+# The container port the consumers serve /metrics on (the chart's PodMonitor scrapes it).
+METRICS_PORT_NAME = "metrics"
 
 
 class ResourceNames(TypedDict):
@@ -185,6 +189,7 @@ def pod_config(
         # The leader reads spec.autoscaling itself on every round (it may be switched on
         # or off at any time) and scales through the group's scale subresource.
         autoscaler="kubernetes",
+        metrics_port=settings.consumer_metrics_port,
         **files,
     )
 
@@ -274,6 +279,13 @@ def _volumes(spec: ConsumerGroupSpec) -> tuple[list[Obj], list[Obj]]:
     return volumes, mounts
 
 
+def _metrics_ports(settings: OperatorSettings) -> Obj:
+    port = settings.consumer_metrics_port
+    if not port:  # off, or any free port (nothing to declare)
+        return {}
+    return {"ports": [{"name": METRICS_PORT_NAME, "containerPort": port, "protocol": "TCP"}]}
+
+
 def _container(
     name: str, namespace: str, spec: ConsumerGroupSpec, settings: OperatorSettings
 ) -> Obj:
@@ -285,6 +297,7 @@ def _container(
         "command": list(COMMAND),
         "env": consumer_env(name, namespace, spec, settings),
         "resources": copy.deepcopy(spec.resources),
+        **_metrics_ports(settings),
         # Ready = registered as a member (the consumer writes SHOAL_READY_FILE once it has
         # joined), so a rollout waits for each new member before replacing the next one.
         # Timeout 2 s, not 1: the probe starts a Python process, and one slow start must
