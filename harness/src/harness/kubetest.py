@@ -8,7 +8,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,10 @@ def create_namespace(plane: LocalKube, name: str) -> None:
 
 @contextlib.contextmanager
 def operator_process(
-    plane: LocalKube, namespaces: Sequence[str], log_path: Path
+    plane: LocalKube,
+    namespaces: Sequence[str],
+    log_path: Path,
+    extra_env: Mapping[str, str] | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """`shoal-operator` as a local process watching `namespaces`, stopped on exit.
 
@@ -71,6 +74,7 @@ def operator_process(
         "SHOAL_OPERATOR_IMAGE": "shoal:dev",
         "NATS_URL": plane.state.nats_url,
         "ETCD_ENDPOINTS": plane.state.etcd_endpoint,
+        **(extra_env or {}),
     }
     args = [a for ns in namespaces for a in ("--namespace", ns)]
     with log_path.open("wb") as out:
