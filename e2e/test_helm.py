@@ -275,7 +275,7 @@ def _install_run_a_group_test_and_uninstall(plane: LocalKube, chart: Path) -> No
         assert "Forbidden" not in pod_log.read_text(errors="replace"), pod_log.name
 
     header, row = kubectl(plane, "get", "cg", "-n", DEMO_NS).stdout.strip().splitlines()
-    assert header.split() == ["NAME", "REPLICAS", "READY", "LEADER", "SKEW", "LAG", "AGE"]
+    assert header.split() == ["NAME", "REPLICAS", "READY", "LEADER", "STATUS", "SKEW", "LAG", "AGE"]
     assert row.split()[:3] == [GROUP, "2", "2"]
     assert row.split()[3].startswith(f"{GROUP}-consumer-")
     described = wait_until(
