@@ -1,7 +1,8 @@
 # Shoal: build, test, demo and benchmark entry points.
 #
 #   make test       lint + typecheck + every pytest test (unit and e2e; starts real servers)
-#   make test-fast  unit tests only (pytest -m "not e2e and not spark"; no servers, no JVM)
+#   make test-fast  unit tests only (pytest -m "not e2e and not spark and not image")
+#   make image      build the image with buildah (scripts/build-image.sh) and test it
 #   make lint       ruff check + ruff format --check
 #   make typecheck  mypy --strict on the shoal packages and the harness
 #   make bench      run every bench/*.py; JSON lines go to bench/results/<time>/<name>.jsonl
@@ -46,7 +47,7 @@ echo "promtool: $$promtool ($$("$$promtool" --version 2>&1 | head -n1))"; \
 export SHOAL_NATS_SERVER="$$nats" SHOAL_ETCD="$$etcd" SHOAL_PROMTOOL="$$promtool";
 endef
 
-.PHONY: venv test test-fast lint typecheck bench demo demo-local servers clean tools cluster-up cluster-down
+.PHONY: venv test test-fast lint typecheck bench demo demo-local servers clean tools cluster-up cluster-down image
 
 venv: $(STAMP)
 
@@ -74,9 +75,15 @@ lint: venv
 typecheck: venv
 	$(PYM) mypy
 
+# Everything but the image build, which has its own target (root, minutes of CPU).
 test: lint typecheck tools
 	@$(servers_env) \
-	$(PYM) pytest $(PYTEST_ARGS)
+	$(PYM) pytest -m "not image" $(PYTEST_ARGS)
+
+# The image, built with buildah on a debootstrapped bookworm base (scripts/build-image.sh),
+# then checked: both commands as the non-root user, no build leftovers, its size.
+image: venv
+	$(PYM) pytest -m image -s $(PYTEST_ARGS)
 
 # kube-apiserver, kube-controller-manager, kubectl, etcd 3.6, helm and the nats CLI, built
 # with Go once per machine into ~/.cache/shoal (the first build takes a while and says
@@ -93,7 +100,7 @@ cluster-down: venv
 	@$(PYM) harness.localkube down --root .localkube
 
 test-fast: venv
-	$(PYM) pytest -m "not e2e and not spark" $(PYTEST_ARGS)
+	$(PYM) pytest -m "not e2e and not spark and not image" $(PYTEST_ARGS)
 
 # The real thing: the local plane (left up), helm install, the example group, scaling.
 demo: venv tools
