@@ -34,6 +34,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARD = REPO / "charts" / "shoal" / "files" / "dashboards" / "shoal.json"
+ALERTS = REPO / "charts" / "shoal" / "files" / "prometheus" / "alerts.yaml"
 NAMESPACE, GROUP = "prom-test", "orders"
 SERVING = re.compile(r"Serving metrics on [0-9.]+:(\d+)/metrics")
 # Series a member exports only once the runtime hands it its membership (metrics.py,
@@ -146,6 +147,8 @@ def test_every_dashboard_query_returns_data(running_group: LocalKube, tmp_path: 
     write_targets(plane, targets, 2)
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        # The chart's alerts, evaluated against the real series (promtool tests their logic).
+        "rule_files": [str(ALERTS)],
         "scrape_configs": [
             {"job_name": "shoal-consumers", "file_sd_configs": [{"files": [str(targets)]}]}
         ],
@@ -163,7 +166,7 @@ def test_every_dashboard_query_returns_data(running_group: LocalKube, tmp_path: 
             lambda: prometheus.query("count(shoal_partitions_owned > 0)"),
             60,
             "the third member to own partitions",
-            until=lambda result: bool(result) and float(result[0]["value"][1]) == 3,  # type: ignore[index]
+            until=lambda result: bool(result) and float(result[0]["value"][1]) == 3,
         )
         asyncio.run(publish(plane, 400, 400))
 
@@ -173,7 +176,7 @@ def test_every_dashboard_query_returns_data(running_group: LocalKube, tmp_path: 
             "Prometheus to scrape all three members",
             until=lambda result: len(result) == 3,
         )
-        assert {series["metric"]["member"] for series in up} == {  # type: ignore[index]
+        assert {series["metric"]["member"] for series in up} == {
             t["labels"]["member"] for t in json.loads(targets.read_text())
         }
 
@@ -205,17 +208,33 @@ def test_every_dashboard_query_returns_data(running_group: LocalKube, tmp_path: 
             assert not prometheus.query(queries[title]), title
         # The data is the group's: all 16 partitions owned, a leader, dead letters counted.
         owned = prometheus.query(f'sum(shoal_partitions_owned{{group="{GROUP}"}})')
-        assert float(owned[0]["value"][1]) == 16  # type: ignore[index]
+        assert float(owned[0]["value"][1]) == 16
         leaders = prometheus.query(f'sum(shoal_is_leader{{group="{GROUP}"}})')
-        assert float(leaders[0]["value"][1]) == 1  # type: ignore[index]
+        assert float(leaders[0]["value"][1]) == 1
         dead = prometheus.query('sum(shoal_messages_processed_total{outcome="dead_letter"})')
-        assert float(dead[0]["value"][1]) > 0  # type: ignore[index]
+        assert float(dead[0]["value"][1]) > 0
         # Hand-overs were measured: the latency panel shows numbers, not NaN (0/0).
         (handover,) = [q for title, q in queries.items() if title.startswith("Hand-over")][:1]
         eventually(
-            lambda: [float(s["value"][1]) for s in prometheus.query(handover)],  # type: ignore[index]
+            lambda: [float(s["value"][1]) for s in prometheus.query(handover)],
             20,
             "a measured hand-over latency",
             until=lambda values: any(v == v for v in values),  # NaN != NaN
+        )
+        # Every alert rule evaluates without error on the real series, and with a healthy
+        # group none of those that need no fault (nor the fenced one) fires.
+        rules = [r for g in prometheus.api("rules")["groups"] for r in g["rules"]]
+        assert len(rules) == 5
+        assert all(r["health"] == "ok" for r in rules), rules
+        firing = {r["name"] for r in rules if r["state"] == "firing"}
+        assert not firing & {"ShoalNoLeader", "ShoalPartitionsUnclaimed", "ShoalMemberFenced"}
+        # Dead letters are what this group produces: that alert fires.
+        eventually(
+            lambda: {
+                r["name"]: r["state"] for g in prometheus.api("rules")["groups"] for r in g["rules"]
+            }["ShoalDeadLetters"],
+            20,
+            "ShoalDeadLetters to fire",
+            until=lambda state: state == "firing",
         )
     print(f"Prometheus phase took {time.monotonic() - started:.1f} s")

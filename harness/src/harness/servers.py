@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import ClassVar, Self
+from typing import Any, ClassVar, Self
 
 from harness.waiting import WaitTimeout, eventually
 
@@ -559,12 +559,18 @@ class PrometheusServer(ServerProcess):
             return False
         return status == 200
 
-    def query(self, promql: str) -> list[dict[str, object]]:
-        """An instant query's result vector (raises on an API error)."""
-        url = f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+    def api(self, path: str, **params: str) -> Any:
+        """The `data` of an HTTP API answer, e.g. api("query", query=...), api("rules")."""
+        url = f"{self.url}/api/v1/{path}"
+        if params:
+            url += "?" + urllib.parse.urlencode(params)
         status, body = _http_get(url, timeout=10.0)
         answer = json.loads(body)
         if status != 200 or answer.get("status") != "success":
-            raise RuntimeError(f"query {promql!r} failed: {status} {body[:500]!r}")
-        result: list[dict[str, object]] = answer["data"]["result"]
+            raise RuntimeError(f"{path} {params} failed: {status} {body[:500]!r}")
+        return answer["data"]
+
+    def query(self, promql: str) -> list[dict[str, Any]]:
+        """An instant query's result vector (raises on an API error)."""
+        result: list[dict[str, Any]] = self.api("query", query=promql)["result"]
         return result
