@@ -117,6 +117,7 @@ def test_unset_extension_points_leave_the_operator_pod_plain() -> None:
         ("crds.enabled=maybe", "/crds/enabled"),
         ("extraEnv[0].value=x", "/extraEnv/0"),
         ("priorityClassName[0]=x", "/priorityClassName"),
+        ("consumerPodPolicy.annotation=a' || true || 'b", "/consumerPodPolicy/annotation"),
     ],
 )
 def test_the_schema_refuses_bad_values(setting: str, where: str) -> None:

@@ -60,8 +60,9 @@ if [[ -n "$ca" && -s "$ca" ]]; then
 fi
 
 started=$SECONDS
-# --layers: an unchanged step (the base, the dependencies) is reused on the next build.
-buildah bud --isolation chroot --layers "${secret[@]}" \
+# --layers: an unchanged step (the base, the dependencies) is reused on the next build;
+# --force-rm: a failed step leaves no working container behind.
+buildah bud --isolation chroot --layers --force-rm "${secret[@]}" \
     --build-arg "PYTHON_IMAGE=$base" \
     -t "$tag" -f "$repo/Dockerfile" "$repo" >&2
 echo "build-image: $tag built in $((SECONDS - started)) s" >&2
