@@ -28,19 +28,17 @@ import logging
 import os
 import sys
 import time
-import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from shoal.analytics.cli import main as cli
-from shoal.analytics.ingest import PROBLEM_KINDS, ROW_COLUMNS, SPARK_ROW_SCHEMA, parse_file
-from shoal.analytics.layout import relative_name
+from shoal.analytics.ingest import PROBLEM_KINDS
+from shoal.analytics.spark_input import read_rows
 from shoal.analytics.tables import COLUMNS, KEYS, normalize
 
 if TYPE_CHECKING:
     import pandas as pd
-    import pyarrow as pa
     from pyspark.sql import Column, DataFrame, SparkSession
 
 __all__ = ["SparkReport", "compute", "main"]
@@ -50,54 +48,6 @@ log = logging.getLogger(__name__)
 Progress = Callable[[str], None]
 GEN_KEYS = ["namespace", "group", "generation"]
 GROUP_KEYS = ["namespace", "group"]
-ARROW_BATCH_ROWS = 2048
-
-
-def _local_path(uri: str) -> str:
-    parsed = urllib.parse.urlparse(uri)
-    if parsed.scheme in ("", "file"):
-        return urllib.parse.unquote(parsed.path)
-    return uri
-
-
-def _arrow_schema() -> pa.Schema:
-    import pyarrow as pa
-
-    types = {
-        "string": pa.string(),
-        "bigint": pa.int64(),
-        "int": pa.int32(),
-        "boolean": pa.bool_(),
-        "array<string>": pa.list_(pa.string()),
-        "array<int>": pa.list_(pa.int32()),
-        "array<double>": pa.list_(pa.float64()),
-    }
-    return pa.schema([(name, types[kind]) for name, kind in ROW_COLUMNS.items()])
-
-
-def _parser(root: str) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """The mapInArrow function: (path, content) batches in, parsed line rows out."""
-    local_root = _local_path(root)
-
-    def parse(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        import pyarrow as pa
-
-        schema = _arrow_schema()
-        for batch in batches:
-            paths = batch.column("path").to_pylist()
-            contents = batch.column("content")
-            for i, path in enumerate(paths):
-                name = relative_name(local_root, _local_path(path))
-                rows: list[dict[str, Any]] = []
-                for row in parse_file(name, contents[i].as_py()):
-                    rows.append(row)
-                    if len(rows) >= ARROW_BATCH_ROWS:
-                        yield pa.RecordBatch.from_pylist(rows, schema=schema)
-                        rows = []
-                if rows:
-                    yield pa.RecordBatch.from_pylist(rows, schema=schema)
-
-    return parse
 
 
 def _ratio(moves: Column, minimum: Column) -> Column:
@@ -116,7 +66,7 @@ class SparkReport:
     HTML report samples from."""
 
     tables: dict[str, DataFrame]
-    files: DataFrame
+    files: list[str]
     rows: DataFrame
     handover: DataFrame
     cached: list[DataFrame]
@@ -139,13 +89,8 @@ def compute(spark: SparkSession, input_path: str) -> SparkReport:
         cached.append(frame.persist(StorageLevel.MEMORY_AND_DISK))
         return frame
 
-    files = (
-        spark.read.format("binaryFile")
-        .option("recursiveFileLookup", "true")
-        .option("pathGlobFilter", "*.jsonl")
-        .load(input_path)
-    )
-    rows = keep(files.select("path", "content").mapInArrow(_parser(input_path), SPARK_ROW_SCHEMA))
+    rows, files = read_rows(spark, input_path, keep)
+    rows = keep(rows)
 
     # Out of order: not above every earlier generation of the group, in read order.
     ok = rows.filter(col("kind").isNull())
@@ -502,7 +447,7 @@ def input_stats(report: SparkReport) -> dict[str, int]:
     ).first()
     late = report.tables["problems"].filter(col("kind") == "out_of_order").count()
     stats = {
-        "files": len(report.files.inputFiles()),
+        "files": len(report.files),
         "lines": int(counts["lines"]) if counts else 0,
         "events": int(counts["events"]) if counts else 0,
     }
