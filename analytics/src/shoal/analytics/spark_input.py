@@ -80,26 +80,57 @@ PARQUET_SCHEMA = (
 _DETAIL_CHARS = 500
 
 
-def _bad_partition_map(value: Column, bad_value: Callable[[Column], Column]) -> Column:
-    """A map whose key is not a partition number, or with a value ``bad_value`` refuses."""
+def _has_null(values: Column) -> Column:
     from pyspark.sql import functions as F
 
-    def bad(entry: Column) -> Column:
-        key = entry["key"].try_cast("int")
-        return key.isNull() | (key < 0) | bad_value(entry["value"])
-
-    return value.isNotNull() & F.exists(F.map_entries(value), bad)
+    return F.size(F.array_compact(values)) != F.size(values)
 
 
-def _bad_amount(value: Column) -> Column:
+def _bad_keys(keys: Column) -> Column:
+    """Partition keys (already cast to int, null where not a number) that pydantic refuses."""
     from pyspark.sql import functions as F
 
-    return value.isNull() | F.isnan(value) | (F.abs(value) == float("inf")) | (value < 0)
+    return _has_null(keys) | (F.coalesce(F.array_min(keys), F.lit(0)) < 0)
+
+
+def _bad_amounts(values: Column) -> Column:
+    """Hand-over times or loads that are not all finite and >= 0 (NaN sorts above all)."""
+    from pyspark.sql import functions as F
+
+    top = F.array_max(values)
+    return (
+        _has_null(values)
+        | F.isnan(top)
+        | (top == float("inf"))
+        | (F.coalesce(F.array_min(values), F.lit(0.0)) < 0)
+    )
+
+
+def _empty_text(values: Column) -> Column:
+    from pyspark.sql import functions as F
+
+    return _has_null(values) | F.array_contains(values, "")
+
+
+# Only built-in array functions below: Spark's lambdas (transform, exists, array_sort with
+# a comparator) are interpreted row by row and made the first version 10x slower.
+def _arrays(frame: DataFrame) -> DataFrame:
+    """The maps of ``e`` as parallel arrays, keys cast to partition numbers, each once."""
+    from pyspark.sql import functions as F
+
+    e = F.col("e")
+    columns = {}
+    for name, prefix in (("assignment", "a"), ("handover_ms", "h"), ("loads", "l")):
+        columns[f"{prefix}_keys"] = F.map_keys(e[name]).try_cast("array<int>")
+        columns[f"{prefix}_values"] = F.map_values(e[name])
+    return frame.withColumns(columns)
 
 
 def _problems(e: Column, ts: Column) -> list[tuple[str, Column]]:
     """(field, is it invalid) in the model's field order: pydantic reports the first."""
     from pyspark.sql import functions as F
+
+    col = F.col
 
     def text(name: str) -> Column:
         return e[name].isNull() | (F.length(e[name]) == 0)
@@ -107,6 +138,7 @@ def _problems(e: Column, ts: Column) -> list[tuple[str, Column]]:
     def whole(name: str) -> Column:
         return e[name].isNull() | (e[name] < 0)
 
+    moved = e["moved"]
     return [
         ("ts", ts.isNull()),
         ("namespace", text("namespace")),
@@ -116,36 +148,37 @@ def _problems(e: Column, ts: Column) -> list[tuple[str, Column]]:
         ("leader", e["leader"].isNull()),
         ("reason", e["reason"].isNull() | ~e["reason"].isin(*REASONS)),
         ("strategy", e["strategy"].isNotNull() & ~e["strategy"].isin(*STRATEGIES)),
-        ("members", e["members"].isNull() | F.exists(e["members"], lambda m: m.isNull())),
+        ("members", e["members"].isNull() | _has_null(e["members"])),
         (
             "assignment",
-            e["assignment"].isNull()
-            | _bad_partition_map(e["assignment"], lambda o: o.isNull() | (F.length(o) == 0)),
+            e["assignment"].isNull() | _bad_keys(col("a_keys")) | _empty_text(col("a_values")),
         ),
         (
             "moved",
-            e["moved"].isNotNull()
-            & F.exists(
-                e["moved"],
-                lambda m: (
-                    m.isNull()
-                    | m["partition"].isNull()
-                    | (m["partition"] < 0)
-                    | m["from"].isNull()
-                    | (F.length(m["from"]) == 0)
-                    | m["to"].isNull()
-                    | (F.length(m["to"]) == 0)
-                ),
+            moved.isNotNull()
+            & (
+                _has_null(moved)
+                | _bad_keys(moved["partition"])
+                | _empty_text(moved["from"])
+                | _empty_text(moved["to"])
             ),
         ),
-        ("handover_ms", _bad_partition_map(e["handover_ms"], _bad_amount)),
-        ("loads", _bad_partition_map(e["loads"], _bad_amount)),
+        (
+            "handover_ms",
+            e["handover_ms"].isNotNull()
+            & (_bad_keys(col("h_keys")) | _bad_amounts(col("h_values"))),
+        ),
+        (
+            "loads",
+            e["loads"].isNotNull() & (_bad_keys(col("l_keys")) | _bad_amounts(col("l_values"))),
+        ),
     ]
 
 
 def _classified(frame: DataFrame, raw: Column | None) -> DataFrame:
-    """``kind`` and ``detail`` of each parsed line (``e``, ``ts``; ``raw`` the line's text
-    if JSON, with :data:`CORRUPT` set by the parser when it was not a schema-1 object)."""
+    """``kind`` and ``detail`` of each parsed line (``e``, ``ts`` and :func:`_arrays`;
+    ``raw`` the line's text if JSON, with :data:`CORRUPT` set by the parser when it was not
+    a schema-1 object)."""
     from pyspark.sql import functions as F
 
     e, ts = F.col("e"), F.col("ts")
@@ -155,10 +188,12 @@ def _classified(frame: DataFrame, raw: Column | None) -> DataFrame:
     field_problem = F.coalesce(
         *[F.when(bad, F.lit(f"{name}: missing or invalid")) for name, bad in _problems(e, ts)]
     )
-    kind = F.when(unknown, "unknown_schema").when(field_problem.isNotNull(), "malformed")
+    frame = frame.withColumn("problem", field_problem)
+    problem = F.col("problem")
+    kind = F.when(unknown, "unknown_schema").when(problem.isNotNull(), "malformed")
     detail = F.when(
         unknown, F.concat(F.lit("schema "), version, F.lit(f" (this reader knows {expected})"))
-    ).otherwise(field_problem)
+    ).otherwise(problem)
     if raw is not None:
         corrupt = e[CORRUPT].isNotNull()
         # Only the few corrupt lines pay for a second look: pydantic's order is "not JSON",
@@ -189,39 +224,49 @@ def _classified(frame: DataFrame, raw: Column | None) -> DataFrame:
     )
 
 
-def _event_columns() -> list[Column]:
-    """The flat event columns of ROW_COLUMNS from ``e`` (valid rows; others get nulls)."""
+def _event_columns(frame: DataFrame) -> DataFrame:
+    """The flat event columns of ROW_COLUMNS (valid rows; others get nulls)."""
     from pyspark.sql import functions as F
 
-    e, ok = F.col("e"), F.col("kind").isNull()
-
-    def int_keys(value: Column) -> Column:
-        # Entries (partition, value) sorted by partition.
-        return F.array_sort(
-            F.transform(
-                F.map_entries(value),
-                # try_cast: a malformed row never gets here, but ANSI casts must not throw
-                # should Spark evaluate this before the when() that guards it.
-                lambda x: F.struct(x["key"].try_cast("int").alias("p"), x["value"].alias("v")),
-            )
-        )
-
-    assigned = int_keys(e["assignment"])
-    parts = F.transform(assigned, lambda x: x["p"])
-    loads = int_keys(F.coalesce(e["loads"], F.create_map().cast("map<string,double>")))
-    load_parts = F.transform(loads, lambda x: x["p"])
-    # Loads usually name exactly the assigned partitions: then they line up as they are.
-    # Otherwise a lookup per partition (0 for partitions without a load).
-    load_map = F.map_from_entries(F.transform(loads, lambda x: F.struct(x["p"], x["v"])))
-    aligned_loads = F.when(load_parts == parts, F.transform(loads, lambda x: x["v"])).otherwise(
-        F.transform(parts, lambda p: F.coalesce(F.element_at(load_map, p), F.lit(0.0)))
+    col, e, ok = F.col, F.col("e"), F.col("kind").isNull()
+    # (partition, value) pairs sorted by partition: sort_array orders structs by their
+    # first field. Writers sort the maps already, so this is one pass in practice.
+    frame = frame.withColumns(
+        {
+            "assigned": F.sort_array(F.arrays_zip(col("a_keys"), col("a_values"))),
+            "load_pairs": F.sort_array(F.arrays_zip(col("l_keys"), col("l_values"))),
+        }
+    ).withColumns(
+        {
+            "parts": col("assigned")["a_keys"],
+            "l_parts": col("load_pairs")["l_keys"],
+        }
     )
-    handover = int_keys(F.coalesce(e["handover_ms"], F.create_map().cast("map<string,double>")))
+    # Loads usually name exactly the assigned partitions: then they line up as they are.
+    # Otherwise (rare) a lookup per partition, 0 for partitions without a load.
+    lookup = F.transform(
+        col("parts"),
+        lambda p: F.coalesce(
+            F.element_at(F.map_from_arrays(col("l_parts"), col("load_pairs")["l_values"]), p),
+            F.lit(0.0),
+        ),
+    )
+    has_loads = F.coalesce(F.size(col("l_keys")), F.lit(0)) > 0
+    loads = (
+        F.when(~has_loads, F.array_repeat(F.lit(0.0), F.size(col("parts"))))
+        .when(col("l_parts") == col("parts"), col("load_pairs")["l_values"])
+        .otherwise(lookup)
+    )
 
     def when_ok(value: Column, name: str) -> Column:
         return F.when(ok, value).alias(name)
 
-    return [
+    return frame.select(
+        "path",
+        "block",
+        "id",
+        "kind",
+        "detail",
         when_ok(e["namespace"], "namespace"),
         when_ok(e["group"], "group"),
         when_ok(e["generation"], "generation"),
@@ -230,14 +275,14 @@ def _event_columns() -> list[Column]:
         when_ok(e["leader"], "leader"),
         when_ok(e["reason"], "reason"),
         when_ok(F.coalesce(e["strategy"], F.lit("sticky")), "strategy"),
-        when_ok(F.array_sort(F.array_distinct(e["members"])), "members"),
-        when_ok(parts, "parts"),
-        when_ok(F.transform(assigned, lambda x: x["v"]), "owners"),
-        when_ok(aligned_loads.cast("array<double>"), "loads"),
-        when_ok(F.size(loads) > 0, "has_loads"),
-        when_ok(F.transform(handover, lambda x: x["v"]).cast("array<double>"), "handover"),
+        when_ok(F.sort_array(F.array_distinct(e["members"])), "members"),
+        when_ok(col("parts"), "parts"),
+        when_ok(col("assigned")["a_values"], "owners"),
+        when_ok(loads.cast("array<double>"), "loads"),
+        when_ok(has_loads, "has_loads"),
+        when_ok(F.coalesce(col("h_values"), F.array().cast("array<double>")), "handover"),
         when_ok(F.size(F.coalesce(e["moved"], F.array())).cast("int"), "moved_recorded"),
-    ]
+    )
 
 
 def _root_prefix(spark: SparkSession, input_path: str) -> tuple[str, bool]:
@@ -293,15 +338,11 @@ def _json_lines(spark: SparkSession, input_path: str, prefix: str) -> DataFrame:
         ),
     ).withColumn("ts", F.col("e.ts").try_cast("timestamp"))
     blank = F.trim(F.col("value")) == ""
-    classified = _classified(parsed, F.col("value"))
-    return classified.select(
-        "path",
-        "block",
-        "id",
-        F.when(blank, F.lit("blank")).otherwise(F.col("kind")).alias("kind"),
-        "detail",
-        *_event_columns(),
+    classified = _classified(_arrays(parsed), F.col("value"))
+    classified = classified.withColumn(
+        "kind", F.when(blank, F.lit("blank")).otherwise(F.col("kind"))
     )
+    return _event_columns(classified)
 
 
 def _parquet(spark: SparkSession, input_path: str) -> DataFrame:
@@ -330,9 +371,7 @@ def _parquet(spark: SparkSession, input_path: str) -> DataFrame:
         e.alias("e"),
         F.col("ts"),
     )
-    return _classified(typed, None).select(
-        "path", "block", "id", "kind", "detail", *_event_columns()
-    )
+    return _event_columns(_classified(_arrays(typed), None))
 
 
 def read_rows(
