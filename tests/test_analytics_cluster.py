@@ -27,7 +27,7 @@ from harness.servers import free_port
 from shoal.analytics.generate import history, specs_for, write_edge_cases, write_history
 from shoal.analytics.report import run_report
 
-pytestmark = [pytest.mark.spark, pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.spark, pytest.mark.e2e, pytest.mark.timeout(900)]
 
 # Requests to the master's own UI must not go through a proxy from the environment.
 _HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -199,7 +199,7 @@ def test_report_on_a_standalone_cluster_matches_the_oracle(
         ],
         capture_output=True,
         text=True,
-        timeout=480,
+        timeout=780,
         check=False,
         env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PYTHONUNBUFFERED": "1"},
     )
