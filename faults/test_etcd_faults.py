@@ -353,3 +353,36 @@ async def test_etcd_cluster_first_endpoint_killed(
     finally:
         await g.close()  # before its etcd goes away (idempotent; the fixture closes it too)
         cluster.stop()
+
+
+async def test_member_fenced_while_its_partitions_move(
+    make_group: Callable[..., FaultGroup],
+) -> None:
+    """Bound: a member fenced for a moment (lease alive) whose partitions were moved
+    meanwhile releases their claims after the heal, so the new owners get them (a
+    fenced runner leaves its claim, which lives on the surviving lease)."""
+    victim = "m-2"
+    g = make_group(name="a member fenced while its partitions move", proxied={victim: ("etcd",)})
+    await g.start(leader="m-0")
+    await asyncio.sleep(2)
+    generation = (await g.status()).generation
+    offset = len(g.log_of(victim))
+    # A fourth member joins while the victim is cut off (its key still there): the
+    # leader moves some of the victim's partitions to it, which the victim learns only
+    # after the heal, fenced by then. The heal comes before its lease can expire.
+    g.member_ids.append("m-3")
+    g.start_member("m-3")
+    g.proxy(victim, "etcd").blackhole()
+    try:
+        await g.wait_log(victim, "Fenced", FENCE_AFTER + 1, after=offset)
+        await g.wait_for(lambda s: s.generation > generation, 2, "the join's generation")
+    finally:
+        g.proxy(victim, "etcd").pass_through()
+    healed = time.monotonic()
+    figures = g.figures
+    await asyncio.sleep(2)
+    figures["lease_survived"] = "expired" not in g.log_of(victim)[offset:]
+    await g.wait_for(g.settled(), 20, "the moved partitions to be claimed by their owners")
+    figures["settled_after_heal_s"] = round(time.monotonic() - healed, 2)
+    await g.finish()
+    assert figures["lease_survived"], figures

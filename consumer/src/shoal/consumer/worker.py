@@ -529,6 +529,17 @@ class Worker:
             elif not want and current is not None and not current.stopping:
                 log.info("Releasing partition %d", p)
                 current.stop()
+            elif not want and current is None and p not in self.claiming:
+                claim = claims.get(p)
+                if claim is not None and claim.member == me and claim.lease == lease:
+                    # Our claim, on our live lease, with no runner and no longer ours to
+                    # consume: a runner fenced for a moment left it (a fence touches
+                    # nothing), and the partition moved meanwhile. Nobody uses it and
+                    # the lease will not expire it: release it, or the next owner waits
+                    # forever.
+                    log.info("Releasing partition %d (its claim outlived a fence)", p)
+                    self.claiming.add(p)
+                    self._spawn(self._release_later(p, claim.create_revision))
 
     async def _claim(self, p: int, target_ts: float | None) -> None:
         try:
@@ -604,8 +615,10 @@ class Worker:
                 if claim is None or claim.create_revision != claim_revision:
                     return  # gone already (deleted, or expired with an old lease)
                 try:
-                    await self.etcd.delete_if_created_at(self.config.keys.claim(p), claim_revision)
-                    log.info("Released partition %d on a retry", p)
+                    if await self.etcd.delete_if_created_at(
+                        self.config.keys.claim(p), claim_revision
+                    ):
+                        log.info("Released partition %d", p)
                     return
                 except TRANSIENT_ERRORS as exc:
                     log.warning("Could not delete claim %d (%s); retrying", p, exc)
