@@ -12,7 +12,8 @@ ARG PYTHON_IMAGE=python:3.11-slim
 # -- builder: a virtualenv at /opt/shoal with the project and its runtime dependencies ----
 FROM ${PYTHON_IMAGE} AS builder
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PYTHONDONTWRITEBYTECODE=1
-RUN python -m venv /opt/shoal
+# python3: the name both python:3.11-slim and a Debian base (scripts/build-image.sh) have.
+RUN python3 -m venv /opt/shoal
 WORKDIR /src
 # Only what the build reads: each folder holds one part of the `shoal` namespace package
 # (pyproject.toml; hatchling builds the wheel from all four).
@@ -22,8 +23,12 @@ COPY consumer ./consumer
 COPY operator ./operator
 COPY analytics ./analytics
 # A regular (not editable) install without the test extra; pip compiles the bytecode here,
-# since the running image cannot write it.
-RUN /opt/shoal/bin/pip install . \
+# since the running image cannot write it. Behind a TLS-inspecting proxy, pass its CA
+# bundle as the build secret pip-ca (scripts/build-image.sh does, from PIP_CERT or
+# SSL_CERT_FILE): mounted for this step only, it never lands in a layer.
+RUN --mount=type=secret,id=pip-ca \
+    if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
+ && /opt/shoal/bin/pip install . \
  && cd / \
  && /opt/shoal/bin/python -c "import shoal.operator.reconciler, shoal.consumer.cli" \
  && /opt/shoal/bin/shoal-operator --help >/dev/null \

@@ -1,7 +1,8 @@
 # Shoal: build, test, demo and benchmark entry points.
 #
 #   make test       lint + typecheck + every pytest test (unit and e2e; starts real servers)
-#   make test-fast  unit tests only (pytest -m "not e2e and not spark"; no servers, no JVM)
+#   make test-fast  unit tests only (pytest -m "not e2e and not spark and not image")
+#   make image      build the image with buildah (scripts/build-image.sh) and test it
 #   make lint       ruff check + ruff format --check
 #   make typecheck  mypy --strict on the shoal packages and the harness
 #   make faults     the fault suite (faults/): one fault per scenario on a real group under
@@ -9,7 +10,7 @@
 #   make bench      run every bench/*.py; JSON lines go to bench/results/<time>/<name>.jsonl
 #   make demo       python -m harness.kubedemo: the local control plane, helm, a ConsumerGroup
 #   make demo-local python -m harness.demo against real servers (DEMO_ARGS=... to pass options)
-#   make servers    only make sure nats-server and etcd are available and print their paths
+#   make servers    only make sure nats-server, etcd and promtool are available; print their paths
 #   make venv       (implied by the others) .venv with `pip install -e '.[test,analytics]'`
 #   make clean      remove .venv, .tmp, caches and build metadata (keeps bench/results)
 #
@@ -35,17 +36,20 @@ STAMP := $(VENV)/.shoal-installed
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-# Runs before recipes that need the servers: makes sure both binaries exist (building
-# nats-server on first use) and exports their paths for harness/src/harness/servers.py.
+# Runs before recipes that need the servers: makes sure the binaries exist (building
+# nats-server on first use; Debian's etcd-server and prometheus packages) and exports their
+# paths for harness/src/harness/servers.py and the promtool / Prometheus tests.
 define servers_env
 nats="$${SHOAL_NATS_SERVER:-$$(bash scripts/ensure-nats-server.sh $(NATS_SERVER_VERSION) | tail -n1)}"; \
 etcd="$${SHOAL_ETCD:-$$(bash scripts/ensure-etcd.sh | tail -n1)}"; \
+promtool="$${SHOAL_PROMTOOL:-$$(bash scripts/ensure-prometheus.sh | tail -n1)}"; \
 echo "nats-server: $$nats ($$("$$nats" --version 2>&1 | head -n1))"; \
 echo "etcd: $$etcd ($$("$$etcd" --version 2>&1 | head -n1))"; \
-export SHOAL_NATS_SERVER="$$nats" SHOAL_ETCD="$$etcd";
+echo "promtool: $$promtool ($$("$$promtool" --version 2>&1 | head -n1))"; \
+export SHOAL_NATS_SERVER="$$nats" SHOAL_ETCD="$$etcd" SHOAL_PROMTOOL="$$promtool";
 endef
 
-.PHONY: venv test test-fast faults lint typecheck bench demo demo-local servers clean tools cluster-up cluster-down
+.PHONY: venv test test-fast faults lint typecheck bench demo demo-local servers clean tools cluster-up cluster-down image
 
 venv: $(STAMP)
 
@@ -73,9 +77,15 @@ lint: venv
 typecheck: venv
 	$(PYM) mypy
 
+# Everything but the image build, which has its own target (root, minutes of CPU).
 test: lint typecheck tools
 	@$(servers_env) \
-	$(PYM) pytest $(PYTEST_ARGS)
+	$(PYM) pytest -m "not image" $(PYTEST_ARGS)
+
+# The image, built with buildah on a debootstrapped bookworm base (scripts/build-image.sh),
+# then checked: both commands as the non-root user, no build leftovers, its size.
+image: venv
+	$(PYM) pytest -m image -s $(PYTEST_ARGS)
 
 # kube-apiserver, kube-controller-manager, kubectl, etcd 3.6, helm and the nats CLI, built
 # with Go once per machine into ~/.cache/shoal (the first build takes a while and says
@@ -92,7 +102,7 @@ cluster-down: venv
 	@$(PYM) harness.localkube down --root .localkube
 
 test-fast: venv
-	$(PYM) pytest -m "not e2e and not spark" $(PYTEST_ARGS)
+	$(PYM) pytest -m "not e2e and not spark and not image" $(PYTEST_ARGS)
 
 # One scenario at a time (they kill and freeze servers, and time their recovery).
 # FAULTS_RESULTS=file to choose where the figures go.

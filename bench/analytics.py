@@ -10,9 +10,16 @@ Figures (one JSON line each on stdout; progress on stderr while it runs):
 * ``generate_s``: writing the logs (not part of either engine's figure); rows, lines, MB.
 * ``spark_startup_s``: starting the JVM and the session.
 * ``spark_report_s``: the Spark report (read, parse, metrics, tables, summary, HTML) on a
-  running session; ``rows_per_s`` = ownership rows / that time; ``with_startup_s`` too.
+  running session, once per ``--master`` (default ``local[2]`` then ``local[1]``);
+  ``rows_per_s`` = ownership rows / that time; ``with_startup_s`` too. Target (issue 13):
+  at most 45 s for 10M rows on ``local[2]``.
 * ``pandas_report_s``: the same report with the pandas engine; ``rows_per_s``, peak RSS.
+* ``spark_over_pandas``: pandas time / Spark time on the first master (target 1.5 at 2M
+  rows and below, above 1 beyond).
+* ``core_speedup``: ``local[1]`` time / ``local[2]`` time when both ran (target 1.6).
 * ``engines_agree``: both summaries give the same numbers (ok true/false).
+* ``load_before`` / ``load_after``: the 1-minute load average, since other work on the
+  machine skews every figure.
 * ``churn_ratio``: moves / minimum per strategy, from the report (sticky ~1, modulo ~3).
 
 Run: ``python bench/analytics.py`` (``make bench`` runs it with the others). ``--rows``
@@ -44,12 +51,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rows", type=int, default=10_000_000, help="ownership rows")
     parser.add_argument("--partitions", type=int, default=128)
     parser.add_argument("--groups", type=int, default=4, help="groups per strategy")
-    parser.add_argument("--master", default="local[2]", help="Spark master")
+    parser.add_argument(
+        "--master",
+        action="append",
+        help="Spark master, repeatable; each runs the same report on the same logs "
+        "(default: local[2], then local[1])",
+    )
     parser.add_argument("--driver-memory", default="4g")
     parser.add_argument("--skip-pandas", action="store_true", help="Spark only")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
-    parser.add_argument("--strict", action="store_true", help="exit 1 if the engines disagree")
-    return parser.parse_args(argv)
+    parser.add_argument("--strict", action="store_true", help="exit 1 if a target is missed")
+    args = parser.parse_args(argv)
+    args.master = args.master or ["local[2]", "local[1]"]
+    return args
 
 
 def _write(spec: HistorySpec, out: Path) -> tuple[str, int, float]:
@@ -95,29 +109,23 @@ def _figures(summary: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run(args: argparse.Namespace, root: Path) -> None:
+def _spark_run(
+    args: argparse.Namespace, master: str, logs: Path, out: Path, rows: int
+) -> tuple[float, dict[str, Any]]:
     from shoal.analytics.report import run_report
     from shoal.analytics.session import spark_session, stop_spark
 
-    logs = root / "logs"
-    rows = generate(args, logs)
-
     started = time.monotonic()
-    spark = spark_session(
-        args.master,
-        driver_memory=args.driver_memory,
-        conf={"spark.ui.showConsoleProgress": "true"},  # stage progress bars on stderr
-    )
+    spark = spark_session(master, driver_memory=args.driver_memory)
     startup = time.monotonic() - started
     emit(BENCH, "spark_startup_s", startup, master=spark.sparkContext.master)
     try:
         started = time.monotonic()
-        from_spark = run_report(
-            str(logs), root / "spark", engine="spark", spark=spark, progress=note
-        )
+        summary = run_report(str(logs), out, engine="spark", spark=spark, progress=note)
         wall = time.monotonic() - started
     finally:
         stop_spark(spark)
+    target = 45.0 if master == "local[2]" and rows >= 10_000_000 else None
     emit(
         BENCH,
         "spark_report_s",
@@ -125,9 +133,32 @@ def run(args: argparse.Namespace, root: Path) -> None:
         rows=rows,
         rows_per_s=rows / wall,
         with_startup_s=wall + startup,
-        master=args.master,
-        generations=from_spark["input_stats"]["used"],
+        master=master,
+        generations=summary["input_stats"]["used"],
+        **({"target": target, "ok": wall <= target} if target else {}),
     )
+    return wall, summary
+
+
+def _load(figure: str) -> None:
+    one, five, fifteen = os.getloadavg()
+    emit(BENCH, figure, one, load_5m=five, load_15m=fifteen, cpus=os.cpu_count())
+
+
+def run(args: argparse.Namespace, root: Path) -> None:
+    from shoal.analytics.report import run_report
+
+    logs = root / "logs"
+    rows = generate(args, logs)
+    _load("load_before")
+
+    walls: dict[str, float] = {}
+    from_spark: dict[str, Any] = {}
+    for i, master in enumerate(args.master):
+        walls[master], summary = _spark_run(args, master, logs, root / f"spark-{i}", rows)
+        if i == 0:
+            from_spark = summary
+    first = args.master[0]
     for strategy, figures in from_spark["by_strategy"].items():
         emit(
             BENCH,
@@ -139,17 +170,31 @@ def run(args: argparse.Namespace, root: Path) -> None:
                 for k in ("generations", "moves", "min_moves", "max_skew", "mean_skew")
             },
         )
-    if args.skip_pandas:
-        return
-    started = time.monotonic()
-    from_pandas = run_report(str(logs), root / "pandas", engine="pandas", progress=note)
-    wall = time.monotonic() - started
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    emit(BENCH, "pandas_report_s", wall, rows=rows, rows_per_s=rows / wall, peak_rss_mb=peak_mb)
-    same = _figures(from_spark) == _figures(from_pandas) and (
-        from_spark["input_stats"] == from_pandas["input_stats"]
-    )
-    emit(BENCH, "engines_agree", int(same), ok=same, spark=_figures(from_spark))
+    if "local[1]" in walls and "local[2]" in walls:
+        speedup = walls["local[1]"] / walls["local[2]"]
+        emit(BENCH, "core_speedup", speedup, rows=rows, target=1.6, ok=speedup >= 1.6)
+    if not args.skip_pandas:
+        started = time.monotonic()
+        from_pandas = run_report(str(logs), root / "pandas", engine="pandas", progress=note)
+        wall = time.monotonic() - started
+        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        emit(BENCH, "pandas_report_s", wall, rows=rows, rows_per_s=rows / wall, peak_rss_mb=peak_mb)
+        ratio = wall / walls[first]
+        target = 1.5 if rows <= 2_000_000 else 1.0
+        emit(
+            BENCH,
+            "spark_over_pandas",
+            ratio,
+            rows=rows,
+            master=first,
+            target=target,
+            ok=ratio >= target if rows <= 2_000_000 else ratio > target,
+        )
+        same = _figures(from_spark) == _figures(from_pandas) and (
+            from_spark["input_stats"] == from_pandas["input_stats"]
+        )
+        emit(BENCH, "engines_agree", int(same), ok=same, spark=_figures(from_spark))
+    _load("load_after")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -111,10 +111,11 @@ def test_example_gets_defaults_columns_and_scales(crd: LocalKube) -> None:
         assert "etcd" not in spec
 
         header, row = crd.kubectl("get", "cg", "-n", "default").stdout.strip().splitlines()
-        assert header.split() == ["NAME", "REPLICAS", "READY", "LEADER", "SKEW", "LAG", "AGE"]
+        columns = ["NAME", "REPLICAS", "READY", "LEADER", "STATUS", "SKEW", "LAG", "AGE"]
+        assert header.split() == columns
         assert row.split()[:2] == ["orders", "3"]
         wide = crd.kubectl("get", "cg", "orders", "-n", "default", "-o", "wide").stdout
-        assert wide.split()[7:10] == ["PARTITIONS", "MIN", "MAX"]
+        assert wide.split()[8:11] == ["PARTITIONS", "MIN", "MAX"]
 
         # Through the scale subresource: works before the operator has set status.selector.
         scale = get_json(crd, "cg", "orders", "-n", "default", "--subresource=scale")

@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness.kubetest import condition, get_json, wait_until
+from harness.kubetest import adopt_crd_for_helm, condition, get_json, wait_until
 from harness.localkube.plane import LocalKube
 from harness.servers import free_port
 from harness.waiting import eventually
+from shoal.contracts.names import DELETION_COST_ANNOTATION
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
@@ -173,6 +174,8 @@ def test_install_run_a_group_test_and_uninstall(localkube: LocalKube, chart: Pat
 
 
 def _install_run_a_group_test_and_uninstall(plane: LocalKube, chart: Path) -> None:
+    # The chart manages the CRD; other suites may have applied it with kubectl already.
+    adopt_crd_for_helm(plane, RELEASE, RELEASE_NS)
     # Pods share the host's loopback: the liveness endpoint gets a free port, not 8080.
     started = time.monotonic()
     helm(
@@ -256,8 +259,23 @@ def _install_run_a_group_test_and_uninstall(plane: LocalKube, chart: Path) -> No
     assert status["skew"] <= 1
     assert status["members"] == 2 and status["readyReplicas"] == 2
 
+    # The leader marks its members' pods with pod-deletion-cost (its own highest) through
+    # the chart's consumer-pod policy, which lets exactly that through.
+    leader_pod = wait_until(
+        lambda: (
+            (p := get_json(plane, "pod", status["leader"], "-n", DEMO_NS))
+            and DELETION_COST_ANNOTATION in p["metadata"].get("annotations", {})
+            and p
+        ),
+        30,
+        "the leader to mark its pod with pod-deletion-cost",
+    )
+    assert int(leader_pod["metadata"]["annotations"][DELETION_COST_ANNOTATION]) > 0
+    for pod_log in (plane.root / "logs" / "pods").glob(f"{DEMO_NS}_{GROUP}-consumer-*.log"):
+        assert "Forbidden" not in pod_log.read_text(errors="replace"), pod_log.name
+
     header, row = kubectl(plane, "get", "cg", "-n", DEMO_NS).stdout.strip().splitlines()
-    assert header.split() == ["NAME", "REPLICAS", "READY", "LEADER", "SKEW", "LAG", "AGE"]
+    assert header.split() == ["NAME", "REPLICAS", "READY", "LEADER", "STATUS", "SKEW", "LAG", "AGE"]
     assert row.split()[:3] == [GROUP, "2", "2"]
     assert row.split()[3].startswith(f"{GROUP}-consumer-")
     described = wait_until(
@@ -302,7 +320,7 @@ def _install_run_a_group_test_and_uninstall(plane: LocalKube, chart: Path) -> No
     for refusal in ("Forbidden", "Not enough permissions"):
         assert refusal not in log, log[-4000:]
 
-    # ... then the release: nothing of it is left, the CRD stays (Helm never deletes crds/).
+    # ... then the release: nothing of it is left, the CRD stays (crds.keep, the default).
     helm(plane, "uninstall", RELEASE, "-n", RELEASE_NS, "--wait", "--timeout", "120s")
     assert helm(plane, "list", "-n", RELEASE_NS, "-q").stdout.strip() == ""
     wait_until(

@@ -91,6 +91,7 @@ def test_a_group_becomes_ready_scales_and_deletes(localkube: LocalKube, operator
         "REPLICAS",
         "READY",
         "LEADER",
+        "STATUS",
         "SKEW",
         "LAG",
         "AGE",

@@ -46,7 +46,8 @@ def spark() -> Iterator[SparkSession]:
 def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("logs")
     write_edge_cases(root / "edge")
-    bad = {"malformed": 4, "unknown_schema": 2, "out_of_order": 3}
+    # Seven malformed lines per group: one of each kind corrupt() writes.
+    bad = {"malformed": 7, "unknown_schema": 2, "out_of_order": 3}
     for i, spec in enumerate(specs_for(2, 120, seed=5, empty_weight=3)):
         write_history(history(spec), root / "synthetic", bad=bad, seed=i, max_lines=50)
     return root
@@ -90,12 +91,30 @@ def assert_same_table(name: str, got: pd.DataFrame, want: pd.DataFrame) -> None:
             )
 
 
+def what_is_malformed(frame: pd.DataFrame) -> pd.DataFrame:
+    """Problems with the detail of malformed lines cut to what it names first: "not JSON",
+    "not a JSON object", or the first invalid field. The wording after that is pydantic's
+    in the oracle and Spark's in the job; the rest of a problem row must be the same."""
+    frame = frame.copy()
+    malformed = frame["kind"] == "malformed"
+    frame.loc[malformed, "detail"] = [
+        str(d).split(":")[0].split(" (")[0].split(".")[0] for d in frame.loc[malformed, "detail"]
+    ]
+    return frame
+
+
 @pytest.mark.parametrize("name", list(COLUMNS))
 def test_spark_tables_match_the_oracle(
     name: str, spark_out: tuple[Path, dict[str, Any]], oracle: Computed
 ) -> None:
     out, _ = spark_out
-    assert_same_table(name, pd.read_parquet(out / "tables" / name), oracle.tables[name])
+    got, want = pd.read_parquet(out / "tables" / name), oracle.tables[name]
+    if name == "problems":
+        got, want = what_is_malformed(got), what_is_malformed(want)
+        assert {"not JSON", "not a JSON object", "members", "ts", "reason"} <= set(
+            want.loc[want["kind"] == "malformed", "detail"]
+        )
+    assert_same_table(name, got, want)
 
 
 def test_the_input_is_rich_enough(oracle: Computed) -> None:

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from shoal.consumer.config import ENV_FIELDS, GroupConfig, config_from_env
-from shoal.contracts.names import default_stream_name, default_subject_prefix
+from shoal.contracts.names import GROUP_LABEL, default_stream_name, default_subject_prefix
 from shoal.operator.builders import (
     ETCD_SECRET_VERSION,
     READY_FILE,
@@ -517,6 +517,76 @@ def test_security_context_is_locked_down_with_a_writable_tmp() -> None:
     assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
 
 
+ZONE_SPREAD = {
+    "maxSkew": 1,
+    "topologyKey": "topology.kubernetes.io/zone",
+    "whenUnsatisfiable": "ScheduleAnyway",
+}
+
+
+def placed_spec() -> dict[str, Any]:
+    return {
+        **minimal_spec(),
+        "podLabels": {"team": "payments", GROUP_LABEL: "someone-else"},
+        "podAnnotations": {"mesh.example/inject": "false", ETCD_SECRET_VERSION: "forged"},
+        "nodeSelector": {"pool": "consumers"},
+        "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "shoal"}],
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {"matchExpressions": [{"key": "arch", "operator": "In", "values": ["x"]}]}
+                    ]
+                }
+            }
+        },
+        "topologySpreadConstraints": [
+            ZONE_SPREAD,
+            {**ZONE_SPREAD, "topologyKey": "kubernetes.io/hostname", "labelSelector": {}},
+        ],
+        "priorityClassName": "shoal-consumers",
+    }
+
+
+def test_placement_fields_reach_the_pod_spec() -> None:
+    spec = placed_spec()
+    pod = pod_spec(build_deployment(NAME, NAMESPACE, spec, SETTINGS))
+    assert pod["nodeSelector"] == {"pool": "consumers"}
+    assert pod["tolerations"] == spec["tolerations"]
+    assert pod["affinity"] == spec["affinity"]
+    assert pod["priorityClassName"] == "shoal-consumers"
+    by_zone, by_host = pod["topologySpreadConstraints"]
+    # Without a selector a constraint would count no pods: it gets the group's own ...
+    assert by_zone == {**ZONE_SPREAD, "labelSelector": {"matchLabels": selector(NAME)}}
+    # ... and one the user wrote (even an empty one) is left as written.
+    assert by_host["labelSelector"] == {}
+    # The spec itself is not changed by the defaulting.
+    assert "labelSelector" not in spec["topologySpreadConstraints"][0]
+
+
+def test_unset_placement_fields_are_left_out_of_the_pod_spec() -> None:
+    deployment = build_deployment(NAME, NAMESPACE, minimal_spec(), SETTINGS)
+    pod = pod_spec(deployment)
+    for field in (
+        "nodeSelector",
+        "tolerations",
+        "affinity",
+        "topologySpreadConstraints",
+        "priorityClassName",
+    ):
+        assert field not in pod, field
+    assert "annotations" not in deployment["spec"]["template"]["metadata"]
+
+
+def test_pod_labels_and_annotations_never_override_the_operators() -> None:
+    deployment = build_deployment(NAME, NAMESPACE, placed_spec(), SETTINGS, "41")
+    meta = deployment["spec"]["template"]["metadata"]
+    assert meta["labels"] == {"team": "payments", **labels(NAME)}
+    # The selector still matches the pods, so the Deployment keeps owning them.
+    assert selector(NAME).items() <= meta["labels"].items()
+    assert meta["annotations"] == {"mesh.example/inject": "false", ETCD_SECRET_VERSION: "41"}
+
+
 def test_pods_run_as_the_groups_service_account() -> None:
     deployment = build_deployment(NAME, NAMESPACE, minimal_spec(), SETTINGS)
     sa = build_service_account(NAME, NAMESPACE)
@@ -633,6 +703,23 @@ def test_settings_defaults() -> None:
     assert s.etcd_endpoints == "etcd:2379"
     assert s.drain_timeout_seconds == 30
     assert s.watch_namespaces == []
+    assert s.consumer_metrics_port is None
+
+
+@pytest.mark.parametrize(
+    ("port", "declared"), [(None, None), (0, None), (9102, 9102)], ids=["off", "any", "fixed"]
+)
+def test_consumer_metrics_port(port: int | None, declared: int | None) -> None:
+    settings = OperatorSettings(consumer_metrics_port=port)
+    deployment = build_deployment(NAME, NAMESPACE, minimal_spec(), settings)
+    env = resolve(container(deployment)["env"])
+    assert env.get("SHOAL_METRICS_PORT") == (None if port is None else str(port))
+    assert config_from_env(env).metrics_port == port
+    ports = container(deployment).get("ports")
+    if declared is None:
+        assert ports is None
+    else:
+        assert ports == [{"name": "metrics", "containerPort": declared, "protocol": "TCP"}]
 
 
 def test_settings_from_env() -> None:

@@ -1,7 +1,9 @@
 """The Helm chart's copies of what lives elsewhere, checked without a cluster.
 
-The CRD's single source of truth is the top-level crds/consumergroup.yaml; Helm only
-installs CRDs from the chart's own crds/ folder, so the chart carries a byte copy. And the
+The CRD's single source of truth is the top-level crds/consumergroup.yaml; a chart can
+only read files inside itself, so the chart carries a byte copy in files/crds/, which
+templates/crd.yaml renders (e2e/test_chart.py proves the rendered CRD equals the source,
+and e2e/test_helm_upgrade.py that `helm upgrade` updates it). And the
 operator creates a Role for each group's pods: Kubernetes refuses that unless the operator
 holds every permission the Role grants, so the chart's rules must cover build_role's.
 """
@@ -20,7 +22,7 @@ from shoal.operator.builders import build_role
 REPO = Path(__file__).resolve().parent.parent
 SOURCE = REPO / "crds" / "consumergroup.yaml"
 CHART = REPO / "charts" / "shoal"
-COPY = CHART / "crds" / "consumergroup.yaml"
+COPY = CHART / "files" / "crds" / "consumergroup.yaml"
 HELPERS = CHART / "templates" / "_helpers.tpl"
 
 
@@ -38,10 +40,16 @@ def test_chart_crd_is_a_copy_of_the_top_level_crd() -> None:
         )
     )
     raise AssertionError(
-        "charts/shoal/crds/consumergroup.yaml differs from crds/consumergroup.yaml (the "
-        "source of truth); copy it:\n\n    cp crds/consumergroup.yaml charts/shoal/crds/\n\n"
-        + diff[:4000]
+        "charts/shoal/files/crds/consumergroup.yaml differs from crds/consumergroup.yaml "
+        "(the source of truth); copy it:\n\n"
+        "    cp crds/consumergroup.yaml charts/shoal/files/crds/\n\n" + diff[:4000]
     )
+
+
+def test_the_chart_ships_no_crds_folder() -> None:
+    # Helm would install a crds/ copy before the templates and never upgrade it; with the
+    # template rendering the same CRD, the install would also fail on "already exists".
+    assert not (CHART / "crds").exists(), "the CRD belongs in files/crds/ (templates/crd.yaml)"
 
 
 def chart_operator_rules() -> list[dict[str, Any]]:

@@ -100,6 +100,40 @@ def summary(found: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
             id="unclaimed",
         ),
         pytest.param(
+            # A member joined: registered and ready, the leader has not given it a share.
+            {
+                "spec_replicas": 4,
+                "replicas": 4,
+                "ready_replicas": 4,
+                "members": {"c-0": 43, "c-1": 43, "c-2": 42, "c-3": 0},
+            },
+            ("True", "GroupReady"),
+            ("True", "Rebalancing"),
+            ("False", "AsExpected"),
+            id="member-joined",
+        ),
+        pytest.param(
+            # The new assignment is written; partitions are being handed over.
+            {"moving": 32},
+            ("True", "GroupReady"),
+            ("True", "Rebalancing"),
+            ("False", "AsExpected"),
+            id="hand-over",
+        ),
+        pytest.param(
+            # c-2 left: the assignment still names it for its 42 partitions.
+            {
+                "spec_replicas": 2,
+                "replicas": 2,
+                "ready_replicas": 2,
+                "members": {"c-0": 43, "c-1": 43},
+            },
+            ("True", "GroupReady"),
+            ("True", "Rebalancing"),
+            ("False", "AsExpected"),
+            id="member-left",
+        ),
+        pytest.param(
             {"problem": ("NatsUnavailable", "JetStream at nats://x: timeout")},
             ("False", "NatsUnavailable"),
             ("False", "Stable"),
@@ -251,6 +285,30 @@ def test_status_fields() -> None:
     assert st["lag"] == 17
     assert summary(st["conditions"])["Ready"] == ("True", "GroupReady")
     assert {c["lastTransitionTime"] for c in st["conditions"]} == {T0}
+
+
+def test_skew_is_left_out_while_rebalancing_and_the_condition_says_why() -> None:
+    joined = observed(
+        spec_replicas=4,
+        replicas=4,
+        ready_replicas=4,
+        members={"c-0": 43, "c-1": 43, "c-2": 42, "c-3": 0},
+        moving=0,
+    )
+    st = status(joined, [], T0)
+    # None: the status patch deletes the field, so `kubectl get cg` shows no skew of 43.
+    assert st["skew"] is None
+    assert st["partitionsPerMember"] == {"min": 0, "max": 43}
+    progressing = by_type(st["conditions"])["Progressing"]
+    assert progressing["message"] == "Rebalancing: 0 of 128 partitions moving between 4 members"
+    handing_over = status(observed(moving=32), [], T0)
+    assert handing_over["skew"] is None
+    assert (
+        "32 of 128 partitions moving"
+        in by_type(handing_over["conditions"])["Progressing"]["message"]
+    )
+    # Settled again: the skew is back.
+    assert status(observed(), [], T0)["skew"] == 1
 
 
 def test_status_without_members_or_lag() -> None:

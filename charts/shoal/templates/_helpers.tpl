@@ -134,13 +134,25 @@ holds those permissions itself rather than the broader `escalate` and `bind` ver
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "patch"]
-# A group's spec.etcd.tlsSecret: the operator reads it by name to reach the group's etcd
-# (status, and clearing etcd on deletion). Only get: it never lists or watches Secrets,
-# so it sees only those the groups name. Names are the users' choice, so resourceNames
-# cannot narrow this; watchNamespaces confines it to those namespaces.
+{{- end }}
+
+{{/*
+A group's spec.etcd.tlsSecret: the operator reads it by name to reach the group's etcd
+(status, and clearing etcd on deletion). Only get: it never lists or watches Secrets, so
+it reads only those the groups name. That is as far as RBAC goes: it cannot follow what
+each group names, and the operator cannot grant itself a per-group Role for the named
+Secret (escalation prevention: it would need to hold that get already). resourceNames
+narrows it when the platform fixes the names (rbac.secretNames); watchNamespaces confines
+it to those namespaces.
+*/}}
+{{- define "shoal.secretRules" -}}
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get"]
+  {{- with .Values.rbac.secretNames }}
+  resourceNames:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
 {{- end }}
 
 {{/*

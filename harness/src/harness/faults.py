@@ -293,7 +293,7 @@ class FaultGroup:
             # Several (an EtcdCluster's): the members get all of them, in order.
             etcd_endpoints=etcd_endpoints or etcd_server.endpoint,
             handler=handler,
-            ledger=True,
+            ledger=True,  # the audit reads the ledger handler's records
             # The durables are created with the members' ack_wait.
             ack_wait=float({**MEMBER_ENV, **(env or {})}["SHOAL_ACK_WAIT"]),
         )

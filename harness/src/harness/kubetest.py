@@ -8,7 +8,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,10 @@ def create_namespace(plane: LocalKube, name: str) -> None:
 
 @contextlib.contextmanager
 def operator_process(
-    plane: LocalKube, namespaces: Sequence[str], log_path: Path
+    plane: LocalKube,
+    namespaces: Sequence[str],
+    log_path: Path,
+    extra_env: Mapping[str, str] | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """`shoal-operator` as a local process watching `namespaces`, stopped on exit.
 
@@ -71,6 +74,7 @@ def operator_process(
         "SHOAL_OPERATOR_IMAGE": "shoal:dev",
         "NATS_URL": plane.state.nats_url,
         "ETCD_ENDPOINTS": plane.state.etcd_endpoint,
+        **(extra_env or {}),
     }
     args = [a for ns in namespaces for a in ("--namespace", ns)]
     with log_path.open("wb") as out:
@@ -97,3 +101,24 @@ def operator_process(
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+def adopt_crd_for_helm(plane: LocalKube, release: str, namespace: str) -> None:
+    """Let a Helm release take over the ConsumerGroup CRD if it already exists.
+
+    Other suites on the session's plane apply the CRD with kubectl, and Helm refuses to
+    install over an object it does not own ("invalid ownership metadata"). These are the
+    label and annotations Helm checks: the same step a cluster upgrading from a chart that
+    shipped the CRD in crds/ needs (README, "Upgrading").
+    """
+    crd = "crd/consumergroups.shoal.dev"
+    if plane.kubectl("get", crd, check=False).returncode != 0:
+        return
+    plane.kubectl("label", "--overwrite", crd, "app.kubernetes.io/managed-by=Helm")
+    plane.kubectl(
+        "annotate",
+        "--overwrite",
+        crd,
+        f"meta.helm.sh/release-name={release}",
+        f"meta.helm.sh/release-namespace={namespace}",
+    )

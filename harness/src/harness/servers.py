@@ -26,12 +26,13 @@ import subprocess
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import ClassVar, Self
+from typing import Any, ClassVar, Self
 
 from harness.waiting import WaitTimeout, eventually
 
@@ -506,3 +507,70 @@ class NatsServer(ServerProcess):
         except (OSError, ValueError):
             return False
         return status == 200
+
+
+class PrometheusServer(ServerProcess):
+    """A Prometheus on 127.0.0.1 (a free port), its TSDB and config in `workdir`.
+
+    The binary comes from Debian's prometheus package (scripts/ensure-prometheus.sh) or
+    SHOAL_PROMETHEUS. `config` is the prometheus.yml to run with; file_sd files it names
+    may be rewritten while it runs (Prometheus watches them).
+    """
+
+    name = "prometheus"
+    env_var = "SHOAL_PROMETHEUS"
+    ensure_script = "scripts/ensure-prometheus.sh"
+
+    port: int
+
+    def __init__(
+        self,
+        workdir: str | os.PathLike[str],
+        config: str,
+        binary: str | os.PathLike[str] | None = None,
+    ):
+        super().__init__(workdir, binary)
+        self.config = config
+
+    def _allocate_ports(self) -> None:
+        self.port = free_port()
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def _reset_data(self) -> None:
+        shutil.rmtree(self.workdir / "data", ignore_errors=True)
+
+    def _command(self) -> list[str]:
+        config = self.workdir / "prometheus.yml"
+        config.write_text(self.config)
+        return [
+            self.binary,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={self.workdir / 'data'}",
+            f"--web.listen-address={HOST}:{self.port}",
+        ]
+
+    def _is_ready(self) -> bool:
+        try:
+            status, _ = _http_get(f"{self.url}/-/ready")
+        except (OSError, ValueError):
+            return False
+        return status == 200
+
+    def api(self, path: str, **params: str) -> Any:
+        """The `data` of an HTTP API answer, e.g. api("query", query=...), api("rules")."""
+        url = f"{self.url}/api/v1/{path}"
+        if params:
+            url += "?" + urllib.parse.urlencode(params)
+        status, body = _http_get(url, timeout=10.0)
+        answer = json.loads(body)
+        if status != 200 or answer.get("status") != "success":
+            raise RuntimeError(f"{path} {params} failed: {status} {body[:500]!r}")
+        return answer["data"]
+
+    def query(self, promql: str) -> list[dict[str, Any]]:
+        """An instant query's result vector (raises on an API error)."""
+        result: list[dict[str, Any]] = self.api("query", query=promql)["result"]
+        return result

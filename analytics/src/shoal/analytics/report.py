@@ -143,53 +143,68 @@ def _spark_data(
 ) -> ReportData:
     from pyspark.sql import functions as F
 
+    from shoal.analytics.progress import StageProgress, Steps
     from shoal.analytics.spark_job import compute, input_stats, to_pandas, write_table
 
+    steps = Steps()
     started = time.monotonic()
 
     def step(what: str) -> None:
         progress(f"spark: {what} ({time.monotonic() - started:.1f} s)")
 
-    report = compute(spark, input_path)
-    try:
-        # The big tables and the problems (any number of bad lines) are written by Spark;
-        # the others are collected, written with pandas and drawn.
-        for name in (*BIG_TABLES, "problems"):
-            write_table(report, name, str(out), progress)
-        small: dict[str, pd.DataFrame] = {}
-        for name in ("generations", "groups", "reasons", "by_strategy"):
-            small[name] = to_pandas(report.tables[name], name)
-            _write_parquet(small[name], out, name)
-            step(f"collected {name}")
-        small["problems"] = to_pandas(
-            report.tables["problems"].orderBy("file", "line").limit(LISTED_PROBLEMS), "problems"
-        )
-        stats = input_stats(report)
-        step("counted the input")
-        selection = _heatmap_selection(small["generations"])
-        heatmap = pd.DataFrame(columns=COLUMNS["member_counts"])
-        if not selection.empty:
-            chosen = spark.createDataFrame(selection)
-            heatmap = to_pandas(
-                report.tables["member_counts"].join(
-                    F.broadcast(chosen), ["namespace", "group", "generation"]
-                ),
-                "member_counts",
-            )
-        total = int(small["generations"]["handovers"].sum())
-        sample = report.handover.select("strategy", "handover_ms")
-        if total > HANDOVER_SAMPLE:
-            sample = sample.sample(False, HANDOVER_SAMPLE / total, seed=1)
-        handover = sample.toPandas() if total else pd.DataFrame(columns=["strategy", "handover_ms"])
-        totals = (
-            report.tables["member_churn"]
-            .groupBy("namespace", "group", "member")
-            .agg(F.sum("gained").alias("gained"), F.sum("lost").alias("lost"))
-            .toPandas()
-        )
-        step("collected the plots' data")
-    finally:
-        report.unpersist()
+    with StageProgress(spark.sparkContext, progress):
+        with steps.step("plan"):
+            report = compute(spark, input_path)
+        try:
+            # The big tables and the problems (any number of bad lines) are written by
+            # Spark; the others are collected, written with pandas and drawn.
+            for name in (*BIG_TABLES, "problems"):
+                with steps.step(f"write {name}"):
+                    write_table(report, name, str(out), progress)
+            small: dict[str, pd.DataFrame] = {}
+            for name in ("generations", "groups", "reasons", "by_strategy"):
+                with steps.step(f"collect {name}"):
+                    small[name] = to_pandas(report.tables[name], name)
+                    _write_parquet(small[name], out, name)
+                step(f"collected {name}")
+            with steps.step("collect problems, count the input"):
+                small["problems"] = to_pandas(
+                    report.tables["problems"].orderBy("file", "line").limit(LISTED_PROBLEMS),
+                    "problems",
+                )
+                stats = input_stats(report)
+            step("counted the input")
+            with steps.step("collect the plots' data"):
+                selection = _heatmap_selection(small["generations"])
+                heatmap = pd.DataFrame(columns=COLUMNS["member_counts"])
+                if not selection.empty:
+                    chosen = spark.createDataFrame(selection)
+                    heatmap = to_pandas(
+                        report.tables["member_counts"].join(
+                            F.broadcast(chosen), ["namespace", "group", "generation"]
+                        ),
+                        "member_counts",
+                    )
+                total = int(small["generations"]["handovers"].sum())
+                sample = report.handover.select("strategy", "handover_ms")
+                if total > HANDOVER_SAMPLE:
+                    sample = sample.sample(False, HANDOVER_SAMPLE / total, seed=1)
+                handover = (
+                    sample.toPandas()
+                    if total
+                    else pd.DataFrame(columns=["strategy", "handover_ms"])
+                )
+                totals = (
+                    report.tables["member_churn"]
+                    .groupBy("namespace", "group", "member")
+                    .agg(F.sum("gained").alias("gained"), F.sum("lost").alias("lost"))
+                    .toPandas()
+                )
+            step("collected the plots' data")
+        finally:
+            report.unpersist()
+    for line in steps.table():
+        progress(f"spark: {line}")
     return ReportData(
         tables=small,
         stats=stats,

@@ -1,25 +1,43 @@
 """The skew and churn report as a PySpark job.
 
-    PYSPARK_PYTHON=.venv/bin/python spark-submit --master spark://host:7077 \
-        analytics/spark_job.py --input DIR --out DIR
+    spark-submit --master spark://host:7077 analytics/src/shoal/analytics/spark_job.py \
+        --input DIR --out DIR
 
-or ``shoal-analytics report`` (``local[*]`` unless ``--master``). ``PYSPARK_PYTHON`` names a
-Python with ``shoal`` installed (the driver imports it, and the executors parse lines with
-its event model). On a cluster the input and output paths must be visible to every executor
-(a shared mount, NFS, ...).
+or ``shoal-analytics report`` (``local[*]`` unless ``--master``). Only the driver runs
+Python (it needs ``shoal`` installed); executors run Spark's own readers and SQL functions.
+On a cluster the input and output paths must be visible to every executor (a shared mount,
+NFS, ...).
 
 The pipeline, in Spark terms (metric definitions: :mod:`shoal.analytics.metrics`):
 
-1. ``binaryFile`` reads every ``*.jsonl`` file; ``mapInArrow`` parses each file's lines with
-   the shared event model (:func:`shoal.analytics.ingest.parse_file`).
-2. A window per group in read order finds out-of-order events (generation not above an
-   earlier one); the rest, ordered by generation, get their previous generation.
-3. Assignments explode into one row per partition ownership; a window per partition gives
-   each row its previous owner (only from the group's immediately previous generation),
-   hence moves, ownership stints and cumulative churn.
-4. Previous owners grouped by member give each member's holding; ranked per generation,
-   they give the quotas and so the minimum moves.
-5. Aggregations make the per-generation, per-group and per-strategy tables.
+1. :func:`shoal.analytics.spark_input.read_rows`: the text source reads every ``*.jsonl``
+   in splits (``spark.sql.files.maxPartitionBytes``, 128 MB: a 700 MB log is 6 tasks, not
+   one per file), ``from_json`` parses each line with the explicit schema, SQL expressions
+   classify bad lines; ``*.parquet`` comes from the Parquet source. Cached.
+2. A narrow projection of the events (keys, file, line, time) gets the two per-group
+   windows: out of order in read order, then index / previous / next generation. These
+   rows are few bytes each, so a group per task costs nothing; the wide rows meet them
+   again in a broadcast hash join, in the scan's partitions (no shuffle of the arrays).
+3. Assignments explode into one row per partition ownership; a window per
+   (group, partition) gives each row its previous owner (only from the group's immediately
+   previous generation), hence moves and ownership stints. This is the heavy stage: the
+   only shuffle of one row per ownership, hash-partitioned on (namespace, group,
+   partition), which spreads evenly over ``spark.sql.shuffle.partitions`` tasks.
+4. One partial aggregation per (generation, owner, previous owner) (map-side combined, so
+   the shuffle after it is small) gives owner counts, loads, moves and holdings; ranked per
+   generation, the holdings give the quotas and so the minimum moves.
+5. Aggregations make the per-generation, per-group and per-strategy tables; the big tables
+   are written as Parquet by the executors, the small ones collected to the driver.
+
+What was measured so far (2M rows, 15,625 lines, 153 MB, JVM CPU seconds on a machine
+with other load, so only the proportions mean much): the text scan alone 3 s; from_json
+with the scalar fields 4 s, with the three 128-entry maps 13 s (Jackson builds every map
+entry); Spark's lambda functions (transform/exists/array_sort with a comparator) were
+interpreted and cost 40 s on top, hence the built-in array functions only. The read side of
+``explain()``: FileScan text -> Project (from_json, classification) -> InMemoryRelation,
+then a BroadcastHashJoin with the per-split line counts. Not yet confirmed with
+``explain()`` on a full run: the ownership rows' Exchange hashpartitioning(namespace,
+group, partition) -> Sort -> Window, and their share of the time.
 """
 
 from __future__ import annotations
@@ -28,19 +46,17 @@ import logging
 import os
 import sys
 import time
-import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from shoal.analytics.cli import main as cli
-from shoal.analytics.ingest import PROBLEM_KINDS, ROW_COLUMNS, SPARK_ROW_SCHEMA, parse_file
-from shoal.analytics.layout import relative_name
+from shoal.analytics.ingest import PROBLEM_KINDS
+from shoal.analytics.spark_input import read_rows
 from shoal.analytics.tables import COLUMNS, KEYS, normalize
 
 if TYPE_CHECKING:
     import pandas as pd
-    import pyarrow as pa
     from pyspark.sql import Column, DataFrame, SparkSession
 
 __all__ = ["SparkReport", "compute", "main"]
@@ -50,54 +66,6 @@ log = logging.getLogger(__name__)
 Progress = Callable[[str], None]
 GEN_KEYS = ["namespace", "group", "generation"]
 GROUP_KEYS = ["namespace", "group"]
-ARROW_BATCH_ROWS = 2048
-
-
-def _local_path(uri: str) -> str:
-    parsed = urllib.parse.urlparse(uri)
-    if parsed.scheme in ("", "file"):
-        return urllib.parse.unquote(parsed.path)
-    return uri
-
-
-def _arrow_schema() -> pa.Schema:
-    import pyarrow as pa
-
-    types = {
-        "string": pa.string(),
-        "bigint": pa.int64(),
-        "int": pa.int32(),
-        "boolean": pa.bool_(),
-        "array<string>": pa.list_(pa.string()),
-        "array<int>": pa.list_(pa.int32()),
-        "array<double>": pa.list_(pa.float64()),
-    }
-    return pa.schema([(name, types[kind]) for name, kind in ROW_COLUMNS.items()])
-
-
-def _parser(root: str) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """The mapInArrow function: (path, content) batches in, parsed line rows out."""
-    local_root = _local_path(root)
-
-    def parse(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        import pyarrow as pa
-
-        schema = _arrow_schema()
-        for batch in batches:
-            paths = batch.column("path").to_pylist()
-            contents = batch.column("content")
-            for i, path in enumerate(paths):
-                name = relative_name(local_root, _local_path(path))
-                rows: list[dict[str, Any]] = []
-                for row in parse_file(name, contents[i].as_py()):
-                    rows.append(row)
-                    if len(rows) >= ARROW_BATCH_ROWS:
-                        yield pa.RecordBatch.from_pylist(rows, schema=schema)
-                        rows = []
-                if rows:
-                    yield pa.RecordBatch.from_pylist(rows, schema=schema)
-
-    return parse
 
 
 def _ratio(moves: Column, minimum: Column) -> Column:
@@ -116,7 +84,7 @@ class SparkReport:
     HTML report samples from."""
 
     tables: dict[str, DataFrame]
-    files: DataFrame
+    files: list[str]
     rows: DataFrame
     handover: DataFrame
     cached: list[DataFrame]
@@ -139,24 +107,25 @@ def compute(spark: SparkSession, input_path: str) -> SparkReport:
         cached.append(frame.persist(StorageLevel.MEMORY_AND_DISK))
         return frame
 
-    files = (
-        spark.read.format("binaryFile")
-        .option("recursiveFileLookup", "true")
-        .option("pathGlobFilter", "*.jsonl")
-        .load(input_path)
-    )
-    rows = keep(files.select("path", "content").mapInArrow(_parser(input_path), SPARK_ROW_SCHEMA))
+    # read_rows keeps the parsed lines; rows adds their line numbers (a broadcast join of
+    # a few rows per file split), cheap enough to recompute for each use.
+    rows, files = read_rows(spark, input_path, keep)
 
-    # Out of order: not above every earlier generation of the group, in read order.
+    # The per-group windows (read order, generation order) run on a narrow projection of
+    # the events, a few bytes per generation; the wide rows (three arrays of a value per
+    # partition) are never shuffled by group, which would leave one task per group. They
+    # meet again in a broadcast join on (file, line), in the scan's own partitions.
     ok = rows.filter(col("kind").isNull())
+    order = ok.select(*GEN_KEYS, "file", "line", "ts_us")
+    # Out of order: not above every earlier generation of the group, in read order.
     earlier = (
         Window.partitionBy(*GROUP_KEYS)
         .orderBy("file", "line")
         .rowsBetween(Window.unboundedPreceding, -1)
     )
-    ok = ok.withColumn("prior", F.max("generation").over(earlier))
+    order = order.withColumn("prior", F.max("generation").over(earlier))
     late = col("prior").isNotNull() & (col("generation") <= col("prior"))
-    out_of_order = ok.filter(late).select(
+    out_of_order = order.filter(late).select(
         "file",
         "line",
         F.lit("out_of_order").alias("kind"),
@@ -174,13 +143,19 @@ def compute(spark: SparkSession, input_path: str) -> SparkReport:
     problems = problems.unionByName(out_of_order)
 
     by_generation = Window.partitionBy(*GROUP_KEYS).orderBy("generation")
+    used = keep(
+        order.filter(~late).select(
+            "file",
+            "line",
+            F.row_number().over(by_generation).alias("index"),
+            F.lag("generation").over(by_generation).alias("prev_generation"),
+            F.lag("ts_us").over(by_generation).alias("prev_ts_us"),
+            F.lead("ts_us").over(by_generation).alias("next_ts_us"),
+        )
+    )
     ev = keep(
-        ok.filter(~late)
-        .drop("prior", "file", "line", "kind", "detail")
-        .withColumn("index", F.row_number().over(by_generation))
-        .withColumn("prev_generation", F.lag("generation").over(by_generation))
-        .withColumn("prev_ts_us", F.lag("ts_us").over(by_generation))
-        .withColumn("next_ts_us", F.lead("ts_us").over(by_generation))
+        ok.join(F.broadcast(used), ["file", "line"])
+        .drop("file", "line", "kind", "detail")
         .withColumn("n", F.size("members"))
         .withColumn("P", F.size("parts"))
     )
@@ -502,7 +477,7 @@ def input_stats(report: SparkReport) -> dict[str, int]:
     ).first()
     late = report.tables["problems"].filter(col("kind") == "out_of_order").count()
     stats = {
-        "files": len(report.files.inputFiles()),
+        "files": len(report.files),
         "lines": int(counts["lines"]) if counts else 0,
         "events": int(counts["events"]) if counts else 0,
     }

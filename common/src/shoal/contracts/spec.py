@@ -154,6 +154,15 @@ class ConsumerGroupSpec(_Section):
     handler: str = Field(pattern=HANDLER_PATTERN)
     env: list[dict[str, Any]] = Field(default_factory=list)
     resources: dict[str, Any] = Field(default_factory=dict)
+    # Where and how the consumer pods run: copied into the pod template as written (the
+    # API server validates them there); see shoal.operator.builders.build_deployment.
+    pod_labels: dict[str, str] = Field(default_factory=dict)
+    pod_annotations: dict[str, str] = Field(default_factory=dict)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    affinity: dict[str, Any] = Field(default_factory=dict)
+    topology_spread_constraints: list[dict[str, Any]] = Field(default_factory=list)
+    priority_class_name: str = ""  # empty: the cluster's default priority
     nats: NatsSpec = NatsSpec()
     etcd: EtcdSpec = EtcdSpec()
     autoscaling: AutoscalingSpec = AutoscalingSpec()

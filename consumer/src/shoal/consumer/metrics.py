@@ -7,6 +7,7 @@ interpreter, as in tests and benchmarks, do not collide.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -43,6 +44,20 @@ class Metrics:
             "Pending plus unacknowledged messages over the partitions this member owns",
             registry=r,
         )
+
+    def watch_fencing(self, fenced: Callable[[], bool]) -> None:
+        """Export ``shoal_fenced``, read from `fenced` at every scrape (once per process).
+
+        A gauge read at scrape time rather than set on each change: the member fences
+        itself on the monotonic clock (membership.safe()), even while no loop runs, so
+        there is no event to count; asking at scrape time sees exactly that.
+        """
+        gauge = Gauge(
+            "shoal_fenced",
+            "1 while this member has stopped consuming because it cannot prove its lease",
+            registry=self.registry,
+        )
+        gauge.set_function(lambda: 1.0 if fenced() else 0.0)
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
         """Serve /metrics; port 0 picks a free one. Returns the port."""

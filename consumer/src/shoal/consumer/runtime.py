@@ -52,6 +52,10 @@ class ConsumerProcess:
         self.cpu = CpuMeter()
         self.lag = 0
         self.membership = Membership(self.etcd, config, self._stats)
+        # shoal_fenced: joined once, and now unable to prove the lease.
+        self.metrics.watch_fencing(
+            lambda: self.membership.incarnation > 0 and not self.membership.safe()
+        )
         self.leader = Leader(
             self.etcd, self.view, self.membership, config, on_generation=self._record_generation
         )

@@ -477,6 +477,9 @@ class LocalKube:
             "image": {"repository": "shoal", "tag": "dev", "pullPolicy": "Never"},
             "nats": {"url": self.state.nats_url},
             "etcd": {"endpoints": self.state.etcd_endpoint},
+            # Every pod shares the host's loopback here: a fixed metrics port would let one
+            # consumer per machine bind it. 0: each picks a free one (and logs it).
+            "consumerMetrics": {"port": 0},
         }
         (self.root / "values.yaml").write_text(
             "# Written by `make cluster-up`: Helm values for the local plane.\n"

@@ -91,8 +91,12 @@ POD_FIELDS = (
     "strategy",
     "load_aware",
     "nats_creds_file",
+    "metrics_port",
     *ETCD_TLS_FILES,
 )
+
+# The container port the consumers serve /metrics on (the chart's PodMonitor scrapes it).
+METRICS_PORT_NAME = "metrics"
 
 
 class ResourceNames(TypedDict):
@@ -185,6 +189,7 @@ def pod_config(
         # The leader reads spec.autoscaling itself on every round (it may be switched on
         # or off at any time) and scales through the group's scale subresource.
         autoscaler="kubernetes",
+        metrics_port=settings.consumer_metrics_port,
         **files,
     )
 
@@ -274,6 +279,13 @@ def _volumes(spec: ConsumerGroupSpec) -> tuple[list[Obj], list[Obj]]:
     return volumes, mounts
 
 
+def _metrics_ports(settings: OperatorSettings) -> Obj:
+    port = settings.consumer_metrics_port
+    if not port:  # off, or any free port (nothing to declare)
+        return {}
+    return {"ports": [{"name": METRICS_PORT_NAME, "containerPort": port, "protocol": "TCP"}]}
+
+
 def _container(
     name: str, namespace: str, spec: ConsumerGroupSpec, settings: OperatorSettings
 ) -> Obj:
@@ -285,6 +297,7 @@ def _container(
         "command": list(COMMAND),
         "env": consumer_env(name, namespace, spec, settings),
         "resources": copy.deepcopy(spec.resources),
+        **_metrics_ports(settings),
         # Ready = registered as a member (the consumer writes SHOAL_READY_FILE once it has
         # joined), so a rollout waits for each new member before replacing the next one.
         # Timeout 2 s, not 1: the probe starts a Python process, and one slow start must
@@ -305,6 +318,28 @@ def _container(
     }
 
 
+def _placement(name: str, spec: ConsumerGroupSpec) -> Obj:
+    """The pod spec's scheduling fields the group sets (unset ones are left out, so the
+    applied object equals the stored one and server-side apply sees no change)."""
+    placement: Obj = {}
+    if spec.node_selector:
+        placement["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        placement["tolerations"] = copy.deepcopy(spec.tolerations)
+    if spec.affinity:
+        placement["affinity"] = copy.deepcopy(spec.affinity)
+    if spec.topology_spread_constraints:
+        constraints = copy.deepcopy(spec.topology_spread_constraints)
+        for constraint in constraints:
+            # Without a labelSelector a constraint counts no pods at all, so it could never
+            # spread anything; the group's own members are what people mean.
+            constraint.setdefault("labelSelector", {"matchLabels": selector(name)})
+        placement["topologySpreadConstraints"] = constraints
+    if spec.priority_class_name:
+        placement["priorityClassName"] = spec.priority_class_name
+    return placement
+
+
 def build_deployment(
     name: str,
     namespace: str,
@@ -318,9 +353,25 @@ def build_deployment(
     names = resource_names(name)
     model = parse_spec(spec)
     volumes, _ = _volumes(model)
-    template_meta: Obj = {"labels": labels(name)}
+    # The user's labels and annotations first, ours over them: the selector's labels must
+    # stay (the Deployment would not own its pods otherwise), and so must the Secret
+    # version that rolls the pods.
+    template_meta: Obj = {"labels": {**model.pod_labels, **labels(name)}}
+    annotations = dict(model.pod_annotations)
     if etcd_secret_version:
-        template_meta["annotations"] = {ETCD_SECRET_VERSION: etcd_secret_version}
+        annotations[ETCD_SECRET_VERSION] = etcd_secret_version
+    if annotations:
+        template_meta["annotations"] = annotations
+    pod_spec: Obj = {
+        "serviceAccountName": names["service_account"],
+        "terminationGracePeriodSeconds": settings.drain_timeout_seconds + DRAIN_SLACK_SECONDS,
+        # RuntimeDefault seccomp: with the container's context this meets the
+        # "restricted" Pod Security Standard.
+        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [_container(name, namespace, model, settings)],
+        "volumes": volumes,
+        **_placement(name, model),
+    }
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -334,19 +385,7 @@ def build_deployment(
                 "type": "RollingUpdate",
                 "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
             },
-            "template": {
-                "metadata": template_meta,
-                "spec": {
-                    "serviceAccountName": names["service_account"],
-                    "terminationGracePeriodSeconds": settings.drain_timeout_seconds
-                    + DRAIN_SLACK_SECONDS,
-                    # RuntimeDefault seccomp: with the container's context this meets the
-                    # "restricted" Pod Security Standard.
-                    "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
-                    "containers": [_container(name, namespace, model, settings)],
-                    "volumes": volumes,
-                },
-            },
+            "template": {"metadata": template_meta, "spec": pod_spec},
         },
     }
 
@@ -391,7 +430,9 @@ def build_role(name: str, namespace: str) -> Obj:
             },
             # The leader reads its members' pods, and patches pod-deletion-cost on them so
             # that a scale-down removes the member it has already drained. Pod names are
-            # generated by the ReplicaSet, so resourceNames cannot narrow this.
+            # generated by the ReplicaSet, so resourceNames cannot narrow this; the chart's
+            # ValidatingAdmissionPolicy (charts/shoal/templates/consumer-pod-policy.yaml)
+            # does: only that annotation, only on this group's pods.
             {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "patch"]},
         ],
     }

@@ -29,6 +29,9 @@ class Observed:
     unowned: int
     unclaimed: int
     lag: int | None
+    # Partitions whose consumer is not (yet) the owner the assignment names: a hand-over
+    # in progress, or an owner that has not claimed its partition yet.
+    moving: int = 0
     problem: tuple[str, str] | None = None  # reason, message: why the group cannot work
     selector: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -45,6 +48,19 @@ def _condition(
         "message": message,
         "observedGeneration": generation,
     }
+
+
+def rebalancing(o: Observed) -> bool:
+    """Whether the partitions are on their way to a new assignment: a member joined and
+    has no share yet, the assignment still names members that left, or partitions are
+    being handed over. Skew means nothing then (a newcomer owns 0 of 64 for a moment)."""
+    if o.moving:
+        return True
+    if not o.members or o.unowned == o.partitions:
+        return False  # no assignment yet: nothing is moving, the group is starting
+    assigned = sum(o.members.values())
+    joined_without_share = len(o.members) <= o.partitions and min(o.members.values()) == 0
+    return assigned + o.unowned < o.partitions or joined_without_share
 
 
 def conditions(o: Observed) -> list[dict[str, Any]]:
@@ -98,7 +114,16 @@ def conditions(o: Observed) -> list[dict[str, Any]]:
             o.generation,
         )
 
-    if settled and o.unclaimed == 0:
+    if rebalancing(o):
+        progressing = _condition(
+            "Progressing",
+            True,
+            "Rebalancing",
+            f"Rebalancing: {o.moving} of {o.partitions} partitions moving between "
+            f"{len(o.members)} members",
+            o.generation,
+        )
+    elif settled and o.unclaimed == 0:
         progressing = _condition(
             "Progressing", False, "Stable", "Members and assignment match the spec", o.generation
         )
@@ -151,6 +176,12 @@ def degraded(
     return stamp([*others, condition], old_conditions, now)
 
 
+def skew(o: Observed) -> int:
+    """Most minus fewest partitions the assignment gives one member."""
+    counts = list(o.members.values())
+    return (max(counts) - min(counts)) if counts else 0
+
+
 def status(o: Observed, old_conditions: Sequence[Mapping[str, Any]], now: str) -> dict[str, Any]:
     counts = list(o.members.values())
     result: dict[str, Any] = {
@@ -162,7 +193,9 @@ def status(o: Observed, old_conditions: Sequence[Mapping[str, Any]], now: str) -
         "assignmentGeneration": o.assignment_generation,
         "members": len(o.members),
         "partitionsPerMember": {"min": min(counts, default=0), "max": max(counts, default=0)},
-        "skew": (max(counts) - min(counts)) if counts else 0,
+        # None (deleted by the status patch, so `kubectl get cg` shows <none>) while the
+        # group rebalances: the Status column says Rebalancing instead of a passing skew.
+        "skew": None if rebalancing(o) else skew(o),
         "conditions": stamp(conditions(o), old_conditions, now),
     }
     if o.lag is not None:

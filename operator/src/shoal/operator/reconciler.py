@@ -378,12 +378,14 @@ async def observe_group(
     problem: tuple[str, str] | None = None
     members: dict[str, int] = {}
     leader, generation_seen, unowned, unclaimed = None, 0, config.partitions, config.partitions
+    moving = 0
     try:
         etcd = await _etcd(memo, config.etcd_endpoints, namespace, etcd_secret_name(model))
         group = await read_status(etcd, namespace, name, config.partitions)
         members = {m: group.counts.get(m, 0) for m in group.members}
         leader, generation_seen = group.leader, group.generation
         unowned, unclaimed = len(group.unowned), len(group.unclaimed)
+        moving = sum(1 for p, owner in group.owners.items() if group.claims.get(p) != owner)
     except EtcdSecretProblem as exc:
         problem = (exc.reason, exc.message)
     except Exception as exc:
@@ -414,6 +416,7 @@ async def observe_group(
         partitions=config.partitions,
         unowned=unowned,
         unclaimed=unclaimed,
+        moving=moving,
         lag=lag,
         problem=problem,
         selector=selector_string(name),
@@ -425,7 +428,7 @@ async def observe_group(
             body,
             reason="Rebalanced",
             message=f"Assignment generation {generation_seen}: {len(members)} members, "
-            f"leader {leader}, skew {new['skew']}",
+            f"leader {leader}, skew {observe.skew(observed)}",
         )
     for key, value in new.items():
         patch.status[key] = value

@@ -23,6 +23,7 @@ ENV_FIELDS: dict[str, str] = {
     "NATS_URL": "nats_url",
     "ETCD_ENDPOINTS": "etcd_endpoints",
     "SHOAL_DRAIN_TIMEOUT": "drain_timeout_seconds",
+    "SHOAL_CONSUMER_METRICS_PORT": "consumer_metrics_port",
 }
 
 
@@ -37,6 +38,11 @@ class OperatorSettings(BaseModel):
     # Whole seconds: it also sizes terminationGracePeriodSeconds, an integer field. The
     # default is the consumer's own.
     drain_timeout_seconds: int = Field(_CONSUMER_DRAIN_TIMEOUT, ge=1)
+    # The port consumer pods serve Prometheus /metrics on (a container port named
+    # "metrics", which the chart's PodMonitor scrapes). None: no metrics server. 0: any
+    # free port, for the local plane, where every pod shares the host's loopback (no
+    # container port is declared then).
+    consumer_metrics_port: int | None = Field(None, ge=0, le=65535)
     # Empty: watch the whole cluster.
     watch_namespaces: list[str] = Field(default_factory=list)
 

@@ -1,0 +1,414 @@
+"""The report's input, read by Spark itself: JSON lines and Parquet, no Python per row.
+
+JSON lines go through Spark's text source (splittable: a big file is read by as many
+tasks as it has splits of ``spark.sql.files.maxPartitionBytes``) and Spark's JSON parser,
+``from_json`` with the explicit schema :data:`EVENT_SCHEMA` and the corrupt-record column
+:data:`CORRUPT`. That is the parser ``spark.read.json`` uses; we call it on text lines
+rather than through ``spark.read.json`` because the JSON source drops blank lines, and a
+problem must name its line (1-based, blank lines counted) exactly as the pandas engine
+does. Parquet files written by ``shoal-analytics export --format parquet`` are read with
+Spark's Parquet source.
+
+Line numbers without a Python pass: every line gets ``monotonically_increasing_id()`` in
+the scan (consecutive within a task, and a task reads its file splits one after the other)
+and its split's start offset (``_metadata.file_block_start``). Per split, the first id and
+the number of lines; per file, the lines of the splits before: the line number is the
+lines before the split plus the distance to the split's first id, plus one.
+
+What counts as a valid event is defined by :class:`shoal.contracts.events.AssignmentEvent`;
+:data:`EVENT_SCHEMA` spells its fields in Spark types (``tests/test_analytics_schema.py``
+proves that both agree) and :func:`_problems` its constraints as Spark expressions, field
+by field in the model's order, so the first field named in a problem's ``detail`` is the
+one pydantic names. Known differences, all about input our writers never produce: pydantic
+accepts numbers written as strings (``"generation": "7"``) and Spark's parser does not;
+Spark reads any JSON value into a string field (``"group": 5`` is the group ``"5"``), and
+``null`` where a default exists (``"strategy": null``) counts as missing.
+
+The rows have the layout of :data:`shoal.analytics.ingest.ROW_COLUMNS`, which the pandas
+engine gets from :func:`shoal.analytics.ingest.parse_file`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from shoal.analytics.ingest import ROW_COLUMNS
+from shoal.contracts.events import REASONS, SCHEMA_VERSION, STRATEGIES
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column, DataFrame, DataFrameReader, SparkSession
+
+__all__ = ["CORRUPT", "EVENT_FIELDS", "EVENT_SCHEMA", "read_rows"]
+
+log = logging.getLogger(__name__)
+
+CORRUPT = "_corrupt_record"
+
+# The wire form of AssignmentEvent, field by field in the model's order. JSON object keys
+# are strings, so the partition maps have string keys (cast to int by _rows). "schema" is
+# read as text to tell schema 2 (unknown) from a broken line, "ts" as text to parse it with
+# an expression (an unparsable time is a malformed line, not a failed job).
+EVENT_FIELDS: dict[str, str] = {
+    "schema": "string",
+    "ts": "string",
+    "namespace": "string",
+    "group": "string",
+    "generation": "bigint",
+    "epoch": "bigint",
+    "leader": "string",
+    "reason": "string",
+    "strategy": "string",
+    "members": "array<string>",
+    "assignment": "map<string,string>",
+    "moved": "array<struct<partition:bigint,from:string,to:string>>",
+    "handover_ms": "map<string,double>",
+    "loads": "map<string,double>",
+}
+EVENT_SCHEMA = ", ".join(f"`{name}` {kind}" for name, kind in EVENT_FIELDS.items())
+
+# What export --format parquet writes (shoal.analytics.export._parquet_encoder).
+PARQUET_SCHEMA = (
+    "`seq` bigint, `stored_at` timestamp, `schema` int, `ts` timestamp, `namespace` string, "
+    "`group` string, `generation` bigint, `epoch` bigint, `leader` string, `reason` string, "
+    "`strategy` string, `members` array<string>, `assignment` map<int,string>, "
+    "`moved` array<struct<partition:int,from:string,to:string>>, "
+    "`handover_ms` map<int,double>, `loads` map<int,double>"
+)
+
+_DETAIL_CHARS = 500
+
+
+def _has_null(values: Column) -> Column:
+    from pyspark.sql import functions as F
+
+    return F.size(F.array_compact(values)) != F.size(values)
+
+
+def _bad_keys(keys: Column) -> Column:
+    """Partition keys (already cast to int, null where not a number) that pydantic refuses."""
+    from pyspark.sql import functions as F
+
+    return _has_null(keys) | (F.coalesce(F.array_min(keys), F.lit(0)) < 0)
+
+
+def _bad_amounts(values: Column) -> Column:
+    """Hand-over times or loads that are not all finite and >= 0 (NaN sorts above all)."""
+    from pyspark.sql import functions as F
+
+    top = F.array_max(values)
+    return (
+        _has_null(values)
+        | F.isnan(top)
+        | (top == float("inf"))
+        | (F.coalesce(F.array_min(values), F.lit(0.0)) < 0)
+    )
+
+
+def _empty_text(values: Column) -> Column:
+    from pyspark.sql import functions as F
+
+    return _has_null(values) | F.array_contains(values, "")
+
+
+# Only built-in array functions below: Spark's lambdas (transform, exists, array_sort with
+# a comparator) are interpreted row by row and made the first version 10x slower.
+def _arrays(frame: DataFrame) -> DataFrame:
+    """The maps of ``e`` as parallel arrays, keys cast to partition numbers, each once."""
+    from pyspark.sql import functions as F
+
+    e = F.col("e")
+    columns = {}
+    for name, prefix in (("assignment", "a"), ("handover_ms", "h"), ("loads", "l")):
+        columns[f"{prefix}_keys"] = F.map_keys(e[name]).try_cast("array<int>")
+        columns[f"{prefix}_values"] = F.map_values(e[name])
+    return frame.withColumns(columns)
+
+
+def _problems(e: Column, ts: Column) -> list[tuple[str, Column]]:
+    """(field, is it invalid) in the model's field order: pydantic reports the first."""
+    from pyspark.sql import functions as F
+
+    col = F.col
+
+    def text(name: str) -> Column:
+        return e[name].isNull() | (F.length(e[name]) == 0)
+
+    def whole(name: str) -> Column:
+        return e[name].isNull() | (e[name] < 0)
+
+    moved = e["moved"]
+    return [
+        ("ts", ts.isNull()),
+        ("namespace", text("namespace")),
+        ("group", text("group")),
+        ("generation", whole("generation")),
+        ("epoch", whole("epoch")),
+        ("leader", e["leader"].isNull()),
+        ("reason", e["reason"].isNull() | ~e["reason"].isin(*REASONS)),
+        ("strategy", e["strategy"].isNotNull() & ~e["strategy"].isin(*STRATEGIES)),
+        ("members", e["members"].isNull() | _has_null(e["members"])),
+        (
+            "assignment",
+            e["assignment"].isNull() | _bad_keys(col("a_keys")) | _empty_text(col("a_values")),
+        ),
+        (
+            "moved",
+            moved.isNotNull()
+            & (
+                _has_null(moved)
+                | _bad_keys(moved["partition"])
+                | _empty_text(moved["from"])
+                | _empty_text(moved["to"])
+            ),
+        ),
+        (
+            "handover_ms",
+            e["handover_ms"].isNotNull()
+            & (_bad_keys(col("h_keys")) | _bad_amounts(col("h_values"))),
+        ),
+        (
+            "loads",
+            e["loads"].isNotNull() & (_bad_keys(col("l_keys")) | _bad_amounts(col("l_values"))),
+        ),
+    ]
+
+
+def _classified(frame: DataFrame, raw: Column | None) -> DataFrame:
+    """``kind`` and ``detail`` of each parsed line (``e``, ``ts`` and :func:`_arrays`;
+    ``raw`` the line's text if JSON, with :data:`CORRUPT` set by the parser when it was not
+    a schema-1 object)."""
+    from pyspark.sql import functions as F
+
+    e, ts = F.col("e"), F.col("ts")
+    version = e["schema"].cast("string")
+    expected = str(SCHEMA_VERSION)
+    unknown = version.isNotNull() & (version != expected)
+    field_problem = F.coalesce(
+        *[F.when(bad, F.lit(f"{name}: missing or invalid")) for name, bad in _problems(e, ts)]
+    )
+    frame = frame.withColumn("problem", field_problem)
+    problem = F.col("problem")
+    kind = F.when(unknown, "unknown_schema").when(problem.isNotNull(), "malformed")
+    detail = F.when(
+        unknown, F.concat(F.lit("schema "), version, F.lit(f" (this reader knows {expected})"))
+    ).otherwise(problem)
+    if raw is not None:
+        corrupt = e[CORRUPT].isNotNull()
+        # Only the few corrupt lines pay for a second look: pydantic's order is "not JSON",
+        # "not a JSON object", a schema other than 1, then the fields.
+        whole_value = F.get_json_object(raw, "$")
+        their_version = F.get_json_object(raw, "$.schema")
+        is_object = F.ltrim(raw).startswith("{")
+        corrupt_unknown = is_object & their_version.isNotNull() & (their_version != expected)
+        kind = (
+            F.when(corrupt & corrupt_unknown, "unknown_schema")
+            .when(corrupt, "malformed")
+            .otherwise(kind)
+        )
+        detail = (
+            F.when(
+                corrupt & corrupt_unknown,
+                F.concat(
+                    F.lit("schema "), their_version, F.lit(f" (this reader knows {expected})")
+                ),
+            )
+            .when(corrupt & whole_value.isNull(), F.lit("not JSON"))
+            .when(corrupt & ~is_object, F.lit("not a JSON object"))
+            .when(corrupt, F.lit("event: a field has the wrong JSON type"))
+            .otherwise(detail)
+        )
+    return frame.withColumn("kind", kind).withColumn(
+        "detail", F.substring(detail, 1, _DETAIL_CHARS)
+    )
+
+
+def _event_columns(frame: DataFrame) -> DataFrame:
+    """The flat event columns of ROW_COLUMNS (valid rows; others get nulls)."""
+    from pyspark.sql import functions as F
+
+    col, e, ok = F.col, F.col("e"), F.col("kind").isNull()
+    # (partition, value) pairs sorted by partition: sort_array orders structs by their
+    # first field. Writers sort the maps already, so this is one pass in practice.
+    frame = frame.withColumns(
+        {
+            "assigned": F.sort_array(F.arrays_zip(col("a_keys"), col("a_values"))),
+            "load_pairs": F.sort_array(F.arrays_zip(col("l_keys"), col("l_values"))),
+        }
+    ).withColumns(
+        {
+            "parts": col("assigned")["a_keys"],
+            "l_parts": col("load_pairs")["l_keys"],
+        }
+    )
+    # Loads usually name exactly the assigned partitions: then they line up as they are.
+    # Otherwise (rare) a lookup per partition, 0 for partitions without a load.
+    lookup = F.transform(
+        col("parts"),
+        lambda p: F.coalesce(
+            F.element_at(F.map_from_arrays(col("l_parts"), col("load_pairs")["l_values"]), p),
+            F.lit(0.0),
+        ),
+    )
+    has_loads = F.coalesce(F.size(col("l_keys")), F.lit(0)) > 0
+    loads = (
+        F.when(~has_loads, F.array_repeat(F.lit(0.0), F.size(col("parts"))))
+        .when(col("l_parts") == col("parts"), col("load_pairs")["l_values"])
+        .otherwise(lookup)
+    )
+
+    def when_ok(value: Column, name: str) -> Column:
+        return F.when(ok, value).alias(name)
+
+    return frame.select(
+        "path",
+        "block",
+        "id",
+        "kind",
+        "detail",
+        when_ok(e["namespace"], "namespace"),
+        when_ok(e["group"], "group"),
+        when_ok(e["generation"], "generation"),
+        when_ok(e["epoch"], "epoch"),
+        when_ok(F.unix_micros(F.col("ts")), "ts_us"),
+        when_ok(e["leader"], "leader"),
+        when_ok(e["reason"], "reason"),
+        when_ok(F.coalesce(e["strategy"], F.lit("sticky")), "strategy"),
+        when_ok(F.sort_array(F.array_distinct(e["members"])), "members"),
+        when_ok(col("parts"), "parts"),
+        when_ok(col("assigned")["a_values"], "owners"),
+        when_ok(loads.cast("array<double>"), "loads"),
+        when_ok(has_loads, "has_loads"),
+        when_ok(F.coalesce(col("h_values"), F.array().cast("array<double>")), "handover"),
+        when_ok(F.size(F.coalesce(e["moved"], F.array())).cast("int"), "moved_recorded"),
+    )
+
+
+def _root_prefix(spark: SparkSession, input_path: str) -> tuple[str, bool]:
+    """The input folder's URI-encoded path without scheme and authority (``/tmp/logs/``), and
+    whether the input is a single file (named by its base name, as the pandas engine
+    does)."""
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None
+    path = jvm.org.apache.hadoop.fs.Path(input_path)
+    fs = path.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
+    qualified = fs.makeQualified(path)
+    single = bool(fs.exists(qualified) and fs.getFileStatus(qualified).isFile())
+    root = qualified.getParent() if single else qualified
+    return str(root.toUri().getRawPath()).rstrip("/") + "/", single
+
+
+def _relative(path: Column, prefix: str) -> Column:
+    """``file`` of a row: its path relative to the input folder, decoded, ``/``-separated."""
+    from pyspark.sql import functions as F
+
+    # Spark writes file:/x where Hadoop's URI says file:///x: compare the paths alone.
+    path = F.regexp_replace(path, r"^[A-Za-z][A-Za-z0-9+.-]*:(//[^/]*)?", "")
+    inside = F.substring(path, len(prefix) + 1, 1 << 30)
+    # The paths are URI-encoded; url_decode would turn a literal "+" into a space.
+    decoded = F.try_url_decode(F.replace(inside, F.lit("+"), F.lit("%2B")))
+    return F.when(path.startswith(prefix), F.coalesce(decoded, inside)).otherwise(path)
+
+
+def _reader(spark: SparkSession, suffix: str) -> DataFrameReader:
+    # recursiveFileLookup: every file below the folder, and no partition columns from the
+    # date=... folders; hidden names (".x", "_x") are skipped as everywhere in Spark.
+    return spark.read.option("recursiveFileLookup", "true").option("pathGlobFilter", f"*{suffix}")
+
+
+def _json_lines(spark: SparkSession, input_path: str, prefix: str) -> DataFrame:
+    from pyspark.sql import functions as F
+
+    text = _reader(spark, ".jsonl").text(input_path)
+    lines = text.select(
+        F.col("_metadata.file_path").alias("path"),
+        F.col("_metadata.file_block_start").alias("block"),
+        # In the scan's own stage (nondeterministic expressions are never moved), so the
+        # ids follow the lines as the task reads them.
+        F.monotonically_increasing_id().alias("id"),
+        F.col("value"),
+    )
+    parsed = lines.withColumn(
+        "e",
+        F.from_json(
+            "value",
+            f"{EVENT_SCHEMA}, `{CORRUPT}` string",
+            {"columnNameOfCorruptRecord": CORRUPT},
+        ),
+    ).withColumn("ts", F.col("e.ts").try_cast("timestamp"))
+    blank = F.trim(F.col("value")) == ""
+    classified = _classified(_arrays(parsed), F.col("value"))
+    classified = classified.withColumn(
+        "kind", F.when(blank, F.lit("blank")).otherwise(F.col("kind"))
+    )
+    return _event_columns(classified)
+
+
+def _parquet(spark: SparkSession, input_path: str) -> DataFrame:
+    from pyspark.sql import functions as F
+
+    table = _reader(spark, ".parquet").schema(PARQUET_SCHEMA).parquet(input_path)
+
+    def string_keys(name: str) -> Column:
+        return F.transform_keys(F.col(name), lambda k, _: k.cast("string"))
+
+    e = F.struct(
+        F.col("schema").cast("string").alias("schema"),
+        F.lit(None).cast("string").alias("ts"),
+        *[F.col(c) for c in ("namespace", "group", "generation", "epoch", "leader", "reason")],
+        *[F.col(c) for c in ("strategy", "members")],
+        string_keys("assignment").alias("assignment"),
+        F.col("moved").cast("array<struct<partition:bigint,from:string,to:string>>").alias("moved"),
+        string_keys("handover_ms").alias("handover_ms"),
+        string_keys("loads").alias("loads"),
+    )
+    typed = table.select(
+        F.col("_metadata.file_path").alias("path"),
+        F.lit(0).cast("bigint").alias("block"),
+        # A Parquet row's line is its 1-based place in the file.
+        (F.col("_metadata.row_index") + 1).alias("id"),
+        e.alias("e"),
+        F.col("ts"),
+    )
+    return _event_columns(_classified(_arrays(typed), None))
+
+
+def read_rows(
+    spark: SparkSession, input_path: str, keep: Callable[[DataFrame], DataFrame]
+) -> tuple[DataFrame, list[str]]:
+    """Every line of every ``*.jsonl`` and row of every ``*.parquet`` below ``input_path``
+    as one row of ROW_COLUMNS (blank lines left out), and the files read. ``keep``
+    persists the parsed lines, which the line numbering reads twice."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    # Duplicate keys in a JSON object: the last one wins, as in Python (Spark's default is
+    # to fail the job).
+    spark.conf.set("spark.sql.mapKeyDedupPolicy", "LAST_WIN")
+    prefix, single = _root_prefix(spark, input_path)
+    json_rows = _json_lines(spark, input_path, prefix)
+    parquet_rows = _parquet(spark, input_path)
+    # Before persisting: a cached plan no longer lists its files.
+    files = [*json_rows.inputFiles(), *parquet_rows.inputFiles()]
+    json_rows = keep(json_rows)
+
+    # Line numbers of JSON lines: lines per split, and the first id of each split.
+    splits = json_rows.groupBy("path", "block").agg(
+        F.count("*").alias("n"), F.min("id").alias("first")
+    )
+    before = Window.partitionBy("path").orderBy("block").rowsBetween(Window.unboundedPreceding, -1)
+    splits = splits.withColumn("base", F.coalesce(F.sum("n").over(before), F.lit(0)))
+    numbered = json_rows.join(F.broadcast(splits), ["path", "block"]).withColumn(
+        "line", F.col("base") + F.col("id") - F.col("first") + 1
+    )
+    rows = numbered.drop("n", "first", "base", "id").unionByName(
+        parquet_rows.withColumnRenamed("id", "line")
+    )
+    file = (
+        F.element_at(F.split(F.col("path"), "/"), -1)
+        if single
+        else _relative(F.col("path"), prefix)
+    )
+    rows = rows.filter(F.col("kind").isNull() | (F.col("kind") != "blank")).withColumn("file", file)
+    return rows.select(*ROW_COLUMNS), files

@@ -1,0 +1,209 @@
+"""The Helm chart rendered with `helm template`: what each value puts where (no cluster).
+
+Marked e2e because it needs the helm binary `make tools` builds; it starts no server.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from harness.localkube.tools import find_tools
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+REPO = Path(__file__).resolve().parent.parent
+CHART = REPO / "charts" / "shoal"
+SOURCE_CRD = REPO / "crds" / "consumergroup.yaml"
+KUBE_VERSION = "1.35.0"
+KEEP = "helm.sh/resource-policy"
+
+
+def helm_template(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            str(find_tools().helm),
+            "template",
+            "shoal",
+            str(CHART),
+            "-n",
+            "shoal-system",
+            "--kube-version",
+            KUBE_VERSION,
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=check,
+    )
+
+
+def render(*args: str) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(helm_template(*args).stdout) if doc]
+
+
+def only(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    (found,) = [doc for doc in docs if doc["kind"] == kind]
+    return found
+
+
+def test_rendered_crd_is_the_source_crd_plus_helm_metadata() -> None:
+    rendered = only(render(), "CustomResourceDefinition")
+    source = yaml.safe_load(SOURCE_CRD.read_text())
+    # Helm's labels are added, the CRD's own kept; the keep policy is on by default.
+    assert source["metadata"]["labels"].items() <= rendered["metadata"]["labels"].items()
+    assert rendered["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
+    assert rendered["metadata"]["annotations"] == {KEEP: "keep"}
+    # Everything else is the source, value for value (JSON: YAML's 5.0 and 5 are one number).
+    rendered_rest = {k: v for k, v in rendered.items() if k != "metadata"}
+    source_rest = {k: v for k, v in source.items() if k != "metadata"}
+    assert json.loads(json.dumps(rendered_rest)) == json.loads(json.dumps(source_rest))
+    assert rendered["metadata"]["name"] == source["metadata"]["name"]
+
+
+def test_crds_keep_false_and_crds_enabled_false() -> None:
+    crd = only(render("--set", "crds.keep=false"), "CustomResourceDefinition")
+    assert KEEP not in crd["metadata"].get("annotations", {})
+    kinds = [doc["kind"] for doc in render("--set", "crds.enabled=false")]
+    assert "CustomResourceDefinition" not in kinds and "Deployment" in kinds
+
+
+def test_operator_extension_points_reach_the_operator_pod(tmp_path: Path) -> None:
+    values = {
+        "extraEnv": [
+            {"name": "HTTPS_PROXY", "value": "http://proxy:3128"},
+            {"name": "SHOAL_LOG_LEVEL", "value": "debug"},
+        ],
+        "resources": {"requests": {"cpu": "50m"}, "limits": {"memory": "256Mi"}},
+        "nodeSelector": {"pool": "system"},
+        "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
+        "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}},
+        "podAnnotations": {"example.com/scrape": "true"},
+        "priorityClassName": "system-cluster-critical",
+        "imagePullSecrets": [{"name": "registry"}],
+    }
+    path = tmp_path / "values.json"
+    path.write_text(json.dumps(values))
+    deployment = only(render("-f", str(path)), "Deployment")
+    pod = deployment["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    env = container["env"]
+    # extraEnv comes last, so its SHOAL_LOG_LEVEL is the one the container gets.
+    assert env[-2:] == values["extraEnv"]
+    assert [v["value"] for v in env if v["name"] == "SHOAL_LOG_LEVEL"][-1] == "debug"
+    assert container["resources"] == values["resources"]
+    assert pod["metadata"]["annotations"] == values["podAnnotations"]
+    for field in ("nodeSelector", "tolerations", "affinity", "priorityClassName"):
+        assert pod["spec"][field] == values[field], field
+    assert pod["spec"]["imagePullSecrets"] == values["imagePullSecrets"]
+
+
+def test_unset_extension_points_leave_the_operator_pod_plain() -> None:
+    pod = only(render(), "Deployment")["spec"]["template"]
+    for field in ("nodeSelector", "tolerations", "affinity", "priorityClassName"):
+        assert field not in pod["spec"], field
+    assert "annotations" not in pod["metadata"]
+
+
+@pytest.mark.parametrize(
+    ("setting", "where"),
+    [
+        ("crds.enabled=maybe", "/crds/enabled"),
+        ("extraEnv[0].value=x", "/extraEnv/0"),
+        ("priorityClassName[0]=x", "/priorityClassName"),
+        ("consumerPodPolicy.annotation=a' || true || 'b", "/consumerPodPolicy/annotation"),
+    ],
+)
+def test_the_schema_refuses_bad_values(setting: str, where: str) -> None:
+    result = helm_template("--set", setting, check=False)
+    assert result.returncode != 0
+    assert where in result.stderr, result.stderr
+
+
+def test_operator_secret_access_is_get_only_and_narrowed_by_secret_names() -> None:
+    def secret_rules(*args: str) -> list[dict[str, Any]]:
+        return [
+            rule
+            for doc in render(*args)
+            if doc["kind"] in ("Role", "ClusterRole")
+            for rule in doc["rules"]
+            if "secrets" in rule["resources"]
+        ]
+
+    (everywhere,) = secret_rules()
+    assert everywhere == {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}
+    narrowed = secret_rules(
+        "--set", "watchNamespaces={a,b}", "--set", "rbac.secretNames={etcd-client}"
+    )
+    assert len(narrowed) == 2  # one Role per watched namespace, no cluster-wide rule
+    for rule in narrowed:
+        assert rule["verbs"] == ["get"] and rule["resourceNames"] == ["etcd-client"]
+
+
+def test_consumer_pod_policy_is_bound_to_the_watched_namespaces() -> None:
+    docs = render("--set", "watchNamespaces={a,b}")
+    policy = only(docs, "ValidatingAdmissionPolicy")
+    binding = only(docs, "ValidatingAdmissionPolicyBinding")
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    assert policy["spec"]["paramKind"] == {
+        "apiVersion": "shoal.dev/v1alpha1",
+        "kind": "ConsumerGroup",
+    }
+    (expression,) = binding["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"]
+    assert expression["values"] == ["a", "b"]
+    # Cluster-wide without a list; none at all when switched off.
+    assert "matchResources" not in only(render(), "ValidatingAdmissionPolicyBinding")["spec"]
+    kinds = {doc["kind"] for doc in render("--set", "consumerPodPolicy.enabled=false")}
+    assert not kinds & {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
+
+
+def test_monitoring_resources_ship_the_files_as_they_are() -> None:
+    docs = render(
+        "--set",
+        "monitoring.podMonitor.enabled=true",
+        "--set",
+        "monitoring.prometheusRule.enabled=true",
+        "--set",
+        "watchNamespaces={team-a}",
+    )
+    rule = only(docs, "PrometheusRule")
+    alerts = yaml.safe_load((CHART / "files" / "prometheus" / "alerts.yaml").read_text())
+    assert rule["spec"]["groups"] == alerts["groups"]
+    monitor = only(docs, "PodMonitor")
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["team-a"]}
+    assert monitor["spec"]["selector"] == {
+        "matchLabels": {"app.kubernetes.io/name": "shoal-consumer"}
+    }
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "metrics"
+    targets = {r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"]}
+    assert targets == {
+        "group": ["__meta_kubernetes_pod_label_shoal_dev_group"],
+        "member": ["__meta_kubernetes_pod_name"],
+    }
+    dashboard = only(docs, "ConfigMap")
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = json.loads(dashboard["data"]["shoal.json"])
+    assert shipped == json.loads((CHART / "files" / "dashboards" / "shoal.json").read_text())
+
+
+def test_monitoring_is_opt_in_except_the_dashboard_and_the_metrics_port() -> None:
+    docs = render()
+    kinds = {doc["kind"] for doc in docs}
+    assert not kinds & {"PodMonitor", "PrometheusRule"}
+    assert "ConfigMap" in kinds
+    (container,) = only(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    env = {var["name"]: var.get("value") for var in container["env"]}
+    assert env["SHOAL_CONSUMER_METRICS_PORT"] == "9102"
+    (container,) = only(render("--set", "consumerMetrics.port=null"), "Deployment")["spec"][
+        "template"
+    ]["spec"]["containers"]
+    env = {var["name"]: var.get("value") for var in container["env"]}
+    assert env["SHOAL_CONSUMER_METRICS_PORT"] == ""
