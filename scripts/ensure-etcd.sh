@@ -19,21 +19,8 @@ if found; then
     exit 0
 fi
 
-sudo=()
-if [[ $EUID -ne 0 ]]; then
-    if command -v sudo >/dev/null && sudo -n true 2>/dev/null; then
-        sudo=(sudo -n)
-    else
-        echo "ensure-etcd: etcd not found; run 'apt-get install etcd-server' as root" >&2
-        exit 1
-    fi
-fi
-
-export DEBIAN_FRONTEND=noninteractive
-echo "ensure-etcd: installing Debian's etcd-server package ..." >&2
-# The package lists of a fresh machine may be missing or stale: update only if needed.
-"${sudo[@]}" apt-get install -y -q etcd-server >&2 \
-    || { "${sudo[@]}" apt-get update -q >&2 && "${sudo[@]}" apt-get install -y -q etcd-server >&2; }
+source "$(dirname "${BASH_SOURCE[0]}")/apt-install.sh"
+apt_install ensure-etcd etcd-server
 
 if ! found; then
     echo "ensure-etcd: etcd-server installed but no etcd binary in PATH" >&2

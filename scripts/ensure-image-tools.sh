@@ -12,18 +12,5 @@ if [[ ${#missing[@]} -eq 0 ]]; then
     exit 0
 fi
 
-sudo=()
-if [[ $EUID -ne 0 ]]; then
-    if command -v sudo >/dev/null && sudo -n true 2>/dev/null; then
-        sudo=(sudo -n)
-    else
-        echo "ensure-image-tools: run 'apt-get install ${missing[*]}' as root" >&2
-        exit 1
-    fi
-fi
-
-export DEBIAN_FRONTEND=noninteractive
-echo "ensure-image-tools: installing ${missing[*]} ..." >&2
-"${sudo[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}" >&2 \
-    || { "${sudo[@]}" apt-get update -q >&2 \
-        && "${sudo[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}" >&2; }
+source "$(dirname "${BASH_SOURCE[0]}")/apt-install.sh"
+apt_install ensure-image-tools --no-install-recommends "${missing[@]}"

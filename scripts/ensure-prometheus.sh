@@ -21,22 +21,9 @@ if found; then
     exit 0
 fi
 
-sudo=()
-if [[ $EUID -ne 0 ]]; then
-    if command -v sudo >/dev/null && sudo -n true 2>/dev/null; then
-        sudo=(sudo -n)
-    else
-        echo "ensure-prometheus: promtool not found; run 'apt-get install prometheus' as root" >&2
-        exit 1
-    fi
-fi
-
-export DEBIAN_FRONTEND=noninteractive
-echo "ensure-prometheus: installing Debian's prometheus package ..." >&2
+source "$(dirname "${BASH_SOURCE[0]}")/apt-install.sh"
 # --no-install-recommends: the exporters and the web console it recommends are not needed.
-"${sudo[@]}" apt-get install -y -q --no-install-recommends prometheus >&2 \
-    || { "${sudo[@]}" apt-get update -q >&2 \
-        && "${sudo[@]}" apt-get install -y -q --no-install-recommends prometheus >&2; }
+apt_install ensure-prometheus --no-install-recommends prometheus
 
 if ! found; then
     echo "ensure-prometheus: prometheus installed but no promtool in PATH" >&2
