@@ -101,6 +101,13 @@ class ConsumerSpec(_Section):
     max_ack_pending: Int = Field(1000, ge=1)
     max_deliver: Int = Field(5, ge=1)
     backoff_seconds: list[Annotated[float, Field(ge=0)]] = Field(default_factory=list)
+    # Messages a member runs at once, over different projects (one project's messages
+    # always run one after another, in stream order).
+    max_concurrency: Int = Field(100, ge=1, le=10000)
+    # InOrder: a failing message is retried in place, before any later message of its
+    # project (other projects go on). NakAndContinue: it is redelivered by JetStream
+    # after the backoff, and later messages of its project may overtake it.
+    retry_policy: Literal["InOrder", "NakAndContinue"] = "InOrder"
 
 
 class NatsSpec(_Section):

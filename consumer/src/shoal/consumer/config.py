@@ -79,7 +79,12 @@ class GroupConfig(BaseModel):
     max_ack_pending: int = Field(_CONSUMER.max_ack_pending, ge=1)
     max_deliver: int = Field(_CONSUMER.max_deliver, ge=1)
     backoff: tuple[float, ...] = tuple(_CONSUMER.backoff_seconds)
+    max_concurrency: int = Field(_CONSUMER.max_concurrency, ge=1, le=10000)
+    retry_policy: Literal["InOrder", "NakAndContinue"] = _CONSUMER.retry_policy
+    # Fetched messages held at most, per partition (each pull asks for what fits) and per
+    # member; what is held counts against ack_wait, so the worker keeps it alive.
     fetch_batch: int = Field(64, ge=1, le=1024)
+    max_buffered: int = Field(1000, ge=1)
     # A pull request lives at most this long; a released partition waits for it, so it
     # bounds the hand-over pause (DESIGN: p99 < 1 s for planned moves).
     fetch_expires: float = Field(0.3, gt=0.05, le=5)
@@ -206,6 +211,9 @@ ENV_FIELDS: dict[str, str] = {
     "SHOAL_MAX_ACK_PENDING": "max_ack_pending",
     "SHOAL_MAX_DELIVER": "max_deliver",
     "SHOAL_BACKOFF": "backoff",
+    "SHOAL_MAX_CONCURRENCY": "max_concurrency",
+    "SHOAL_RETRY_POLICY": "retry_policy",
+    "SHOAL_MAX_BUFFERED": "max_buffered",
     "SHOAL_LEDGER": "ledger",
     "SHOAL_LEASE_TTL": "lease_ttl",
     "SHOAL_KEEPALIVE_INTERVAL": "keepalive_interval",
@@ -310,6 +318,8 @@ def group_config(
         max_ack_pending=consumer.max_ack_pending,
         max_deliver=consumer.max_deliver,
         backoff=tuple(consumer.backoff_seconds),
+        max_concurrency=consumer.max_concurrency,
+        retry_policy=consumer.retry_policy,
         strategy=model.assignment.strategy,
         load_aware=model.assignment.load_aware,
         **fields,

@@ -1,9 +1,11 @@
 """Message handlers: user code named `module:function`, plus the built-in ones.
 
 A handler is `async def handle(msg: Message) -> None`. Returning acks the message;
-raising naks it with a delay (it comes back, at most max_deliver times, then goes to the
-dead-letter subject); raising `PermanentError` dead-letters it at once. Delivery is
-at-least-once, so handlers should be idempotent (key side effects on `msg.message_id`).
+raising retries it after a backoff, before any later message of its project (at most
+max_deliver attempts, then it goes to the dead-letter subject); raising `PermanentError`
+dead-letters it at once. A member runs up to maxConcurrency messages of different
+projects at once, so a handler must not assume it runs alone. Delivery is at-least-once,
+so handlers should be idempotent (key side effects on `msg.message_id`).
 """
 
 from __future__ import annotations

@@ -2,10 +2,16 @@
 
 The hand-over protocol (DESIGN.md):
   1. the leader changes partitions/p from A to B;
-  2. A stops fetching p, finishes and acks the message in hand, gives back (nak) what it
-     fetched but did not start, flushes its acks to the server, then deletes claims/p;
+  2. A stops fetching p, lets the handlers running on p finish and ack, gives back (nak,
+     in stream order) what it fetched but did not start, flushes its acks to the server,
+     then deletes claims/p;
   3. B, watching, creates claims/p (only if absent) and starts pulling from p's durable.
 Nobody consumes p without holding claims/p, and the claim lives on the holder's lease.
+
+Each owned partition has a `PartitionRunner`: it pulls the partition's durable and hands
+the messages to the member's `Dispatcher` (dispatch.py), which runs different projects
+concurrently and each project's messages in order. A runner keeps at most `fetch_batch`
+messages of its partition, and the member at most `max_buffered` over all partitions.
 
 Pulling uses raw JetStream pull requests rather than nats-py's fetch(): every request is
 read until the server ends it (batch complete, or a 404/408/409 status), so when A lets
@@ -20,7 +26,6 @@ import asyncio
 import json
 import logging
 import time
-from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +33,7 @@ from nats.js.errors import NotFoundError
 
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.deadletter import dead_letter_headers
+from shoal.consumer.dispatch import ABANDONED, SETTLED, Dispatcher, Held, ProjectQueue
 from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd
 from shoal.consumer.handlers import (
     Fenced,
@@ -45,45 +51,30 @@ from shoal.contracts.names import PROJECT_HEADER, dlq_subject, durable_name, par
 log = logging.getLogger(__name__)
 
 ACTIVE_PROJECT_WINDOW = 60.0
-# Seconds over which processing rates (per member and per partition) are measured.
-RATE_WINDOW = 10.0
 # Pulls nobody answers (503: the durable or the stream is gone): first and longest wait.
 MISSING_DURABLE_BACKOFF = 0.5
 MISSING_DURABLE_BACKOFF_MAX = 5.0
+# Projects whose partition was checked (sha256) once; the cache is dropped when this big.
+PARTITION_CACHE_SIZE = 100_000
 
 
-class Inbox:
-    """Messages delivered for one partition, in order, with the time each arrived."""
+def _delivery(reply: str) -> tuple[int, int]:
+    """(stream sequence, delivery count) from a JetStream reply subject.
 
-    def __init__(self) -> None:
-        self.entries: deque[list[Any]] = deque()  # [arrived or last kept alive, msg]
-        self._arrived = asyncio.Event()
-
-    def put(self, msg: Any) -> None:
-        self.entries.append([time.monotonic(), msg])
-        self._arrived.set()
-
-    def get_nowait(self) -> Any | None:
-        return self.entries.popleft()[1] if self.entries else None
-
-    async def get(self, timeout: float) -> Any | None:
-        """The next message, or None if none arrived within timeout."""
-        while not self.entries:
-            self._arrived.clear()
-            try:
-                await asyncio.wait_for(self._arrived.wait(), timeout)
-            except TimeoutError:
-                return None
-        return self.entries.popleft()[1]
-
-
-def _is_status(msg: Any) -> bool:
-    """A JetStream status message: a Status header, no data, nothing to ack."""
-    return bool(msg.headers) and "Status" in msg.headers and not msg.data and not msg.reply
+    $JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<time>.<pending>,
+    or the longer v2 form with a domain and account hash in front; counted from the end
+    so both parse alike. nats-py's Msg.metadata parses every field, a datetime included,
+    on each message; the hot path needs these two.
+    """
+    tokens = reply.split(".")
+    if len(tokens) == 9:
+        return int(tokens[5]), int(tokens[4])
+    # v2: $JS.ACK.<domain>.<account>.<stream>.<consumer>.<delivered>.<sseq>...
+    return int(tokens[7]), int(tokens[6])
 
 
 class PartitionRunner:
-    """Pulls one partition's durable and runs the handler on each message, in order."""
+    """Pulls one partition's durable into the dispatcher, and lets it go when told."""
 
     def __init__(
         self, worker: Worker, partition: int, claim_revision: int, target_ts: float | None
@@ -95,147 +86,256 @@ class PartitionRunner:
         self.stopping = False
         self.fenced = False
         self.first_message_seen = False
-        self.inflight = 0
-        self.handler_cancelled = False
-        self.no_responders = False
         self.stop_requested_at = 0.0
         self.task: asyncio.Task[None] | None = None
+        # dispatch.Source: the held messages of each project, and how many run now.
+        self.projects: dict[str, ProjectQueue] = {}
+        self.inflight = 0
+        self.buffered = 0  # held messages (queued, running, or waiting for a retry)
+        self.processed = 0
+        # Messages that arrived after the stop: given back once no request is open.
+        self._late: list[Any] = []
+        self._remaining = 0  # messages the open pull request may still bring
+        self._request_end: asyncio.Future[str] | None = None
+        self._wakeup: asyncio.Future[None] | None = None
+
+    # -- dispatch.Source ----------------------------------------------------------------
+
+    def settled(self, held: Held) -> None:
+        self.buffered -= 1
+        self.processed += 1
+        self.worker.buffered -= 1
+        self._wake()
+        if self.worker.starved:
+            self.worker.wake_starved()
+
+    def went_idle(self) -> None:
+        self._wake()
+
+    # -- control --------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        waiter = self._wakeup
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _sleep_until_woken(self, timeout: float | None = None) -> None:
+        self._wakeup = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait_for(self._wakeup, timeout)
+        except TimeoutError:
+            pass
+        finally:
+            self._wakeup = None
 
     def stop(self) -> None:
         self.stopping = True
         self.stop_requested_at = time.monotonic()
+        self._wake()
 
     def fence(self) -> None:
         self.stopping = True
         self.fenced = True
-        # A handler still running must stop now, not when it is done: fencing happens
+        # Handlers still running must stop now, not when they are done: fencing happens
         # fence_margin before our lease can expire, and once it has, the next owner
-        # starts the partition. Left running, the handler would overlap with it, and
-        # its in-progress acks would keep JetStream from redelivering the message (so
-        # the next owner would also start on the later messages first). Cancelled, it
-        # stops at its next await; the message is redelivered after ack_wait.
-        # Not from inside the runner (it raises Fenced itself), and only once: a second
-        # cancel could interrupt the bookkeeping in run()'s finally.
-        task = self.task
-        if (
-            self.inflight
-            and not self.handler_cancelled
-            and task is not None
-            and task is not asyncio.current_task()
-        ):
-            self.handler_cancelled = True
-            task.cancel()
-            log.warning("Fenced: cancelled the handler running on partition %d", self.partition)
+        # starts the partition. Left running, a handler would overlap with it, and the
+        # in-progress acks would keep JetStream from redelivering its message (so the
+        # next owner would also start on the later messages first). Cancelled, each
+        # stops at its next await; its message is redelivered after ack_wait.
+        cancelled = self.worker.dispatcher.cancel_running(self)
+        if cancelled:
+            log.warning(
+                "Fenced: cancelled %d handler(s) running on partition %d",
+                cancelled,
+                self.partition,
+            )
+        self._wake()
+        end = self._request_end
+        if end is not None and not end.done():
+            end.set_result("fenced")
+
+    # -- pulling --------------------------------------------------------------------------
+
+    def _room(self) -> int:
+        w = self.worker
+        return min(w.config.fetch_batch - self.buffered, w.max_buffered - w.buffered)
 
     async def run(self) -> None:
         w = self.worker
         nc = w.nc
-        queue = Inbox()
-
-        async def deliver(msg: Any) -> None:
-            queue.put(msg)
-
         inbox = nc.new_inbox()
-        sub = await nc.subscribe(inbox, cb=deliver)
+        sub = await nc.subscribe(inbox, cb=self._deliver)
         api_subject = f"$JS.API.CONSUMER.MSG.NEXT.{w.config.stream}.{durable_name(self.partition)}"
-        batch, expires = w.config.fetch_batch, w.config.fetch_expires
-        request = json.dumps({"batch": batch, "expires": int(expires * 1e9)}).encode()
-        # Messages that arrive after we were told to stop. They are given back only once
-        # no request of ours is open: a nak while our request is open sends the message
-        # straight back into that same request, round and round until max_deliver, after
-        # which JetStream stops delivering it at all.
-        held: list[Any] = []
-        failed = False
-        keeper = asyncio.create_task(self._keep_queued_alive(queue))
+        expires = w.config.fetch_expires
+        expires_ns = int(expires * 1e9)
+        loop = asyncio.get_running_loop()
         try:
             backoff = MISSING_DURABLE_BACKOFF
             while not self.stopping:
+                room = self._room()
+                if room <= 0:
+                    # Full: wait until the dispatcher settles some of ours (or, when the
+                    # whole member is full, anyone's).
+                    if self.buffered < w.config.fetch_batch:
+                        w.starved.add(self)
+                    await self._sleep_until_woken(1.0)
+                    w.starved.discard(self)
+                    continue
+                self._remaining = room
+                self._request_end = end = loop.create_future()
+                request = json.dumps({"batch": room, "expires": expires_ns}).encode()
                 await nc.publish(api_subject, request, reply=inbox)
-                await self._read_one_request(queue, batch, expires, held)
-                if self.no_responders:
+                # The request ends with its batch, or a status; bounded in case the status
+                # was lost in a reconnect.
+                try:
+                    status = await asyncio.wait_for(end, expires + 1.0)
+                except TimeoutError:
+                    status = "lost"
+                finally:
+                    self._request_end = None
+                if status == "503":
                     # Nobody answers pulls on this durable: it (or the stream) was
                     # deleted, or JetStream is away. Asking again at once is a busy loop
                     # of requests; recreate what is missing, and back off meanwhile.
-                    self.no_responders = False
                     await self._recreate_durable()
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, MISSING_DURABLE_BACKOFF_MAX)
-                else:
-                    backoff = MISSING_DURABLE_BACKOFF
-            # A message of a request we gave up on (its end status lost) may still come.
-            await asyncio.sleep(0.02)
-            while (msg := queue.get_nowait()) is not None:
-                if not _is_status(msg):
-                    held.append(msg)
-            drained_at = time.monotonic()
-            for msg in held:
-                await self._give_back(msg)
-            log.debug(
-                "Partition %d: last request ended %.0f ms after the stop, %d given back in %.0f ms",
-                self.partition,
-                1000 * (drained_at - self.stop_requested_at),
-                len(held),
-                1000 * (time.monotonic() - drained_at),
-            )
+                    continue
+                if status == "409":
+                    await asyncio.sleep(0.1)
+                backoff = MISSING_DURABLE_BACKOFF
         except Fenced:
-            log.warning("Fenced: stopped consuming partition %d at once", self.partition)
+            pass
         except Exception:
-            failed = not self.stopping
-            if failed:
-                log.exception("Partition %d consumer failed; restarting it", self.partition)
+            if not self.stopping:
+                log.exception("Partition %d consumer failed; releasing it", self.partition)
+                self.stop()
+                await asyncio.sleep(1.0)  # no tight loop while e.g. NATS is away
+        try:
+            if self.fenced:
+                log.warning("Fenced: stopped consuming partition %d at once", self.partition)
+            else:
+                await self._hand_back()
         finally:
-            keeper.cancel()
             try:
                 await sub.unsubscribe()
             except Exception:
                 log.debug("Unsubscribe failed for partition %d", self.partition, exc_info=True)
-            if failed:
-                await asyncio.sleep(1.0)  # no tight loop while e.g. NATS is away
             await w.runner_done(self)
 
-    async def _read_one_request(
-        self, queue: Inbox, batch: int, expires: float, held: list[Any]
-    ) -> None:
-        """Read the current pull request to its end.
-
-        A request ends when `batch` messages have arrived (the server sends nothing more)
-        or with a 404/408/409 status. Waiting is bounded by the request's expiry plus a
-        margin, counted only while nothing is queued, in case the end status was lost in
-        a reconnect; time spent in the handler never cuts a request short, so messages
-        are never left queued while another request is sent.
-        """
-        received = 0
-        sent_at = time.monotonic()
-        while received < batch:
-            msg = queue.get_nowait()
-            if msg is None:
-                remaining = sent_at + expires + 1.0 - time.monotonic()
-                if remaining <= 0:
-                    return
-                msg = await queue.get(remaining)
-                if msg is None:
-                    return
-            if _is_status(msg):
-                status = msg.headers.get("Status")
-                if status == "100":  # idle heartbeat
-                    continue
-                if status not in ("404", "408"):
-                    log.debug(
-                        "Pull on partition %d ended: %s %s",
-                        self.partition,
-                        status,
-                        msg.headers.get("Description"),
-                    )
-                    if status == "409":
-                        await asyncio.sleep(0.1)
-                    elif status == "503":
-                        self.no_responders = True
+    async def _deliver(self, msg: Any) -> None:
+        """nats-py's callback for our pull requests' inbox: messages and statuses."""
+        if not msg.reply:
+            # A status (no reply subject, nothing to ack): 100 is an idle heartbeat;
+            # anything else ends the open request (404/408: nothing more; 409: the
+            # server ended it, e.g. a leader change; 503: no JetStream answers).
+            status = msg.headers.get("Status", "") if msg.headers else ""
+            if status == "100":
                 return
-            received += 1
-            if self.stopping:
-                held.append(msg)
+            if status not in ("404", "408"):
+                log.debug(
+                    "Pull on partition %d ended: %s %s",
+                    self.partition,
+                    status,
+                    msg.headers.get("Description") if msg.headers else "",
+                )
+            self._end_request(status or "?")
+            return
+        self._remaining -= 1
+        if self._remaining <= 0:
+            self._end_request("batch")
+        if self.stopping:
+            if not self.fenced:
+                self._late.append(msg)
+            return
+        w = self.worker
+        headers = msg.headers
+        project = headers.get(PROJECT_HEADER, "") if headers else ""
+        if not project:
+            await w.dead_letter(msg, self.partition, "missing Shoal-Project-Id header")
+            return
+        if not w.belongs(project, self.partition):
+            await w.dead_letter(
+                msg,
+                self.partition,
+                f"project {project!r} belongs to partition "
+                f"{partition_for(project, w.config.partitions)}",
+            )
+            return
+        seq, delivered = _delivery(msg.reply)
+        self.buffered += 1
+        w.buffered += 1
+        w.dispatcher.submit(self, Held(msg, project, seq, delivered, time.monotonic()))
+
+    def _end_request(self, status: str) -> None:
+        end = self._request_end
+        if end is not None and not end.done():
+            end.set_result(status)
+
+    # -- letting go -----------------------------------------------------------------------
+
+    async def _hand_back(self) -> None:
+        """After the last request ended: let running handlers finish, give back the rest."""
+        while self.inflight and not self.fenced:
+            await self._sleep_until_woken(1.0)
+        if self.fenced:
+            return
+        # A message of a request we gave up on (its end status lost) may still come.
+        await asyncio.sleep(0.02)
+        drained_at = time.monotonic()
+        unstarted = [held for queue in self.projects.values() for held in queue.pending]
+        for msg in self._late:
+            seq, delivered = _delivery(msg.reply)
+            unstarted.append(Held(msg, "", seq, delivered, drained_at))
+        unstarted.sort(key=lambda held: held.seq)
+        await self._give_back(unstarted)
+        log.debug(
+            "Partition %d: handlers done %.0f ms after the stop, %d given back in %.0f ms",
+            self.partition,
+            1000 * (drained_at - self.stop_requested_at),
+            len(unstarted),
+            1000 * (time.monotonic() - drained_at),
+        )
+
+    async def _give_back(self, unstarted: list[Held]) -> None:
+        """Return fetched but unstarted messages to JetStream, in stream order, for the
+        next owner."""
+        w = self.worker
+        if not unstarted or not w.nats_reachable():
+            # Without NATS a nak request would wait out its timeout on a dead connection;
+            # unacked, the messages are redelivered after ack_wait anyway.
+            return
+        naks: list[Held] = []
+        for held in unstarted:
+            if held.delivered >= w.config.max_deliver:
+                # A nak of its last delivery would strand it: JetStream would not
+                # deliver it again. Finish it here instead (in order: the ones before it
+                # were naked first, and nobody else runs this partition yet).
+                await self._flush_naks(naks)
+                naks = []
+                await w.run_last_delivery(self, held)
             else:
-                await self._process(msg)
+                naks.append(held)
+        await self._flush_naks(naks)
+        self.projects.clear()
+        self._late.clear()
+
+    async def _flush_naks(self, naks: list[Held]) -> None:
+        """Nak in order; the last one as a request, answered once JetStream applied it.
+
+        JetStream applies acks asynchronously, in the order they arrive: a plain nak can
+        still be in its queue when the next owner's first pull arrives, which then gets
+        newer messages first. The answer to the last nak means all of them are applied.
+        """
+        if not naks:
+            return
+        nc = self.worker.nc
+        try:
+            for held in naks[:-1]:
+                await nc.publish(held.msg.reply, b"-NAK")
+            await nc.request(naks[-1].msg.reply, b"-NAK", timeout=5)
+        except Exception:
+            log.debug("Giving back messages of partition %d failed", self.partition, exc_info=True)
 
     async def _recreate_durable(self) -> None:
         """Recreate this partition's durable, unless JetStream objects are not ours to
@@ -269,126 +369,6 @@ class PartitionRunner:
         except Exception as exc:  # JetStream away, or refusing: the backoff goes on
             log.warning("Could not recreate the durable of partition %d: %r", self.partition, exc)
 
-    async def _keep_queued_alive(self, queue: Inbox) -> None:
-        """Fetched messages wait their turn here while their ack_wait runs on the server.
-
-        A member that takes over a backlog on many partitions at once may hold thousands
-        of them; without in-progress acks the tail would be redelivered, and processed
-        twice, before its turn came.
-        """
-        period = max(0.2, self.worker.config.ack_wait / 3)
-        while True:
-            await asyncio.sleep(period)
-            now = time.monotonic()
-            for entry in list(queue.entries):
-                if now - entry[0] >= period and not _is_status(entry[1]):
-                    entry[0] = now
-                    await entry[1].in_progress()
-
-    async def _give_back(self, msg: Any) -> None:
-        """Return a fetched but unstarted message to JetStream for the next owner."""
-        if self.fenced:
-            return  # the partition may be someone else's now: touch nothing
-        if not self.worker.nats_reachable():
-            # A nak request would wait out its timeout (5 s per message) on a dead
-            # connection; unacked, the message is redelivered after ack_wait anyway.
-            return
-        try:
-            if int(msg.metadata.num_delivered) >= self.worker.config.max_deliver:
-                # A nak of its last delivery would strand it: JetStream would not
-                # deliver it again. Finish it here instead.
-                await self._process(msg)
-            else:
-                # A request, not a plain publish: JetStream applies acks asynchronously,
-                # so a plain nak can still be in its queue when the next owner's first
-                # pull arrives, which then gets newer messages first. The server answers
-                # the request once the nak is applied (and naks stay in order).
-                await self.worker.nc.request(msg.reply, b"-NAK", timeout=5)
-        except Fenced:
-            raise
-        except Exception:
-            log.debug("Giving back a message of partition %d failed", self.partition, exc_info=True)
-
-    async def _process(self, msg: Any) -> None:
-        w = self.worker
-        if not w.membership.safe():
-            self.fence()
-            raise Fenced()
-        meta = msg.metadata
-        headers = dict(msg.headers or {})
-        project = headers.get(PROJECT_HEADER, "")
-        if not project:
-            await w.dead_letter(msg, self.partition, "missing Shoal-Project-Id header")
-            return
-        if partition_for(project, w.config.partitions) != self.partition:
-            await w.dead_letter(
-                msg,
-                self.partition,
-                f"project {project!r} belongs to partition "
-                f"{partition_for(project, w.config.partitions)}",
-            )
-            return
-        message = Message(
-            project_id=project,
-            partition=self.partition,
-            data=msg.data,
-            headers=headers,
-            stream_sequence=int(meta.sequence.stream),
-            delivery_count=int(meta.num_delivered),
-            subject=msg.subject,
-            context=w.context,
-        )
-        if not self.first_message_seen:
-            self.first_message_seen = True
-            if self.target_ts is not None:
-                w.metrics.handover_seconds.observe(max(0.0, time.time() - self.target_ts))
-        self.inflight += 1
-        started = time.perf_counter()
-        ticker = asyncio.create_task(self._keep_in_progress(msg))
-        try:
-            await w.handler(message)
-        except Fenced:
-            self.fence()
-            raise
-        except PermanentError as exc:
-            await w.dead_letter(msg, self.partition, f"permanent error: {exc}")
-            w.metrics.processed.labels("dead_letter").inc()
-            return
-        except Exception as exc:
-            if message.delivery_count >= w.config.max_deliver:
-                await w.dead_letter(
-                    msg,
-                    self.partition,
-                    f"failed {message.delivery_count} times, last: {exc!r}",
-                )
-                w.metrics.processed.labels("dead_letter").inc()
-            else:
-                delay = w.retry_delay(message.delivery_count)
-                log.warning(
-                    "Handler failed on %s (delivery %d): %r; retrying in %.1f s",
-                    message.message_id,
-                    message.delivery_count,
-                    exc,
-                    delay,
-                )
-                await msg.nak(delay=delay)
-                w.metrics.processed.labels("retry").inc()
-            return
-        finally:
-            ticker.cancel()
-            self.inflight -= 1
-            w.metrics.handler_seconds.observe(time.perf_counter() - started)
-        await msg.ack()
-        w.metrics.processed.labels("ok").inc()
-        w.note_processed(project, self.partition)
-
-    async def _keep_in_progress(self, msg: Any) -> None:
-        """For long handlers: tell JetStream we are still at it, before ack_wait runs out."""
-        interval = max(0.5, self.worker.config.ack_wait / 2)
-        while True:
-            await asyncio.sleep(interval)
-            await msg.in_progress()
-
 
 class Worker:
     def __init__(
@@ -416,54 +396,192 @@ class Worker:
         self.handler = handler
         self.metrics = metrics
         self.context = HandlerContext(config.member_id, config.subject_prefix, js, membership.safe)
+        self.dispatcher = Dispatcher(self._execute, config.max_concurrency)
         self.runners: dict[int, PartitionRunner] = {}
+        self.max_buffered = config.max_buffered
+        self.buffered = 0
+        # Runners waiting for room in the member's buffer (not in their own).
+        self.starved: set[PartitionRunner] = set()
         self.stream_missing_logged = False
         self.claiming: set[int] = set()
         self.leaving = False
         self._incarnation = 0
         self._projects: dict[str, float] = {}
-        # Messages processed per partition, in one-second buckets over RATE_WINDOW.
-        self._processed: deque[tuple[int, Counter[int]]] = deque()
+        self._partition_of: dict[str, int] = {}
+        # Processed counts at the last stats(), for rates over the stats interval.
+        self._rate_mark: tuple[float, dict[int, int]] = (time.monotonic(), {})
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
+        # Metric children resolved once, not per message.
+        self._ok = metrics.processed.labels("ok")
+        self._retried = metrics.processed.labels("retry")
+        self._dead = metrics.processed.labels("dead_letter")
+        self._handler_seconds = metrics.handler_seconds
+
+    # -- running messages (the dispatcher's execute) ----------------------------------
+
+    def belongs(self, project: str, partition: int) -> bool:
+        known = self._partition_of.get(project)
+        if known is None:
+            if len(self._partition_of) >= PARTITION_CACHE_SIZE:
+                self._partition_of.clear()
+            known = self._partition_of[project] = partition_for(project, self.config.partitions)
+        return known == partition
+
+    def _message(self, runner: PartitionRunner, held: Held) -> Message:
+        msg = held.msg
+        return Message(
+            project_id=held.project,
+            partition=runner.partition,
+            data=msg.data,
+            headers=msg.headers,
+            stream_sequence=held.seq,
+            delivery_count=held.delivered + held.failures,
+            subject=msg.subject,
+            context=self.context,
+        )
+
+    async def _execute(self, runner: PartitionRunner, held: Held) -> float | None:
+        """Run the handler on one message and settle it; see dispatch.Execute."""
+        if runner.fenced:
+            return ABANDONED
+        if not self.membership.safe():
+            runner.fence()
+            return ABANDONED
+        if not runner.first_message_seen:
+            runner.first_message_seen = True
+            if runner.target_ts is not None:
+                self.metrics.handover_seconds.observe(max(0.0, time.time() - runner.target_ts))
+        msg = held.msg
+        started = time.perf_counter()
+        try:
+            await self.handler(self._message(runner, held))
+        except Fenced:
+            runner.fence()
+            return ABANDONED
+        except PermanentError as exc:
+            await self.dead_letter(msg, runner.partition, f"permanent error: {exc}")
+            self._dead.inc()
+            return SETTLED
+        except Exception as exc:
+            return await self._failed(runner, held, exc)
+        finally:
+            self._handler_seconds.observe(time.perf_counter() - started)
+        await msg.ack()
+        self._ok.inc()
+        self._projects[held.project] = time.monotonic()
+        return SETTLED
+
+    async def _failed(self, runner: PartitionRunner, held: Held, exc: Exception) -> float | None:
+        """A handler error: retry in place (or nak), or dead-letter after max_deliver."""
+        held.failures += 1
+        # Attempts so far: one per earlier delivery (elsewhere), plus ours here.
+        attempts = held.delivered - 1 + held.failures
+        msg = held.msg
+        if attempts >= self.config.max_deliver:
+            await self.dead_letter(msg, runner.partition, f"failed {attempts} times, last: {exc!r}")
+            self._dead.inc()
+            return SETTLED
+        delay = self.retry_delay(attempts)
+        self._retried.inc()
+        if self.config.retry_policy == "NakAndContinue":
+            # The old behaviour, chosen explicitly: JetStream redelivers it after the
+            # delay, and later messages of its project may overtake it.
+            log.warning(
+                "Handler failed on message %d of partition %d (attempt %d): %r; "
+                "redelivering in %.1f s",
+                held.seq,
+                runner.partition,
+                attempts,
+                exc,
+                delay,
+            )
+            await msg.nak(delay=delay)
+            return SETTLED
+        log.warning(
+            "Handler failed on message %d of project %r (attempt %d of %d): %r; "
+            "retrying in %.1f s, the project's later messages wait",
+            held.seq,
+            held.project,
+            attempts,
+            self.config.max_deliver,
+            exc,
+            delay,
+        )
+        return delay
+
+    async def run_last_delivery(self, runner: PartitionRunner, held: Held) -> None:
+        """Run a message on its last delivery during a give-back: once, no retry."""
+        try:
+            await self.handler(self._message(runner, held))
+        except Exception as exc:
+            await self.dead_letter(
+                held.msg, runner.partition, f"failed on its last delivery: {exc!r}"
+            )
+            self._dead.inc()
+            return
+        await held.msg.ack()
+        self._ok.inc()
+
+    async def keep_held_alive(self) -> None:
+        """In-progress acks for messages held longer than a third of ack_wait.
+
+        Held messages (queued behind their project, running a long handler, or waiting
+        for a retry) run their ack_wait on the server; without these the server would
+        redeliver them, and they would be processed twice. One loop for the whole member,
+        not a task per message.
+        """
+        # With a backoff, JetStream's first redelivery comes after its first step.
+        c = self.config
+        ack_wait = min(c.ack_wait, c.backoff[0]) if c.backoff and c.backoff[0] > 0 else c.ack_wait
+        period = max(0.2, ack_wait / 3)
+        while True:
+            await asyncio.sleep(period / 2)
+            now = time.monotonic()
+            due = [
+                held
+                for runner in list(self.runners.values())
+                if not runner.fenced
+                for queue in list(runner.projects.values())
+                for held in queue.pending
+                if now - held.kept >= period
+            ]
+            for held in due:
+                held.kept = now
+                try:
+                    await held.msg.in_progress()
+                except Exception:
+                    log.debug("In-progress ack failed", exc_info=True)
+                    break
 
     # -- stats for the member key -----------------------------------------------------
 
-    def note_processed(self, project: str, partition: int) -> None:
-        now = time.monotonic()
-        self._projects[project] = now
-        second = int(now)
-        if not self._processed or self._processed[-1][0] != second:
-            self._processed.append((second, Counter()))
-        self._processed[-1][1][partition] += 1
-
     def stats(self) -> dict[str, Any]:
         now = time.monotonic()
-        while self._processed and now - self._processed[0][0] >= RATE_WINDOW:
-            self._processed.popleft()
         for project, seen in list(self._projects.items()):
             if now - seen > ACTIVE_PROJECT_WINDOW:
                 del self._projects[project]
-        per_partition: Counter[int] = Counter()
-        for _, counts in self._processed:
-            per_partition.update(counts)
+        counts = {p: r.processed for p, r in self.runners.items()}
+        mark, before = self._rate_mark
+        self._rate_mark = (now, counts)
+        elapsed = max(now - mark, 1e-3)
+        rates = {p: max(0, n - before.get(p, 0)) / elapsed for p, n in counts.items()}
         return {
             "owned": sorted(self.runners),
-            "inflight": sum(r.inflight for r in self.runners.values()),
-            "rate": round(sum(per_partition.values()) / RATE_WINDOW, 2),
+            "inflight": self.dispatcher.running,
+            "buffered": self.buffered,
+            "rate": round(sum(rates.values()), 2),
             # Messages per second of each owned partition: the leader's loads when the
             # group's assignment is load-aware.
-            "partition_rates": {
-                str(p): round(n / RATE_WINDOW, 2) for p, n in sorted(per_partition.items())
-            },
+            "partition_rates": {str(p): round(r, 2) for p, r in sorted(rates.items()) if r},
             "active_projects": len(self._projects),
         }
 
-    def retry_delay(self, delivery_count: int) -> float:
+    def retry_delay(self, attempts: int) -> float:
         backoff = self.config.backoff
         if backoff:
-            return backoff[min(delivery_count - 1, len(backoff) - 1)]
-        return min(1.0 * delivery_count, 30.0)
+            return backoff[min(attempts - 1, len(backoff) - 1)]
+        return min(1.0 * attempts, 30.0)
 
     async def dead_letter(self, msg: Any, partition: int, reason: str) -> None:
         """Publish to <prefix>.dlq.<p> with the reason, then terminate the original."""
@@ -474,6 +592,12 @@ class Worker:
         await msg.term()
         log.warning("Dead-lettered a message of partition %d: %s", partition, reason)
 
+    def wake_starved(self) -> None:
+        if self.buffered < self.max_buffered:
+            for runner in list(self.starved):
+                runner._wake()
+            self.starved.clear()
+
     # -- ownership --------------------------------------------------------------------
 
     def _spawn(self, coro: Any) -> None:
@@ -483,6 +607,8 @@ class Worker:
 
     async def run(self) -> None:
         await self.view.synced.wait()
+        self.dispatcher.start()
+        self._spawn(self.keep_held_alive())
         while True:
             view_changed = self.view.change_event()
             member_changed = self.membership.changed
@@ -600,6 +726,9 @@ class Worker:
                 p,
                 1000 * (time.monotonic() - runner.stop_requested_at),
             )
+        # Given back, or left to JetStream's redelivery (fenced): no longer ours to hold.
+        self.buffered -= runner.buffered
+        runner.buffered = 0
         if self.runners.get(p) is runner:
             del self.runners[p]
         self.metrics.partitions_owned.set(len(self.runners))

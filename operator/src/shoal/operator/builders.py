@@ -84,6 +84,8 @@ POD_FIELDS = (
     "max_ack_pending",
     "max_deliver",
     "backoff",
+    "max_concurrency",
+    "retry_policy",
     "drain_timeout",
     "ready_file",
     "ensure_jetstream",

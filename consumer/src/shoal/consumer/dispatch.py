@@ -1,0 +1,205 @@
+"""Run a member's messages concurrently across projects, one after another within a project.
+
+Ordering is per project (DESIGN "JetStream and the data path"): the messages of one
+project run strictly in stream order, each only after the previous one finished; messages
+of different projects run side by side, at most `max_concurrency` at a time per member.
+A message whose handler failed stays at the head of its project's queue and is retried
+there, after a backoff, before any later message of that project; the other projects go
+on meanwhile.
+
+The pieces:
+- `Held`: one fetched message, from delivery until it is acked, dead-lettered or given
+  back; `kept` is when JetStream last heard of it (delivery or in-progress ack).
+- `ProjectQueue`: the held messages of one project, in stream order.
+- `Dispatcher`: a ready queue of projects whose head may run now, and a fixed pool of
+  `max_concurrency` worker tasks taking projects from it. No task is created per message:
+  a worker runs a project's head, acks it, puts the project back at the end of the ready
+  queue if it has more, and takes the next project.
+
+What running a message means (the handler, acks, dead letters, fencing) is the caller's
+`execute` function; what a partition's queues are for (pulling, hand-over) is the
+`Source`'s (worker.PartitionRunner). This module only orders and schedules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+# A worker that ran this many messages without waiting (handlers that never await, e.g.
+# a noop) lets the event loop run, so that reading from NATS and timers are not starved.
+YIELD_EVERY = 64
+
+
+class Held:
+    """A fetched message of one project, held until it is settled or given back."""
+
+    __slots__ = ("delivered", "failures", "kept", "msg", "project", "seq")
+
+    def __init__(self, msg: Any, project: str, seq: int, delivered: int, now: float) -> None:
+        self.msg = msg
+        self.project = project
+        self.seq = seq  # stream sequence
+        self.delivered = delivered  # JetStream's delivery count for this delivery
+        self.failures = 0  # handler failures here, retried in place
+        self.kept = now  # last time JetStream heard of it (delivery or in-progress ack)
+
+
+class Source(Protocol):
+    """What the dispatcher needs of a partition (worker.PartitionRunner)."""
+
+    partition: int
+    stopping: bool
+    inflight: int
+    projects: dict[str, ProjectQueue]
+
+    def settled(self, held: Held) -> None:
+        """`held` is done with (acked or dead-lettered): its buffer slot is free."""
+
+    def went_idle(self) -> None:
+        """No handler of this source runs any more."""
+
+
+class ProjectQueue:
+    __slots__ = ("pending", "project", "running", "scheduled", "source")
+
+    def __init__(self, source: Source, project: str) -> None:
+        self.source = source
+        self.project = project
+        self.pending: deque[Held] = deque()
+        self.scheduled = False  # in the ready queue, or waiting for a retry timer
+        self.running = False  # a worker runs its head now
+
+
+# What `execute` returns: SETTLED (acked, dead-lettered, or handed to JetStream for
+# redelivery), a delay in seconds before the head is retried in place, or ABANDONED (the
+# partition was fenced or released mid-way: leave the message to the hand-over).
+SETTLED: None = None
+ABANDONED = -1.0
+Execute = Callable[[Any, Held], Awaitable[float | None]]
+
+
+class Dispatcher:
+    def __init__(self, execute: Execute, max_concurrency: int) -> None:
+        self._execute = execute
+        self.max_concurrency = max_concurrency
+        self._ready: deque[ProjectQueue] = deque()
+        self._idle: deque[asyncio.Future[None]] = deque()
+        self._workers: list[asyncio.Task[None]] = []
+        # worker task -> the source whose message it runs now (for fencing)
+        self._running: dict[asyncio.Task[None], Source] = {}
+        self._cancelling: set[asyncio.Task[None]] = set()
+        self.running = 0
+
+    def start(self) -> None:
+        self._workers = [
+            asyncio.create_task(self._work(), name=f"dispatch-{i}")
+            for i in range(self.max_concurrency)
+        ]
+
+    async def stop(self) -> None:
+        for task in self._workers:
+            task.cancel()
+        await asyncio.gather(*self._workers, return_exceptions=True)
+        self._workers = []
+
+    def submit(self, source: Source, held: Held) -> None:
+        """Queue a fetched message behind the earlier ones of its project."""
+        queue = source.projects.get(held.project)
+        if queue is None:
+            queue = source.projects[held.project] = ProjectQueue(source, held.project)
+        queue.pending.append(held)
+        if not queue.scheduled and not queue.running:
+            self._schedule(queue)
+
+    def _schedule(self, queue: ProjectQueue) -> None:
+        queue.scheduled = True
+        self._ready.append(queue)
+        while self._idle:
+            waiter = self._idle.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                break
+
+    def _retry_due(self, queue: ProjectQueue) -> None:
+        queue.scheduled = False
+        if queue.pending and not queue.source.stopping:
+            self._schedule(queue)
+
+    def cancel_running(self, source: Source) -> int:
+        """Cancel the handlers running for `source` now (it was fenced); how many."""
+        cancelled = 0
+        me = asyncio.current_task()
+        for task, running in self._running.items():
+            # Not the caller's own task: a handler that raised Fenced is already stopping.
+            if running is source and task is not me and task not in self._cancelling:
+                self._cancelling.add(task)
+                task.cancel()
+                cancelled += 1
+        return cancelled
+
+    async def _work(self) -> None:
+        loop = asyncio.get_running_loop()
+        me = asyncio.current_task()
+        assert me is not None
+        ready = self._ready
+        streak = 0
+        while True:
+            if not ready:
+                streak = 0
+                waiter: asyncio.Future[None] = loop.create_future()
+                self._idle.append(waiter)
+                await waiter
+                continue
+            queue = ready.popleft()
+            queue.scheduled = False
+            source = queue.source
+            if source.stopping or not queue.pending:
+                continue  # left for the hand-over, which gives unstarted messages back
+            held = queue.pending[0]
+            queue.running = True
+            source.inflight += 1
+            self.running += 1
+            self._running[me] = source
+            try:
+                outcome = await self._execute(source, held)
+            except asyncio.CancelledError:
+                if me not in self._cancelling:
+                    raise  # the dispatcher is stopping
+                # Our source was fenced: this handler is abandoned, the worker goes on.
+                me.uncancel()
+                outcome = ABANDONED
+            except Exception:
+                # execute() handles the handler's errors; this is a bug of ours. Leave
+                # the message unacked (JetStream redelivers it) rather than lose a worker.
+                log.exception("Running a message of partition %d failed", source.partition)
+                outcome = ABANDONED
+            finally:
+                self._cancelling.discard(me)
+                del self._running[me]
+                self.running -= 1
+                queue.running = False
+                source.inflight -= 1
+            if outcome is SETTLED:
+                queue.pending.popleft()
+                source.settled(held)
+            if source.inflight == 0 and source.stopping:
+                source.went_idle()
+            if not queue.pending:
+                if source.projects.get(queue.project) is queue:
+                    del source.projects[queue.project]
+            elif outcome is SETTLED:
+                if not source.stopping:
+                    self._schedule(queue)
+            elif outcome != ABANDONED and not source.stopping:
+                queue.scheduled = True
+                loop.call_later(outcome, self._retry_due, queue)
+            streak += 1
+            if streak >= YIELD_EVERY:
+                streak = 0
+                await asyncio.sleep(0)
