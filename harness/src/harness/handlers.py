@@ -1,4 +1,8 @@
-"""Handlers for fault scenarios (members run them as `harness.handlers:<name>`).
+"""Handlers for tests and fault scenarios (members run them as `harness.handlers:<name>`).
+
+`scripted_ledger` records like the `ledger` handler of shoal.consumer.handlers, after doing
+what the message's data says: ``wait:<ms>`` awaits that long (an I/O-bound handler),
+``fail:<n>`` fails its first n attempts, ``poison`` fails every attempt.
 
 `slow_ledger` is the `ledger` handler of shoal.consumer.handlers with two differences a
 scenario needs: a message whose data is ``sleep:<seconds>[:<cleanup>]`` takes that long
@@ -19,7 +23,7 @@ import time
 from shoal.consumer.handlers import Message
 from shoal.contracts.names import SEQ_HEADER, ledger_subject
 
-__all__ = ["SLEEP_PREFIX", "slow_ledger"]
+__all__ = ["SLEEP_PREFIX", "scripted_ledger", "slow_ledger"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +44,10 @@ async def slow_ledger(msg: Message) -> None:
             log.warning("Slow message %s stopped at %.3f (cancelled)", msg.message_id, time.time())
             raise
         log.info("Slow message %s stopped at %.3f (done)", msg.message_id, time.time())
+    await _record(msg, started)
+
+
+async def _record(msg: Message, started: float) -> None:
     seq = msg.headers.get(SEQ_HEADER, "")
     record = {
         "project_id": msg.project_id,
@@ -56,3 +64,20 @@ async def slow_ledger(msg: Message) -> None:
         ledger_subject(msg.context.subject_prefix, msg.partition),
         json.dumps(record, separators=(",", ":")).encode(),
     )
+
+
+class ScriptedFailure(RuntimeError):
+    """What `scripted_ledger` raises for ``fail:<n>`` and ``poison`` messages."""
+
+
+async def scripted_ledger(msg: Message) -> None:
+    started = time.time()
+    command, _, arg = msg.data.decode(errors="replace").partition(":")
+    if command == "wait":
+        await asyncio.sleep(float(arg) / 1000)
+    elif command == "fail" and msg.delivery_count <= int(arg):
+        raise ScriptedFailure(f"attempt {msg.delivery_count} of {msg.message_id} fails")
+    elif command == "poison":
+        raise ScriptedFailure(f"{msg.message_id} is poison")
+    msg.ensure_owned()
+    await _record(msg, started)

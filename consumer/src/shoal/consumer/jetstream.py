@@ -182,7 +182,11 @@ def consumer_config(config: GroupConfig, partition: int) -> api.ConsumerConfig:
         max_ack_pending=config.max_ack_pending,
         # One more than we handle: the worker dead-letters on the last delivery itself.
         max_deliver=config.max_deliver,
-        backoff=list(config.backoff) or None,
+        # No backoff on the durable: with one, JetStream uses its first step as the
+        # ack_wait of every first delivery. The backoff is the member's: it spaces the
+        # in-place retries (and, with NakAndContinue, the delays of its naks); JetStream
+        # redelivers only what a member failed to settle, after ack_wait.
+        backoff=None,
         max_waiting=64,
         num_replicas=config.stream_replicas,
     )
@@ -273,12 +277,12 @@ async def ensure_group(js: Any, config: GroupConfig) -> None:
 def _settings_differ(current: api.ConsumerConfig, wanted: api.ConsumerConfig) -> bool:
     """Whether an existing durable lacks settings a member would apply to it.
 
-    With a backoff the server sets ack_wait to its first step, so ack_wait is compared
-    only without one.
+    A durable that still has a backoff (from an older Shoal) is outdated: the backoff
+    replaced its ack_wait.
     """
     if list(current.backoff or []) != list(wanted.backoff or []):
         return True
-    if not wanted.backoff and current.ack_wait != wanted.ack_wait:
+    if current.ack_wait != wanted.ack_wait:
         return True
     return bool(
         current.max_deliver != wanted.max_deliver

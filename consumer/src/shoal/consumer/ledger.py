@@ -109,7 +109,8 @@ def audit(records: Iterable[LedgerRecord], expected_ids: Iterable[str]) -> Audit
     - lost: published, never recorded;
     - duplicates: recorded more than once (message id -> all its records);
     - out_of_order: within a project, a message processed after one with a higher stream
-      sequence (ignoring redeliveries of the same message);
+      sequence (ignoring redeliveries of the same message), or started before the one
+      recorded before it had finished (a project's messages run one at a time);
     - overlaps: two members processing the same partition at overlapping times.
     """
     records = list(records)
@@ -122,6 +123,7 @@ def audit(records: Iterable[LedgerRecord], expected_ids: Iterable[str]) -> Audit
     result.duplicates = {mid: recs for mid, recs in by_id.items() if len(recs) > 1}
 
     last_seq: dict[str, int] = {}
+    last_record: dict[str, LedgerRecord] = {}
     for record in records:
         if record.message_id in result.duplicates and record is not by_id[record.message_id][0]:
             continue
@@ -129,6 +131,12 @@ def audit(records: Iterable[LedgerRecord], expected_ids: Iterable[str]) -> Audit
         if record.stream_sequence < prev:
             result.out_of_order.append((record.project_id, prev, record.stream_sequence))
         last_seq[record.project_id] = max(prev, record.stream_sequence)
+        previous = last_record.get(record.project_id)
+        if previous is not None and record.started < previous.finished:
+            result.out_of_order.append(
+                (record.project_id, previous.stream_sequence, record.stream_sequence)
+            )
+        last_record[record.project_id] = record
 
     # Per partition, the processing intervals of different members must not intersect.
     by_partition: dict[int, list[LedgerRecord]] = defaultdict(list)
