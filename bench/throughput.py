@@ -40,6 +40,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,7 +62,6 @@ from shoal.consumer.status import read_status
 from shoal.contracts.names import durable_name
 
 BENCH = "throughput"
-PLAIN = "plain"
 NAMESPACE = "bench"
 GROUP = "throughput"
 HANDLER = "shoal.consumer.handlers:noop"
@@ -80,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--projects", type=int, default=1_000, help="distinct project ids")
     parser.add_argument("--payload", type=int, default=64, help="payload bytes per message")
     parser.add_argument("--partitions", type=int, default=128)
-    parser.add_argument("--plain-batch", type=int, default=128, help="plain loop fetch batch")
+    parser.add_argument("--plain-batch", type=int, default=256, help="plain consumer's pull batch")
     parser.add_argument(
         "--rss-messages", type=int, default=20_000, help="traffic for the RSS phase"
     )
@@ -194,38 +195,56 @@ async def watch_counter(
 
 @dataclass
 class PlainResult:
-    first: float | None = None  # monotonic time the first non-empty fetch returned
+    first: float | None = None  # monotonic time of the first message
     last: float = 0.0  # monotonic time of the last ack
     acked: int = 0
+    cpu_s: float = 0.0  # its CPU seconds from the first message to the last ack
 
 
-async def plain_loop(
-    nc: Any, stream: str, target: int, batch: int, ready: asyncio.Event, timeout: float
-) -> PlainResult:
-    """Fetch-and-ack the plain durable until `target` messages are acked."""
-    js = nc.jetstream()
-    sub = await js.pull_subscribe_bind(durable=PLAIN, stream=stream)
-    result = PlainResult()
-    deadline = time.monotonic() + timeout
-    ready.set()
+async def run_plain(
+    url: str,
+    stream: str,
+    durables: list[str],
+    target: int,
+    batch: int,
+    timeout: float,
+    on_ready: Any,
+) -> tuple[PlainResult, int]:
+    """Run harness.plain in its own process (as a member is); returns its result and pid."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "harness.plain",
+        "--url",
+        url,
+        "--stream",
+        stream,
+        "--durables",
+        ",".join(durables),
+        "--target",
+        str(target),
+        "--batch",
+        str(batch),
+        "--timeout",
+        str(timeout),
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert proc.stdout is not None
     try:
-        while result.acked < target:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"plain loop acked only {result.acked} of {target}")
-            try:
-                msgs = await sub.fetch(batch, timeout=1.0)
-            except TimeoutError:
-                continue
-            if result.first is None and msgs:
-                result.first = time.monotonic()
-            for msg in msgs:
-                await msg.ack()
-                result.acked += 1
-        result.last = time.monotonic()
-        await nc.flush()
-        return result
+        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        if not line:
+            raise RuntimeError("harness.plain exited before it was ready")
+        await on_ready(proc.pid)
+        line = await asyncio.wait_for(proc.stdout.readline(), timeout + 10)
+        if not line:
+            raise RuntimeError("harness.plain exited without a result")
+        raw = json.loads(line)
+        return PlainResult(raw["first"], raw["last"], raw["acked"], raw["cpu_s"]), proc.pid
     finally:
-        await sub.unsubscribe()
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+        await proc.wait()
 
 
 @dataclass
@@ -276,35 +295,23 @@ class Bench:
         self.nc = nc
         self.js = nc.jetstream()
         self.nats_pid = nats_pid
+        self.url = config.nats_url
         self.stream = config.stream
         self.partition_durables = [durable_name(p) for p in range(config.partitions)]
         self.producer = Producer(self.js, config.subject_prefix, config.partitions)
         self.shoal = Side()
         self.plain = Side()
-        self.member_a: Member | None = None
-        self.port_a = 0
 
     async def setup(self) -> None:
         await ensure_group(self.js, self.config)
         info = await self.js.stream_info(self.stream)
         if info.config.retention != api.RetentionPolicy.LIMITS:
             raise RuntimeError(f"stream {self.stream} has {info.config.retention} retention")
-        await self.js.add_consumer(
-            self.stream,
-            config=api.ConsumerConfig(
-                durable_name=PLAIN,
-                filter_subject=f"{self.config.subject_prefix}.*",
-                ack_policy=api.AckPolicy.EXPLICIT,
-                deliver_policy=api.DeliverPolicy.ALL,
-                ack_wait=self.config.ack_wait,
-                max_ack_pending=max(1000, self.args.plain_batch),
-            ),
-        )
 
     async def publish_backlog(self, run: str) -> None:
         """Pause every durable, publish a backlog; the durables stay paused."""
         a = self.args
-        await set_paused(self.js, self.stream, [*self.partition_durables, PLAIN], True)
+        await set_paused(self.js, self.stream, self.partition_durables, True)
         before = int((await self.js.stream_info(self.stream)).state.messages)
         t = time.monotonic()
         await self.producer.publish_many(backlog(a.messages, a.projects, a.payload, run))
@@ -334,48 +341,58 @@ class Bench:
         )
 
     async def time_plain(self) -> None:
-        ready = asyncio.Event()
-        task = asyncio.create_task(
-            plain_loop(
-                self.nc,
-                self.stream,
-                self.args.messages,
-                self.args.plain_batch,
-                ready,
-                self.args.timeout,
-            )
+        """The plain consumer on the same durables (no member runs meanwhile)."""
+        nats0 = 0.0
+        resumed = 0.0
+
+        async def resume(pid: int) -> None:
+            nonlocal nats0, resumed
+            await asyncio.sleep(0.3)  # its first requests wait on the paused durables
+            nats0 = cpu_seconds(self.nats_pid)
+            resumed = time.monotonic()
+            await set_paused(self.js, self.stream, self.partition_durables, False)
+
+        result, _ = await run_plain(
+            self.url,
+            self.stream,
+            self.partition_durables,
+            self.args.messages,
+            self.args.plain_batch,
+            self.args.timeout,
+            resume,
         )
-        await ready.wait()
-        await asyncio.sleep(0.3)  # its first fetch waits on the paused durable
-        cpu0 = (time.process_time(), cpu_seconds(self.nats_pid))
-        resumed = time.monotonic()
-        await set_paused(self.js, self.stream, [PLAIN], False)
-        result = await task
-        cpu1 = (time.process_time(), cpu_seconds(self.nats_pid))
-        await check_drained(self.js, self.stream, [PLAIN])
+        nats1 = cpu_seconds(self.nats_pid)
+        await check_drained(self.js, self.stream, self.partition_durables)
         start = result.first if result.first is not None else resumed
         seconds = result.last - start
-        self.plain.add(result.acked, seconds, start - resumed, cpu1[0] - cpu0[0], cpu1[1] - cpu0[1])
+        self.plain.add(result.acked, seconds, start - resumed, result.cpu_s, nats1 - nats0)
         note(
             f"plain: {result.acked} in {seconds:.2f} s = {result.acked / seconds:.0f} msg/s "
             f"(first message {start - resumed:.2f} s after the resume)"
         )
 
-    async def throughput(self) -> None:
-        a, c = self.args, self.config
+    async def start_member(self, member_id: str, members: set[str]) -> tuple[Member, int]:
         port = free_port()
-        member = self.fleet.start("m-0", SHOAL_METRICS_PORT=str(port))
-        await wait_for_status(self.etcd, NAMESPACE, GROUP, c.partitions, settled({"m-0"}), 60)
+        member = self.fleet.start(member_id, SHOAL_METRICS_PORT=str(port))
+        c = self.config
+        await wait_for_status(self.etcd, NAMESPACE, GROUP, c.partitions, settled(members), 60)
         await wait_metrics(port, 10)
-        note("m-0 owns and has claimed all partitions")
+        return member, port
+
+    async def throughput(self) -> None:
+        """Each side consumes a backlog of its own from the same 128 durables, alone."""
+        a, c = self.args, self.config
         for round_ in range(a.rounds):
-            await self.publish_backlog(f"r{round_}")
-            if round_ % 2 == 0:
+            for side in ("shoal", "plain") if round_ % 2 == 0 else ("plain", "shoal"):
+                await self.publish_backlog(f"r{round_}-{side}")
+                if side == "plain":
+                    await self.time_plain()
+                    continue
+                member, port = await self.start_member("m-0", {"m-0"})
+                note("m-0 owns and has claimed all partitions")
                 await self.time_shoal(member, port)
-                await self.time_plain()
-            else:
-                await self.time_plain()
-                await self.time_shoal(member, port)
+                self.fleet.term("m-0")
+                await asyncio.to_thread(self.fleet.wait_exit, "m-0", 60)
         common = {
             "messages": self.shoal.messages,
             "projects": a.projects,
@@ -401,22 +418,15 @@ class Bench:
             **common,
         )
         ratio = self.shoal.rate / self.plain.rate
-        emit(BENCH, "ratio", ratio, target=">= 0.85", ok=ratio >= 0.85)
-        self.member_a, self.port_a = member, port
+        emit(BENCH, "ratio", ratio, target=">= 0.9", ok=ratio >= 0.9)
 
     async def rss(self) -> None:
         a, c = self.args, self.config
-        if self.member_a is None:
-            raise RuntimeError("the throughput phase did not run")
-        member_a = self.member_a
-        port_b = free_port()
-        member_b = self.fleet.start("m-1", SHOAL_METRICS_PORT=str(port_b))
-        status = await wait_for_status(
-            self.etcd, NAMESPACE, GROUP, c.partitions, settled({"m-0", "m-1"}), 60
-        )
+        member_a, port_a = await self.start_member("m-0", {"m-0"})
+        member_b, port_b = await self.start_member("m-1", {"m-0", "m-1"})
+        status = await read_status(self.etcd, NAMESPACE, GROUP, c.partitions)
         note(f"two members settled: {status.counts}")
-        await wait_metrics(port_b, 10)
-        ports = [self.port_a, port_b]
+        ports = [port_a, port_b]
         base = await processed(ports)
         note(f"publishing {a.rss_messages} more messages for the RSS phase")
         await self.producer.publish_many(backlog(a.rss_messages, a.projects, a.payload, "rss"))
@@ -446,7 +456,6 @@ class Bench:
             ok=worst <= 150,
             members=per_member,
             messages=a.rss_messages,
-            note="m-0 owned 128 partitions before (its VmHWM and ru_maxrss include that)",
         )
 
 

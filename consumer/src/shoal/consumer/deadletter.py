@@ -136,9 +136,23 @@ class ExhaustedMessages:
                 original.data or b"",
                 headers=headers,
             )
-            await self.js.delete_msg(stream, seq)
+            await self._delete(stream, seq)
         except Exception as exc:
             log.warning("Could not dead-letter message %d of %s: %r", seq, stream, exc)
             return
         self.dead_lettered += 1
         log.warning("Dead-lettered message %d of partition %d: %s", seq, partition, reason)
+
+    async def _delete(self, stream: str, seq: int) -> None:
+        """Delete the original without erasing it (nats-py's delete_msg always erases).
+
+        Erasing overwrites the message on disk, which a dead-letter does not need, and
+        nats-server 2.12.15 can crash in that path (a nil pointer in fileStore.removeMsg,
+        seen when the sweep deleted messages of a work-queue stream that were being acked
+        at the same time).
+        """
+        request = json.dumps({"seq": seq, "no_erase": True}).encode()
+        reply = await self.nc.request(f"$JS.API.STREAM.MSG.DELETE.{stream}", request, timeout=5)
+        answer = json.loads(reply.data)
+        if "error" in answer:
+            raise RuntimeError(answer["error"].get("description", answer["error"]))

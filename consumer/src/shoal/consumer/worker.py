@@ -58,19 +58,18 @@ MISSING_DURABLE_BACKOFF_MAX = 5.0
 PARTITION_CACHE_SIZE = 100_000
 
 
-def _delivery(reply: str) -> tuple[int, int]:
-    """(stream sequence, delivery count) from a JetStream reply subject.
+def _ack_fields(reply: str) -> tuple[str, int, int]:
+    """(consumer, stream sequence, delivery count) from a JetStream reply subject.
 
     $JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<time>.<pending>,
-    or the longer v2 form with a domain and account hash in front; counted from the end
-    so both parse alike. nats-py's Msg.metadata parses every field, a datetime included,
-    on each message; the hot path needs these two.
+    or the longer v2 form with a domain and an account hash after ACK. nats-py's
+    Msg.metadata parses every field, a datetime included, on each message; the hot path
+    needs these three.
     """
     tokens = reply.split(".")
     if len(tokens) == 9:
-        return int(tokens[5]), int(tokens[4])
-    # v2: $JS.ACK.<domain>.<account>.<stream>.<consumer>.<delivered>.<sseq>...
-    return int(tokens[7]), int(tokens[6])
+        return tokens[3], int(tokens[5]), int(tokens[4])
+    return tokens[5], int(tokens[7]), int(tokens[6])
 
 
 class PartitionRunner:
@@ -163,8 +162,7 @@ class PartitionRunner:
     async def run(self) -> None:
         w = self.worker
         nc = w.nc
-        inbox = nc.new_inbox()
-        sub = await nc.subscribe(inbox, cb=self._deliver)
+        inbox = w.inbox_for(self)
         api_subject = f"$JS.API.CONSUMER.MSG.NEXT.{w.config.stream}.{durable_name(self.partition)}"
         expires = w.config.fetch_expires
         expires_ns = int(expires * 1e9)
@@ -217,14 +215,12 @@ class PartitionRunner:
             else:
                 await self._hand_back()
         finally:
-            try:
-                await sub.unsubscribe()
-            except Exception:
-                log.debug("Unsubscribe failed for partition %d", self.partition, exc_info=True)
+            w.forget_inbox(inbox)
             await w.runner_done(self)
 
-    async def _deliver(self, msg: Any) -> None:
-        """nats-py's callback for our pull requests' inbox: messages and statuses."""
+    async def deliver(self, msg: Any, seq: int = 0, delivered: int = 0) -> None:
+        """What arrived for our pull requests: a message (its stream sequence and delivery
+        count parsed already) or a status."""
         if not msg.reply:
             # A status (no reply subject, nothing to ack): 100 is an idle heartbeat;
             # anything else ends the open request (404/408: nothing more; 409: the
@@ -262,7 +258,6 @@ class PartitionRunner:
                 f"{partition_for(project, w.config.partitions)}",
             )
             return
-        seq, delivered = _delivery(msg.reply)
         self.buffered += 1
         w.buffered += 1
         w.dispatcher.submit(self, Held(msg, project, seq, delivered, time.monotonic()))
@@ -285,7 +280,7 @@ class PartitionRunner:
         drained_at = time.monotonic()
         unstarted = [held for queue in self.projects.values() for held in queue.pending]
         for msg in self._late:
-            seq, delivered = _delivery(msg.reply)
+            _, seq, delivered = _ack_fields(msg.reply)
             unstarted.append(Held(msg, "", seq, delivered, drained_at))
         unstarted.sort(key=lambda held: held.seq)
         await self._give_back(unstarted)
@@ -412,6 +407,13 @@ class Worker:
         self._rate_mark: tuple[float, dict[int, int]] = (time.monotonic(), {})
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
+        # One subscription for every runner's pull requests, <prefix>.<token> each: one
+        # nats-py queue and task for the member, instead of one per partition.
+        self._inbox_prefix = ""
+        self._inbox_sub: Any = None
+        self._inboxes: dict[str, PartitionRunner] = {}
+        self._inbox_count = 0
+        self._partitions_by_durable = {durable_name(p): p for p in range(config.partitions)}
         # Metric children resolved once, not per message.
         self._ok = metrics.processed.labels("ok")
         self._retried = metrics.processed.labels("retry")
@@ -605,8 +607,43 @@ class Worker:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def inbox_for(self, runner: PartitionRunner) -> str:
+        """A new reply subject for `runner`'s pull requests (per runner, so that a late
+        message of a runner that has stopped never reaches its successor)."""
+        self._inbox_count += 1
+        inbox = f"{self._inbox_prefix}.{runner.partition}-{self._inbox_count}"
+        self._inboxes[inbox] = runner
+        return inbox
+
+    def forget_inbox(self, inbox: str) -> None:
+        self._inboxes.pop(inbox, None)
+
+    async def _route(self, msg: Any) -> None:
+        """Hand what arrived to its runner.
+
+        A JetStream message keeps its own subject; its reply subject names the durable,
+        hence the partition. A status has no reply subject and arrives on the request's
+        reply subject, which names the runner.
+        """
+        if msg.reply:
+            durable, seq, delivered = _ack_fields(msg.reply)
+            partition = self._partitions_by_durable.get(durable)
+            runner = self.runners.get(partition) if partition is not None else None
+            if runner is not None:
+                await runner.deliver(msg, seq, delivered)
+            else:
+                # Ours no more (a request we gave up on as lost delivered late): unacked,
+                # JetStream redelivers it to the partition's owner after ack_wait.
+                log.debug("A message of %s arrived with no runner for it", durable)
+            return
+        runner = self._inboxes.get(msg.subject)
+        if runner is not None:
+            await runner.deliver(msg)
+
     async def run(self) -> None:
         await self.view.synced.wait()
+        self._inbox_prefix = self.nc.new_inbox()
+        self._inbox_sub = await self.nc.subscribe(self._inbox_prefix + ".*", cb=self._route)
         self.dispatcher.start()
         self._spawn(self.keep_held_alive())
         while True:

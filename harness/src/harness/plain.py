@@ -1,0 +1,114 @@
+"""The fastest plain nats-py consumer we know how to write, as the throughput baseline.
+
+It reads the same per-partition durables a Shoal member reads, without any of Shoal's
+work (no ownership, no ordering, no handler): one subscription for every pull request's
+reply subject (``<inbox>.<partition>``), and in its callback each message is acked with
+a bare publish of ``+ACK``; when a request's batch is complete, or the server ends it,
+the next request for that durable goes out from the same callback. No per-partition
+loop, no per-message task, no metadata parsing.
+
+Run as ``python -m harness.plain --url URL --stream S --durables p0,p1,... --target N``:
+it prints ``{"ready": true}`` once its first requests are out, then one JSON line
+``{"acked", "first", "last", "cpu_s"}`` (time.monotonic() of the first message and of the
+last ack: the clock is system-wide, so the caller can compare it with its own; the CPU
+seconds used in between) when `target` messages are acked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+import nats
+
+
+class Plain:
+    def __init__(self, nc: Any, stream: str, durables: list[str], batch: int, target: int):
+        self.nc = nc
+        self.batch = batch
+        self.target = target
+        self.inbox = nc.new_inbox()
+        self.subjects = {
+            f"{self.inbox}.{i}": f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
+            for i, durable in enumerate(durables)
+        }
+        # A message keeps its own subject; its reply subject names the durable.
+        self.reply_of = {durable: f"{self.inbox}.{i}" for i, durable in enumerate(durables)}
+        self.remaining = dict.fromkeys(self.subjects, 0)
+        self.request = json.dumps({"batch": batch, "expires": int(5e9)}).encode()
+        self.acked = 0
+        self.first: float | None = None
+        self.last = 0.0
+        self.cpu_first = 0.0
+        self.cpu_seconds = 0.0
+        self.done = asyncio.get_running_loop().create_future()
+
+    async def start(self) -> None:
+        await self.nc.subscribe(self.inbox + ".*", cb=self.on_message)
+        for reply in self.subjects:
+            await self.pull(reply)
+        await self.nc.flush()
+
+    async def pull(self, reply: str) -> None:
+        self.remaining[reply] = self.batch
+        await self.nc.publish(self.subjects[reply], self.request, reply=reply)
+
+    async def on_message(self, msg: Any) -> None:
+        if not msg.reply:  # a status, on the request's reply subject: it ended (404/408/409)
+            if not msg.headers or msg.headers.get("Status") != "100":
+                await self.pull(msg.subject)
+            return
+        tokens = msg.reply.split(".")
+        reply = self.reply_of[tokens[3] if len(tokens) == 9 else tokens[5]]
+        if self.first is None:
+            self.first = time.monotonic()
+            self.cpu_first = time.process_time()
+        await self.nc.publish(msg.reply, b"+ACK")
+        self.acked += 1
+        left = self.remaining[reply] - 1
+        self.remaining[reply] = left
+        if left == 0:
+            await self.pull(reply)
+        if self.acked >= self.target and not self.done.done():
+            self.last = time.monotonic()
+            self.cpu_seconds = time.process_time() - self.cpu_first
+            self.done.set_result(None)
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    nc = await nats.connect(args.url, pending_size=64 * 1024 * 1024)
+    try:
+        plain = Plain(nc, args.stream, args.durables.split(","), args.batch, args.target)
+        await plain.start()
+        print(json.dumps({"ready": True}), flush=True)
+        await asyncio.wait_for(plain.done, args.timeout)
+        await nc.flush()
+        result = {
+            "acked": plain.acked,
+            "first": plain.first,
+            "last": plain.last,
+            "cpu_s": plain.cpu_seconds,
+        }
+        print(json.dumps(result), flush=True)
+    finally:
+        await nc.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--stream", required=True)
+    parser.add_argument("--durables", required=True, help="comma-separated durable names")
+    parser.add_argument("--target", type=int, required=True, help="acks to wait for")
+    parser.add_argument("--batch", type=int, default=256, help="messages per pull request")
+    parser.add_argument("--timeout", type=float, default=120.0)
+    asyncio.run(main_async(parser.parse_args(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
