@@ -437,6 +437,38 @@ class Etcd:
                 return int(meta.create_revision)
         return None
 
+    async def put_returning_revision(self, key: str, value: bytes, lease: int | None) -> int:
+        """Put key (created or overwritten); its create_revision, in one round trip."""
+        tx = self.client.transactions
+        _, responses = await self.call(
+            self.client.transaction,
+            compare=[],
+            success=[tx.put(key, value, lease=lease), tx.get(key)],
+            failure=[],
+        )
+        for response in responses:
+            if isinstance(response, list) and response:
+                _value, meta = response[0]
+                return int(meta.create_revision)
+        raise etcd3.exceptions.InternalServerError()  # the get in the same txn found nothing
+
+    async def put_if_created_at(
+        self, key: str, value: bytes, create_revision: int, lease: int | None = None
+    ) -> bool:
+        """Put key only if it is still the incarnation created at create_revision.
+
+        False (nothing written) when the key is gone or was created again since: an
+        update that must never bring a deleted key back.
+        """
+        tx = self.client.transactions
+        ok, _ = await self.call(
+            self.client.transaction,
+            compare=[tx.create(key) == create_revision],
+            success=[tx.put(key, value, lease=lease)],
+            failure=[],
+        )
+        return bool(ok)
+
     async def delete_if_created_at(self, key: str, create_revision: int) -> bool:
         """Delete key only if it is still the incarnation created at create_revision."""
         tx = self.client.transactions
