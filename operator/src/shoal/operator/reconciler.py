@@ -442,14 +442,18 @@ async def _no_space(
 ) -> tuple[str, str] | None:
     """EtcdNoSpace while the group's etcd has its NOSPACE alarm raised (a Warning Event
     when it is raised, a Normal one when it is cleared; nothing in between)."""
-    alarms = await etcd.call(lambda: list(etcd.client.list_alarms()))
-    raised = any(int(getattr(a, "alarm_type", 0)) == NOSPACE_ALARM for a in alarms)
     state = group_state(memo)
     message = (
         f"etcd at {endpoints} has its NOSPACE alarm raised and refuses writes: members "
         "consume the partitions they hold, but none can join, claim or move a partition "
         "until space is freed (etcdctl compact, defrag, alarm disarm)"
     )
+    try:
+        alarms = await etcd.call(lambda: list(etcd.client.list_alarms()))
+    except Exception as exc:  # a best effort (the status read itself has just worked):
+        log.debug("etcd alarms unavailable: %r", exc)  # keep what we knew
+        return ("EtcdNoSpace", message) if state.etcd_no_space else None
+    raised = any(int(getattr(a, "alarm_type", 0)) == NOSPACE_ALARM for a in alarms)
     if raised and not state.etcd_no_space:
         kopf.warn(body, reason="EtcdNoSpace", message=message)
     elif state.etcd_no_space and not raised:
