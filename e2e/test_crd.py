@@ -173,6 +173,8 @@ def test_invalid_groups_are_refused_with_readable_messages(crd: LocalKube, names
     message = refused(crd, group("negative", namespace, replicas=-1))
     assert "spec.replicas" in message
     assert "should be greater than or equal to 0" in message
+    message = refused(crd, group("no-min", namespace, minReplicas=0))
+    assert "minReplicas must be at least 1: a group scaled to 0 has no member" in message
     message = refused(crd, group("min-max", namespace, minReplicas=6, maxReplicas=5))
     assert "minReplicas must not exceed maxReplicas" in message
     message = refused(crd, group("no-colon", namespace, handler="shoal.consumer.handlers.ledger"))

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from harness.faults import FaultGroup, QuotaEtcdServer, report
-from harness.servers import EtcdServer, NatsServer
+from harness.servers import EtcdServer, NatsCluster, NatsServer
 
 _OUTCOME = pytest.StashKey[pytest.TestReport]()
 
@@ -59,6 +59,17 @@ def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
 
 
 @pytest.fixture
+def nats_cluster(tmp_path: Path) -> Iterator[NatsCluster]:
+    """Three clustered nats-server nodes (JetStream, separate stores), all stopped at the end."""
+    cluster = NatsCluster(tmp_path / "nats-cluster")
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
 async def make_group(
     request: pytest.FixtureRequest,
     tmp_path: Path,
@@ -70,10 +81,32 @@ async def make_group(
     A group with a name has its figures reported (one JSON line) with the outcome,
     failed scenarios included.
     """
+    async for make in _groups(request, tmp_path, nats_server, etcd_server):
+        yield make
+
+
+@pytest.fixture
+async def make_cluster_group(
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    nats_cluster: NatsCluster,
+    etcd_server: EtcdServer,
+) -> AsyncIterator[Callable[..., FaultGroup]]:
+    """As make_group, on a 3-node NATS cluster."""
+    async for make in _groups(request, tmp_path, nats_cluster, etcd_server):
+        yield make
+
+
+async def _groups(
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    nats: NatsServer | NatsCluster,
+    etcd_server: EtcdServer,
+) -> AsyncIterator[Callable[..., FaultGroup]]:
     groups: list[FaultGroup] = []
 
     def make(**kwargs: Any) -> FaultGroup:
-        group = FaultGroup(tmp_path / f"group{len(groups)}", nats_server, etcd_server, **kwargs)
+        group = FaultGroup(tmp_path / f"group{len(groups)}", nats, etcd_server, **kwargs)
         groups.append(group)
         return group
 

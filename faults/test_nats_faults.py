@@ -18,7 +18,14 @@ import pytest
 from harness.audit import resumed_after
 from harness.faults import FaultGroup
 from harness.servers import NatsServer
-from shoal.contracts.names import durable_name
+from shoal.consumer.jetstream import ensure_group
+from shoal.contracts.names import (
+    MSG_ID_HEADER,
+    PROJECT_HEADER,
+    durable_name,
+    partition_for,
+    partition_subject,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.timeout(240)]
 
@@ -119,3 +126,67 @@ async def test_durable_deleted_under_running_group(
     # The owner's pull loop on a missing durable must not add more than a few hundred
     # requests a second (the group's usual traffic here is well over 1,000 a second).
     assert figures["inbound_msgs_per_s_after"] < figures["inbound_msgs_per_s_before"] * 1.5, figures
+
+
+async def test_whole_stream_deleted_under_running_group(
+    make_group: Callable[..., FaultGroup], nats_server: NatsServer
+) -> None:
+    """Bound: the members say so once each and do not busy-loop pull requests while the
+    stream is gone; once it is recreated (as the operator's reconcile does), the group
+    consumes again.
+
+    A deleted stream takes its messages with it, so production is stopped and the
+    stream drained first: the audit then covers everything that was promised.
+    """
+    g = make_group(name="the whole stream deleted under a running group")
+    await g.start()
+    await asyncio.sleep(3)
+    assert g.producer is not None
+    await g.producer.stop()
+    await g._drained(60)
+    figures = g.figures
+    figures["idle_msgs_per_s_before"] = round(await inbound_rate(nats_server, 5), 1)
+    offsets = {m: len(g.log_of(m)) for m in g.member_ids}
+    await g.js.delete_stream(g.config.stream)
+    deleted = time.monotonic()
+    # The first seconds (every partition's first failed pulls, backing off), then steady.
+    figures["msgs_per_s_first_5s"] = round(await inbound_rate(nats_server, 5), 1)
+    await asyncio.sleep(5)
+    figures["msgs_per_s_while_gone"] = round(await inbound_rate(nats_server, 10), 1)
+    missing = f"Stream {g.config.stream} is missing"
+    figures["missing_lines_per_member"] = {
+        m: g.log_of(m)[offsets[m] :].count(missing) for m in g.member_ids
+    }
+    figures["alive_while_gone"] = sorted(g.alive())
+    # What the operator's reconcile does: the stream and its durables, as declared.
+    await ensure_group(g.js, g.config)
+    recreated = time.monotonic()
+    figures["stream_gone_s"] = round(recreated - deleted, 1)
+    # One message per partition: each must be consumed again.
+    sent = time.time()
+    acked = g.producer.acked
+    for p in range(g.config.partitions):
+        project = next(
+            f"after-{p}-{k}"
+            for k in range(100_000)
+            if partition_for(f"after-{p}-{k}", g.config.partitions) == p
+        )
+        mid = f"{g.config.group}-after-{p}"
+        await g.js.publish(
+            partition_subject(g.config.subject_prefix, p),
+            b"x",
+            headers={PROJECT_HEADER: project, MSG_ID_HEADER: mid},
+        )
+        acked[mid] = sent
+    await g._drained(60)
+    figures["consumed_again_s"] = round(time.monotonic() - recreated, 2)
+    await g.finish()
+    worst, _ = resumed_after(await g.records(), sent, range(g.config.partitions))
+    figures["every_partition_again_s"] = round(worst, 2)
+    assert figures["alive_while_gone"] == sorted(g.member_ids), figures
+    # One clear error per member, not one per partition or per retry.
+    assert all(n == 1 for n in figures["missing_lines_per_member"].values()), figures
+    # No busy loop: with 128 partitions backing off to one pull (and one recreate
+    # attempt) per 5 s each, about 50 requests a second; a busy loop is thousands.
+    assert figures["msgs_per_s_while_gone"] < 200, figures
+    assert worst <= 15, figures

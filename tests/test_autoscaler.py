@@ -116,10 +116,14 @@ def test_scale_record_round_trips_and_garbage_is_none() -> None:
         assert ScaleRecord.parse(garbage) is None
 
 
-def test_a_new_leader_keeps_the_cooldown() -> None:
-    state = resume_state(ScaleRecord(100.0, 4, 3, "idle", False, 1))
-    assert state.last_action_time == 100.0 and state.last_action_direction == "down"
-    assert resume_state(None).last_action_time is None
+def test_a_new_leader_keeps_the_cooldown_by_its_own_clock() -> None:
+    # The record's time is another host's wall clock: an hour behind or ahead, it does
+    # not matter; the cooldown runs from when this process saw the record.
+    for written_by_other_clock in (100.0, 5000.0 - 3600, 5000.0 + 3600):
+        record = ScaleRecord(written_by_other_clock, 4, 3, "idle", False, 1)
+        state = resume_state(record, seen_ago=30.0, now=5000.0)
+        assert state.last_action_time == 4970.0 and state.last_action_direction == "down"
+    assert resume_state(None, 0.0, 5000.0).last_action_time is None
 
 
 def test_event_message_names_change_reason_and_signals() -> None:
@@ -330,6 +334,63 @@ async def test_a_round_scales_down_sparing_the_leader_and_records_it(
         await view.changed(1.0)
         fresh = Autoscaler(config, etcd, view, leader, RecordingTarget(dict(spec)))
         await fresh.round()
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+        await etcd.delete_prefix(config.keys.prefix)
+
+
+class ManualClock:
+    """This process's monotonic clock, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("skew", [-3600.0, 3600.0])
+async def test_the_cooldown_survives_a_leader_change_whatever_the_clocks(
+    etcd: Etcd, group: str, namespace: str, skew: float
+) -> None:
+    """The last scale was written by a leader whose wall clock was an hour behind (so the
+    record looks an hour old: the old code scaled at once, inside the cooldown) or an hour
+    ahead (the old code waited an hour more). The new leader holds exactly one cooldown
+    from when it saw the record, by its own monotonic clock."""
+    config = GroupConfig(namespace=namespace, group=group, partitions=8, member_id="lead")
+    hot = _stats(10_000)
+    epoch = await _group(etcd, config, {"lead": hot, "x": hot})
+    written = ScaleRecord(time.time() + skew, 1, 2, "lag", False, epoch - 1)
+    await etcd.put(config.keys.scale, written.to_json())
+    view = GroupView(etcd, config.keys, config.partitions)
+    watcher = asyncio.create_task(view.run())
+    try:
+        await view.synced.wait()
+        spec = {
+            "handler": "shoal.consumer.handlers:noop",
+            "replicas": 2,
+            "minReplicas": 1,
+            "maxReplicas": 6,
+            "partitions": 8,
+            "autoscaling": {"enabled": True, "cooldownSeconds": 60, "targetLagPerMember": 100},
+        }
+        target, leader, mono = RecordingTarget(spec), FakeLeader(epoch), ManualClock()
+        scaler = Autoscaler(config, etcd, view, leader, target, monotonic=mono)
+        scaler._observe_record()  # the run loop does this every second, leader or not
+        mono.now += 30  # half the cooldown later, this member becomes leader
+        await scaler.round()
+        assert ("scale", 6) not in target.calls, "scaled inside the predecessor's cooldown"
+        assert scaler.last_reason.startswith("cooldown until"), scaler.last_reason
+        # Half a cooldown from then (a full one since the record was seen) it may act.
+        scaler.state = None  # as after another leader change: resumed from the record
+        mono.now += 31
+        for member in ("lead", "x"):
+            await etcd.put(config.keys.member(member), json.dumps(_stats(10_000)).encode())
+        await view.changed(1.0)
+        await scaler.round()
+        assert ("scale", 6) in target.calls, (scaler.last_reason, target.calls)
     finally:
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)

@@ -503,6 +503,18 @@ def test_readiness_is_membership() -> None:
     assert probe["timeoutSeconds"] <= probe["periodSeconds"]
 
 
+def test_liveness_is_a_running_event_loop_and_generous() -> None:
+    c = container(build_deployment(NAME, NAMESPACE, minimal_spec(), SETTINGS))
+    probe = c["livenessProbe"]
+    assert probe["exec"] == {"command": ["shoal-ready", "--live"]}
+    assert probe["timeoutSeconds"] <= probe["periodSeconds"]
+    # Never sooner than the state's own 60 s limit, and start-up has time to write it.
+    assert probe["periodSeconds"] * probe["failureThreshold"] >= 30
+    assert probe["initialDelaySeconds"] >= 10
+    # Both probes read the file the consumer writes (SHOAL_READY_FILE in its env).
+    assert "SHOAL_READY_FILE" in resolve(c["env"])
+
+
 def test_security_context_is_locked_down_with_a_writable_tmp() -> None:
     deployment = build_deployment(NAME, NAMESPACE, minimal_spec(), SETTINGS)
     c = container(deployment)

@@ -168,9 +168,12 @@ def test_the_readiness_probe_is_cheap_and_says_why(tmp_path: Path) -> None:
 
     ready_file = tmp_path / "m" / "ready"
     assert ready.main([str(ready_file)]) == 1
-    ready_file.parent.mkdir()
-    ready_file.write_text("c-0")
-    assert ready.check(str(ready_file)) == (True, "ready: member c-0 has joined")
+    state = ready.MemberState("c-0", 1, time.monotonic(), time.time(), True, True, True, False)
+    ready.write_state(ready_file, state)
+    assert ready.check(str(ready_file)) == (
+        True,
+        "ready: member c-0 has joined, holds its lease and reaches NATS",
+    )
     assert ready.main([str(ready_file)]) == 0
     # Only the standard library: a fresh interpreter imports no third-party module for it.
     probe = subprocess.run(

@@ -660,19 +660,15 @@ def test_scale_down_that_would_trip_projects_is_held() -> None:
     assert "a member less would put 58 active projects per member > 50" in decision.reason
 
 
-@pytest.mark.parametrize(
-    ("projects", "lag", "inflight", "want"),
-    [(0, 0, 0, 0), (1, 0, 0, 1), (0, 1, 0, 1), (0, 0, 1, 1)],
-)
-def test_scale_to_zero_needs_an_idle_group(
-    projects: int, lag: int, inflight: int, want: int
-) -> None:
-    pol = policy(min_replicas=0, scale_down_window_seconds=0)
-    stats = uniform(1, T0, cpu=1.0, projects=projects, lag=lag, inflight=inflight)
+def test_never_scales_to_zero() -> None:
+    # A group at 0 has no member, so no leader to scale it up again: the policy (like the
+    # spec and the CRD) refuses minReplicas 0, and an idle single member stays.
+    with pytest.raises(ValueError, match="min_replicas >= 1"):
+        policy(min_replicas=0)
+    pol = policy(min_replicas=1, scale_down_window_seconds=0, cooldown_seconds=0)
+    stats = uniform(1, T0, cpu=0.0, projects=0, lag=0, inflight=0)
     decision, _ = decide(stats, 1, pol, T0, ScalerState())
-    assert decision.replicas == want
-    decision, _ = decide({}, 0, pol, T0, ScalerState())
-    assert decision.action == "none"  # at zero nobody reports: no data, no scaling
+    assert (decision.action, decision.replicas) == ("none", 1)
 
 
 # -- the seed rules on an exhaustive grid ---------------------------------------------------
@@ -720,7 +716,7 @@ def test_bounds_grid() -> None:
         "calm": dict(cpu=40.0, projects=10, lag=900),
     }
     for current, lo, hi, parts, (name, kw), target in itertools.product(
-        range(0, 9), range(0, 3), range(1, 6), (1, 3, 8), loads.items(), (None, 1000)
+        range(0, 9), range(1, 3), range(1, 6), (1, 3, 8), loads.items(), (None, 1000)
     ):
         pol = policy(
             min_replicas=lo,
@@ -801,7 +797,7 @@ round_strategy = st.lists(member_stats, min_size=10, max_size=10)
 
 @st.composite
 def policies(draw: st.DrawFn) -> Policy:
-    lo = draw(st.integers(0, 3))
+    lo = draw(st.integers(1, 3))
     hi = draw(st.integers(max(lo, 1), 8))
     return policy(
         enabled=draw(st.sampled_from([True, True, True, False])),

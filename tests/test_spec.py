@@ -140,6 +140,7 @@ def test_camel_case_in_snake_case_out() -> None:
         ({"handler": "a:b", "partitions": 2.5}, "spec.partitions"),
         ({"handler": "a:b", "replicas": True}, "spec.replicas"),
         ({"handler": "a:b", "minReplicas": 4, "maxReplicas": 2}, "minReplicas must not exceed"),
+        ({"handler": "a:b", "minReplicas": 0}, "spec.minReplicas must be at least 1: a group"),
         ({"handler": "a:b", "maxReplicas": 200}, "maxReplicas must not exceed partitions"),
         (
             {"handler": "a:b", "assignment": {"strategy": "modulo", "loadAware": True}},

@@ -39,7 +39,7 @@ from harness.audit import FaultAudit, audit_faults
 from harness.fleet import Fleet
 from harness.handlers import SLEEP_PREFIX
 from harness.proxy import TcpProxy
-from harness.servers import HOST, EtcdServer, NatsServer, ServerProcess
+from harness.servers import HOST, EtcdServer, NatsCluster, NatsServer, ServerProcess
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd
 from shoal.consumer.jetstream import ensure_group
@@ -265,7 +265,7 @@ class FaultGroup:
     def __init__(
         self,
         workdir: Path,
-        nats_server: NatsServer,
+        nats_server: NatsServer | NatsCluster,
         etcd_server: EtcdServer,
         *,
         members: int = 3,
@@ -277,6 +277,8 @@ class FaultGroup:
         handler: str = "shoal.consumer.handlers:ledger",
         name: str | None = None,
         etcd_endpoints: str | None = None,
+        stream_replicas: int = 1,
+        member_env: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
         self.workdir = Path(workdir)
         self.nats_server = nats_server
@@ -296,8 +298,13 @@ class FaultGroup:
             ledger=True,  # the audit reads the ledger handler's records
             # The durables are created with the members' ack_wait.
             ack_wait=float({**MEMBER_ENV, **(env or {})}["SHOAL_ACK_WAIT"]),
+            # Streams and durables (members create them too: they must agree, or a
+            # member would "update" the stream to its own replica count).
+            stream_replicas=stream_replicas,
         )
-        self.env = {**MEMBER_ENV, **(env or {})}
+        self.env = {**MEMBER_ENV, "SHOAL_STREAM_REPLICAS": str(stream_replicas), **(env or {})}
+        # Per member: e.g. each member's NATS_URL a different node of a NatsCluster.
+        self.member_env = {m: dict(e) for m, e in (member_env or {}).items()}
         self.fleet = Fleet.for_config(self.workdir / "members", self.config, env=self.env)
         self.proxies: dict[tuple[str, Server], TcpProxy] = {}
         # The harness reads through the last endpoint only: a scenario kills the first,
@@ -332,15 +339,29 @@ class FaultGroup:
         With `leader`, that member starts first and leads.
         """
         await self.etcd.connect(attempts=20)
+        servers = (
+            self.nats_server.urls
+            if isinstance(self.nats_server, NatsCluster)
+            else [self.nats_server.url]
+        )
         self.nc = await nats.connect(
-            self.nats_server.url,
+            servers,
             name="fault-harness",
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.2,
             connect_timeout=2,
         )
         self.js = self.nc.jetstream()
-        await ensure_group(self.js, self.config)
+        for attempt in range(1, 6):
+            try:
+                # Idempotent: a retry creates only what is still missing. R3 durables on
+                # a busy 2-core machine can take longer than one request's timeout.
+                await ensure_group(self.js, self.config)
+                break
+            except (TimeoutError, nats.errors.TimeoutError):
+                if attempt == 5:
+                    raise
+                log.info("creating the streams and durables timed out; again (%d)", attempt)
         if leader is not None:
             # Start it alone first, so that it is the one elected.
             self.start_member(leader)
@@ -362,7 +383,7 @@ class FaultGroup:
 
     def start_member(self, member: str) -> None:
         servers = self.proxied.get(member, set())
-        extra: dict[str, str] = {}
+        extra: dict[str, str] = dict(self.member_env.get(member, {}))
         if "etcd" in servers:
             extra["ETCD_ENDPOINTS"] = self._proxy(member, "etcd").address
         if "nats" in servers:

@@ -29,6 +29,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -36,7 +37,15 @@ from typing import Any, ClassVar, Self
 
 from harness.waiting import WaitTimeout, eventually
 
-__all__ = ["EtcdServer", "EtcdTLS", "NatsServer", "ServerProcess", "cache_dir", "free_port"]
+__all__ = [
+    "EtcdServer",
+    "EtcdTLS",
+    "NatsCluster",
+    "NatsServer",
+    "ServerProcess",
+    "cache_dir",
+    "free_port",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -507,6 +516,123 @@ class NatsServer(ServerProcess):
         except (OSError, ValueError):
             return False
         return status == 200
+
+
+class NatsClusterNode(NatsServer):
+    """One node of a NatsCluster: a NatsServer with a route port, a server name and the
+    other nodes' routes (set by the cluster before the first start)."""
+
+    cluster_port: int
+
+    def __init__(self, workdir: str | os.PathLike[str], *, server_name: str, cluster_name: str):
+        self.server_name = server_name
+        self.cluster_name = cluster_name
+        self.routes: list[str] = []
+        super().__init__(workdir)
+
+    def _allocate_ports(self) -> None:
+        super()._allocate_ports()
+        self.cluster_port = free_port()
+        while self.cluster_port in (self.port, self.monitor_port):
+            self.cluster_port = free_port()
+
+    @property
+    def route_url(self) -> str:
+        return f"nats://{HOST}:{self.cluster_port}"
+
+    def _command(self) -> list[str]:
+        command = [
+            *super()._command(),
+            "--server_name",
+            self.server_name,
+            "--cluster_name",
+            self.cluster_name,
+            "--cluster",
+            self.route_url,
+        ]
+        if self.routes:
+            command += ["--routes", ",".join(self.routes)]
+        return command
+
+    def healthy(self) -> bool:
+        """Fully healthy: JetStream current with its meta leader (the full /healthz)."""
+        try:
+            status, _ = _http_get(f"{self.monitor_url}/healthz")
+        except (OSError, ValueError):
+            return False
+        return status == 200
+
+
+class NatsCluster:
+    """Three nats-server nodes with JetStream clustered on free loopback ports.
+
+    Each node has its own client, monitoring and route ports and its own store directory
+    (``<workdir>/n<i>/jetstream``); every node routes to the others. ``urls`` is every
+    node's client URL (give clients all of them); ``url`` is the first. ``stop()`` stops
+    every node, whatever state each is in (a test calls it in ``finally``).
+
+        with NatsCluster(tmp_path / "nats") as cluster:
+            cluster.node("n1").kill(); cluster.node("n1").start()
+    """
+
+    def __init__(self, workdir: str | os.PathLike[str], size: int = 3) -> None:
+        name = f"shoal-{os.getpid()}"
+        self.nodes = [
+            NatsClusterNode(Path(workdir) / f"n{i}", server_name=f"n{i}", cluster_name=name)
+            for i in range(size)
+        ]
+        for node in self.nodes:
+            node.routes = [other.route_url for other in self.nodes if other is not node]
+
+    @property
+    def urls(self) -> list[str]:
+        return [node.url for node in self.nodes]
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def node(self, server_name: str) -> NatsClusterNode:
+        for node in self.nodes:
+            if node.server_name == server_name:
+                return node
+        raise KeyError(server_name)
+
+    def start(self, timeout: float = 30.0) -> Self:
+        """Start every node (together), then wait until each is fully healthy (the
+        JetStream meta group has a leader and every node is current with it)."""
+        try:
+            with ThreadPoolExecutor(len(self.nodes)) as pool:
+                for future in [pool.submit(node.start) for node in self.nodes]:
+                    future.result()
+            eventually(
+                lambda: all(node.healthy() for node in self.nodes if node.running),
+                timeout,
+                "the NATS cluster to be healthy",
+                interval=0.2,
+            )
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            try:
+                node.stop()
+            except Exception:
+                logger.exception("stopping %s", node)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
 
 
 class PrometheusServer(ServerProcess):

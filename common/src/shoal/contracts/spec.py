@@ -151,7 +151,9 @@ class ConsumerGroupSpec(_Section):
     """``spec`` of a ConsumerGroup (group shoal.dev, version v1alpha1)."""
 
     replicas: Int = Field(3, ge=0)
-    min_replicas: Int = Field(1, ge=0)
+    # At least 1: a group scaled to 0 has no member, so no leader, and nothing would
+    # ever scale it up again (the CRD refuses 0 with the same message).
+    min_replicas: Int = Field(1, ge=1)
     max_replicas: Int = Field(10, ge=1)
     partitions: Int = Field(DEFAULT_PARTITIONS, ge=1, le=4096)
     image: str = ""  # empty: the operator's default image
@@ -199,6 +201,10 @@ class SpecError(ValueError):
 _FRIENDLIER = {
     ("spec.handler", "missing"): "is required ('package.module:function')",
     ("spec.handler", "string_pattern_mismatch"): "must look like 'package.module:function'",
+    ("spec.minReplicas", "greater_than_equal"): (
+        "must be at least 1: a group scaled to 0 has no member, so no leader, and nothing "
+        "would ever scale it up again"
+    ),
     ("spec.nats.subjectPrefix", "string_pattern_mismatch"): (
         "must be a subject prefix: dot-separated tokens without wildcards or whitespace"
     ),

@@ -8,7 +8,9 @@ Every ``spec.autoscaling.intervalSeconds`` the leader
      owner the assignment names: no decision then);
   3. calls the pure :func:`decide`;
   4. acts: records the decision in etcd (``<prefix>scale``, epoch-guarded: the operator
-     turns it into ``status.lastScale`` and a successor keeps the cooldown), marks the
+     turns it into ``status.lastScale`` and a successor keeps the cooldown, timed by its
+     own monotonic clock from when it saw the record, never by the writer's wall clock:
+     see :func:`resume_state`), marks the
      scale-down victim with ``pod-deletion-cost``, patches the ``scale`` subresource and
      posts a ``ScaledUp``/``ScaledDown`` Event with the signal values. A dry run records
      and reports (``WouldScaleUp``/``WouldScaleDown``) but changes nothing.
@@ -163,12 +165,21 @@ class ScaleRecord:
             return None
 
 
-def resume_state(record: ScaleRecord | None) -> ScalerState:
-    """A new leader's scaler state: it keeps the cooldown its predecessor started."""
+def resume_state(record: ScaleRecord | None, seen_ago: float, now: float) -> ScalerState:
+    """A new leader's scaler state: it keeps the cooldown its predecessor started.
+
+    ``record.time`` is the predecessor's wall clock, and two hosts' clocks may disagree
+    by any amount: a clock behind would cut the cooldown short (a flap), one ahead would
+    stretch it. So the cooldown runs from when *this* process first saw the record
+    (``seen_ago`` seconds ago by its own monotonic clock; ``now`` is its wall clock, the
+    one :func:`decide` compares with). That is never earlier than the write, so the
+    cooldown is never shorter than configured; at worst (a record older than this
+    process) it runs from this process's start.
+    """
     if record is None:
         return ScalerState()
     direction: Action = "up" if record.to_replicas > record.from_replicas else "down"
-    return ScalerState(last_action_time=record.time, last_action_direction=direction)
+    return ScalerState(last_action_time=now - max(0.0, seen_ago), last_action_direction=direction)
 
 
 # -- the loop -----------------------------------------------------------------------------
@@ -183,6 +194,7 @@ class Autoscaler:
         leader: LeaderState,
         target: ScaleTarget,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.etcd = etcd
@@ -190,6 +202,11 @@ class Autoscaler:
         self.leader = leader
         self.target = target
         self.clock = clock
+        self.monotonic = monotonic
+        # (mod_revision of the scale record, our monotonic time when we first saw it):
+        # every member tracks it, leader or not, so a successor knows how long ago the
+        # last action was without reading anyone else's clock (see resume_state).
+        self._seen: tuple[int, float] | None = None
         self.state: ScalerState | None = None
         self.last_reason = ""
         self._marked: dict[str, int] = {}  # pod-deletion-costs this term has set
@@ -200,6 +217,7 @@ class Autoscaler:
     async def run(self) -> None:
         interval, failures = 30.0, 0
         while True:
+            self._observe_record()
             if not self.leader.is_leader:
                 self.state = None  # a later term starts from etcd's record, not memory
                 self._marked = {}
@@ -231,8 +249,10 @@ class Autoscaler:
         if not policy.enabled:
             self.state = None
             return policy.interval_seconds
+        self._observe_record()
         if self.state is None:
-            self.state = resume_state(self._record())
+            seen_ago = 0.0 if self._seen is None else self.monotonic() - self._seen[1]
+            self.state = resume_state(self._record(), seen_ago, self.clock())
         current = spec.replicas
         stats = {member: data for member, data in self.view.members().items()}
         busy = handover_in_progress(self.config.partitions, self.view.targets(), self.view.claims())
@@ -268,6 +288,12 @@ class Autoscaler:
         if changed:
             await self.target.set_deletion_costs(changed)
             self._marked.update(changed)
+
+    def _observe_record(self) -> None:
+        """Note when this process first saw the current scale record (by mod_revision)."""
+        kv = self.view.kvs.get(self.config.keys.scale)
+        if kv is not None and (self._seen is None or self._seen[0] != kv.mod_revision):
+            self._seen = (kv.mod_revision, self.monotonic())
 
     def _record(self) -> ScaleRecord | None:
         kv = self.view.kvs.get(self.config.keys.scale)

@@ -165,12 +165,19 @@ def _validation_message(exc: ValidationError) -> str:
     "ready_file",
     envvar="SHOAL_READY_FILE",
     required=True,
-    help="The ready file of the member [env SHOAL_READY_FILE].",
+    help="The member's state file [env SHOAL_READY_FILE].",
 )
-def ready(ready_file: str) -> None:
-    """Exit 0 if this pod's member has joined its group (pods probe with `shoal-ready`,
-    the same check without this CLI's imports)."""
-    ok, message = readiness.check(ready_file)
+@click.option(
+    "--live",
+    is_flag=True,
+    help="Liveness instead: fail only if the member's event loop stopped refreshing its "
+    "state (never because etcd or NATS are down).",
+)
+def ready(ready_file: str, live: bool) -> None:
+    """Exit 0 if this pod's member is ready: joined, not fenced, reaching NATS (pods
+    probe with `shoal-ready` and `shoal-ready --live`, the same checks without this
+    CLI's imports)."""
+    ok, message = readiness.check_live(ready_file) if live else readiness.check(ready_file)
     if not ok:
         raise click.ClickException(message)
     click.echo(message)

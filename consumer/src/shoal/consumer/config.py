@@ -97,8 +97,8 @@ class GroupConfig(BaseModel):
     drain_timeout: float = Field(30.0, gt=0)
     stats_interval: float = Field(5.0, gt=0)
     metrics_port: int | None = Field(None, ge=0, le=65535)
-    # Written once this member has joined its group, removed when it leaves: the pod's
-    # readiness probe (`shoal-ready`) checks it.
+    # The member's state (joined, fenced, NATS, a timestamp), rewritten every second and
+    # removed at exit: the pod's probes (`shoal-ready`, `shoal-ready --live`) read it.
     ready_file: str | None = None
     # A NATS credentials file (the operator mounts the group's credentials secret).
     nats_creds_file: str | None = None

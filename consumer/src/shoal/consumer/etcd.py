@@ -57,8 +57,14 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     TimeoutError,
 )
 
-# How often the NOSPACE error is logged at most (every refused write would flood the log).
-NOSPACE_LOG_INTERVAL = 30.0
+# While etcd's NOSPACE alarm lasts, a reminder this often (the raise and the clearing
+# are logged once each, when they happen; every refused write would flood the log).
+NOSPACE_LOG_INTERVAL = 300.0
+
+# The client calls that write: once one succeeds again, the NOSPACE alarm is gone (etcd
+# refuses puts, lease grants and transactions with writes while it lasts; reads, deletes
+# and keep-alives go on).
+_WRITES = frozenset({"put", "transaction", "lease"})
 
 
 _previous_excepthook = threading.excepthook
@@ -211,6 +217,8 @@ class Etcd:
         self._lock = threading.Lock()
         self._renewed = 0.0
         self._no_space_logged = 0.0
+        # Whether etcd refuses our writes (NOSPACE alarm) as far as our last write knows.
+        self.no_space = False
         # Clients replaced after a refused token: their watches may still deliver, so
         # they are closed with this one, not at once.
         self._retired: list[Any] = []
@@ -323,7 +331,7 @@ class Etcd:
     def _run(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
         client = self._client
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
         except (etcd3.exceptions.ConnectionFailedError, etcd3.exceptions.ConnectionTimeoutError):
             self._fail_over(client)
             raise
@@ -347,18 +355,28 @@ class Etcd:
                     f"etcd at {self.endpoint} refused {who}: {details or code}"
                 ) from None
             raise
+        if self.no_space and getattr(fn, "__name__", "") in _WRITES:
+            self.no_space = False
+            log.warning(
+                "etcd at %s accepts writes again: its NOSPACE alarm is cleared", self.endpoint
+            )
+        return result
 
     def _log_no_space(self, details: str) -> None:
+        """One line when the alarm is first met, then a reminder every 5 minutes."""
         now = time.monotonic()
-        if now - self._no_space_logged < NOSPACE_LOG_INTERVAL and self._no_space_logged:
+        if self.no_space and now - self._no_space_logged < NOSPACE_LOG_INTERVAL:
             return
+        again = self.no_space
+        self.no_space = True
         self._no_space_logged = now
         log.error(
-            "etcd at %s refuses writes (%s): its NOSPACE alarm is raised. This member goes "
+            "etcd at %s refuses writes (%s): its NOSPACE alarm is raised%s. This member goes "
             "on consuming the partitions it holds, but cannot join, claim or move any until "
             "an operator frees space (etcdctl compact, defrag, alarm disarm)",
             self.endpoint,
             details or "RESOURCE_EXHAUSTED",
+            " (still)" if again else "",
         )
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -436,6 +454,38 @@ class Etcd:
                 _value, meta = response[0]
                 return int(meta.create_revision)
         return None
+
+    async def put_returning_revision(self, key: str, value: bytes, lease: int | None) -> int:
+        """Put key (created or overwritten); its create_revision, in one round trip."""
+        tx = self.client.transactions
+        _, responses = await self.call(
+            self.client.transaction,
+            compare=[],
+            success=[tx.put(key, value, lease=lease), tx.get(key)],
+            failure=[],
+        )
+        for response in responses:
+            if isinstance(response, list) and response:
+                _value, meta = response[0]
+                return int(meta.create_revision)
+        raise etcd3.exceptions.InternalServerError()  # the get in the same txn found nothing
+
+    async def put_if_created_at(
+        self, key: str, value: bytes, create_revision: int, lease: int | None = None
+    ) -> bool:
+        """Put key only if it is still the incarnation created at create_revision.
+
+        False (nothing written) when the key is gone or was created again since: an
+        update that must never bring a deleted key back.
+        """
+        tx = self.client.transactions
+        ok, _ = await self.call(
+            self.client.transaction,
+            compare=[tx.create(key) == create_revision],
+            success=[tx.put(key, value, lease=lease)],
+            failure=[],
+        )
+        return bool(ok)
 
     async def delete_if_created_at(self, key: str, create_revision: int) -> bool:
         """Delete key only if it is still the incarnation created at create_revision."""

@@ -39,6 +39,13 @@ class Membership:
         self._renewed_at = 0.0  # monotonic time the last successful keep-alive was *sent*
         self.leaving = False
         self.changed = asyncio.Event()
+        # The member key's create_revision as we last wrote it: stats updates are
+        # guarded on it, so an update that reaches etcd late never re-creates the key
+        # after leave() deleted it (the leader would give a leaving member work again).
+        self._created = 0
+        # Every write of the member key, and leave()'s delete, one at a time: a stats put
+        # still in flight when leave() starts finishes before the delete.
+        self._key_lock = asyncio.Lock()
 
     def safe(self) -> bool:
         """True while our lease is certainly alive on the server."""
@@ -56,7 +63,16 @@ class Membership:
             try:
                 sent = time.monotonic()
                 lease_id = await self.etcd.grant_lease(self.config.lease_ttl)
-                await self.etcd.put(self.key, self._value(), lease=lease_id)
+                async with self._key_lock:
+                    if self.leaving:
+                        # leave() came while we were re-joining: stay out (the fresh
+                        # lease goes with close(), or expires).
+                        self.lease_id = lease_id
+                        self._renewed_at = sent
+                        return
+                    self._created = await self.etcd.put_returning_revision(
+                        self.key, self._value(), lease_id
+                    )
                 self.lease_id = lease_id
                 self._renewed_at = sent
                 self.incarnation += 1
@@ -147,15 +163,30 @@ class Membership:
                 was_safe = True
                 log.info("Lease keep-alive recovered")
                 self._signal()
-            if not self.leaving:
-                try:
-                    await self.etcd.put(self.key, self._value(), lease=self.lease_id)
-                except TRANSIENT_ERRORS as exc:
-                    log.warning("Could not publish member stats: %s", exc)
+            try:
+                await self._publish_stats()
+            except TRANSIENT_ERRORS as exc:
+                log.warning("Could not publish member stats: %s", exc)
+
+    async def _publish_stats(self) -> None:
+        """Update our member key, never re-creating it once leave() has begun."""
+        async with self._key_lock:
+            if self.leaving:
+                return
+            lease = self.lease_id
+            if await self.etcd.put_if_created_at(self.key, self._value(), self._created, lease):
+                return
+            if self.leaving:
+                return
+            # Gone (or replaced) while we are a member: someone deleted it by hand, or
+            # the group's keys were cleared. Register again, as join() would.
+            log.warning("Member key %s vanished; registering again", self.key)
+            self._created = await self.etcd.put_returning_revision(self.key, self._value(), lease)
 
     async def leave(self) -> None:
         """Delete the member key so the leader moves our partitions; the lease stays for now."""
-        self.leaving = True
+        async with self._key_lock:  # after a stats put in flight, never before it
+            self.leaving = True
         try:
             await self.etcd.delete(self.key)
             log.info("Left group %s/%s", self.config.namespace, self.config.group)

@@ -1,40 +1,229 @@
-"""The readiness probe: exit 0 once this pod's member has joined its group.
+"""Readiness and liveness probes of a consumer pod: `shoal-ready` and `shoal-ready --live`.
 
-Kubernetes runs it every couple of seconds in every consumer pod, so it imports nothing
-but the standard library: the full CLI would spend ~0.3 s of CPU per probe on imports
-(15% of a core per pod at a 2 s period).
+The member rewrites a small JSON state file about every second (HealthFile, from its
+event loop): whether it has joined its group, whether its lease is certainly alive
+(not fenced), whether NATS answers, whether it is leaving, and a monotonic timestamp.
+
+* Readiness (`shoal-ready`): ready only while the state is fresh (refreshed within
+  --max-age, default 5 s) and the member is joined, not fenced, reaches NATS and is not
+  leaving. A member fenced for good, cut from NATS or frozen turns unready within
+  seconds, and ready again once it recovers.
+* Liveness (`shoal-ready --live`): fails only when the state has not been refreshed for
+  a generous time (--max-age, default 60 s): the process's event loop is stuck or the
+  process is frozen. It never fails because etcd or NATS are down: a member that cannot
+  reach them stops consuming by itself and recovers by itself when they come back, while
+  restarting every pod during an etcd or NATS outage would only add a storm of restarts
+  (and of re-joins and hand-overs) to the outage.
+
+Kubernetes runs the probe every couple of seconds in every consumer pod, so this module
+imports nothing but the standard library: the full CLI would spend ~0.3 s of CPU per
+probe on imports (15% of a core per pod at a 2 s period).
+
+Timestamps are CLOCK_MONOTONIC (time.monotonic), which every process on the host shares
+and which wall-clock changes (NTP steps) do not move.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 ENV = "SHOAL_READY_FILE"
 
+#: How often the member rewrites its state.
+REFRESH_SECONDS = 1.0
+#: Readiness: state older than this is stale (a few missed refreshes).
+READY_MAX_AGE = 5.0
+#: Liveness: state older than this means the event loop is stuck. Generous on purpose:
+#: a restart costs a hand-over of every partition the member holds.
+LIVE_MAX_AGE = 60.0
 
-def check(ready_file: str) -> tuple[bool, str]:
-    path = Path(ready_file)
+
+@dataclass(frozen=True)
+class MemberState:
+    """What the member last said about itself."""
+
+    member: str
+    pid: int
+    mono: float  # time.monotonic() when written
+    ts: float  # time.time() when written (for people reading the file)
+    joined: bool  # holds a lease and has registered in the group
+    safe: bool  # its lease is certainly alive (not fenced)
+    nats: bool  # NATS round trips succeed
+    leaving: bool  # shutting down
+
+
+def write_state(path: Path, state: MemberState) -> None:
+    """Replace the file atomically (a probe never reads half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(asdict(state), sort_keys=True))
+    os.replace(tmp, path)
+
+
+def read_state(path: Path) -> MemberState:
+    """The state in the file; OSError or ValueError if there is none or it is garbage."""
+    data: Any = json.loads(path.read_text())
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
     try:
-        member = path.read_text().strip()
+        return MemberState(
+            member=str(data["member"]),
+            pid=int(data["pid"]),
+            mono=float(data["mono"]),
+            ts=float(data["ts"]),
+            joined=bool(data["joined"]),
+            safe=bool(data["safe"]),
+            nats=bool(data["nats"]),
+            leaving=bool(data["leaving"]),
+        )
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"missing or bad field: {exc}") from None
+
+
+def _load(state_file: str) -> tuple[MemberState | None, str]:
+    try:
+        return read_state(Path(state_file)), ""
     except FileNotFoundError:
-        return False, f"not ready: {ready_file} does not exist yet"
+        return None, f"{state_file} does not exist (the member has not started yet)"
     except OSError as exc:
-        return False, f"not ready: cannot read {ready_file}: {exc.strerror}"
-    return True, f"ready: member {member} has joined"
+        return None, f"cannot read {state_file}: {exc.strerror or exc}"
+    except ValueError as exc:
+        return None, f"{state_file} is not a member state: {exc}"
+
+
+def check(
+    state_file: str, max_age: float = READY_MAX_AGE, now: float | None = None
+) -> tuple[bool, str]:
+    """Readiness: (ready, one line saying why)."""
+    state, problem = _load(state_file)
+    if state is None:
+        return False, f"not ready: {problem}"
+    age = (time.monotonic() if now is None else now) - state.mono
+    who = f"member {state.member}"
+    if age > max_age:
+        return False, (
+            f"not ready: {who} has not refreshed its state for {age:.1f} s "
+            f"(> {max_age:g} s): its process is stuck or frozen"
+        )
+    if state.leaving:
+        return False, f"not ready: {who} is leaving the group"
+    if not state.joined:
+        return False, f"not ready: {who} has not joined its group yet (etcd unreachable?)"
+    if not state.safe:
+        return False, (
+            f"not ready: {who} is fenced (cannot renew its etcd lease) and consumes nothing"
+        )
+    if not state.nats:
+        return False, f"not ready: {who} cannot reach NATS and has given its partitions up"
+    return True, f"ready: {who} has joined, holds its lease and reaches NATS"
+
+
+def check_live(
+    state_file: str, max_age: float = LIVE_MAX_AGE, now: float | None = None
+) -> tuple[bool, str]:
+    """Liveness: (alive, one line). Only a stuck event loop fails it, never etcd or NATS
+    being away (see the module's docstring)."""
+    state, problem = _load(state_file)
+    if state is None:
+        # Not written yet: the process is still starting (the probe's initial delay and
+        # failure threshold give it time), or it never got its loop running.
+        return False, f"not alive: {problem}"
+    age = (time.monotonic() if now is None else now) - state.mono
+    if age > max_age:
+        return False, (
+            f"not alive: member {state.member} (pid {state.pid}) has not refreshed its "
+            f"state for {age:.0f} s (> {max_age:g} s): its event loop is stuck"
+        )
+    return True, f"alive: member {state.member} refreshed its state {age:.1f} s ago"
+
+
+class HealthFile:
+    """The member's side: rewrite the state file every REFRESH_SECONDS from the loop.
+
+    `probe` returns the current state; it must only read memory (never wait on etcd or
+    NATS), so that a stale file means exactly "the event loop did not run".
+    """
+
+    def __init__(
+        self, path: str, probe: Callable[[], MemberState], interval: float = REFRESH_SECONDS
+    ) -> None:
+        self.path = Path(path)
+        self.probe = probe
+        self.interval = interval
+
+    def write(self) -> None:
+        try:
+            write_state(self.path, self.probe())
+        except OSError as exc:  # a full or read-only /tmp: the probes will say so
+            import logging
+
+            logging.getLogger(__name__).warning("Cannot write %s: %s", self.path, exc)
+
+    async def run(self) -> None:
+        import asyncio
+
+        while True:
+            self.write()
+            await asyncio.sleep(self.interval)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shoal-ready",
+        description=(
+            "Readiness (default) or liveness (--live) probe of a Shoal consumer pod. "
+            "Exit 0: ready / alive; 1: not; 2: usage. One line says why."
+        ),
+        epilog=(
+            "Ready: the member's state is fresh and it has joined its group, holds its etcd "
+            "lease (not fenced), reaches NATS and is not leaving. Alive: the member's event "
+            "loop refreshed its state within --max-age; etcd or NATS being down never fails "
+            "liveness (restarting every pod during an outage only makes it worse)."
+        ),
+    )
+    parser.add_argument(
+        "state_file",
+        nargs="?",
+        metavar="STATE_FILE",
+        help=f"the member's state file (default: ${ENV})",
+    )
+    parser.add_argument(
+        "--live",
+        action="store_true",
+        help="liveness: fail only if the state was not refreshed for --max-age seconds",
+    )
+    parser.add_argument(
+        "--max-age",
+        type=float,
+        metavar="SECONDS",
+        help=f"oldest acceptable state (default {READY_MAX_AGE:g} s for readiness, "
+        f"{LIVE_MAX_AGE:g} s with --live)",
+    )
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if args and args[0] in ("-h", "--help"):
-        print(f"usage: shoal-ready [READY_FILE]  (default: ${ENV})\n\n{__doc__}")
-        return 0
-    ready_file = args[0] if args else os.environ.get(ENV, "")
-    if not ready_file:
-        print(f"not ready: no ready file given and {ENV} is not set", file=sys.stderr)
+    parser = _parser()
+    try:
+        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2)
+        return int(exc.code or 0)
+    state_file = args.state_file or os.environ.get(ENV, "")
+    if not state_file:
+        print(f"not ready: no state file given and {ENV} is not set", file=sys.stderr)
         return 2
-    ok, message = check(ready_file)
+    if args.live:
+        ok, message = check_live(state_file, args.max_age or LIVE_MAX_AGE)
+    else:
+        ok, message = check(state_file, args.max_age or READY_MAX_AGE)
     print(message, file=sys.stdout if ok else sys.stderr)
     return 0 if ok else 1
 

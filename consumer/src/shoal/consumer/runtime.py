@@ -16,7 +16,6 @@ import os
 import resource
 import signal
 import time
-from pathlib import Path
 from typing import Any
 
 from shoal.consumer.autoscaler import Autoscaler
@@ -30,6 +29,7 @@ from shoal.consumer.jetstream import NatsHealth, connect, ensure_group, partitio
 from shoal.consumer.kube import GroupObject
 from shoal.consumer.membership import Membership
 from shoal.consumer.metrics import Metrics
+from shoal.consumer.ready import HealthFile, MemberState
 from shoal.consumer.view import GroupView
 from shoal.consumer.worker import Worker
 from shoal.contracts.events import AssignmentEvent
@@ -69,6 +69,27 @@ class ConsumerProcess:
         self.stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
         self._generations: asyncio.Queue[GenerationRecord] = asyncio.Queue()
+        # The probes' state file (shoal.consumer.ready), rewritten every second from the
+        # event loop from start to exit: readiness follows joined / fenced / NATS, and
+        # liveness only whether this loop still runs.
+        self.health = (
+            HealthFile(config.ready_file, self._member_state) if config.ready_file else None
+        )
+        self._health_task: asyncio.Task[None] | None = None
+
+    def _member_state(self) -> MemberState:
+        """What the probes see; memory only (never waits on etcd or NATS)."""
+        m = self.membership
+        return MemberState(
+            member=self.config.member_id,
+            pid=os.getpid(),
+            mono=time.monotonic(),
+            ts=round(time.time(), 3),
+            joined=m.incarnation > 0 and m.lease_id != 0,
+            safe=m.safe(),
+            nats=self.nats_health is not None and self.nats_health.reachable(),
+            leaving=m.leaving or self.stopping.is_set(),
+        )
 
     def _stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = {
@@ -163,6 +184,8 @@ class ConsumerProcess:
                 c.ack_wait,
                 c.fence_after,
             )
+        if self.health is not None and self._health_task is None:
+            self._health_task = asyncio.create_task(self.health.run(), name="health-file")
         if c.metrics_port is not None:
             self.metrics_port = self.metrics.serve(c.metrics_port)
         await self.etcd.connect()
@@ -188,7 +211,8 @@ class ConsumerProcess:
         self._tasks.append(asyncio.create_task(self.view.run(), name="view"))
         await self.view.synced.wait()
         await self.membership.join()
-        self._mark_ready(True)
+        if self.health is not None:
+            self.health.write()  # ready at once, not up to a second later
         self._tasks += [
             asyncio.create_task(self.membership.run(), name="membership"),
             asyncio.create_task(self.leader.run(), name="leader"),
@@ -248,21 +272,20 @@ class ConsumerProcess:
                 log.error("Component %s failed: %r", task.get_name(), task.exception())
         stop.cancel()
 
-    def _mark_ready(self, ready: bool) -> None:
-        """Tell the readiness probe whether this member has joined its group."""
-        if not self.config.ready_file:
-            return
-        path = Path(self.config.ready_file)
-        if ready:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(self.config.member_id)
-        else:
-            path.unlink(missing_ok=True)
+    async def _stop_health(self) -> None:
+        """Stop refreshing the probes' state and remove it (the process is going)."""
+        if self._health_task is not None:
+            self._health_task.cancel()
+            await asyncio.gather(self._health_task, return_exceptions=True)
+            self._health_task = None
+        if self.health is not None:
+            self.health.path.unlink(missing_ok=True)
 
     async def shutdown(self) -> None:
         c = self.config
         log.info("Leaving the group gracefully")
-        self._mark_ready(False)
+        if self.health is not None:
+            self.health.write()  # unready at once (leaving), still alive while draining
         await self.membership.leave()
         drained = True
         if self.worker is not None:
@@ -286,6 +309,7 @@ class ConsumerProcess:
             except Exception:
                 log.debug("NATS drain failed", exc_info=True)
         self.etcd.close()
+        await self._stop_health()
         log.info("Stopped%s", "" if drained else " (some partitions were not released in time)")
 
     async def _wait_reassigned(self, timeout: float) -> None:
@@ -315,6 +339,7 @@ async def run_consumer(config: GroupConfig) -> None:
         stop.cancel()
         log.info("Stopped before start-up completed")
         process.etcd.close()
+        await process._stop_health()
         return
     stop.cancel()
     try:

@@ -133,7 +133,8 @@ class Policy:
                 "target_lag_per_member is None or >= 1",
                 self.target_lag_per_member is None or self.target_lag_per_member >= 1,
             ),
-            ("min_replicas >= 0", self.min_replicas >= 0),
+            # 0 would be a dead end: no member, no leader, nobody to scale up again.
+            ("min_replicas >= 1", self.min_replicas >= 1),
             ("max_replicas >= 1", self.max_replicas >= 1),
             ("partitions >= 1", self.partitions >= 1),
             ("0 <= tolerance < 1", 0 <= self.tolerance < 1),

@@ -37,9 +37,10 @@ Spec = Mapping[str, Any] | ConsumerGroupSpec
 
 CONTAINER_NAME = "consumer"
 COMMAND = ["shoal-consumer", "run"]
-# The readiness probe: a standard-library-only check (shoal.consumer.ready), cheap enough
-# to run every 2 s.
+# The probes: standard-library-only checks (shoal.consumer.ready) of the state file the
+# member rewrites every second, cheap enough to run every 2 s.
 READY_COMMAND = ["shoal-ready"]
+LIVE_COMMAND = ["shoal-ready", "--live"]
 # Pod-template annotation: the etcd tlsSecret version the pods were started with.
 ETCD_SECRET_VERSION = ETCD_SECRET_VERSION_ANNOTATION
 
@@ -300,15 +301,29 @@ def _container(
         "env": consumer_env(name, namespace, spec, settings),
         "resources": copy.deepcopy(spec.resources),
         **_metrics_ports(settings),
-        # Ready = registered as a member (the consumer writes SHOAL_READY_FILE once it has
-        # joined), so a rollout waits for each new member before replacing the next one.
-        # Timeout 2 s, not 1: the probe starts a Python process, and one slow start must
-        # not fail a probe that tolerates no failures.
+        # Ready = joined, not fenced, reaching NATS, and the state refreshed within 5 s
+        # (the member rewrites SHOAL_READY_FILE every second), so a rollout waits for each
+        # new member before replacing the next one, and a member fenced for good, cut
+        # from NATS or frozen shows as unready. Timeout 2 s, not 1: the probe starts a
+        # Python process, and one slow start must not fail a probe that tolerates no
+        # failures.
         "readinessProbe": {
             "exec": {"command": list(READY_COMMAND)},
             "periodSeconds": 2,
             "timeoutSeconds": 2,
             "failureThreshold": 1,
+        },
+        # Alive = the event loop refreshed the state within 60 s (shoal-ready --live).
+        # Never tied to etcd or NATS: during their outage every member stalls and
+        # recovers by itself, and restarting every pod would only add re-joins and
+        # hand-overs to the outage. A stuck loop is restarted 80-90 s after it stopped;
+        # start-up (before the first write) gets 30 s more.
+        "livenessProbe": {
+            "exec": {"command": list(LIVE_COMMAND)},
+            "initialDelaySeconds": 30,
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 3,
         },
         "securityContext": {
             "runAsNonRoot": True,
@@ -468,8 +483,9 @@ def build_pdb(name: str, namespace: str, spec: Spec) -> Obj:
             # (seed 000: one group at a time, smooth master switch).
             "maxUnavailable": 1,
             "selector": {"matchLabels": selector(name)},
-            # An unready pod is not a member and owns no partitions: evicting it loses
-            # nothing, and it must not block a node drain.
+            # An unready pod has not joined, is fenced, or cannot reach NATS: it consumes
+            # nothing (its partitions move, or wait for its lease to expire), so evicting
+            # it loses nothing, and it must not block a node drain.
             "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
     }

@@ -28,7 +28,7 @@ import kopf
 
 from shoal.consumer.autoscaler import ScaleRecord
 from shoal.consumer.config import GroupConfig
-from shoal.consumer.etcd import Etcd
+from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd, EtcdUnavailable, describe
 from shoal.consumer.handlers import HandlerError, load_handler
 from shoal.consumer.jetstream import StreamConfigConflict, connect, ensure_group
 from shoal.consumer.status import read_status
@@ -57,6 +57,8 @@ from shoal.operator.state import group_state
 log = logging.getLogger(__name__)
 
 OBSERVE_INTERVAL = 5.0
+#: etcd's AlarmType NOSPACE (etcdserverpb.AlarmType: NONE 0, NOSPACE 1, CORRUPT 2).
+NOSPACE_ALARM = 1
 
 
 def now() -> str:
@@ -386,6 +388,7 @@ async def observe_group(
         leader, generation_seen = group.leader, group.generation
         unowned, unclaimed = len(group.unowned), len(group.unclaimed)
         moving = sum(1 for p, owner in group.owners.items() if group.claims.get(p) != owner)
+        problem = await _no_space(etcd, body, memo, config.etcd_endpoints)
     except EtcdSecretProblem as exc:
         problem = (exc.reason, exc.message)
     except Exception as exc:
@@ -434,9 +437,104 @@ async def observe_group(
         patch.status[key] = value
 
 
+async def _no_space(
+    etcd: Etcd, body: kopf.Body, memo: Any, endpoints: str
+) -> tuple[str, str] | None:
+    """EtcdNoSpace while the group's etcd has its NOSPACE alarm raised (a Warning Event
+    when it is raised, a Normal one when it is cleared; nothing in between)."""
+    state = group_state(memo)
+    message = (
+        f"etcd at {endpoints} has its NOSPACE alarm raised and refuses writes: members "
+        "consume the partitions they hold, but none can join, claim or move a partition "
+        "until space is freed (etcdctl compact, defrag, alarm disarm)"
+    )
+    try:
+        alarms = await etcd.call(lambda: list(etcd.client.list_alarms()))
+    except Exception as exc:  # a best effort (the status read itself has just worked):
+        log.debug("etcd alarms unavailable: %r", exc)  # keep what we knew
+        return ("EtcdNoSpace", message) if state.etcd_no_space else None
+    raised = any(int(getattr(a, "alarm_type", 0)) == NOSPACE_ALARM for a in alarms)
+    if raised and not state.etcd_no_space:
+        kopf.warn(body, reason="EtcdNoSpace", message=message)
+    elif state.etcd_no_space and not raised:
+        kopf.info(
+            body,
+            reason="EtcdSpaceRecovered",
+            message=f"etcd at {endpoints} accepts writes again (NOSPACE alarm cleared)",
+        )
+    state.etcd_no_space = raised
+    return ("EtcdNoSpace", message) if raised else None
+
+
+# What an unreachable etcd raises (connecting, or a call on a cached client).
+_ETCD_DOWN: tuple[type[BaseException], ...] = (EtcdUnavailable, *TRANSIENT_ERRORS)
+
 # A deleted group whose etcd Secret is gone (and was never read by this process) keeps
 # its etcd keys after this many retries, rather than blocking its namespace's deletion.
 DELETE_SECRET_RETRIES = 5
+
+
+def _etcd_unreachable_on_delete(
+    memo: Any,
+    body: kopf.Body,
+    status: kopf.Status,
+    patch: kopf.Patch,
+    meta: kopf.Meta,
+    model: ConsumerGroupSpec,
+    endpoints: str,
+    prefix: str,
+    exc: BaseException,
+) -> None:
+    """Deleting a group, etcd is unreachable: retry for a bounded time, saying so in status
+    (Degraded, EtcdUnreachable) and in one Warning Event, then let deletionPolicy decide.
+
+    Retain: the user keeps what the group leaves outside Kubernetes, so the etcd keys stay
+    (an EtcdKeysKept Event names them) and the group goes. Delete: the user asked for
+    everything gone, so the finalizer keeps waiting for etcd (one more Event says so, and
+    how to give up by hand), retrying every 30 s. Either way no Event per retry.
+    """
+    state = group_state(memo)
+    timeout = float(memo.settings.delete_etcd_timeout_seconds)
+    if state.delete_etcd_failing_since is None:
+        state.delete_etcd_failing_since = time.monotonic()
+        kopf.warn(
+            body,
+            reason="EtcdUnreachable",
+            message=f"Deleting: etcd at {endpoints} unreachable ({describe(exc)}); retrying "
+            f"for {timeout:.0f} s, then deletionPolicy {model.deletion_policy} decides",
+        )
+    waited = time.monotonic() - state.delete_etcd_failing_since
+    generation = int(meta.get("generation") or 0)
+    if waited < timeout:
+        message = (
+            f"Deleting: etcd at {endpoints} unreachable for {waited:.0f} s ({describe(exc)}); "
+            f"the keys under {prefix} are not cleared yet"
+        )
+        patch.status["conditions"] = observe.degraded(
+            status.get("conditions", []), "EtcdUnreachable", message, generation, now()
+        )
+        raise kopf.TemporaryError(message, delay=min(10.0, max(1.0, timeout - waited))) from exc
+    if model.deletion_policy == "Retain":
+        message = (
+            f"etcd at {endpoints} unreachable for {waited:.0f} s while deleting; "
+            f"deletionPolicy Retain: the group's etcd keys under {prefix} are left in place "
+            f"(etcdctl del --prefix {prefix} once etcd is back)"
+        )
+        kopf.warn(body, reason="EtcdKeysKept", message=message)
+        log.warning("Group %s: %s", body.get("metadata", {}).get("name"), message)
+        return
+    message = (
+        f"etcd at {endpoints} unreachable for {waited:.0f} s while deleting; deletionPolicy "
+        f"Delete: waiting for etcd to clear the keys under {prefix} (to give up, set "
+        f"deletionPolicy: Retain, or remove the finalizer {FINALIZER})"
+    )
+    if not state.delete_etcd_decided:
+        state.delete_etcd_decided = True
+        kopf.warn(body, reason="EtcdUnreachable", message=message)
+    patch.status["conditions"] = observe.degraded(
+        status.get("conditions", []), "EtcdUnreachable", message, generation, now()
+    )
+    raise kopf.TemporaryError(message, delay=30) from exc
 
 
 @kopf.on.delete(API_GROUP, API_VERSION, PLURAL)
@@ -446,6 +544,9 @@ async def delete(
     spec: kopf.Spec,
     memo: Any,
     body: kopf.Body,
+    status: kopf.Status,
+    patch: kopf.Patch,
+    meta: kopf.Meta,
     retry: int = 0,
     **_: Any,
 ) -> None:
@@ -466,13 +567,16 @@ async def delete(
         etcd = await _etcd(
             memo, config.etcd_endpoints, namespace, etcd_secret_name(model), stale_ok=True
         )
+        await etcd.delete_prefix(prefix)
     except EtcdSecretProblem as exc:
         if retry < DELETE_SECRET_RETRIES:
             raise kopf.TemporaryError(exc.message, delay=min(30, 3 * 2**retry)) from exc
         message = f"{exc.message}: the group's etcd keys under {prefix} are left in place"
         kopf.warn(body, reason="EtcdKeysKept", message=message)
-    else:
-        await etcd.delete_prefix(prefix)
+    except _ETCD_DOWN as exc:
+        _etcd_unreachable_on_delete(
+            memo, body, status, patch, meta, model, config.etcd_endpoints, prefix, exc
+        )
     if model.deletion_policy == "Delete":
         js = (await _nats(memo, config, attempts=2)).jetstream()
         for stream in (

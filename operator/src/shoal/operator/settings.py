@@ -24,6 +24,7 @@ ENV_FIELDS: dict[str, str] = {
     "ETCD_ENDPOINTS": "etcd_endpoints",
     "SHOAL_DRAIN_TIMEOUT": "drain_timeout_seconds",
     "SHOAL_CONSUMER_METRICS_PORT": "consumer_metrics_port",
+    "SHOAL_DELETE_ETCD_TIMEOUT": "delete_etcd_timeout_seconds",
 }
 
 
@@ -43,6 +44,10 @@ class OperatorSettings(BaseModel):
     # free port, for the local plane, where every pod shares the host's loopback (no
     # container port is declared then).
     consumer_metrics_port: int | None = Field(None, ge=0, le=65535)
+    # How long deleting a group retries an unreachable etcd (to clear the group's keys)
+    # before its deletionPolicy decides: Retain leaves the keys and lets the group go,
+    # Delete keeps waiting for etcd (and says so in status and Events).
+    delete_etcd_timeout_seconds: float = Field(120.0, gt=0)
     # Empty: watch the whole cluster.
     watch_namespaces: list[str] = Field(default_factory=list)
 

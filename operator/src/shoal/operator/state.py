@@ -34,6 +34,13 @@ class GroupState:
     # The etcd tlsSecret version the Deployment was last applied with (None: no Secret);
     # a different version read later means the Secret was rotated.
     secret_version: str | None = None
+    # Deleting the group: when (monotonic) clearing its etcd keys first failed because
+    # etcd was unreachable, and whether the deletionPolicy's decision was announced.
+    delete_etcd_failing_since: float | None = None
+    delete_etcd_decided: bool = False
+    # Whether the group's etcd had its NOSPACE alarm raised at the last observation (an
+    # Event is posted when it is raised and when it is cleared, not every observation).
+    etcd_no_space: bool = False
 
 
 def group_state(memo: MutableMapping[str, Any]) -> GroupState:

@@ -1,0 +1,102 @@
+"""Membership against a real etcd: the member key never outlives leave()."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import pytest
+
+from shoal.consumer.config import GroupConfig
+from shoal.consumer.etcd import Etcd
+from shoal.consumer.membership import Membership
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
+
+T = TypeVar("T")
+
+
+class SlowWrites(Etcd):
+    """A real etcd client whose writes of one key wait `delay` before they go out, as
+    a put queued behind a busy thread pool or a slow network would.
+
+    Only the timing is changed: every call still reaches the real server.
+    """
+
+    def __init__(self, endpoint: str, key: str) -> None:
+        super().__init__(endpoint)
+        self.key = key
+        self.delay = 0.0
+        self.delayed = asyncio.Event()  # set when a delayed write has started waiting
+
+    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        name = getattr(fn, "__name__", "")
+        ops = kwargs.get("success") or []
+        writes_key = (name == "put" and bool(args) and args[0] == self.key) or (
+            name == "transaction" and any(getattr(op, "key", None) == self.key for op in ops)
+        )
+        if self.delay and writes_key:
+            self.delayed.set()
+            await asyncio.sleep(self.delay)
+        return await super().call(fn, *args, **kwargs)
+
+
+async def test_a_stats_put_in_flight_never_recreates_the_key_after_leave(
+    make_config: Callable[..., GroupConfig], etcd: Etcd
+) -> None:
+    config = make_config(member_id="m-slow", lease_ttl=5, keepalive_interval=0.3)
+    key = config.keys.member(config.member_id)
+    client = SlowWrites(config.etcd_endpoints, key)
+    await client.connect(attempts=10)
+    membership = Membership(client, config, lambda: {"ts": time.time()})
+    runner: asyncio.Task[None] | None = None
+    try:
+        await membership.join()
+        runner = asyncio.create_task(membership.run())
+        # The next stats put waits 1 s before it goes out; leave while it waits.
+        client.delay = 1.0
+        await asyncio.wait_for(client.delayed.wait(), 5)
+        await membership.leave()
+        client.delay = 0.0
+        # Longer than the delayed put and a few more keep-alive rounds.
+        await asyncio.sleep(2.0)
+        _, kvs = await etcd.get_prefix(key)
+        assert key not in kvs, "a stats put re-created the member key after leave()"
+        assert membership.safe(), "the lease must stay alive (kept alive) until close()"
+    finally:
+        if runner is not None:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+        await membership.close()
+        client.close()
+        await etcd.delete_prefix(config.keys.prefix)
+
+
+async def test_a_member_key_deleted_under_a_live_member_comes_back(
+    make_config: Callable[..., GroupConfig], etcd: Etcd
+) -> None:
+    config = make_config(member_id="m-back", lease_ttl=5, keepalive_interval=0.3)
+    key = config.keys.member(config.member_id)
+    membership = Membership(etcd, config, lambda: {"ts": time.time()})
+    runner: asyncio.Task[None] | None = None
+    try:
+        await membership.join()
+        runner = asyncio.create_task(membership.run())
+        await etcd.delete(key)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            _, kvs = await etcd.get_prefix(key)
+            if key in kvs:
+                assert kvs[key].lease == membership.lease_id
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the member key was not registered again")
+    finally:
+        if runner is not None:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+        await membership.close()
+        await etcd.delete_prefix(config.keys.prefix)
