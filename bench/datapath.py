@@ -112,12 +112,14 @@ class Bench:
         config = self.config(group, handler, ledger=ledger)
         env = {"SHOAL_HANDLER_DELAY_MS": str(a.delay_ms)}
         with Fleet.for_config(self.root / group, config, env=env) as fleet:
+            # Paused before any member pulls: a paused durable keeps the pull requests
+            # that wait on it, and they would all be answered at the resume.
             await ensure_group(js, config)
+            await set_paused(js, config.stream, config.partitions, True)
             members = {f"m-{i}" for i in range(a.members)}
             for member in sorted(members):
                 fleet.start(member, **config_env(config, ("handler", "ledger")))
             await wait_for_status(etcd, NAMESPACE, group, config.partitions, settled(members), 60)
-            await set_paused(js, config.stream, config.partitions, True)
             items = [
                 Outgoing(
                     f"project-{i % a.projects}",
@@ -144,7 +146,7 @@ class Bench:
             extra: dict[str, Any] = {}
             if ledger:
                 records = await read_ledger(js, config.ledger_stream)
-                extra["audit"] = audit(records, [i.message_id for i in items]).summary()
+                extra["audit"] = audit(records, [str(i.message_id) for i in items]).summary()
                 note(f"{group}: audit {extra['audit']}")
             problems = log_problems((self.root / group).glob("*.log"))
             extra["member_log_problems"] = problems["error"] + problems["traceback"]
