@@ -156,8 +156,18 @@ class PartitionRunner:
     # -- pulling --------------------------------------------------------------------------
 
     def _room(self) -> int:
+        """How many messages the next pull may ask for: 0 until at least half of this
+        partition's buffer is free (or it is empty), so that a busy partition pulls in
+        batches rather than one request per settled message, and 0 while the member holds
+        max_buffered. (A soft bound: pulls already open may bring up to fetch_batch more
+        per partition. Reserving what open pulls may bring would let idle partitions,
+        whose pulls stay open, starve busy ones.)"""
         w = self.worker
-        return min(w.config.fetch_batch - self.buffered, w.max_buffered - w.buffered)
+        batch = w.config.fetch_batch
+        room = min(batch - self.buffered, w.max_buffered - w.buffered)
+        if self.buffered and room < max(1, batch // 2):
+            return 0
+        return room
 
     async def run(self) -> None:
         w = self.worker
@@ -191,6 +201,7 @@ class PartitionRunner:
                     status = "lost"
                 finally:
                     self._request_end = None
+                    self._remaining = 0
                 if status == "503":
                     # Nobody answers pulls on this durable: it (or the stream) was
                     # deleted, or JetStream is away. Asking again at once is a busy loop
@@ -237,9 +248,10 @@ class PartitionRunner:
                 )
             self._end_request(status or "?")
             return
-        self._remaining -= 1
-        if self._remaining <= 0:
-            self._end_request("batch")
+        if self._remaining > 0:
+            self._remaining -= 1
+            if self._remaining == 0:
+                self._end_request("batch")
         if self.stopping:
             if not self.fenced:
                 self._late.append(msg)
