@@ -65,7 +65,6 @@ BENCH = "throughput"
 NAMESPACE = "bench"
 GROUP = "throughput"
 HANDLER = "shoal.consumer.handlers:noop"
-PAUSE_UNTIL = "2099-01-01T00:00:00Z"
 PROCESSED = "shoal_messages_processed_total"
 OK = 'outcome="ok"'
 
@@ -106,19 +105,6 @@ def proc_status(pid: int) -> dict[str, float]:
         if key in ("VmRSS", "VmHWM"):
             out[key] = round(int(rest.split()[0]) / 1024, 1)
     return out
-
-
-async def set_paused(js: Any, stream: str, durables: list[str], paused: bool) -> None:
-    sem = asyncio.Semaphore(32)
-
-    async def one(durable: str) -> None:
-        async with sem:
-            if paused:
-                await js.pause_consumer(stream, durable, PAUSE_UNTIL)
-            else:
-                await js.resume_consumer(stream, durable)
-
-    await asyncio.gather(*(one(d) for d in durables))
 
 
 async def check_drained(js: Any, stream: str, durables: list[str], timeout: float = 10.0) -> None:
@@ -309,9 +295,8 @@ class Bench:
             raise RuntimeError(f"stream {self.stream} has {info.config.retention} retention")
 
     async def publish_backlog(self, run: str) -> None:
-        """Pause every durable, publish a backlog; the durables stay paused."""
+        """Publish a backlog while no reader runs (so each side starts from all of it)."""
         a = self.args
-        await set_paused(self.js, self.stream, self.partition_durables, True)
         before = int((await self.js.stream_info(self.stream)).state.messages)
         t = time.monotonic()
         await self.producer.publish_many(backlog(a.messages, a.projects, a.payload, run))
@@ -321,36 +306,41 @@ class Bench:
             raise RuntimeError(f"stream grew by {after - before}, not {a.messages}")
         note(f"published {a.messages} messages in {took:.1f} s ({a.messages / took:.0f} msg/s)")
 
-    async def time_shoal(self, member: Member, port: int) -> None:
-        base = await processed([port])
+    async def time_shoal(self) -> None:
+        """A member that joins the group alone, claims all partitions, drains the backlog.
+
+        Timed from its first processed message (its ok counter moving) to the last one:
+        its start-up and claiming are not charged, as the plain side's connecting is not.
+        """
+        port = free_port()
+        started = time.monotonic()
+        member = self.fleet.start("m-0", SHOAL_METRICS_PORT=str(port))
+        await wait_metrics(port, 30)
         cpu0 = (cpu_seconds(member.pid), cpu_seconds(self.nats_pid))
-        resumed = time.monotonic()
-        await set_paused(self.js, self.stream, self.partition_durables, False)
-        first, last, _ = await watch_counter([port], base + self.args.messages, self.args.timeout)
+        first, last, _ = await watch_counter([port], self.args.messages, self.args.timeout)
         cpu1 = (cpu_seconds(member.pid), cpu_seconds(self.nats_pid))
         await check_drained(self.js, self.stream, self.partition_durables)
-        start = first if first is not None else resumed
+        self.fleet.term("m-0")
+        await asyncio.to_thread(self.fleet.wait_exit, "m-0", 60)
+        start = first if first is not None else started
         seconds = last - start
         self.shoal.add(
-            self.args.messages, seconds, start - resumed, cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
+            self.args.messages, seconds, start - started, cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
         )
         note(
             f"shoal: {self.args.messages} in {seconds:.2f} s = "
-            f"{self.args.messages / seconds:.0f} msg/s (first message {start - resumed:.2f} s "
-            "after the resume)"
+            f"{self.args.messages / seconds:.0f} msg/s (first message {start - started:.2f} s "
+            "after the start)"
         )
 
     async def time_plain(self) -> None:
         """The plain consumer on the same durables (no member runs meanwhile)."""
         nats0 = 0.0
-        resumed = 0.0
+        started = time.monotonic()
 
-        async def resume(pid: int) -> None:
-            nonlocal nats0, resumed
-            await asyncio.sleep(0.3)  # its first requests wait on the paused durables
+        async def ready(pid: int) -> None:
+            nonlocal nats0
             nats0 = cpu_seconds(self.nats_pid)
-            resumed = time.monotonic()
-            await set_paused(self.js, self.stream, self.partition_durables, False)
 
         result, _ = await run_plain(
             self.url,
@@ -359,16 +349,16 @@ class Bench:
             self.args.messages,
             self.args.plain_batch,
             self.args.timeout,
-            resume,
+            ready,
         )
         nats1 = cpu_seconds(self.nats_pid)
         await check_drained(self.js, self.stream, self.partition_durables)
-        start = result.first if result.first is not None else resumed
+        start = result.first if result.first is not None else started
         seconds = result.last - start
-        self.plain.add(result.acked, seconds, start - resumed, result.cpu_s, nats1 - nats0)
+        self.plain.add(result.acked, seconds, start - started, result.cpu_s, nats1 - nats0)
         note(
             f"plain: {result.acked} in {seconds:.2f} s = {result.acked / seconds:.0f} msg/s "
-            f"(first message {start - resumed:.2f} s after the resume)"
+            f"(first message {start - started:.2f} s after the start)"
         )
 
     async def start_member(self, member_id: str, members: set[str]) -> tuple[Member, int]:
@@ -387,12 +377,8 @@ class Bench:
                 await self.publish_backlog(f"r{round_}-{side}")
                 if side == "plain":
                     await self.time_plain()
-                    continue
-                member, port = await self.start_member("m-0", {"m-0"})
-                note("m-0 owns and has claimed all partitions")
-                await self.time_shoal(member, port)
-                self.fleet.term("m-0")
-                await asyncio.to_thread(self.fleet.wait_exit, "m-0", 60)
+                else:
+                    await self.time_shoal()
         common = {
             "messages": self.shoal.messages,
             "projects": a.projects,

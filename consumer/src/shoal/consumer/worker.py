@@ -54,6 +54,8 @@ ACTIVE_PROJECT_WINDOW = 60.0
 # Pulls nobody answers (503: the durable or the stream is gone): first and longest wait.
 MISSING_DURABLE_BACKOFF = 0.5
 MISSING_DURABLE_BACKOFF_MAX = 5.0
+# What an idle partition's pull asks for; doubled while pulls come back full.
+IDLE_BATCH = 4
 # Projects whose partition was checked (sha256) once; the cache is dropped when this big.
 PARTITION_CACHE_SIZE = 100_000
 
@@ -95,6 +97,7 @@ class PartitionRunner:
         # Messages that arrived after the stop: given back once no request is open.
         self._late: list[Any] = []
         self._remaining = 0  # messages the open pull request may still bring
+        self._want = IDLE_BATCH  # what the next pull asks for, at most
         self._request_end: asyncio.Future[str] | None = None
         self._wakeup: asyncio.Future[None] | None = None
 
@@ -156,16 +159,21 @@ class PartitionRunner:
     # -- pulling --------------------------------------------------------------------------
 
     def _room(self) -> int:
-        """How many messages the next pull may ask for: 0 until at least half of this
-        partition's buffer is free (or it is empty), so that a busy partition pulls in
-        batches rather than one request per settled message, and 0 while the member holds
-        max_buffered. (A soft bound: pulls already open may bring up to fetch_batch more
-        per partition. Reserving what open pulls may bring would let idle partitions,
-        whose pulls stay open, starve busy ones.)"""
+        """How many messages the next pull asks for.
+
+        The member never holds, or has asked for, more than max_buffered messages:
+        what it holds runs its ack_wait on the server while it waits its turn, so holding
+        more than it can start soon means redeliveries, i.e. duplicates. A partition
+        asks for `_want`: a few while it is idle (its pulls stay open and reserve their
+        batch, so big idle pulls would starve busy partitions), twice as many each time
+        a pull comes back full, up to fetch_batch. It asks again once half of its buffer
+        is free (or it is empty), so a busy partition pulls in batches, not one request
+        per settled message.
+        """
         w = self.worker
         batch = w.config.fetch_batch
-        room = min(batch - self.buffered, w.max_buffered - w.buffered)
-        if self.buffered and room < max(1, batch // 2):
+        room = min(self._want, batch - self.buffered, w.max_buffered - w.buffered - w.reserved)
+        if self.buffered and room < max(1, min(self._want, batch) // 2):
             return 0
         return room
 
@@ -190,6 +198,7 @@ class PartitionRunner:
                     w.starved.discard(self)
                     continue
                 self._remaining = room
+                w.reserved += room
                 self._request_end = end = loop.create_future()
                 request = json.dumps({"batch": room, "expires": expires_ns}).encode()
                 await nc.publish(api_subject, request, reply=inbox)
@@ -201,7 +210,15 @@ class PartitionRunner:
                     status = "lost"
                 finally:
                     self._request_end = None
-                    self._remaining = 0
+                    if self._remaining:
+                        w.reserved -= self._remaining
+                        self._remaining = 0
+                        if w.starved:
+                            w.wake_starved()
+                if status == "batch":
+                    self._want = min(self._want * 2, w.config.fetch_batch)
+                elif status in ("404", "408"):
+                    self._want = IDLE_BATCH
                 if status == "503":
                     # Nobody answers pulls on this durable: it (or the stream) was
                     # deleted, or JetStream is away. Asking again at once is a busy loop
@@ -250,6 +267,7 @@ class PartitionRunner:
             return
         if self._remaining > 0:
             self._remaining -= 1
+            self.worker.reserved -= 1
             if self._remaining == 0:
                 self._end_request("batch")
         if self.stopping:
@@ -407,6 +425,7 @@ class Worker:
         self.runners: dict[int, PartitionRunner] = {}
         self.max_buffered = config.max_buffered
         self.buffered = 0
+        self.reserved = 0  # asked for by open pull requests, not arrived yet
         # Runners waiting for room in the member's buffer (not in their own).
         self.starved: set[PartitionRunner] = set()
         self.stream_missing_logged = False
@@ -538,7 +557,7 @@ class Worker:
         self._ok.inc()
 
     async def keep_held_alive(self) -> None:
-        """In-progress acks for messages held longer than a third of ack_wait.
+        """In-progress acks for messages held longer than a quarter of ack_wait.
 
         Held messages (queued behind their project, running a long handler, or waiting
         for a retry) run their ack_wait on the server; without these the server would
@@ -548,7 +567,7 @@ class Worker:
         # With a backoff, JetStream's first redelivery comes after its first step.
         c = self.config
         ack_wait = min(c.ack_wait, c.backoff[0]) if c.backoff and c.backoff[0] > 0 else c.ack_wait
-        period = max(0.2, ack_wait / 3)
+        period = max(0.2, ack_wait / 4)
         while True:
             await asyncio.sleep(period / 2)
             now = time.monotonic()
@@ -567,6 +586,8 @@ class Worker:
                 except Exception:
                     log.debug("In-progress ack failed", exc_info=True)
                     break
+            if due:
+                log.debug("Sent in-progress acks for %d held messages", len(due))
 
     # -- stats for the member key -----------------------------------------------------
 
@@ -607,7 +628,7 @@ class Worker:
         log.warning("Dead-lettered a message of partition %d: %s", partition, reason)
 
     def wake_starved(self) -> None:
-        if self.buffered < self.max_buffered:
+        if self.buffered + self.reserved < self.max_buffered:
             for runner in list(self.starved):
                 runner._wake()
             self.starved.clear()
