@@ -123,6 +123,9 @@ class Bench:
                 etcd, NAMESPACE, group, config.partitions, settled(members), 60, interval=0.05
             )
             resumed = time.monotonic()
+            nats_pid = self.nats_server.pid
+            assert nats_pid is not None
+            nats_cpu0 = cpu_seconds(nats_pid)
             backlog = int((await js.stream_info(config.stream)).state.messages)
             note(f"{group}: settled with {backlog} messages left")
 
@@ -133,9 +136,10 @@ class Bench:
                 left, a.timeout, "the stream to drain", until=lambda n: n == 0, interval=0.05
             )
             seconds = time.monotonic() - resumed
+            nats_cpu = 100 * (cpu_seconds(nats_pid) - nats_cpu0) / seconds
             rate = backlog / seconds
             note(f"{group}: {backlog} in {seconds:.2f} s = {rate:.0f} msg/s")
-            extra: dict[str, Any] = {"timed_messages": backlog}
+            extra: dict[str, Any] = {"timed_messages": backlog, "nats_cpu_pct": nats_cpu}
             if ledger:
                 records = await read_ledger(js, config.ledger_stream)
                 extra["audit"] = audit(records, [str(i.message_id) for i in items]).summary()

@@ -284,7 +284,12 @@ def test_the_operator_owns_jetstream() -> None:
 def test_every_variable_is_one_the_consumer_knows() -> None:
     names = env_names(consumer_env(NAME, NAMESPACE, {**full_spec(), "env": []}, SETTINGS))
     assert set(names) <= set(ENV_FIELDS) | EXTRA_VARS
-    tuning = {"SHOAL_LEASE_TTL", "SHOAL_KEEPALIVE_INTERVAL", "SHOAL_METRICS_PORT"}
+    tuning = {
+        "SHOAL_LEASE_TTL",
+        "SHOAL_KEEPALIVE_INTERVAL",
+        "SHOAL_METRICS_PORT",
+        "SHOAL_MAX_BUFFERED",
+    }
     needed = set(ENV_FIELDS) - tuning - {"SHOAL_STATS_INTERVAL", "SHOAL_LOAD_CHECK_INTERVAL"}
     assert needed <= set(names)
 
