@@ -85,6 +85,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--rss-messages", type=int, default=20_000, help="traffic for the RSS phase"
     )
     parser.add_argument("--timeout", type=float, default=90.0, help="per drain, seconds")
+    parser.add_argument(
+        "--member-code",
+        metavar="DIR",
+        help="run the member from another checkout of Shoal (e.g. a worktree of an older "
+        "commit), to compare commits in one run: its source folders go first on the "
+        "member's PYTHONPATH",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument(
         "--strict", action="store_true", help="exit 1 when a figure misses its target"
@@ -445,6 +452,19 @@ class Bench:
         )
 
 
+def member_env(code: str | None) -> dict[str, str]:
+    env = {"SHOAL_RETENTION": "limits"}
+    if code:
+        checkout = Path(code).resolve()
+        folders = [checkout / part / "src" for part in ("common", "consumer")]
+        missing = [str(f) for f in folders if not f.is_dir()]
+        if missing:
+            raise SystemExit(f"--member-code {code}: no Shoal source folders {missing}")
+        env["PYTHONPATH"] = ":".join(str(f) for f in folders)
+        note(f"members run the code in {checkout}")
+    return env
+
+
 async def run(args: argparse.Namespace, root: Path) -> None:
     with (
         NatsServer(root / "nats") as nats_server,
@@ -457,7 +477,7 @@ async def run(args: argparse.Namespace, root: Path) -> None:
             group=GROUP,
             handler=HANDLER,
             partitions=args.partitions,
-            env={"SHOAL_RETENTION": "limits"},
+            env=member_env(args.member_code),
         ) as fleet,
     ):
         config = GroupConfig(
