@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import nats
+from nats.errors import NoRespondersError
 from nats.js import api
 from nats.js.errors import APIError, BadRequestError, NotFoundError
 
@@ -115,7 +116,8 @@ async def _quiet(exc: Exception) -> None:
     pass
 
 
-JS_INFO_SUBJECT = "$JS.API.INFO"
+# Nobody subscribes here: the server itself answers "no responders" at once.
+HEALTH_SUBJECT = "_SHOAL.HEALTH"
 
 
 class NatsHealth:
@@ -147,11 +149,18 @@ class NatsHealth:
         while True:
             started = time.monotonic()
             try:
-                # A JetStream API request, not nc.flush(): the answer proves JetStream
-                # serves us, and a late answer to a timed-out request is just dropped.
+                # A request nobody answers but the server ("no responders"), not
+                # nc.flush(): a late answer to a timed-out request is just dropped.
                 # (nats-py 2.x crashes its read loop on a PONG for a flush that timed
-                # out, leaving a connection that writes but never reads again.)
-                await self.nc.request(JS_INFO_SUBJECT, b"", timeout=self.interval)
+                # out, leaving a connection that writes but never reads again.) Not a
+                # JetStream API request: in a cluster, JetStream stops answering while
+                # its meta leader is re-elected, and every member would give all its
+                # partitions up for nothing. A JetStream that does not serve a partition
+                # shows in that partition's pulls instead.
+                try:
+                    await self.nc.request(HEALTH_SUBJECT, b"", timeout=self.interval)
+                except NoRespondersError:
+                    pass  # the server answered: reachable
                 self._failing_since = None
             except asyncio.CancelledError:
                 raise

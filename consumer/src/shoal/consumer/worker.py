@@ -42,6 +42,7 @@ from shoal.consumer.handlers import (
     Message,
     PermanentError,
 )
+from shoal.consumer.handover_log import HandOverLog
 from shoal.consumer.jetstream import consumer_config
 from shoal.consumer.membership import Membership
 from shoal.consumer.metrics import Metrics
@@ -52,8 +53,10 @@ log = logging.getLogger(__name__)
 
 ACTIVE_PROJECT_WINDOW = 60.0
 # Pulls nobody answers (503: the durable or the stream is gone): first and longest wait.
-MISSING_DURABLE_BACKOFF = 0.5
-MISSING_DURABLE_BACKOFF_MAX = 5.0
+MISSING_DURABLE_BACKOFF = 0.25
+MISSING_DURABLE_BACKOFF_MAX = 2.0
+# Unanswered pulls in a row (about 2 s with the backoff) before the durable is recreated.
+RECREATE_AFTER_SILENT_PULLS = 4
 # What an idle partition's pull asks for; doubled while pulls come back full.
 IDLE_BATCH = 4
 # Projects whose partition was checked (sha256) once; the cache is dropped when this big.
@@ -241,6 +244,7 @@ class PartitionRunner:
         loop = asyncio.get_running_loop()
         try:
             backoff = MISSING_DURABLE_BACKOFF
+            silent = 0  # pulls in a row that nobody answered (503)
             while not self.stopping:
                 room = self._room()
                 if room <= 0:
@@ -275,12 +279,18 @@ class PartitionRunner:
                     self._want = IDLE_BATCH
                 if status == "503":
                     # Nobody answers pulls on this durable: it (or the stream) was
-                    # deleted, or JetStream is away. Asking again at once is a busy loop
-                    # of requests; recreate what is missing, and back off meanwhile.
-                    await self._recreate_durable()
+                    # deleted, or its leader is being elected (a cluster node died), or
+                    # JetStream is away. Asking again at once is a busy loop of requests:
+                    # back off, and recreate the durable only once it has stayed silent
+                    # for a while (an election takes seconds; a create sent meanwhile
+                    # only times out, and would stretch the backoff).
+                    silent += 1
+                    if silent >= RECREATE_AFTER_SILENT_PULLS:
+                        await self._recreate_durable()
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, MISSING_DURABLE_BACKOFF_MAX)
                     continue
+                silent = 0
                 if status == "409":
                     await asyncio.sleep(0.1)
                 backoff = MISSING_DURABLE_BACKOFF
@@ -433,7 +443,9 @@ class PartitionRunner:
             try:
                 # Creating a durable that exists with this config is a no-op; a new one
                 # starts with what the work-queue stream still holds: nothing acked.
-                await w.js.add_consumer(c.stream, config=consumer_config(c, self.partition))
+                await w.js.add_consumer(
+                    c.stream, config=consumer_config(c, self.partition), timeout=2
+                )
                 log.warning(
                     "Recreated the missing durable consumer of partition %d", self.partition
                 )
@@ -484,6 +496,7 @@ class Worker:
         self.starved: dict[PartitionRunner, None] = {}
         self.stream_missing_logged = False
         self.claiming: set[int] = set()
+        self.handovers = HandOverLog()
         self.leaving = False
         self._incarnation = 0
         self._projects: dict[str, float] = {}
@@ -767,11 +780,13 @@ class Worker:
         targets = self.view.targets()
         claims = self.view.claims()
         lease = self.membership.lease_id
+        self.handovers.new_pass()
         for p in range(self.config.partitions):
             target = targets.get(p)
             want = not self.leaving and target is not None and target.owner == me
             current = self.runners.get(p)
             if want and current is None and p not in self.claiming:
+                self.handovers.taking([p])
                 claim = claims.get(p)
                 if claim is None:
                     self.claiming.add(p)
@@ -780,9 +795,14 @@ class Worker:
                     # Ours already (we were fenced for a moment, or restarted in place).
                     self._start(p, claim.create_revision, None)
             elif not want and current is not None and not current.stopping:
-                log.info("Releasing partition %d", p)
+                log.debug("Releasing partition %d", p)
+                # (Leaving, the target is still us: no new owner to name yet.)
+                new_owner = target.owner if target is not None and target.owner != me else ""
+                self.handovers.releasing({p: new_owner})
                 current.stop()
             elif not want and current is None and p not in self.claiming:
+                if self.handovers.is_taking(p):
+                    self.handovers.abandoned(p)  # the target moved on before we started
                 claim = claims.get(p)
                 if claim is not None and claim.member == me and claim.lease == lease:
                     # Our claim, on our live lease, with no runner and no longer ours to
@@ -821,6 +841,7 @@ class Worker:
         runner.task = asyncio.create_task(runner.run(), name=f"partition-{p}")
         self.metrics.partitions_owned.set(len(self.runners))
         log.debug("Consuming partition %d", p)
+        self.handovers.took(p)
 
     async def runner_done(self, runner: PartitionRunner) -> None:
         """The runner stopped fetching: make acks durable, then let the partition go."""
@@ -848,11 +869,16 @@ class Worker:
                 log.warning("Could not delete claim %d (%s); retrying", p, exc)
                 self.claiming.add(p)
                 self._spawn(self._release_later(p, runner.claim_revision))
+                self.handovers.abandoned(p)  # _release_later says when it is done
+            else:
+                self.handovers.released(p)
             log.debug(
                 "Released partition %d %.0f ms after the stop",
                 p,
                 1000 * (time.monotonic() - runner.stop_requested_at),
             )
+        if runner.fenced:
+            self.handovers.abandoned(p)
         # Given back, or left to JetStream's redelivery (fenced): no longer ours to hold.
         self.buffered -= runner.buffered
         runner.buffered = 0
