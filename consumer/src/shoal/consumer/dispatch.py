@@ -169,9 +169,12 @@ class Dispatcher:
             try:
                 outcome = await self._execute(source, held)
             except asyncio.CancelledError:
-                if me not in self._cancelling:
-                    raise  # the dispatcher is stopping
-                # Our source was fenced: this handler is abandoned, the worker goes on.
+                if me not in self._cancelling or me.cancelling() > 1:
+                    # The dispatcher (or the process) is stopping, perhaps while a fenced
+                    # handler was still cleaning up: swallowing this one would leave a
+                    # task that never ends, and asyncio.run would wait for it forever.
+                    raise
+                # Only our source was fenced: this handler is abandoned, the worker goes on.
                 me.uncancel()
                 outcome = ABANDONED
             except Exception:

@@ -176,7 +176,7 @@ class PartitionRunner:
         if self._wakeup is not None:
             _resolve(self._wakeup)
 
-    async def _sleep_until_woken(self, timeout: float) -> None:
+    async def sleep_until_woken(self, timeout: float) -> None:
         """Until _wake(), or `timeout` (a safety net; asyncio.wait_for costs more)."""
         loop = asyncio.get_running_loop()
         self._wakeup = waiter = loop.create_future()
@@ -252,7 +252,7 @@ class PartitionRunner:
                     # whole member is full, anyone's).
                     if self.buffered < w.config.fetch_batch:
                         w.starved[self] = None
-                    await self._sleep_until_woken(1.0)
+                    await self.sleep_until_woken(1.0)
                     w.starved.pop(self, None)
                     continue
                 self._remaining = room
@@ -365,7 +365,7 @@ class PartitionRunner:
     async def _hand_back(self) -> None:
         """After the last request ended: let running handlers finish, give back the rest."""
         while self.inflight and not self.fenced:
-            await self._sleep_until_woken(1.0)
+            await self.sleep_until_woken(1.0)
         if self.fenced:
             return
         # A message of a request we gave up on (its end status lost) may still come.
@@ -497,6 +497,8 @@ class Worker:
         self.stream_missing_logged = False
         self.claiming: set[int] = set()
         self.handovers = HandOverLog()
+        # Fenced runners whose cancelled handlers are still stopping, by partition.
+        self._stopping_handlers: dict[int, PartitionRunner] = {}
         self.leaving = False
         self._incarnation = 0
         self._projects: dict[str, float] = {}
@@ -803,6 +805,11 @@ class Worker:
             elif not want and current is None and p not in self.claiming:
                 if self.handovers.is_taking(p):
                     self.handovers.abandoned(p)  # the target moved on before we started
+                stopping = self._stopping_handlers.get(p)
+                if stopping is not None:
+                    if stopping.inflight:
+                        continue  # a cancelled handler still runs: keep the claim
+                    del self._stopping_handlers[p]
                 claim = claims.get(p)
                 if claim is not None and claim.member == me and claim.lease == lease:
                     # Our claim, on our live lease, with no runner and no longer ours to
@@ -879,6 +886,10 @@ class Worker:
             )
         if runner.fenced:
             self.handovers.abandoned(p)
+            if runner.inflight:
+                # Its handlers were cancelled but have not stopped yet: the claim must
+                # outlive them (see _reconcile), or the next owner starts alongside.
+                self._stopping_handlers[p] = runner
         # Given back, or left to JetStream's redelivery (fenced): no longer ours to hold.
         self.buffered -= runner.buffered
         runner.buffered = 0
@@ -922,11 +933,20 @@ class Worker:
             # Handlers that outlived the drain timeout: stop them (as a fence does)
             # before the caller revokes the lease and so hands the partitions to the
             # next owners, which must not start while these still run.
-            tasks = [r.task for r in self.runners.values() if r.task is not None]
-            for runner in list(self.runners.values()):
+            runners = list(self.runners.values())
+            tasks = [r.task for r in runners if r.task is not None]
+            for runner in runners:
                 runner.fence()
             if tasks:
                 await asyncio.wait(tasks, timeout=2.0)
+            # The cancelled handlers run in the dispatcher's tasks, and may take a moment
+            # to stop (a rollback): wait for them too, or the lease goes (and with it
+            # the partitions) while they still run.
+            deadline = time.monotonic() + 2.0
+            for runner in runners:
+                # went_idle() wakes it when its last handler has stopped.
+                while runner.inflight and (left := deadline - time.monotonic()) > 0:
+                    await runner.sleep_until_woken(min(left, 0.1))
         return drained
 
     def owned(self) -> list[int]:
