@@ -94,6 +94,9 @@ async def connect(
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,
                 allow_reconnect=True,
+                # A leaving member drains its connection last; nats-py's default (30 s)
+                # would outlast a pod's grace period if a subscription never empties.
+                drain_timeout=5,
                 error_cb=callbacks.error,
                 disconnected_cb=callbacks.disconnected,
                 reconnected_cb=callbacks.reconnected,

@@ -301,7 +301,10 @@ class ConsumerProcess:
         await self.leader.resign()
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        # Bounded: a task that does not stop must not keep the process from exiting.
+        _, stuck = await asyncio.wait(self._tasks, timeout=5) if self._tasks else (set(), set())
+        for task in stuck:
+            log.warning("Task %s did not stop within 5 s of being cancelled", task.get_name())
         await self.membership.close()
         if self.nc is not None:
             try:
