@@ -229,7 +229,7 @@ class PartitionRunner:
         """
         w = self.worker
         batch = w.config.fetch_batch
-        room = min(self._want, batch - self.buffered, w.max_buffered - w.buffered - w.reserved)
+        room = min(self._want, batch - self.buffered, w.budget() - w.buffered - w.reserved)
         if self.buffered and room < max(1, min(self._want, batch) // 2):
             return 0
         return room
@@ -696,11 +696,17 @@ class Worker:
         await msg.term()
         log.warning("Dead-lettered a message of partition %d: %s", partition, reason)
 
+    def budget(self) -> int:
+        """max_buffered, but never less than every owned partition's idle pull plus one
+        full batch: below that, idle partitions' open pulls hold the whole budget and a
+        busy partition can never pull (one member owning 128 partitions stalled)."""
+        return max(self.max_buffered, IDLE_BATCH * len(self.runners) + self.config.fetch_batch)
+
     def wake_starved(self) -> None:
         """Wake the runner that has waited longest for room in the member's buffer, if
         there is room for a pull now (one at a time: waking all of them on every
         settled message, to find no room for most, is a thundering herd)."""
-        if self.max_buffered - self.buffered - self.reserved >= IDLE_BATCH:
+        if self.budget() - self.buffered - self.reserved >= IDLE_BATCH:
             runner = next(iter(self.starved))
             del self.starved[runner]
             runner._wake()
