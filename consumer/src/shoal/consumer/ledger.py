@@ -6,6 +6,7 @@ into the figures the tests and the demo report.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections import defaultdict
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
+import nats.js.errors
 from nats.js import api
 
 log = logging.getLogger(__name__)
@@ -47,32 +49,57 @@ class LedgerRecord:
         )
 
 
-async def read_ledger(js: Any, stream: str, *, batch: int = 2000) -> list[LedgerRecord]:
-    """All records in ledger order, through an ephemeral pull consumer."""
-    info = await js.stream_info(stream)
-    total = int(info.state.messages)
-    records: list[LedgerRecord] = []
-    if total == 0:
-        return records
-    sub = await js.pull_subscribe_bind(
-        stream=stream,
-        consumer=(
-            await js.add_consumer(
+async def read_ledger(
+    js: Any, stream: str, *, batch: int = 2000, patience: float = 30.0
+) -> list[LedgerRecord]:
+    """All records in ledger order, through an ephemeral pull consumer.
+
+    In a NATS cluster that just lost a node the stream's or the meta leader may be in an
+    election: requests time out for a few seconds. Those are retried for up to
+    `patience` seconds without progress, and reading stops early only then (with a
+    warning): a silently short read would make an audit report losses that are not.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + patience
+    while True:
+        try:
+            info = await js.stream_info(stream)
+            total = int(info.state.messages)
+            if total == 0:
+                return []
+            consumer = await js.add_consumer(
                 stream,
                 config=api.ConsumerConfig(
                     ack_policy=api.AckPolicy.NONE,
                     deliver_policy=api.DeliverPolicy.ALL,
                     inactive_threshold=30.0,
+                    num_replicas=1,
+                    mem_storage=True,
                 ),
             )
-        ).name,
-    )
+            break
+        except (TimeoutError, nats.js.errors.ServiceUnavailableError):
+            if loop.time() >= deadline:
+                raise
+            await asyncio.sleep(0.5)
+    sub = await js.pull_subscribe_bind(stream=stream, consumer=consumer.name)
+    records: list[LedgerRecord] = []
+    deadline = loop.time() + patience
     try:
         while len(records) < total:
             try:
-                msgs = await sub.fetch(batch, timeout=2)
-            except TimeoutError:
-                break
+                msgs = await sub.fetch(min(batch, total - len(records)), timeout=2)
+            except (TimeoutError, nats.js.errors.ServiceUnavailableError):
+                if loop.time() >= deadline:
+                    log.warning(
+                        "Read %d of %d ledger records; nothing more came in %.0f s",
+                        len(records),
+                        total,
+                        patience,
+                    )
+                    break
+                continue
+            deadline = loop.time() + patience
             for msg in msgs:
                 try:
                     records.append(LedgerRecord.parse(msg.data))

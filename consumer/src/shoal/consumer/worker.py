@@ -91,38 +91,69 @@ class RequestWatch:
     """Ends a pull request as "lost" when its end status cannot come any more.
 
     The server always ends a request (its batch, or 408 at its expiry) unless the
-    connection went away with it. Taking a request for lost merely because its end is
-    late is worse than waiting: a member short of CPU reads late, and each request it
-    gave up on while the server was still filling it brings messages nobody accounted
-    for, so the member reads later still, and held messages outlive their ack_wait
-    (redeliveries, duplicates). So a late request is given up only once the connection
-    has dropped or reconnected since it was sent, or after a generous bound.
+    connection went away with it, or the server that held it did: in a NATS cluster a
+    pull request waits on the durable's leader, and when that node dies the request dies
+    with it while our own connection (to another node) stays up. Taking a request for
+    lost merely because its end is late is worse than waiting: a member short of CPU
+    reads late, and each request it gave up on while the server was still filling it
+    brings messages nobody accounted for, so the member reads later still, and held
+    messages outlive their ack_wait (redeliveries, duplicates). So a late request is given
+    up only on evidence: the connection dropped or reconnected since it was sent, or the
+    member has read the answer to a request that the servers ended well after this one
+    was due (:attr:`AnswerClock.upto`), so it is not reading late; or after a generous
+    bound.
     """
 
     LATE_CHECK = 1.0
+    # How much later than this request's due end another request must have been answered
+    # for this one to count as lost (routes between cluster nodes reorder a little).
+    ANSWERED_MARGIN = 1.0
     GIVE_UP_AFTER = 15.0
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, nc: Any, end: asyncio.Future[str], expires: float
+        self,
+        loop: asyncio.AbstractEventLoop,
+        nc: Any,
+        end: asyncio.Future[str],
+        expires: float,
+        answers: AnswerClock,
     ) -> None:
         self.loop = loop
         self.nc = nc
         self.end = end
+        self.answers = answers
         self.reconnects = nc.stats.get("reconnects", 0)
-        self.deadline = loop.time() + expires + self.GIVE_UP_AFTER
+        now = loop.time()
+        self.due = now + expires
+        self.deadline = self.due + self.GIVE_UP_AFTER
         self.timer = loop.call_later(expires + self.LATE_CHECK, self._check)
 
     def _check(self) -> None:
         if self.end.done():
             return
         dropped = not self.nc.is_connected or self.nc.stats.get("reconnects", 0) != self.reconnects
-        if dropped or self.loop.time() >= self.deadline:
+        outrun = self.answers.upto >= self.due + self.ANSWERED_MARGIN
+        if dropped or outrun or self.loop.time() >= self.deadline:
             _end_as(self.end, "lost")
         else:
             self.timer = self.loop.call_later(self.LATE_CHECK, self._check)
 
     def cancel(self) -> None:
         self.timer.cancel()
+
+
+class AnswerClock:
+    """The latest time at which, as far as this member has read, a server answered one
+    of its pull requests: for an expiry (408) the request's due end, for any other end
+    the time the request was sent (the server answered after that). One per member."""
+
+    def __init__(self) -> None:
+        self.upto = 0.0
+
+    def answered(self, sent_at: float, due: float, status: str) -> None:
+        when = due if status == "408" else sent_at
+        if when > self.upto:
+            self.upto = when
 
 
 class PartitionRunner:
@@ -261,10 +292,12 @@ class PartitionRunner:
                 request = json.dumps({"batch": room, "expires": expires_ns}).encode()
                 await nc.publish(api_subject, request, reply=inbox)
                 # The request ends with its batch, or a status; bounded in case the status
-                # was lost in a reconnect.
-                watch = RequestWatch(loop, nc, end, expires)
+                # was lost with a connection or a server.
+                watch = RequestWatch(loop, nc, end, expires, w.answers)
                 try:
                     status = await end
+                    if status != "lost":
+                        w.answers.answered(watch.due - expires, watch.due, status)
                 finally:
                     watch.cancel()
                     self._request_end = None
@@ -491,6 +524,7 @@ class Worker:
         self.max_buffered = config.max_buffered
         self.buffered = 0
         self.reserved = 0  # asked for by open pull requests, not arrived yet
+        self.answers = AnswerClock()
         # Runners waiting for room in the member's buffer (not in their own).
         # (An ordered set: the longest waiting is woken first.)
         self.starved: dict[PartitionRunner, None] = {}
