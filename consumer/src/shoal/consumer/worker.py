@@ -531,6 +531,9 @@ class Worker:
         self.stream_missing_logged = False
         self.claiming: set[int] = set()
         self.handovers = HandOverLog()
+        # Claims we deleted (their create revisions, by partition) that the view may still
+        # show until its watch catches up: not claims that outlived a fence.
+        self._released: dict[int, int] = {}
         # Fenced runners whose cancelled handlers are still stopping, by partition.
         self._stopping_handlers: dict[int, PartitionRunner] = {}
         self.leaving = False
@@ -851,6 +854,11 @@ class Worker:
                         continue  # a cancelled handler still runs: keep the claim
                     del self._stopping_handlers[p]
                 claim = claims.get(p)
+                released = self._released.get(p)
+                if released is not None:
+                    if claim is not None and claim.create_revision == released:
+                        continue  # deleted already; the view has not seen it yet
+                    del self._released[p]
                 if claim is not None and claim.member == me and claim.lease == lease:
                     # Our claim, on our live lease, with no runner and no longer ours to
                     # consume: a runner fenced for a moment left it (a fence touches
@@ -918,6 +926,7 @@ class Worker:
                 self._spawn(self._release_later(p, runner.claim_revision))
                 self.handovers.abandoned(p)  # _release_later says when it is done
             else:
+                self._released[p] = runner.claim_revision
                 self.handovers.released(p)
             log.debug(
                 "Released partition %d %.0f ms after the stop",
