@@ -407,12 +407,17 @@ async def test_member_fenced_while_its_partitions_move(
     # A fourth member joins while the victim is cut off (its key still there): the
     # leader moves some of the victim's partitions to it, which the victim learns only
     # after the heal, fenced by then. The heal comes before its lease can expire.
+    # The cut starts once m-3's process is up (its imports take seconds on a loaded
+    # host; waiting for them inside the cut would leave too little of the lease TTL),
+    # and before it joins: the join, then the leader's debounce, come after the cut.
     g.member_ids.append("m-3")
     g.start_member("m-3")
+    await g.wait_log("m-3", "Starting member", 60)
     g.proxy(victim, "etcd").blackhole()
+    cut = time.monotonic()
     try:
-        await g.wait_log(victim, "Fenced", FENCE_AFTER + 1, after=offset)
-        await g.wait_for(lambda s: s.generation > generation, 2, "the join's generation")
+        await g.wait_for(lambda s: s.generation > generation, FENCE_AFTER, "the join's generation")
+        await g.wait_log(victim, "Fenced", FENCE_AFTER + 1 - (time.monotonic() - cut), after=offset)
     finally:
         g.proxy(victim, "etcd").pass_through()
     healed = time.monotonic()
