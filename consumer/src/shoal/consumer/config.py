@@ -84,14 +84,10 @@ class GroupConfig(BaseModel):
     # Fetched messages held at most, per partition (each pull asks for what fits) and per
     # member; what is held counts against ack_wait, so the worker keeps it alive.
     fetch_batch: int = Field(64, ge=1, le=1024)
-    # Enough to keep pulls big while one member owns all 128 partitions (at 256 they
-    # shrank to ~13 messages each, and a noop member read 25% slower), and the "1,000
-    # messages in flight" the memory target names. Held messages do not outlive ack_wait
-    # while they wait: the worker keeps them alive (keep_held_alive). Measured with 4
-    # members x 32 slots x 1,024 held, 20 ms handler, 30k messages on 2 cores under
-    # load: audit clean, 0 duplicates. (An older data path, which gave up late pull
-    # requests after 1.3 s, had 2,365-18,873 duplicates with 100 slots x 1,000 held.)
-    max_buffered: int = Field(1024, ge=1)
+    # The most a member holds (plus what its open pulls may bring): the memory bound.
+    # Below it the budget follows the member's throughput (holding.py: about a second of
+    # it), so a slow handler's member holds little; 8,192 = 128 partitions x fetch_batch.
+    max_buffered: int = Field(8192, ge=1)
     # A pull request lives at most this long; a released partition waits for it, so it
     # bounds the hand-over pause (DESIGN: p99 < 1 s for planned moves).
     fetch_expires: float = Field(0.3, gt=0.05, le=5)

@@ -43,6 +43,7 @@ from shoal.consumer.handlers import (
     PermanentError,
 )
 from shoal.consumer.handover_log import HandOverLog
+from shoal.consumer.holding import HoldBudget
 from shoal.consumer.jetstream import consumer_config
 from shoal.consumer.membership import Membership
 from shoal.consumer.metrics import Metrics
@@ -190,6 +191,7 @@ class PartitionRunner:
         self.processed += 1
         w = self.worker
         w.buffered -= 1
+        w.holding.settled()
         # Wake the puller only when it could pull now: waking it on every settled
         # message, to find its buffer still more than half full, cost a fifth of a
         # busy member's CPU.
@@ -521,7 +523,7 @@ class Worker:
         self.context = HandlerContext(config.member_id, config.subject_prefix, js, membership.safe)
         self.dispatcher = Dispatcher(self._execute, config.max_concurrency)
         self.runners: dict[int, PartitionRunner] = {}
-        self.max_buffered = config.max_buffered
+        self.holding = HoldBudget(config.max_buffered)
         self.buffered = 0
         self.reserved = 0  # asked for by open pull requests, not arrived yet
         self.answers = AnswerClock()
@@ -734,10 +736,12 @@ class Worker:
         log.warning("Dead-lettered a message of partition %d: %s", partition, reason)
 
     def budget(self) -> int:
-        """max_buffered, but never less than every owned partition's idle pull plus one
-        full batch: below that, idle partitions' open pulls hold the whole budget and a
-        busy partition can never pull (one member owning 128 partitions stalled)."""
-        return max(self.max_buffered, IDLE_BATCH * len(self.runners) + self.config.fetch_batch)
+        """What the member may hold plus what its open pulls may bring (holding.py): about
+        a second of its settle rate, up to max_buffered, and never less than every owned
+        partition's idle pull plus one full batch: below that, idle partitions' open pulls
+        hold the whole budget and a busy partition can never pull."""
+        floor = IDLE_BATCH * len(self.runners) + self.config.fetch_batch
+        return self.holding.limit(floor, time.monotonic())
 
     def wake_starved(self) -> None:
         """Wake the runner that has waited longest for room in the member's buffer, if
