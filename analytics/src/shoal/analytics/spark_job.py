@@ -53,10 +53,13 @@ of two with the load, so read the proportions):
   (used twice, so hoisted by subexpression elimination): now guarded by the corrupt flag.
 * Lambdas (``transform``/``exists``/``array_sort`` with a comparator) are interpreted and
   cost 40 s at 2M rows in an earlier version, hence the built-in array functions only.
-* What remains, per checkpoint at 2M rows (load 5): the parse 34-44 s wall of JVM work on
-  both cores, line numbering 8 s, the ownership window (one row per partition ownership,
-  Exchange hashpartitioning(namespace, group, partition) -> Sort -> Window) 15 s, the
-  (owner, previous owner) pairs 12 s, the generations 15-20 s, the stints 13-18 s.
+* What remains (bench, 2M rows, load 4-5, local[2] / local[1]): report 139 s / 119 s,
+  pandas 16.9 s. Per checkpoint: the parsed lines 38 s / 35 s (4.4 s for the parse and
+  split alone, measured apart: the classification, sorting and checkpointing of the wide
+  rows are the rest, and they do not use the second core: not yet explained), line
+  numbering 6.5 s, the ownership window (Exchange hashpartitioning(namespace, group,
+  partition) -> Sort -> Window over one row per ownership) 11 s, pairs 5 s, generations
+  11-12 s, stints 9-10 s; writes and collects after them 35 s / 18 s.
 
 Figures per version: the commit messages on branch ``spark``.
 """
