@@ -220,3 +220,57 @@ def test_missing_java_is_one_clear_line(tmp_path: Path) -> None:
         "Error: no Java runtime: the report runs on Spark, which needs Java 17+ (install e.g. "
         "openjdk-17-jre-headless, or set JAVA_HOME)"
     ]
+
+
+def _tricky_lines() -> str:
+    """Valid and invalid lines that the fast parse must hand to the full one."""
+    base = {
+        "schema": 1,
+        "ts": "2026-11-21T18:41:08.123Z",
+        "namespace": "t",
+        "group": "tricky",
+        "epoch": 1,
+        "leader": "m-0",
+        "reason": "join",
+        "strategy": "sticky",
+        "members": ["m-0", 'm"1'],
+    }
+    variants: list[dict[str, Any]] = [
+        {"assignment": {"0": "m-0", "1": 'm"1'}},  # an escape: full parse
+        {"assignment": {"1": "m-0", "0": "m-0", "1": "m-0"}},  # noqa: F601 (unsorted)
+        {"assignment": '{"0":"m-0"}'},  # a string holding an object: malformed
+        {"assignment": {"0": 5}},  # a number for an owner (Spark reads it as text)
+        {"assignment": {"0": "m-0"}, "loads": {"0": 12345678.5, "1": 1e-7}},  # Java spells
+        {"assignment": {"0": "m-0"}, "loads": {"0": "7"}},  # a string load: malformed
+        {"assignment": {"0": "m-0"}, "moved": [{"to": "m-0", "from": "m-1", "partition": 0}]},
+        {"assignment": {"0": "m-0"}, "moved": [{"partition": 0, "from": "", "to": "m-0"}]},
+        {"assignment": {"0": "m-0"}, "handover_ms": {"0": -1.0}},
+        {"assignment": {}, "handover_ms": {}, "loads": {}, "moved": []},
+        {"assignment": {"0": "m-0", "x": "m-0"}},
+    ]
+    lines = [
+        json.dumps({**base, "generation": i + 1, **variant}, separators=(",", ":"))
+        for i, variant in enumerate(variants)
+    ]
+    lines.append(json.dumps({**base, "generation": 99, "assignment": {"0": "m-0"}}))  # spaces
+    return "\n".join(lines) + "\n"
+
+
+def test_the_fast_parse_reads_what_the_full_schema_reads(
+    spark: SparkSession, logs: Path, tmp_path: Path
+) -> None:
+    """The nested fields are split as text where plain (spark_input._fast_columns); every
+    line must come out exactly as the full schema reads it, plain or not."""
+    from shoal.analytics.spark_input import read_rows
+
+    (tmp_path / "tricky.jsonl").write_text(_tricky_lines())
+    for root in (logs, tmp_path):
+        got = {}
+        for fast in (True, False):
+            rows, _ = read_rows(spark, str(root), lambda frame: frame, fast_path=fast)
+            got[fast] = rows.toPandas().sort_values(["file", "line"]).reset_index(drop=True)
+        assert len(got[True]) == len(got[False]) > 10
+        for column in got[True].columns:
+            assert (
+                got[True][column].astype(str).tolist() == got[False][column].astype(str).tolist()
+            ), column

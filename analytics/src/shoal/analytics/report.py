@@ -153,8 +153,8 @@ def _spark_data(
         progress(f"spark: {what} ({time.monotonic() - started:.1f} s)")
 
     with StageProgress(spark.sparkContext, progress):
-        with steps.step("plan"):
-            report = compute(spark, input_path)
+        with steps.step("read, parse and checkpoint"):
+            report = compute(spark, input_path, progress)
         try:
             # The big tables and the problems (any number of bad lines) are written by
             # Spark; the others are collected, written with pandas and drawn.

@@ -68,6 +68,14 @@ EVENT_FIELDS: dict[str, str] = {
 }
 EVENT_SCHEMA = ", ".join(f"`{name}` {kind}" for name, kind in EVENT_FIELDS.items())
 
+# The nested fields, read as their JSON text on the fast path (see _fast_fields).
+NESTED = ("assignment", "moved", "handover_ms", "loads")
+TEXT_SCHEMA = ", ".join(
+    f"`{name}` {'string' if name in NESTED else kind}" for name, kind in EVENT_FIELDS.items()
+)
+# Never in Jackson's output of an object (it escapes control characters), so safe to split on.
+_PAIR, _KEY = "\u0002", "\u0001"
+
 # What export --format parquet writes (shoal.analytics.export._parquet_encoder).
 PARQUET_SCHEMA = (
     "`seq` bigint, `stored_at` timestamp, `schema` int, `ts` timestamp, `namespace` string, "
@@ -112,22 +120,36 @@ def _empty_text(values: Column) -> Column:
     return _has_null(values) | F.array_contains(values, "")
 
 
+def _bad_moves(moved: Column) -> Column:
+    return moved.isNotNull() & (
+        _has_null(moved)
+        | _bad_keys(moved["partition"])
+        | _empty_text(moved["from"])
+        | _empty_text(moved["to"])
+    )
+
+
 # Only built-in array functions below: Spark's lambdas (transform, exists, array_sort with
 # a comparator) are interpreted row by row and made the first version 10x slower.
-def _arrays(frame: DataFrame) -> DataFrame:
-    """The maps of ``e`` as parallel arrays, keys cast to partition numbers, each once."""
+def _map_columns(e: Column) -> dict[str, Column]:
+    """The flat nested columns (see :func:`_problems`) of a parsed event ``e`` whose maps
+    and moves are typed: map keys cast to partition numbers, values, moves."""
     from pyspark.sql import functions as F
 
-    e = F.col("e")
     columns = {}
     for name, prefix in (("assignment", "a"), ("handover_ms", "h"), ("loads", "l")):
         columns[f"{prefix}_keys"] = F.map_keys(e[name]).try_cast("array<int>")
         columns[f"{prefix}_values"] = F.map_values(e[name])
-    return frame.withColumns(columns)
+    columns["moved_n"] = F.size(e["moved"]).cast("int")
+    columns["moved_bad"] = _bad_moves(e["moved"])
+    return columns
 
 
 def _problems(e: Column, ts: Column) -> list[tuple[str, Column]]:
-    """(field, is it invalid) in the model's field order: pydantic reports the first."""
+    """(field, is it invalid) in the model's field order: pydantic reports the first.
+    ``e`` holds the scalar fields; the nested ones are the flat columns ``a_keys`` and
+    ``a_values`` (assignment), ``h_...`` (hand-over times), ``l_...`` (loads), null where
+    the field is missing, and ``moved_bad``."""
     from pyspark.sql import functions as F
 
     col = F.col
@@ -138,7 +160,6 @@ def _problems(e: Column, ts: Column) -> list[tuple[str, Column]]:
     def whole(name: str) -> Column:
         return e[name].isNull() | (e[name] < 0)
 
-    moved = e["moved"]
     return [
         ("ts", ts.isNull()),
         ("namespace", text("namespace")),
@@ -151,34 +172,24 @@ def _problems(e: Column, ts: Column) -> list[tuple[str, Column]]:
         ("members", e["members"].isNull() | _has_null(e["members"])),
         (
             "assignment",
-            e["assignment"].isNull() | _bad_keys(col("a_keys")) | _empty_text(col("a_values")),
+            col("a_keys").isNull() | _bad_keys(col("a_keys")) | _empty_text(col("a_values")),
         ),
-        (
-            "moved",
-            moved.isNotNull()
-            & (
-                _has_null(moved)
-                | _bad_keys(moved["partition"])
-                | _empty_text(moved["from"])
-                | _empty_text(moved["to"])
-            ),
-        ),
+        ("moved", col("moved_bad")),
         (
             "handover_ms",
-            e["handover_ms"].isNotNull()
-            & (_bad_keys(col("h_keys")) | _bad_amounts(col("h_values"))),
+            col("h_keys").isNotNull() & (_bad_keys(col("h_keys")) | _bad_amounts(col("h_values"))),
         ),
         (
             "loads",
-            e["loads"].isNotNull() & (_bad_keys(col("l_keys")) | _bad_amounts(col("l_values"))),
+            col("l_keys").isNotNull() & (_bad_keys(col("l_keys")) | _bad_amounts(col("l_values"))),
         ),
     ]
 
 
 def _classified(frame: DataFrame, raw: Column | None) -> DataFrame:
-    """``kind`` and ``detail`` of each parsed line (``e``, ``ts`` and :func:`_arrays`;
-    ``raw`` the line's text if JSON, with :data:`CORRUPT` set by the parser when it was not
-    a schema-1 object)."""
+    """``kind`` and ``detail`` of each parsed line (``e``, ``ts`` and the flat nested columns
+    of :func:`_problems`; ``raw`` the line's text if JSON, with ``corrupt`` true where the
+    parser found no schema-1 object)."""
     from pyspark.sql import functions as F
 
     e, ts = F.col("e"), F.col("ts")
@@ -195,11 +206,15 @@ def _classified(frame: DataFrame, raw: Column | None) -> DataFrame:
         unknown, F.concat(F.lit("schema "), version, F.lit(f" (this reader knows {expected})"))
     ).otherwise(problem)
     if raw is not None:
-        corrupt = e[CORRUPT].isNotNull()
+        corrupt = F.col("corrupt")
         # Only the few corrupt lines pay for a second look: pydantic's order is "not JSON",
         # "not a JSON object", a schema other than 1, then the fields.
-        whole_value = F.get_json_object(raw, "$")
-        their_version = F.get_json_object(raw, "$.schema")
+        # Guarded by corrupt even where only used under it: their_version is used twice,
+        # so Spark computes it once for every row (subexpression elimination) unless
+        # the expression itself is conditional; unguarded it was a second parse of
+        # every line.
+        whole_value = F.when(corrupt, F.get_json_object(raw, "$"))
+        their_version = F.when(corrupt, F.get_json_object(raw, "$.schema"))
         is_object = F.ltrim(raw).startswith("{")
         corrupt_unknown = is_object & their_version.isNotNull() & (their_version != expected)
         kind = (
@@ -224,37 +239,40 @@ def _classified(frame: DataFrame, raw: Column | None) -> DataFrame:
     )
 
 
+def _sorted_pairs(keys: Column, values: Column) -> tuple[Column, Column]:
+    """Keys sorted, and the values in their order. Writers sort the maps already: then a
+    sort of the keys alone (integers) shows it, and the values stay as they are; sorting
+    (key, value) structs costs far more."""
+    from pyspark.sql import functions as F
+
+    ordered = F.sort_array(keys)
+    pairs = F.sort_array(F.arrays_zip(keys.alias("k"), values.alias("v")))
+    return ordered, F.when(keys == ordered, values).otherwise(pairs["v"])
+
+
 def _event_columns(frame: DataFrame) -> DataFrame:
     """The flat event columns of ROW_COLUMNS (valid rows; others get nulls)."""
     from pyspark.sql import functions as F
 
     col, e, ok = F.col, F.col("e"), F.col("kind").isNull()
-    # (partition, value) pairs sorted by partition: sort_array orders structs by their
-    # first field. Writers sort the maps already, so this is one pass in practice.
+    parts, owners = _sorted_pairs(col("a_keys"), col("a_values"))
+    l_parts, l_values = _sorted_pairs(col("l_keys"), col("l_values"))
     frame = frame.withColumns(
-        {
-            "assigned": F.sort_array(F.arrays_zip(col("a_keys"), col("a_values"))),
-            "load_pairs": F.sort_array(F.arrays_zip(col("l_keys"), col("l_values"))),
-        }
-    ).withColumns(
-        {
-            "parts": col("assigned")["a_keys"],
-            "l_parts": col("load_pairs")["l_keys"],
-        }
+        {"parts": parts, "owners": owners, "l_parts": l_parts, "l_sorted": l_values}
     )
     # Loads usually name exactly the assigned partitions: then they line up as they are.
     # Otherwise (rare) a lookup per partition, 0 for partitions without a load.
     lookup = F.transform(
         col("parts"),
         lambda p: F.coalesce(
-            F.element_at(F.map_from_arrays(col("l_parts"), col("load_pairs")["l_values"]), p),
+            F.element_at(F.map_from_arrays(col("l_parts"), col("l_sorted")), p),
             F.lit(0.0),
         ),
     )
     has_loads = F.coalesce(F.size(col("l_keys")), F.lit(0)) > 0
     loads = (
         F.when(~has_loads, F.array_repeat(F.lit(0.0), F.size(col("parts"))))
-        .when(col("l_parts") == col("parts"), col("load_pairs")["l_values"])
+        .when(col("l_parts") == col("parts"), col("l_sorted"))
         .otherwise(lookup)
     )
 
@@ -277,11 +295,11 @@ def _event_columns(frame: DataFrame) -> DataFrame:
         when_ok(F.coalesce(e["strategy"], F.lit("sticky")), "strategy"),
         when_ok(F.sort_array(F.array_distinct(e["members"])), "members"),
         when_ok(col("parts"), "parts"),
-        when_ok(col("assigned")["a_values"], "owners"),
+        when_ok(col("owners"), "owners"),
         when_ok(loads.cast("array<double>"), "loads"),
         when_ok(has_loads, "has_loads"),
         when_ok(F.coalesce(col("h_values"), F.array().cast("array<double>")), "handover"),
-        when_ok(F.size(F.coalesce(e["moved"], F.array())).cast("int"), "moved_recorded"),
+        when_ok(F.coalesce(col("moved_n"), F.lit(0)), "moved_recorded"),
     )
 
 
@@ -317,7 +335,116 @@ def _reader(spark: SparkSession, suffix: str) -> DataFrameReader:
     return spark.read.option("recursiveFileLookup", "true").option("pathGlobFilter", f"*{suffix}")
 
 
-def _json_lines(spark: SparkSession, input_path: str, prefix: str) -> DataFrame:
+# Jackson's compact output of the nested fields when they are as simple as our writers make
+# them: "key":"text" or "key":number pairs, and moves with exactly their three fields.
+_TEXT_PAIR = r'"[^"]*":"[^"]*"'
+_NUMBER_PAIR = r'"[0-9]+":-?[0-9][0-9.eE+-]*'
+_MOVE = r'\{"partition":[0-9]{1,9},"from":"[^"]+","to":"[^"]+"\}'
+
+
+def _plain(
+    text: Column, raw: Column, name: str, entry: str, brackets: str, *, quoted: bool
+) -> Column:
+    """Whether the field's text (``from_json`` into a string: Jackson's compact copy of an
+    object or array) is nothing but ``entry`` items, with no escape anywhere, and stands
+    verbatim after its key in the line. Such text splits exactly as below. The last test
+    tells an object from a JSON string holding the same text: that one would be escaped
+    in the line. (Only a line that also carries the unescaped text under the same key
+    elsewhere, nested in another field, could fool it.)"""
+    from pyspark.sql import functions as F
+
+    rest = F.regexp_replace(text, entry, "")
+    # Numbers: Jackson writes them back its own way (1.0E-4 where Python wrote 0.0001), so
+    # only the text up to the first value is compared with the line.
+    shown = text if quoted else F.substring_index(text, ":", 1)
+    return (
+        ~text.contains("\\")
+        & rest.rlike(f"^\\{brackets[0]},*\\{brackets[1]}$")
+        & raw.contains(F.concat(F.lit(f'"{name}":'), shown))
+    )
+
+
+def _split_map(text: Column, quoted: bool) -> Column:
+    """``{"0":"a","1":"b"}`` (or ``{"0":1.5,"1":2}``), known plain, as a map of strings:
+    the separators become control characters, which Jackson always escapes, and
+    ``str_to_map`` splits on them (single characters: no regular expression per pair)."""
+    from pyspark.sql import functions as F
+
+    # Strip '{"' and '"}' (or '}' after a number).
+    body = F.substring(text, F.lit(3), F.length(text) - (4 if quoted else 3))
+    key_sep, pair_sep = ('":"', '","') if quoted else ('":', ',"')
+    split = F.str_to_map(
+        F.replace(F.replace(body, F.lit(key_sep), F.lit(_KEY)), F.lit(pair_sep), F.lit(_PAIR)),
+        F.lit(_PAIR),
+        F.lit(_KEY),
+    )
+    empty = F.create_map().cast("map<string,string>")
+    return F.when(text == "{}", empty).otherwise(split)
+
+
+def _fast_columns(frame: DataFrame, fast_path: bool) -> DataFrame:
+    """``e`` (the scalar fields), ``corrupt`` and the flat nested columns of every line;
+    ``frame`` has the line (``value``) and ``t``, the line parsed with ``TEXT_SCHEMA``.
+
+    The nested fields are read as text: building three maps of a value per partition was
+    most of the parsing time. Where that text is plain (as our writers always make it) it
+    is split with string functions; any other line (escapes, nested values, wrong types,
+    corrupt lines) is parsed again with the full schema, so its fields are exactly what
+    ``EVENT_SCHEMA`` reads (``tests/test_analytics_spark.py`` checks both paths agree)."""
+    from pyspark.sql import functions as F
+
+    t, raw = F.col("t"), F.col("value")
+    plain = [
+        ("assignment", _TEXT_PAIR, "{}", True),
+        ("handover_ms", _NUMBER_PAIR, "{}", False),
+        ("loads", _NUMBER_PAIR, "{}", False),
+        ("moved", _MOVE, "[]", True),
+    ]
+    fast = t[CORRUPT].isNull() & F.lit(fast_path)
+    for name, entry, brackets, quoted in plain:
+        fast = fast & (
+            t[name].isNull() | _plain(t[name], raw, name, entry, brackets, quoted=quoted)
+        )
+    frame = frame.withColumn("fast", fast)
+    fast = F.col("fast")
+    full = F.from_json(
+        raw, f"{EVENT_SCHEMA}, `{CORRUPT}` string", {"columnNameOfCorruptRecord": CORRUPT}
+    )
+    frame = frame.withColumns(
+        {
+            # Evaluated only for the lines that are not plain; one parse each.
+            "f": F.when(~fast, full),
+            "am": F.when(fast, _split_map(t["assignment"], quoted=True)),
+            "hm": F.when(fast, _split_map(t["handover_ms"], quoted=False)),
+            "lm": F.when(fast, _split_map(t["loads"], quoted=False)),
+        }
+    )
+    f = F.col("f")
+    slow = _map_columns(f)
+    moved = t["moved"]
+    quick = {
+        "a_keys": F.map_keys("am").try_cast("array<int>"),
+        "a_values": F.map_values("am"),
+        "h_keys": F.map_keys("hm").try_cast("array<int>"),
+        "h_values": F.map_values("hm").cast("array<double>"),
+        "l_keys": F.map_keys("lm").try_cast("array<int>"),
+        "l_values": F.map_values("lm").cast("array<double>"),
+        # A plain list of moves: one "{" per move, each valid.
+        "moved_n": (F.length(moved) - F.length(F.replace(moved, F.lit("{"), F.lit("")))).cast(
+            "int"
+        ),
+        "moved_bad": F.lit(False),
+    }
+    scalars = [name for name in EVENT_FIELDS if name not in NESTED]
+    columns = {name: F.when(fast, quick[name]).otherwise(slow[name]) for name in quick}
+    columns["e"] = F.when(fast, F.struct(*[t[n].alias(n) for n in scalars])).otherwise(
+        F.struct(*[f[n].alias(n) for n in scalars])
+    )
+    columns["corrupt"] = ~fast & f[CORRUPT].isNotNull()
+    return frame.withColumns(columns).drop("t", "f", "am", "hm", "lm")
+
+
+def _json_lines(spark: SparkSession, input_path: str, fast_path: bool) -> DataFrame:
     from pyspark.sql import functions as F
 
     text = _reader(spark, ".jsonl").text(input_path)
@@ -330,15 +457,14 @@ def _json_lines(spark: SparkSession, input_path: str, prefix: str) -> DataFrame:
         F.col("value"),
     )
     parsed = lines.withColumn(
-        "e",
+        "t",
         F.from_json(
-            "value",
-            f"{EVENT_SCHEMA}, `{CORRUPT}` string",
-            {"columnNameOfCorruptRecord": CORRUPT},
+            "value", f"{TEXT_SCHEMA}, `{CORRUPT}` string", {"columnNameOfCorruptRecord": CORRUPT}
         ),
-    ).withColumn("ts", F.col("e.ts").try_cast("timestamp"))
+    )
+    parsed = _fast_columns(parsed, fast_path).withColumn("ts", F.col("e.ts").try_cast("timestamp"))
     blank = F.trim(F.col("value")) == ""
-    classified = _classified(_arrays(parsed), F.col("value"))
+    classified = _classified(parsed, F.col("value"))
     classified = classified.withColumn(
         "kind", F.when(blank, F.lit("blank")).otherwise(F.col("kind"))
     )
@@ -371,15 +497,21 @@ def _parquet(spark: SparkSession, input_path: str) -> DataFrame:
         e.alias("e"),
         F.col("ts"),
     )
-    return _event_columns(_classified(_arrays(typed), None))
+    typed = typed.withColumns(_map_columns(F.col("e")))
+    return _event_columns(_classified(typed, None))
 
 
 def read_rows(
-    spark: SparkSession, input_path: str, keep: Callable[[DataFrame], DataFrame]
+    spark: SparkSession,
+    input_path: str,
+    keep: Callable[[DataFrame], DataFrame],
+    *,
+    fast_path: bool = True,
 ) -> tuple[DataFrame, list[str]]:
     """Every line of every ``*.jsonl`` and row of every ``*.parquet`` below ``input_path``
     as one row of ROW_COLUMNS (blank lines left out), and the files read. ``keep``
-    persists the parsed lines, which the line numbering reads twice."""
+    persists the parsed lines, which the line numbering reads twice. ``fast_path=False``
+    parses every line with the full schema (the tests compare both)."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
@@ -387,7 +519,7 @@ def read_rows(
     # to fail the job).
     spark.conf.set("spark.sql.mapKeyDedupPolicy", "LAST_WIN")
     prefix, single = _root_prefix(spark, input_path)
-    json_rows = _json_lines(spark, input_path, prefix)
+    json_rows = _json_lines(spark, input_path, fast_path)
     parquet_rows = _parquet(spark, input_path)
     # Before persisting: a cached plan no longer lists its files.
     files = [*json_rows.inputFiles(), *parquet_rows.inputFiles()]

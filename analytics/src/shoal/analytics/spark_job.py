@@ -12,8 +12,10 @@ The pipeline, in Spark terms (metric definitions: :mod:`shoal.analytics.metrics`
 
 1. :func:`shoal.analytics.spark_input.read_rows`: the text source reads every ``*.jsonl``
    in splits (``spark.sql.files.maxPartitionBytes``, 128 MB: a 700 MB log is 6 tasks, not
-   one per file), ``from_json`` parses each line with the explicit schema, SQL expressions
-   classify bad lines; ``*.parquet`` comes from the Parquet source. Cached.
+   one per file), ``from_json`` parses each line with the explicit schema but the nested
+   fields as text, which string functions split where it is plain (else the full schema
+   parses the line again); SQL expressions classify bad lines; ``*.parquet`` comes from the
+   Parquet source.
 2. A narrow projection of the events (keys, file, line, time) gets the two per-group
    windows: out of order in read order, then index / previous / next generation. These
    rows are few bytes each, so a group per task costs nothing; the wide rows meet them
@@ -29,15 +31,37 @@ The pipeline, in Spark terms (metric definitions: :mod:`shoal.analytics.metrics`
 5. Aggregations make the per-generation, per-group and per-strategy tables; the big tables
    are written as Parquet by the executors, the small ones collected to the driver.
 
-What was measured so far (2M rows, 15,625 lines, 153 MB, JVM CPU seconds on a machine
-with other load, so only the proportions mean much): the text scan alone 3 s; from_json
-with the scalar fields 4 s, with the three 128-entry maps 13 s (Jackson builds every map
-entry); Spark's lambda functions (transform/exists/array_sort with a comparator) were
-interpreted and cost 40 s on top, hence the built-in array functions only. The read side of
-``explain()``: FileScan text -> Project (from_json, classification) -> InMemoryRelation,
-then a BroadcastHashJoin with the per-split line counts. Not yet confirmed with
-``explain()`` on a full run: the ownership rows' Exchange hashpartitioning(namespace,
-group, partition) -> Sort -> Window, and their share of the time.
+Every intermediate frame is kept as an eager *local checkpoint*, not ``persist()``: a
+checkpoint is a scan of stored rows without lineage, so the actions after it plan a few
+operators instead of the whole input parse. (On a cluster a lost executor loses its
+checkpoint blocks and fails the job, where a persisted frame would be recomputed; a
+report is cheap to rerun.)
+
+Where the time went, and what changed it (2M rows of the bench: 15,625 lines, 153 MB,
+``local[2]``, on a 2-core machine shared with other test runs; wall times move by a factor
+of two with the load, so read the proportions):
+
+* Planning, not running, was a third of the report: with persisted frames every action
+  matched its plan, which held the whole parse, against every cached plan. The "plan"
+  step took 57-64 s and collecting four tiny tables 25-53 s. With checkpoints the whole
+  report went from 254-582 s to 89 s at comparable load.
+* ``from_json`` with the three 128-entry maps: 16 s of a 2M run; the same parse with the
+  nested fields as text 4.6 s; with the checks and the splitting 4.4 s (at load 4). Every
+  line of the bench takes that fast path (11% did not while the loads' text was compared
+  whole: Jackson writes 1.0E-4 where Python wrote 0.0001).
+* ``get_json_object`` on the raw line, meant for corrupt lines only, ran on every line
+  (used twice, so hoisted by subexpression elimination): now guarded by the corrupt flag.
+* Lambdas (``transform``/``exists``/``array_sort`` with a comparator) are interpreted and
+  cost 40 s at 2M rows in an earlier version, hence the built-in array functions only.
+* What remains (bench, 2M rows, load 4-5, local[2] / local[1]): report 139 s / 119 s,
+  pandas 16.9 s. Per checkpoint: the parsed lines 38 s / 35 s (4.4 s for the parse and
+  split alone, measured apart: the classification, sorting and checkpointing of the wide
+  rows are the rest, and they do not use the second core: not yet explained), line
+  numbering 6.5 s, the ownership window (Exchange hashpartitioning(namespace, group,
+  partition) -> Sort -> Window over one row per ownership) 11 s, pairs 5 s, generations
+  11-12 s, stints 9-10 s; writes and collects after them 35 s / 18 s.
+
+Figures per version: the commit messages on branch ``spark``.
 """
 
 from __future__ import annotations
@@ -64,6 +88,9 @@ __all__ = ["SparkReport", "compute", "main"]
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
+# Memory first, as JVM objects (pyspark's MEMORY_AND_DISK is the serialized kind: every
+# checkpoint paid for Java serialization and LZ4 of each row), disk when memory runs out.
+KEPT_ARGS = (True, True, False, True)
 GEN_KEYS = ["namespace", "group", "generation"]
 GROUP_KEYS = ["namespace", "group"]
 
@@ -90,26 +117,40 @@ class SparkReport:
     cached: list[DataFrame]
 
     def unpersist(self) -> None:
+        # Local checkpoints are RDD blocks of their own; dropping them frees the memory
+        # at once instead of whenever the context cleaner notices.
         for frame in self.cached:
-            frame.unpersist()
+            frame.rdd.unpersist()
 
 
-def compute(spark: SparkSession, input_path: str) -> SparkReport:
-    """Build the report's DataFrames over every ``*.jsonl`` below ``input_path``."""
+def compute(spark: SparkSession, input_path: str, progress: Progress | None = None) -> SparkReport:
+    """Build the report's DataFrames over every ``*.jsonl`` below ``input_path``. The
+    intermediate frames are computed here (checkpoints); ``progress`` hears how long each
+    took."""
     from pyspark import StorageLevel
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
     col = F.col
     cached: list[DataFrame] = []
+    level = StorageLevel(*KEPT_ARGS)
 
     def keep(frame: DataFrame) -> DataFrame:
-        cached.append(frame.persist(StorageLevel.MEMORY_AND_DISK))
-        return frame
+        # An eager local checkpoint, not persist(): the frame that comes back is a scan of
+        # stored rows with no lineage. With persist() every later action planned the whole
+        # input parse again, once per cached plan it was matched against: a third of the
+        # report's time at 2M rows went to planning, not to running.
+        started = time.monotonic()
+        kept = frame.localCheckpoint(eager=True, storageLevel=level)
+        cached.append(kept)
+        if progress is not None:
+            progress(f"spark: checkpoint {len(cached)} ({time.monotonic() - started:.1f} s)")
+        return kept
 
     # read_rows keeps the parsed lines; rows adds their line numbers (a broadcast join of
     # a few rows per file split), cheap enough to recompute for each use.
     rows, files = read_rows(spark, input_path, keep)
+    rows = keep(rows)
 
     # The per-group windows (read order, generation order) run on a narrow projection of
     # the events, a few bytes per generation; the wide rows (three arrays of a value per
