@@ -103,7 +103,7 @@ class ConsumerSpec(_Section):
     backoff_seconds: list[Annotated[float, Field(ge=0)]] = Field(default_factory=list)
     # Messages a member runs at once, over different projects (one project's messages
     # always run one after another, in stream order).
-    max_concurrency: Int = Field(32, ge=1, le=10000)
+    max_concurrency: Int = Field(100, ge=1, le=10000)
     # InOrder: a failing message is retried in place, before any later message of its
     # project (other projects go on). NakAndContinue: it is redelivered by JetStream
     # after the backoff, and later messages of its project may overtake it.
