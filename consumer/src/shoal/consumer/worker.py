@@ -124,8 +124,8 @@ class RequestWatch:
         self.end = end
         self.answers = answers
         self.reconnects = nc.stats.get("reconnects", 0)
-        now = loop.time()
-        self.due = now + expires
+        self.sent_at = loop.time()
+        self.due = self.sent_at + expires
         self.deadline = self.due + self.GIVE_UP_AFTER
         self.timer = loop.call_later(expires + self.LATE_CHECK, self._check)
 
@@ -138,6 +138,10 @@ class RequestWatch:
             _end_as(self.end, "lost")
         else:
             self.timer = self.loop.call_later(self.LATE_CHECK, self._check)
+
+    def ended(self, status: str) -> None:
+        """The request ended with `status` (not "lost"): the server answered it."""
+        self.answers.answered(self.sent_at, self.due, status)
 
     def cancel(self) -> None:
         self.timer.cancel()
@@ -299,7 +303,7 @@ class PartitionRunner:
                 try:
                     status = await end
                     if status != "lost":
-                        w.answers.answered(watch.due - expires, watch.due, status)
+                        watch.ended(status)
                 finally:
                     watch.cancel()
                     self._request_end = None
