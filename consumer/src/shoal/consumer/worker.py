@@ -71,8 +71,6 @@ IDLE_BATCH = 4
 DOZE_AFTER_EMPTY_PULLS = 3
 # A dozing partition still pulls once this often: a safety net, should an alarm be missed.
 DOZE_SWEEP = 60.0
-# How often a dozing partition checks that its connection did not drop meanwhile.
-DOZE_CONNECTION_CHECK = 2.0
 # Projects whose partition was checked (sha256) once; the cache is dropped when this big.
 PARTITION_CACHE_SIZE = 100_000
 
@@ -202,6 +200,7 @@ class PartitionRunner:
         self._wakeup: asyncio.Future[None] | None = None
         self.arrived = 0  # messages delivered to our pull requests
         self.dozing = False  # no pull open: waiting for the alarm (alarm.py)
+        self.connection_dropped = False
         self.alarm = Alarm(worker.nc, partition_subject(worker.config.subject_prefix, partition))
 
     # -- dispatch.Source ----------------------------------------------------------------
@@ -412,25 +411,27 @@ class PartitionRunner:
         return DOZE_AFTER_EMPTY_PULLS - 1  # a sweep: one pull, still armed, then doze
 
     async def _doze(self, sweep: float) -> bool:
-        """Until the alarm rings (True), or the runner stops, the connection was lost
-        (what was published meanwhile rang nothing), or `sweep` seconds passed (False)."""
-        nc = self.worker.nc
+        """Until the alarm rings (True), or the runner stops, the connection dropped
+        (what was published meanwhile rang nothing: Worker.check_connection wakes us), or
+        `sweep` seconds passed (False)."""
         loop = asyncio.get_running_loop()
-        reconnects = nc.stats.get("reconnects", 0)
         deadline = loop.time() + sweep
         self.dozing = True
+        self.connection_dropped = False
         self.alarm.on_ring(self._wake)
         try:
-            while not self.alarm.rang and not self.stopping:
+            while not self.alarm.rang and not self.stopping and not self.connection_dropped:
                 left = deadline - loop.time()
                 if left <= 0:
                     return False
-                await self.sleep_until_woken(min(left, DOZE_CONNECTION_CHECK))
-                if not nc.is_connected or nc.stats.get("reconnects", 0) != reconnects:
-                    return False
+                await self.sleep_until_woken(left)
             return self.alarm.rang
         finally:
             self.dozing = False
+
+    def wake_after_connection_drop(self) -> None:
+        self.connection_dropped = True
+        self._wake()
 
     async def _nothing_outstanding(self) -> bool:
         w = self.worker
@@ -646,6 +647,7 @@ class Worker:
         # Processed counts at the last stats(), for rates over the stats interval.
         self._rate_mark: tuple[float, dict[int, int]] = (time.monotonic(), {})
         self._wake = asyncio.Event()
+        self._connection_mark: tuple[bool, int] = (True, 0)
         self._tasks: set[asyncio.Task[Any]] = set()
         # One subscription for every runner's pull requests, <prefix>.<token> each: one
         # nats-py queue and task for the member, instead of one per partition.
@@ -904,6 +906,7 @@ class Worker:
             member_changed = self.membership.changed
             self._wake.clear()
             self._reconcile()
+            self.check_connection()
             waiters = [
                 asyncio.ensure_future(view_changed.wait()),
                 asyncio.ensure_future(member_changed.wait()),
@@ -914,6 +917,18 @@ class Worker:
             finally:
                 for waiter in waiters:
                     waiter.cancel()
+
+    def check_connection(self) -> None:
+        """Wake the dozing partitions if the connection dropped since the last check:
+        nothing published meanwhile rang their alarms (nats-py subscribes them again on
+        reconnecting), so each must pull once to see what it missed."""
+        nc = self.nc
+        mark = (nc.is_connected, nc.stats.get("reconnects", 0))
+        if mark != self._connection_mark:
+            self._connection_mark = mark
+            for runner in self.runners.values():
+                if runner.dozing:
+                    runner.wake_after_connection_drop()
 
     def _reconcile(self) -> None:
         me = self.config.member_id
