@@ -106,6 +106,13 @@ class GroupView:
                     result[member] = stats
         return result
 
+    def member_ids(self) -> frozenset[str]:
+        """Who has a member key (without parsing the stats in it)."""
+        prefix = self.keys.members
+        return frozenset(
+            key[len(prefix) :] for key in self.kvs if key.startswith(prefix) and key != prefix
+        )
+
     def leader(self) -> Leader | None:
         kv = self.kvs.get(self.keys.leader)
         if kv is None:

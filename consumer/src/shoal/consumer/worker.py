@@ -71,6 +71,11 @@ IDLE_BATCH = 4
 DOZE_AFTER_EMPTY_PULLS = 3
 # A dozing partition still pulls once this often: a safety net, should an alarm be missed.
 DOZE_SWEEP = 60.0
+# For a while after a member joined or left (the leader's debounce, its write, the
+# moves), pulls expire after BRISK_EXPIRES instead of fetch_expires: a partition that
+# moves is released only once its open pull has ended (module docstring).
+BRISK_EXPIRES = 0.05
+BRISK_FOR = 3.0
 # Projects whose partition was checked (sha256) once; the cache is dropped when this big.
 PARTITION_CACHE_SIZE = 100_000
 
@@ -359,7 +364,9 @@ class PartitionRunner:
         """
         w = self.worker
         loop = asyncio.get_running_loop()
-        expires = w.config.fetch_expires
+        # The pull that confirms a doze (the alarm armed) waits the full fetch_expires for
+        # what was published just before the alarm's subscription to reach the stream.
+        expires = w.config.fetch_expires if self.alarm.armed else w.pull_expires()
         arrived = self.arrived
         self._remaining = room
         w.reserved += room
@@ -648,6 +655,8 @@ class Worker:
         self._rate_mark: tuple[float, dict[int, int]] = (time.monotonic(), {})
         self._wake = asyncio.Event()
         self._connection_mark: tuple[bool, int] = (True, 0)
+        self._member_ids: frozenset[str] | None = None
+        self._brisk_until = 0.0
         self._tasks: set[asyncio.Task[Any]] = set()
         # One subscription for every runner's pull requests, <prefix>.<token> each: one
         # nats-py queue and task for the member, instead of one per partition.
@@ -905,6 +914,7 @@ class Worker:
             view_changed = self.view.change_event()
             member_changed = self.membership.changed
             self._wake.clear()
+            self._notice_members()
             self._reconcile()
             self.check_connection()
             waiters = [
@@ -917,6 +927,22 @@ class Worker:
             finally:
                 for waiter in waiters:
                     waiter.cancel()
+
+    def _notice_members(self) -> None:
+        """A member joined or left: partitions are about to move. Pull briskly until
+        they have, so that the ones we give up are released without waiting out a
+        full-length pull (most of a planned hand-over's latency otherwise)."""
+        ids = self.view.member_ids()
+        if ids != self._member_ids:
+            if self._member_ids is not None:
+                self._brisk_until = time.monotonic() + BRISK_FOR
+            self._member_ids = ids
+
+    def pull_expires(self) -> float:
+        expires = self.config.fetch_expires
+        if self._brisk_until and time.monotonic() < self._brisk_until:
+            return min(expires, BRISK_EXPIRES)
+        return expires
 
     def check_connection(self) -> None:
         """Wake the dozing partitions if the connection dropped since the last check:
