@@ -976,9 +976,29 @@ class Worker:
             target = targets.get(p)
             want = not self.leaving and target is not None and target.owner == me
             current = self.runners.get(p)
+            claim = claims.get(p)
+            released = self._released.get(p)
+            if released is not None and current is None:
+                if claim is not None and claim.create_revision == released:
+                    # Deleted already; the view has not seen it yet. Taken for ours
+                    # ("ours already" below), it would start a runner on a claim that
+                    # no longer exists.
+                    continue
+                del self._released[p]
+            if (
+                current is not None
+                and not current.stopping
+                and self.view.revision >= current.claim_revision
+                and (claim is None or claim.create_revision != current.claim_revision)
+            ):
+                # The claim this runner consumes under is gone (the view has caught up
+                # with its creation, and shows it no more): nobody may consume without
+                # one. Stop, and claim again if the partition is still ours.
+                log.warning("Partition %d: its claim is gone; stopping its consumer", p)
+                current.stop()
+                continue
             if want and current is None and p not in self.claiming:
                 self.handovers.taking([p])
-                claim = claims.get(p)
                 if claim is None:
                     self.claiming.add(p)
                     self._spawn(self._claim(p, target.ts if target else None))
@@ -999,12 +1019,6 @@ class Worker:
                     if stopping.inflight:
                         continue  # a cancelled handler still runs: keep the claim
                     del self._stopping_handlers[p]
-                claim = claims.get(p)
-                released = self._released.get(p)
-                if released is not None:
-                    if claim is not None and claim.create_revision == released:
-                        continue  # deleted already; the view has not seen it yet
-                    del self._released[p]
                 if claim is not None and claim.member == me and claim.lease == lease:
                     # Our claim, on our live lease, with no runner and no longer ours to
                     # consume: a runner fenced for a moment left it (a fence touches
