@@ -163,3 +163,36 @@ async def test_a_partition_does_not_doze_while_a_dead_owners_message_is_unacked(
     done = await eventually_async(records, 45, "m-1 to process the message", until=len)
     assert [(r.member, r.message_id) for r in done] == [("m-1", item.message_id)]
     assert done[0].started - killed_at < 25.0 + 10.0
+
+
+async def test_a_dozing_partition_notices_its_durable_deleted(
+    fleet: Fleet, etcd: Etcd, js: Any, make_config: Any
+) -> None:
+    """A dozing partition pulls nothing; the deletion advisory rouses it, so the member
+    recreates the durable at once instead of at the next publish or safety sweep."""
+    config = make_config(handler=HANDLER, partitions=PARTITIONS)
+    await ensure_group(js, config)
+    pulls = PullCounter()
+    await pulls.start(js._nc, config.stream)
+    try:
+        await start_one(fleet, etcd, js, config, "m-0")
+        await eventually_async(
+            lambda: pulls.during(2.0), 30, "the idle partitions to doze", until=lambda n: n == 0
+        )
+    finally:
+        await pulls.stop()
+    await js.delete_consumer(config.stream, durable_name(3))
+
+    async def recreated() -> bool:
+        return "Recreated the missing durable consumer of partition 3" in fleet.logs()
+
+    await eventually_async(recreated, 20, "m-0 to recreate the deleted durable")
+    project = one_project_per_partition()[3]
+    item = Outgoing(project, b"", f"{project}-0", {SEQ_HEADER: "0"})
+    await Producer(js, config.subject_prefix, config.partitions).publish_many([item])
+
+    async def records() -> list[Any]:
+        return await read_ledger(js, config.ledger_stream)
+
+    done = await eventually_async(records, 20, "the message to be consumed", until=len)
+    assert [r.message_id for r in done] == [item.message_id]

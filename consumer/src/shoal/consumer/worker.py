@@ -205,7 +205,7 @@ class PartitionRunner:
         self._wakeup: asyncio.Future[None] | None = None
         self.arrived = 0  # messages delivered to our pull requests
         self.dozing = False  # no pull open: waiting for the alarm (alarm.py)
-        self.connection_dropped = False
+        self.roused = False
         self.alarm = Alarm(worker.nc, partition_subject(worker.config.subject_prefix, partition))
 
     # -- dispatch.Source ----------------------------------------------------------------
@@ -418,16 +418,16 @@ class PartitionRunner:
         return DOZE_AFTER_EMPTY_PULLS - 1  # a sweep: one pull, still armed, then doze
 
     async def _doze(self, sweep: float) -> bool:
-        """Until the alarm rings (True), or the runner stops, the connection dropped
-        (what was published meanwhile rang nothing: Worker.check_connection wakes us), or
-        `sweep` seconds passed (False)."""
+        """Until the alarm rings (True), or the runner stops, is roused (the connection
+        dropped, and what was published meanwhile rang nothing; or its durable or the
+        stream was deleted), or `sweep` seconds passed (False)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + sweep
         self.dozing = True
-        self.connection_dropped = False
+        self.roused = False
         self.alarm.on_ring(self._wake)
         try:
-            while not self.alarm.rang and not self.stopping and not self.connection_dropped:
+            while not self.alarm.rang and not self.stopping and not self.roused:
                 left = deadline - loop.time()
                 if left <= 0:
                     return False
@@ -436,8 +436,10 @@ class PartitionRunner:
         finally:
             self.dozing = False
 
-    def wake_after_connection_drop(self) -> None:
-        self.connection_dropped = True
+    def rouse(self) -> None:
+        """Pull again now, although the alarm did not ring (see Worker.check_connection
+        and Worker._on_deleted)."""
+        self.roused = True
         self._wake()
 
     async def _nothing_outstanding(self) -> bool:
@@ -908,6 +910,7 @@ class Worker:
         await self.view.synced.wait()
         self._inbox_prefix = self.nc.new_inbox()
         self._inbox_sub = await self.nc.subscribe(self._inbox_prefix + ".*", cb=self._route)
+        await self._watch_deletions()
         self.dispatcher.start()
         self._spawn(self.keep_held_alive())
         while True:
@@ -944,6 +947,28 @@ class Worker:
             return min(expires, BRISK_EXPIRES)
         return expires
 
+    async def _watch_deletions(self) -> None:
+        """Rouse dozing partitions when their durable or the stream is deleted. A dozing
+        partition pulls nothing, so it would notice only at the next publish or safety
+        sweep, and the group would say nothing of the loss meanwhile. JetStream's
+        advisories cost nothing until such an event."""
+        stream = self.config.stream
+        for subject in (
+            f"$JS.EVENT.ADVISORY.STREAM.DELETED.{stream}",
+            f"$JS.EVENT.ADVISORY.CONSUMER.DELETED.{stream}.*",
+        ):
+            await self.nc.subscribe(subject, cb=self._on_deleted)
+
+    async def _on_deleted(self, msg: Any) -> None:
+        partition: int | None = None
+        if msg.subject.startswith("$JS.EVENT.ADVISORY.CONSUMER."):
+            partition = self._partitions_by_durable.get(msg.subject.rsplit(".", 1)[-1])
+            if partition is None:
+                return  # not one of the partitions' durables
+        for runner in list(self.runners.values()):
+            if runner.dozing and partition in (None, runner.partition):
+                runner.rouse()
+
     def check_connection(self) -> None:
         """Wake the dozing partitions if the connection dropped since the last check:
         nothing published meanwhile rang their alarms (nats-py subscribes them again on
@@ -954,7 +979,7 @@ class Worker:
             self._connection_mark = mark
             for runner in self.runners.values():
                 if runner.dozing:
-                    runner.wake_after_connection_drop()
+                    runner.rouse()
 
     def _reconcile(self) -> None:
         me = self.config.member_id
