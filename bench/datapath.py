@@ -59,6 +59,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--idle-members", type=int, default=3)
     parser.add_argument("--idle-seconds", type=float, default=30.0)
     parser.add_argument("--timeout", type=float, default=120.0, help="per drain, seconds")
+    parser.add_argument(
+        "--only",
+        choices=("io", "idle"),
+        help="measure only the I/O-bound figures, or only the idle ones",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument(
         "--strict", action="store_true", help="exit 1 when a figure misses its target"
@@ -204,40 +209,42 @@ async def run(args: argparse.Namespace, root: Path) -> None:
         nc = await nats.connect(nats_server.url)
         js = nc.jetstream()
         try:
-            ceiling = 128 / (args.delay_ms / 1000)
-            rate, extra = await bench.io_bound(
-                js, etcd, "shoal.consumer.handlers:noop", ledger=False
-            )
-            emit(
-                BENCH,
-                "io_msgs_per_s",
-                rate,
-                target=">= 12000",
-                ok=rate >= 12000,
-                members=args.members,
-                handler_ms=args.delay_ms,
-                messages=args.messages,
-                projects=args.projects,
-                **extra,
-            )
-            emit(BENCH, "partition_at_a_time_ceiling", ceiling, partitions=128)
-            rate, extra = await bench.io_bound(
-                js, etcd, "shoal.consumer.handlers:ledger", ledger=True
-            )
-            clean = extra["audit"]["lost"] == extra["audit"]["duplicates"] == 0 and (
-                extra["audit"]["out_of_order"] == extra["audit"]["overlaps"] == 0
-            )
-            emit(
-                BENCH,
-                "io_audited_msgs_per_s",
-                rate,
-                audit_clean=clean,
-                ok=clean,
-                members=args.members,
-                handler_ms=args.delay_ms,
-                **extra,
-            )
-            await bench.idle(js, etcd)
+            if args.only != "idle":
+                ceiling = 128 / (args.delay_ms / 1000)
+                rate, extra = await bench.io_bound(
+                    js, etcd, "shoal.consumer.handlers:noop", ledger=False
+                )
+                emit(
+                    BENCH,
+                    "io_msgs_per_s",
+                    rate,
+                    target=">= 12000",
+                    ok=rate >= 12000,
+                    members=args.members,
+                    handler_ms=args.delay_ms,
+                    messages=args.messages,
+                    projects=args.projects,
+                    **extra,
+                )
+                emit(BENCH, "partition_at_a_time_ceiling", ceiling, partitions=128)
+                rate, extra = await bench.io_bound(
+                    js, etcd, "shoal.consumer.handlers:ledger", ledger=True
+                )
+                clean = extra["audit"]["lost"] == extra["audit"]["duplicates"] == 0 and (
+                    extra["audit"]["out_of_order"] == extra["audit"]["overlaps"] == 0
+                )
+                emit(
+                    BENCH,
+                    "io_audited_msgs_per_s",
+                    rate,
+                    audit_clean=clean,
+                    ok=clean,
+                    members=args.members,
+                    handler_ms=args.delay_ms,
+                    **extra,
+                )
+            if args.only != "io":
+                await bench.idle(js, etcd)
         finally:
             await nc.close()
             etcd.close()

@@ -247,11 +247,15 @@ class ConsumerProcess:
             await asyncio.sleep(self.config.stats_interval)
             if self.worker is None:
                 continue
-            owned = sorted(self.worker.owned())
+            # A dozing partition had nothing pending and nothing unacked but what we hold
+            # when it began to doze, and nothing was published to it since: its lag is
+            # what we hold. Asking its durable anyway would make an idle group cost the
+            # server a request per partition every stats interval.
+            owned, held = self.worker.lag_sources()
             results = await asyncio.gather(
                 *(partition_lag(self.js, self.config, p) for p in owned), return_exceptions=True
             )
-            total = 0
+            total = held
             for p, result in zip(owned, results, strict=True):
                 if isinstance(result, BaseException):
                     log.debug("Lag of partition %d unavailable: %r", p, result)

@@ -46,7 +46,7 @@ class GroupStatus:
 
 async def read_status(etcd: Etcd, namespace: str, group: str, partitions: int) -> GroupStatus:
     view = GroupView(etcd, Keys(namespace, group), partitions)
-    view.revision, view.kvs = await etcd.get_prefix(view.keys.prefix)
+    view.load(*await etcd.get_prefix(view.keys.prefix))
     return status_from_view(view, namespace, group)
 
 

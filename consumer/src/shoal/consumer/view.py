@@ -60,6 +60,11 @@ class GroupView:
         self._garbage_logged: set[tuple[str, int]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._errors: asyncio.Queue[BaseException] = asyncio.Queue()
+        # targets() and claims() as of the last change: the worker, the leader and the
+        # status writer read them every second or so, and parsing 128 JSON values each
+        # time was most of what an idle member did.
+        self._targets: dict[int, Target] | None = None
+        self._claims: dict[int, Claim] | None = None
 
     # -- reading -------------------------------------------------------------------------
 
@@ -101,6 +106,13 @@ class GroupView:
                     result[member] = stats
         return result
 
+    def member_ids(self) -> frozenset[str]:
+        """Who has a member key (without parsing the stats in it)."""
+        prefix = self.keys.members
+        return frozenset(
+            key[len(prefix) :] for key in self.kvs if key.startswith(prefix) and key != prefix
+        )
+
     def leader(self) -> Leader | None:
         kv = self.kvs.get(self.keys.leader)
         if kv is None:
@@ -119,6 +131,11 @@ class GroupView:
         return None
 
     def targets(self) -> dict[int, Target]:
+        if self._targets is None:
+            self._targets = self._read_targets()
+        return dict(self._targets)
+
+    def _read_targets(self) -> dict[int, Target]:
         result: dict[int, Target] = {}
         for key, kv in self.kvs.items():
             if not key.startswith(self.keys.partitions):
@@ -154,6 +171,11 @@ class GroupView:
         return max((t.generation for t in self.targets().values()), default=0)
 
     def claims(self) -> dict[int, Claim]:
+        if self._claims is None:
+            self._claims = self._read_claims()
+        return dict(self._claims)
+
+    def _read_claims(self) -> dict[int, Claim]:
         result: dict[int, Claim] = {}
         for key, kv in self.kvs.items():
             if not key.startswith(self.keys.claims):
@@ -172,7 +194,14 @@ class GroupView:
 
     # -- keeping up to date --------------------------------------------------------------
 
+    def load(self, revision: int, kvs: dict[str, KV]) -> None:
+        """Replace the whole copy (a fresh listing of the prefix)."""
+        self.kvs = kvs
+        self.revision = revision
+        self._targets = self._claims = None
+
     def _notify(self) -> None:
+        self._targets = self._claims = None  # the keys changed
         self._event.set()
         self._event = asyncio.Event()
 
@@ -206,8 +235,7 @@ class GroupView:
             watch_id: int | None = None
             try:
                 revision, kvs = await self.etcd.get_prefix(self.keys.prefix)
-                self.kvs = kvs
-                self.revision = revision
+                self.load(revision, kvs)
                 while not self._errors.empty():
                     self._errors.get_nowait()
                 watch_id = await self.etcd.call(

@@ -31,6 +31,7 @@ from typing import Any
 
 from nats.js.errors import NotFoundError
 
+from shoal.consumer.alarm import Alarm
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.deadletter import dead_letter_headers
 from shoal.consumer.dispatch import ABANDONED, SETTLED, Dispatcher, Held, ProjectQueue
@@ -48,7 +49,13 @@ from shoal.consumer.jetstream import consumer_config
 from shoal.consumer.membership import Membership
 from shoal.consumer.metrics import Metrics
 from shoal.consumer.view import GroupView
-from shoal.contracts.names import PROJECT_HEADER, dlq_subject, durable_name, partition_for
+from shoal.contracts.names import (
+    PROJECT_HEADER,
+    dlq_subject,
+    durable_name,
+    partition_for,
+    partition_subject,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +67,15 @@ MISSING_DURABLE_BACKOFF_MAX = 2.0
 RECREATE_AFTER_SILENT_PULLS = 4
 # What an idle partition's pull asks for; doubled while pulls come back full.
 IDLE_BATCH = 4
+# Empty pulls in a row (fetch_expires each) after which a partition dozes (Alarm).
+DOZE_AFTER_EMPTY_PULLS = 3
+# A dozing partition still pulls once this often: a safety net, should an alarm be missed.
+DOZE_SWEEP = 60.0
+# For a while after a member joined or left (the leader's debounce, its write, the
+# moves), pulls expire after BRISK_EXPIRES instead of fetch_expires: a partition that
+# moves is released only once its open pull has ended (module docstring).
+BRISK_EXPIRES = 0.05
+BRISK_FOR = 3.0
 # Projects whose partition was checked (sha256) once; the cache is dropped when this big.
 PARTITION_CACHE_SIZE = 100_000
 
@@ -187,6 +203,10 @@ class PartitionRunner:
         self._want = IDLE_BATCH  # what the next pull asks for, at most
         self._request_end: asyncio.Future[str] | None = None
         self._wakeup: asyncio.Future[None] | None = None
+        self.arrived = 0  # messages delivered to our pull requests
+        self.dozing = False  # no pull open: waiting for the alarm (alarm.py)
+        self.roused = False
+        self.alarm = Alarm(worker.nc, partition_subject(worker.config.subject_prefix, partition))
 
     # -- dispatch.Source ----------------------------------------------------------------
 
@@ -273,15 +293,12 @@ class PartitionRunner:
 
     async def run(self) -> None:
         w = self.worker
-        nc = w.nc
         inbox = w.inbox_for(self)
         api_subject = f"$JS.API.CONSUMER.MSG.NEXT.{w.config.stream}.{durable_name(self.partition)}"
-        expires = w.config.fetch_expires
-        expires_ns = int(expires * 1e9)
-        loop = asyncio.get_running_loop()
         try:
             backoff = MISSING_DURABLE_BACKOFF
             silent = 0  # pulls in a row that nobody answered (503)
+            empty = 0  # pulls in a row that ended with nothing (404/408)
             while not self.stopping:
                 room = self._room()
                 if room <= 0:
@@ -292,26 +309,7 @@ class PartitionRunner:
                     await self.sleep_until_woken(1.0)
                     w.starved.pop(self, None)
                     continue
-                self._remaining = room
-                w.reserved += room
-                self._request_end = end = loop.create_future()
-                request = json.dumps({"batch": room, "expires": expires_ns}).encode()
-                await nc.publish(api_subject, request, reply=inbox)
-                # The request ends with its batch, or a status; bounded in case the status
-                # was lost with a connection or a server.
-                watch = RequestWatch(loop, nc, end, expires, w.answers)
-                try:
-                    status = await end
-                    if status != "lost":
-                        watch.ended(status)
-                finally:
-                    watch.cancel()
-                    self._request_end = None
-                    if self._remaining:
-                        w.reserved -= self._remaining
-                        self._remaining = 0
-                        if w.starved:
-                            w.wake_starved()
+                status, got = await self._pull(api_subject, inbox, room)
                 if status == "batch":
                     self._want = min(self._want * 2, w.config.fetch_batch)
                 elif status in ("404", "408"):
@@ -330,9 +328,17 @@ class PartitionRunner:
                     backoff = min(backoff * 2, MISSING_DURABLE_BACKOFF_MAX)
                     continue
                 silent = 0
+                backoff = MISSING_DURABLE_BACKOFF
                 if status == "409":
                     await asyncio.sleep(0.1)
-                backoff = MISSING_DURABLE_BACKOFF
+                if got or status not in ("404", "408"):
+                    empty = 0
+                    if self.alarm.armed:
+                        await self.alarm.disarm()
+                    continue
+                empty += 1
+                if empty >= DOZE_AFTER_EMPTY_PULLS and not self.stopping:
+                    empty = await self._doze_step()
         except Fenced:
             pass
         except Exception:
@@ -341,6 +347,7 @@ class PartitionRunner:
                 self.stop()
                 await asyncio.sleep(1.0)  # no tight loop while e.g. NATS is away
         try:
+            await self.alarm.disarm()
             if self.fenced:
                 log.warning("Fenced: stopped consuming partition %d at once", self.partition)
             else:
@@ -348,6 +355,105 @@ class PartitionRunner:
         finally:
             w.forget_inbox(inbox)
             await w.runner_done(self)
+
+    async def _pull(self, api_subject: str, inbox: str, room: int) -> tuple[str, int]:
+        """Send one pull request for up to `room` messages and wait for its end.
+
+        Returns how it ended ("batch", a status such as "408", "lost" or "fenced") and how
+        many messages it brought.
+        """
+        w = self.worker
+        loop = asyncio.get_running_loop()
+        # The pull that confirms a doze (the alarm armed) waits the full fetch_expires for
+        # what was published just before the alarm's subscription to reach the stream.
+        expires = w.config.fetch_expires if self.alarm.armed else w.pull_expires()
+        arrived = self.arrived
+        self._remaining = room
+        w.reserved += room
+        self._request_end = end = loop.create_future()
+        request = json.dumps({"batch": room, "expires": int(expires * 1e9)}).encode()
+        await w.nc.publish(api_subject, request, reply=inbox)
+        # The request ends with its batch, or a status; bounded in case the status was
+        # lost with a connection or a server.
+        watch = RequestWatch(loop, w.nc, end, expires, w.answers)
+        try:
+            status = await end
+            if status != "lost":
+                watch.ended(status)
+        finally:
+            watch.cancel()
+            self._request_end = None
+            if self._remaining:
+                w.reserved -= self._remaining
+                self._remaining = 0
+                if w.starved:
+                    w.wake_starved()
+        return status, self.arrived - arrived
+
+    # -- dozing ---------------------------------------------------------------------------
+
+    async def _doze_step(self) -> int:
+        """The partition's pulls keep coming back empty: stop pulling, if that is safe,
+        until a message is published to it. Returns the new count of empty pulls.
+
+        Steps, one per call (the caller pulls in between):
+          1. arm the alarm (a core subscription to the partition's subject), then check
+             that the durable has nothing for us: nothing pending, and nothing unacked
+             but what we hold (a crashed owner's unacked messages come back after
+             ack_wait, with no publish to wake us). Then one more pull, sent after the
+             subscription: it catches what was published just before it;
+          2. that pull came back empty too: doze until the alarm rings, the runner is
+             stopped, the connection was lost, or a safety sweep is due.
+        """
+        if not self.alarm.armed:
+            await self.alarm.arm()
+            if not await self._nothing_outstanding():
+                await self.alarm.disarm()
+                return 0
+            return DOZE_AFTER_EMPTY_PULLS - 1  # one more (confirming) pull, then doze
+        rang = await self._doze(DOZE_SWEEP)
+        if rang:
+            await self.alarm.disarm()
+            return 0
+        return DOZE_AFTER_EMPTY_PULLS - 1  # a sweep: one pull, still armed, then doze
+
+    async def _doze(self, sweep: float) -> bool:
+        """Until the alarm rings (True), or the runner stops, is roused (the connection
+        dropped, and what was published meanwhile rang nothing; or its durable or the
+        stream was deleted), or `sweep` seconds passed (False)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + sweep
+        self.dozing = True
+        self.roused = False
+        self.alarm.on_ring(self._wake)
+        try:
+            while not self.alarm.rang and not self.stopping and not self.roused:
+                left = deadline - loop.time()
+                if left <= 0:
+                    return False
+                await self.sleep_until_woken(left)
+            return self.alarm.rang
+        finally:
+            self.dozing = False
+
+    def rouse(self) -> None:
+        """Pull again now, although the alarm did not ring (see Worker.check_connection
+        and Worker._on_deleted)."""
+        self.roused = True
+        self._wake()
+
+    async def _nothing_outstanding(self) -> bool:
+        w = self.worker
+        try:
+            info = await w.js.consumer_info(
+                w.config.stream, durable_name(self.partition), timeout=2
+            )
+        except Exception as exc:
+            log.debug("Partition %d: no consumer info (%r); not dozing", self.partition, exc)
+            return False
+        # Our held messages are unacked on the server, so they count in num_ack_pending;
+        # anything beyond them is someone else's, or an ack of ours not applied yet.
+        return not info.num_pending and (info.num_ack_pending or 0) <= self.buffered
 
     async def deliver(self, msg: Any, seq: int = 0, delivered: int = 0) -> None:
         """What arrived for our pull requests: a message (its stream sequence and delivery
@@ -368,6 +474,7 @@ class PartitionRunner:
                 )
             self._end_request(status or "?")
             return
+        self.arrived += 1
         if self._remaining > 0:
             self._remaining -= 1
             self.worker.reserved -= 1
@@ -549,6 +656,9 @@ class Worker:
         # Processed counts at the last stats(), for rates over the stats interval.
         self._rate_mark: tuple[float, dict[int, int]] = (time.monotonic(), {})
         self._wake = asyncio.Event()
+        self._connection_mark: tuple[bool, int] = (True, 0)
+        self._member_ids: frozenset[str] | None = None
+        self._brisk_until = 0.0
         self._tasks: set[asyncio.Task[Any]] = set()
         # One subscription for every runner's pull requests, <prefix>.<token> each: one
         # nats-py queue and task for the member, instead of one per partition.
@@ -800,13 +910,16 @@ class Worker:
         await self.view.synced.wait()
         self._inbox_prefix = self.nc.new_inbox()
         self._inbox_sub = await self.nc.subscribe(self._inbox_prefix + ".*", cb=self._route)
+        await self._watch_deletions()
         self.dispatcher.start()
         self._spawn(self.keep_held_alive())
         while True:
             view_changed = self.view.change_event()
             member_changed = self.membership.changed
             self._wake.clear()
+            self._notice_members()
             self._reconcile()
+            self.check_connection()
             waiters = [
                 asyncio.ensure_future(view_changed.wait()),
                 asyncio.ensure_future(member_changed.wait()),
@@ -817,6 +930,56 @@ class Worker:
             finally:
                 for waiter in waiters:
                     waiter.cancel()
+
+    def _notice_members(self) -> None:
+        """A member joined or left: partitions are about to move. Pull briskly until
+        they have, so that the ones we give up are released without waiting out a
+        full-length pull (most of a planned hand-over's latency otherwise)."""
+        ids = self.view.member_ids()
+        if ids != self._member_ids:
+            if self._member_ids is not None:
+                self._brisk_until = time.monotonic() + BRISK_FOR
+            self._member_ids = ids
+
+    def pull_expires(self) -> float:
+        expires = self.config.fetch_expires
+        if self._brisk_until and time.monotonic() < self._brisk_until:
+            return min(expires, BRISK_EXPIRES)
+        return expires
+
+    async def _watch_deletions(self) -> None:
+        """Rouse dozing partitions when their durable or the stream is deleted. A dozing
+        partition pulls nothing, so it would notice only at the next publish or safety
+        sweep, and the group would say nothing of the loss meanwhile. JetStream's
+        advisories cost nothing until such an event."""
+        stream = self.config.stream
+        for subject in (
+            f"$JS.EVENT.ADVISORY.STREAM.DELETED.{stream}",
+            f"$JS.EVENT.ADVISORY.CONSUMER.DELETED.{stream}.*",
+        ):
+            await self.nc.subscribe(subject, cb=self._on_deleted)
+
+    async def _on_deleted(self, msg: Any) -> None:
+        partition: int | None = None
+        if msg.subject.startswith("$JS.EVENT.ADVISORY.CONSUMER."):
+            partition = self._partitions_by_durable.get(msg.subject.rsplit(".", 1)[-1])
+            if partition is None:
+                return  # not one of the partitions' durables
+        for runner in list(self.runners.values()):
+            if runner.dozing and partition in (None, runner.partition):
+                runner.rouse()
+
+    def check_connection(self) -> None:
+        """Wake the dozing partitions if the connection dropped since the last check:
+        nothing published meanwhile rang their alarms (nats-py subscribes them again on
+        reconnecting), so each must pull once to see what it missed."""
+        nc = self.nc
+        mark = (nc.is_connected, nc.stats.get("reconnects", 0))
+        if mark != self._connection_mark:
+            self._connection_mark = mark
+            for runner in self.runners.values():
+                if runner.dozing:
+                    runner.rouse()
 
     def _reconcile(self) -> None:
         me = self.config.member_id
@@ -838,9 +1001,29 @@ class Worker:
             target = targets.get(p)
             want = not self.leaving and target is not None and target.owner == me
             current = self.runners.get(p)
+            claim = claims.get(p)
+            released = self._released.get(p)
+            if released is not None and current is None:
+                if claim is not None and claim.create_revision == released:
+                    # Deleted already; the view has not seen it yet. Taken for ours
+                    # ("ours already" below), it would start a runner on a claim that
+                    # no longer exists.
+                    continue
+                del self._released[p]
+            if (
+                current is not None
+                and not current.stopping
+                and self.view.revision >= current.claim_revision
+                and (claim is None or claim.create_revision != current.claim_revision)
+            ):
+                # The claim this runner consumes under is gone (the view has caught up
+                # with its creation, and shows it no more): nobody may consume without
+                # one. Stop, and claim again if the partition is still ours.
+                log.warning("Partition %d: its claim is gone; stopping its consumer", p)
+                current.stop()
+                continue
             if want and current is None and p not in self.claiming:
                 self.handovers.taking([p])
-                claim = claims.get(p)
                 if claim is None:
                     self.claiming.add(p)
                     self._spawn(self._claim(p, target.ts if target else None))
@@ -861,12 +1044,6 @@ class Worker:
                     if stopping.inflight:
                         continue  # a cancelled handler still runs: keep the claim
                     del self._stopping_handlers[p]
-                claim = claims.get(p)
-                released = self._released.get(p)
-                if released is not None:
-                    if claim is not None and claim.create_revision == released:
-                        continue  # deleted already; the view has not seen it yet
-                    del self._released[p]
                 if claim is not None and claim.member == me and claim.lease == lease:
                     # Our claim, on our live lease, with no runner and no longer ours to
                     # consume: a runner fenced for a moment left it (a fence touches
@@ -1008,3 +1185,10 @@ class Worker:
 
     def owned(self) -> list[int]:
         return sorted(self.runners)
+
+    def lag_sources(self) -> tuple[list[int], int]:
+        """The owned partitions whose lag only their durable knows, and what the others
+        (dozing: nothing outstanding on the server but what we hold) hold."""
+        awake = sorted(p for p, r in self.runners.items() if not r.dozing)
+        held = sum(r.buffered for r in self.runners.values() if r.dozing)
+        return awake, held

@@ -1,0 +1,80 @@
+"""The worker never consumes a partition without its claim (the reconcile decisions,
+fed a view by hand).
+
+Found by the fault suite (nats kill -9, then restart): a partition moved away and back
+within moments. The worker deleted its claim on the release, and on the way back its view
+still showed that claim (the watch had not caught up), so it took it for its own and
+started consuming under a claim that no longer existed, for good: "unclaimed" in the
+status, and nothing to stop a second member from claiming the partition.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from shoal.consumer.config import GroupConfig
+from shoal.consumer.etcd import KV
+from shoal.consumer.metrics import Metrics
+from shoal.consumer.view import GroupView
+from shoal.consumer.worker import PartitionRunner, Worker
+
+ME = "m-0"
+LEASE = 77
+
+
+class Membership:
+    """What the worker reads of its membership: a live lease, never fenced."""
+
+    lease_id = LEASE
+    incarnation = 0
+
+    def safe(self) -> bool:
+        return True
+
+
+CONFIG = GroupConfig(group="g", namespace="ns", member_id=ME, partitions=8)
+
+
+def worker_with(*kvs: KV, revision: int) -> Worker:
+    view = GroupView(None, CONFIG.keys, CONFIG.partitions)  # type: ignore[arg-type]
+    view.load(revision, {kv.key: kv for kv in kvs})
+    membership: Any = Membership()
+    return Worker(CONFIG, None, view, membership, None, None, None, Metrics())  # type: ignore[arg-type]
+
+
+def target(config: GroupConfig, p: int, owner: str) -> KV:
+    value = json.dumps({"owner": owner, "generation": 1, "epoch": 1, "ts": 1.0}).encode()
+    return KV(config.keys.partition(p), value, 5, 5, 0)
+
+
+def claim(config: GroupConfig, p: int, member: str, revision: int) -> KV:
+    return KV(config.keys.claim(p), member.encode(), revision, revision, LEASE)
+
+
+async def test_a_claim_it_deleted_is_not_taken_for_its_own() -> None:
+    # Partition 3 is ours again; the view still shows the claim we deleted (revision 40).
+    worker = worker_with(target(CONFIG, 3, ME), claim(CONFIG, 3, ME, 40), revision=40)
+    worker._released[3] = 40
+    worker._reconcile()
+    assert 3 not in worker.runners
+    assert 3 not in worker.claiming  # nor claimed anew: the old claim still shows
+
+    # Once the view has seen the deletion, the partition is claimed again.
+    worker.view.load(41, {CONFIG.keys.partition(3): target(CONFIG, 3, ME)})
+    started: list[Any] = []
+    worker._spawn = started.append  # type: ignore[method-assign]  # no etcd here
+    worker._reconcile()
+    assert 3 in worker.claiming
+    assert len(started) == 1
+    started[0].close()
+
+
+async def test_a_runner_whose_claim_is_gone_stops() -> None:
+    worker = worker_with(target(CONFIG, 2, ME), target(CONFIG, 5, ME), revision=60)
+    gone = PartitionRunner(worker, 2, claim_revision=50, target_ts=None)
+    fresh = PartitionRunner(worker, 5, claim_revision=70, target_ts=None)  # view behind
+    worker.runners.update({2: gone, 5: fresh})
+    worker._reconcile()
+    assert gone.stopping
+    assert not fresh.stopping
