@@ -38,6 +38,8 @@ RECHECK_SECONDS = 5.0
 LOAD_GAIN_THRESHOLD = 0.10
 # After a scale-up, how long the leader waits for the new members before rebalancing.
 SCALE_JOIN_WAIT = 15.0
+# Debounce after departures only (_debounce_for).
+LEAVE_DEBOUNCE = 0.1
 # A member whose stats say it cannot reach NATS ("nats_ok": false) gets no partitions,
 # but only while another member has reached NATS for at least this long (at least two
 # stats intervals): when NATS as a whole was down, members report its return seconds
@@ -262,7 +264,7 @@ class Leader:
                 changed = self.view.change_event()
                 members = self._eligible()
                 if members != applied_members or first:
-                    await self._settle()
+                    await self._settle(None if first else applied_members)
                     if not self._still_leader() or self.resigning:
                         break
                     members = self._eligible()
@@ -329,7 +331,7 @@ class Leader:
     def _me(self) -> LeaderKey:
         return LeaderKey(self.config.member_id, self.epoch)
 
-    async def _settle(self) -> None:
+    async def _settle(self, applied: set[str] | None = None) -> None:
         """Debounce: wait until members stop changing for `debounce` seconds (max 5x).
 
         After the autoscaler added members, wait (up to SCALE_JOIN_WAIT) for all of them:
@@ -340,11 +342,24 @@ class Leader:
         deadline = started + 5 * self.config.debounce
         last = self._eligible()
         while time.monotonic() < deadline or self._awaiting_scale_up(last, started):
-            await asyncio.sleep(self.config.debounce)
+            await asyncio.sleep(self._debounce_for(last, applied))
             now = self._eligible()
             if now == last and not self._awaiting_scale_up(now, started):
                 return
             last = now
+
+    def _debounce_for(self, members: set[str], applied: set[str] | None) -> float:
+        """The debounce, shorter when members only left since the last assignment.
+
+        A leaver's partitions have no consumer until the next target write: a graceful
+        leaver has released them already, a crashed one's lease is gone. Waiting the full
+        debounce to batch later changes with them was most of a moved partition's pause
+        on a leave. Several pods stopped together (a scale-down) still leave within
+        LEAVE_DEBOUNCE of each other, and a join during the wait brings back the full one.
+        """
+        if applied is not None and members < applied:
+            return min(self.config.debounce, LEAVE_DEBOUNCE)
+        return self.config.debounce
 
     def _awaiting_scale_up(self, members: set[str], started: float) -> bool:
         if self._scale_expected is None:
