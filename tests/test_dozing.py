@@ -78,6 +78,10 @@ class PullCounter:
         await asyncio.sleep(seconds)
         return self.count - before
 
+    async def until_none(self, what: str) -> None:
+        """Until 2 s pass without a pull request (awake, 8 partitions send ~27 a second)."""
+        await eventually_async(lambda: self.during(2.0), 30, what, until=lambda n: n == 0)
+
 
 async def start_one(fleet: Fleet, etcd: Etcd, js: Any, config: GroupConfig, member: str) -> None:
     fleet.start(member, **config_env(config, SETTINGS))
@@ -95,10 +99,7 @@ async def test_an_idle_group_stops_pulling_and_wakes_when_a_message_comes(
     await pulls.start(js._nc, config.stream)
     try:
         await start_one(fleet, etcd, js, config, "m-0")
-        # Awake, 8 partitions would send 8 / fetch_expires (0.3 s) = ~27 requests a second.
-        await eventually_async(
-            lambda: pulls.during(2.0), 30, "the idle partitions to doze", until=lambda n: n == 0
-        )
+        await pulls.until_none("the idle partitions to doze")
 
         projects = one_project_per_partition()
         items = [
@@ -121,9 +122,7 @@ async def test_an_idle_group_stops_pulling_and_wakes_when_a_message_comes(
         assert slowest < 5.0, f"a dozing partition took {slowest:.1f} s to wake"
 
         # And they doze again.
-        await eventually_async(
-            lambda: pulls.during(2.0), 30, "the partitions to doze again", until=lambda n: n == 0
-        )
+        await pulls.until_none("the partitions to doze again")
     finally:
         await pulls.stop()
     assert "Traceback" not in fleet.logs()
@@ -176,9 +175,7 @@ async def test_a_dozing_partition_notices_its_durable_deleted(
     await pulls.start(js._nc, config.stream)
     try:
         await start_one(fleet, etcd, js, config, "m-0")
-        await eventually_async(
-            lambda: pulls.during(2.0), 30, "the idle partitions to doze", until=lambda n: n == 0
-        )
+        await pulls.until_none("the idle partitions to doze")
     finally:
         await pulls.stop()
     await js.delete_consumer(config.stream, durable_name(3))
