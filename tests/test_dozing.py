@@ -58,19 +58,23 @@ def one_project_per_partition() -> dict[int, str]:
 
 class PullCounter:
     """Counts the pull requests sent to the stream's durables (a plain subscription to
-    the API subject sees each request as the server's JetStream does)."""
+    the API subject sees each request as the server's JetStream does), while in use as
+    an async context manager."""
 
-    def __init__(self) -> None:
+    def __init__(self, nc: Any, stream: str) -> None:
         self.count = 0
+        self._nc = nc
+        self._subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.>"
         self._sub: Any = None
 
-    async def start(self, nc: Any, stream: str) -> None:
+    async def __aenter__(self) -> PullCounter:
         async def seen(_: Any) -> None:
             self.count += 1
 
-        self._sub = await nc.subscribe(f"$JS.API.CONSUMER.MSG.NEXT.{stream}.>", cb=seen)
+        self._sub = await self._nc.subscribe(self._subject, cb=seen)
+        return self
 
-    async def stop(self) -> None:
+    async def __aexit__(self, *_: object) -> None:
         await self._sub.unsubscribe()
 
     async def during(self, seconds: float) -> int:
@@ -95,9 +99,7 @@ async def test_an_idle_group_stops_pulling_and_wakes_when_a_message_comes(
 ) -> None:
     config = make_config(handler=HANDLER, partitions=PARTITIONS)
     await ensure_group(js, config)
-    pulls = PullCounter()
-    await pulls.start(js._nc, config.stream)
-    try:
+    async with PullCounter(js._nc, config.stream) as pulls:
         await start_one(fleet, etcd, js, config, "m-0")
         await pulls.until_none("the idle partitions to doze")
 
@@ -123,8 +125,6 @@ async def test_an_idle_group_stops_pulling_and_wakes_when_a_message_comes(
 
         # And they doze again.
         await pulls.until_none("the partitions to doze again")
-    finally:
-        await pulls.stop()
     assert "Traceback" not in fleet.logs()
 
 
@@ -171,13 +171,9 @@ async def test_a_dozing_partition_notices_its_durable_deleted(
     recreates the durable at once instead of at the next publish or safety sweep."""
     config = make_config(handler=HANDLER, partitions=PARTITIONS)
     await ensure_group(js, config)
-    pulls = PullCounter()
-    await pulls.start(js._nc, config.stream)
-    try:
+    async with PullCounter(js._nc, config.stream) as pulls:
         await start_one(fleet, etcd, js, config, "m-0")
         await pulls.until_none("the idle partitions to doze")
-    finally:
-        await pulls.stop()
     await js.delete_consumer(config.stream, durable_name(3))
 
     async def recreated() -> bool:
