@@ -201,11 +201,11 @@ class GroupView:
         self._targets = self._claims = None
 
     def _notify(self) -> None:
-        self._targets = self._claims = None  # the keys changed
         self._event.set()
         self._event = asyncio.Event()
 
     def _apply_events(self, events: list[Any], revision: int) -> None:
+        self._targets = self._claims = None  # parsed again at the next read
         for event in events:
             key = event.key.decode()
             if type(event).__name__ == "DeleteEvent":
