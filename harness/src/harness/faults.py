@@ -36,6 +36,7 @@ from typing import Any, Literal, Self
 import nats
 
 from harness.audit import FaultAudit, audit_faults
+from harness.drain import wait_drained
 from harness.fleet import Fleet
 from harness.handlers import SLEEP_PREFIX
 from harness.proxy import TcpProxy
@@ -51,6 +52,7 @@ from shoal.contracts.names import (
     SEQ_HEADER,
     partition_for,
     partition_subject,
+    stream_subjects,
 )
 
 __all__ = [
@@ -76,6 +78,9 @@ MEMBER_ENV = {
     "SHOAL_ACK_WAIT": "2",
 }
 FENCE_AFTER = TTL - 2.0  # GroupConfig's default fence margin is 2 s
+# How long every durable must show nothing pending or unacked before the messages a
+# stream still holds count as stranded rather than on their way (harness.drain).
+STRANDED_AFTER = 10.0
 
 
 class SteadyProducer:
@@ -529,8 +534,14 @@ class FaultGroup:
         settled_in = time.monotonic() - settle_started
         assert self.producer is not None
         await self.producer.stop()
-        await self._drained(drain_timeout)
+        stranded = await self._drained(drain_timeout)
         result = await self.audit()
+        processed_ids = {record.message_id for record in await self.records()}
+        unprocessed = sorted(stranded - processed_ids)
+        assert not unprocessed, (
+            f"{len(unprocessed)} message(s) stranded in the stream, no durable holding them, "
+            f"never processed: {unprocessed[:10]}"
+        )
         dead = self.expected() - self.alive()
         assert not dead, f"member processes died: {sorted(dead)}\n{self.fleet.logs()}"
         figures = self.figures
@@ -556,41 +567,19 @@ class FaultGroup:
         window = (self.producer.started_at, self.producer.stopped_at or time.time())
         return audit_faults(records, self.producer.published, self.producer.acked, window=window)
 
-    async def _drained(self, timeout: float) -> None:
-        """Every message the stream holds was acked (WorkQueue retention removes it)."""
-        deadline = time.monotonic() + timeout
-        left = -1
-        while time.monotonic() < deadline:
-            try:
-                info = await self.js.stream_info(self.config.stream)
-                left = int(info.state.messages)
-                if left == 0:
-                    return
-            except Exception as exc:
-                log.debug("stream info failed: %r", exc)
-            await asyncio.sleep(0.2)
-        raise TimeoutError(
-            f"stream not drained after {timeout:.0f} s: {left} messages left; "
-            f"durables holding them: {await self._stuck_durables()}"
+    async def _drained(self, timeout: float) -> set[str]:
+        """Wait for the stream to drain; the ids of any messages it kept stranded."""
+        drained = await wait_drained(
+            self.js,
+            self.config.stream,
+            stream_subjects(self.config.subject_prefix)[0],
+            timeout,
+            stranded_after=STRANDED_AFTER,
         )
+        if not drained.clean:
+            self.figures["stranded_in_stream"] = len(drained.stranded)
+        return drained.stranded
 
     async def _dead_lettered(self) -> int:
         info = await self.js.stream_info(self.config.dlq_stream)
         return int(info.state.messages)
-
-    async def _stuck_durables(self) -> dict[str, dict[str, int]]:
-        """Per durable with messages left: pending, ack pending, redelivered, waiting pulls."""
-        stuck: dict[str, dict[str, int]] = {}
-        try:
-            for info in await self.js.consumers_info(self.config.stream):
-                pending, acking = int(info.num_pending or 0), int(info.num_ack_pending or 0)
-                if pending or acking:
-                    stuck[info.name] = {
-                        "pending": pending,
-                        "ack_pending": acking,
-                        "redelivered": int(info.num_redelivered or 0),
-                        "waiting": int(info.num_waiting or 0),
-                    }
-        except Exception as exc:
-            log.warning("could not read the durables: %r", exc)
-        return stuck
