@@ -68,14 +68,6 @@ EVENT_FIELDS: dict[str, str] = {
 }
 EVENT_SCHEMA = ", ".join(f"`{name}` {kind}" for name, kind in EVENT_FIELDS.items())
 
-# The nested fields, read as their JSON text on the fast path (see _fast_fields).
-NESTED = ("assignment", "moved", "handover_ms", "loads")
-TEXT_SCHEMA = ", ".join(
-    f"`{name}` {'string' if name in NESTED else kind}" for name, kind in EVENT_FIELDS.items()
-)
-# Never in Jackson's output of an object (it escapes control characters), so safe to split on.
-_PAIR, _KEY = "\u0002", "\u0001"
-
 # What export --format parquet writes (shoal.analytics.export._parquet_encoder).
 PARQUET_SCHEMA = (
     "`seq` bigint, `stored_at` timestamp, `schema` int, `ts` timestamp, `namespace` string, "
@@ -89,9 +81,12 @@ _DETAIL_CHARS = 500
 
 
 def _has_null(values: Column) -> Column:
+    """Whether the array holds a null. Not ``array_compact``: that is a ``filter`` with a
+    lambda, interpreted per element; an ascending sort puts the nulls first, in code."""
     from pyspark.sql import functions as F
 
-    return F.size(F.array_compact(values)) != F.size(values)
+    first = F.try_element_at(F.sort_array(values), F.lit(1))
+    return F.coalesce(first.isNull() & (F.size(values) > 0), F.lit(False))
 
 
 def _bad_keys(keys: Column) -> Column:
@@ -335,116 +330,7 @@ def _reader(spark: SparkSession, suffix: str) -> DataFrameReader:
     return spark.read.option("recursiveFileLookup", "true").option("pathGlobFilter", f"*{suffix}")
 
 
-# Jackson's compact output of the nested fields when they are as simple as our writers make
-# them: "key":"text" or "key":number pairs, and moves with exactly their three fields.
-_TEXT_PAIR = r'"[^"]*":"[^"]*"'
-_NUMBER_PAIR = r'"[0-9]+":-?[0-9][0-9.eE+-]*'
-_MOVE = r'\{"partition":[0-9]{1,9},"from":"[^"]+","to":"[^"]+"\}'
-
-
-def _plain(
-    text: Column, raw: Column, name: str, entry: str, brackets: str, *, quoted: bool
-) -> Column:
-    """Whether the field's text (``from_json`` into a string: Jackson's compact copy of an
-    object or array) is nothing but ``entry`` items, with no escape anywhere, and stands
-    verbatim after its key in the line. Such text splits exactly as below. The last test
-    tells an object from a JSON string holding the same text: that one would be escaped
-    in the line. (Only a line that also carries the unescaped text under the same key
-    elsewhere, nested in another field, could fool it.)"""
-    from pyspark.sql import functions as F
-
-    rest = F.regexp_replace(text, entry, "")
-    # Numbers: Jackson writes them back its own way (1.0E-4 where Python wrote 0.0001), so
-    # only the text up to the first value is compared with the line.
-    shown = text if quoted else F.substring_index(text, ":", 1)
-    return (
-        ~text.contains("\\")
-        & rest.rlike(f"^\\{brackets[0]},*\\{brackets[1]}$")
-        & raw.contains(F.concat(F.lit(f'"{name}":'), shown))
-    )
-
-
-def _split_map(text: Column, quoted: bool) -> Column:
-    """``{"0":"a","1":"b"}`` (or ``{"0":1.5,"1":2}``), known plain, as a map of strings:
-    the separators become control characters, which Jackson always escapes, and
-    ``str_to_map`` splits on them (single characters: no regular expression per pair)."""
-    from pyspark.sql import functions as F
-
-    # Strip '{"' and '"}' (or '}' after a number).
-    body = F.substring(text, F.lit(3), F.length(text) - (4 if quoted else 3))
-    key_sep, pair_sep = ('":"', '","') if quoted else ('":', ',"')
-    split = F.str_to_map(
-        F.replace(F.replace(body, F.lit(key_sep), F.lit(_KEY)), F.lit(pair_sep), F.lit(_PAIR)),
-        F.lit(_PAIR),
-        F.lit(_KEY),
-    )
-    empty = F.create_map().cast("map<string,string>")
-    return F.when(text == "{}", empty).otherwise(split)
-
-
-def _fast_columns(frame: DataFrame, fast_path: bool) -> DataFrame:
-    """``e`` (the scalar fields), ``corrupt`` and the flat nested columns of every line;
-    ``frame`` has the line (``value``) and ``t``, the line parsed with ``TEXT_SCHEMA``.
-
-    The nested fields are read as text: building three maps of a value per partition was
-    most of the parsing time. Where that text is plain (as our writers always make it) it
-    is split with string functions; any other line (escapes, nested values, wrong types,
-    corrupt lines) is parsed again with the full schema, so its fields are exactly what
-    ``EVENT_SCHEMA`` reads (``tests/test_analytics_spark.py`` checks both paths agree)."""
-    from pyspark.sql import functions as F
-
-    t, raw = F.col("t"), F.col("value")
-    plain = [
-        ("assignment", _TEXT_PAIR, "{}", True),
-        ("handover_ms", _NUMBER_PAIR, "{}", False),
-        ("loads", _NUMBER_PAIR, "{}", False),
-        ("moved", _MOVE, "[]", True),
-    ]
-    fast = t[CORRUPT].isNull() & F.lit(fast_path)
-    for name, entry, brackets, quoted in plain:
-        fast = fast & (
-            t[name].isNull() | _plain(t[name], raw, name, entry, brackets, quoted=quoted)
-        )
-    frame = frame.withColumn("fast", fast)
-    fast = F.col("fast")
-    full = F.from_json(
-        raw, f"{EVENT_SCHEMA}, `{CORRUPT}` string", {"columnNameOfCorruptRecord": CORRUPT}
-    )
-    frame = frame.withColumns(
-        {
-            # Evaluated only for the lines that are not plain; one parse each.
-            "f": F.when(~fast, full),
-            "am": F.when(fast, _split_map(t["assignment"], quoted=True)),
-            "hm": F.when(fast, _split_map(t["handover_ms"], quoted=False)),
-            "lm": F.when(fast, _split_map(t["loads"], quoted=False)),
-        }
-    )
-    f = F.col("f")
-    slow = _map_columns(f)
-    moved = t["moved"]
-    quick = {
-        "a_keys": F.map_keys("am").try_cast("array<int>"),
-        "a_values": F.map_values("am"),
-        "h_keys": F.map_keys("hm").try_cast("array<int>"),
-        "h_values": F.map_values("hm").cast("array<double>"),
-        "l_keys": F.map_keys("lm").try_cast("array<int>"),
-        "l_values": F.map_values("lm").cast("array<double>"),
-        # A plain list of moves: one "{" per move, each valid.
-        "moved_n": (F.length(moved) - F.length(F.replace(moved, F.lit("{"), F.lit("")))).cast(
-            "int"
-        ),
-        "moved_bad": F.lit(False),
-    }
-    scalars = [name for name in EVENT_FIELDS if name not in NESTED]
-    columns = {name: F.when(fast, quick[name]).otherwise(slow[name]) for name in quick}
-    columns["e"] = F.when(fast, F.struct(*[t[n].alias(n) for n in scalars])).otherwise(
-        F.struct(*[f[n].alias(n) for n in scalars])
-    )
-    columns["corrupt"] = ~fast & f[CORRUPT].isNotNull()
-    return frame.withColumns(columns).drop("t", "f", "am", "hm", "lm")
-
-
-def _json_lines(spark: SparkSession, input_path: str, fast_path: bool) -> DataFrame:
+def _json_lines(spark: SparkSession, input_path: str) -> DataFrame:
     from pyspark.sql import functions as F
 
     text = _reader(spark, ".jsonl").text(input_path)
@@ -456,13 +342,16 @@ def _json_lines(spark: SparkSession, input_path: str, fast_path: bool) -> DataFr
         F.monotonically_increasing_id().alias("id"),
         F.col("value"),
     )
-    parsed = lines.withColumn(
-        "t",
-        F.from_json(
-            "value", f"{TEXT_SCHEMA}, `{CORRUPT}` string", {"columnNameOfCorruptRecord": CORRUPT}
-        ),
+    schema = f"{EVENT_SCHEMA}, `{CORRUPT}` string"
+    e = F.from_json("value", schema, {"columnNameOfCorruptRecord": CORRUPT})
+    parsed = lines.withColumn("e", e)
+    parsed = parsed.withColumns(
+        {
+            **_map_columns(F.col("e")),
+            "ts": F.col("e.ts").try_cast("timestamp"),
+            "corrupt": F.col("e")[CORRUPT].isNotNull(),
+        }
     )
-    parsed = _fast_columns(parsed, fast_path).withColumn("ts", F.col("e.ts").try_cast("timestamp"))
     blank = F.trim(F.col("value")) == ""
     classified = _classified(parsed, F.col("value"))
     classified = classified.withColumn(
@@ -505,13 +394,10 @@ def read_rows(
     spark: SparkSession,
     input_path: str,
     keep: Callable[[DataFrame], DataFrame],
-    *,
-    fast_path: bool = True,
 ) -> tuple[DataFrame, list[str]]:
     """Every line of every ``*.jsonl`` and row of every ``*.parquet`` below ``input_path``
     as one row of ROW_COLUMNS (blank lines left out), and the files read. ``keep``
-    persists the parsed lines, which the line numbering reads twice. ``fast_path=False``
-    parses every line with the full schema (the tests compare both)."""
+    persists the parsed lines, which the line numbering reads twice."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
@@ -519,7 +405,7 @@ def read_rows(
     # to fail the job).
     spark.conf.set("spark.sql.mapKeyDedupPolicy", "LAST_WIN")
     prefix, single = _root_prefix(spark, input_path)
-    json_rows = _json_lines(spark, input_path, fast_path)
+    json_rows = _json_lines(spark, input_path)
     parquet_rows = _parquet(spark, input_path)
     # Before persisting: a cached plan no longer lists its files.
     files = [*json_rows.inputFiles(), *parquet_rows.inputFiles()]

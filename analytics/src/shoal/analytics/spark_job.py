@@ -201,39 +201,128 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
         .withColumn("P", F.size("parts"))
     )
 
-    # One row per partition ownership, with the previous generation's owner.
-    by_partition = Window.partitionBy(*GROUP_KEYS, "partition").orderBy("generation")
-    own = (
-        ev.select(
-            *GEN_KEYS,
-            "prev_generation",
-            "ts_us",
-            "next_ts_us",
-            F.inline(F.arrays_zip("parts", "owners", "loads")),
-        )
-        .withColumnRenamed("parts", "partition")
-        .withColumnRenamed("owners", "owner")
-        .withColumnRenamed("loads", "load")
-        .withColumn(
-            "prev_owner",
-            F.when(
-                F.lag("generation").over(by_partition) == col("prev_generation"),
-                F.lag("owner").over(by_partition),
-            ),
-        )
+    # Each generation beside its predecessor's assignment: a join on (group, previous
+    # generation) = (group, generation), hash-partitioned on those keys, so the wide rows
+    # spread over every task however few the groups are. Writers list the same partitions
+    # in every generation: then the previous owners line up with this generation's
+    # partitions as they are; otherwise (rare) a lookup per partition.
+    before = ev.select(
+        *GROUP_KEYS,
+        col("generation").alias("prev_generation"),
+        col("index").alias("prev_index"),
+        col("parts").alias("prev_parts"),
+        col("owners").alias("prev_owners"),
+    )
+    paired = ev.join(before, [*GROUP_KEYS, "prev_generation"], "left")
+    looked_up = F.transform(
+        col("parts"),
+        lambda p: F.try_element_at(F.map_from_arrays(col("prev_parts"), col("prev_owners")), p),
+    )
+    prev_owners = (
+        F.when(col("prev_parts").isNull(), F.array().cast("array<string>"))
+        .when(col("prev_parts") == col("parts"), col("prev_owners"))
+        .otherwise(looked_up)
+    )
+    # One row per partition ownership, with its owner in the previous generation (null
+    # where the partition is new). Exploded inside the task that holds the generation and
+    # aggregated there: the ownership rows themselves are never shuffled or sorted.
+    own = paired.select(
+        *GEN_KEYS,
+        "index",
+        "ts_us",
+        "prev_generation",
+        "prev_index",
+        F.inline(
+            F.arrays_zip(
+                col("parts").alias("partition"),
+                col("owners").alias("owner"),
+                col("loads").alias("load"),
+                prev_owners.alias("prev_owner"),
+            )
+        ),
     )
     moved = col("prev_owner").isNotNull() & (col("prev_owner") != col("owner"))
-    # A stint starts wherever the partition had no owner in the previous generation, or
-    # another one; numbering the starts along the partition's history names the stints.
-    starts = F.when(col("prev_owner").isNull() | moved, 1).otherwise(0)
-    own = keep(
-        own.withColumn(
-            "stint",
-            F.sum(starts).over(
-                by_partition.rowsBetween(Window.unboundedPreceding, Window.currentRow)
-            ),
-        ).drop("prev_generation")
+    # One pass over the ownership rows, aggregated where they were exploded: partitions
+    # per (previous owner, owner) pair, except that a partition that is new or moved
+    # keeps a row of its own (the stints need it). Owner counts, loads, moves, holdings
+    # and churn follow from the pairs, stints from the partitions kept.
+    changed = F.when(col("prev_owner").isNull() | moved, col("partition"))
+    grains = keep(
+        own.groupBy(
+            *GEN_KEYS,
+            "index",
+            "ts_us",
+            "prev_generation",
+            "prev_index",
+            "owner",
+            "prev_owner",
+            changed.alias("changed"),
+        ).agg(F.count("*").alias("count"), F.sum("load").alias("load_sum"))
     )
+    pairs = grains.groupBy(*GEN_KEYS, "owner", "prev_owner").agg(
+        F.sum("count").alias("count"), F.sum("load_sum").alias("load_sum")
+    )
+    # Stints: one starts wherever a partition is new or moved; the one before a move ends
+    # in the previous generation, and so does one whose partition this generation dropped;
+    # those still open end with the group's last generation.
+    changes = grains.filter(col("changed").isNotNull()).select(
+        *GEN_KEYS,
+        "index",
+        "ts_us",
+        "prev_generation",
+        "prev_index",
+        col("changed").alias("partition"),
+        "owner",
+        moved.alias("moved"),
+    )
+    dropped = paired.filter(col("prev_parts").isNotNull() & (col("prev_parts") != col("parts")))
+    dropped = dropped.select(
+        *GROUP_KEYS,
+        "prev_generation",
+        "prev_index",
+        "ts_us",
+        F.explode(F.array_except("prev_parts", "parts")).alias("partition"),
+    )
+    last = ev.filter(col("next_ts_us").isNull()).select(
+        *GROUP_KEYS, "generation", "index", F.explode("parts").alias("partition")
+    )
+
+    def stint_end(frame: DataFrame, generation: str, index: str, next_us: Column) -> DataFrame:
+        return frame.select(
+            *GROUP_KEYS,
+            "partition",
+            col(index).alias("at"),
+            F.lit(1).alias("side"),
+            F.lit(None).cast("string").alias("member"),
+            col(generation).alias("generation"),
+            F.lit(None).cast("long").alias("start_us"),
+            next_us.cast("long").alias("next_us"),
+        )
+
+    starts = changes.select(
+        *GROUP_KEYS,
+        "partition",
+        col("index").alias("at"),
+        F.lit(0).alias("side"),
+        col("owner").alias("member"),
+        "generation",
+        col("ts_us").alias("start_us"),
+        F.lit(None).cast("long").alias("next_us"),
+    )
+    bounds = starts.unionByName(
+        stint_end(changes.filter("moved"), "prev_generation", "prev_index", col("ts_us"))
+    ).unionByName(stint_end(dropped, "prev_generation", "prev_index", col("ts_us")))
+    bounds = bounds.unionByName(stint_end(last, "generation", "index", F.lit(None)))
+    # Per partition, starts and ends alternate (a start sorts before an end of the same
+    # generation): each end's predecessor is its stint's start.
+    along = Window.partitionBy(*GROUP_KEYS, "partition").orderBy("at", "side")
+    stints = bounds.select(
+        "*",
+        F.lag("at").over(along).alias("start_at"),
+        F.lag("member").over(along).alias("start_member"),
+        F.lag("generation").over(along).alias("first_generation"),
+        F.lag("start_us").over(along).alias("stint_start_us"),
+    ).filter(col("side") == 1)
 
     members = ev.select(*GEN_KEYS, F.explode("members").alias("member")).withColumn(
         "is_member", F.lit(True)
@@ -241,11 +330,6 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
 
     # One pass over the ownership rows: partitions per (previous owner, owner) pair. Owner
     # counts, loads, moves, holdings and churn all follow from these few rows.
-    pairs = keep(
-        own.groupBy(*GEN_KEYS, "owner", "prev_owner").agg(
-            F.count("*").alias("count"), F.sum("load").alias("load_sum")
-        )
-    )
     moved_pairs = pairs.filter(col("prev_owner").isNotNull() & (col("prev_owner") != col("owner")))
 
     # Minimum moves: orphaned partitions plus each member's excess over its quota.
@@ -378,27 +462,18 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
     # Ownership stints.
     last_ts = ev.groupBy(*GROUP_KEYS).agg(F.max("ts_us").alias("group_last_us"))
     ownership = keep(
-        own.groupBy(*GROUP_KEYS, "partition", "stint")
-        .agg(
-            F.min("owner").alias("member"),
-            F.min("generation").alias("first_generation"),
-            F.max("generation").alias("last_generation"),
-            F.count("*").alias("generations"),
-            F.min("ts_us").alias("start_us"),
-            F.max_by("next_ts_us", "generation").alias("next_us"),
-        )
-        .join(last_ts, GROUP_KEYS)
+        stints.join(F.broadcast(last_ts), GROUP_KEYS)
         .withColumn("end_us", F.coalesce(col("next_us"), col("group_last_us")))
         .select(
             *GROUP_KEYS,
             "partition",
-            "member",
+            col("start_member").alias("member"),
             "first_generation",
-            "last_generation",
-            "generations",
-            F.timestamp_micros("start_us").alias("start"),
+            col("generation").alias("last_generation"),
+            (col("at") - col("start_at") + 1).cast("long").alias("generations"),
+            F.timestamp_micros("stint_start_us").alias("start"),
             F.timestamp_micros("end_us").alias("end"),
-            ((col("end_us") - col("start_us")) / 1e6).alias("duration_s"),
+            ((col("end_us") - col("stint_start_us")) / 1e6).alias("duration_s"),
             col("next_us").isNotNull().alias("ended"),
         )
     )
