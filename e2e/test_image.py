@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +20,6 @@ import pytest
 pytestmark = [pytest.mark.image, pytest.mark.timeout(1800)]
 
 REPO = Path(__file__).resolve().parent.parent
-TAG = os.environ.get("SHOAL_IMAGE", "shoal:dev")
 USER = "10001:10001"
 ENV = {**os.environ, "CONTAINERS_CONF": str(REPO / "scripts" / "containers.conf")}
 
@@ -33,17 +31,6 @@ def buildah(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     if check and result.returncode != 0:
         raise AssertionError(f"buildah {' '.join(args)}: {result.stdout}{result.stderr}")
     return result
-
-
-@pytest.fixture(scope="module")
-def image() -> str:
-    """Build (buildah's layer cache makes a rebuild of unchanged sources quick)."""
-    started = time.monotonic()
-    subprocess.run(
-        ["bash", str(REPO / "scripts" / "build-image.sh"), TAG], check=True, timeout=1700
-    )
-    print(f"\nbuild-image.sh took {time.monotonic() - started:.0f} s")
-    return TAG
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""A process kubelet: runs the local plane's Pods as processes of this virtualenv.
+"""A process kubelet: runs the local plane's Pods as processes of this virtualenv, or, with
+`--image`, chrooted into that image's root filesystem as the pod's user.
 
 It registers one Node, binds unscheduled Pods to it (on a one-node plane it is the
 scheduler too), and for each container of a bound Pod starts `command + args` as a local
@@ -16,18 +17,45 @@ Secret volumes are written, before the pod's containers start, into a private pe
 directory (`<root>/kubelet/pods/<uid>/volumes/<volume>`: directories 0700, files 0600,
 whatever defaultMode says; `items` and `optional` as in Kubernetes). A Secret or a listed
 key that is missing (and not optional) keeps the containers waiting in ContainerCreating
-with the reason, retried every few seconds, like a real kubelet's FailedMount. Other
+with the reason, retried every few seconds, like a real kubelet's FailedMount. Env
+`secretKeyRef`/`configMapKeyRef` and `envFrom` honour `optional`; a missing non-optional
+one leaves the container in CreateContainerConfigError, retried. Volumes are written once
+per pod: a Secret changed later is not synced into a running pod. The directory is
+removed when the pod goes away.
+
+The venv runtime (the default). Containers are host processes of the checkout's venv,
+as the kubelet's own user, without a mount namespace, so a volume cannot appear at its mountPath.
+Instead, every env value (and every command argument) that is a mountPath of a
+materialized volume, or a path under one, is rewritten to the materialized location
+(`ETCD_CA_FILE=/etc/shoal/etcd/ca.crt` becomes `.../volumes/etcd-tls/ca.crt`). A program
+that builds such paths itself, or reads them from a file, will not find them. Other
 volume types are not materialized (emptyDir `/tmp` is simply the host's /tmp).
 
-Differences from a real kubelet, because pods are host processes without a mount
-namespace: a volume cannot appear at its mountPath. Instead, every env value (and every
-command argument) that is a mountPath of a materialized volume, or a path under one, is
-rewritten to the materialized location (`ETCD_CA_FILE=/etc/shoal/etcd/ca.crt` becomes
-`.../volumes/etcd-tls/ca.crt`). A program that builds such paths itself, or reads them
-from a file, will not find them. Volumes are written once per pod: a Secret changed
-later is not synced into a running pod. The directory is removed when the pod goes away.
-Env `secretKeyRef`/`configMapKeyRef` and `envFrom` honour `optional`; a missing
-non-optional one leaves the container in CreateContainerConfigError, retried.
+The image runtime (`--image shoal:dev`; root and buildah, see image.py). At start the
+kubelet makes a buildah working container of the image and mounts it (removed at
+shutdown, or by the plane's `down` after a killed kubelet). Each container is started by
+sandbox.py, which execs into it (same pid, process group, exit status, so signals,
+restarts, logs and status work as above): a new mount namespace with private
+propagation, a throwaway overlay (tmpfs upper layer) over the image as its root, chroot,
+/proc, a minimal /dev (null, zero, full, random, urandom, tty, shm), /sys read-only, the
+pod's Secret (read-only) and emptyDir volumes bound at their real mountPaths (no path
+rewriting), a per-pod /tmp unless a volume is mounted there, the ServiceAccount token,
+ca.crt, namespace and a kubeconfig using them at
+/var/run/secrets/kubernetes.io/serviceaccount (KUBECONFIG points there), the host's
+/etc/resolv.conf and /etc/hosts; the root remounted read-only when
+readOnlyRootFilesystem is set. It then takes the uid/gid of runAsUser/runAsGroup
+(container, then pod), else the image's USER, plus supplementalGroups and fsGroup,
+refuses uid 0 under runAsNonRoot, sets no_new_privs when allowPrivilegeEscalation is
+false, and execs the command on the image's PATH with the image's ENV (then the pod's),
+in the image's WORKDIR; an empty command means the image's ENTRYPOINT/CMD. Exec probes
+enter the container's mount namespace and root as its user. Secret files and the token
+stay 0600, owned by the pod's user (its fsGroup if set). What a real container runtime
+does and this does not: no network namespace (pods share the host's loopback and
+ports), no PID, UTS or IPC namespace (pods see every host process and the host name), no
+user namespace, no cgroups (resources.limits and requests are not enforced), no seccomp
+or AppArmor profile and no capability bounding beyond what leaving uid 0 drops, no image
+pulls (the one image given, for every shoal:dev pod), and what a container writes on a
+writable root goes to a tmpfs that is gone at its restart.
 """
 
 from __future__ import annotations
