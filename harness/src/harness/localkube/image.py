@@ -61,9 +61,12 @@ class ImageConfig:
 
 
 def buildah(*args: str) -> str:
-    result = subprocess.run(
-        ["buildah", *args], capture_output=True, text=True, timeout=300, check=False
-    )
+    try:
+        result = subprocess.run(
+            ["buildah", *args], capture_output=True, text=True, timeout=300, check=False
+        )
+    except FileNotFoundError:
+        raise RuntimeError("buildah is not installed (`make image` installs it)") from None
     if result.returncode != 0:
         raise RuntimeError(f"buildah {' '.join(args)}: {result.stderr.strip()}")
     return result.stdout
@@ -103,6 +106,9 @@ class ImageRoot:
         self.config = ImageConfig()
 
     def open(self) -> None:
+        if os.geteuid() != 0:
+            # Mount namespaces, chroot and setuid, and buildah's storage.
+            raise RuntimeError("the kubelet's image runtime needs root")
         remove_recorded(self.state_dir)
         self.config = ImageConfig.from_inspect(
             json.loads(buildah("inspect", "--type", "image", self.image))
