@@ -157,7 +157,10 @@ def test_consumer_pods_run_from_the_image(plane: LocalKube, operator: Path) -> N
     assert inside(pid, "sh", "-c", "touch /tmp/written && echo ok") == "ok"
     token_dir = "/var/run/secrets/kubernetes.io/serviceaccount"
     assert inside(pid, "cat", f"{token_dir}/namespace") == NS
-    assert inside(pid, "sh", "-c", "echo $KUBECONFIG") == f"{token_dir}/kubeconfig"
+    environ = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+    env = dict(item.split("=", 1) for item in environ if "=" in item)
+    assert env["KUBECONFIG"] == f"{token_dir}/kubeconfig"
+    assert env["PATH"].startswith("/opt/shoal/bin:")  # the image's ENV
 
     asyncio.run(produce_and_audit(plane))
 
