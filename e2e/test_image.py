@@ -54,6 +54,9 @@ def test_the_image_declares_the_non_root_user(image: str) -> None:
 
 def test_both_commands_run_as_the_non_root_user(container: str) -> None:
     assert run_as_user(container, "id", "-u").stdout.strip() == "10001"
+    # kopf names the operator after the user: the uid must have a passwd entry.
+    name = "import getpass; print(getpass.getuser())"
+    assert run_as_user(container, "python3", "-c", name).stdout.strip() == "shoal"
     consumer = run_as_user(container, "shoal-consumer", "--help").stdout
     assert "run" in consumer and "produce" in consumer, consumer
     operator = run_as_user(container, "shoal-operator", "--help").stdout
