@@ -120,10 +120,10 @@ def _make_target(target: str, is_dir: bool) -> None:
         os.close(os.open(target, os.O_WRONLY | os.O_CREAT, 0o644))
 
 
-def _bind(fd: int, target: str, read_only: bool) -> None:
+def _bind(fd: int, target: str, read_only: bool, recursive: bool = True) -> None:
     is_dir = stat.S_ISDIR(os.fstat(fd).st_mode)
     _make_target(target, is_dir)
-    mount(f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC)
+    mount(f"/proc/self/fd/{fd}", target, None, MS_BIND | (MS_REC if recursive else 0))
     if read_only:
         mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
@@ -144,7 +144,8 @@ def _mount_kernel_filesystems(sys_fd: int) -> None:
     os.makedirs("/proc", exist_ok=True)
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     _mount_dev()
-    _bind(sys_fd, "/sys", read_only=True)
+    # Not recursive: the host's cgroup mounts under /sys stay out (and so writable ones).
+    _bind(sys_fd, "/sys", read_only=True, recursive=False)
 
 
 def _become(spec: dict[str, Any]) -> None:
