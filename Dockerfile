@@ -41,6 +41,11 @@ FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="shoal" \
       org.opencontainers.image.description="Elastic consumer groups for NATS JetStream on Kubernetes" \
       org.opencontainers.image.licenses="Apache-2.0"
+# The user has a name: kopf (the operator) names itself after getpass.getuser(), which
+# fails for a uid that /etc/passwd does not list (the local plane's image runtime found
+# the operator crash-looping without it). Appended, not useradd: no shadow, no logs.
+RUN echo 'shoal:x:10001:10001:shoal:/tmp:/usr/sbin/nologin' >> /etc/passwd \
+ && echo 'shoal:x:10001:' >> /etc/group
 COPY --from=builder /opt/shoal /opt/shoal
 ENV PATH=/opt/shoal/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \

@@ -2,7 +2,9 @@
 #
 #   make test       lint + typecheck + every pytest test (unit and e2e; starts real servers)
 #   make test-fast  unit tests only (pytest -m "not e2e and not spark and not image")
-#   make image      build the image with buildah (scripts/build-image.sh) and test it
+#   make image      build the image with buildah (scripts/build-image.sh) and test it, also
+#                   as the local plane's kubelet runs it (SHOAL_KUBELET_IMAGE=shoal:dev
+#                   make cluster-up / make demo: pods from the image, not the venv)
 #   make lint       ruff check + ruff format --check
 #   make typecheck  mypy --strict on the shoal packages and the harness
 #   make faults     the fault suite (faults/): one fault per scenario on a real group under
@@ -83,8 +85,11 @@ test: lint typecheck tools
 	$(PYM) pytest -m "not image" $(PYTEST_ARGS)
 
 # The image, built with buildah on a debootstrapped bookworm base (scripts/build-image.sh),
-# then checked: both commands as the non-root user, no build leftovers, its size.
-image: venv
+# then checked: both commands as the non-root user, no build leftovers, its size; and a
+# ConsumerGroup on the local plane whose pods the kubelet runs from it (the plane needs
+# the tools and servers).
+image: venv tools
+	@$(servers_env) \
 	$(PYM) pytest -m image -s $(PYTEST_ARGS)
 
 # kube-apiserver, kube-controller-manager, kubectl, etcd 3.6, helm and the nats CLI, built

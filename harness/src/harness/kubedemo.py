@@ -75,8 +75,8 @@ def wait_ready(plane: LocalKube, members: int, timeout: float = 120) -> None:
         ) from exc
 
 
-def plane_up(root: Path) -> LocalKube:
-    plane = LocalKube(root)
+def plane_up(root: Path, image: str | None = None) -> LocalKube:
+    plane = LocalKube(root, image=image)
     if plane.state_path.exists() and any(
         alive(c.pid) for c in State.load(plane.state_path).components
     ):
@@ -158,8 +158,14 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=20000)
     parser.add_argument("--rate", type=float, default=800.0)
     parser.add_argument("--step-seconds", type=float, default=6.0)
+    parser.add_argument(
+        "--image",
+        default=os.environ.get("SHOAL_KUBELET_IMAGE") or None,
+        help="the kubelet runs the pods from this image (`make image`; as root), not the "
+        "venv (default: $SHOAL_KUBELET_IMAGE)",
+    )
     args = parser.parse_args()
-    plane = plane_up(args.root)
+    plane = plane_up(args.root, args.image)
     say("> helm upgrade --install shoal charts/shoal -n shoal-system")
     run(
         plane,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,9 +25,15 @@ def main() -> None:
         default=Path(".localkube"),
         help="where the plane keeps its state, logs and env (.localkube)",
     )
+    parser.add_argument(
+        "--image",
+        default=os.environ.get("SHOAL_KUBELET_IMAGE") or None,
+        help="run shoal:dev pods from this image (`make image`; as root), not the venv "
+        "(default: $SHOAL_KUBELET_IMAGE)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    plane = LocalKube(args.root)
+    plane = LocalKube(args.root, image=args.image)
     if args.command == "up":
         started = time.monotonic()
         try:

@@ -1,4 +1,5 @@
-"""A process kubelet: runs the local plane's Pods as processes of this virtualenv.
+"""A process kubelet: runs the local plane's Pods as processes of this virtualenv, or, with
+`--image`, chrooted into that image's root filesystem as the pod's user.
 
 It registers one Node, binds unscheduled Pods to it (on a one-node plane it is the
 scheduler too), and for each container of a bound Pod starts `command + args` as a local
@@ -16,18 +17,45 @@ Secret volumes are written, before the pod's containers start, into a private pe
 directory (`<root>/kubelet/pods/<uid>/volumes/<volume>`: directories 0700, files 0600,
 whatever defaultMode says; `items` and `optional` as in Kubernetes). A Secret or a listed
 key that is missing (and not optional) keeps the containers waiting in ContainerCreating
-with the reason, retried every few seconds, like a real kubelet's FailedMount. Other
+with the reason, retried every few seconds, like a real kubelet's FailedMount. Env
+`secretKeyRef`/`configMapKeyRef` and `envFrom` honour `optional`; a missing non-optional
+one leaves the container in CreateContainerConfigError, retried. Volumes are written once
+per pod: a Secret changed later is not synced into a running pod. The directory is
+removed when the pod goes away.
+
+The venv runtime (the default). Containers are host processes of the checkout's venv,
+as the kubelet's own user, without a mount namespace, so a volume cannot appear at its mountPath.
+Instead, every env value (and every command argument) that is a mountPath of a
+materialized volume, or a path under one, is rewritten to the materialized location
+(`ETCD_CA_FILE=/etc/shoal/etcd/ca.crt` becomes `.../volumes/etcd-tls/ca.crt`). A program
+that builds such paths itself, or reads them from a file, will not find them. Other
 volume types are not materialized (emptyDir `/tmp` is simply the host's /tmp).
 
-Differences from a real kubelet, because pods are host processes without a mount
-namespace: a volume cannot appear at its mountPath. Instead, every env value (and every
-command argument) that is a mountPath of a materialized volume, or a path under one, is
-rewritten to the materialized location (`ETCD_CA_FILE=/etc/shoal/etcd/ca.crt` becomes
-`.../volumes/etcd-tls/ca.crt`). A program that builds such paths itself, or reads them
-from a file, will not find them. Volumes are written once per pod: a Secret changed
-later is not synced into a running pod. The directory is removed when the pod goes away.
-Env `secretKeyRef`/`configMapKeyRef` and `envFrom` honour `optional`; a missing
-non-optional one leaves the container in CreateContainerConfigError, retried.
+The image runtime (`--image shoal:dev`; root and buildah, see image.py). At start the
+kubelet makes a buildah working container of the image and mounts it (removed at
+shutdown, or by the plane's `down` after a killed kubelet). Each container is started by
+sandbox.py, which execs into it (same pid, process group, exit status, so signals,
+restarts, logs and status work as above): a new mount namespace with private
+propagation, a throwaway overlay (tmpfs upper layer) over the image as its root, chroot,
+/proc, a minimal /dev (null, zero, full, random, urandom, tty, shm), /sys read-only, the
+pod's Secret (read-only) and emptyDir volumes bound at their real mountPaths (no path
+rewriting), a per-pod /tmp unless a volume is mounted there, the ServiceAccount token,
+ca.crt, namespace and a kubeconfig using them at
+/var/run/secrets/kubernetes.io/serviceaccount (KUBECONFIG points there), the host's
+/etc/resolv.conf and /etc/hosts; the root remounted read-only when
+readOnlyRootFilesystem is set. It then takes the uid/gid of runAsUser/runAsGroup
+(container, then pod), else the image's USER, plus supplementalGroups and fsGroup,
+refuses uid 0 under runAsNonRoot, sets no_new_privs when allowPrivilegeEscalation is
+false, and execs the command on the image's PATH with the image's ENV (then the pod's),
+in the image's WORKDIR; an empty command means the image's ENTRYPOINT/CMD. Exec probes
+enter the container's mount namespace and root as its user. Secret files and the token
+stay 0600, owned by the pod's user (its fsGroup if set). What a real container runtime
+does and this does not: no network namespace (pods share the host's loopback and
+ports), no PID, UTS or IPC namespace (pods see every host process and the host name), no
+user namespace, no cgroups (resources.limits and requests are not enforced), no seccomp
+or AppArmor profile and no capability bounding beyond what leaving uid 0 drops, no image
+pulls (the one image given, for every shoal:dev pod), and what a container writes on a
+writable root goes to a tmpfs that is gone at its restart.
 """
 
 from __future__ import annotations
@@ -56,11 +84,13 @@ import yaml
 from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 
+from harness.localkube import image as image_runtime
+from harness.localkube.image import SERVICE_ACCOUNT_DIR, Identity, ImageRoot, RunAsError
 from harness.waiting import WaitTimeout, eventually
 
 log = logging.getLogger("localkube.kubelet")
 
-LOCAL_IMAGES = {"shoal:dev", "docker.io/library/shoal:dev"}
+LOCAL_IMAGES = {"shoal:dev", "docker.io/library/shoal:dev", "localhost/shoal:dev"}
 POD_IP = "127.0.0.1"
 STATUS_PERIOD = 0.5
 MAX_BACKOFF = 30.0
@@ -88,6 +118,8 @@ class ContainerState:
     liveness_next: float = 0.0
     liveness_failures: int = 0
     env: dict[str, str] = field(default_factory=dict)  # as resolved at the last start
+    # Image runtime: how exec probes enter the running container (sandbox.py's spec).
+    enter: dict[str, Any] | None = None
 
 
 @dataclass
@@ -177,7 +209,8 @@ class PodRunner:
             state.waiting = (
                 "ErrImageNotLocal",
                 f"image {image!r} is not available in the local plane: "
-                "only shoal:dev (this checkout's installation) runs here",
+                "only shoal:dev (this checkout's installation, or the image the kubelet "
+                "was given) runs here",
             )
             return
         process = state.process
@@ -221,29 +254,21 @@ class PodRunner:
         env = dict(self.env)
         try:
             env.update(self.kubelet.container_env(self.pod, spec, self.env))
-        except (ConfigError, ApiException) as exc:
-            message = str(exc) if isinstance(exc, ConfigError) else f"API error: {exc.reason}"
+            identity = self.kubelet.identity(self.pod, spec)
+        except (ConfigError, RunAsError, ApiException) as exc:
+            message = f"API error: {exc.reason}" if isinstance(exc, ApiException) else str(exc)
             if state.waiting != ("CreateContainerConfigError", message):
                 log.warning("Pod %s container %s: %s", self.key, spec.name, message)
             state.waiting = ("CreateContainerConfigError", message)
             state.next_start = time.monotonic() + 2.0
             return
-        moved = _mounted_paths(spec, self.volumes or {})
-        env = {key: _rewrite_path(value, moved) for key, value in env.items()}
-        state.env = env
         state.log_path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            command = [_rewrite_path(arg, moved) for arg in self._command(spec, env)]
             with state.log_path.open("ab") as out:
-                state.process = subprocess.Popen(
-                    command,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    cwd=self.kubelet.pod_dir(self.pod),
-                    start_new_session=True,
-                )
+                if identity is None:
+                    command = self._start_process(state, env, out)
+                else:
+                    command = self._start_in_image(state, env, identity, out)
         except OSError as exc:
             message = str(exc)
             log.warning("Pod %s container %s cannot start: %s", self.key, spec.name, message)
@@ -261,6 +286,7 @@ class PodRunner:
             state.started_at = state.started_at or now()
             state.next_start = time.monotonic() + self._backoff(state)
             return
+        assert state.process is not None
         self.kubelet.record_pid(self.pod, spec.name, state.process.pid)
         if state.terminated is not None:
             state.restarts += 1
@@ -281,6 +307,48 @@ class PodRunner:
             state.process.pid,
             shlex.join(command),
         )
+
+    def _start_process(self, state: ContainerState, env: dict[str, str], out: Any) -> list[str]:
+        """A host process of the virtualenv; volume paths rewritten to where they are."""
+        moved = _mounted_paths(state.spec, self.volumes or {})
+        env = {key: _rewrite_path(value, moved) for key, value in env.items()}
+        state.env = env
+        command = [_rewrite_path(arg, moved) for arg in self._command(state.spec, env)]
+        state.process = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=self.kubelet.pod_dir(self.pod),
+            start_new_session=True,
+        )
+        return command
+
+    def _start_in_image(
+        self, state: ContainerState, env: dict[str, str], identity: Identity, out: Any
+    ) -> list[str]:
+        """Chrooted into the image, as the pod's user, volumes at their mountPaths."""
+        image = self.kubelet.image
+        assert image is not None
+        spec = state.spec
+        state.env = env
+        command = [_expand(c, env) for c in image.command(spec)]
+        if not command:
+            raise FileNotFoundError("the container has no command, the image no ENTRYPOINT/CMD")
+        if image.resolve(command[0], env.get("PATH", "")) is None:
+            raise FileNotFoundError(f'executable file "{command[0]}" not found in $PATH')
+        run_spec = image.run_spec(
+            staging=self.kubelet.staging_dir(self.pod, spec.name),
+            identity=identity,
+            binds=self.kubelet.binds(self.pod, spec, self.volumes or {}),
+            spec=spec,
+            env=env,
+            command=command,
+        )
+        state.enter = image.enter_spec(identity, spec, env)
+        state.process = image_runtime.start(run_spec, out)
+        return command
 
     def _backoff(self, state: ContainerState) -> float:
         return min(MAX_BACKOFF, float(2 ** min(state.restarts, 6)))
@@ -310,7 +378,7 @@ class PodRunner:
         probe = spec.readiness_probe
         if probe is not None and t >= state.probe_next:
             state.probe_next = t + (probe.period_seconds or 10)
-            if self.kubelet.run_probe(probe, spec, state.env, self.kubelet.pod_dir(self.pod)):
+            if self._run_probe(state, probe):
                 state.probe_failures = 0
                 state.probe_successes += 1
                 if state.probe_successes >= (probe.success_threshold or 1):
@@ -323,7 +391,7 @@ class PodRunner:
         live = spec.liveness_probe
         if live is not None and t >= state.liveness_next and state.process is not None:
             state.liveness_next = t + (live.period_seconds or 10)
-            if self.kubelet.run_probe(live, spec, state.env, self.kubelet.pod_dir(self.pod)):
+            if self._run_probe(state, live):
                 state.liveness_failures = 0
             else:
                 state.liveness_failures += 1
@@ -334,6 +402,13 @@ class PodRunner:
                         spec.name,
                     )
                     _signal_group(state.process.pid, signal.SIGKILL)
+
+    def _run_probe(self, state: ContainerState, probe: Any) -> bool:
+        inside = None
+        if state.enter is not None and state.process is not None:
+            inside = (state.process.pid, state.enter)
+        cwd = self.kubelet.pod_dir(self.pod)
+        return self.kubelet.run_probe(probe, state.spec, state.env, cwd, inside)
 
     # -- status ----------------------------------------------------------------------------
 
@@ -501,6 +576,19 @@ def _signal_group(pid: int, sig: signal.Signals) -> None:
         pass
 
 
+def _empty_dir(path: Path) -> Path:
+    """An emptyDir volume: writable by any user, as Kubernetes makes it (0777)."""
+    path.mkdir(exist_ok=True)
+    path.chmod(0o777)
+    return path
+
+
+def _chown_tree(path: Path, uid: int, gid: int) -> None:
+    os.chown(path, uid, gid)
+    for child in path.rglob("*"):
+        os.chown(child, uid, gid, follow_symlinks=False)
+
+
 def _expand(value: str, env: dict[str, str]) -> str:
     """Kubernetes' $(VAR) expansion in command and args."""
     for key, val in env.items():
@@ -509,7 +597,9 @@ def _expand(value: str, env: dict[str, str]) -> str:
 
 
 class ProcessKubelet:
-    def __init__(self, kubeconfig: Path, root: Path, node: str, venv_bin: Path) -> None:
+    def __init__(
+        self, kubeconfig: Path, root: Path, node: str, venv_bin: Path, image: str | None = None
+    ) -> None:
         self.kubeconfig = kubeconfig
         self.root = root
         self.node = node
@@ -528,6 +618,8 @@ class ProcessKubelet:
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.log_port = 0
+        # Image runtime: containers run from this image's root filesystem (open() mounts it).
+        self.image = ImageRoot(image, self.state_dir) if image else None
 
     # -- paths and processes ------------------------------------------------------------
 
@@ -544,6 +636,47 @@ class ProcessKubelet:
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
         return path
 
+    def staging_dir(self, pod: Any, container: str) -> Path:
+        """Where a container's root is assembled: empty on the host, since everything
+        mounted on it lives in the container's own mount namespace."""
+        path = self.pod_dir(pod) / "containers" / container
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return path
+
+    def identity(self, pod: Any, spec: Any) -> Identity | None:
+        """Who the container runs as (image runtime); None: as the kubelet's processes."""
+        return None if self.image is None else self.image.identity(pod, spec)
+
+    def _owner(self, pod: Any) -> tuple[int, int]:
+        """Who owns the pod's secret files and token in the image runtime: the first
+        container's user, and the pod's fsGroup if it has one (else that user's group)."""
+        assert self.image is not None
+        identity = self.image.identity(pod, pod.spec.containers[0], check=False)
+        fs_group = getattr(pod.spec.security_context, "fs_group", None)
+        return identity.uid, identity.gid if fs_group is None else int(fs_group)
+
+    def binds(self, pod: Any, spec: Any, volumes: dict[str, Path]) -> list[dict[str, Any]]:
+        """The image runtime's bind mounts: volumes at their mountPaths (Secrets always
+        read-only, as in Kubernetes), a per-pod /tmp unless a volume is there, the token."""
+        secrets = {v.name for v in pod.spec.volumes or [] if v.secret is not None}
+        binds = [
+            {
+                "source": str(volumes[mount.name] / (mount.sub_path or "")),
+                "target": mount.mount_path,
+                "read_only": bool(mount.read_only) or mount.name in secrets,
+            }
+            for mount in spec.volume_mounts or []
+            if mount.name in volumes
+        ]
+        if not any(b["target"].rstrip("/") == "/tmp" for b in binds):
+            tmp = self.pod_dir(pod) / "tmp"
+            tmp.mkdir(exist_ok=True)
+            tmp.chmod(0o1777)
+            binds.append({"source": str(tmp), "target": "/tmp"})
+        account = self.pod_dir(pod) / "serviceaccount"
+        binds.append({"source": str(account), "target": SERVICE_ACCOUNT_DIR, "read_only": True})
+        return binds
+
     def remove_pod_dir(self, pod: Any) -> None:
         """The pod's kubeconfig (a token) and materialized volumes (secrets) go with it."""
         shutil.rmtree(self.state_dir / "pods" / str(pod.metadata.uid), ignore_errors=True)
@@ -559,6 +692,9 @@ class ProcessKubelet:
         root.mkdir(mode=0o700, exist_ok=True)
         mounted: dict[str, Path] = {}
         for volume in pod.spec.volumes or []:
+            if volume.empty_dir is not None and self.image is not None:
+                mounted[volume.name] = _empty_dir(root / volume.name)
+                continue
             source = volume.secret
             if source is None:
                 continue
@@ -575,6 +711,9 @@ class ProcessKubelet:
                     os.write(fd, content)
                 finally:
                     os.close(fd)
+            if self.image is not None:
+                # The pod's user reads them (0600 stays: nobody else on the host may).
+                _chown_tree(fresh, *self._owner(pod))
             shutil.rmtree(target, ignore_errors=True)
             fresh.rename(target)
             mounted[volume.name] = target
@@ -616,7 +755,15 @@ class ProcessKubelet:
     # -- environment ----------------------------------------------------------------------
 
     def pod_env(self, pod: Any) -> dict[str, str]:
-        """What every container of the pod gets: PATH into the venv, a kubeconfig."""
+        """What every container of the pod gets: PATH into the venv (the image's ENV in
+        the image runtime), a kubeconfig."""
+        if self.image is not None:
+            self._write_service_account(pod)
+            return {
+                **self.image.config.env,
+                "HOSTNAME": pod.metadata.name,
+                "KUBECONFIG": f"{SERVICE_ACCOUNT_DIR}/kubeconfig",
+            }
         env = {
             k: v
             for k, v in os.environ.items()
@@ -629,6 +776,31 @@ class ProcessKubelet:
         return env
 
     def _pod_kubeconfig(self, pod: Any) -> Path:
+        path = self.pod_dir(pod) / "kubeconfig"
+        path.write_text(yaml.safe_dump(self._kubeconfig(pod, self._pod_token(pod), self.ca_file)))
+        path.chmod(0o600)
+        return path
+
+    def _write_service_account(self, pod: Any) -> None:
+        """The image runtime's token directory, as Kubernetes projects it (token, ca.crt,
+        namespace), plus a kubeconfig using them; owned by the pod's user."""
+        directory = self.pod_dir(pod) / "serviceaccount"
+        directory.mkdir(mode=0o700, exist_ok=True)
+        token = self._pod_token(pod)
+        files = {
+            "token": token,
+            "ca.crt": Path(self.ca_file).read_text(),
+            "namespace": pod.metadata.namespace,
+            "kubeconfig": yaml.safe_dump(
+                self._kubeconfig(pod, token, f"{SERVICE_ACCOUNT_DIR}/ca.crt")
+            ),
+        }
+        for name, content in files.items():
+            (directory / name).write_text(content)
+            (directory / name).chmod(0o600)
+        _chown_tree(directory, *self._owner(pod))
+
+    def _pod_token(self, pod: Any) -> str:
         sa = pod.spec.service_account_name or "default"
         namespace = pod.metadata.namespace
         request = client.AuthenticationV1TokenRequest(
@@ -664,34 +836,32 @@ class ProcessKubelet:
             )
         except WaitTimeout as exc:
             raise RuntimeError(f"no token for service account {namespace}/{sa}: {exc}") from exc
-        path = self.pod_dir(pod) / "kubeconfig"
-        path.write_text(
-            yaml.safe_dump(
+        return token
+
+    def _kubeconfig(self, pod: Any, token: str, ca_file: str) -> dict[str, Any]:
+        sa = pod.spec.service_account_name or "default"
+        return {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [
                 {
-                    "apiVersion": "v1",
-                    "kind": "Config",
-                    "clusters": [
-                        {
-                            "name": "local",
-                            "cluster": {
-                                "server": self.server,
-                                "certificate-authority": self.ca_file,
-                            },
-                        }
-                    ],
-                    "users": [{"name": sa, "user": {"token": token}}],
-                    "contexts": [
-                        {
-                            "name": "pod",
-                            "context": {"cluster": "local", "user": sa, "namespace": namespace},
-                        }
-                    ],
-                    "current-context": "pod",
+                    "name": "local",
+                    "cluster": {"server": self.server, "certificate-authority": ca_file},
                 }
-            )
-        )
-        path.chmod(0o600)
-        return path
+            ],
+            "users": [{"name": sa, "user": {"token": token}}],
+            "contexts": [
+                {
+                    "name": "pod",
+                    "context": {
+                        "cluster": "local",
+                        "user": sa,
+                        "namespace": pod.metadata.namespace,
+                    },
+                }
+            ],
+            "current-context": "pod",
+        }
 
     def _field(self, pod: Any, path: str) -> str:
         meta = pod.metadata
@@ -790,9 +960,22 @@ class ProcessKubelet:
 
     # -- probes ----------------------------------------------------------------------------
 
-    def run_probe(self, probe: Any, spec: Any, env: dict[str, str], cwd: Path) -> bool:
+    def run_probe(
+        self,
+        probe: Any,
+        spec: Any,
+        env: dict[str, str],
+        cwd: Path,
+        inside: tuple[int, dict[str, Any]] | None = None,
+    ) -> bool:
+        """`inside`: (pid, sandbox spec) of a container of the image runtime, whose exec
+        probes run in its mount namespace and root, as its user."""
         timeout = probe.timeout_seconds or 1
         try:
+            if probe._exec is not None and inside is not None:
+                command = list(probe._exec.command or [])
+                result = image_runtime.run_inside(*inside, command, timeout)
+                return result.returncode == 0
             if probe._exec is not None:
                 command = list(probe._exec.command or [])
                 if command and "/" not in command[0]:
@@ -867,8 +1050,8 @@ class ProcessKubelet:
                 "systemUUID": "localkube",
                 "bootID": "localkube",
                 "kernelVersion": os.uname().release,
-                "osImage": "local processes",
-                "containerRuntimeVersion": "process://1",
+                "osImage": "local processes" if self.image is None else self.image.image,
+                "containerRuntimeVersion": "process://1" if self.image is None else "chroot://1",
                 "kubeletVersion": "v0.0.0-shoal",
                 "kubeProxyVersion": "",
                 "operatingSystem": "linux",
@@ -1007,6 +1190,8 @@ class ProcessKubelet:
             threads.append(thread)
         for thread in threads:
             thread.join()
+        if self.image is not None:
+            self.image.close()
 
     # -- logs for `kubectl logs` -----------------------------------------------------------
 
@@ -1055,11 +1240,17 @@ def main() -> None:
     parser.add_argument(
         "--venv-bin", type=Path, required=True, help="bin directory of the virtualenv pods run in"
     )
+    parser.add_argument(
+        "--image",
+        help="run shoal:dev pods from this image's root filesystem (buildah; needs root)",
+    )
     args = parser.parse_args()
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    kubelet = ProcessKubelet(args.kubeconfig, args.root, args.node, args.venv_bin)
+    kubelet = ProcessKubelet(args.kubeconfig, args.root, args.node, args.venv_bin, args.image)
+    if kubelet.image is not None:
+        kubelet.image.open()
     pki = args.root / "pki"
     kubelet.serve_logs(pki / "apiserver.crt", pki / "apiserver.key")
     kubelet.register_node()

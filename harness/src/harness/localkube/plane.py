@@ -4,7 +4,8 @@ etcd, kube-apiserver (RBAC, service-account tokens, a self-signed serving certif
 and kube-controller-manager (deployments, replicasets, service accounts and their
 tokens, namespaces, garbage collection, disruption budgets) run as local processes; a
 process kubelet (harness.localkube.kubelet) registers a Node and runs Pods as processes
-of this project's virtualenv. A NATS server and a second etcd serve the consumer groups.
+of this project's virtualenv, or, with `image=`, chrooted into that image's root
+filesystem as the pod's user. A NATS server and a second etcd serve the consumer groups.
 
 `LocalKube(root).up()` starts everything and writes `root/env` (KUBECONFIG, PATH,
 NATS_URL, ETCD_ENDPOINTS) and `root/values.yaml` (Helm values for the chart); with
@@ -31,6 +32,7 @@ from typing import Any, Self
 
 import yaml
 
+from harness.localkube.image import remove_recorded
 from harness.localkube.pki import Pki, ensure_pki
 from harness.localkube.tools import KubeTools, find_tools
 from harness.servers import EtcdServer, NatsServer, free_port
@@ -185,11 +187,19 @@ def _exited(pid: int) -> bool:
 
 class LocalKube:
     def __init__(
-        self, root: Path, *, tools: KubeTools | None = None, venv_bin: Path | None = None
+        self,
+        root: Path,
+        *,
+        tools: KubeTools | None = None,
+        venv_bin: Path | None = None,
+        image: str | None = None,
     ) -> None:
+        """`image`: the kubelet runs shoal:dev pods from this image's root filesystem
+        (chroot, the pod's uid; needs root and buildah), not as processes of `venv_bin`."""
         self.root = Path(root).resolve()
         self.tools = tools
         self.venv_bin = venv_bin or Path(sys.executable).parent
+        self.image = image
         self.state = State()
         self._servers: list[Any] = []
 
@@ -399,6 +409,7 @@ class LocalKube:
                 NODE_NAME,
                 "--venv-bin",
                 str(self.venv_bin),
+                *(["--image", self.image] if self.image else []),
             ],
             env,
         )
@@ -507,6 +518,8 @@ class LocalKube:
             stop_process_group(component.pid, timeout)
             log.info("Stopped %s in %.1f s", component.name, time.monotonic() - started)
         self._kill_leftover_pods()
+        # A kubelet killed before its shutdown leaves the image's working container.
+        remove_recorded(self.root / "kubelet")
         self.state_path.unlink()
 
     def _kill_leftover_pods(self) -> None:
