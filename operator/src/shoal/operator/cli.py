@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 import click
 import kopf
@@ -40,4 +41,18 @@ def main(namespaces: tuple[str, ...], liveness: str, log_level: str) -> None:
 
     spaces = [n for item in namespaces for n in item.split(",") if n]
     os.environ.setdefault("SHOAL_WATCH_NAMESPACES", ",".join(spaces))
-    kopf.run(standalone=True, clusterwide=not spaces, namespaces=spaces, liveness_endpoint=liveness)
+    set_identity()
+    kopf.run(
+        standalone=True,
+        clusterwide=not spaces,
+        namespaces=spaces,
+        liveness_endpoint=liveness,
+    )
+
+
+def set_identity() -> None:
+    """Tell kopf who this operator is (its documented POD_ID): the pod name, else host
+    and pid. kopf's own default asks getpass.getuser(), which raises for a uid with no
+    passwd entry: a runAsUser the image does not name crash-looped the operator pod."""
+    name = os.environ.get("POD_NAME") or f"{socket.gethostname()}/{os.getpid()}"
+    os.environ.setdefault("POD_ID", name)
