@@ -201,6 +201,14 @@ def consumer_config(config: GroupConfig, partition: int) -> api.ConsumerConfig:
         backoff=None,
         max_waiting=64,
         num_replicas=config.stream_replicas,
+        # A work-queue stream deletes each message once it is acked, so the stream itself
+        # records what is done: the durable's state can live in memory. On disk,
+        # nats-server rewrites it (a new file, renamed over the old) up to 10 times a
+        # second per busy durable; with 128 partitions that was about half the server's
+        # CPU, and on a host where creating files is slow its acks came later than
+        # ack_wait (docs/data-path.md). After a restart of a lone server such a durable
+        # is gone; the members recreate it, and it delivers what the stream still holds.
+        mem_storage=True if config.retention == "workqueue" else None,
     )
 
 
