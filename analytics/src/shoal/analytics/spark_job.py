@@ -105,6 +105,21 @@ def _ratio(moves: Column, minimum: Column) -> Column:
     )
 
 
+def _percentile(ordered: Column, q: float) -> Column:
+    """The exact percentile of a sorted array, interpolated between the closest ranks as
+    Spark's ``percentile`` and :func:`shoal.analytics.metrics.percentile` do; null for an
+    empty array. Per generation this replaces an aggregation over the exploded values."""
+    from pyspark.sql import functions as F
+
+    n = F.size(ordered)
+    position = F.lit(q) * (n - 1)
+    low = F.floor(position).cast("int")
+    high = F.least(low + 1, n - 1)
+    below = F.try_element_at(ordered, low + 1)
+    above = F.try_element_at(ordered, high + 1)
+    return F.when(n > 0, below + (above - below) * (position - low))
+
+
 @dataclass
 class SparkReport:
     """Lazy DataFrames of every table (see :mod:`shoal.analytics.tables`), plus what the
@@ -259,13 +274,15 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
             changed.alias("changed"),
         ).agg(F.count("*").alias("count"), F.sum("load").alias("load_sum"))
     )
-    pairs = grains.groupBy(*GEN_KEYS, "owner", "prev_owner").agg(
-        F.sum("count").alias("count"), F.sum("load_sum").alias("load_sum")
+    pairs = keep(
+        grains.groupBy(*GEN_KEYS, "owner", "prev_owner").agg(
+            F.sum("count").alias("count"), F.sum("load_sum").alias("load_sum")
+        )
     )
     # Stints: one starts wherever a partition is new or moved; the one before a move ends
     # in the previous generation, and so does one whose partition this generation dropped;
     # those still open end with the group's last generation.
-    changes = grains.filter(col("changed").isNotNull()).select(
+    fresh = grains.filter(col("changed").isNotNull()).select(
         *GEN_KEYS,
         "index",
         "ts_us",
@@ -299,7 +316,7 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
             next_us.cast("long").alias("next_us"),
         )
 
-    starts = changes.select(
+    starts = fresh.select(
         *GROUP_KEYS,
         "partition",
         col("index").alias("at"),
@@ -310,7 +327,7 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
         F.lit(None).cast("long").alias("next_us"),
     )
     bounds = starts.unionByName(
-        stint_end(changes.filter("moved"), "prev_generation", "prev_index", col("ts_us"))
+        stint_end(fresh.filter("moved"), "prev_generation", "prev_index", col("ts_us"))
     ).unionByName(stint_end(dropped, "prev_generation", "prev_index", col("ts_us")))
     bounds = bounds.unionByName(stint_end(last, "generation", "index", F.lit(None)))
     # Per partition, starts and ends alternate (a start sorts before an end of the same
@@ -384,12 +401,6 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
     moves = moved_pairs.groupBy(*GEN_KEYS).agg(F.sum("count").alias("moves"))
 
     handover = ev.select(*GEN_KEYS, "strategy", F.explode("handover").alias("handover_ms"))
-    quantiles = F.percentile("handover_ms", [0.5, 0.9, 0.99])
-    handover_stats = handover.groupBy(*GEN_KEYS).agg(
-        F.count("*").alias("handovers"),
-        quantiles.alias("q"),
-        F.max("handover_ms").alias("handover_max"),
-    )
 
     positive = col("mean_count") > 0
     min_moves = F.when(
@@ -400,7 +411,6 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
         .join(moves, GEN_KEYS, "left")
         .join(orphaned, GEN_KEYS, "left")
         .join(excess, GEN_KEYS, "left")
-        .join(handover_stats, GEN_KEYS, "left")
         .withColumn("moves", F.coalesce(col("moves"), F.lit(0)).cast("long"))
         .withColumn("min_moves", min_moves.cast("long"))
         .select(
@@ -426,11 +436,12 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
             col("moved_recorded").cast("long").alias("moves_recorded"),
             "min_moves",
             _ratio(col("moves"), col("min_moves")),
-            F.coalesce(col("handovers"), F.lit(0)).alias("handovers"),
-            col("q")[0].alias("handover_p50"),
-            col("q")[1].alias("handover_p90"),
-            col("q")[2].alias("handover_p99"),
-            "handover_max",
+            F.size("handover").cast("long").alias("handovers"),
+            *[
+                _percentile(F.sort_array("handover"), q).alias(f"handover_p{round(q * 100)}")
+                for q in (0.5, 0.9, 0.99)
+            ],
+            F.array_max("handover").alias("handover_max"),
             ((col("ts_us") - col("prev_ts_us")) / 1e6).alias("interval_s"),
         )
     )
