@@ -76,7 +76,7 @@ from typing import TYPE_CHECKING
 
 from shoal.analytics.cli import main as cli
 from shoal.analytics.ingest import PROBLEM_KINDS
-from shoal.analytics.spark_input import read_rows
+from shoal.analytics.spark_input import line_splits, numbered, parsed_lines
 from shoal.analytics.tables import COLUMNS, KEYS, normalize
 
 if TYPE_CHECKING:
@@ -123,11 +123,11 @@ def _percentile(ordered: Column, q: float) -> Column:
 @dataclass
 class SparkReport:
     """Lazy DataFrames of every table (see :mod:`shoal.analytics.tables`), plus what the
-    HTML report samples from."""
+    HTML report samples from and the input counts read from."""
 
     tables: dict[str, DataFrame]
     files: list[str]
-    rows: DataFrame
+    lines: DataFrame
     handover: DataFrame
     cached: list[DataFrame]
 
@@ -138,97 +138,104 @@ class SparkReport:
             frame.rdd.unpersist()
 
 
-def compute(spark: SparkSession, input_path: str, progress: Progress | None = None) -> SparkReport:
-    """Build the report's DataFrames over every ``*.jsonl`` below ``input_path``. The
-    intermediate frames are computed here (checkpoints); ``progress`` hears how long each
-    took."""
-    from pyspark import StorageLevel
+class _Keeper:
+    """Eager local checkpoints, timed. Not ``persist()``: the frame that comes back is a
+    scan of stored rows with no lineage. With persist() every later action planned the
+    whole input parse again, once per cached plan it was matched against: a third of the
+    report's time at 2M rows went to planning, not to running. A checkpoint keeps its
+    plan's partitioning, so frames partitioned by group stay so without a shuffle."""
+
+    def __init__(self, progress: Progress | None) -> None:
+        self.progress = progress
+        self.cached: list[DataFrame] = []
+
+    def __call__(self, frame: DataFrame, name: str) -> DataFrame:
+        from pyspark import StorageLevel
+
+        started = time.monotonic()
+        kept = frame.localCheckpoint(eager=True, storageLevel=StorageLevel(*KEPT_ARGS))
+        self.cached.append(kept)
+        if self.progress is not None:
+            self.progress(f"spark: kept {name} ({time.monotonic() - started:.1f} s)")
+        return kept
+
+
+def _paired(events: DataFrame) -> DataFrame:
+    """Every valid event (rows of ``parsed_lines``) with, from one pass over its group in
+    read order (one shuffle of the wide rows, hashed on the group): ``late`` (out of
+    order: not above every earlier generation), and for the events used: ``index``,
+    ``prev_generation``, ``prev_ts_us``, the previous used event's ``prev_parts`` and
+    ``prev_owners``, ``is_last`` and the group's last used time ``group_last_us``.
+
+    Used events have increasing generations in read order, so the previous used event is
+    the last earlier one not late, and its generation is the highest earlier one."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
     col = F.col
-    cached: list[DataFrame] = []
-    level = StorageLevel(*KEPT_ARGS)
-
-    def keep(frame: DataFrame) -> DataFrame:
-        # An eager local checkpoint, not persist(): the frame that comes back is a scan of
-        # stored rows with no lineage. With persist() every later action planned the whole
-        # input parse again, once per cached plan it was matched against: a third of the
-        # report's time at 2M rows went to planning, not to running.
-        started = time.monotonic()
-        kept = frame.localCheckpoint(eager=True, storageLevel=level)
-        cached.append(kept)
-        if progress is not None:
-            progress(f"spark: checkpoint {len(cached)} ({time.monotonic() - started:.1f} s)")
-        return kept
-
-    # read_rows keeps the parsed lines; rows adds their line numbers (a broadcast join of
-    # a few rows per file split), cheap enough to recompute for each use.
-    rows, files = read_rows(spark, input_path, keep)
-    rows = keep(rows)
-
-    # The per-group windows (read order, generation order) run on a narrow projection of
-    # the events, a few bytes per generation; the wide rows (three arrays of a value per
-    # partition) are never shuffled by group, which would leave one task per group. They
-    # meet again in a broadcast join on (file, line), in the scan's own partitions.
-    ok = rows.filter(col("kind").isNull())
-    order = ok.select(*GEN_KEYS, "file", "line", "ts_us")
-    # Out of order: not above every earlier generation of the group, in read order.
-    earlier = (
-        Window.partitionBy(*GROUP_KEYS)
-        .orderBy("file", "line")
-        .rowsBetween(Window.unboundedPreceding, -1)
+    read = Window.partitionBy(*GROUP_KEYS).orderBy("file", "block", "id")
+    earlier = read.rowsBetween(Window.unboundedPreceding, -1)
+    so_far = read.rowsBetween(Window.unboundedPreceding, Window.currentRow)
+    whole = read.rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
+    prior = F.max("generation").over(earlier)
+    flagged = events.withColumn("prev_generation", prior).withColumn(
+        "late", F.coalesce(col("generation") <= col("prev_generation"), F.lit(False))
     )
-    order = order.withColumn("prior", F.max("generation").over(earlier))
-    late = col("prior").isNotNull() & (col("generation") <= col("prior"))
-    out_of_order = order.filter(late).select(
-        "file",
-        "line",
-        F.lit("out_of_order").alias("kind"),
-        F.concat(
-            F.lit("generation "),
-            col("generation").cast("string"),
-            F.lit(" after "),
-            col("prior").cast("string"),
-        ).alias("detail"),
-        "namespace",
-        "group",
-        "generation",
-    )
-    problems = rows.filter(col("kind").isNotNull()).select(*COLUMNS["problems"])
-    problems = problems.unionByName(out_of_order)
+    used = ~col("late")
 
-    by_generation = Window.partitionBy(*GROUP_KEYS).orderBy("generation")
-    used = keep(
-        order.filter(~late).select(
-            "file",
-            "line",
-            F.row_number().over(by_generation).alias("index"),
-            F.lag("generation").over(by_generation).alias("prev_generation"),
-            F.lag("ts_us").over(by_generation).alias("prev_ts_us"),
-            F.lead("ts_us").over(by_generation).alias("next_ts_us"),
-        )
-    )
-    ev = keep(
-        ok.join(F.broadcast(used), ["file", "line"])
-        .drop("file", "line", "kind", "detail")
-        .withColumn("n", F.size("members"))
-        .withColumn("P", F.size("parts"))
+    def previous(name: str) -> Column:
+        return F.last(F.when(used, col(name)), ignorenulls=True).over(earlier)
+
+    return flagged.select(
+        "*",
+        F.count(F.when(used, 1)).over(so_far).alias("index"),
+        previous("ts_us").alias("prev_ts_us"),
+        previous("parts").alias("prev_parts"),
+        previous("owners").alias("prev_owners"),
+        (used & (col("generation") == F.max("generation").over(whole))).alias("is_last"),
+        F.last(F.when(used, col("ts_us")), ignorenulls=True).over(whole).alias("group_last_us"),
     )
 
-    # Each generation beside its predecessor's assignment: a join on (group, previous
-    # generation) = (group, generation), hash-partitioned on those keys, so the wide rows
-    # spread over every task however few the groups are. Writers list the same partitions
-    # in every generation: then the previous owners line up with this generation's
-    # partitions as they are; otherwise (rare) a lookup per partition.
-    before = ev.select(
-        *GROUP_KEYS,
-        col("generation").alias("prev_generation"),
-        col("index").alias("prev_index"),
-        col("parts").alias("prev_parts"),
-        col("owners").alias("prev_owners"),
+
+def _facts(ev: DataFrame) -> DataFrame:
+    """Per used event, everything but the ownership arrays."""
+    from pyspark.sql import functions as F
+
+    col = F.col
+    ordered = F.sort_array("handover")
+    return ev.select(
+        *GEN_KEYS,
+        col("index").cast("long").alias("index"),
+        "ts_us",
+        "prev_generation",
+        "prev_ts_us",
+        "epoch",
+        "leader",
+        "reason",
+        "strategy",
+        "members",
+        F.size("members").alias("n"),
+        F.size("parts").alias("P"),
+        "has_loads",
+        "moved_recorded",
+        F.size("handover").cast("long").alias("handovers"),
+        *[_percentile(ordered, q).alias(f"handover_p{round(q * 100)}") for q in (0.5, 0.9, 0.99)],
+        F.array_max("handover").alias("handover_max"),
+        "is_last",
+        "group_last_us",
     )
-    paired = ev.join(before, [*GROUP_KEYS, "prev_generation"], "left")
+
+
+def _grains(ev: DataFrame) -> DataFrame:
+    """The ownership rows of each used event, aggregated where they are exploded:
+    partitions per (previous owner, owner) pair, except that a partition that is new or
+    moved keeps a row of its own (``changed``, for the stints). Owner counts, loads,
+    moves, holdings and churn follow from these rows. Writers list the same partitions in
+    every generation: then the previous owners line up with this generation's partitions
+    as they are; otherwise (rare) a lookup per partition."""
+    from pyspark.sql import functions as F
+
+    col = F.col
     looked_up = F.transform(
         col("parts"),
         lambda p: F.try_element_at(F.map_from_arrays(col("prev_parts"), col("prev_owners")), p),
@@ -238,15 +245,11 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
         .when(col("prev_parts") == col("parts"), col("prev_owners"))
         .otherwise(looked_up)
     )
-    # One row per partition ownership, with its owner in the previous generation (null
-    # where the partition is new). Exploded inside the task that holds the generation and
-    # aggregated there: the ownership rows themselves are never shuffled or sorted.
-    own = paired.select(
+    own = ev.select(
         *GEN_KEYS,
         "index",
         "ts_us",
         "prev_generation",
-        "prev_index",
         F.inline(
             F.arrays_zip(
                 col("parts").alias("partition"),
@@ -257,58 +260,55 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
         ),
     )
     moved = col("prev_owner").isNotNull() & (col("prev_owner") != col("owner"))
-    # One pass over the ownership rows, aggregated where they were exploded: partitions
-    # per (previous owner, owner) pair, except that a partition that is new or moved
-    # keeps a row of its own (the stints need it). Owner counts, loads, moves, holdings
-    # and churn follow from the pairs, stints from the partitions kept.
     changed = F.when(col("prev_owner").isNull() | moved, col("partition"))
-    grains = keep(
-        own.groupBy(
-            *GEN_KEYS,
-            "index",
-            "ts_us",
-            "prev_generation",
-            "prev_index",
-            "owner",
-            "prev_owner",
-            changed.alias("changed"),
-        ).agg(F.count("*").alias("count"), F.sum("load").alias("load_sum"))
-    )
-    pairs = keep(
-        grains.groupBy(*GEN_KEYS, "owner", "prev_owner").agg(
-            F.sum("count").alias("count"), F.sum("load_sum").alias("load_sum")
-        )
-    )
-    # Stints: one starts wherever a partition is new or moved; the one before a move ends
-    # in the previous generation, and so does one whose partition this generation dropped;
-    # those still open end with the group's last generation.
+    return own.groupBy(
+        *GEN_KEYS,
+        "index",
+        "ts_us",
+        "prev_generation",
+        "owner",
+        "prev_owner",
+        changed.alias("changed"),
+    ).agg(F.count("*").alias("count"), F.sum("load").alias("load_sum"))
+
+
+def _ownership(ev: DataFrame, grains: DataFrame, facts: DataFrame) -> DataFrame:
+    """Stints: one starts wherever a partition is new or moved; the one before a move ends
+    in the previous generation, and so does one whose partition this generation dropped;
+    those still open end with the group's last generation. Per partition, starts and ends
+    alternate (a start sorts before an end of the same generation): each end's
+    predecessor is its stint's start."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    col = F.col
+    moved = col("prev_owner").isNotNull() & (col("prev_owner") != col("owner"))
     fresh = grains.filter(col("changed").isNotNull()).select(
         *GEN_KEYS,
         "index",
         "ts_us",
         "prev_generation",
-        "prev_index",
         col("changed").alias("partition"),
         "owner",
         moved.alias("moved"),
     )
-    dropped = paired.filter(col("prev_parts").isNotNull() & (col("prev_parts") != col("parts")))
+    dropped = ev.filter(col("prev_parts").isNotNull() & (col("prev_parts") != col("parts")))
     dropped = dropped.select(
         *GROUP_KEYS,
         "prev_generation",
-        "prev_index",
+        "index",
         "ts_us",
         F.explode(F.array_except("prev_parts", "parts")).alias("partition"),
     )
-    last = ev.filter(col("next_ts_us").isNull()).select(
+    last = ev.filter("is_last").select(
         *GROUP_KEYS, "generation", "index", F.explode("parts").alias("partition")
     )
 
-    def stint_end(frame: DataFrame, generation: str, index: str, next_us: Column) -> DataFrame:
+    def stint_end(frame: DataFrame, generation: str, at: Column, next_us: Column) -> DataFrame:
         return frame.select(
             *GROUP_KEYS,
             "partition",
-            col(index).alias("at"),
+            at.alias("at"),
             F.lit(1).alias("side"),
             F.lit(None).cast("string").alias("member"),
             col(generation).alias("generation"),
@@ -326,12 +326,14 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
         col("ts_us").alias("start_us"),
         F.lit(None).cast("long").alias("next_us"),
     )
-    bounds = starts.unionByName(
-        stint_end(fresh.filter("moved"), "prev_generation", "prev_index", col("ts_us"))
-    ).unionByName(stint_end(dropped, "prev_generation", "prev_index", col("ts_us")))
-    bounds = bounds.unionByName(stint_end(last, "generation", "index", F.lit(None)))
-    # Per partition, starts and ends alternate (a start sorts before an end of the same
-    # generation): each end's predecessor is its stint's start.
+    before = col("index") - 1
+    bounds = (
+        starts.unionByName(
+            stint_end(fresh.filter("moved"), "prev_generation", before, col("ts_us"))
+        )
+        .unionByName(stint_end(dropped, "prev_generation", before, col("ts_us")))
+        .unionByName(stint_end(last, "generation", col("index"), F.lit(None)))
+    )
     along = Window.partitionBy(*GROUP_KEYS, "partition").orderBy("at", "side")
     stints = bounds.select(
         "*",
@@ -340,16 +342,58 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
         F.lag("generation").over(along).alias("first_generation"),
         F.lag("start_us").over(along).alias("stint_start_us"),
     ).filter(col("side") == 1)
-
-    members = ev.select(*GEN_KEYS, F.explode("members").alias("member")).withColumn(
-        "is_member", F.lit(True)
+    last_ts = facts.filter("is_last").select(*GROUP_KEYS, "group_last_us")
+    return (
+        stints.join(F.broadcast(last_ts), GROUP_KEYS)
+        .withColumn("end_us", F.coalesce(col("next_us"), col("group_last_us")))
+        .select(
+            *GROUP_KEYS,
+            "partition",
+            col("start_member").alias("member"),
+            "first_generation",
+            col("generation").alias("last_generation"),
+            (col("at") - col("start_at") + 1).cast("long").alias("generations"),
+            F.timestamp_micros("stint_start_us").alias("start"),
+            F.timestamp_micros("end_us").alias("end"),
+            ((col("end_us") - col("stint_start_us")) / 1e6).alias("duration_s"),
+            col("next_us").isNotNull().alias("ended"),
+        )
     )
 
-    # One pass over the ownership rows: partitions per (previous owner, owner) pair. Owner
-    # counts, loads, moves, holdings and churn all follow from these few rows.
-    moved_pairs = pairs.filter(col("prev_owner").isNotNull() & (col("prev_owner") != col("owner")))
 
-    # Minimum moves: orphaned partitions plus each member's excess over its quota.
+def _member_counts(pairs: DataFrame, facts: DataFrame) -> DataFrame:
+    """Owner counts and loads per member and non-member owner."""
+    from pyspark.sql import functions as F
+
+    col = F.col
+    owned = pairs.groupBy(*GEN_KEYS, col("owner").alias("member")).agg(
+        F.sum("count").alias("owned"), F.sum("load_sum").alias("load_sum")
+    )
+    members = facts.select(*GEN_KEYS, F.explode("members").alias("member"))
+    members = members.withColumn("is_member", F.lit(True))
+    loads = facts.select(*GEN_KEYS, col("has_loads").alias("loaded"))
+    return (
+        owned.join(members, [*GEN_KEYS, "member"], "full_outer")
+        .join(loads, GEN_KEYS)
+        .select(
+            *GEN_KEYS,
+            "member",
+            F.coalesce(col("owned"), F.lit(0)).cast("long").alias("partitions"),
+            F.when(col("loaded"), F.coalesce(col("load_sum"), F.lit(0.0))).alias("load"),
+            F.coalesce(col("is_member"), F.lit(False)).alias("is_member"),
+        )
+    )
+
+
+def _minimum_parts(pairs: DataFrame, facts: DataFrame) -> tuple[DataFrame, DataFrame]:
+    """Per generation: partitions orphaned (held before by a non-member) and the members'
+    excess over their quotas; the minimum moves is their sum."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    col = F.col
+    members = facts.select(*GEN_KEYS, F.explode("members").alias("member"))
+    members = members.withColumn("is_member", F.lit(True))
     held = (
         pairs.filter(col("prev_owner").isNotNull())
         .groupBy(*GEN_KEYS, col("prev_owner").alias("member"))
@@ -364,7 +408,7 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
     ranked = Window.partitionBy(*GEN_KEYS).orderBy(col("held").desc(), col("member").asc())
     excess = (
         held.filter(col("is_member"))
-        .join(ev.select(*GEN_KEYS, "n", "P"), GEN_KEYS)
+        .join(facts.select(*GEN_KEYS, "n", "P"), GEN_KEYS)
         .withColumn("rank", F.row_number().over(ranked))
         .withColumn(
             "quota",
@@ -374,22 +418,13 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
         .groupBy(*GEN_KEYS)
         .agg(F.sum(F.greatest(col("held") - col("quota"), F.lit(0))).alias("excess"))
     )
+    return orphaned, excess
 
-    # Owner counts per member and non-member owner.
-    owned = pairs.groupBy(*GEN_KEYS, col("owner").alias("member")).agg(
-        F.sum("count").alias("owned"), F.sum("load_sum").alias("load_sum")
-    )
-    member_counts = keep(
-        owned.join(members, [*GEN_KEYS, "member"], "full_outer")
-        .join(ev.select(*GEN_KEYS, "has_loads"), GEN_KEYS)
-        .select(
-            *GEN_KEYS,
-            "member",
-            F.coalesce(col("owned"), F.lit(0)).cast("long").alias("partitions"),
-            F.when(col("has_loads"), F.coalesce(col("load_sum"), F.lit(0.0))).alias("load"),
-            F.coalesce(col("is_member"), F.lit(False)).alias("is_member"),
-        )
-    )
+
+def _generations(facts: DataFrame, pairs: DataFrame, member_counts: DataFrame) -> DataFrame:
+    from pyspark.sql import functions as F
+
+    col = F.col
     count_stats = member_counts.groupBy(*GEN_KEYS).agg(
         F.min("partitions").alias("min_count"),
         F.max("partitions").alias("max_count"),
@@ -398,16 +433,15 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
         F.max("load").alias("load_max"),
         F.avg("load").alias("load_mean"),
     )
-    moves = moved_pairs.groupBy(*GEN_KEYS).agg(F.sum("count").alias("moves"))
-
-    handover = ev.select(*GEN_KEYS, "strategy", F.explode("handover").alias("handover_ms"))
-
+    moved = col("prev_owner").isNotNull() & (col("prev_owner") != col("owner"))
+    moves = pairs.filter(moved).groupBy(*GEN_KEYS).agg(F.sum("count").alias("moves"))
+    orphaned, excess = _minimum_parts(pairs, facts)
     positive = col("mean_count") > 0
     min_moves = F.when(
         col("prev_generation").isNull() | (col("n") == 0), F.lit(0).cast("long")
     ).otherwise(F.coalesce(col("orphaned"), F.lit(0)) + F.coalesce(col("excess"), F.lit(0)))
-    generations = keep(
-        ev.join(count_stats, GEN_KEYS, "left")
+    return (
+        facts.join(count_stats, GEN_KEYS, "left")
         .join(moves, GEN_KEYS, "left")
         .join(orphaned, GEN_KEYS, "left")
         .join(excess, GEN_KEYS, "left")
@@ -415,7 +449,7 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
         .withColumn("min_moves", min_moves.cast("long"))
         .select(
             *GEN_KEYS,
-            col("index").cast("long").alias("index"),
+            "index",
             F.timestamp_micros("ts_us").alias("ts"),
             "epoch",
             "leader",
@@ -436,17 +470,23 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
             col("moved_recorded").cast("long").alias("moves_recorded"),
             "min_moves",
             _ratio(col("moves"), col("min_moves")),
-            F.size("handover").cast("long").alias("handovers"),
-            *[
-                _percentile(F.sort_array("handover"), q).alias(f"handover_p{round(q * 100)}")
-                for q in (0.5, 0.9, 0.99)
-            ],
-            F.array_max("handover").alias("handover_max"),
+            "handovers",
+            "handover_p50",
+            "handover_p90",
+            "handover_p99",
+            "handover_max",
             ((col("ts_us") - col("prev_ts_us")) / 1e6).alias("interval_s"),
         )
     )
 
-    # Cumulative churn per member.
+
+def _member_churn(pairs: DataFrame) -> DataFrame:
+    """Partitions gained and lost per generation and member, and the running totals."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    col = F.col
+    moved_pairs = pairs.filter(col("prev_owner").isNotNull() & (col("prev_owner") != col("owner")))
     changes = moved_pairs.select(
         *GEN_KEYS, col("owner").alias("member"), col("count").alias("g"), F.lit(0).alias("l")
     ).unionByName(
@@ -462,7 +502,7 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
         .orderBy("generation")
         .rowsBetween(Window.unboundedPreceding, Window.currentRow)
     )
-    member_churn = (
+    return (
         changes.groupBy(*GEN_KEYS, "member")
         .agg(F.sum("g").cast("long").alias("gained"), F.sum("l").cast("long").alias("lost"))
         .withColumn("cum_gained", F.sum("gained").over(running))
@@ -470,26 +510,13 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
         .withColumn("cum_moves", col("cum_gained") + col("cum_lost"))
     )
 
-    # Ownership stints.
-    last_ts = ev.groupBy(*GROUP_KEYS).agg(F.max("ts_us").alias("group_last_us"))
-    ownership = keep(
-        stints.join(F.broadcast(last_ts), GROUP_KEYS)
-        .withColumn("end_us", F.coalesce(col("next_us"), col("group_last_us")))
-        .select(
-            *GROUP_KEYS,
-            "partition",
-            col("start_member").alias("member"),
-            "first_generation",
-            col("generation").alias("last_generation"),
-            (col("at") - col("start_at") + 1).cast("long").alias("generations"),
-            F.timestamp_micros("stint_start_us").alias("start"),
-            F.timestamp_micros("end_us").alias("end"),
-            ((col("end_us") - col("stint_start_us")) / 1e6).alias("duration_s"),
-            col("next_us").isNotNull().alias("ended"),
-        )
-    )
 
-    # Per group.
+def _groups(
+    generations: DataFrame, member_counts: DataFrame, ownership: DataFrame, handover: DataFrame
+) -> DataFrame:
+    from pyspark.sql import functions as F
+
+    col = F.col
     gen_ts = generations.withColumn("ts_us", F.unix_micros("ts"))
     span = (col("last_us") - col("first_us")) / 1e6
     seen = (
@@ -505,7 +532,7 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
         F.avg(F.when(col("ended"), col("generations"))).alias("ownership_mean_generations"),
         F.avg(F.when(col("ended"), col("duration_s"))).alias("ownership_mean_s"),
     )
-    groups = (
+    return (
         gen_ts.groupBy(*GROUP_KEYS)
         .agg(
             F.concat_ws(",", F.array_sort(F.collect_set("strategy"))).alias("strategies"),
@@ -545,15 +572,26 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
             "ownership_mean_s",
         )
     )
-    reasons = generations.groupBy(*GROUP_KEYS, "reason").agg(
+
+
+def _reasons(generations: DataFrame) -> DataFrame:
+    from pyspark.sql import functions as F
+
+    return generations.groupBy(*GROUP_KEYS, "reason").agg(
         F.count("*").alias("generations"),
         F.sum("moves").alias("moves"),
         F.sum("min_moves").alias("min_moves"),
     )
+
+
+def _by_strategy(generations: DataFrame, handover: DataFrame) -> DataFrame:
+    from pyspark.sql import functions as F
+
+    col = F.col
     strategy_handover = handover.groupBy("strategy").agg(
         F.percentile("handover_ms", [0.5, 0.99]).alias("sq")
     )
-    by_strategy = (
+    return (
         generations.groupBy("strategy")
         .agg(
             F.countDistinct("namespace", "group").alias("groups"),
@@ -577,18 +615,66 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
             col("sq")[1].alias("handover_p99"),
         )
     )
+
+
+def _problems(lines: DataFrame, paired: DataFrame, splits: DataFrame) -> DataFrame:
+    """Bad lines (blank ones aside) and events out of order, with their line numbers."""
+    from pyspark.sql import functions as F
+
+    col = F.col
+    bad = lines.filter(col("kind").isNotNull() & (col("kind") != "blank"))
+    late = paired.filter("late").select(
+        "path",
+        "block",
+        "id",
+        "file",
+        F.lit("out_of_order").alias("kind"),
+        F.concat(
+            F.lit("generation "),
+            col("generation").cast("string"),
+            F.lit(" after "),
+            col("prev_generation").cast("string"),
+        ).alias("detail"),
+        *GEN_KEYS,
+    )
+    both = bad.select(*late.columns).unionByName(late)
+    return numbered(both, splits).select(*COLUMNS["problems"])
+
+
+def compute(spark: SparkSession, input_path: str, progress: Progress | None = None) -> SparkReport:
+    """Build the report's DataFrames over every ``*.jsonl`` below ``input_path``. The
+    intermediate frames are computed here (checkpoints); ``progress`` hears how long each
+    took."""
+    from pyspark.sql import functions as F
+
+    col = F.col
+    keep = _Keeper(progress)
+    lines, files = parsed_lines(spark, input_path)
+    lines = keep(lines, "parsed lines")
+    splits = keep(line_splits(lines), "line splits")
+    paired = keep(_paired(lines.filter(col("kind").isNull())), "events beside their predecessors")
+    ev = paired.filter(~col("late"))
+    facts = _facts(ev)
+    grains = keep(_grains(ev), "ownership grains")
+    pairs = grains.groupBy(*GEN_KEYS, "owner", "prev_owner").agg(
+        F.sum("count").alias("count"), F.sum("load_sum").alias("load_sum")
+    )
+    member_counts = keep(_member_counts(pairs, facts), "member counts")
+    generations = keep(_generations(facts, pairs, member_counts), "generations")
+    ownership = keep(_ownership(ev, grains, facts), "ownership")
+    handover = ev.select(*GEN_KEYS, "strategy", F.explode("handover").alias("handover_ms"))
     tables = {
         "generations": generations,
         "member_counts": member_counts,
-        "member_churn": member_churn,
+        "member_churn": _member_churn(pairs),
         "ownership": ownership,
-        "groups": groups,
-        "reasons": reasons,
-        "by_strategy": by_strategy,
-        "problems": problems,
+        "groups": _groups(generations, member_counts, ownership, handover),
+        "reasons": _reasons(generations),
+        "by_strategy": _by_strategy(generations, handover),
+        "problems": _problems(lines, paired, splits),
     }
     tables = {name: frame.select(*COLUMNS[name]) for name, frame in tables.items()}
-    return SparkReport(tables, files, rows, handover, cached)
+    return SparkReport(tables, files, lines, handover, keep.cached)
 
 
 def input_stats(report: SparkReport) -> dict[str, int]:
@@ -597,11 +683,15 @@ def input_stats(report: SparkReport) -> dict[str, int]:
 
     col = F.col
     parsed = [k for k in PROBLEM_KINDS if k != "out_of_order"]
-    counts = report.rows.agg(
-        F.count("*").alias("lines"),
-        F.count(F.when(col("kind").isNull(), 1)).alias("events"),
-        *[F.count(F.when(col("kind") == k, 1)).alias(k) for k in parsed],
-    ).first()
+    counts = (
+        report.lines.filter(col("kind").isNull() | (col("kind") != "blank"))
+        .agg(
+            F.count("*").alias("lines"),
+            F.count(F.when(col("kind").isNull(), 1)).alias("events"),
+            *[F.count(F.when(col("kind") == k, 1)).alias(k) for k in parsed],
+        )
+        .first()
+    )
     late = report.tables["problems"].filter(col("kind") == "out_of_order").count()
     stats = {
         "files": len(report.files),
