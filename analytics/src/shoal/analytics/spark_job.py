@@ -10,56 +10,55 @@ NFS, ...).
 
 The pipeline, in Spark terms (metric definitions: :mod:`shoal.analytics.metrics`):
 
-1. :func:`shoal.analytics.spark_input.read_rows`: the text source reads every ``*.jsonl``
-   in splits (``spark.sql.files.maxPartitionBytes``, 128 MB: a 700 MB log is 6 tasks, not
-   one per file), ``from_json`` parses each line with the explicit schema but the nested
-   fields as text, which string functions split where it is plain (else the full schema
-   parses the line again); SQL expressions classify bad lines; ``*.parquet`` comes from the
-   Parquet source.
-2. A narrow projection of the events (keys, file, line, time) gets the two per-group
-   windows: out of order in read order, then index / previous / next generation. These
-   rows are few bytes each, so a group per task costs nothing; the wide rows meet them
-   again in a broadcast hash join, in the scan's partitions (no shuffle of the arrays).
-3. Assignments explode into one row per partition ownership; a window per
-   (group, partition) gives each row its previous owner (only from the group's immediately
-   previous generation), hence moves and ownership stints. This is the heavy stage: the
-   only shuffle of one row per ownership, hash-partitioned on (namespace, group,
-   partition), which spreads evenly over ``spark.sql.shuffle.partitions`` tasks.
-4. One partial aggregation per (generation, owner, previous owner) (map-side combined, so
-   the shuffle after it is small) gives owner counts, loads, moves and holdings; ranked per
-   generation, the holdings give the quotas and so the minimum moves.
-5. Aggregations make the per-generation, per-group and per-strategy tables; the big tables
-   are written as Parquet by the executors, the small ones collected to the driver.
+1. :func:`shoal.analytics.spark_input.parsed_lines`: the text source reads every
+   ``*.jsonl`` in splits, ``from_json`` parses each line with the explicit schema, SQL
+   expressions classify bad lines; ``*.parquet`` comes from the Parquet source. Each line
+   keeps where it is (path, split, id in the task); line numbers are computed only for
+   the problems (:func:`shoal.analytics.spark_input.numbered`).
+2. :func:`_paired`: one window per group in read order, over every line (one hash shuffle
+   of the wide rows on the group): out of order or not, the index, and the previous used
+   event's time, partitions and owners beside each event. This is the only checkpoint of
+   the input: the parse runs once, in this job.
+3. :func:`_owned` explodes each event into one row per ownership with its previous owner,
+   inside the task that holds the event; :func:`_grains` aggregates them there (per
+   owner pair, plus a row per new or moved partition); :func:`_pairs` per owner pair.
+4. Member counts, generations, stints (a window per (group, partition) over the starts
+   and ends of stints), churn: aggregations, joins and windows over frames that all stay
+   hash-partitioned by group (:data:`SQL_CONF`), so they sort but never shuffle.
+5. The big tables are written as Parquet by the executors, the small ones collected.
 
-Every intermediate frame is kept as an eager *local checkpoint*, not ``persist()``: a
-checkpoint is a scan of stored rows without lineage, so the actions after it plan a few
+Intermediate frames are eager *local checkpoints* (:class:`_Keeper`), not ``persist()``:
+a checkpoint is a scan of stored rows without lineage, so the actions after it plan a few
 operators instead of the whole input parse. (On a cluster a lost executor loses its
 checkpoint blocks and fails the job, where a persisted frame would be recomputed; a
 report is cheap to rerun.)
 
-Where the time went, and what changed it (2M rows of the bench: 15,625 lines, 153 MB,
-``local[2]``, on a 2-core machine shared with other test runs; wall times move by a factor
-of two with the load, so read the proportions):
+Where the time goes (2M rows of the bench: 15,625 lines, 153 MB, ``local[2]``, a session
+started just before, on a 2-core machine shared with other benchmarks, load 1-3 unless
+said): 76.6 s (load 4-6) before this version's changes, 27.7 s after.
 
-* Planning, not running, was a third of the report: with persisted frames every action
-  matched its plan, which held the whole parse, against every cached plan. The "plan"
-  step took 57-64 s and collecting four tiny tables 25-53 s. With checkpoints the whole
-  report went from 254-582 s to 89 s at comparable load.
-* ``from_json`` with the three 128-entry maps: 16 s of a 2M run; the same parse with the
-  nested fields as text 4.6 s; with the checks and the splitting 4.4 s (at load 4). Every
-  line of the bench takes that fast path (11% did not while the loads' text was compared
-  whole: Jackson writes 1.0E-4 where Python wrote 0.0001).
-* ``get_json_object`` on the raw line, meant for corrupt lines only, ran on every line
-  (used twice, so hoisted by subexpression elimination): now guarded by the corrupt flag.
-* Lambdas (``transform``/``exists``/``array_sort`` with a comparator) are interpreted and
-  cost 40 s at 2M rows in an earlier version, hence the built-in array functions only.
-* What remains (bench, 2M rows, load 4-5, local[2] / local[1]): report 139 s / 119 s,
-  pandas 16.9 s. Per checkpoint: the parsed lines 38 s / 35 s (4.4 s for the parse and
-  split alone, measured apart: the classification, sorting and checkpointing of the wide
-  rows are the rest, and they do not use the second core: not yet explained), line
-  numbering 6.5 s, the ownership window (Exchange hashpartitioning(namespace, group,
-  partition) -> Sort -> Window over one row per ownership) 11 s, pairs 5 s, generations
-  11-12 s, stints 9-10 s; writes and collects after them 35 s / 18 s.
+* Pairing each event with its predecessor: a narrow window, a broadcast join back and a
+  sort-merge self-join on (group, previous generation) shuffled the wide rows twice and
+  took four checkpoints; one window over the wide rows takes one shuffle and one
+  checkpoint (parse included: 6-7 s cold, of which from_json is 1 s warm and the
+  classification and flattening another 1 s; the rest is the JIT warming up, the
+  shuffle and the copy into the block store).
+* Adaptive execution dropped a checkpoint's partitioning (the plan is not final when it
+  is checkpointed): the generations plan had 9 exchanges, member_churn 4; with it off and
+  co-partitioned joins on the group, none. Generations 6.1 s -> 2.9 s, grains 2.7 -> 1.1 s.
+* ``sort_array`` referenced a dozen times by the hand-over percentiles sorted a dozen
+  times (1.3 s warm for the facts of 15,625 events; 0.16 s sorted once in a projection
+  of its own, which the optimizer does not inline into several references).
+* Under modulo most partitions move in most generations: the grains are some 1M rows of
+  the 2M, and so are the stints (945k). The stints' window sorts 2M starts and ends:
+  2.4 s cold, 1.2 s warm, the biggest step after the parse.
+* Cold versus warm: each new plan is compiled (Janino) and the JIT warms up; the same
+  report a second time in the same session takes 2/3 of the time (21 s against 32 s).
+* Fixed costs: some 4 s of driver-side planning before the first job (file listings,
+  analysis of the parse's expressions over Py4J), 12 writes and collects of 0.1-1.2 s
+  each (5-8 s in all), the HTML report and plots 1.5 s.
+* Lambdas (``transform``/``exists``/``array_sort`` with a comparator) are interpreted;
+  only the rare path of partitions that differ from the previous event's uses one.
 
 Figures per version: the commit messages on branch ``spark``.
 """
@@ -245,13 +244,12 @@ def _facts(ev: DataFrame) -> DataFrame:
     )
 
 
-def _grains(ev: DataFrame) -> DataFrame:
-    """The ownership rows of each used event, aggregated where they are exploded:
-    partitions per (previous owner, owner) pair, except that a partition that is new or
-    moved keeps a row of its own (``changed``, for the stints). Owner counts, loads,
-    moves, holdings and churn follow from these rows. Writers list the same partitions in
+def _owned(ev: DataFrame) -> DataFrame:
+    """One row per partition ownership of each used event, with its owner in the previous
+    used event (null where the partition is new). Writers list the same partitions in
     every generation: then the previous owners line up with this generation's partitions
-    as they are; otherwise (rare) a lookup per partition."""
+    as they are; otherwise (rare) a lookup per partition. Exploded inside the task that
+    holds the event and consumed there: the ownership rows are never shuffled or kept."""
     from pyspark.sql import functions as F
 
     col = F.col
@@ -264,7 +262,7 @@ def _grains(ev: DataFrame) -> DataFrame:
         .when(col("prev_parts") == col("parts"), col("prev_owners"))
         .otherwise(looked_up)
     )
-    own = ev.select(
+    return ev.select(
         *GEN_KEYS,
         "index",
         "ts_us",
@@ -278,17 +276,41 @@ def _grains(ev: DataFrame) -> DataFrame:
             )
         ),
     )
+
+
+def _grains(ev: DataFrame) -> DataFrame:
+    """The ownership rows of :func:`_owned`, aggregated where they are exploded: partitions
+    and load per (previous owner, owner) pair, except that a partition that is new or
+    moved keeps a row of its own (``changed``, for the stints)."""
+    from pyspark.sql import functions as F
+
+    col = F.col
     moved = col("prev_owner").isNotNull() & (col("prev_owner") != col("owner"))
     changed = F.when(col("prev_owner").isNull() | moved, col("partition"))
-    return own.groupBy(
-        *GEN_KEYS,
-        "index",
-        "ts_us",
-        "prev_generation",
-        "owner",
-        "prev_owner",
-        changed.alias("changed"),
-    ).agg(F.count("*").alias("count"), F.sum("load").alias("load_sum"))
+    return (
+        _owned(ev)
+        .groupBy(
+            *GEN_KEYS,
+            "index",
+            "ts_us",
+            "prev_generation",
+            "owner",
+            "prev_owner",
+            changed.alias("changed"),
+        )
+        .agg(F.count("*").alias("count"), F.sum("load").alias("load_sum"))
+    )
+
+
+def _pairs(grains: DataFrame) -> DataFrame:
+    """Partitions and their load per (previous owner, owner) pair and used event: owner
+    counts, loads, moves, holdings and churn all follow from these few rows (the grains
+    are many under modulo, where most partitions move in most generations)."""
+    from pyspark.sql import functions as F
+
+    return grains.groupBy(*GEN_KEYS, "owner", "prev_owner").agg(
+        F.sum("count").alias("count"), F.sum("load_sum").alias("load_sum")
+    )
 
 
 def _ownership(ev: DataFrame, grains: DataFrame, facts: DataFrame) -> DataFrame:
@@ -676,9 +698,7 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
     ev = paired.filter(col("kind").isNull() & ~col("late"))
     facts = _facts(ev)
     grains = keep(_grains(ev), "ownership grains")
-    pairs = grains.groupBy(*GEN_KEYS, "owner", "prev_owner").agg(
-        F.sum("count").alias("count"), F.sum("load_sum").alias("load_sum")
-    )
+    pairs = keep(_pairs(grains), "owner pairs")
     member_counts = keep(_member_counts(pairs, facts), "member counts")
     generations = keep(_generations(facts, pairs, member_counts), "generations")
     ownership = keep(_ownership(ev, grains, facts), "ownership")
