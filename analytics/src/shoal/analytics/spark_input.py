@@ -40,7 +40,15 @@ from shoal.contracts.events import REASONS, SCHEMA_VERSION, STRATEGIES
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, DataFrameReader, SparkSession
 
-__all__ = ["CORRUPT", "EVENT_FIELDS", "EVENT_SCHEMA", "read_rows"]
+__all__ = [
+    "CORRUPT",
+    "EVENT_FIELDS",
+    "EVENT_SCHEMA",
+    "line_splits",
+    "numbered",
+    "parsed_lines",
+    "read_rows",
+]
 
 log = logging.getLogger(__name__)
 
@@ -390,6 +398,56 @@ def _parquet(spark: SparkSession, input_path: str) -> DataFrame:
     return _event_columns(_classified(typed, None))
 
 
+def parsed_lines(spark: SparkSession, input_path: str) -> tuple[DataFrame, list[str]]:
+    """Every line of every ``*.jsonl`` and row of every ``*.parquet`` below ``input_path``,
+    blank lines included (``kind`` "blank"), as the columns of ROW_COLUMNS without ``line``
+    plus where the line is (``path``, ``block``: its split, ``id``: its place in the
+    split's task), and the files read. ``(file, block, id)`` sorts the lines in read
+    order; :func:`numbered` gives them their line numbers."""
+    from pyspark.sql import functions as F
+
+    # Duplicate keys in a JSON object: the last one wins, as in Python (Spark's default is
+    # to fail the job).
+    spark.conf.set("spark.sql.mapKeyDedupPolicy", "LAST_WIN")
+    prefix, single = _root_prefix(spark, input_path)
+    json_rows = _json_lines(spark, input_path)
+    # A Parquet file is one "split" whose ids are its 1-based row numbers.
+    parquet_rows = _parquet(spark, input_path)
+    # Before persisting: a cached plan no longer lists its files.
+    files = [*json_rows.inputFiles(), *parquet_rows.inputFiles()]
+    file = (
+        F.element_at(F.split(F.col("path"), "/"), -1)
+        if single
+        else _relative(F.col("path"), prefix)
+    )
+    lines = json_rows.unionByName(parquet_rows).withColumn("file", file)
+    columns = [c for c in ROW_COLUMNS if c != "line"]
+    return lines.select("path", "block", "id", *columns), files
+
+
+def line_splits(lines: DataFrame) -> DataFrame:
+    """Per split (``path``, ``block``) of :func:`parsed_lines`: its first id and the lines
+    of the file's splits before it (a few rows per file)."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    splits = lines.groupBy("path", "block").agg(F.count("*").alias("n"), F.min("id").alias("first"))
+    before = Window.partitionBy("path").orderBy("block").rowsBetween(Window.unboundedPreceding, -1)
+    base = F.coalesce(F.sum("n").over(before), F.lit(0))
+    return splits.select("path", "block", "first", base.alias("base"))
+
+
+def numbered(frame: DataFrame, splits: DataFrame) -> DataFrame:
+    """``frame`` (rows of :func:`parsed_lines`) with its 1-based ``line``: the lines before
+    its split plus the distance to the split's first id (ids are consecutive within a task,
+    and a task reads its splits one after the other)."""
+    from pyspark.sql import functions as F
+
+    joined = frame.join(F.broadcast(splits), ["path", "block"])
+    line = F.col("base") + F.col("id") - F.col("first") + 1
+    return joined.withColumn("line", line).drop("first", "base")
+
+
 def read_rows(
     spark: SparkSession,
     input_path: str,
@@ -398,35 +456,10 @@ def read_rows(
     """Every line of every ``*.jsonl`` and row of every ``*.parquet`` below ``input_path``
     as one row of ROW_COLUMNS (blank lines left out), and the files read. ``keep``
     persists the parsed lines, which the line numbering reads twice."""
-    from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    # Duplicate keys in a JSON object: the last one wins, as in Python (Spark's default is
-    # to fail the job).
-    spark.conf.set("spark.sql.mapKeyDedupPolicy", "LAST_WIN")
-    prefix, single = _root_prefix(spark, input_path)
-    json_rows = _json_lines(spark, input_path)
-    parquet_rows = _parquet(spark, input_path)
-    # Before persisting: a cached plan no longer lists its files.
-    files = [*json_rows.inputFiles(), *parquet_rows.inputFiles()]
-    json_rows = keep(json_rows)
-
-    # Line numbers of JSON lines: lines per split, and the first id of each split.
-    splits = json_rows.groupBy("path", "block").agg(
-        F.count("*").alias("n"), F.min("id").alias("first")
-    )
-    before = Window.partitionBy("path").orderBy("block").rowsBetween(Window.unboundedPreceding, -1)
-    splits = splits.withColumn("base", F.coalesce(F.sum("n").over(before), F.lit(0)))
-    numbered = json_rows.join(F.broadcast(splits), ["path", "block"]).withColumn(
-        "line", F.col("base") + F.col("id") - F.col("first") + 1
-    )
-    rows = numbered.drop("n", "first", "base", "id").unionByName(
-        parquet_rows.withColumnRenamed("id", "line")
-    )
-    file = (
-        F.element_at(F.split(F.col("path"), "/"), -1)
-        if single
-        else _relative(F.col("path"), prefix)
-    )
-    rows = rows.filter(F.col("kind").isNull() | (F.col("kind") != "blank")).withColumn("file", file)
+    lines, files = parsed_lines(spark, input_path)
+    lines = keep(lines)
+    rows = numbered(lines, line_splits(lines))
+    rows = rows.filter(F.col("kind").isNull() | (F.col("kind") != "blank"))
     return rows.select(*ROW_COLUMNS), files

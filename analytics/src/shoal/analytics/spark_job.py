@@ -10,56 +10,65 @@ NFS, ...).
 
 The pipeline, in Spark terms (metric definitions: :mod:`shoal.analytics.metrics`):
 
-1. :func:`shoal.analytics.spark_input.read_rows`: the text source reads every ``*.jsonl``
-   in splits (``spark.sql.files.maxPartitionBytes``, 128 MB: a 700 MB log is 6 tasks, not
-   one per file), ``from_json`` parses each line with the explicit schema but the nested
-   fields as text, which string functions split where it is plain (else the full schema
-   parses the line again); SQL expressions classify bad lines; ``*.parquet`` comes from the
-   Parquet source.
-2. A narrow projection of the events (keys, file, line, time) gets the two per-group
-   windows: out of order in read order, then index / previous / next generation. These
-   rows are few bytes each, so a group per task costs nothing; the wide rows meet them
-   again in a broadcast hash join, in the scan's partitions (no shuffle of the arrays).
-3. Assignments explode into one row per partition ownership; a window per
-   (group, partition) gives each row its previous owner (only from the group's immediately
-   previous generation), hence moves and ownership stints. This is the heavy stage: the
-   only shuffle of one row per ownership, hash-partitioned on (namespace, group,
-   partition), which spreads evenly over ``spark.sql.shuffle.partitions`` tasks.
-4. One partial aggregation per (generation, owner, previous owner) (map-side combined, so
-   the shuffle after it is small) gives owner counts, loads, moves and holdings; ranked per
-   generation, the holdings give the quotas and so the minimum moves.
-5. Aggregations make the per-generation, per-group and per-strategy tables; the big tables
-   are written as Parquet by the executors, the small ones collected to the driver.
+1. :func:`shoal.analytics.spark_input.parsed_lines`: the text source reads every
+   ``*.jsonl`` in splits, ``from_json`` parses each line with the explicit schema, SQL
+   expressions classify bad lines; ``*.parquet`` comes from the Parquet source. Each line
+   keeps where it is (path, split, id in the task); line numbers are computed only for
+   the problems (:func:`shoal.analytics.spark_input.numbered`).
+2. :func:`_paired`: one window per group in read order, over every line (one hash shuffle
+   of the wide rows on the group): out of order or not, the index, and the previous used
+   event's time, partitions and owners beside each event. This is the only checkpoint of
+   the input: the parse runs once, in this job.
+3. :func:`_owned` explodes each event into one row per ownership with its previous owner,
+   inside the task that holds the event; :func:`_grains` aggregates them there (per
+   owner pair, plus a row per new or moved partition); :func:`_pairs` per owner pair.
+4. Member counts, generations, stints (a window per (group, partition) over the starts
+   and ends of stints), churn: aggregations, joins and windows over frames that all stay
+   hash-partitioned by group (:data:`SQL_CONF`), so they sort but never shuffle.
+5. The big tables are written as Parquet by the executors, the small ones collected.
 
-Every intermediate frame is kept as an eager *local checkpoint*, not ``persist()``: a
-checkpoint is a scan of stored rows without lineage, so the actions after it plan a few
+Intermediate frames are eager *local checkpoints* (:class:`_Keeper`), not ``persist()``:
+a checkpoint is a scan of stored rows without lineage, so the actions after it plan a few
 operators instead of the whole input parse. (On a cluster a lost executor loses its
 checkpoint blocks and fails the job, where a persisted frame would be recomputed; a
 report is cheap to rerun.)
 
-Where the time went, and what changed it (2M rows of the bench: 15,625 lines, 153 MB,
-``local[2]``, on a 2-core machine shared with other test runs; wall times move by a factor
-of two with the load, so read the proportions):
+Where the time goes (2M rows of the bench: 15,625 lines, 153 MB, ``local[2]``, a session
+started just before, on a 2-core machine shared with other benchmarks, load 1-3 unless
+said): 76.6 s (load 4-6) before this version's changes, 27.7 s after. The bench, same run
+(load 1.1 -> 2.1): 2M rows 25.6 s on local[2], 28.6 s on local[1], pandas 8.0 s; 10M rows
+(load 2.0 -> 1.5) 68.5 s, 82.5 s, pandas 41.5 s. Per step at 10M, local[2]: parse and
+pairing 17.4 s, grains 5.8, pairs 2.0, member counts 3.3, generations 4.9, stints 11.1,
+writes 7.6, collects 7.5, planning before the first job some 4 s. The issue's targets
+(45 s at 10M, 1.5x pandas at 2M, 1.6x from the second core) are not met.
 
-* Planning, not running, was a third of the report: with persisted frames every action
-  matched its plan, which held the whole parse, against every cached plan. The "plan"
-  step took 57-64 s and collecting four tiny tables 25-53 s. With checkpoints the whole
-  report went from 254-582 s to 89 s at comparable load.
-* ``from_json`` with the three 128-entry maps: 16 s of a 2M run; the same parse with the
-  nested fields as text 4.6 s; with the checks and the splitting 4.4 s (at load 4). Every
-  line of the bench takes that fast path (11% did not while the loads' text was compared
-  whole: Jackson writes 1.0E-4 where Python wrote 0.0001).
-* ``get_json_object`` on the raw line, meant for corrupt lines only, ran on every line
-  (used twice, so hoisted by subexpression elimination): now guarded by the corrupt flag.
-* Lambdas (``transform``/``exists``/``array_sort`` with a comparator) are interpreted and
-  cost 40 s at 2M rows in an earlier version, hence the built-in array functions only.
-* What remains (bench, 2M rows, load 4-5, local[2] / local[1]): report 139 s / 119 s,
-  pandas 16.9 s. Per checkpoint: the parsed lines 38 s / 35 s (4.4 s for the parse and
-  split alone, measured apart: the classification, sorting and checkpointing of the wide
-  rows are the rest, and they do not use the second core: not yet explained), line
-  numbering 6.5 s, the ownership window (Exchange hashpartitioning(namespace, group,
-  partition) -> Sort -> Window over one row per ownership) 11 s, pairs 5 s, generations
-  11-12 s, stints 9-10 s; writes and collects after them 35 s / 18 s.
+* Pairing each event with its predecessor: a narrow window, a broadcast join back and a
+  sort-merge self-join on (group, previous generation) shuffled the wide rows twice and
+  took four checkpoints; one window over the wide rows takes one shuffle and one
+  checkpoint (parse included: 6-7 s cold, of which from_json is 1 s warm and the
+  classification and flattening another 1 s; the rest is the JIT warming up, the
+  shuffle and the copy into the block store).
+* Adaptive execution dropped a checkpoint's partitioning (the plan is not final when it
+  is checkpointed): the generations plan had 9 exchanges, member_churn 4; with it off and
+  co-partitioned joins on the group, none. Generations 6.1 s -> 2.9 s, grains 2.7 -> 1.1 s.
+* ``sort_array`` referenced a dozen times by the hand-over percentiles sorted a dozen
+  times (1.3 s warm for the facts of 15,625 events; 0.16 s sorted once in a projection
+  of its own, which the optimizer does not inline into several references).
+* Under modulo most partitions move in most generations: the grains are some 1M rows of
+  the 2M, and so are the stints (945k). The stints' window sorts 2M starts and ends:
+  2.4 s cold, 1.2 s warm, the biggest step after the parse.
+* Cold versus warm: each new plan is compiled (Janino) and the JIT warms up; the same
+  report a second time in the same session takes 2/3 of the time (21 s against 32 s).
+* Fixed costs: some 4 s of driver-side planning before the first job (file listings,
+  analysis of the parse's expressions over Py4J), 12 writes and collects of 0.1-1.2 s
+  each (5-8 s in all), the HTML report and plots 1.5 s.
+* The second core: local[1] against local[2] is 1.1-1.2x. The 8 groups hash into 8
+  partitions as 4+2+1+1 (one task does half of every stage after the pairing); hashed
+  into 32 they fall apart, yet 10M took 71.4 s on local[2] and 86.3 s on local[1]
+  (1.21x, load 1.8 -> 2.4): no better, so 8 stayed. With a load of 2 on 2 cores, a
+  second task thread does not get a second core.
+* Lambdas (``transform``/``exists``/``array_sort`` with a comparator) are interpreted;
+  only the rare path of partitions that differ from the previous event's uses one.
 
 Figures per version: the commit messages on branch ``spark``.
 """
@@ -76,7 +85,7 @@ from typing import TYPE_CHECKING
 
 from shoal.analytics.cli import main as cli
 from shoal.analytics.ingest import PROBLEM_KINDS
-from shoal.analytics.spark_input import read_rows
+from shoal.analytics.spark_input import line_splits, numbered, parsed_lines
 from shoal.analytics.tables import COLUMNS, KEYS, normalize
 
 if TYPE_CHECKING:
@@ -92,6 +101,18 @@ Progress = Callable[[str], None]
 # checkpoint paid for Java serialization and LZ4 of each row), disk when memory runs out.
 KEPT_ARGS = (True, True, False, True)
 GEN_KEYS = ["namespace", "group", "generation"]
+# Set on the session by compute(). Everything after the pairing of events is partitioned
+# by group, and should stay so, with sorts but no shuffles:
+# - without adaptive execution a checkpoint keeps its plan's partitioning (with it, the
+#   plan is not final when checkpointed, and the partitioning is lost: every aggregation
+#   and join over a checkpoint shuffled again);
+# - joins on (group, generation) of two sides hashed on the group need no shuffle.
+# Adaptive execution would also re-plan each of the report's some 60 stages, for little
+# gain at this size: the row counts after the parse are known and small.
+SQL_CONF = {
+    "spark.sql.adaptive.enabled": "false",
+    "spark.sql.requireAllClusterKeysForCoPartition": "false",
+}
 GROUP_KEYS = ["namespace", "group"]
 
 
@@ -105,14 +126,29 @@ def _ratio(moves: Column, minimum: Column) -> Column:
     )
 
 
+def _percentile(ordered: Column, q: float) -> Column:
+    """The exact percentile of a sorted array, interpolated between the closest ranks as
+    Spark's ``percentile`` and :func:`shoal.analytics.metrics.percentile` do; null for an
+    empty array. Per generation this replaces an aggregation over the exploded values."""
+    from pyspark.sql import functions as F
+
+    n = F.size(ordered)
+    position = F.lit(q) * (n - 1)
+    low = F.floor(position).cast("int")
+    high = F.least(low + 1, n - 1)
+    below = F.try_element_at(ordered, low + 1)
+    above = F.try_element_at(ordered, high + 1)
+    return F.when(n > 0, below + (above - below) * (position - low))
+
+
 @dataclass
 class SparkReport:
     """Lazy DataFrames of every table (see :mod:`shoal.analytics.tables`), plus what the
-    HTML report samples from."""
+    HTML report samples from and the input counts read from."""
 
     tables: dict[str, DataFrame]
     files: list[str]
-    rows: DataFrame
+    lines: DataFrame
     handover: DataFrame
     cached: list[DataFrame]
 
@@ -123,97 +159,110 @@ class SparkReport:
             frame.rdd.unpersist()
 
 
-def compute(spark: SparkSession, input_path: str, progress: Progress | None = None) -> SparkReport:
-    """Build the report's DataFrames over every ``*.jsonl`` below ``input_path``. The
-    intermediate frames are computed here (checkpoints); ``progress`` hears how long each
-    took."""
-    from pyspark import StorageLevel
+class _Keeper:
+    """Eager local checkpoints, timed. Not ``persist()``: the frame that comes back is a
+    scan of stored rows with no lineage. With persist() every later action planned the
+    whole input parse again, once per cached plan it was matched against: a third of the
+    report's time at 2M rows went to planning, not to running. A checkpoint keeps its
+    plan's partitioning, so frames partitioned by group stay so without a shuffle."""
+
+    def __init__(self, progress: Progress | None) -> None:
+        self.progress = progress
+        self.cached: list[DataFrame] = []
+
+    def __call__(self, frame: DataFrame, name: str) -> DataFrame:
+        from pyspark import StorageLevel
+
+        started = time.monotonic()
+        kept = frame.localCheckpoint(eager=True, storageLevel=StorageLevel(*KEPT_ARGS))
+        self.cached.append(kept)
+        if self.progress is not None:
+            self.progress(f"spark: kept {name} ({time.monotonic() - started:.1f} s)")
+        return kept
+
+
+def _paired(lines: DataFrame) -> DataFrame:
+    """Every line (rows of ``parsed_lines``) with, for the valid events, from one pass over
+    their group in read order (one shuffle of the wide rows, hashed on the group): ``late``
+    (out of order: not above every earlier generation), and for the events used:
+    ``index``, ``prev_generation``, ``prev_ts_us``, the previous used event's ``prev_parts``
+    and ``prev_owners``, ``is_last`` and the group's last used time ``group_last_us``.
+
+    Used events have increasing generations in read order, so the previous used event is
+    the last earlier one not late, and its generation is the highest earlier one. Other
+    lines have no group: they share a window partition of their own, whose figures mean
+    nothing. They come along so that this is the only frame kept of the input: the parse
+    runs once, in this job, and its wide rows are materialized once."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
     col = F.col
-    cached: list[DataFrame] = []
-    level = StorageLevel(*KEPT_ARGS)
-
-    def keep(frame: DataFrame) -> DataFrame:
-        # An eager local checkpoint, not persist(): the frame that comes back is a scan of
-        # stored rows with no lineage. With persist() every later action planned the whole
-        # input parse again, once per cached plan it was matched against: a third of the
-        # report's time at 2M rows went to planning, not to running.
-        started = time.monotonic()
-        kept = frame.localCheckpoint(eager=True, storageLevel=level)
-        cached.append(kept)
-        if progress is not None:
-            progress(f"spark: checkpoint {len(cached)} ({time.monotonic() - started:.1f} s)")
-        return kept
-
-    # read_rows keeps the parsed lines; rows adds their line numbers (a broadcast join of
-    # a few rows per file split), cheap enough to recompute for each use.
-    rows, files = read_rows(spark, input_path, keep)
-    rows = keep(rows)
-
-    # The per-group windows (read order, generation order) run on a narrow projection of
-    # the events, a few bytes per generation; the wide rows (three arrays of a value per
-    # partition) are never shuffled by group, which would leave one task per group. They
-    # meet again in a broadcast join on (file, line), in the scan's own partitions.
-    ok = rows.filter(col("kind").isNull())
-    order = ok.select(*GEN_KEYS, "file", "line", "ts_us")
-    # Out of order: not above every earlier generation of the group, in read order.
-    earlier = (
-        Window.partitionBy(*GROUP_KEYS)
-        .orderBy("file", "line")
-        .rowsBetween(Window.unboundedPreceding, -1)
+    read = Window.partitionBy(*GROUP_KEYS).orderBy("file", "block", "id")
+    earlier = read.rowsBetween(Window.unboundedPreceding, -1)
+    so_far = read.rowsBetween(Window.unboundedPreceding, Window.currentRow)
+    whole = read.rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
+    prior = F.max("generation").over(earlier)
+    out_of_order = F.coalesce(col("generation") <= col("prev_generation"), F.lit(False))
+    flagged = lines.withColumn("prev_generation", prior).withColumn(
+        "late", col("kind").isNull() & out_of_order
     )
-    order = order.withColumn("prior", F.max("generation").over(earlier))
-    late = col("prior").isNotNull() & (col("generation") <= col("prior"))
-    out_of_order = order.filter(late).select(
-        "file",
-        "line",
-        F.lit("out_of_order").alias("kind"),
-        F.concat(
-            F.lit("generation "),
-            col("generation").cast("string"),
-            F.lit(" after "),
-            col("prior").cast("string"),
-        ).alias("detail"),
-        "namespace",
-        "group",
-        "generation",
-    )
-    problems = rows.filter(col("kind").isNotNull()).select(*COLUMNS["problems"])
-    problems = problems.unionByName(out_of_order)
+    used = ~col("late")
 
-    by_generation = Window.partitionBy(*GROUP_KEYS).orderBy("generation")
-    used = keep(
-        order.filter(~late).select(
-            "file",
-            "line",
-            F.row_number().over(by_generation).alias("index"),
-            F.lag("generation").over(by_generation).alias("prev_generation"),
-            F.lag("ts_us").over(by_generation).alias("prev_ts_us"),
-            F.lead("ts_us").over(by_generation).alias("next_ts_us"),
-        )
-    )
-    ev = keep(
-        ok.join(F.broadcast(used), ["file", "line"])
-        .drop("file", "line", "kind", "detail")
-        .withColumn("n", F.size("members"))
-        .withColumn("P", F.size("parts"))
+    def previous(name: str) -> Column:
+        return F.last(F.when(used, col(name)), ignorenulls=True).over(earlier)
+
+    return flagged.select(
+        "*",
+        F.count(F.when(used, 1)).over(so_far).alias("index"),
+        previous("ts_us").alias("prev_ts_us"),
+        previous("parts").alias("prev_parts"),
+        previous("owners").alias("prev_owners"),
+        (used & (col("generation") == F.max("generation").over(whole))).alias("is_last"),
+        F.last(F.when(used, col("ts_us")), ignorenulls=True).over(whole).alias("group_last_us"),
     )
 
-    # Each generation beside its predecessor's assignment: a join on (group, previous
-    # generation) = (group, generation), hash-partitioned on those keys, so the wide rows
-    # spread over every task however few the groups are. Writers list the same partitions
-    # in every generation: then the previous owners line up with this generation's
-    # partitions as they are; otherwise (rare) a lookup per partition.
-    before = ev.select(
-        *GROUP_KEYS,
-        col("generation").alias("prev_generation"),
-        col("index").alias("prev_index"),
-        col("parts").alias("prev_parts"),
-        col("owners").alias("prev_owners"),
+
+def _facts(ev: DataFrame) -> DataFrame:
+    """Per used event, everything but the ownership arrays."""
+    from pyspark.sql import functions as F
+
+    col = F.col
+    # Sorted once in a projection of its own: inlined, each of the dozen references in the
+    # percentiles sorted again (1.3 s of a 2M-row report, where the rest takes 0.1 s).
+    ev = ev.withColumn("handover", F.sort_array("handover"))
+    ordered = col("handover")
+    return ev.select(
+        *GEN_KEYS,
+        col("index").cast("long").alias("index"),
+        "ts_us",
+        "prev_generation",
+        "prev_ts_us",
+        "epoch",
+        "leader",
+        "reason",
+        "strategy",
+        "members",
+        F.size("members").alias("n"),
+        F.size("parts").alias("P"),
+        "has_loads",
+        "moved_recorded",
+        F.size("handover").cast("long").alias("handovers"),
+        *[_percentile(ordered, q).alias(f"handover_p{round(q * 100)}") for q in (0.5, 0.9, 0.99)],
+        F.array_max("handover").alias("handover_max"),
+        "is_last",
+        "group_last_us",
     )
-    paired = ev.join(before, [*GROUP_KEYS, "prev_generation"], "left")
+
+
+def _owned(ev: DataFrame) -> DataFrame:
+    """One row per partition ownership of each used event, with its owner in the previous
+    used event (null where the partition is new). Writers list the same partitions in
+    every generation: then the previous owners line up with this generation's partitions
+    as they are; otherwise (rare) a lookup per partition. Exploded inside the task that
+    holds the event and consumed there: the ownership rows are never shuffled or kept."""
+    from pyspark.sql import functions as F
+
+    col = F.col
     looked_up = F.transform(
         col("parts"),
         lambda p: F.try_element_at(F.map_from_arrays(col("prev_parts"), col("prev_owners")), p),
@@ -223,15 +272,11 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
         .when(col("prev_parts") == col("parts"), col("prev_owners"))
         .otherwise(looked_up)
     )
-    # One row per partition ownership, with its owner in the previous generation (null
-    # where the partition is new). Exploded inside the task that holds the generation and
-    # aggregated there: the ownership rows themselves are never shuffled or sorted.
-    own = paired.select(
+    return ev.select(
         *GEN_KEYS,
         "index",
         "ts_us",
         "prev_generation",
-        "prev_index",
         F.inline(
             F.arrays_zip(
                 col("parts").alias("partition"),
@@ -241,57 +286,80 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
             )
         ),
     )
+
+
+def _grains(ev: DataFrame) -> DataFrame:
+    """The ownership rows of :func:`_owned`, aggregated where they are exploded: partitions
+    and load per (previous owner, owner) pair, except that a partition that is new or
+    moved keeps a row of its own (``changed``, for the stints)."""
+    from pyspark.sql import functions as F
+
+    col = F.col
     moved = col("prev_owner").isNotNull() & (col("prev_owner") != col("owner"))
-    # One pass over the ownership rows, aggregated where they were exploded: partitions
-    # per (previous owner, owner) pair, except that a partition that is new or moved
-    # keeps a row of its own (the stints need it). Owner counts, loads, moves, holdings
-    # and churn follow from the pairs, stints from the partitions kept.
     changed = F.when(col("prev_owner").isNull() | moved, col("partition"))
-    grains = keep(
-        own.groupBy(
+    return (
+        _owned(ev)
+        .groupBy(
             *GEN_KEYS,
             "index",
             "ts_us",
             "prev_generation",
-            "prev_index",
             "owner",
             "prev_owner",
             changed.alias("changed"),
-        ).agg(F.count("*").alias("count"), F.sum("load").alias("load_sum"))
+        )
+        .agg(F.count("*").alias("count"), F.sum("load").alias("load_sum"))
     )
-    pairs = grains.groupBy(*GEN_KEYS, "owner", "prev_owner").agg(
+
+
+def _pairs(grains: DataFrame) -> DataFrame:
+    """Partitions and their load per (previous owner, owner) pair and used event: owner
+    counts, loads, moves, holdings and churn all follow from these few rows (the grains
+    are many under modulo, where most partitions move in most generations)."""
+    from pyspark.sql import functions as F
+
+    return grains.groupBy(*GEN_KEYS, "owner", "prev_owner").agg(
         F.sum("count").alias("count"), F.sum("load_sum").alias("load_sum")
     )
-    # Stints: one starts wherever a partition is new or moved; the one before a move ends
-    # in the previous generation, and so does one whose partition this generation dropped;
-    # those still open end with the group's last generation.
-    changes = grains.filter(col("changed").isNotNull()).select(
+
+
+def _ownership(ev: DataFrame, grains: DataFrame, facts: DataFrame) -> DataFrame:
+    """Stints: one starts wherever a partition is new or moved; the one before a move ends
+    in the previous generation, and so does one whose partition this generation dropped;
+    those still open end with the group's last generation. Per partition, starts and ends
+    alternate (a start sorts before an end of the same generation): each end's
+    predecessor is its stint's start."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    col = F.col
+    moved = col("prev_owner").isNotNull() & (col("prev_owner") != col("owner"))
+    fresh = grains.filter(col("changed").isNotNull()).select(
         *GEN_KEYS,
         "index",
         "ts_us",
         "prev_generation",
-        "prev_index",
         col("changed").alias("partition"),
         "owner",
         moved.alias("moved"),
     )
-    dropped = paired.filter(col("prev_parts").isNotNull() & (col("prev_parts") != col("parts")))
+    dropped = ev.filter(col("prev_parts").isNotNull() & (col("prev_parts") != col("parts")))
     dropped = dropped.select(
         *GROUP_KEYS,
         "prev_generation",
-        "prev_index",
+        "index",
         "ts_us",
         F.explode(F.array_except("prev_parts", "parts")).alias("partition"),
     )
-    last = ev.filter(col("next_ts_us").isNull()).select(
+    last = ev.filter("is_last").select(
         *GROUP_KEYS, "generation", "index", F.explode("parts").alias("partition")
     )
 
-    def stint_end(frame: DataFrame, generation: str, index: str, next_us: Column) -> DataFrame:
+    def stint_end(frame: DataFrame, generation: str, at: Column, next_us: Column) -> DataFrame:
         return frame.select(
             *GROUP_KEYS,
             "partition",
-            col(index).alias("at"),
+            at.alias("at"),
             F.lit(1).alias("side"),
             F.lit(None).cast("string").alias("member"),
             col(generation).alias("generation"),
@@ -299,7 +367,7 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
             next_us.cast("long").alias("next_us"),
         )
 
-    starts = changes.select(
+    starts = fresh.select(
         *GROUP_KEYS,
         "partition",
         col("index").alias("at"),
@@ -309,12 +377,14 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
         col("ts_us").alias("start_us"),
         F.lit(None).cast("long").alias("next_us"),
     )
-    bounds = starts.unionByName(
-        stint_end(changes.filter("moved"), "prev_generation", "prev_index", col("ts_us"))
-    ).unionByName(stint_end(dropped, "prev_generation", "prev_index", col("ts_us")))
-    bounds = bounds.unionByName(stint_end(last, "generation", "index", F.lit(None)))
-    # Per partition, starts and ends alternate (a start sorts before an end of the same
-    # generation): each end's predecessor is its stint's start.
+    before = col("index") - 1
+    bounds = (
+        starts.unionByName(
+            stint_end(fresh.filter("moved"), "prev_generation", before, col("ts_us"))
+        )
+        .unionByName(stint_end(dropped, "prev_generation", before, col("ts_us")))
+        .unionByName(stint_end(last, "generation", col("index"), F.lit(None)))
+    )
     along = Window.partitionBy(*GROUP_KEYS, "partition").orderBy("at", "side")
     stints = bounds.select(
         "*",
@@ -323,16 +393,58 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
         F.lag("generation").over(along).alias("first_generation"),
         F.lag("start_us").over(along).alias("stint_start_us"),
     ).filter(col("side") == 1)
-
-    members = ev.select(*GEN_KEYS, F.explode("members").alias("member")).withColumn(
-        "is_member", F.lit(True)
+    last_ts = facts.filter("is_last").select(*GROUP_KEYS, "group_last_us")
+    return (
+        stints.join(F.broadcast(last_ts), GROUP_KEYS)
+        .withColumn("end_us", F.coalesce(col("next_us"), col("group_last_us")))
+        .select(
+            *GROUP_KEYS,
+            "partition",
+            col("start_member").alias("member"),
+            "first_generation",
+            col("generation").alias("last_generation"),
+            (col("at") - col("start_at") + 1).cast("long").alias("generations"),
+            F.timestamp_micros("stint_start_us").alias("start"),
+            F.timestamp_micros("end_us").alias("end"),
+            ((col("end_us") - col("stint_start_us")) / 1e6).alias("duration_s"),
+            col("next_us").isNotNull().alias("ended"),
+        )
     )
 
-    # One pass over the ownership rows: partitions per (previous owner, owner) pair. Owner
-    # counts, loads, moves, holdings and churn all follow from these few rows.
-    moved_pairs = pairs.filter(col("prev_owner").isNotNull() & (col("prev_owner") != col("owner")))
 
-    # Minimum moves: orphaned partitions plus each member's excess over its quota.
+def _member_counts(pairs: DataFrame, facts: DataFrame) -> DataFrame:
+    """Owner counts and loads per member and non-member owner."""
+    from pyspark.sql import functions as F
+
+    col = F.col
+    owned = pairs.groupBy(*GEN_KEYS, col("owner").alias("member")).agg(
+        F.sum("count").alias("owned"), F.sum("load_sum").alias("load_sum")
+    )
+    members = facts.select(*GEN_KEYS, F.explode("members").alias("member"))
+    members = members.withColumn("is_member", F.lit(True))
+    loads = facts.select(*GEN_KEYS, col("has_loads").alias("loaded"))
+    return (
+        owned.join(members, [*GEN_KEYS, "member"], "full_outer")
+        .join(loads, GEN_KEYS)
+        .select(
+            *GEN_KEYS,
+            "member",
+            F.coalesce(col("owned"), F.lit(0)).cast("long").alias("partitions"),
+            F.when(col("loaded"), F.coalesce(col("load_sum"), F.lit(0.0))).alias("load"),
+            F.coalesce(col("is_member"), F.lit(False)).alias("is_member"),
+        )
+    )
+
+
+def _minimum_parts(pairs: DataFrame, facts: DataFrame) -> tuple[DataFrame, DataFrame]:
+    """Per generation: partitions orphaned (held before by a non-member) and the members'
+    excess over their quotas; the minimum moves is their sum."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    col = F.col
+    members = facts.select(*GEN_KEYS, F.explode("members").alias("member"))
+    members = members.withColumn("is_member", F.lit(True))
     held = (
         pairs.filter(col("prev_owner").isNotNull())
         .groupBy(*GEN_KEYS, col("prev_owner").alias("member"))
@@ -347,7 +459,7 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
     ranked = Window.partitionBy(*GEN_KEYS).orderBy(col("held").desc(), col("member").asc())
     excess = (
         held.filter(col("is_member"))
-        .join(ev.select(*GEN_KEYS, "n", "P"), GEN_KEYS)
+        .join(facts.select(*GEN_KEYS, "n", "P"), GEN_KEYS)
         .withColumn("rank", F.row_number().over(ranked))
         .withColumn(
             "quota",
@@ -357,22 +469,13 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
         .groupBy(*GEN_KEYS)
         .agg(F.sum(F.greatest(col("held") - col("quota"), F.lit(0))).alias("excess"))
     )
+    return orphaned, excess
 
-    # Owner counts per member and non-member owner.
-    owned = pairs.groupBy(*GEN_KEYS, col("owner").alias("member")).agg(
-        F.sum("count").alias("owned"), F.sum("load_sum").alias("load_sum")
-    )
-    member_counts = keep(
-        owned.join(members, [*GEN_KEYS, "member"], "full_outer")
-        .join(ev.select(*GEN_KEYS, "has_loads"), GEN_KEYS)
-        .select(
-            *GEN_KEYS,
-            "member",
-            F.coalesce(col("owned"), F.lit(0)).cast("long").alias("partitions"),
-            F.when(col("has_loads"), F.coalesce(col("load_sum"), F.lit(0.0))).alias("load"),
-            F.coalesce(col("is_member"), F.lit(False)).alias("is_member"),
-        )
-    )
+
+def _generations(facts: DataFrame, pairs: DataFrame, member_counts: DataFrame) -> DataFrame:
+    from pyspark.sql import functions as F
+
+    col = F.col
     count_stats = member_counts.groupBy(*GEN_KEYS).agg(
         F.min("partitions").alias("min_count"),
         F.max("partitions").alias("max_count"),
@@ -381,31 +484,23 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
         F.max("load").alias("load_max"),
         F.avg("load").alias("load_mean"),
     )
-    moves = moved_pairs.groupBy(*GEN_KEYS).agg(F.sum("count").alias("moves"))
-
-    handover = ev.select(*GEN_KEYS, "strategy", F.explode("handover").alias("handover_ms"))
-    quantiles = F.percentile("handover_ms", [0.5, 0.9, 0.99])
-    handover_stats = handover.groupBy(*GEN_KEYS).agg(
-        F.count("*").alias("handovers"),
-        quantiles.alias("q"),
-        F.max("handover_ms").alias("handover_max"),
-    )
-
+    moved = col("prev_owner").isNotNull() & (col("prev_owner") != col("owner"))
+    moves = pairs.filter(moved).groupBy(*GEN_KEYS).agg(F.sum("count").alias("moves"))
+    orphaned, excess = _minimum_parts(pairs, facts)
     positive = col("mean_count") > 0
     min_moves = F.when(
         col("prev_generation").isNull() | (col("n") == 0), F.lit(0).cast("long")
     ).otherwise(F.coalesce(col("orphaned"), F.lit(0)) + F.coalesce(col("excess"), F.lit(0)))
-    generations = keep(
-        ev.join(count_stats, GEN_KEYS, "left")
+    return (
+        facts.join(count_stats, GEN_KEYS, "left")
         .join(moves, GEN_KEYS, "left")
         .join(orphaned, GEN_KEYS, "left")
         .join(excess, GEN_KEYS, "left")
-        .join(handover_stats, GEN_KEYS, "left")
         .withColumn("moves", F.coalesce(col("moves"), F.lit(0)).cast("long"))
         .withColumn("min_moves", min_moves.cast("long"))
         .select(
             *GEN_KEYS,
-            col("index").cast("long").alias("index"),
+            "index",
             F.timestamp_micros("ts_us").alias("ts"),
             "epoch",
             "leader",
@@ -426,16 +521,23 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
             col("moved_recorded").cast("long").alias("moves_recorded"),
             "min_moves",
             _ratio(col("moves"), col("min_moves")),
-            F.coalesce(col("handovers"), F.lit(0)).alias("handovers"),
-            col("q")[0].alias("handover_p50"),
-            col("q")[1].alias("handover_p90"),
-            col("q")[2].alias("handover_p99"),
+            "handovers",
+            "handover_p50",
+            "handover_p90",
+            "handover_p99",
             "handover_max",
             ((col("ts_us") - col("prev_ts_us")) / 1e6).alias("interval_s"),
         )
     )
 
-    # Cumulative churn per member.
+
+def _member_churn(pairs: DataFrame) -> DataFrame:
+    """Partitions gained and lost per generation and member, and the running totals."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    col = F.col
+    moved_pairs = pairs.filter(col("prev_owner").isNotNull() & (col("prev_owner") != col("owner")))
     changes = moved_pairs.select(
         *GEN_KEYS, col("owner").alias("member"), col("count").alias("g"), F.lit(0).alias("l")
     ).unionByName(
@@ -451,7 +553,7 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
         .orderBy("generation")
         .rowsBetween(Window.unboundedPreceding, Window.currentRow)
     )
-    member_churn = (
+    return (
         changes.groupBy(*GEN_KEYS, "member")
         .agg(F.sum("g").cast("long").alias("gained"), F.sum("l").cast("long").alias("lost"))
         .withColumn("cum_gained", F.sum("gained").over(running))
@@ -459,26 +561,13 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
         .withColumn("cum_moves", col("cum_gained") + col("cum_lost"))
     )
 
-    # Ownership stints.
-    last_ts = ev.groupBy(*GROUP_KEYS).agg(F.max("ts_us").alias("group_last_us"))
-    ownership = keep(
-        stints.join(F.broadcast(last_ts), GROUP_KEYS)
-        .withColumn("end_us", F.coalesce(col("next_us"), col("group_last_us")))
-        .select(
-            *GROUP_KEYS,
-            "partition",
-            col("start_member").alias("member"),
-            "first_generation",
-            col("generation").alias("last_generation"),
-            (col("at") - col("start_at") + 1).cast("long").alias("generations"),
-            F.timestamp_micros("stint_start_us").alias("start"),
-            F.timestamp_micros("end_us").alias("end"),
-            ((col("end_us") - col("stint_start_us")) / 1e6).alias("duration_s"),
-            col("next_us").isNotNull().alias("ended"),
-        )
-    )
 
-    # Per group.
+def _groups(
+    generations: DataFrame, member_counts: DataFrame, ownership: DataFrame, handover: DataFrame
+) -> DataFrame:
+    from pyspark.sql import functions as F
+
+    col = F.col
     gen_ts = generations.withColumn("ts_us", F.unix_micros("ts"))
     span = (col("last_us") - col("first_us")) / 1e6
     seen = (
@@ -494,7 +583,7 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
         F.avg(F.when(col("ended"), col("generations"))).alias("ownership_mean_generations"),
         F.avg(F.when(col("ended"), col("duration_s"))).alias("ownership_mean_s"),
     )
-    groups = (
+    return (
         gen_ts.groupBy(*GROUP_KEYS)
         .agg(
             F.concat_ws(",", F.array_sort(F.collect_set("strategy"))).alias("strategies"),
@@ -534,15 +623,26 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
             "ownership_mean_s",
         )
     )
-    reasons = generations.groupBy(*GROUP_KEYS, "reason").agg(
+
+
+def _reasons(generations: DataFrame) -> DataFrame:
+    from pyspark.sql import functions as F
+
+    return generations.groupBy(*GROUP_KEYS, "reason").agg(
         F.count("*").alias("generations"),
         F.sum("moves").alias("moves"),
         F.sum("min_moves").alias("min_moves"),
     )
+
+
+def _by_strategy(generations: DataFrame, handover: DataFrame) -> DataFrame:
+    from pyspark.sql import functions as F
+
+    col = F.col
     strategy_handover = handover.groupBy("strategy").agg(
         F.percentile("handover_ms", [0.5, 0.99]).alias("sq")
     )
-    by_strategy = (
+    return (
         generations.groupBy("strategy")
         .agg(
             F.countDistinct("namespace", "group").alias("groups"),
@@ -566,18 +666,65 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
             col("sq")[1].alias("handover_p99"),
         )
     )
+
+
+def _problems(paired: DataFrame, splits: DataFrame) -> DataFrame:
+    """Bad lines (blank ones aside) and events out of order, with their line numbers."""
+    from pyspark.sql import functions as F
+
+    col = F.col
+    bad = paired.filter(col("kind").isNotNull() & (col("kind") != "blank"))
+    late = paired.filter("late").select(
+        "path",
+        "block",
+        "id",
+        "file",
+        F.lit("out_of_order").alias("kind"),
+        F.concat(
+            F.lit("generation "),
+            col("generation").cast("string"),
+            F.lit(" after "),
+            col("prev_generation").cast("string"),
+        ).alias("detail"),
+        *GEN_KEYS,
+    )
+    both = bad.select(*late.columns).unionByName(late)
+    return numbered(both, splits).select(*COLUMNS["problems"])
+
+
+def compute(spark: SparkSession, input_path: str, progress: Progress | None = None) -> SparkReport:
+    """Build the report's DataFrames over every ``*.jsonl`` below ``input_path``. The
+    intermediate frames are computed here (checkpoints); ``progress`` hears how long each
+    took."""
+    from pyspark.sql import functions as F
+
+    col = F.col
+    for key, value in SQL_CONF.items():
+        spark.conf.set(key, value)
+    keep = _Keeper(progress)
+    lines, files = parsed_lines(spark, input_path)
+    paired = keep(_paired(lines), "parsed lines, events beside their predecessors")
+    splits = keep(line_splits(paired), "line splits")
+    ev = paired.filter(col("kind").isNull() & ~col("late"))
+    facts = _facts(ev)
+    grains = keep(_grains(ev), "ownership grains")
+    pairs = keep(_pairs(grains), "owner pairs")
+    member_counts = keep(_member_counts(pairs, facts), "member counts")
+    generations = keep(_generations(facts, pairs, member_counts), "generations")
+    ownership = keep(_ownership(ev, grains, facts), "ownership")
+    handover = ev.select(*GEN_KEYS, "strategy", F.explode("handover").alias("handover_ms"))
     tables = {
         "generations": generations,
         "member_counts": member_counts,
-        "member_churn": member_churn,
+        "member_churn": _member_churn(pairs),
         "ownership": ownership,
-        "groups": groups,
-        "reasons": reasons,
-        "by_strategy": by_strategy,
-        "problems": problems,
+        "groups": _groups(generations, member_counts, ownership, handover),
+        "reasons": _reasons(generations),
+        "by_strategy": _by_strategy(generations, handover),
+        "problems": _problems(paired, splits),
     }
     tables = {name: frame.select(*COLUMNS[name]) for name, frame in tables.items()}
-    return SparkReport(tables, files, rows, handover, cached)
+    return SparkReport(tables, files, paired, handover, keep.cached)
 
 
 def input_stats(report: SparkReport) -> dict[str, int]:
@@ -586,11 +733,15 @@ def input_stats(report: SparkReport) -> dict[str, int]:
 
     col = F.col
     parsed = [k for k in PROBLEM_KINDS if k != "out_of_order"]
-    counts = report.rows.agg(
-        F.count("*").alias("lines"),
-        F.count(F.when(col("kind").isNull(), 1)).alias("events"),
-        *[F.count(F.when(col("kind") == k, 1)).alias(k) for k in parsed],
-    ).first()
+    counts = (
+        report.lines.filter(col("kind").isNull() | (col("kind") != "blank"))
+        .agg(
+            F.count("*").alias("lines"),
+            F.count(F.when(col("kind").isNull(), 1)).alias("events"),
+            *[F.count(F.when(col("kind") == k, 1)).alias(k) for k in parsed],
+        )
+        .first()
+    )
     late = report.tables["problems"].filter(col("kind") == "out_of_order").count()
     stats = {
         "files": len(report.files),
