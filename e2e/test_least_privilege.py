@@ -24,6 +24,7 @@ import yaml
 from harness.kubetest import create_namespace, get_json, wait_until
 from harness.localkube.plane import LocalKube
 from harness.localkube.tools import find_tools
+from harness.waiting import eventually
 from shoal.contracts.names import DELETION_COST_ANNOTATION
 from shoal.operator.builders import (
     build_role,
@@ -241,10 +242,18 @@ def image_patch() -> str:
 
 def test_its_own_pods_image_labels_and_other_annotations_are_refused(consumer: Consumer) -> None:
     own = f"{OURS}-0"
-    wait_until(
-        lambda: VAP_DENIAL in consumer.kubectl("patch", "pod", own, "-p", image_patch()).stderr,
+    # Until the policy has loaded the groups it lets everything through, so the wait asks
+    # with a server-side dry run (admission runs, nothing is stored): a real patch let
+    # through here would change the image, and every later attempt would be a no-op that
+    # the policy rightly allows.
+    eventually(
+        lambda: (
+            consumer.kubectl("patch", "pod", own, "-p", image_patch(), "--dry-run=server").stderr
+        ),
         30,
         "the policy to refuse an image change",
+        until=lambda stderr: VAP_DENIAL in stderr,
+        interval=0.3,
     )
     message = consumer.refused("patch", "pod", own, "-p", image_patch())
     assert f"may change only the {DELETION_COST_ANNOTATION} annotation" in message
