@@ -75,10 +75,11 @@ def manifest(
     target_lag: int = 4000,
     delay_ms: int = 5,
     cpu_ms: float = 0,
+    max_concurrency: int = 100,
 ) -> str:
     spec: dict[str, Any] = {
         "handler": "shoal.consumer.handlers:ledger",
-        "nats": {"stream": {"ledger": True}},
+        "nats": {"stream": {"ledger": True}, "consumer": {"maxConcurrency": max_concurrency}},
         "replicas": replicas,
         "minReplicas": min_replicas,
         "maxReplicas": max_replicas,
