@@ -324,8 +324,13 @@ class PartitionRunner:
                     # only times out, and would stretch the backoff).
                     silent += 1
                     started = asyncio.get_running_loop().time()
-                    if silent >= RECREATE_AFTER_SILENT_PULLS:
-                        await self._recreate_durable()
+                    if silent >= RECREATE_AFTER_SILENT_PULLS and await self._recreate_durable():
+                        # JetStream answered the create, so the durable exists now: pull
+                        # at once. (Sleeping out the backoff here added 2 s to every
+                        # resume after a lone server's restart, which loses the durables
+                        # whose state is in memory.)
+                        silent, backoff = 0, MISSING_DURABLE_BACKOFF
+                        continue
                     # The recreate's own wait (up to its 2 s timeout while JetStream
                     # elects leaders) counts toward the backoff: once JetStream answers
                     # again, the next pull comes within the backoff, not the backoff plus
@@ -583,9 +588,9 @@ class PartitionRunner:
         except Exception:
             log.debug("Giving back messages of partition %d failed", self.partition, exc_info=True)
 
-    async def _recreate_durable(self) -> None:
+    async def _recreate_durable(self) -> bool:
         """Recreate this partition's durable, unless JetStream objects are not ours to
-        manage or the stream itself is gone."""
+        manage or the stream itself is gone. True when JetStream confirmed the create."""
         w = self.worker
         c = w.config
         if not c.ensure_jetstream:
@@ -596,7 +601,7 @@ class PartitionRunner:
                 durable_name(self.partition),
                 c.stream,
             )
-            return
+            return False
         try:
             try:
                 # Creating a durable that exists with this config is a no-op; a new one
@@ -607,6 +612,7 @@ class PartitionRunner:
                 log.warning(
                     "Recreated the missing durable consumer of partition %d", self.partition
                 )
+                return True
             except NotFoundError:
                 # The stream itself is gone, and its messages with it: recreating it is a
                 # decision for whoever deleted it (the operator reconciles it). Say so
@@ -616,6 +622,7 @@ class PartitionRunner:
                     log.error("Stream %s is missing: nothing to consume until it is back", c.stream)
         except Exception as exc:  # JetStream away, or refusing: the backoff goes on
             log.warning("Could not recreate the durable of partition %d: %r", self.partition, exc)
+        return False
 
 
 class Worker:
