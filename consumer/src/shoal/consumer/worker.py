@@ -678,6 +678,7 @@ class Worker:
         self._connection_mark: tuple[bool, int] = (True, 0)
         self._member_ids: frozenset[str] | None = None
         self._brisk_until = 0.0
+        self._brisk_generation = 0  # the assignment generation when brisk pulls began
         self._tasks: set[asyncio.Task[Any]] = set()
         # One subscription for every runner's pull requests, <prefix>.<token> each: one
         # nats-py queue and task for the member, instead of one per partition.
@@ -958,7 +959,14 @@ class Worker:
         if ids != self._member_ids:
             if self._member_ids is not None:
                 self._brisk_until = time.monotonic() + BRISK_FOR
+                self._brisk_generation = self.view.generation()
             self._member_ids = ids
+        elif self._brisk_until and self.view.generation() > self._brisk_generation:
+            # The leader has written the assignment that answers the change: what we
+            # give up is stopping already (its last pull was a brisk one), and what we
+            # keep gains nothing from short pulls, which only cost CPU on a host busy
+            # with the hand-over (the unmoved partitions' pauses).
+            self._brisk_until = 0.0
 
     def pull_expires(self) -> float:
         expires = self.config.fetch_expires
