@@ -466,25 +466,27 @@ class PartitionRunner:
         # anything beyond them is someone else's, or an ack of ours not applied yet.
         return not info.num_pending and (info.num_ack_pending or 0) <= self.buffered
 
-    async def deliver(self, msg: Any, seq: int = 0, delivered: int = 0) -> None:
-        """What arrived for our pull requests: a message (its stream sequence and delivery
-        count parsed already) or a status."""
-        if not msg.reply:
-            # A status (no reply subject, nothing to ack): 100 is an idle heartbeat;
-            # anything else ends the open request (404/408: nothing more; 409: the
-            # server ended it, e.g. a leader change; 503: no JetStream answers).
-            status = msg.headers.get("Status", "") if msg.headers else ""
-            if status == "100":
-                return
-            if status not in ("404", "408"):
-                log.debug(
-                    "Pull on partition %d ended: %s %s",
-                    self.partition,
-                    status,
-                    msg.headers.get("Description") if msg.headers else "",
-                )
-            self._end_request(status or "?")
+    def deliver_status(self, msg: Any) -> None:
+        """A status (no reply subject, nothing to ack) arrived for our pull request: 100 is
+        an idle heartbeat; anything else ends the open request (404/408: nothing more;
+        409: the server ended it, e.g. a leader change; 503: no JetStream answers)."""
+        status = msg.headers.get("Status", "") if msg.headers else ""
+        if status == "100":
             return
+        if status not in ("404", "408"):
+            log.debug(
+                "Pull on partition %d ended: %s %s",
+                self.partition,
+                status,
+                msg.headers.get("Description") if msg.headers else "",
+            )
+        self._end_request(status or "?")
+
+    def deliver(self, msg: Any, seq: int, delivered: int) -> str | None:
+        """A message arrived for our pull requests (its stream sequence and delivery count
+        parsed already): hold it for the dispatcher. Returns why it must be dead-lettered
+        instead, if it must (the caller awaits that; this is not a coroutine, as it runs
+        once per message)."""
         self.arrived += 1
         if self._remaining > 0:
             self._remaining -= 1
@@ -494,24 +496,21 @@ class PartitionRunner:
         if self.stopping:
             if not self.fenced:
                 self._late.append(msg)
-            return
+            return None
         w = self.worker
         headers = msg.headers
         project = headers.get(PROJECT_HEADER, "") if headers else ""
         if not project:
-            await w.dead_letter(msg, self.partition, "missing Shoal-Project-Id header")
-            return
+            return "missing Shoal-Project-Id header"
         if not w.belongs(project, self.partition):
-            await w.dead_letter(
-                msg,
-                self.partition,
+            return (
                 f"project {project!r} belongs to partition "
-                f"{partition_for(project, w.config.partitions)}",
+                f"{partition_for(project, w.config.partitions)}"
             )
-            return
         self.buffered += 1
         w.buffered += 1
         w.dispatcher.submit(self, Held(msg, project, seq, delivered, time.monotonic()))
+        return None
 
     def _end_request(self, status: str) -> None:
         if self._request_end is not None:
@@ -909,7 +908,9 @@ class Worker:
             partition = self._partitions_by_durable.get(durable)
             runner = self.runners.get(partition) if partition is not None else None
             if runner is not None:
-                await runner.deliver(msg, seq, delivered)
+                refused = runner.deliver(msg, seq, delivered)
+                if refused is not None:
+                    await self.dead_letter(msg, runner.partition, refused)
             else:
                 # Ours no more (a request we gave up on as lost delivered late): unacked,
                 # JetStream redelivers it to the partition's owner after ack_wait.
@@ -917,7 +918,7 @@ class Worker:
             return
         runner = self._inboxes.get(msg.subject)
         if runner is not None:
-            await runner.deliver(msg)
+            runner.deliver_status(msg)
 
     async def run(self) -> None:
         await self.view.synced.wait()
