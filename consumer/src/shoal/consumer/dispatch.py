@@ -98,7 +98,6 @@ class Dispatcher:
         self._running: dict[asyncio.Task[None], Source] = {}
         self._cancelling: set[asyncio.Task[None]] = set()
         self._spare: list[ProjectQueue] = []
-        self._waking = 0  # workers woken that have not resumed yet
         self.running = 0
 
     def start(self) -> None:
@@ -131,22 +130,11 @@ class Dispatcher:
     def _schedule(self, queue: ProjectQueue) -> None:
         queue.scheduled = True
         self._ready.append(queue)
-        if not self._waking:
-            self._wake_one()
-
-    def _wake_one(self) -> None:
-        """Wake one idle worker. Workers are woken one at a time, each waking the next
-        as it takes a project and leaves more in the ready queue: a read of N messages
-        used to wake N workers, most of which found the queue emptied by the first
-        (a running worker takes projects until none is ready), at the cost of a task
-        switch and a future each. With handlers that await, the chain still starts a
-        worker for every ready project, one loop iteration apart."""
         while self._idle:
             waiter = self._idle.popleft()
             if not waiter.done():
                 waiter.set_result(None)
-                self._waking += 1
-                return
+                break
 
     def _retry_due(self, queue: ProjectQueue) -> None:
         queue.scheduled = False
@@ -176,16 +164,10 @@ class Dispatcher:
                 streak = 0
                 waiter: asyncio.Future[None] = loop.create_future()
                 self._idle.append(waiter)
-                try:
-                    await waiter
-                finally:
-                    if waiter.done() and not waiter.cancelled():
-                        self._waking -= 1  # woken (perhaps cancelled since)
+                await waiter
                 continue
             queue = ready.popleft()
             queue.scheduled = False
-            if ready and not self._waking:
-                self._wake_one()  # more to run: the next worker, in case this one waits
             source = queue.source
             if source.stopping or not queue.pending:
                 continue  # left for the hand-over, which gives unstarted messages back
