@@ -11,20 +11,20 @@ Method (both sides read THE SAME messages of THE SAME stream, in the same run):
   consumed while publishing and each side starts from the full backlog with its reader
   already running and idle: ONE shoal member process that has claimed all 128
   partitions (group settled), or the plain loop blocked in ``fetch``.
-* A side is timed from its first processed message to its last ack: the paused durables
-  are resumed, and the clock starts when the first message has been handled (the server
-  does not serve pull requests that were waiting on a paused consumer, so the moment of
-  the resume would charge each side with its own pull-request expiry instead). The clock
-  stops when the backlog has been acked: for shoal, when the member's
-  ``shoal_messages_processed_total{outcome="ok"}`` counter (scraped from its /metrics page
-  every 50 ms) reaches it; for the plain loop, at its last ack. Then every durable is
-  checked on the server (``num_pending == 0`` and ``num_ack_pending == 0``), so acks that
-  never arrived fail the benchmark instead of flattering it.
-* Nothing publishes while a side is timed; the benchmark process only scrapes metrics
-  while shoal is timed. There are ``--rounds`` rounds (default 2), each with a fresh
-  backlog; the order of the two sides alternates between rounds, so caches and
-  background work of the server do not favour one side. A side's rate is its total
-  messages over its total timed seconds.
+* A side is timed from its first processed message to the last ack the server applied.
+  Start: the plain reader reports its first message; the member's ok counter (its
+  /metrics page) is scraped every 10 ms until it moves, and the start is the last scrape
+  that saw none (never later than the truth). End, for both: the latest
+  ``ack_floor.last_active`` of the 128 durables once all have nothing pending and nothing
+  unacknowledged (``DrainClock``: one ``CONSUMER.LIST`` request every 0.25 s). So neither
+  reader is asked anything while it drains: until session 8 the member's /metrics page was
+  scraped every 50 ms to see it finish (2-5 % of its CPU, which the plain reader did not
+  pay). A member's CPU is read from /proc at its start and at the end; the plain reader
+  reports its own, from its first message to its last ack.
+* Nothing publishes while a side is timed. There are ``--rounds`` rounds (default 2),
+  each with a fresh backlog; the order of the two sides alternates between rounds, so
+  caches and background work of the server do not favour one side. A side's rate is its
+  total messages over its total timed seconds.
 
 Figures: ``shoal_msgs_per_s``, ``plain_msgs_per_s``, ``ratio`` (shoal / plain, target >=
 0.85), the CPU each reader used while timed, and ``rss_mb_64_partitions``: two members
@@ -186,6 +186,57 @@ async def watch_counter(
     )
 
 
+class DrainClock:
+    """When a reader's last ack was applied, as the server saw it: the same for both
+    sides, and free for the readers (it asks the server, never the reader).
+
+    The latest ``ack_floor.last_active`` of the durables, read once every durable has
+    nothing pending and nothing unacknowledged. That is polled with one ``CONSUMER.LIST``
+    request every 0.25 s: the end time comes from the server, so the polls need not be
+    frequent, and cost the server next to nothing.
+    """
+
+    def __init__(self, js: Any, stream: str, durables: list[str]) -> None:
+        self.js = js
+        self.stream = stream
+        self.durables = set(durables)
+
+    async def last_ack(self, timeout: float) -> float:
+        """Wall-clock time of the last ack (the server's clock is this host's)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            infos = [
+                i for i in await self.js.consumers_info(self.stream) if i.name in self.durables
+            ]
+            if len(infos) != len(self.durables):
+                raise RuntimeError(f"{len(infos)} of {len(self.durables)} durables listed")
+            if all(not i.num_pending and not i.num_ack_pending for i in infos):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError("the backlog was not drained in time")
+            await asyncio.sleep(0.25)
+        acks = [i.ack_floor.last_active for i in infos if i.ack_floor.last_active is not None]
+        return float(max(a.timestamp() for a in acks))
+
+
+async def first_processed(port: int, pid: int, timeout: float) -> tuple[float, float]:
+    """When a member processed its first message: the wall time of the last scrape of its
+    ok counter (every 10 ms) that still saw none, so the start is never later than the
+    truth; and its CPU seconds then. The scrapes stop there: once it runs, the member is
+    asked nothing more (the plain reader reports its own first message)."""
+    deadline = time.monotonic() + timeout
+    base = await processed([port])
+    while True:
+        cpu = cpu_seconds(pid)
+        at = time.time()
+        with contextlib.suppress(OSError):
+            if await processed([port]) > base:
+                return at, cpu
+        if time.monotonic() > deadline:
+            raise TimeoutError("the member processed nothing")
+        await asyncio.sleep(0.01)
+
+
 @dataclass
 class PlainResult:
     first: float | None = None  # monotonic time of the first message
@@ -298,6 +349,7 @@ class Bench:
         self.producer = Producer(self.js, config.subject_prefix, config.partitions)
         self.shoal = Side()
         self.plain = Side()
+        self.clock = DrainClock(self.js, self.stream, self.partition_durables)
 
     async def setup(self) -> None:
         await ensure_group(self.js, self.config)
@@ -320,34 +372,35 @@ class Bench:
     async def time_shoal(self) -> None:
         """A member that joins the group alone, claims all partitions, drains the backlog.
 
-        Timed from its first processed message (its ok counter moving) to the last one:
-        its start-up and claiming are not charged, as the plain side's connecting is not.
+        Timed from its first processed message (its start-up and claiming are not charged,
+        as the plain side's connecting is not) to the server's last applied ack.
         """
         port = free_port()
-        started = time.monotonic()
+        started = time.time()
         member = self.fleet.start("m-0", SHOAL_METRICS_PORT=str(port))
         await wait_metrics(port, 30)
-        cpu0 = (cpu_seconds(member.pid), cpu_seconds(self.nats_pid))
-        first, last, _ = await watch_counter([port], self.args.messages, self.args.timeout)
+        first, member_cpu0 = await first_processed(port, member.pid, self.args.timeout)
+        nats0 = cpu_seconds(self.nats_pid)
+        last = await self.clock.last_ack(self.args.timeout)
         cpu1 = (cpu_seconds(member.pid), cpu_seconds(self.nats_pid))
         await check_drained(self.js, self.stream, self.partition_durables)
         self.fleet.term("m-0")
         await asyncio.to_thread(self.fleet.wait_exit, "m-0", 60)
-        start = first if first is not None else started
-        seconds = last - start
+        seconds = last - first
         self.shoal.add(
-            self.args.messages, seconds, start - started, cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
+            self.args.messages, seconds, first - started, cpu1[0] - member_cpu0, cpu1[1] - nats0
         )
         note(
             f"shoal: {self.args.messages} in {seconds:.2f} s = "
-            f"{self.args.messages / seconds:.0f} msg/s (first message {start - started:.2f} s "
+            f"{self.args.messages / seconds:.0f} msg/s (first message {first - started:.2f} s "
             "after the start)"
         )
 
     async def time_plain(self) -> None:
-        """The plain consumer on the same durables (no member runs meanwhile)."""
+        """The plain consumer on the same durables (no member runs meanwhile): from its
+        first message (its own report) to the server's last applied ack, as for shoal."""
         nats0 = 0.0
-        started = time.monotonic()
+        started = time.time()
 
         async def ready(pid: int) -> None:
             nonlocal nats0
@@ -362,14 +415,20 @@ class Bench:
             self.args.timeout,
             ready,
         )
+        last = await self.clock.last_ack(self.args.timeout)
         nats1 = cpu_seconds(self.nats_pid)
         await check_drained(self.js, self.stream, self.partition_durables)
-        start = result.first if result.first is not None else started
-        seconds = result.last - start
-        self.plain.add(result.acked, seconds, start - started, result.cpu_s, nats1 - nats0)
+        if result.first is None:
+            raise RuntimeError("the plain reader saw no message")
+        # Its monotonic times (the clock is system-wide) as wall-clock times.
+        offset = time.time() - time.monotonic()
+        first = result.first + offset
+        seconds = last - first
+        self.plain.add(result.acked, seconds, first - started, result.cpu_s, nats1 - nats0)
         note(
             f"plain: {result.acked} in {seconds:.2f} s = {result.acked / seconds:.0f} msg/s "
-            f"(first message {start - started:.2f} s after the start)"
+            f"(first message {first - started:.2f} s after the start; its own last ack "
+            f"{1000 * (result.last + offset - last):+.0f} ms from the server's)"
         )
 
     async def start_member(self, member_id: str, members: set[str]) -> tuple[Member, int]:

@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 # A worker that ran this many messages without waiting (handlers that never await, e.g.
 # a noop) lets the event loop run, so that reading from NATS and timers are not starved.
 YIELD_EVERY = 64
+# Emptied project queues kept for reuse: with fast handlers a project's queue empties, and
+# was dropped, after nearly every message (3 % of a noop member's CPU in allocations).
+SPARE_QUEUES = 1024
 
 
 class Held:
@@ -94,6 +97,7 @@ class Dispatcher:
         # worker task -> the source whose message it runs now (for fencing)
         self._running: dict[asyncio.Task[None], Source] = {}
         self._cancelling: set[asyncio.Task[None]] = set()
+        self._spare: list[ProjectQueue] = []
         self.running = 0
 
     def start(self) -> None:
@@ -112,7 +116,13 @@ class Dispatcher:
         """Queue a fetched message behind the earlier ones of its project."""
         queue = source.projects.get(held.project)
         if queue is None:
-            queue = source.projects[held.project] = ProjectQueue(source, held.project)
+            if self._spare:
+                queue = self._spare.pop()
+                queue.source = source
+                queue.project = held.project
+            else:
+                queue = ProjectQueue(source, held.project)
+            source.projects[held.project] = queue
         queue.pending.append(held)
         if not queue.scheduled and not queue.running:
             self._schedule(queue)
@@ -196,6 +206,10 @@ class Dispatcher:
             if not queue.pending:
                 if source.projects.get(queue.project) is queue:
                     del source.projects[queue.project]
+                    # Nothing refers to it now: not scheduled (it was running), no retry
+                    # timer (nothing pending), and its source no longer lists it.
+                    if not queue.scheduled and len(self._spare) < SPARE_QUEUES:
+                        self._spare.append(queue)
             elif outcome is SETTLED:
                 if not source.stopping:
                     self._schedule(queue)

@@ -137,7 +137,9 @@ async def _simulated_work() -> None:
 
 async def noop(msg: Message) -> None:
     """Accept everything (plus simulated work: SHOAL_HANDLER_DELAY_MS, SHOAL_HANDLER_CPU_MS)."""
-    await _simulated_work()
+    work = simulated_work()
+    if work.cpu_ms or work.delay_ms:  # no coroutine to build and await when there is none
+        await work.run()
 
 
 async def ledger(msg: Message) -> None:

@@ -6,26 +6,87 @@ interpreter, as in tests and benchmarks, do not collide.
 
 from __future__ import annotations
 
+import bisect
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
 
 _HANDOVER_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+OUTCOMES = ("ok", "retry", "dead_letter")
+
+
+class MessageTally(Collector):
+    """``shoal_messages_processed_total{outcome}`` and ``shoal_handler_seconds``, counted
+    per message into plain integers and turned into Prometheus families at scrape time.
+
+    prometheus_client's Counter.inc and Histogram.observe take a lock each, and observe
+    walks the buckets in Python: together 3-4 % of a noop member's CPU, once per message.
+    Here the event loop only adds to ints and a list (no lock: it is their only writer, and
+    a scrape reads them from its thread at any moment, as it would a Counter); the families
+    exposed are the same as a Counter's and a Histogram's (with their ``_created`` samples),
+    and an outcome appears once it has been counted, as a labelled child would.
+    """
+
+    BUCKETS = Histogram.DEFAULT_BUCKETS  # ends with +Inf
+
+    def __init__(self) -> None:
+        self.created = time.time()
+        self.ok = 0
+        self.retry = 0
+        self.dead_letter = 0
+        self._first_counted: dict[str, float] = {}
+        # Observations per bucket (not cumulative): index i counts v <= BUCKETS[i] and
+        # v > BUCKETS[i - 1]; bisect_left finds it as Histogram.observe's loop does.
+        self._bounds = list(self.BUCKETS)
+        self._counts = [0] * len(self._bounds)
+        self.handler_sum = 0.0
+
+    def observe_handler(self, seconds: float) -> None:
+        self._counts[bisect.bisect_left(self._bounds, seconds)] += 1
+        self.handler_sum += seconds
+
+    def collect(self) -> Iterator[Metric]:
+        processed = CounterMetricFamily(
+            "shoal_messages_processed", "Messages handled, by outcome", labels=["outcome"]
+        )
+        for outcome in OUTCOMES:
+            value = getattr(self, outcome)
+            if value:
+                created = self._first_counted.setdefault(outcome, time.time())
+                processed.add_metric([outcome], value, created=created)
+        yield processed
+        counts = list(self._counts)  # one consistent copy: the loop keeps adding
+        cumulative = 0
+        buckets: list[tuple[str, float]] = []
+        for bound, count in zip(self.BUCKETS, counts, strict=True):
+            cumulative += count
+            buckets.append((_bound_label(bound), float(cumulative)))
+        handler = HistogramMetricFamily(
+            "shoal_handler_seconds", "Time spent in the message handler"
+        )
+        handler.add_metric([], buckets, self.handler_sum)
+        handler.add_sample("shoal_handler_seconds_created", {}, self.created)
+        yield handler
+
+
+def _bound_label(bound: float) -> str:
+    """A bucket's ``le`` as prometheus_client writes it (floatToGoString)."""
+    return "+Inf" if bound == float("inf") else repr(float(bound))
 
 
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.processed = Counter(
-            "shoal_messages_processed", "Messages handled, by outcome", ["outcome"], registry=r
-        )
-        self.handler_seconds = Histogram(
-            "shoal_handler_seconds", "Time spent in the message handler", registry=r
-        )
+        # shoal_messages_processed_total{outcome} and shoal_handler_seconds.
+        self.messages = MessageTally()
+        r.register(self.messages)
         self.partitions_owned = Gauge(
             "shoal_partitions_owned", "Partitions this member consumes now", registry=r
         )

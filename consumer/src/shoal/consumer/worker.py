@@ -78,6 +78,7 @@ BRISK_EXPIRES = 0.05
 BRISK_FOR = 3.0
 # Projects whose partition was checked (sha256) once; the cache is dropped when this big.
 PARTITION_CACHE_SIZE = 100_000
+ACK = b"+ACK"
 
 
 def _ack_fields(reply: str) -> tuple[str, int, int]:
@@ -470,25 +471,27 @@ class PartitionRunner:
         # anything beyond them is someone else's, or an ack of ours not applied yet.
         return not info.num_pending and (info.num_ack_pending or 0) <= self.buffered
 
-    async def deliver(self, msg: Any, seq: int = 0, delivered: int = 0) -> None:
-        """What arrived for our pull requests: a message (its stream sequence and delivery
-        count parsed already) or a status."""
-        if not msg.reply:
-            # A status (no reply subject, nothing to ack): 100 is an idle heartbeat;
-            # anything else ends the open request (404/408: nothing more; 409: the
-            # server ended it, e.g. a leader change; 503: no JetStream answers).
-            status = msg.headers.get("Status", "") if msg.headers else ""
-            if status == "100":
-                return
-            if status not in ("404", "408"):
-                log.debug(
-                    "Pull on partition %d ended: %s %s",
-                    self.partition,
-                    status,
-                    msg.headers.get("Description") if msg.headers else "",
-                )
-            self._end_request(status or "?")
+    def deliver_status(self, msg: Any) -> None:
+        """A status (no reply subject, nothing to ack) arrived for our pull request: 100 is
+        an idle heartbeat; anything else ends the open request (404/408: nothing more;
+        409: the server ended it, e.g. a leader change; 503: no JetStream answers)."""
+        status = msg.headers.get("Status", "") if msg.headers else ""
+        if status == "100":
             return
+        if status not in ("404", "408"):
+            log.debug(
+                "Pull on partition %d ended: %s %s",
+                self.partition,
+                status,
+                msg.headers.get("Description") if msg.headers else "",
+            )
+        self._end_request(status or "?")
+
+    def deliver(self, msg: Any, seq: int, delivered: int) -> str | None:
+        """A message arrived for our pull requests (its stream sequence and delivery count
+        parsed already): hold it for the dispatcher. Returns why it must be dead-lettered
+        instead, if it must (the caller awaits that; this is not a coroutine, as it runs
+        once per message)."""
         self.arrived += 1
         if self._remaining > 0:
             self._remaining -= 1
@@ -498,24 +501,21 @@ class PartitionRunner:
         if self.stopping:
             if not self.fenced:
                 self._late.append(msg)
-            return
+            return None
         w = self.worker
         headers = msg.headers
         project = headers.get(PROJECT_HEADER, "") if headers else ""
         if not project:
-            await w.dead_letter(msg, self.partition, "missing Shoal-Project-Id header")
-            return
+            return "missing Shoal-Project-Id header"
         if not w.belongs(project, self.partition):
-            await w.dead_letter(
-                msg,
-                self.partition,
+            return (
                 f"project {project!r} belongs to partition "
-                f"{partition_for(project, w.config.partitions)}",
+                f"{partition_for(project, w.config.partitions)}"
             )
-            return
         self.buffered += 1
         w.buffered += 1
         w.dispatcher.submit(self, Held(msg, project, seq, delivered, time.monotonic()))
+        return None
 
     def _end_request(self, status: str) -> None:
         if self._request_end is not None:
@@ -687,11 +687,8 @@ class Worker:
         self._inboxes: dict[str, PartitionRunner] = {}
         self._inbox_count = 0
         self._partitions_by_durable = {durable_name(p): p for p in range(config.partitions)}
-        # Metric children resolved once, not per message.
-        self._ok = metrics.processed.labels("ok")
-        self._retried = metrics.processed.labels("retry")
-        self._dead = metrics.processed.labels("dead_letter")
-        self._handler_seconds = metrics.handler_seconds
+        # Counted into plain integers, read at scrape time (metrics.MessageTally).
+        self.tally = metrics.messages
 
     # -- running messages (the dispatcher's execute) ----------------------------------
 
@@ -736,15 +733,18 @@ class Worker:
             return ABANDONED
         except PermanentError as exc:
             await self.dead_letter(msg, runner.partition, f"permanent error: {exc}")
-            self._dead.inc()
+            self.tally.dead_letter += 1
             return SETTLED
         except Exception as exc:
             return await self._failed(runner, held, exc)
         finally:
-            self._handler_seconds.observe(time.perf_counter() - started)
-        await msg.ack()
-        self._ok.inc()
-        self._projects[held.project] = time.monotonic()
+            self.tally.observe_handler(time.perf_counter() - started)
+        # A bare publish, as Msg.ack() would send (minus its checks: we ack each message
+        # once, here or nowhere).
+        await self.nc.publish(msg.reply, ACK)
+        self.tally.ok += 1
+        # (Its delivery time: close enough for a 60 s window, and no clock read.)
+        self._projects[held.project] = held.kept
         return SETTLED
 
     async def _failed(self, runner: PartitionRunner, held: Held, exc: Exception) -> float | None:
@@ -755,10 +755,10 @@ class Worker:
         msg = held.msg
         if attempts >= self.config.max_deliver:
             await self.dead_letter(msg, runner.partition, f"failed {attempts} times, last: {exc!r}")
-            self._dead.inc()
+            self.tally.dead_letter += 1
             return SETTLED
         delay = self.retry_delay(attempts)
-        self._retried.inc()
+        self.tally.retry += 1
         if self.config.retry_policy == "NakAndContinue":
             # The old behaviour, chosen explicitly: JetStream redelivers it after the
             # delay, and later messages of its project may overtake it.
@@ -793,10 +793,10 @@ class Worker:
             await self.dead_letter(
                 held.msg, runner.partition, f"failed on its last delivery: {exc!r}"
             )
-            self._dead.inc()
+            self.tally.dead_letter += 1
             return
         await held.msg.ack()
-        self._ok.inc()
+        self.tally.ok += 1
 
     async def keep_held_alive(self) -> None:
         """In-progress acks for messages held longer than a quarter of ack_wait.
@@ -916,7 +916,9 @@ class Worker:
             partition = self._partitions_by_durable.get(durable)
             runner = self.runners.get(partition) if partition is not None else None
             if runner is not None:
-                await runner.deliver(msg, seq, delivered)
+                refused = runner.deliver(msg, seq, delivered)
+                if refused is not None:
+                    await self.dead_letter(msg, runner.partition, refused)
             else:
                 # Ours no more (a request we gave up on as lost delivered late): unacked,
                 # JetStream redelivers it to the partition's owner after ack_wait.
@@ -924,7 +926,7 @@ class Worker:
             return
         runner = self._inboxes.get(msg.subject)
         if runner is not None:
-            await runner.deliver(msg)
+            runner.deliver_status(msg)
 
     async def run(self) -> None:
         await self.view.synced.wait()

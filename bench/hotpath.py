@@ -1,0 +1,106 @@
+"""A member's own CPU per message, without servers: routing, delivery, dispatch, the
+handler call, metrics and the ack.
+
+The throughput bench (bench/throughput.py) moves with the machine and with nats-server,
+which shares its two cores; this one isolates what Shoal adds on top of nats-py's reading
+of a message (which the plain reader pays too). It feeds real nats-py ``Msg`` objects
+(the headers and reply subjects a member gets from JetStream, 1,000 projects over 128
+partitions) to ``Worker._route`` in reads of ``--read`` messages, with the built-in noop
+handler, and acks through a real nats-py client that is not connected (its publishes pile
+up in its pending buffer, cleared after every read). Figure: ``hotpath_us_per_msg``, the
+process CPU per message, best of ``--repeat``. Not a target: a number to compare commits
+with (session 9: 6.75 -> 4.6 us).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from typing import Any
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from harness.bench import emit
+from shoal.consumer import handlers
+from shoal.consumer.config import GroupConfig
+from shoal.consumer.metrics import Metrics
+from shoal.consumer.worker import PartitionRunner, Worker
+from shoal.contracts.names import MSG_ID_HEADER, PROJECT_HEADER, durable_name, partition_for
+
+PARTITIONS = 128
+PROJECTS = 1_000
+
+
+class AlwaysSafe:
+    """The Membership a worker asks on each message: a live lease."""
+
+    lease_id = 1
+    incarnation = 0
+
+    def safe(self) -> bool:
+        return True
+
+
+def messages(nc: Any, count: int) -> list[Any]:
+    partition_of: dict[str, int] = {}
+    out = []
+    for i in range(count):
+        project = f"project-{i % PROJECTS}"
+        p = partition_of.get(project)
+        if p is None:
+            p = partition_of[project] = partition_for(project, PARTITIONS)
+        reply = f"$JS.ACK.bench.{durable_name(p)}.1.{i + 1}.{i + 1}.1700000000000000000.{count - i}"
+        headers = {PROJECT_HEADER: project, MSG_ID_HEADER: f"m-{i}"}
+        out.append(
+            Msg(_client=nc, subject=f"bench.{p}", reply=reply, data=b"x" * 64, headers=headers)
+        )
+    return out
+
+
+async def one_run(count: int, read: int) -> float:
+    nc = Client()
+    nc._status = Client.CONNECTED  # publishes go to its pending buffer, never written
+    nc._flush_queue = None
+    nc._max_pending_size = 0
+    config = GroupConfig(namespace="bench", group="hotpath", partitions=PARTITIONS)
+    # No etcd, view or JetStream context: nothing on the hot path uses them.
+    unused: Any = None
+    membership: Any = AlwaysSafe()
+    worker = Worker(config, unused, unused, membership, nc, unused, handlers.noop, Metrics())
+    for p in range(PARTITIONS):
+        worker.runners[p] = PartitionRunner(worker, p, 1, None)
+    worker.dispatcher.start()
+    batch = messages(nc, count)
+    route = worker._route
+    started = time.process_time()
+    for i in range(0, count, read):
+        for msg in batch[i : i + read]:
+            await route(msg)
+        await asyncio.sleep(0)  # the read loop yields: the dispatcher's workers run
+        nc._pending.clear()
+        nc._pending_data_size = 0
+    while worker.buffered:  # noqa: ASYNC110 (the last read: a busy loop, CPU is measured)
+        await asyncio.sleep(0)
+    spent = time.process_time() - started
+    done = sum(r.processed for r in worker.runners.values())
+    if done != count:
+        raise RuntimeError(f"processed {done} of {count}")
+    await worker.dispatcher.stop()
+    return 1e6 * spent / count
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--messages", type=int, default=200_000)
+    parser.add_argument("--read", type=int, default=256, help="messages per read")
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args(argv)
+    runs = [asyncio.run(one_run(args.messages, args.read)) for _ in range(args.repeat)]
+    emit("hotpath", "hotpath_us_per_msg", round(min(runs), 2), runs=[round(r, 2) for r in runs])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
