@@ -254,12 +254,11 @@ def _facts(ev: DataFrame) -> DataFrame:
     )
 
 
-def _owned(ev: DataFrame) -> DataFrame:
-    """One row per partition ownership of each used event, with its owner in the previous
-    used event (null where the partition is new). Writers list the same partitions in
-    every generation: then the previous owners line up with this generation's partitions
-    as they are; otherwise (rare) a lookup per partition. Exploded inside the task that
-    holds the event and consumed there: the ownership rows are never shuffled or kept."""
+def _prev_owners(ev: DataFrame) -> Column:
+    """Per used event, the owner in the previous used event of each of its partitions
+    (null where the partition is new; empty for a group's first event). Writers list the
+    same partitions in every generation: then the previous owners line up with this
+    generation's partitions as they are; otherwise (rare) a lookup per partition."""
     from pyspark.sql import functions as F
 
     col = F.col
@@ -267,148 +266,144 @@ def _owned(ev: DataFrame) -> DataFrame:
         col("parts"),
         lambda p: F.try_element_at(F.map_from_arrays(col("prev_parts"), col("prev_owners")), p),
     )
-    prev_owners = (
+    return (
         F.when(col("prev_parts").isNull(), F.array().cast("array<string>"))
         .when(col("prev_parts") == col("parts"), col("prev_owners"))
         .otherwise(looked_up)
     )
-    return ev.select(
-        *GEN_KEYS,
-        "index",
-        "ts_us",
-        "prev_generation",
-        F.inline(
-            F.arrays_zip(
-                col("parts").alias("partition"),
-                col("owners").alias("owner"),
-                col("loads").alias("load"),
-                prev_owners.alias("prev_owner"),
-            )
-        ),
-    )
 
 
-def _grains(ev: DataFrame) -> DataFrame:
-    """The ownership rows of :func:`_owned`, aggregated where they are exploded: partitions
-    and load per (previous owner, owner) pair, except that a partition that is new or
-    moved keeps a row of its own (``changed``, for the stints)."""
+def _pairs(ev: DataFrame) -> DataFrame:
+    """Partitions and their load per (previous owner, owner) pair and used event: owner
+    counts, loads, moves, holdings and churn all follow from these few rows. Each event is
+    exploded into one row per ownership and aggregated inside the task that holds it (the
+    frame is partitioned by group): the ownership rows are never shuffled or kept."""
     from pyspark.sql import functions as F
 
     col = F.col
-    moved = col("prev_owner").isNotNull() & (col("prev_owner") != col("owner"))
-    changed = F.when(col("prev_owner").isNull() | moved, col("partition"))
-    return (
-        _owned(ev)
-        .groupBy(
-            *GEN_KEYS,
-            "index",
-            "ts_us",
-            "prev_generation",
-            "owner",
-            "prev_owner",
-            changed.alias("changed"),
-        )
-        .agg(F.count("*").alias("count"), F.sum("load").alias("load_sum"))
+    owned = ev.select(
+        *GEN_KEYS,
+        F.inline(
+            F.arrays_zip(
+                col("owners").alias("owner"),
+                col("loads").alias("load"),
+                col("prev_owner").alias("prev_owner"),
+            )
+        ),
+    )
+    return owned.groupBy(*GEN_KEYS, "owner", "prev_owner").agg(
+        F.count("*").alias("count"), F.sum("load").alias("load_sum")
     )
 
 
-def _pairs(grains: DataFrame) -> DataFrame:
-    """Partitions and their load per (previous owner, owner) pair and used event: owner
-    counts, loads, moves, holdings and churn all follow from these few rows (the grains
-    are many under modulo, where most partitions move in most generations)."""
-    from pyspark.sql import functions as F
-
-    return grains.groupBy(*GEN_KEYS, "owner", "prev_owner").agg(
-        F.sum("count").alias("count"), F.sum("load_sum").alias("load_sum")
-    )
-
-
-def _ownership(ev: DataFrame, grains: DataFrame, facts: DataFrame) -> DataFrame:
-    """Stints: one starts wherever a partition is new or moved; the one before a move ends
-    in the previous generation, and so does one whose partition this generation dropped;
-    those still open end with the group's last generation. Per partition, starts and ends
-    alternate (a start sorts before an end of the same generation): each end's
-    predecessor is its stint's start."""
+def _ownership(ev: DataFrame) -> DataFrame:
+    """Stints. One starts wherever a partition is new or moved (only those positions of
+    each event are exploded: under sticky a few per generation). A stint ends where the
+    next row of its partition, in group order, says so: the next start if a move (the
+    stint's last generation is the one before), a drop (the partition left in the next
+    generation), or the group's last generation (still open). One window per (group,
+    partition) with ``lead`` over the starts and those ends; the moves' ends are the
+    starts themselves, so the window sorts about one row per stint."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
     col = F.col
-    moved = col("prev_owner").isNotNull() & (col("prev_owner") != col("owner"))
-    fresh = grains.filter(col("changed").isNotNull()).select(
-        *GEN_KEYS,
-        "index",
-        "ts_us",
-        "prev_generation",
-        col("changed").alias("partition"),
-        "owner",
-        moved.alias("moved"),
+    changed = F.filter(
+        F.arrays_zip(
+            col("parts").alias("partition"),
+            col("owners").alias("member"),
+            col("prev_owner").alias("before"),
+        ),
+        lambda x: x["before"].isNull() | (x["before"] != x["member"]),
     )
-    dropped = ev.filter(col("prev_parts").isNotNull() & (col("prev_parts") != col("parts")))
-    dropped = dropped.select(
+    starts = ev.select(
         *GROUP_KEYS,
-        "prev_generation",
+        "generation",
         "index",
         "ts_us",
-        F.explode(F.array_except("prev_parts", "parts")).alias("partition"),
-    )
-    last = ev.filter("is_last").select(
-        *GROUP_KEYS, "generation", "index", F.explode("parts").alias("partition")
-    )
-
-    def stint_end(frame: DataFrame, generation: str, at: Column, next_us: Column) -> DataFrame:
-        return frame.select(
-            *GROUP_KEYS,
-            "partition",
-            at.alias("at"),
-            F.lit(1).alias("side"),
-            F.lit(None).cast("string").alias("member"),
-            col(generation).alias("generation"),
-            F.lit(None).cast("long").alias("start_us"),
-            next_us.cast("long").alias("next_us"),
-        )
-
-    starts = fresh.select(
+        "prev_generation",
+        F.inline(changed),
+    ).select(
         *GROUP_KEYS,
         "partition",
         col("index").alias("at"),
         F.lit(0).alias("side"),
-        col("owner").alias("member"),
+        "member",
         "generation",
         col("ts_us").alias("start_us"),
-        F.lit(None).cast("long").alias("next_us"),
+        # What this row ends: the partition's stint before a move.
+        F.when(col("before").isNotNull(), col("prev_generation")).alias("end_generation"),
+        (col("index") - 1).alias("end_at"),
+        col("ts_us").alias("end_us"),
     )
-    before = col("index") - 1
-    bounds = (
-        starts.unionByName(
-            stint_end(fresh.filter("moved"), "prev_generation", before, col("ts_us"))
-        )
-        .unionByName(stint_end(dropped, "prev_generation", before, col("ts_us")))
-        .unionByName(stint_end(last, "generation", col("index"), F.lit(None)))
+    dropped = ev.filter(col("prev_parts").isNotNull() & (col("prev_parts") != col("parts")))
+    dropped = dropped.select(
+        *GROUP_KEYS,
+        F.explode(F.array_except("prev_parts", "parts")).alias("partition"),
+        (col("index") - 1).alias("at"),
+        col("prev_generation").alias("end_generation"),
+        col("ts_us").alias("end_us"),
     )
-    along = Window.partitionBy(*GROUP_KEYS, "partition").orderBy("at", "side")
-    stints = bounds.select(
-        "*",
-        F.lag("at").over(along).alias("start_at"),
-        F.lag("member").over(along).alias("start_member"),
-        F.lag("generation").over(along).alias("first_generation"),
-        F.lag("start_us").over(along).alias("stint_start_us"),
-    ).filter(col("side") == 1)
-    last_ts = facts.filter("is_last").select(*GROUP_KEYS, "group_last_us")
-    return (
-        stints.join(F.broadcast(last_ts), GROUP_KEYS)
-        .withColumn("end_us", F.coalesce(col("next_us"), col("group_last_us")))
-        .select(
+    last = ev.filter("is_last").select(
+        *GROUP_KEYS,
+        F.explode("parts").alias("partition"),
+        col("index").alias("at"),
+        col("generation").alias("end_generation"),
+        col("ts_us").alias("end_us"),
+    )
+
+    def ends(frame: DataFrame, ended: bool) -> DataFrame:
+        return frame.select(
             *GROUP_KEYS,
             "partition",
-            col("start_member").alias("member"),
-            "first_generation",
-            col("generation").alias("last_generation"),
-            (col("at") - col("start_at") + 1).cast("long").alias("generations"),
-            F.timestamp_micros("stint_start_us").alias("start"),
-            F.timestamp_micros("end_us").alias("end"),
-            ((col("end_us") - col("stint_start_us")) / 1e6).alias("duration_s"),
-            col("next_us").isNotNull().alias("ended"),
+            "at",
+            F.lit(1).alias("side"),
+            F.lit(None).cast("string").alias("member"),
+            F.lit(None).cast("long").alias("generation"),
+            F.lit(None).cast("long").alias("start_us"),
+            "end_generation",
+            col("at").alias("end_at"),
+            "end_us",
+            F.lit(ended).alias("ends_stint"),
         )
+
+    bounds = (
+        starts.withColumn("ends_stint", F.lit(True))
+        .unionByName(ends(dropped, True))
+        .unionByName(ends(last, False))
+    )
+    # A long first among the partition keys: the sort compares that prefix, not the group's
+    # name (the same for every row of a task's group).
+    key = F.xxhash64(*[col(c) for c in GROUP_KEYS], col("partition"))
+    along = Window.partitionBy(key, *GROUP_KEYS, "partition").orderBy("at", "side")
+
+    def following(name: str) -> Column:
+        return F.lead(name).over(along)
+
+    stints = bounds.select(
+        *GROUP_KEYS,
+        "partition",
+        "member",
+        col("generation").alias("first_generation"),
+        "at",
+        "start_us",
+        following("end_generation").alias("last_generation"),
+        following("end_at").alias("last_at"),
+        following("end_us").alias("end_us"),
+        following("ends_stint").alias("ended"),
+        "side",
+    ).filter(col("side") == 0)
+    return stints.select(
+        *GROUP_KEYS,
+        "partition",
+        "member",
+        "first_generation",
+        "last_generation",
+        (col("last_at") - col("at") + 1).cast("long").alias("generations"),
+        F.timestamp_micros("start_us").alias("start"),
+        F.timestamp_micros("end_us").alias("end"),
+        ((col("end_us") - col("start_us")) / 1e6).alias("duration_s"),
+        "ended",
     )
 
 
@@ -707,11 +702,11 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
     splits = keep(line_splits(paired), "line splits")
     ev = paired.filter(col("kind").isNull() & ~col("late"))
     facts = _facts(ev)
-    grains = keep(_grains(ev), "ownership grains")
-    pairs = keep(_pairs(grains), "owner pairs")
+    ev = ev.withColumn("prev_owner", _prev_owners(ev))
+    pairs = keep(_pairs(ev), "owner pairs")
     member_counts = keep(_member_counts(pairs, facts), "member counts")
     generations = keep(_generations(facts, pairs, member_counts), "generations")
-    ownership = keep(_ownership(ev, grains, facts), "ownership")
+    ownership = keep(_ownership(ev), "ownership")
     handover = ev.select(*GEN_KEYS, "strategy", F.explode("handover").alias("handover_ms"))
     tables = {
         "generations": generations,
