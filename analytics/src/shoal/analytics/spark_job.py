@@ -557,6 +557,22 @@ def _member_churn(pairs: DataFrame) -> DataFrame:
     )
 
 
+def _merged(arrays: str) -> Column:
+    """The sorted union (duplicates kept) of a column of arrays, as an aggregate."""
+    from pyspark.sql import functions as F
+
+    return F.sort_array(F.flatten(F.collect_list(arrays)))
+
+
+def _handover(ev: DataFrame) -> DataFrame:
+    """Hand-over times per (group, strategy), sorted, in one row each: the exact
+    percentiles per group and per strategy are read off sorted arrays (``percentile``
+    counted millions of boxed doubles in hash maps, twice, and shuffled the maps). The
+    rows are few; each is built inside the task that holds its group."""
+
+    return ev.groupBy(*GROUP_KEYS, "strategy").agg(_merged("handover").alias("handover"))
+
+
 def _groups(
     generations: DataFrame, member_counts: DataFrame, ownership: DataFrame, handover: DataFrame
 ) -> DataFrame:
@@ -570,8 +586,10 @@ def _groups(
         .groupBy(*GROUP_KEYS)
         .agg(F.countDistinct("member").alias("members_seen"))
     )
-    group_handover = handover.groupBy(*GROUP_KEYS).agg(
-        F.percentile("handover_ms", [0.5, 0.99]).alias("gq")
+    group_handover = handover.groupBy(*GROUP_KEYS).agg(_merged("handover").alias("handover"))
+    group_handover = group_handover.select(
+        *GROUP_KEYS,
+        F.array(*[_percentile(col("handover"), q) for q in (0.5, 0.99)]).alias("gq"),
     )
     stint_stats = ownership.groupBy(*GROUP_KEYS).agg(
         F.count("*").alias("stints"),
@@ -634,8 +652,10 @@ def _by_strategy(generations: DataFrame, handover: DataFrame) -> DataFrame:
     from pyspark.sql import functions as F
 
     col = F.col
-    strategy_handover = handover.groupBy("strategy").agg(
-        F.percentile("handover_ms", [0.5, 0.99]).alias("sq")
+    strategy_handover = handover.groupBy("strategy").agg(_merged("handover").alias("handover"))
+    strategy_handover = strategy_handover.select(
+        "strategy",
+        F.array(*[_percentile(col("handover"), q) for q in (0.5, 0.99)]).alias("sq"),
     )
     return (
         generations.groupBy("strategy")
@@ -707,15 +727,16 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
     member_counts = keep(_member_counts(pairs, facts), "member counts")
     generations = keep(_generations(facts, pairs, member_counts), "generations")
     ownership = keep(_ownership(ev), "ownership")
+    sorted_handover = keep(_handover(ev), "hand-over times")
     handover = ev.select(*GEN_KEYS, "strategy", F.explode("handover").alias("handover_ms"))
     tables = {
         "generations": generations,
         "member_counts": member_counts,
         "member_churn": _member_churn(pairs),
         "ownership": ownership,
-        "groups": _groups(generations, member_counts, ownership, handover),
+        "groups": _groups(generations, member_counts, ownership, sorted_handover),
         "reasons": _reasons(generations),
-        "by_strategy": _by_strategy(generations, handover),
+        "by_strategy": _by_strategy(generations, sorted_handover),
         "problems": _problems(paired, splits),
     }
     tables = {name: frame.select(*COLUMNS[name]) for name, frame in tables.items()}
