@@ -151,6 +151,16 @@ class SparkReport:
     lines: DataFrame
     handover: DataFrame
     cached: list[DataFrame]
+    # The groups table over a given stints frame (the ownership table once written).
+    groups_of: Callable[[DataFrame], DataFrame]
+
+    def written(self, name: str, frame: DataFrame) -> None:
+        """``frame`` reads table ``name`` back from where it was written. The stints are
+        not kept (millions of rows under modulo: storing them cost as much as computing
+        them); the groups' stint figures read the written columns instead."""
+        self.tables[name] = frame.select(*COLUMNS[name])
+        if name == "ownership":
+            self.tables["groups"] = self.groups_of(frame).select(*COLUMNS["groups"])
 
     def unpersist(self) -> None:
         # Local checkpoints are RDD blocks of their own; dropping them frees the memory
@@ -329,7 +339,7 @@ def _ownership(ev: DataFrame) -> DataFrame:
         col("index").alias("at"),
         F.lit(0).alias("side"),
         "member",
-        "generation",
+        col("generation").alias("first_generation"),
         col("ts_us").alias("start_us"),
         # What this row ends: the partition's stint before a move.
         F.when(col("before").isNotNull(), col("prev_generation")).alias("end_generation"),
@@ -359,7 +369,8 @@ def _ownership(ev: DataFrame) -> DataFrame:
             "at",
             F.lit(1).alias("side"),
             F.lit(None).cast("string").alias("member"),
-            F.lit(None).cast("long").alias("generation"),
+            # Where the row sorts: the generation of its index.
+            col("end_generation").alias("first_generation"),
             F.lit(None).cast("long").alias("start_us"),
             "end_generation",
             col("at").alias("end_at"),
@@ -372,10 +383,9 @@ def _ownership(ev: DataFrame) -> DataFrame:
         .unionByName(ends(dropped, True))
         .unionByName(ends(last, False))
     )
-    # A long first among the partition keys: the sort compares that prefix, not the group's
-    # name (the same for every row of a task's group).
-    key = F.xxhash64(*[col(c) for c in GROUP_KEYS], col("partition"))
-    along = Window.partitionBy(key, *GROUP_KEYS, "partition").orderBy("at", "side")
+    # Generations increase with the index in a group, so this is the order of ``at``. Sorted
+    # by the table's keys (KEYS): the write needs no sort of its own.
+    along = Window.partitionBy(*GROUP_KEYS, "partition").orderBy("first_generation", "side")
 
     def following(name: str) -> Column:
         return F.lead(name).over(along)
@@ -384,7 +394,7 @@ def _ownership(ev: DataFrame) -> DataFrame:
         *GROUP_KEYS,
         "partition",
         "member",
-        col("generation").alias("first_generation"),
+        "first_generation",
         "at",
         "start_us",
         following("end_generation").alias("last_generation"),
@@ -726,7 +736,7 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
     pairs = keep(_pairs(ev), "owner pairs")
     member_counts = keep(_member_counts(pairs, facts), "member counts")
     generations = keep(_generations(facts, pairs, member_counts), "generations")
-    ownership = keep(_ownership(ev), "ownership")
+    ownership = _ownership(ev)
     sorted_handover = keep(_handover(ev), "hand-over times")
     handover = ev.select(*GEN_KEYS, "strategy", F.explode("handover").alias("handover_ms"))
     tables = {
@@ -740,7 +750,11 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
         "problems": _problems(paired, splits),
     }
     tables = {name: frame.select(*COLUMNS[name]) for name, frame in tables.items()}
-    return SparkReport(tables, files, paired, handover, keep.cached)
+
+    def groups_of(stints: DataFrame) -> DataFrame:
+        return _groups(generations, member_counts, stints, sorted_handover)
+
+    return SparkReport(tables, files, paired, handover, keep.cached, groups_of)
 
 
 def input_stats(report: SparkReport) -> dict[str, int]:
@@ -783,6 +797,8 @@ def write_table(report: SparkReport, name: str, out: str, progress: Progress) ->
     frame = report.tables[name]
     target = os.path.join(out, "tables", name)
     frame.sortWithinPartitions(*KEYS[name]).write.mode("overwrite").parquet(target)
+    if name == "ownership":
+        report.written(name, frame.sparkSession.read.parquet(target))
     progress(f"spark: wrote {name} ({time.monotonic() - started:.1f} s)")
 
 
