@@ -121,6 +121,7 @@ SQL_CONF = {
     "spark.sql.codegen.hugeMethodLimit": "8000",
 }
 GROUP_KEYS = ["namespace", "group"]
+PARTITIONS_PER_CORE = 16
 
 
 def _ratio(moves: Column, minimum: Column) -> Column:
@@ -198,6 +199,17 @@ class _Keeper:
         return kept
 
 
+def _spread(lines: DataFrame) -> DataFrame:
+    """The lines hashed on their group into many more partitions than cores. Every step
+    after the pairing runs in these partitions, a group in one task: with as many
+    partitions as groups, hashing put the bench's 8 groups 4+2+1+1 (one task did half of
+    every step, the second core idled); with 16 per core they rarely share one."""
+    spark = lines.sparkSession
+    cores = spark.sparkContext.defaultParallelism
+    configured = int(spark.conf.get("spark.sql.shuffle.partitions") or 0)
+    return lines.repartition(max(configured, PARTITIONS_PER_CORE * cores), *GROUP_KEYS)
+
+
 def _paired(lines: DataFrame) -> DataFrame:
     """Every line (rows of ``parsed_lines``) with, for the valid events, from one pass over
     their group in read order (one shuffle of the wide rows, hashed on the group): ``late``
@@ -220,7 +232,7 @@ def _paired(lines: DataFrame) -> DataFrame:
     whole = read.rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
     prior = F.max("generation").over(earlier)
     out_of_order = F.coalesce(col("generation") <= col("prev_generation"), F.lit(False))
-    flagged = lines.withColumn("prev_generation", prior).withColumn(
+    flagged = _spread(lines).withColumn("prev_generation", prior).withColumn(
         "late", col("kind").isNull() & out_of_order
     )
     used = ~col("late")
