@@ -232,8 +232,10 @@ def _paired(lines: DataFrame) -> DataFrame:
     whole = read.rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
     prior = F.max("generation").over(earlier)
     out_of_order = F.coalesce(col("generation") <= col("prev_generation"), F.lit(False))
-    flagged = _spread(lines).withColumn("prev_generation", prior).withColumn(
-        "late", col("kind").isNull() & out_of_order
+    flagged = (
+        _spread(lines)
+        .withColumn("prev_generation", prior)
+        .withColumn("late", col("kind").isNull() & out_of_order)
     )
     used = ~col("late")
 
@@ -460,9 +462,11 @@ def _member_counts(pairs: DataFrame, facts: DataFrame) -> DataFrame:
     )
 
 
-def _minimum_parts(pairs: DataFrame, facts: DataFrame) -> tuple[DataFrame, DataFrame]:
+def _minimum_parts(pairs: DataFrame, facts: DataFrame) -> DataFrame:
     """Per generation: partitions orphaned (held before by a non-member) and the members'
-    excess over their quotas; the minimum moves is their sum."""
+    excess over their quotas; the minimum moves is their sum. One pass over the holdings:
+    members rank first (by holding, then name), so a member's row number is its rank
+    among the members."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
@@ -474,26 +478,28 @@ def _minimum_parts(pairs: DataFrame, facts: DataFrame) -> tuple[DataFrame, DataF
         .groupBy(*GEN_KEYS, col("prev_owner").alias("member"))
         .agg(F.sum("count").alias("held"))
         .join(members, [*GEN_KEYS, "member"], "left")
-    )
-    orphaned = (
-        held.filter(col("is_member").isNull())
-        .groupBy(*GEN_KEYS)
-        .agg(F.sum("held").alias("orphaned"))
-    )
-    ranked = Window.partitionBy(*GEN_KEYS).orderBy(col("held").desc(), col("member").asc())
-    excess = (
-        held.filter(col("is_member"))
         .join(facts.select(*GEN_KEYS, "n", "P"), GEN_KEYS)
-        .withColumn("rank", F.row_number().over(ranked))
-        .withColumn(
-            "quota",
-            F.floor(col("P") / col("n")).cast("long")
-            + F.when(col("rank") <= F.pmod(col("P"), col("n")), 1).otherwise(0),
-        )
-        .groupBy(*GEN_KEYS)
-        .agg(F.sum(F.greatest(col("held") - col("quota"), F.lit(0))).alias("excess"))
     )
-    return orphaned, excess
+    ranked = Window.partitionBy(*GEN_KEYS).orderBy(
+        col("is_member").desc_nulls_last(), col("held").desc(), col("member").asc()
+    )
+    rank = F.row_number().over(ranked)
+    # Only for members: without any, n is 0.
+    quota = F.when(
+        col("is_member"),
+        F.floor(col("P") / col("n")).cast("long")
+        + F.when(rank <= F.pmod(col("P"), col("n")), 1).otherwise(0),
+    )
+    return (
+        held.withColumn("quota", quota)
+        .groupBy(*GEN_KEYS)
+        .agg(
+            F.sum(F.when(col("is_member").isNull(), col("held"))).alias("orphaned"),
+            F.sum(F.when(col("is_member"), F.greatest(col("held") - col("quota"), F.lit(0)))).alias(
+                "excess"
+            ),
+        )
+    )
 
 
 def _generations(facts: DataFrame, pairs: DataFrame, member_counts: DataFrame) -> DataFrame:
@@ -510,7 +516,7 @@ def _generations(facts: DataFrame, pairs: DataFrame, member_counts: DataFrame) -
     )
     moved = col("prev_owner").isNotNull() & (col("prev_owner") != col("owner"))
     moves = pairs.filter(moved).groupBy(*GEN_KEYS).agg(F.sum("count").alias("moves"))
-    orphaned, excess = _minimum_parts(pairs, facts)
+    minimum = _minimum_parts(pairs, facts)
     positive = col("mean_count") > 0
     min_moves = F.when(
         col("prev_generation").isNull() | (col("n") == 0), F.lit(0).cast("long")
@@ -518,8 +524,7 @@ def _generations(facts: DataFrame, pairs: DataFrame, member_counts: DataFrame) -
     return (
         facts.join(count_stats, GEN_KEYS, "left")
         .join(moves, GEN_KEYS, "left")
-        .join(orphaned, GEN_KEYS, "left")
-        .join(excess, GEN_KEYS, "left")
+        .join(minimum, GEN_KEYS, "left")
         .withColumn("moves", F.coalesce(col("moves"), F.lit(0)).cast("long"))
         .withColumn("min_moves", min_moves.cast("long"))
         .select(
