@@ -19,12 +19,15 @@ The pipeline, in Spark terms (metric definitions: :mod:`shoal.analytics.metrics`
    of the wide rows on the group): out of order or not, the index, and the previous used
    event's time, partitions and owners beside each event. This is the only checkpoint of
    the input: the parse runs once, in this job.
-3. :func:`_owned` explodes each event into one row per ownership with its previous owner,
-   inside the task that holds the event; :func:`_grains` aggregates them there (per
-   owner pair, plus a row per new or moved partition); :func:`_pairs` per owner pair.
-4. Member counts, generations, stints (a window per (group, partition) over the starts
-   and ends of stints), churn: aggregations, joins and windows over frames that all stay
-   hash-partitioned by group (:data:`SQL_CONF`), so they sort but never shuffle.
+3. :func:`_pairs` explodes each event into one row per ownership with its previous owner
+   (:func:`_prev_owners`) and aggregates them per (previous owner, owner) inside the task
+   that holds the event: the ownership rows are never shuffled or kept.
+4. Member counts, generations, churn: aggregations, joins and windows over frames that
+   all stay hash-partitioned by group (:data:`SQL_CONF`), so they sort but never shuffle.
+   Stints (:func:`_ownership`): only the positions of each event whose owner changed are
+   exploded, and one ``lead`` per (group, partition) over those starts, the drops and the
+   last generation closes each stint; sorted by the table's keys, written without a
+   checkpoint.
 5. The big tables are written as Parquet by the executors, the small ones collected.
 
 Intermediate frames are eager *local checkpoints* (:class:`_Keeper`), not ``persist()``:
@@ -33,44 +36,67 @@ operators instead of the whole input parse. (On a cluster a lost executor loses 
 checkpoint blocks and fails the job, where a persisted frame would be recomputed; a
 report is cheap to rerun.)
 
-Where the time goes (2M rows of the bench: 15,625 lines, 153 MB, ``local[2]``, a session
-started just before, on a 2-core machine shared with other benchmarks, load 1-3 unless
-said): 76.6 s (load 4-6) before this version's changes, 27.7 s after. The bench, same run
-(load 1.1 -> 2.1): 2M rows 25.6 s on local[2], 28.6 s on local[1], pandas 8.0 s; 10M rows
-(load 2.0 -> 1.5) 68.5 s, 82.5 s, pandas 41.5 s. Per step at 10M, local[2]: parse and
-pairing 17.4 s, grains 5.8, pairs 2.0, member counts 3.3, generations 4.9, stints 11.1,
-writes 7.6, collects 7.5, planning before the first job some 4 s. The issue's targets
-(45 s at 10M, 1.5x pandas at 2M, 1.6x from the second core) are not met.
+Where the time goes (the bench, ``bench/analytics.py``: 10M rows are 78,125 lines, 787 MB;
+2M rows 15,625 lines, 153 MB; 8 groups; a session started just before each master, on a
+2-core machine shared with other work). Session 8 against this version, each a run of the
+whole bench (load before -> after): 10M rows (2.0 -> 1.5 then 2.1 -> 1.7) local[2] 68.5 s
+-> 44.7 s, local[1] 82.5 s -> 47.0 s, pandas 41.5 s -> 40.8 s; 2M rows (1.1 -> 2.1 then
+1.3 -> 1.9) local[2] 25.6 s -> 24.6 s, local[1] 28.6 s -> 23.2 s, pandas 8.0 s -> 8.1 s.
+Targets: 45 s at 10M is met, only just (runs of this branch before its last commit,
+without the collector change, took 47-51 s at load 2-2.6); faster than pandas at 10M is
+not (0.91x), nor 1.5x pandas at 2M (0.33x), nor 1.6x from the second core (1.05x at 10M,
+0.94x at 2M).
 
-* Pairing each event with its predecessor: a narrow window, a broadcast join back and a
-  sort-merge self-join on (group, previous generation) shuffled the wide rows twice and
-  took four checkpoints; one window over the wide rows takes one shuffle and one
-  checkpoint (parse included: 6-7 s cold, of which from_json is 1 s warm and the
-  classification and flattening another 1 s; the rest is the JIT warming up, the
-  shuffle and the copy into the block store).
+Per step at 10M, local[2], this version: planning before the first job 2.1 s, parse and
+pairing 11.6, line splits 0.6, owner pairs 1.8, member counts 2.0, generations 3.5,
+hand-over times 1.8, writes 10.0 (stints 6.6 of it: computed there), collects 6.5, the
+summary, HTML and plots after Spark some 4 s.
+
+* The parse ran interpreted: its whole-stage code (from_json, a dozen checks per line,
+  the flattening) is a method over HotSpot's 8000-byte limit for JIT compilation.
+  ``spark.sql.codegen.hugeMethodLimit`` 8000 (:data:`SQL_CONF`) makes Spark fall back to
+  code per operator there: classification and flattening of 2M rows 2.7 s -> 1.2 s warm;
+  parse and pairing at 10M 20 s -> 14.7 s. (``-XX:-DontCompileHugeMethods`` instead
+  helped warm but not cold, the compilation of the huge method costing as much.)
+* The JVM's collector: ``-XX:+UseParallelGC`` (:mod:`shoal.analytics.session`) against
+  the default G1, parse and pairing at 10M: 15.0 -> 12.4 s (local[2]), 17.0 -> 14.9 s
+  (local[1]).
+* Per-line arrays against exploding: at 2M warm, the explosion of every ownership and an
+  in-task hash aggregation per (owner, previous owner) took 0.38 s; with higher-order
+  functions per line, counts per owner 0.61 s, loads per owner 0.42 s (a ``filter`` per
+  member), moves 0.28 s, a sort of (owner, load) structs 0.73 s. Lambdas are interpreted
+  but not slow at 128 elements; neither is the explosion. What cost was the chain: a
+  checkpoint of 1M "grains" under modulo, then pairs, then member counts. The pairs now
+  come straight from the explosion; counts, loads, moves and minimum follow from them.
+* Stints: under modulo most partitions move in most generations (4.77M stints at 10M).
+  Only changed positions are exploded (a lambda ``filter``, 0.5 s at 10M), and the
+  window sorts one row per stint plus drops and last generations, not a start and an end
+  per stint. Keeping them cost more than computing them (6.6 s against 3.4 s warm at
+  10M), so they are written straight from the window, in the table's key order (no sort
+  for the write), and the groups' stint figures read the written Parquet back.
+* Hand-over percentiles per group and per strategy: ``percentile`` counted millions of
+  boxed doubles in hash maps, twice; sorted arrays per (group, strategy), kept once
+  (8 rows), give both.
+* Planning: some 2 s before the first job, most of it the JVM's first analysis of the
+  parse's expressions over Py4J (the same planning in a warm JVM: 1.0 s). Without Parquet
+  files there is no Parquet branch (it was 0.8 s of it, analyzed again by every later
+  step).
 * Adaptive execution dropped a checkpoint's partitioning (the plan is not final when it
   is checkpointed): the generations plan had 9 exchanges, member_churn 4; with it off and
-  co-partitioned joins on the group, none. Generations 6.1 s -> 2.9 s, grains 2.7 -> 1.1 s.
+  co-partitioned joins on the group, none.
 * ``sort_array`` referenced a dozen times by the hand-over percentiles sorted a dozen
-  times (1.3 s warm for the facts of 15,625 events; 0.16 s sorted once in a projection
-  of its own, which the optimizer does not inline into several references).
-* Under modulo most partitions move in most generations: the grains are some 1M rows of
-  the 2M, and so are the stints (945k). The stints' window sorts 2M starts and ends:
-  2.4 s cold, 1.2 s warm, the biggest step after the parse.
-* Cold versus warm: each new plan is compiled (Janino) and the JIT warms up; the same
-  report a second time in the same session takes 2/3 of the time (21 s against 32 s).
-* Fixed costs: some 4 s of driver-side planning before the first job (file listings,
-  analysis of the parse's expressions over Py4J), 12 writes and collects of 0.1-1.2 s
-  each (5-8 s in all), the HTML report and plots 1.5 s.
-* The second core: local[1] against local[2] is 1.1-1.2x. The 8 groups hash into 8
-  partitions as 4+2+1+1 (one task does half of every stage after the pairing); hashed
-  into 32 they fall apart, yet 10M took 71.4 s on local[2] and 86.3 s on local[1]
-  (1.21x, load 1.8 -> 2.4): no better, so 8 stayed. With a load of 2 on 2 cores, a
-  second task thread does not get a second core.
-* Lambdas (``transform``/``exists``/``array_sort`` with a comparator) are interpreted;
-  only the rare path of partitions that differ from the previous event's uses one.
+  times; sorted once in a projection of its own, which the optimizer does not inline.
+* The second core: local[1] against local[2] is 1.0-1.05x. Even the parse, 10
+  independent tasks, gains only 1.13-1.2x: with local[1] the JVM already ran at 165%
+  CPU (JIT compilers and the collector take the second core), and the machine is shared
+  (load 1.3-2.1 before the bench starts). The 8 groups used to hash 4+2+1+1 into the 8
+  shuffle partitions; the pairing now spreads them over 16 partitions per core (32 on
+  local[2], one group each), which did not change the ratio measurably.
+* 2M rows: fixed costs dominate: planning, a dozen jobs each compiled (Janino) on a cold
+  JIT, the summary, HTML and plots (some 4 s, which pandas pays too). The pandas oracle
+  reads 2M rows in under 8 s; the 1.5x target is far off.
 
-Figures per version: the commit messages on branch ``spark``.
+Figures per version: the commit messages on branches ``spark`` and ``spark3``.
 """
 
 from __future__ import annotations
@@ -113,8 +139,8 @@ GEN_KEYS = ["namespace", "group", "generation"]
 # HotSpot does not JIT-compile a method of over 8000 bytes of bytecode (its
 # DontCompileHugeMethods), and the whole-stage code of the parse (from_json, a dozen checks
 # per line, the flattening) is bigger: it ran interpreted. With the limit at 8000, Spark
-# falls back to code per operator, in methods the JIT compiles: the parse of 2M rows
-# 2.7 s -> 1.2 s warm, 3.4 s -> 2.0 s cold.
+# falls back to code per operator, in methods the JIT compiles: the classification of 2M
+# parsed lines 2.7 s -> 1.2 s warm, 3.4 s -> 2.0 s cold.
 SQL_CONF = {
     "spark.sql.adaptive.enabled": "false",
     "spark.sql.requireAllClusterKeysForCoPartition": "false",
