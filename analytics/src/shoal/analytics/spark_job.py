@@ -19,12 +19,15 @@ The pipeline, in Spark terms (metric definitions: :mod:`shoal.analytics.metrics`
    of the wide rows on the group): out of order or not, the index, and the previous used
    event's time, partitions and owners beside each event. This is the only checkpoint of
    the input: the parse runs once, in this job.
-3. :func:`_owned` explodes each event into one row per ownership with its previous owner,
-   inside the task that holds the event; :func:`_grains` aggregates them there (per
-   owner pair, plus a row per new or moved partition); :func:`_pairs` per owner pair.
-4. Member counts, generations, stints (a window per (group, partition) over the starts
-   and ends of stints), churn: aggregations, joins and windows over frames that all stay
-   hash-partitioned by group (:data:`SQL_CONF`), so they sort but never shuffle.
+3. :func:`_pairs` explodes each event into one row per ownership with its previous owner
+   (:func:`_prev_owners`) and aggregates them per (previous owner, owner) inside the task
+   that holds the event: the ownership rows are never shuffled or kept.
+4. Member counts, generations, churn: aggregations, joins and windows over frames that
+   all stay hash-partitioned by group (:data:`SQL_CONF`), so they sort but never shuffle.
+   Stints (:func:`_ownership`): only the positions of each event whose owner changed are
+   exploded, and one ``lead`` per (group, partition) over those starts, the drops and the
+   last generation closes each stint; sorted by the table's keys, written without a
+   checkpoint.
 5. The big tables are written as Parquet by the executors, the small ones collected.
 
 Intermediate frames are eager *local checkpoints* (:class:`_Keeper`), not ``persist()``:
@@ -33,44 +36,67 @@ operators instead of the whole input parse. (On a cluster a lost executor loses 
 checkpoint blocks and fails the job, where a persisted frame would be recomputed; a
 report is cheap to rerun.)
 
-Where the time goes (2M rows of the bench: 15,625 lines, 153 MB, ``local[2]``, a session
-started just before, on a 2-core machine shared with other benchmarks, load 1-3 unless
-said): 76.6 s (load 4-6) before this version's changes, 27.7 s after. The bench, same run
-(load 1.1 -> 2.1): 2M rows 25.6 s on local[2], 28.6 s on local[1], pandas 8.0 s; 10M rows
-(load 2.0 -> 1.5) 68.5 s, 82.5 s, pandas 41.5 s. Per step at 10M, local[2]: parse and
-pairing 17.4 s, grains 5.8, pairs 2.0, member counts 3.3, generations 4.9, stints 11.1,
-writes 7.6, collects 7.5, planning before the first job some 4 s. The issue's targets
-(45 s at 10M, 1.5x pandas at 2M, 1.6x from the second core) are not met.
+Where the time goes (the bench, ``bench/analytics.py``: 10M rows are 78,125 lines, 787 MB;
+2M rows 15,625 lines, 153 MB; 8 groups; a session started just before each master, on a
+2-core machine shared with other work). Session 8 against this version, each a run of the
+whole bench (load before -> after): 10M rows (2.0 -> 1.5 then 2.1 -> 1.7) local[2] 68.5 s
+-> 44.7 s, local[1] 82.5 s -> 47.0 s, pandas 41.5 s -> 40.8 s; 2M rows (1.1 -> 2.1 then
+1.3 -> 1.9) local[2] 25.6 s -> 24.6 s, local[1] 28.6 s -> 23.2 s, pandas 8.0 s -> 8.1 s.
+Targets: 45 s at 10M is met, only just (runs of this branch before its last commit,
+without the collector change, took 47-51 s at load 2-2.6); faster than pandas at 10M is
+not (0.91x), nor 1.5x pandas at 2M (0.33x), nor 1.6x from the second core (1.05x at 10M,
+0.94x at 2M).
 
-* Pairing each event with its predecessor: a narrow window, a broadcast join back and a
-  sort-merge self-join on (group, previous generation) shuffled the wide rows twice and
-  took four checkpoints; one window over the wide rows takes one shuffle and one
-  checkpoint (parse included: 6-7 s cold, of which from_json is 1 s warm and the
-  classification and flattening another 1 s; the rest is the JIT warming up, the
-  shuffle and the copy into the block store).
+Per step at 10M, local[2], this version: planning before the first job 2.1 s, parse and
+pairing 11.6, line splits 0.6, owner pairs 1.8, member counts 2.0, generations 3.5,
+hand-over times 1.8, writes 10.0 (stints 6.6 of it: computed there), collects 6.5, the
+summary, HTML and plots after Spark some 4 s.
+
+* The parse ran interpreted: its whole-stage code (from_json, a dozen checks per line,
+  the flattening) is a method over HotSpot's 8000-byte limit for JIT compilation.
+  ``spark.sql.codegen.hugeMethodLimit`` 8000 (:data:`SQL_CONF`) makes Spark fall back to
+  code per operator there: classification and flattening of 2M rows 2.7 s -> 1.2 s warm;
+  parse and pairing at 10M 20 s -> 14.7 s. (``-XX:-DontCompileHugeMethods`` instead
+  helped warm but not cold, the compilation of the huge method costing as much.)
+* The JVM's collector: ``-XX:+UseParallelGC`` (:mod:`shoal.analytics.session`) against
+  the default G1, parse and pairing at 10M: 15.0 -> 12.4 s (local[2]), 17.0 -> 14.9 s
+  (local[1]).
+* Per-line arrays against exploding: at 2M warm, the explosion of every ownership and an
+  in-task hash aggregation per (owner, previous owner) took 0.38 s; with higher-order
+  functions per line, counts per owner 0.61 s, loads per owner 0.42 s (a ``filter`` per
+  member), moves 0.28 s, a sort of (owner, load) structs 0.73 s. Lambdas are interpreted
+  but not slow at 128 elements; neither is the explosion. What cost was the chain: a
+  checkpoint of 1M "grains" under modulo, then pairs, then member counts. The pairs now
+  come straight from the explosion; counts, loads, moves and minimum follow from them.
+* Stints: under modulo most partitions move in most generations (4.77M stints at 10M).
+  Only changed positions are exploded (a lambda ``filter``, 0.5 s at 10M), and the
+  window sorts one row per stint plus drops and last generations, not a start and an end
+  per stint. Keeping them cost more than computing them (6.6 s against 3.4 s warm at
+  10M), so they are written straight from the window, in the table's key order (no sort
+  for the write), and the groups' stint figures read the written Parquet back.
+* Hand-over percentiles per group and per strategy: ``percentile`` counted millions of
+  boxed doubles in hash maps, twice; sorted arrays per (group, strategy), kept once
+  (8 rows), give both.
+* Planning: some 2 s before the first job, most of it the JVM's first analysis of the
+  parse's expressions over Py4J (the same planning in a warm JVM: 1.0 s). Without Parquet
+  files there is no Parquet branch (it was 0.8 s of it, analyzed again by every later
+  step).
 * Adaptive execution dropped a checkpoint's partitioning (the plan is not final when it
   is checkpointed): the generations plan had 9 exchanges, member_churn 4; with it off and
-  co-partitioned joins on the group, none. Generations 6.1 s -> 2.9 s, grains 2.7 -> 1.1 s.
+  co-partitioned joins on the group, none.
 * ``sort_array`` referenced a dozen times by the hand-over percentiles sorted a dozen
-  times (1.3 s warm for the facts of 15,625 events; 0.16 s sorted once in a projection
-  of its own, which the optimizer does not inline into several references).
-* Under modulo most partitions move in most generations: the grains are some 1M rows of
-  the 2M, and so are the stints (945k). The stints' window sorts 2M starts and ends:
-  2.4 s cold, 1.2 s warm, the biggest step after the parse.
-* Cold versus warm: each new plan is compiled (Janino) and the JIT warms up; the same
-  report a second time in the same session takes 2/3 of the time (21 s against 32 s).
-* Fixed costs: some 4 s of driver-side planning before the first job (file listings,
-  analysis of the parse's expressions over Py4J), 12 writes and collects of 0.1-1.2 s
-  each (5-8 s in all), the HTML report and plots 1.5 s.
-* The second core: local[1] against local[2] is 1.1-1.2x. The 8 groups hash into 8
-  partitions as 4+2+1+1 (one task does half of every stage after the pairing); hashed
-  into 32 they fall apart, yet 10M took 71.4 s on local[2] and 86.3 s on local[1]
-  (1.21x, load 1.8 -> 2.4): no better, so 8 stayed. With a load of 2 on 2 cores, a
-  second task thread does not get a second core.
-* Lambdas (``transform``/``exists``/``array_sort`` with a comparator) are interpreted;
-  only the rare path of partitions that differ from the previous event's uses one.
+  times; sorted once in a projection of its own, which the optimizer does not inline.
+* The second core: local[1] against local[2] is 1.0-1.05x. Even the parse, 10
+  independent tasks, gains only 1.13-1.2x: with local[1] the JVM already ran at 165%
+  CPU (JIT compilers and the collector take the second core), and the machine is shared
+  (load 1.3-2.1 before the bench starts). The 8 groups used to hash 4+2+1+1 into the 8
+  shuffle partitions; the pairing now spreads them over 16 partitions per core (32 on
+  local[2], one group each), which did not change the ratio measurably.
+* 2M rows: fixed costs dominate: planning, a dozen jobs each compiled (Janino) on a cold
+  JIT, the summary, HTML and plots (some 4 s, which pandas pays too). The pandas oracle
+  reads 2M rows in under 8 s; the 1.5x target is far off.
 
-Figures per version: the commit messages on branch ``spark``.
+Figures per version: the commit messages on branches ``spark`` and ``spark3``.
 """
 
 from __future__ import annotations
@@ -109,11 +135,19 @@ GEN_KEYS = ["namespace", "group", "generation"]
 # - joins on (group, generation) of two sides hashed on the group need no shuffle.
 # Adaptive execution would also re-plan each of the report's some 60 stages, for little
 # gain at this size: the row counts after the parse are known and small.
+#
+# HotSpot does not JIT-compile a method of over 8000 bytes of bytecode (its
+# DontCompileHugeMethods), and the whole-stage code of the parse (from_json, a dozen checks
+# per line, the flattening) is bigger: it ran interpreted. With the limit at 8000, Spark
+# falls back to code per operator, in methods the JIT compiles: the classification of 2M
+# parsed lines 2.7 s -> 1.2 s warm, 3.4 s -> 2.0 s cold.
 SQL_CONF = {
     "spark.sql.adaptive.enabled": "false",
     "spark.sql.requireAllClusterKeysForCoPartition": "false",
+    "spark.sql.codegen.hugeMethodLimit": "8000",
 }
 GROUP_KEYS = ["namespace", "group"]
+PARTITIONS_PER_CORE = 16
 
 
 def _ratio(moves: Column, minimum: Column) -> Column:
@@ -151,6 +185,16 @@ class SparkReport:
     lines: DataFrame
     handover: DataFrame
     cached: list[DataFrame]
+    # The groups table over a given stints frame (the ownership table once written).
+    groups_of: Callable[[DataFrame], DataFrame]
+
+    def written(self, name: str, frame: DataFrame) -> None:
+        """``frame`` reads table ``name`` back from where it was written. The stints are
+        not kept (millions of rows under modulo: storing them cost as much as computing
+        them); the groups' stint figures read the written columns instead."""
+        self.tables[name] = frame.select(*COLUMNS[name])
+        if name == "ownership":
+            self.tables["groups"] = self.groups_of(frame).select(*COLUMNS["groups"])
 
     def unpersist(self) -> None:
         # Local checkpoints are RDD blocks of their own; dropping them frees the memory
@@ -181,6 +225,17 @@ class _Keeper:
         return kept
 
 
+def _spread(lines: DataFrame) -> DataFrame:
+    """The lines hashed on their group into many more partitions than cores. Every step
+    after the pairing runs in these partitions, a group in one task: with as many
+    partitions as groups, hashing put the bench's 8 groups 4+2+1+1 (one task did half of
+    every step, the second core idled); with 16 per core they rarely share one."""
+    spark = lines.sparkSession
+    cores = spark.sparkContext.defaultParallelism
+    configured = int(spark.conf.get("spark.sql.shuffle.partitions") or 0)
+    return lines.repartition(max(configured, PARTITIONS_PER_CORE * cores), *GROUP_KEYS)
+
+
 def _paired(lines: DataFrame) -> DataFrame:
     """Every line (rows of ``parsed_lines``) with, for the valid events, from one pass over
     their group in read order (one shuffle of the wide rows, hashed on the group): ``late``
@@ -203,8 +258,10 @@ def _paired(lines: DataFrame) -> DataFrame:
     whole = read.rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
     prior = F.max("generation").over(earlier)
     out_of_order = F.coalesce(col("generation") <= col("prev_generation"), F.lit(False))
-    flagged = lines.withColumn("prev_generation", prior).withColumn(
-        "late", col("kind").isNull() & out_of_order
+    flagged = (
+        _spread(lines)
+        .withColumn("prev_generation", prior)
+        .withColumn("late", col("kind").isNull() & out_of_order)
     )
     used = ~col("late")
 
@@ -254,12 +311,11 @@ def _facts(ev: DataFrame) -> DataFrame:
     )
 
 
-def _owned(ev: DataFrame) -> DataFrame:
-    """One row per partition ownership of each used event, with its owner in the previous
-    used event (null where the partition is new). Writers list the same partitions in
-    every generation: then the previous owners line up with this generation's partitions
-    as they are; otherwise (rare) a lookup per partition. Exploded inside the task that
-    holds the event and consumed there: the ownership rows are never shuffled or kept."""
+def _prev_owners(ev: DataFrame) -> Column:
+    """Per used event, the owner in the previous used event of each of its partitions
+    (null where the partition is new; empty for a group's first event). Writers list the
+    same partitions in every generation: then the previous owners line up with this
+    generation's partitions as they are; otherwise (rare) a lookup per partition."""
     from pyspark.sql import functions as F
 
     col = F.col
@@ -267,148 +323,144 @@ def _owned(ev: DataFrame) -> DataFrame:
         col("parts"),
         lambda p: F.try_element_at(F.map_from_arrays(col("prev_parts"), col("prev_owners")), p),
     )
-    prev_owners = (
+    return (
         F.when(col("prev_parts").isNull(), F.array().cast("array<string>"))
         .when(col("prev_parts") == col("parts"), col("prev_owners"))
         .otherwise(looked_up)
     )
-    return ev.select(
-        *GEN_KEYS,
-        "index",
-        "ts_us",
-        "prev_generation",
-        F.inline(
-            F.arrays_zip(
-                col("parts").alias("partition"),
-                col("owners").alias("owner"),
-                col("loads").alias("load"),
-                prev_owners.alias("prev_owner"),
-            )
-        ),
-    )
 
 
-def _grains(ev: DataFrame) -> DataFrame:
-    """The ownership rows of :func:`_owned`, aggregated where they are exploded: partitions
-    and load per (previous owner, owner) pair, except that a partition that is new or
-    moved keeps a row of its own (``changed``, for the stints)."""
+def _pairs(ev: DataFrame) -> DataFrame:
+    """Partitions and their load per (previous owner, owner) pair and used event: owner
+    counts, loads, moves, holdings and churn all follow from these few rows. Each event is
+    exploded into one row per ownership and aggregated inside the task that holds it (the
+    frame is partitioned by group): the ownership rows are never shuffled or kept."""
     from pyspark.sql import functions as F
 
     col = F.col
-    moved = col("prev_owner").isNotNull() & (col("prev_owner") != col("owner"))
-    changed = F.when(col("prev_owner").isNull() | moved, col("partition"))
-    return (
-        _owned(ev)
-        .groupBy(
-            *GEN_KEYS,
-            "index",
-            "ts_us",
-            "prev_generation",
-            "owner",
-            "prev_owner",
-            changed.alias("changed"),
-        )
-        .agg(F.count("*").alias("count"), F.sum("load").alias("load_sum"))
+    owned = ev.select(
+        *GEN_KEYS,
+        F.inline(
+            F.arrays_zip(
+                col("owners").alias("owner"),
+                col("loads").alias("load"),
+                col("prev_owner").alias("prev_owner"),
+            )
+        ),
+    )
+    return owned.groupBy(*GEN_KEYS, "owner", "prev_owner").agg(
+        F.count("*").alias("count"), F.sum("load").alias("load_sum")
     )
 
 
-def _pairs(grains: DataFrame) -> DataFrame:
-    """Partitions and their load per (previous owner, owner) pair and used event: owner
-    counts, loads, moves, holdings and churn all follow from these few rows (the grains
-    are many under modulo, where most partitions move in most generations)."""
-    from pyspark.sql import functions as F
-
-    return grains.groupBy(*GEN_KEYS, "owner", "prev_owner").agg(
-        F.sum("count").alias("count"), F.sum("load_sum").alias("load_sum")
-    )
-
-
-def _ownership(ev: DataFrame, grains: DataFrame, facts: DataFrame) -> DataFrame:
-    """Stints: one starts wherever a partition is new or moved; the one before a move ends
-    in the previous generation, and so does one whose partition this generation dropped;
-    those still open end with the group's last generation. Per partition, starts and ends
-    alternate (a start sorts before an end of the same generation): each end's
-    predecessor is its stint's start."""
+def _ownership(ev: DataFrame) -> DataFrame:
+    """Stints. One starts wherever a partition is new or moved (only those positions of
+    each event are exploded: under sticky a few per generation). A stint ends where the
+    next row of its partition, in group order, says so: the next start if a move (the
+    stint's last generation is the one before), a drop (the partition left in the next
+    generation), or the group's last generation (still open). One window per (group,
+    partition) with ``lead`` over the starts and those ends; the moves' ends are the
+    starts themselves, so the window sorts about one row per stint."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
     col = F.col
-    moved = col("prev_owner").isNotNull() & (col("prev_owner") != col("owner"))
-    fresh = grains.filter(col("changed").isNotNull()).select(
-        *GEN_KEYS,
-        "index",
-        "ts_us",
-        "prev_generation",
-        col("changed").alias("partition"),
-        "owner",
-        moved.alias("moved"),
+    changed = F.filter(
+        F.arrays_zip(
+            col("parts").alias("partition"),
+            col("owners").alias("member"),
+            col("prev_owner").alias("before"),
+        ),
+        lambda x: x["before"].isNull() | (x["before"] != x["member"]),
     )
-    dropped = ev.filter(col("prev_parts").isNotNull() & (col("prev_parts") != col("parts")))
-    dropped = dropped.select(
+    starts = ev.select(
         *GROUP_KEYS,
-        "prev_generation",
+        "generation",
         "index",
         "ts_us",
-        F.explode(F.array_except("prev_parts", "parts")).alias("partition"),
-    )
-    last = ev.filter("is_last").select(
-        *GROUP_KEYS, "generation", "index", F.explode("parts").alias("partition")
-    )
-
-    def stint_end(frame: DataFrame, generation: str, at: Column, next_us: Column) -> DataFrame:
-        return frame.select(
-            *GROUP_KEYS,
-            "partition",
-            at.alias("at"),
-            F.lit(1).alias("side"),
-            F.lit(None).cast("string").alias("member"),
-            col(generation).alias("generation"),
-            F.lit(None).cast("long").alias("start_us"),
-            next_us.cast("long").alias("next_us"),
-        )
-
-    starts = fresh.select(
+        "prev_generation",
+        F.inline(changed),
+    ).select(
         *GROUP_KEYS,
         "partition",
         col("index").alias("at"),
         F.lit(0).alias("side"),
-        col("owner").alias("member"),
-        "generation",
+        "member",
+        col("generation").alias("first_generation"),
         col("ts_us").alias("start_us"),
-        F.lit(None).cast("long").alias("next_us"),
+        # What this row ends: the partition's stint before a move.
+        F.when(col("before").isNotNull(), col("prev_generation")).alias("end_generation"),
+        (col("index") - 1).alias("end_at"),
+        col("ts_us").alias("end_us"),
     )
-    before = col("index") - 1
-    bounds = (
-        starts.unionByName(
-            stint_end(fresh.filter("moved"), "prev_generation", before, col("ts_us"))
-        )
-        .unionByName(stint_end(dropped, "prev_generation", before, col("ts_us")))
-        .unionByName(stint_end(last, "generation", col("index"), F.lit(None)))
+    dropped = ev.filter(col("prev_parts").isNotNull() & (col("prev_parts") != col("parts")))
+    dropped = dropped.select(
+        *GROUP_KEYS,
+        F.explode(F.array_except("prev_parts", "parts")).alias("partition"),
+        (col("index") - 1).alias("at"),
+        col("prev_generation").alias("end_generation"),
+        col("ts_us").alias("end_us"),
     )
-    along = Window.partitionBy(*GROUP_KEYS, "partition").orderBy("at", "side")
-    stints = bounds.select(
-        "*",
-        F.lag("at").over(along).alias("start_at"),
-        F.lag("member").over(along).alias("start_member"),
-        F.lag("generation").over(along).alias("first_generation"),
-        F.lag("start_us").over(along).alias("stint_start_us"),
-    ).filter(col("side") == 1)
-    last_ts = facts.filter("is_last").select(*GROUP_KEYS, "group_last_us")
-    return (
-        stints.join(F.broadcast(last_ts), GROUP_KEYS)
-        .withColumn("end_us", F.coalesce(col("next_us"), col("group_last_us")))
-        .select(
+    last = ev.filter("is_last").select(
+        *GROUP_KEYS,
+        F.explode("parts").alias("partition"),
+        col("index").alias("at"),
+        col("generation").alias("end_generation"),
+        col("ts_us").alias("end_us"),
+    )
+
+    def ends(frame: DataFrame, ended: bool) -> DataFrame:
+        return frame.select(
             *GROUP_KEYS,
             "partition",
-            col("start_member").alias("member"),
-            "first_generation",
-            col("generation").alias("last_generation"),
-            (col("at") - col("start_at") + 1).cast("long").alias("generations"),
-            F.timestamp_micros("stint_start_us").alias("start"),
-            F.timestamp_micros("end_us").alias("end"),
-            ((col("end_us") - col("stint_start_us")) / 1e6).alias("duration_s"),
-            col("next_us").isNotNull().alias("ended"),
+            "at",
+            F.lit(1).alias("side"),
+            F.lit(None).cast("string").alias("member"),
+            # Where the row sorts: the generation of its index.
+            col("end_generation").alias("first_generation"),
+            F.lit(None).cast("long").alias("start_us"),
+            "end_generation",
+            col("at").alias("end_at"),
+            "end_us",
+            F.lit(ended).alias("ends_stint"),
         )
+
+    bounds = (
+        starts.withColumn("ends_stint", F.lit(True))
+        .unionByName(ends(dropped, True))
+        .unionByName(ends(last, False))
+    )
+    # Generations increase with the index in a group, so this is the order of ``at``. Sorted
+    # by the table's keys (KEYS): the write needs no sort of its own.
+    along = Window.partitionBy(*GROUP_KEYS, "partition").orderBy("first_generation", "side")
+
+    def following(name: str) -> Column:
+        return F.lead(name).over(along)
+
+    stints = bounds.select(
+        *GROUP_KEYS,
+        "partition",
+        "member",
+        "first_generation",
+        "at",
+        "start_us",
+        following("end_generation").alias("last_generation"),
+        following("end_at").alias("last_at"),
+        following("end_us").alias("end_us"),
+        following("ends_stint").alias("ended"),
+        "side",
+    ).filter(col("side") == 0)
+    return stints.select(
+        *GROUP_KEYS,
+        "partition",
+        "member",
+        "first_generation",
+        "last_generation",
+        (col("last_at") - col("at") + 1).cast("long").alias("generations"),
+        F.timestamp_micros("start_us").alias("start"),
+        F.timestamp_micros("end_us").alias("end"),
+        ((col("end_us") - col("start_us")) / 1e6).alias("duration_s"),
+        "ended",
     )
 
 
@@ -436,9 +488,11 @@ def _member_counts(pairs: DataFrame, facts: DataFrame) -> DataFrame:
     )
 
 
-def _minimum_parts(pairs: DataFrame, facts: DataFrame) -> tuple[DataFrame, DataFrame]:
+def _minimum_parts(pairs: DataFrame, facts: DataFrame) -> DataFrame:
     """Per generation: partitions orphaned (held before by a non-member) and the members'
-    excess over their quotas; the minimum moves is their sum."""
+    excess over their quotas; the minimum moves is their sum. One pass over the holdings:
+    members rank first (by holding, then name), so a member's row number is its rank
+    among the members."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
@@ -450,26 +504,28 @@ def _minimum_parts(pairs: DataFrame, facts: DataFrame) -> tuple[DataFrame, DataF
         .groupBy(*GEN_KEYS, col("prev_owner").alias("member"))
         .agg(F.sum("count").alias("held"))
         .join(members, [*GEN_KEYS, "member"], "left")
-    )
-    orphaned = (
-        held.filter(col("is_member").isNull())
-        .groupBy(*GEN_KEYS)
-        .agg(F.sum("held").alias("orphaned"))
-    )
-    ranked = Window.partitionBy(*GEN_KEYS).orderBy(col("held").desc(), col("member").asc())
-    excess = (
-        held.filter(col("is_member"))
         .join(facts.select(*GEN_KEYS, "n", "P"), GEN_KEYS)
-        .withColumn("rank", F.row_number().over(ranked))
-        .withColumn(
-            "quota",
-            F.floor(col("P") / col("n")).cast("long")
-            + F.when(col("rank") <= F.pmod(col("P"), col("n")), 1).otherwise(0),
-        )
-        .groupBy(*GEN_KEYS)
-        .agg(F.sum(F.greatest(col("held") - col("quota"), F.lit(0))).alias("excess"))
     )
-    return orphaned, excess
+    ranked = Window.partitionBy(*GEN_KEYS).orderBy(
+        col("is_member").desc_nulls_last(), col("held").desc(), col("member").asc()
+    )
+    rank = F.row_number().over(ranked)
+    # Only for members: without any, n is 0.
+    quota = F.when(
+        col("is_member"),
+        F.floor(col("P") / col("n")).cast("long")
+        + F.when(rank <= F.pmod(col("P"), col("n")), 1).otherwise(0),
+    )
+    return (
+        held.withColumn("quota", quota)
+        .groupBy(*GEN_KEYS)
+        .agg(
+            F.sum(F.when(col("is_member").isNull(), col("held"))).alias("orphaned"),
+            F.sum(F.when(col("is_member"), F.greatest(col("held") - col("quota"), F.lit(0)))).alias(
+                "excess"
+            ),
+        )
+    )
 
 
 def _generations(facts: DataFrame, pairs: DataFrame, member_counts: DataFrame) -> DataFrame:
@@ -486,7 +542,7 @@ def _generations(facts: DataFrame, pairs: DataFrame, member_counts: DataFrame) -
     )
     moved = col("prev_owner").isNotNull() & (col("prev_owner") != col("owner"))
     moves = pairs.filter(moved).groupBy(*GEN_KEYS).agg(F.sum("count").alias("moves"))
-    orphaned, excess = _minimum_parts(pairs, facts)
+    minimum = _minimum_parts(pairs, facts)
     positive = col("mean_count") > 0
     min_moves = F.when(
         col("prev_generation").isNull() | (col("n") == 0), F.lit(0).cast("long")
@@ -494,8 +550,7 @@ def _generations(facts: DataFrame, pairs: DataFrame, member_counts: DataFrame) -
     return (
         facts.join(count_stats, GEN_KEYS, "left")
         .join(moves, GEN_KEYS, "left")
-        .join(orphaned, GEN_KEYS, "left")
-        .join(excess, GEN_KEYS, "left")
+        .join(minimum, GEN_KEYS, "left")
         .withColumn("moves", F.coalesce(col("moves"), F.lit(0)).cast("long"))
         .withColumn("min_moves", min_moves.cast("long"))
         .select(
@@ -562,6 +617,22 @@ def _member_churn(pairs: DataFrame) -> DataFrame:
     )
 
 
+def _merged(arrays: str) -> Column:
+    """The sorted union (duplicates kept) of a column of arrays, as an aggregate."""
+    from pyspark.sql import functions as F
+
+    return F.sort_array(F.flatten(F.collect_list(arrays)))
+
+
+def _handover(ev: DataFrame) -> DataFrame:
+    """Hand-over times per (group, strategy), sorted, in one row each: the exact
+    percentiles per group and per strategy are read off sorted arrays (``percentile``
+    counted millions of boxed doubles in hash maps, twice, and shuffled the maps). The
+    rows are few; each is built inside the task that holds its group."""
+
+    return ev.groupBy(*GROUP_KEYS, "strategy").agg(_merged("handover").alias("handover"))
+
+
 def _groups(
     generations: DataFrame, member_counts: DataFrame, ownership: DataFrame, handover: DataFrame
 ) -> DataFrame:
@@ -575,8 +646,10 @@ def _groups(
         .groupBy(*GROUP_KEYS)
         .agg(F.countDistinct("member").alias("members_seen"))
     )
-    group_handover = handover.groupBy(*GROUP_KEYS).agg(
-        F.percentile("handover_ms", [0.5, 0.99]).alias("gq")
+    group_handover = handover.groupBy(*GROUP_KEYS).agg(_merged("handover").alias("handover"))
+    group_handover = group_handover.select(
+        *GROUP_KEYS,
+        F.array(*[_percentile(col("handover"), q) for q in (0.5, 0.99)]).alias("gq"),
     )
     stint_stats = ownership.groupBy(*GROUP_KEYS).agg(
         F.count("*").alias("stints"),
@@ -639,8 +712,10 @@ def _by_strategy(generations: DataFrame, handover: DataFrame) -> DataFrame:
     from pyspark.sql import functions as F
 
     col = F.col
-    strategy_handover = handover.groupBy("strategy").agg(
-        F.percentile("handover_ms", [0.5, 0.99]).alias("sq")
+    strategy_handover = handover.groupBy("strategy").agg(_merged("handover").alias("handover"))
+    strategy_handover = strategy_handover.select(
+        "strategy",
+        F.array(*[_percentile(col("handover"), q) for q in (0.5, 0.99)]).alias("sq"),
     )
     return (
         generations.groupBy("strategy")
@@ -707,24 +782,29 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
     splits = keep(line_splits(paired), "line splits")
     ev = paired.filter(col("kind").isNull() & ~col("late"))
     facts = _facts(ev)
-    grains = keep(_grains(ev), "ownership grains")
-    pairs = keep(_pairs(grains), "owner pairs")
+    ev = ev.withColumn("prev_owner", _prev_owners(ev))
+    pairs = keep(_pairs(ev), "owner pairs")
     member_counts = keep(_member_counts(pairs, facts), "member counts")
     generations = keep(_generations(facts, pairs, member_counts), "generations")
-    ownership = keep(_ownership(ev, grains, facts), "ownership")
+    ownership = _ownership(ev)
+    sorted_handover = keep(_handover(ev), "hand-over times")
     handover = ev.select(*GEN_KEYS, "strategy", F.explode("handover").alias("handover_ms"))
     tables = {
         "generations": generations,
         "member_counts": member_counts,
         "member_churn": _member_churn(pairs),
         "ownership": ownership,
-        "groups": _groups(generations, member_counts, ownership, handover),
+        "groups": _groups(generations, member_counts, ownership, sorted_handover),
         "reasons": _reasons(generations),
-        "by_strategy": _by_strategy(generations, handover),
+        "by_strategy": _by_strategy(generations, sorted_handover),
         "problems": _problems(paired, splits),
     }
     tables = {name: frame.select(*COLUMNS[name]) for name, frame in tables.items()}
-    return SparkReport(tables, files, paired, handover, keep.cached)
+
+    def groups_of(stints: DataFrame) -> DataFrame:
+        return _groups(generations, member_counts, stints, sorted_handover)
+
+    return SparkReport(tables, files, paired, handover, keep.cached, groups_of)
 
 
 def input_stats(report: SparkReport) -> dict[str, int]:
@@ -767,6 +847,8 @@ def write_table(report: SparkReport, name: str, out: str, progress: Progress) ->
     frame = report.tables[name]
     target = os.path.join(out, "tables", name)
     frame.sortWithinPartitions(*KEYS[name]).write.mode("overwrite").parquet(target)
+    if name == "ownership":
+        report.written(name, frame.sparkSession.read.parquet(target))
     progress(f"spark: wrote {name} ({time.monotonic() - started:.1f} s)")
 
 
