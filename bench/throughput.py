@@ -2,15 +2,17 @@
 
 Method (both sides read THE SAME messages of THE SAME stream, in the same run):
 
-* The group's stream is created with ``limits`` retention (``SHOAL_RETENTION=limits``), so
-  besides the 128 partition durables (``p0``..``p127``, filter ``<prefix>.<p>``) the plain
-  loop can have a durable of its own (``plain``, filter ``<prefix>.*``, explicit ack,
-  fetch batches of 128, ``msg.ack()`` each).
-* Every durable is **paused** (JetStream consumer pause, nats-server >= 2.11) while a
-  backlog (default 50,000 messages over 1,000 projects) is published, so nothing is
-  consumed while publishing and each side starts from the full backlog with its reader
-  already running and idle: ONE shoal member process that has claimed all 128
-  partitions (group settled), or the plain loop blocked in ``fetch``.
+* Both sides read the same 128 partition durables (``p0``..``p127``, filter
+  ``<prefix>.<p>``, explicit ack) of the group's stream (``limits`` retention,
+  ``SHOAL_RETENTION=limits``), one side at a time. The plain side is
+  ``harness/plain.py``: the fastest plain nats-py consumer we know how to write (one
+  subscription for every pull's replies, a bare ``+ACK`` per message, the next pull sent
+  from the callback; ``--plain-batch`` messages per pull).
+* Before each side, a backlog (default 50,000 messages over 1,000 projects) is published
+  while no reader runs, so each side starts from all of it: ONE shoal member process that
+  joins alone and claims all 128 partitions (its start-up is not charged), or the plain
+  reader. (Pausing the durables under a running reader was tried: a paused consumer keeps
+  every pull it receives and answers all of them at the resume.)
 * A side is timed from its first processed message to the last ack the server applied.
   Start: the plain reader reports its first message; the member's ok counter (its
   /metrics page) is scraped every 10 ms until it moves, and the start is the last scrape
@@ -27,11 +29,14 @@ Method (both sides read THE SAME messages of THE SAME stream, in the same run):
   total messages over its total timed seconds.
 
 Figures: ``shoal_msgs_per_s``, ``plain_msgs_per_s``, ``ratio`` (shoal / plain, target >=
-0.85), the CPU each reader used while timed, and ``rss_mb_64_partitions``: two members
+0.9), the CPU each reader used while timed, and ``rss_mb_64_partitions``: two members
 share the group (64 partitions each) and consume more traffic, then each reports its
 current RSS (/proc/<pid>/status VmRSS, the figure; target <= 150 MB) next to its peak
 (VmHWM) and the ``rss_mb`` (ru_maxrss) it publishes in its member stats in etcd.
 ``member_log_problems`` counts WARNING / ERROR / Traceback lines in the member logs.
+``go_nats_bench_fetch_msgs_per_s``: the Go client's ``nats bench js fetch`` (explicit
+acks, the plain reader's batch) on the same server afterwards, as the reference (needs
+the nats CLI that ``make tools`` builds).
 ``--strict`` exits 1 when a figure misses its target.
 """
 
@@ -41,6 +46,8 @@ import argparse
 import asyncio
 import contextlib
 import json
+import re
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -52,7 +59,8 @@ from nats.js import api
 
 from harness.bench import cpu_seconds, emit, log_problems, note, run_bench, scrape_counter
 from harness.fleet import Fleet, Member, settled, wait_for_status
-from harness.servers import EtcdServer, NatsServer, free_port
+from harness.localkube.tools import versions
+from harness.servers import EtcdServer, NatsServer, cache_dir, free_port
 from harness.waiting import eventually_async
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
@@ -515,6 +523,56 @@ class Bench:
         )
 
 
+GO_FETCH_LINE = re.compile(r"consumer \(fetch\) stats: ([\d,]+) msgs/sec")
+
+
+def go_reference(nats_url: str, messages: int, payload: int, batch: int) -> None:
+    """The Go client's figure on the same server, as the reference: ``nats bench js
+    fetch`` (explicit acks, one client) over a stream of its own, after the timed sides.
+    Neither Python reader can come near it; it shows what the server can deliver."""
+    cli = cache_dir() / f"natscli-{versions()['NATSCLI_VERSION']}" / "nats"
+    if not cli.is_file():
+        note(f"no {cli}: `make tools` builds the nats CLI; no Go reference figure")
+        emit(BENCH, "go_nats_bench_fetch_msgs_per_s", None, missing=str(cli))
+        return
+    common = ["-s", nats_url, "bench", "js"]
+    sizes = ["--stream", "go_reference", "--msgs", str(messages), "--no-progress"]
+    subprocess.run(
+        [
+            str(cli),
+            *common,
+            "pub",
+            "async",
+            "go.reference",
+            *sizes,
+            "--size",
+            f"{payload}B",
+            "--create",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    fetched = subprocess.run(
+        [str(cli), *common, "fetch", *sizes, "--batch", str(batch), "--acks", "explicit"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    found = GO_FETCH_LINE.search(fetched.stdout + fetched.stderr)
+    if found is None:
+        raise RuntimeError(f"no rate in the output of nats bench js fetch: {fetched.stdout}")
+    emit(
+        BENCH,
+        "go_nats_bench_fetch_msgs_per_s",
+        float(found.group(1).replace(",", "")),
+        tool=f"nats bench js fetch --batch {batch} --acks explicit (1 client)",
+        messages=messages,
+        payload_bytes=payload,
+    )
+
+
 def member_env(code: str | None) -> dict[str, str]:
     env = {"SHOAL_RETENTION": "limits"}
     if code:
@@ -562,6 +620,9 @@ async def run(args: argparse.Namespace, root: Path) -> None:
             await bench.setup()
             await bench.throughput()
             await bench.rss()
+            await asyncio.to_thread(
+                go_reference, nats_server.url, args.messages, args.payload, args.plain_batch
+            )
         finally:
             await nc.close()
             etcd.close()
