@@ -42,8 +42,10 @@ Where the time goes (the bench, ``bench/analytics.py``: 10M rows are 78,125 line
 whole bench (load before -> after): 10M rows (2.0 -> 1.5 then 2.1 -> 1.7) local[2] 68.5 s
 -> 44.7 s, local[1] 82.5 s -> 47.0 s, pandas 41.5 s -> 40.8 s; 2M rows (1.1 -> 2.1 then
 1.3 -> 1.9) local[2] 25.6 s -> 24.6 s, local[1] 28.6 s -> 23.2 s, pandas 8.0 s -> 8.1 s.
-Targets: 45 s at 10M is met, only just (runs of this branch before its last commit,
-without the collector change, took 47-51 s at load 2-2.6); faster than pandas at 10M is
+Targets: 45 s at 10M is met in that run only (runs of this branch before its last
+commit, without the collector change, took 47-51 s at load 2-2.6; this version on main,
+two more runs of local[2] alone: 54.3 s at load 0.7 -> 1.8 and 50.1 s at 1.6 -> 2.1, parse
+and pairing 14.0 and 13.6 s of it, so not reliably); faster than pandas at 10M is
 not (0.91x), nor 1.5x pandas at 2M (0.33x), nor 1.6x from the second core (1.05x at 10M,
 0.94x at 2M).
 
