@@ -59,8 +59,8 @@ from nats.js import api
 
 from harness.bench import cpu_seconds, emit, log_problems, note, run_bench, scrape_counter
 from harness.fleet import Fleet, Member, settled, wait_for_status
-from harness.localkube.tools import versions
-from harness.servers import EtcdServer, NatsServer, cache_dir, free_port
+from harness.localkube.tools import natscli_path
+from harness.servers import EtcdServer, NatsServer, free_port
 from harness.waiting import eventually_async
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
@@ -530,7 +530,7 @@ def go_reference(nats_url: str, messages: int, payload: int, batch: int) -> None
     """The Go client's figure on the same server, as the reference: ``nats bench js
     fetch`` (explicit acks, one client) over a stream of its own, after the timed sides.
     Neither Python reader can come near it; it shows what the server can deliver."""
-    cli = cache_dir() / f"natscli-{versions()['NATSCLI_VERSION']}" / "nats"
+    cli = natscli_path()
     if not cli.is_file():
         note(f"no {cli}: `make tools` builds the nats CLI; no Go reference figure")
         emit(BENCH, "go_nats_bench_fetch_msgs_per_s", None, missing=str(cli))

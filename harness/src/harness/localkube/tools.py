@@ -49,19 +49,23 @@ def kube_dir(version: str | None = None) -> Path:
     return cache_dir() / f"kube-{version or versions()['KUBERNETES_VERSION']}"
 
 
+def natscli_path() -> Path:
+    """Where `make tools` puts the nats CLI of the pinned version."""
+    return cache_dir() / f"natscli-{versions()['NATSCLI_VERSION']}" / "nats"
+
+
 def find_tools() -> KubeTools:
     pinned = versions()
     kube = kube_dir(pinned["KUBERNETES_VERSION"])
     etcd = cache_dir() / f"etcd-{pinned['ETCD_VERSION']}"
     helm = cache_dir() / f"helm-{pinned['HELM_VERSION']}"
-    natscli = cache_dir() / f"natscli-{pinned['NATSCLI_VERSION']}"
     tools = KubeTools(
         kube_apiserver=kube / "kube-apiserver",
         kube_controller_manager=kube / "kube-controller-manager",
         kubectl=kube / "kubectl",
         etcd=etcd / "etcd",
         helm=helm / "helm",
-        nats=natscli / "nats",
+        nats=natscli_path(),
     )
     missing = [p for p in vars(tools).values() if not (p.is_file() and os.access(p, os.X_OK))]
     if missing:
