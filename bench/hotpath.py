@@ -3,13 +3,15 @@ handler call, metrics and the ack.
 
 The throughput bench (bench/throughput.py) moves with the machine and with nats-server,
 which shares its two cores; this one isolates what Shoal adds on top of nats-py's reading
-of a message (which the plain reader pays too). It feeds real nats-py ``Msg`` objects
-(the headers and reply subjects a member gets from JetStream, 1,000 projects over 128
-partitions) to ``Worker._route`` in reads of ``--read`` messages, with the built-in noop
-handler, and acks through a real nats-py client that is not connected (its publishes pile
+of a message (which the plain reader pays too). It feeds the raw messages a member's
+client reads from JetStream (the header blocks and reply subjects of 1,000 projects over
+128 partitions) through the member's client's direct path (``DirectClient._process_msg``,
+as nats-py's parser calls it) to ``Worker.receive``, in reads of ``--read`` messages, with
+the built-in noop handler, and acks through that client, not connected (its publishes pile
 up in its pending buffer, cleared after every read). Figure: ``hotpath_us_per_msg``, the
 process CPU per message, best of ``--repeat``. Not a target: a number to compare commits
-with (session 9: 6.75 -> 4.6 us).
+with (session 9: 6.75 -> 4.6 us, nats-py's Msg not counted; since session 10 the
+client's side of a message, building it and routing it, is counted too).
 """
 
 from __future__ import annotations
@@ -17,15 +19,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from types import SimpleNamespace
 from typing import Any
-
-from nats.aio.client import Client
-from nats.aio.msg import Msg
 
 from harness.bench import emit
 from shoal.consumer import handlers
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.metrics import Metrics
+from shoal.consumer.natsclient import DirectClient
 from shoal.consumer.worker import PartitionRunner, Worker
 from shoal.contracts.names import MSG_ID_HEADER, PROJECT_HEADER, durable_name, partition_for
 
@@ -43,7 +44,11 @@ class AlwaysSafe:
         return True
 
 
-def messages(nc: Any, count: int) -> list[Any]:
+# What nats-py's parser passes on for one HMSG: (subject, reply, payload, header block).
+Raw = tuple[bytes, bytes, bytes, bytes]
+
+
+def messages(count: int) -> list[Raw]:
     partition_of: dict[str, int] = {}
     out = []
     for i in range(count):
@@ -52,16 +57,14 @@ def messages(nc: Any, count: int) -> list[Any]:
         if p is None:
             p = partition_of[project] = partition_for(project, PARTITIONS)
         reply = f"$JS.ACK.bench.{durable_name(p)}.1.{i + 1}.{i + 1}.1700000000000000000.{count - i}"
-        headers = {PROJECT_HEADER: project, MSG_ID_HEADER: f"m-{i}"}
-        out.append(
-            Msg(_client=nc, subject=f"bench.{p}", reply=reply, data=b"x" * 64, headers=headers)
-        )
+        headers = f"NATS/1.0\r\n{PROJECT_HEADER}: {project}\r\n{MSG_ID_HEADER}: m-{i}\r\n\r\n"
+        out.append((f"bench.{p}".encode(), reply.encode(), b"x" * 64, headers.encode()))
     return out
 
 
 async def one_run(count: int, read: int) -> float:
-    nc = Client()
-    nc._status = Client.CONNECTED  # publishes go to its pending buffer, never written
+    nc = DirectClient()
+    nc._status = DirectClient.CONNECTED  # publishes go to its pending buffer, never written
     nc._flush_queue = None
     nc._max_pending_size = 0
     config = GroupConfig(namespace="bench", group="hotpath", partitions=PARTITIONS)
@@ -72,12 +75,17 @@ async def one_run(count: int, read: int) -> float:
     for p in range(PARTITIONS):
         worker.runners[p] = PartitionRunner(worker, p, 1, None)
     worker.dispatcher.start()
-    batch = messages(nc, count)
-    route = worker._route
+    # The inbox's subscription, as subscribe() would register it (it cannot send a SUB).
+    sub: Any = SimpleNamespace(_id=1)
+    nc._subs[sub._id] = sub
+    nc.route_directly(sub, worker.receive, worker.receive_status)
+    batch = messages(count)
+    process = nc._process_msg
+    sid = sub._id
     started = time.process_time()
     for i in range(0, count, read):
-        for msg in batch[i : i + read]:
-            await route(msg)
+        for subject, reply, data, headers in batch[i : i + read]:
+            await process(sid, subject, reply, data, headers)
         await asyncio.sleep(0)  # the read loop yields: the dispatcher's workers run
         nc._pending.clear()
         nc._pending_data_size = 0

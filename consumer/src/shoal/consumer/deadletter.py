@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from shoal.consumer.config import GroupConfig
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 def dead_letter_headers(
-    headers: dict[str, str] | None, subject: str, reason: str, member: str
+    headers: Mapping[str, str] | None, subject: str, reason: str, member: str
 ) -> dict[str, str]:
     """A dead letter's headers: the original's, without its de-duplication id (the
     dead-letter stream must keep every copy), plus why, from where and by whom."""

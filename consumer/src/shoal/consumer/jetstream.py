@@ -18,6 +18,7 @@ from nats.js import api
 from nats.js.errors import APIError, BadRequestError, NotFoundError
 
 from shoal.consumer.config import GroupConfig
+from shoal.consumer.natsclient import DirectClient
 from shoal.contracts.names import (
     assignments_subject,
     dlq_subjects,
@@ -86,21 +87,23 @@ async def connect(
             )
             await probe.close()
             callbacks = _Callbacks()
-            nc = await nats.connect(
-                url,
+            # The member reads its pull replies through the direct path (natsclient).
+            nc = DirectClient()
+            options: dict[str, Any] = {
                 **auth,
-                name=name,
-                connect_timeout=2,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,
-                allow_reconnect=True,
+                "name": name,
+                "connect_timeout": 2,
+                "max_reconnect_attempts": -1,
+                "reconnect_time_wait": 0.5,
+                "allow_reconnect": True,
                 # A leaving member drains its connection last; nats-py's default (30 s)
                 # would outlast a pod's grace period if a subscription never empties.
-                drain_timeout=5,
-                error_cb=callbacks.error,
-                disconnected_cb=callbacks.disconnected,
-                reconnected_cb=callbacks.reconnected,
-            )
+                "drain_timeout": 5,
+                "error_cb": callbacks.error,
+                "disconnected_cb": callbacks.disconnected,
+                "reconnected_cb": callbacks.reconnected,
+            }
+            await nc.connect(url, **options)
             callbacks.nc = nc
             if attempt > 1:
                 log.info("Connected to NATS at %s after %d attempts", url, attempt)

@@ -48,6 +48,7 @@ from shoal.consumer.holding import HoldBudget
 from shoal.consumer.jetstream import consumer_config
 from shoal.consumer.membership import Membership
 from shoal.consumer.metrics import Metrics
+from shoal.consumer.natsclient import Delivery, DirectClient
 from shoal.consumer.view import GroupView
 from shoal.contracts.names import (
     PROJECT_HEADER,
@@ -79,6 +80,7 @@ BRISK_FOR = 3.0
 # Projects whose partition was checked (sha256) once; the cache is dropped when this big.
 PARTITION_CACHE_SIZE = 100_000
 ACK = b"+ACK"
+PROJECT_HEADER_BYTES = PROJECT_HEADER.encode()
 
 
 def _ack_fields(reply: str) -> tuple[str, int, int]:
@@ -471,11 +473,11 @@ class PartitionRunner:
         # anything beyond them is someone else's, or an ack of ours not applied yet.
         return not info.num_pending and (info.num_ack_pending or 0) <= self.buffered
 
-    def deliver_status(self, msg: Any) -> None:
+    def deliver_status(self, headers: dict[str, str]) -> None:
         """A status (no reply subject, nothing to ack) arrived for our pull request: 100 is
         an idle heartbeat; anything else ends the open request (404/408: nothing more;
         409: the server ended it, e.g. a leader change; 503: no JetStream answers)."""
-        status = msg.headers.get("Status", "") if msg.headers else ""
+        status = headers.get("Status", "")
         if status == "100":
             return
         if status not in ("404", "408"):
@@ -483,11 +485,11 @@ class PartitionRunner:
                 "Pull on partition %d ended: %s %s",
                 self.partition,
                 status,
-                msg.headers.get("Description") if msg.headers else "",
+                headers.get("Description", ""),
             )
         self._end_request(status or "?")
 
-    def deliver(self, msg: Any, seq: int, delivered: int) -> str | None:
+    def deliver(self, msg: Delivery, seq: int, delivered: int) -> str | None:
         """A message arrived for our pull requests (its stream sequence and delivery count
         parsed already): hold it for the dispatcher. Returns why it must be dead-lettered
         instead, if it must (the caller awaits that; this is not a coroutine, as it runs
@@ -503,8 +505,7 @@ class PartitionRunner:
                 self._late.append(msg)
             return None
         w = self.worker
-        headers = msg.headers
-        project = headers.get(PROJECT_HEADER, "") if headers else ""
+        project = msg.header(PROJECT_HEADER_BYTES)
         if not project:
             return "missing Shoal-Project-Id header"
         if not w.belongs(project, self.partition):
@@ -739,9 +740,8 @@ class Worker:
             return await self._failed(runner, held, exc)
         finally:
             self.tally.observe_handler(time.perf_counter() - started)
-        # A bare publish, as Msg.ack() would send (minus its checks: we ack each message
-        # once, here or nowhere).
-        await self.nc.publish(msg.reply, ACK)
+        # Msg.ack() minus its checks (we ack each message once, here or nowhere).
+        await self.nc.publish_ack(msg.reply, ACK)
         self.tally.ok += 1
         # (Its delivery time: close enough for a 60 s window, and no clock read.)
         self._projects[held.project] = held.kept
@@ -860,7 +860,7 @@ class Worker:
             return backoff[min(attempts - 1, len(backoff) - 1)]
         return min(1.0 * attempts, 30.0)
 
-    async def dead_letter(self, msg: Any, partition: int, reason: str) -> None:
+    async def dead_letter(self, msg: Delivery, partition: int, reason: str) -> None:
         """Publish to <prefix>.dlq.<p> with the reason, then terminate the original."""
         headers = dead_letter_headers(msg.headers, msg.subject, reason, self.config.member_id)
         await self.js.publish(
@@ -904,34 +904,39 @@ class Worker:
     def forget_inbox(self, inbox: str) -> None:
         self._inboxes.pop(inbox, None)
 
-    async def _route(self, msg: Any) -> None:
-        """Hand what arrived to its runner.
+    def receive(self, msg: Delivery) -> None:
+        """Hand a message of our pull requests to its runner, as it is read (natsclient).
 
         A JetStream message keeps its own subject; its reply subject names the durable,
-        hence the partition. A status has no reply subject and arrives on the request's
-        reply subject, which names the runner.
+        hence the partition.
         """
-        if msg.reply:
-            durable, seq, delivered = _ack_fields(msg.reply)
-            partition = self._partitions_by_durable.get(durable)
-            runner = self.runners.get(partition) if partition is not None else None
-            if runner is not None:
-                refused = runner.deliver(msg, seq, delivered)
-                if refused is not None:
-                    await self.dead_letter(msg, runner.partition, refused)
-            else:
-                # Ours no more (a request we gave up on as lost delivered late): unacked,
-                # JetStream redelivers it to the partition's owner after ack_wait.
-                log.debug("A message of %s arrived with no runner for it", durable)
-            return
-        runner = self._inboxes.get(msg.subject)
+        durable, seq, delivered = _ack_fields(msg.reply)
+        partition = self._partitions_by_durable.get(durable)
+        runner = self.runners.get(partition) if partition is not None else None
         if runner is not None:
-            runner.deliver_status(msg)
+            refused = runner.deliver(msg, seq, delivered)
+            if refused is not None:
+                self._spawn(self.dead_letter(msg, runner.partition, refused))
+        else:
+            # Ours no more (a request we gave up on as lost delivered late): unacked,
+            # JetStream redelivers it to the partition's owner after ack_wait.
+            log.debug("A message of %s arrived with no runner for it", durable)
+
+    def receive_status(self, subject: str, headers: dict[str, str]) -> None:
+        """A status has no reply subject; it arrives on the request's reply subject,
+        which names the runner."""
+        runner = self._inboxes.get(subject)
+        if runner is not None:
+            runner.deliver_status(headers)
 
     async def run(self) -> None:
+        if not isinstance(self.nc, DirectClient):
+            raise TypeError("a Worker reads through shoal.consumer.natsclient.DirectClient")
         await self.view.synced.wait()
         self._inbox_prefix = self.nc.new_inbox()
-        self._inbox_sub = await self.nc.subscribe(self._inbox_prefix + ".*", cb=self._route)
+        # No callback: the direct path hands every message over as it is read.
+        self._inbox_sub = await self.nc.subscribe(self._inbox_prefix + ".*")
+        self.nc.route_directly(self._inbox_sub, self.receive, self.receive_status)
         await self._watch_deletions()
         self.dispatcher.start()
         self._spawn(self.keep_held_alive())

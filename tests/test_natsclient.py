@@ -1,0 +1,188 @@
+"""The member's NATS client (natsclient.py): its header parsing gives what nats-py's does
+on the same bytes, and its direct path delivers, reports statuses and acks against a
+real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import uuid
+from typing import Any
+
+import pytest
+from nats.aio.client import Client
+from nats.js import api
+
+from shoal.consumer.natsclient import Delivery, DirectClient, header_value, parse_headers
+
+# Header lines, good and odd, combined into blocks below.
+LINES = [
+    b"Shoal-Project-Id: proj-1",
+    b"Nats-Msg-Id: abc",
+    b"Shoal-Project-Id:proj-2",  # repeated, no space: the last one counts
+    b"  Padded-Name  :  padded value  ",
+    b"Tab:\tvalue",
+    b"Empty:",
+    b"no colon here",
+    b"Has Space: x",  # whitespace inside the name: skipped
+    b"Sep\x1cName: y",  # str.isspace() whitespace, not bytes': skipped too
+    b"Caf\xc3\xa9: non-ascii name",
+    b"Utf8: caf\xc3\xa9",
+    b"Bad-Utf8: \xff\xfe",
+    b"Colons: a:b:c",
+    b": no name",
+]
+
+
+def blocks() -> list[bytes]:
+    out = []
+    for size in (0, 1, 2, 3):
+        for lines in itertools.permutations(LINES, size):
+            if size == 3 and hash(lines) % 7:  # a sample of the 3-line blocks
+                continue
+            out.append(b"NATS/1.0\r\n" + b"".join(line + b"\r\n" for line in lines) + b"\r\n")
+    return out
+
+
+async def nats_py_headers(raw: bytes) -> dict[str, str]:
+    return await Client()._process_headers(raw) or {}
+
+
+async def test_parse_headers_is_nats_pys_on_the_same_bytes() -> None:
+    cases = blocks()
+    assert len(cases) > 200
+    for raw in cases:
+        assert parse_headers(raw) == await nats_py_headers(raw), raw
+
+
+async def test_header_value_is_the_parsed_value() -> None:
+    names = [b"Shoal-Project-Id", b"Nats-Msg-Id", b"Padded-Name", b"Utf8", b"Missing", b"Colons"]
+    for raw in blocks():
+        parsed = parse_headers(raw)
+        for name in names:
+            assert header_value(raw, name) == parsed.get(name.decode()), (raw, name)
+    assert header_value(None, b"X") is None
+
+
+def test_lazy_headers_parse_on_first_read_only() -> None:
+    msg = Delivery(
+        DirectClient(), b"s.1", "r", b"", b"NATS/1.0\r\nA: 1\r\nShoal-Project-Id: p\r\n\r\n"
+    )
+    headers = msg.headers
+    assert headers._parsed is None  # nothing read yet
+    assert msg.header(b"Shoal-Project-Id") == "p"
+    assert headers._parsed is None  # one header read without parsing the others
+    assert dict(headers) == {"A": "1", "Shoal-Project-Id": "p"}
+    assert headers.get("A") == "1" and "B" not in headers and len(headers) == 2
+    assert msg.headers is headers
+    assert not Delivery(DirectClient(), b"s", "r", b"", None).headers
+
+
+@pytest.fixture
+async def direct(nats_url: str) -> Any:
+    nc = DirectClient()
+    await nc.connect(nats_url, allow_reconnect=False)
+    yield nc
+    await nc.close()
+
+
+async def test_direct_path_against_a_real_server(direct: DirectClient) -> None:
+    nc = direct
+    js = nc.jetstream()
+    stream = f"direct-{uuid.uuid4().hex[:8]}"
+    await js.add_stream(name=stream, subjects=[f"{stream}.>"])
+    await js.add_consumer(
+        stream, api.ConsumerConfig(durable_name="d", ack_policy=api.AckPolicy.EXPLICIT)
+    )
+    for i in range(3):
+        await js.publish(
+            f"{stream}.{i}", f"m{i}".encode(), headers={"Shoal-Project-Id": f"p{i}", "N": str(i)}
+        )
+
+    got: list[Delivery] = []
+    statuses: list[tuple[str, dict[str, str]]] = []
+    arrived = asyncio.Event()
+
+    def on_message(msg: Delivery) -> None:
+        got.append(msg)
+        arrived.set()
+
+    def on_status(subject: str, headers: dict[str, str]) -> None:
+        statuses.append((subject, headers))
+        arrived.set()
+
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox + ".*")
+    nc.route_directly(sub, on_message, on_status)
+    # Another subscription on the same client still gets nats-py's Msg, through its callback.
+    plain: list[Any] = []
+
+    async def on_plain(msg: Any) -> None:
+        plain.append(msg)
+
+    other = await nc.subscribe(f"other.{stream}", cb=on_plain)
+
+    next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.d"
+    await nc.publish(next_subject, json.dumps({"batch": 3}).encode(), reply=inbox + ".a")
+    while len(got) < 3:
+        arrived.clear()
+        await asyncio.wait_for(arrived.wait(), 5)
+    assert [m.data for m in got] == [b"m0", b"m1", b"m2"]
+    assert [m.subject for m in got] == [f"{stream}.0", f"{stream}.1", f"{stream}.2"]
+    assert [m.header(b"Shoal-Project-Id") for m in got] == ["p0", "p1", "p2"]
+    assert dict(got[1].headers) == {"Shoal-Project-Id": "p1", "N": "1"}
+    assert all(m.reply.startswith(f"$JS.ACK.{stream}.d.1.") for m in got)
+
+    # Acks through the lean publish; a nak with a delay brings the message back.
+    await got[0].ack()
+    await got[1].ack()
+    await got[2].nak(delay=0.2)
+    await nc.flush()
+    info = await js.consumer_info(stream, "d")
+    assert info.ack_floor.stream_seq == 2
+
+    # A pull that finds nothing ends with a status (no_wait: 404), on the request's subject.
+    await nc.publish(
+        next_subject, json.dumps({"batch": 5, "no_wait": True}).encode(), reply=inbox + ".b"
+    )
+    arrived.clear()
+    await asyncio.wait_for(arrived.wait(), 5)
+    assert statuses and statuses[0][0] == inbox + ".b"
+    assert statuses[0][1].get("Status") in ("404", "408")
+
+    # The naked message comes back after its delay, to the next pull.
+    await asyncio.sleep(0.3)
+    await nc.publish(next_subject, json.dumps({"batch": 1}).encode(), reply=inbox + ".c")
+    while len(got) < 4:
+        arrived.clear()
+        await asyncio.wait_for(arrived.wait(), 5)
+    assert got[3].data == b"m2" and ".d.2." in got[3].reply
+    await got[3].term()
+    await nc.flush()
+
+    await nc.publish(f"other.{stream}", b"hello")
+    await nc.flush()
+    for _ in range(50):
+        if plain:
+            break
+        await asyncio.sleep(0.02)
+    assert plain and plain[0].data == b"hello"
+
+    # Unsubscribed: nothing more reaches the direct functions.
+    await sub.unsubscribe()
+    await js.publish(f"{stream}.9", b"late", headers={"Shoal-Project-Id": "p9"})
+    await nc.publish(next_subject, json.dumps({"batch": 1}).encode(), reply=inbox + ".d")
+    await nc.flush()
+    await asyncio.sleep(0.3)
+    assert len(got) == 4
+    await other.unsubscribe()
+    await js.delete_stream(stream)
+
+
+async def test_publish_ack_while_disconnected_is_nats_pys_publish() -> None:
+    nc = DirectClient()  # never connected: publish refuses, and so does publish_ack
+    with pytest.raises(Exception) as raised:
+        await nc.publish("x", b"+ACK")
+    with pytest.raises(type(raised.value)):
+        await nc.publish_ack("x")
