@@ -1,17 +1,18 @@
-"""A member's own CPU per message, without servers: routing, delivery, dispatch, the
-handler call, metrics and the ack.
+"""A member's own CPU per message, without servers: parsing, routing, delivery, dispatch,
+the handler call, metrics and the ack.
 
 The throughput bench (bench/throughput.py) moves with the machine and with nats-server,
-which shares its two cores; this one isolates what Shoal adds on top of nats-py's reading
-of a message (which the plain reader pays too). It feeds the raw messages a member's
-client reads from JetStream (the header blocks and reply subjects of 1,000 projects over
-128 partitions) through the member's client's direct path (``DirectClient._process_msg``,
-as nats-py's parser calls it) to ``Worker.receive``, in reads of ``--read`` messages, with
-the built-in noop handler, and acks through that client, not connected (its publishes pile
-up in its pending buffer, cleared after every read). Figure: ``hotpath_us_per_msg``, the
-process CPU per message, best of ``--repeat``. Not a target: a number to compare commits
-with (session 9: 6.75 -> 4.6 us, nats-py's Msg not counted; since session 10 the
-client's side of a message, building it and routing it, is counted too).
+which shares its two cores; this one isolates the member's side. It feeds the bytes a
+member's client reads from JetStream (HMSG lines, header blocks and reply subjects of
+1,000 projects over 128 partitions) to the member's client's protocol parser and direct
+path (``FastParser``, ``DirectClient.take``), on to ``Worker.receive``, in reads of
+``--read`` messages, with the built-in noop handler, and acks through that client, not
+connected (its publishes pile up in its pending buffer, cleared after every read).
+Figure: ``hotpath_us_per_msg``, the process CPU per message, best of ``--repeat``. Not a
+target: a number to compare commits with. Session 9: 6.75 -> 4.6 us, from nats-py's
+``Msg`` on (nats-py's parsing, Msg and callback cost another 4.65 us, measured the same
+way). Since session 10 the client's side is counted too, all but the socket's reads and
+writes: 6.1 us.
 """
 
 from __future__ import annotations
@@ -44,11 +45,8 @@ class AlwaysSafe:
         return True
 
 
-# What nats-py's parser passes on for one HMSG: (subject, reply, payload, header block).
-Raw = tuple[bytes, bytes, bytes, bytes]
-
-
-def messages(count: int) -> list[Raw]:
+def messages(count: int, sid: int) -> list[bytes]:
+    """What the server sends for each message (an HMSG: line, header block, payload)."""
     partition_of: dict[str, int] = {}
     out = []
     for i in range(count):
@@ -58,7 +56,10 @@ def messages(count: int) -> list[Raw]:
             p = partition_of[project] = partition_for(project, PARTITIONS)
         reply = f"$JS.ACK.bench.{durable_name(p)}.1.{i + 1}.{i + 1}.1700000000000000000.{count - i}"
         headers = f"NATS/1.0\r\n{PROJECT_HEADER}: {project}\r\n{MSG_ID_HEADER}: m-{i}\r\n\r\n"
-        out.append((f"bench.{p}".encode(), reply.encode(), b"x" * 64, headers.encode()))
+        payload = "x" * 64
+        size = len(headers) + len(payload)
+        line = f"HMSG bench.{p} {sid} {reply} {len(headers)} {size}\r\n"
+        out.append(f"{line}{headers}{payload}\r\n".encode())
     return out
 
 
@@ -79,13 +80,12 @@ async def one_run(count: int, read: int) -> float:
     sub: Any = SimpleNamespace(_id=1)
     nc._subs[sub._id] = sub
     nc.route_directly(sub, worker.receive, worker.receive_status)
-    batch = messages(count)
-    process = nc._process_msg
-    sid = sub._id
+    wire = messages(count, sub._id)
+    reads = [b"".join(wire[i : i + read]) for i in range(0, count, read)]
+    parse = nc._ps.parse
     started = time.process_time()
-    for i in range(0, count, read):
-        for subject, reply, data, headers in batch[i : i + read]:
-            await process(sid, subject, reply, data, headers)
+    for data in reads:
+        await parse(data)
         await asyncio.sleep(0)  # the read loop yields: the dispatcher's workers run
         nc._pending.clear()
         nc._pending_data_size = 0

@@ -1,20 +1,29 @@
-"""The member's NATS client (natsclient.py): its header parsing gives what nats-py's does
-on the same bytes, and its direct path delivers, reports statuses and acks against a
-real nats-server."""
+"""The member's NATS client (natsclient.py): its protocol parser and its header parsing
+give what nats-py's do on the same bytes, and its direct path delivers, reports statuses
+and acks against a real nats-server."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import json
+import random
 import uuid
 from typing import Any
 
 import pytest
 from nats.aio.client import Client
+from nats.errors import ProtocolError
 from nats.js import api
+from nats.protocol.parser import Parser
 
-from shoal.consumer.natsclient import Delivery, DirectClient, header_value, parse_headers
+from shoal.consumer.natsclient import (
+    Delivery,
+    DirectClient,
+    FastParser,
+    header_value,
+    parse_headers,
+)
 
 # Header lines, good and odd, combined into blocks below.
 LINES = [
@@ -186,3 +195,96 @@ async def test_publish_ack_while_disconnected_is_nats_pys_publish() -> None:
         await nc.publish("x", b"+ACK")
     with pytest.raises(type(raised.value)):
         await nc.publish_ack("x")
+
+
+class Recorder:
+    """What a parser hands to its client, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    async def _process_msg(self, *args: Any) -> None:
+        self.calls.append(("msg", *args))
+
+    async def _process_ping(self) -> None:
+        self.calls.append(("ping",))
+
+    async def _process_pong(self) -> None:
+        self.calls.append(("pong",))
+
+    async def _process_err(self, err: str) -> None:
+        self.calls.append(("err", err))
+
+    async def _process_info(self, info: dict[str, Any]) -> None:
+        self.calls.append(("info", info))
+
+
+def wire(rng: random.Random, count: int) -> bytes:
+    """A server's side of a connection: messages of every shape, and the other lines."""
+    out = []
+    for i in range(count):
+        kind = rng.randrange(10)
+        subject = f"s.{rng.randrange(128)}".encode()
+        reply = f"$JS.ACK.st.p{i}.1.{i}.{i}.17000.{i}".encode() if rng.random() < 0.8 else b""
+        payload = bytes(rng.randrange(256) for _ in range(rng.choice((0, 1, 5, 64, 300))))
+        if kind < 5:
+            headers = b"NATS/1.0\r\nShoal-Project-Id: p%d\r\n\r\n" % i
+            if rng.random() < 0.2:
+                headers = b"NATS/1.0 408 Request Timeout\r\n\r\n"
+            line = b"HMSG %s %d %s%d %d\r\n" % (
+                subject,
+                rng.randrange(1, 5),
+                reply + b" " if reply else b"",
+                len(headers),
+                len(headers) + len(payload),
+            )
+            out.append(line + headers + payload + b"\r\n")
+        elif kind < 8:
+            line = b"MSG %s %d %s%d\r\n" % (
+                subject,
+                rng.randrange(1, 5),
+                reply + b"  " if reply else b"",
+                len(payload),
+            )
+            out.append(line + payload + b"\r\n")
+        else:
+            out.append(
+                rng.choice(
+                    [
+                        b"PING\r\n",
+                        b"PONG\r\n",
+                        b"+OK\r\n",
+                        b"-ERR 'Slow Consumer'\r\n",
+                        b'INFO {"server_id":"x","max_payload":1048576}\r\n',
+                    ]
+                )
+            )
+    return b"".join(out)
+
+
+async def feed(parser: Parser, data: bytes, cuts: list[int]) -> None:
+    start = 0
+    for cut in [*cuts, len(data)]:
+        await parser.parse(data[start:cut])
+        start = cut
+
+
+async def test_fast_parser_hands_over_what_nats_pys_parser_does() -> None:
+    rng = random.Random(13)
+    for case in range(60):
+        data = wire(rng, rng.randrange(1, 80))
+        # Reads cut anywhere: inside lines, headers, payloads and the CRLFs.
+        cuts = sorted(rng.sample(range(1, len(data)), min(len(data) - 1, rng.randrange(0, 40))))
+        if case % 10 == 0:
+            cuts = list(range(1, len(data)))  # one byte at a time
+        theirs, ours = Recorder(), Recorder()
+        await feed(Parser(theirs), data, cuts)
+        await feed(FastParser(ours), data, cuts)
+        assert ours.calls == theirs.calls, case
+        assert len(ours.calls) > 0
+
+
+async def test_fast_parser_refuses_what_nats_pys_refuses() -> None:
+    for bad in (b"BOGUS line\r\n", b"MSG only-a-subject\r\n"):
+        with pytest.raises(ProtocolError):
+            await FastParser(Recorder()).parse(bad)
