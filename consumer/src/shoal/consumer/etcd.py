@@ -455,6 +455,30 @@ class Etcd:
                 return int(meta.create_revision)
         return None
 
+    async def create_all_returning_revision(
+        self, keys: list[str], value: bytes, lease: int | None
+    ) -> int | None:
+        """Create every key only if none of them exists, in one transaction; their
+        create_revision (one for all), or None when any existed (nothing created).
+
+        etcd refuses a transaction of more than --max-txn-ops (128 by default) compares
+        or operations: callers pass at most CLAIM_BATCH keys.
+        """
+        tx = self.client.transactions
+        ok, responses = await self.call(
+            self.client.transaction,
+            compare=[tx.create(key) == 0 for key in keys],
+            success=[*(tx.put(key, value, lease=lease) for key in keys), tx.get(keys[0])],
+            failure=[],
+        )
+        if not ok:
+            return None
+        for response in responses:
+            if isinstance(response, list) and response:
+                _value, meta = response[0]
+                return int(meta.create_revision)
+        return None
+
     async def put_returning_revision(self, key: str, value: bytes, lease: int | None) -> int:
         """Put key (created or overwritten); its create_revision, in one round trip."""
         tx = self.client.transactions
