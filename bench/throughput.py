@@ -5,9 +5,12 @@ Method (both sides read THE SAME messages of THE SAME stream, in the same run):
 * Both sides read the same 128 partition durables (``p0``..``p127``, filter
   ``<prefix>.<p>``, explicit ack) of the group's stream (``limits`` retention,
   ``SHOAL_RETENTION=limits``), one side at a time. The plain side is
-  ``harness/plain.py``: the fastest plain nats-py consumer we know how to write (one
-  subscription for every pull's replies, a bare ``+ACK`` per message, the next pull sent
-  from the callback; ``--plain-batch`` messages per pull).
+  ``harness/plain.py``: the fastest plain nats-py consumer we know how to write on
+  nats-py's public API (one subscription for every pull's replies, a bare ``+ACK`` per
+  message, the next pull sent from the callback; ``--plain-batch`` messages per pull).
+  The member reads through its own leaner path inside nats-py's client
+  (``shoal.consumer.natsclient``: its parser, no ``Msg``, lazy headers); the ratio is
+  what Shoal costs against a consumer written with nats-py (docs/data-path.md).
 * Before each side, a backlog (default 50,000 messages over 1,000 projects) is published
   while no reader runs, so each side starts from all of it: ONE shoal member process that
   joins alone and claims all 128 partitions (its start-up is not charged), or the plain
