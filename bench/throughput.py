@@ -40,6 +40,9 @@ current RSS (/proc/<pid>/status VmRSS, the figure; target <= 150 MB) next to its
 ``go_nats_bench_fetch_msgs_per_s``: the Go client's ``nats bench js fetch`` (explicit
 acks, the plain reader's batch) on the same server afterwards, as the reference (needs
 the nats CLI that ``make tools`` builds).
+``plain_lean_client_msgs_per_s`` and ``ratio_to_lean_plain``: a third side, the same plain
+reader on the member's own client path (``harness.plain --client lean``), as a second
+reference (``--no-lean-reference`` leaves it out).
 ``--strict`` exits 1 when a figure misses its target.
 """
 
@@ -92,6 +95,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--payload", type=int, default=64, help="payload bytes per message")
     parser.add_argument("--partitions", type=int, default=128)
     parser.add_argument("--plain-batch", type=int, default=256, help="plain consumer's pull batch")
+    parser.add_argument(
+        "--no-lean-reference",
+        dest="lean_reference",
+        action="store_false",
+        help="leave out the third side: the plain reader on the member's client path",
+    )
     parser.add_argument(
         "--rss-messages", type=int, default=20_000, help="traffic for the RSS phase"
     )
@@ -264,6 +273,7 @@ async def run_plain(
     batch: int,
     timeout: float,
     on_ready: Any,
+    client: str = "nats-py",
 ) -> tuple[PlainResult, int]:
     """Run harness.plain in its own process (as a member is); returns its result and pid."""
     proc = await asyncio.create_subprocess_exec(
@@ -282,6 +292,8 @@ async def run_plain(
         str(batch),
         "--timeout",
         str(timeout),
+        "--client",
+        client,
         stdout=asyncio.subprocess.PIPE,
     )
     assert proc.stdout is not None
@@ -360,6 +372,7 @@ class Bench:
         self.producer = Producer(self.js, config.subject_prefix, config.partitions)
         self.shoal = Side()
         self.plain = Side()
+        self.lean = Side()  # the plain reader on the member's client path
         self.clock = DrainClock(self.js, self.stream, self.partition_durables)
 
     async def setup(self) -> None:
@@ -407,9 +420,10 @@ class Bench:
             "after the start)"
         )
 
-    async def time_plain(self) -> None:
+    async def time_plain(self, client: str = "nats-py") -> None:
         """The plain consumer on the same durables (no member runs meanwhile): from its
         first message (its own report) to the server's last applied ack, as for shoal."""
+        side = self.lean if client == "lean" else self.plain
         nats0 = 0.0
         started = time.time()
 
@@ -425,6 +439,7 @@ class Bench:
             self.args.plain_batch,
             self.args.timeout,
             ready,
+            client,
         )
         last = await self.clock.last_ack(self.args.timeout)
         nats1 = cpu_seconds(self.nats_pid)
@@ -435,9 +450,10 @@ class Bench:
         offset = time.time() - time.monotonic()
         first = result.first + offset
         seconds = last - first
-        self.plain.add(result.acked, seconds, first - started, result.cpu_s, nats1 - nats0)
+        side.add(result.acked, seconds, first - started, result.cpu_s, nats1 - nats0)
         note(
-            f"plain: {result.acked} in {seconds:.2f} s = {result.acked / seconds:.0f} msg/s "
+            f"plain ({client}): {result.acked} in {seconds:.2f} s = "
+            f"{result.acked / seconds:.0f} msg/s "
             f"(first message {first - started:.2f} s after the start; its own last ack "
             f"{1000 * (result.last + offset - last):+.0f} ms from the server's)"
         )
@@ -454,12 +470,15 @@ class Bench:
         """Each side consumes a backlog of its own from the same 128 durables, alone."""
         a, c = self.args, self.config
         for round_ in range(a.rounds):
-            for side in ("shoal", "plain") if round_ % 2 == 0 else ("plain", "shoal"):
+            sides = ["shoal", "plain"] if round_ % 2 == 0 else ["plain", "shoal"]
+            if a.lean_reference:
+                sides.insert(round_ % 3, "lean")
+            for side in sides:
                 await self.publish_backlog(f"r{round_}-{side}")
-                if side == "plain":
-                    await self.time_plain()
-                else:
+                if side == "shoal":
                     await self.time_shoal()
+                else:
+                    await self.time_plain("lean" if side == "lean" else "nats-py")
         common = {
             "messages": self.shoal.messages,
             "projects": a.projects,
@@ -486,6 +505,18 @@ class Bench:
         )
         ratio = self.shoal.rate / self.plain.rate
         emit(BENCH, "ratio", ratio, target=">= 0.9", ok=ratio >= 0.9)
+        if self.lean.messages:
+            emit(
+                BENCH,
+                "plain_lean_client_msgs_per_s",
+                self.lean.rate,
+                note="the plain reader on the member's client path: a reference, not the "
+                "target's baseline (docs/data-path.md)",
+                fetch_batch=a.plain_batch,
+                **self.lean.figures(),
+                **common,
+            )
+            emit(BENCH, "ratio_to_lean_plain", self.shoal.rate / self.lean.rate)
 
     async def rss(self) -> None:
         a, c = self.args, self.config

@@ -7,6 +7,12 @@ a bare publish of ``+ACK``; when a request's batch is complete, or the server en
 the next request for that durable goes out from the same callback. No per-partition
 loop, no per-message task, no metadata parsing.
 
+``--client lean`` runs the same reader on the member's own client path
+(``shoal.consumer.natsclient``: its parser, no ``Msg``, each message handled as it is
+read, acks and pulls appended to the client's outgoing buffer without a coroutine): not
+plain nats-py any more, but what a bare reader costs on the path the member uses, as a
+second reference.
+
 Run as ``python -m harness.plain --url URL --stream S --durables p0,p1,... --target N``:
 it prints ``{"ready": true}`` once its first requests are out, then one JSON line
 ``{"acked", "first", "last", "cpu_s"}`` (time.monotonic() of the first message and of the
@@ -24,6 +30,8 @@ import time
 from typing import Any
 
 import nats
+
+from shoal.consumer.natsclient import Delivery, DirectClient
 
 
 class Plain:
@@ -79,10 +87,62 @@ class Plain:
             self.done.set_result(None)
 
 
+class LeanPlain(Plain):
+    """The same reader on the member's client path (module docstring)."""
+
+    async def start(self) -> None:
+        sub = await self.nc.subscribe(self.inbox + ".*")
+        self.nc.route_directly(sub, self.on_delivery, self.on_status)
+        for reply in self.subjects:
+            self.pull_now(reply)
+        await self.nc.flush()
+
+    def send(self, command: bytes) -> None:
+        """Append a protocol command to the client's outgoing buffer and wake its flusher,
+        as nats-py's publish does, without a coroutine."""
+        nc = self.nc
+        nc._pending.append(command)
+        nc._pending_data_size += len(command)
+        if nc._flush_queue.empty():
+            nc._flush_queue.put_nowait(asyncio.get_running_loop().create_future())
+
+    def pull_now(self, reply: str) -> None:
+        self.remaining[reply] = self.batch
+        subject = self.subjects[reply].encode()
+        request = self.request
+        self.send(b"PUB %s %s %d\r\n%s\r\n" % (subject, reply.encode(), len(request), request))
+
+    def on_status(self, subject: str, headers: dict[str, str]) -> None:
+        if headers.get("Status") != "100":
+            self.pull_now(subject)
+
+    def on_delivery(self, msg: Delivery) -> None:
+        tokens = msg.reply.split(".")
+        reply = self.reply_of[tokens[3] if len(tokens) == 9 else tokens[5]]
+        if self.first is None:
+            self.first = time.monotonic()
+            self.cpu_first = time.process_time()
+        self.send(b"PUB %s 4\r\n+ACK\r\n" % msg.reply.encode())
+        self.acked += 1
+        left = self.remaining[reply] - 1
+        self.remaining[reply] = left
+        if left == 0:
+            self.pull_now(reply)
+        if self.acked >= self.target and not self.done.done():
+            self.last = time.monotonic()
+            self.cpu_seconds = time.process_time() - self.cpu_first
+            self.done.set_result(None)
+
+
 async def main_async(args: argparse.Namespace) -> None:
-    nc = await nats.connect(args.url, pending_size=64 * 1024 * 1024)
+    if args.client == "lean":
+        nc: Any = DirectClient()
+        await nc.connect(args.url, pending_size=64 * 1024 * 1024)
+    else:
+        nc = await nats.connect(args.url, pending_size=64 * 1024 * 1024)
     try:
-        plain = Plain(nc, args.stream, args.durables.split(","), args.batch, args.target)
+        reader = LeanPlain if args.client == "lean" else Plain
+        plain = reader(nc, args.stream, args.durables.split(","), args.batch, args.target)
         await plain.start()
         print(json.dumps({"ready": True}), flush=True)
         await asyncio.wait_for(plain.done, args.timeout)
@@ -106,6 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", type=int, required=True, help="acks to wait for")
     parser.add_argument("--batch", type=int, default=256, help="messages per pull request")
     parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument(
+        "--client",
+        choices=("nats-py", "lean"),
+        default="nats-py",
+        help="nats-py's public API (default), or the member's client path (docstring)",
+    )
     asyncio.run(main_async(parser.parse_args(argv)))
     return 0
 
