@@ -35,6 +35,15 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+def _created_revision(responses: list[Any]) -> int | None:
+    """The create_revision a transaction's get (after its put) read, if it read a key."""
+    for response in responses:
+        if isinstance(response, list) and response:
+            _value, meta = response[0]
+            return int(meta.create_revision)
+    return None
+
+
 class EtcdNoSpace(RuntimeError):
     """etcd refuses writes: its NOSPACE alarm is raised (the database reached its quota).
 
@@ -447,13 +456,7 @@ class Etcd:
             success=[tx.put(key, value, lease=lease), tx.get(key)],
             failure=[],
         )
-        if not ok:
-            return None
-        for response in responses:
-            if isinstance(response, list) and response:
-                _value, meta = response[0]
-                return int(meta.create_revision)
-        return None
+        return _created_revision(responses) if ok else None
 
     async def create_all_returning_revision(
         self, keys: list[str], value: bytes, lease: int | None
@@ -471,13 +474,7 @@ class Etcd:
             success=[*(tx.put(key, value, lease=lease) for key in keys), tx.get(keys[0])],
             failure=[],
         )
-        if not ok:
-            return None
-        for response in responses:
-            if isinstance(response, list) and response:
-                _value, meta = response[0]
-                return int(meta.create_revision)
-        return None
+        return _created_revision(responses) if ok else None
 
     async def put_returning_revision(self, key: str, value: bytes, lease: int | None) -> int:
         """Put key (created or overwritten); its create_revision, in one round trip."""
@@ -488,11 +485,10 @@ class Etcd:
             success=[tx.put(key, value, lease=lease), tx.get(key)],
             failure=[],
         )
-        for response in responses:
-            if isinstance(response, list) and response:
-                _value, meta = response[0]
-                return int(meta.create_revision)
-        raise etcd3.exceptions.InternalServerError()  # the get in the same txn found nothing
+        revision = _created_revision(responses)
+        if revision is None:
+            raise etcd3.exceptions.InternalServerError()  # the get in the same txn found nothing
+        return revision
 
     async def put_if_created_at(
         self, key: str, value: bytes, create_revision: int, lease: int | None = None
