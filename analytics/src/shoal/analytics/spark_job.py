@@ -193,7 +193,8 @@ class SparkReport:
     def written(self, name: str, frame: DataFrame) -> None:
         """``frame`` reads table ``name`` back from where it was written. The stints are
         not kept (millions of rows under modulo: storing them cost as much as computing
-        them); the groups' stint figures read the written columns instead."""
+        them); the groups' stint figures read the written columns instead. The member
+        totals of the plots read the written churn (not its window again)."""
         self.tables[name] = frame.select(*COLUMNS[name])
         if name == "ownership":
             self.tables["groups"] = self.groups_of(frame).select(*COLUMNS["groups"])
@@ -810,7 +811,8 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
 
 
 def input_stats(report: SparkReport) -> dict[str, int]:
-    """Files, lines, events, used, and one count per problem kind (two small jobs)."""
+    """Files, lines, events, used, and one count per problem kind (one small job over the
+    kept lines: the events out of order are the lines flagged ``late``)."""
     from pyspark.sql import functions as F
 
     col = F.col
@@ -820,11 +822,12 @@ def input_stats(report: SparkReport) -> dict[str, int]:
         .agg(
             F.count("*").alias("lines"),
             F.count(F.when(col("kind").isNull(), 1)).alias("events"),
+            F.count(F.when(col("late"), 1)).alias("out_of_order"),
             *[F.count(F.when(col("kind") == k, 1)).alias(k) for k in parsed],
         )
         .first()
     )
-    late = report.tables["problems"].filter(col("kind") == "out_of_order").count()
+    late = int(counts["out_of_order"]) if counts else 0
     stats = {
         "files": len(report.files),
         "lines": int(counts["lines"]) if counts else 0,
@@ -849,7 +852,7 @@ def write_table(report: SparkReport, name: str, out: str, progress: Progress) ->
     frame = report.tables[name]
     target = os.path.join(out, "tables", name)
     frame.sortWithinPartitions(*KEYS[name]).write.mode("overwrite").parquet(target)
-    if name == "ownership":
+    if name in ("ownership", "member_churn"):
         report.written(name, frame.sparkSession.read.parquet(target))
     progress(f"spark: wrote {name} ({time.monotonic() - started:.1f} s)")
 
