@@ -784,6 +784,12 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
     paired = keep(_paired(lines), "parsed lines, events beside their predecessors")
     splits = keep(line_splits(paired), "line splits")
     ev = paired.filter(col("kind").isNull() & ~col("late"))
+    # A valid event's hand-over times hold no null, but the parsed type allows them, and
+    # sort_array sorts such an array as boxed objects with a comparator. array_compact
+    # (a lambda per value, dropping nothing here) gives the type without nulls: every
+    # sort of hand-over times after it, per event and merged per group and strategy, is
+    # a sort of a double[].
+    ev = ev.withColumn("handover", F.array_compact("handover"))
     facts = _facts(ev)
     ev = ev.withColumn("prev_owner", _prev_owners(ev))
     pairs = keep(_pairs(ev), "owner pairs")
