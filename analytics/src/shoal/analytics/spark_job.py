@@ -137,7 +137,9 @@ the bench is named; one run of it varies by 3-5 s at load 1-3 on this shared mac
   times kept from a second driver thread beside pairs, counts and generations (that
   segment 9.0 s against 8.8-9.2 s); the small tables' CSV written in the step threads
   (44.6 s: pandas' ``to_csv`` holds the GIL, and the steps after the checkpoints took
-  20.2 s against 15.7-17.3 s).
+  20.2 s against 15.7-17.3 s); the stints' write started as soon as the paired lines were
+  kept, beside the chain of checkpoints (40.8 s, but from the paired lines to the end 25.3
+  s against 24.9-26.3 s without; at 2M 21.2 and 25.2 s against 23.3 and 23.6 s).
 * The whole bench, this version (load before -> after): 10M rows, local[2] 51.0 s, local[1]
   48.0 s, pandas 44.2 s (1.9 -> 1.7); local[2] 42.6 s, pandas 44.8 s (1.3 -> 1.7, local[2]
   alone); local[2] 42.0 s, local[1] 47.2 s, pandas 43.7 s (2.6 -> 1.9). Against session
