@@ -142,16 +142,17 @@ the bench is named; one run of it varies by 3-5 s at load 1-3 on this shared mac
   s against 24.9-26.3 s without; at 2M 21.2 and 25.2 s against 23.3 and 23.6 s).
 * The whole bench, this version (load before -> after): 10M rows, local[2] 51.0 s, local[1]
   48.0 s, pandas 44.2 s (1.9 -> 1.7); local[2] 42.6 s, pandas 44.8 s (1.3 -> 1.7, local[2]
-  alone); local[2] 42.0 s, local[1] 47.2 s, pandas 43.7 s (2.6 -> 1.9). Against session
+  alone); local[2] 42.0 s, local[1] 47.2 s, pandas 43.7 s (2.6 -> 1.9); local[2] 40.3 s,
+  local[1] 47.3 s, pandas 44.5 s (2.4 -> 1.7). Against session
   8's version in this session: local[2] 54.4 s, pandas 44.9 s (1.2 -> 1.6). 2M rows:
   local[2] 23.2 s, local[1] 23.7 s, pandas 8.8 s (1.6 -> 2.1), and 21.6 s against 8.3 s
   (1.9 -> 2.2, local[2] alone); session 8's version 23.5 s against 8.8 s (0.2 -> 1.1).
-  Targets: 45 s and faster than pandas at 10M in two runs of three (42.0 and 42.6 s,
-  1.04x and 1.05x; the third, 51.0 s, was slower in every step, the parse 13.1 s against
-  11.3-11.8 s: the machine, not the report, as far as one run shows), so still not
-  reliably; 1.5x pandas at 2M not (0.38x: each of some 25 jobs pays planning and cold
-  code, the parse alone takes 4 s where pandas does all in 8 s); 1.6x from the second
-  core not (0.94x and 1.12x at 10M, 1.02x at 2M).
+  Targets: 45 s and faster than pandas at 10M in three runs of four (40.3, 42.0 and 42.6
+  s, 1.04x-1.11x; the other, 51.0 s, was slower in every step, the parse 13.1 s against
+  11.3-11.8 s: the machine, not the report, as far as one run shows), so not reliably;
+  1.5x pandas at 2M not (0.38x: each of some 25 jobs pays planning and cold code, the
+  parse alone takes 4 s where pandas does all in 8 s); 1.6x from the second core not
+  (0.94x, 1.12x and 1.17x at 10M, 1.02x at 2M).
 
 Figures per version: the commit messages on branches ``spark``, ``spark3`` and ``spark4``.
 """
