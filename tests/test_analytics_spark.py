@@ -245,6 +245,14 @@ def _tricky_lines() -> str:
         {"assignment": {"0": "m-0"}, "handover_ms": {"0": -1.0}},
         {"assignment": {}, "handover_ms": {}, "loads": {}, "moved": []},
         {"assignment": {"0": "m-0", "x": "m-0"}},
+        # Nulls inside the arrays and maps, found without sorting them (spark_input).
+        {"assignment": {"0": "m-0", "1": None}},
+        {"assignment": {"0": "m-0", "1": ""}},
+        {"assignment": {"0": "m-0"}, "handover_ms": {"0": None}},
+        {"assignment": {"0": "m-0"}, "loads": {"0": 1.5, "1": None}},
+        {"assignment": {"0": "m-0"}, "moved": [None]},
+        {"assignment": {"0": "m-0"}, "moved": [{"partition": -1, "from": "m-1", "to": "m-0"}]},
+        {"assignment": {"0": "m-0"}, "members": ["m-0", None]},
     ]
     lines = [
         json.dumps({**base, "generation": i + 1, **variant}, separators=(",", ":"))

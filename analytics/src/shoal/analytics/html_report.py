@@ -14,7 +14,7 @@ from shoal.analytics import plots
 from shoal.analytics.report import HEATMAP_MEMBERS, plain
 from shoal.analytics.tables import ReportData
 
-__all__ = ["write_html"]
+__all__ = ["draw_generation_plots", "write_html"]
 
 log = logging.getLogger(__name__)
 
@@ -63,17 +63,45 @@ def _table(frame: pd.DataFrame, columns: Sequence[str] | None = None, limit: int
     return f"<table><tr>{head}</tr>{''.join(body)}</table>{more}"
 
 
-def _plots(data: ReportData, out: Path) -> list[tuple[str, str]]:
-    gens = data.tables["generations"]
-    folder = out / "plots"
-    drawn: list[tuple[str, str]] = []
-    jobs: list[tuple[str, str, Callable[[Path], bool]]] = [
+Plot = tuple[str, str, Callable[[Path], bool]]
+
+
+def _generation_plots(gens: pd.DataFrame) -> list[Plot]:
+    return [
         ("skew.png", "Skew over time", lambda p: plots.skew_over_time(gens, p)),
         (
             "moves.png",
             "Moves against the minimum",
             lambda p: plots.moves_vs_minimum(gens, p),
         ),
+    ]
+
+
+def _draw(jobs: list[Plot], folder: Path) -> dict[str, bool]:
+    """Which of the plots were drawn (a plot must never cost the rest of the report)."""
+    drawn: dict[str, bool] = {}
+    for name, _, draw in jobs:
+        try:
+            drawn[name] = draw(folder / name)
+        except Exception:
+            log.exception("Could not draw %s", name)
+            drawn[name] = False
+    return drawn
+
+
+def draw_generation_plots(gens: pd.DataFrame, out: Path) -> dict[str, bool]:
+    """The plots drawn from the generations table alone, into ``out/plots``: an engine
+    that has the table before the rest of the report may draw them meanwhile (the Spark
+    engine does, in a thread, while Spark collects the other tables) and hand the result
+    to :func:`write_html` in ``ReportData.early_plots``."""
+    return _draw(_generation_plots(gens), out / "plots")
+
+
+def _plots(data: ReportData, out: Path) -> list[tuple[str, str]]:
+    gens = data.tables["generations"]
+    folder = out / "plots"
+    early = _generation_plots(gens)
+    late: list[Plot] = [
         (
             "heatmap.png",
             "Partitions per member",
@@ -87,13 +115,9 @@ def _plots(data: ReportData, out: Path) -> list[tuple[str, str]]:
             ),
         ),
     ]
-    for name, title, draw in jobs:
-        try:
-            if draw(folder / name):
-                drawn.append((f"plots/{name}", title))
-        except Exception:  # a plot must never cost the rest of the report
-            log.exception("Could not draw %s", name)
-    return drawn
+    drawn = data.early_plots.result() if data.early_plots is not None else _draw(early, folder)
+    drawn.update(_draw(late, folder))
+    return [(f"plots/{name}", title) for name, title, _ in [*early, *late] if drawn.get(name)]
 
 
 def write_html(data: ReportData, summary: dict[str, Any], out: Path) -> Path:

@@ -90,8 +90,12 @@ class Steps:
         finally:
             self.times.append((name, time.monotonic() - started))
 
-    def table(self) -> list[str]:
-        width = max((len(name) for name, _ in self.times), default=0)
-        lines = [f"  {name:<{width}}  {seconds:7.1f} s" for name, seconds in self.times]
-        total = sum(seconds for _, seconds in self.times)
-        return ["wall time per step:", *lines, f"  {'total':<{width}}  {total:7.1f} s"]
+    def table(self, wall: float | None = None) -> list[str]:
+        """The steps in the order they ended, and their sum; steps run at once overlap,
+        so ``wall`` (the time from the first step's start) is listed too if given."""
+        rows = [*self.times, ("total", sum(seconds for _, seconds in self.times))]
+        if wall is not None:
+            rows.append(("wall (steps may overlap)", wall))
+        width = max(len(name) for name, _ in rows)
+        lines = [f"  {name:<{width}}  {seconds:7.1f} s" for name, seconds in rows]
+        return ["wall time per step:", *lines]

@@ -28,7 +28,12 @@ The pipeline, in Spark terms (metric definitions: :mod:`shoal.analytics.metrics`
    exploded, and one ``lead`` per (group, partition) over those starts, the drops and the
    last generation closes each stint; sorted by the table's keys, written without a
    checkpoint.
-5. The big tables are written as Parquet by the executors, the small ones collected.
+5. The big tables are written as Parquet by the executors, the small ones collected. These
+   steps, after the checkpoints, are submitted from three driver threads at once
+   (:func:`shoal.analytics.report._spark_data`): Spark runs the jobs' tasks in submission
+   order on the same cores, and one job's planning, Arrow transfer and pandas work overlap
+   another's tasks. The plots drawn from the generations table alone are drawn in a
+   thread of their own as soon as it is collected.
 
 Intermediate frames are eager *local checkpoints* (:class:`_Keeper`), not ``persist()``:
 a checkpoint is a scan of stored rows without lineage, so the actions after it plan a few
@@ -38,19 +43,19 @@ report is cheap to rerun.)
 
 Where the time goes (the bench, ``bench/analytics.py``: 10M rows are 78,125 lines, 787 MB;
 2M rows 15,625 lines, 153 MB; 8 groups; a session started just before each master, on a
-2-core machine shared with other work). Session 8 against this version, each a run of the
-whole bench (load before -> after): 10M rows (2.0 -> 1.5 then 2.1 -> 1.7) local[2] 68.5 s
--> 44.7 s, local[1] 82.5 s -> 47.0 s, pandas 41.5 s -> 40.8 s; 2M rows (1.1 -> 2.1 then
-1.3 -> 1.9) local[2] 25.6 s -> 24.6 s, local[1] 28.6 s -> 23.2 s, pandas 8.0 s -> 8.1 s.
-Targets: 45 s at 10M is met in that run only (runs of this branch before its last
-commit, without the collector change, took 47-51 s at load 2-2.6; this version on main,
-two more runs of local[2] alone: 54.3 s at load 0.7 -> 1.8 and 50.1 s at 1.6 -> 2.1, parse
-and pairing 14.0 and 13.6 s of it, so not reliably); faster than pandas at 10M is
-not (0.91x), nor 1.5x pandas at 2M (0.33x), nor 1.6x from the second core (1.05x at 10M,
-0.94x at 2M).
+2-core machine shared with other work). Session 8 against its version (before branch
+``spark4``), each a run of the whole bench (load before -> after): 10M rows (2.0 -> 1.5
+then 2.1 -> 1.7) local[2] 68.5 s -> 44.7 s, local[1] 82.5 s -> 47.0 s, pandas 41.5 s ->
+40.8 s; 2M rows (1.1 -> 2.1 then 1.3 -> 1.9) local[2] 25.6 s -> 24.6 s, local[1] 28.6 s ->
+23.2 s, pandas 8.0 s -> 8.1 s. Targets: 45 s at 10M is met in that run only (runs of this
+branch before its last commit, without the collector change, took 47-51 s at load 2-2.6;
+this version on main, two more runs of local[2] alone: 54.3 s at load 0.7 -> 1.8 and 50.1
+s at 1.6 -> 2.1, parse and pairing 14.0 and 13.6 s of it, so not reliably); faster than
+pandas at 10M is not (0.91x), nor 1.5x pandas at 2M (0.33x), nor 1.6x from the second
+core (1.05x at 10M, 0.94x at 2M). Session 9's figures: at the end.
 
-Per step at 10M, local[2], this version: planning before the first job 2.1 s, parse and
-pairing 11.6, line splits 0.6, owner pairs 1.8, member counts 2.0, generations 3.5,
+Per step at 10M, local[2], session 8's version: planning before the first job 2.1 s, parse
+and pairing 11.6, line splits 0.6, owner pairs 1.8, member counts 2.0, generations 3.5,
 hand-over times 1.8, writes 10.0 (stints 6.6 of it: computed there), collects 6.5, the
 summary, HTML and plots after Spark some 4 s.
 
@@ -98,7 +103,58 @@ summary, HTML and plots after Spark some 4 s.
   JIT, the summary, HTML and plots (some 4 s, which pandas pays too). The pandas oracle
   reads 2M rows in under 8 s; the 1.5x target is far off.
 
-Figures per version: the commit messages on branches ``spark`` and ``spark3``.
+Session 9 (branch ``spark4``; 10M rows, local[2], the report alone on the same logs unless
+the bench is named; one run of it varies by 3-5 s at load 1-3 on this shared machine):
+
+* Where the time went, from Spark's event log and a JFR profile of one 51 s run: before
+  the first job 2.5 s; the parse's stage 8.0 s wall with 15.1 s of task time of which 9.9 s
+  on a CPU (C2 compiled for at least 17 s of CPU over the whole report, and the collector
+  took its share, on the same 2 cores); in the parse's samples Jackson and Spark's JSON
+  converters about half, sorts a tenth (:func:`shoal.analytics.spark_input._has_null` on
+  every array of 128 strings or numbers); the pairing 2.8 s (GC 1.4-4.5 s of task time:
+  the kept rows are some 11 KB each, owners and previous owners as strings); the stints'
+  write 7.4 s (Parquet encoding a third of its samples, the window's sort a fifth); 13
+  small jobs of collects 6.5 s; after Spark 4.4 s, ``write_html`` 3.2 s of it (the skew
+  and moves plots 2.5 s).
+* Paid: null checks with ``arrays_overlap`` against a value refused anyway, no sort
+  (:func:`shoal.analytics.spark_input._has_null_or`); the generation plots drawn in a
+  thread while Spark works (``write_html`` after Spark 3.2 s -> 0.6 s); the input counts
+  in one job (1.0 -> 0.4 s) and the plots' member totals from the written churn (1.3 ->
+  0.8 s); hand-over times typed without nulls (``array_compact``), so that their sorts
+  sort a ``double[]``, not boxed objects (hand-over times kept 1.0-2.4 s -> 0.8 s); the
+  steps after the checkpoints from three driver threads (from the last checkpoint to the
+  end of Spark work 19.8 s -> 15.7 s). Whole report: 51.1-54.4 s -> 40.5-44.6 s in seven
+  runs of the report alone.
+* Did not pay, one run each: shuffle compression off (59.7 s; the pairing's shuffle 106
+  MB -> 528 MB); ``-XX:MaxTenuringThreshold=0`` (55.5 s); ``-XX:TieredStopAtLevel=1`` (75.5
+  s: the parse's stage 8 s -> 18.9 s and the stints' 7 s -> 19 s in C1's code);
+  ``-XX:-TieredCompilation`` (47.5 s); less C2 inlining (``-XX:MaxInlineLevel=9
+  -XX:InlineSmallCode=1000``, 42.3 s, within the noise); Parquet dictionaries off (48.1
+  s: the stints' write 7.2 s as before, the groups' read-back slower);
+  ``spark.sql.codegen.wholeStage`` off (48.8 s, every step slower);
+  ``spark.sql.join.preferSortMergeJoin`` false (40.5 s, but no plan changed: checkpoints
+  carry no size for the planner to choose a hash join); the line splits and hand-over
+  times kept from a second driver thread beside pairs, counts and generations (that
+  segment 9.0 s against 8.8-9.2 s); the small tables' CSV written in the step threads
+  (44.6 s: pandas' ``to_csv`` holds the GIL, and the steps after the checkpoints took
+  20.2 s against 15.7-17.3 s); the stints' write started as soon as the paired lines were
+  kept, beside the chain of checkpoints (40.8 s, but from the paired lines to the end 25.3
+  s against 24.9-26.3 s without; at 2M 21.2 and 25.2 s against 23.3 and 23.6 s).
+* The whole bench, this version (load before -> after): 10M rows, local[2] 51.0 s, local[1]
+  48.0 s, pandas 44.2 s (1.9 -> 1.7); local[2] 42.6 s, pandas 44.8 s (1.3 -> 1.7, local[2]
+  alone); local[2] 42.0 s, local[1] 47.2 s, pandas 43.7 s (2.6 -> 1.9); local[2] 40.3 s,
+  local[1] 47.3 s, pandas 44.5 s (2.4 -> 1.7). Against session
+  8's version in this session: local[2] 54.4 s, pandas 44.9 s (1.2 -> 1.6). 2M rows:
+  local[2] 23.2 s, local[1] 23.7 s, pandas 8.8 s (1.6 -> 2.1), and 21.6 s against 8.3 s
+  (1.9 -> 2.2, local[2] alone); session 8's version 23.5 s against 8.8 s (0.2 -> 1.1).
+  Targets: 45 s and faster than pandas at 10M in three runs of four (40.3, 42.0 and 42.6
+  s, 1.04x-1.11x; the other, 51.0 s, was slower in every step, the parse 13.1 s against
+  11.3-11.8 s: the machine, not the report, as far as one run shows), so not reliably;
+  1.5x pandas at 2M not (0.38x: each of some 25 jobs pays planning and cold code, the
+  parse alone takes 4 s where pandas does all in 8 s); 1.6x from the second core not
+  (0.94x, 1.12x and 1.17x at 10M, 1.02x at 2M).
+
+Figures per version: the commit messages on branches ``spark``, ``spark3`` and ``spark4``.
 """
 
 from __future__ import annotations
@@ -193,7 +249,8 @@ class SparkReport:
     def written(self, name: str, frame: DataFrame) -> None:
         """``frame`` reads table ``name`` back from where it was written. The stints are
         not kept (millions of rows under modulo: storing them cost as much as computing
-        them); the groups' stint figures read the written columns instead."""
+        them); the groups' stint figures read the written columns instead. The member
+        totals of the plots read the written churn (not its window again)."""
         self.tables[name] = frame.select(*COLUMNS[name])
         if name == "ownership":
             self.tables["groups"] = self.groups_of(frame).select(*COLUMNS["groups"])
@@ -783,6 +840,12 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
     paired = keep(_paired(lines), "parsed lines, events beside their predecessors")
     splits = keep(line_splits(paired), "line splits")
     ev = paired.filter(col("kind").isNull() & ~col("late"))
+    # A valid event's hand-over times hold no null, but the parsed type allows them, and
+    # sort_array sorts such an array as boxed objects with a comparator. array_compact
+    # (a lambda per value, dropping nothing here) gives the type without nulls: every
+    # sort of hand-over times after it, per event and merged per group and strategy, is
+    # a sort of a double[].
+    ev = ev.withColumn("handover", F.array_compact("handover"))
     facts = _facts(ev)
     ev = ev.withColumn("prev_owner", _prev_owners(ev))
     pairs = keep(_pairs(ev), "owner pairs")
@@ -810,7 +873,8 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
 
 
 def input_stats(report: SparkReport) -> dict[str, int]:
-    """Files, lines, events, used, and one count per problem kind (two small jobs)."""
+    """Files, lines, events, used, and one count per problem kind (one small job over the
+    kept lines: the events out of order are the lines flagged ``late``)."""
     from pyspark.sql import functions as F
 
     col = F.col
@@ -820,11 +884,12 @@ def input_stats(report: SparkReport) -> dict[str, int]:
         .agg(
             F.count("*").alias("lines"),
             F.count(F.when(col("kind").isNull(), 1)).alias("events"),
+            F.count(F.when(col("late"), 1)).alias("out_of_order"),
             *[F.count(F.when(col("kind") == k, 1)).alias(k) for k in parsed],
         )
         .first()
     )
-    late = report.tables["problems"].filter(col("kind") == "out_of_order").count()
+    late = int(counts["out_of_order"]) if counts else 0
     stats = {
         "files": len(report.files),
         "lines": int(counts["lines"]) if counts else 0,
@@ -849,7 +914,7 @@ def write_table(report: SparkReport, name: str, out: str, progress: Progress) ->
     frame = report.tables[name]
     target = os.path.join(out, "tables", name)
     frame.sortWithinPartitions(*KEYS[name]).write.mode("overwrite").parquet(target)
-    if name == "ownership":
+    if name in ("ownership", "member_churn"):
         report.written(name, frame.sparkSession.read.parquet(target))
     progress(f"spark: wrote {name} ({time.monotonic() - started:.1f} s)")
 

@@ -36,9 +36,12 @@ problems
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
 
 __all__ = [
     "BIG_TABLES",
@@ -220,6 +223,9 @@ class ReportData:
     member_totals: pd.DataFrame
     engine: str
     extra: dict[str, Any] = field(default_factory=dict)
+    # The plots of the generations table, if the engine started drawing them early (see
+    # shoal.analytics.html_report.draw_generation_plots): which were drawn.
+    early_plots: Future[dict[str, bool]] | None = None
 
 
 def normalize(frame: pd.DataFrame, name: str) -> pd.DataFrame:
