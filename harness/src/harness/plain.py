@@ -70,21 +70,30 @@ class Plain:
             if not msg.headers or msg.headers.get("Status") != "100":
                 await self.pull(msg.subject)
             return
-        tokens = msg.reply.split(".")
-        reply = self.reply_of[tokens[3] if len(tokens) == 9 else tokens[5]]
+        reply = self.arrived(msg.reply)
+        await self.nc.publish(msg.reply, b"+ACK")
+        if self.acked_one(reply):
+            await self.pull(reply)
+
+    def arrived(self, ack_subject: str) -> str:
+        """A message arrived: the reply subject of the request it answers (its ack subject
+        names the durable). The first one starts the clocks."""
+        tokens = ack_subject.split(".")
         if self.first is None:
             self.first = time.monotonic()
             self.cpu_first = time.process_time()
-        await self.nc.publish(msg.reply, b"+ACK")
+        return self.reply_of[tokens[3] if len(tokens) == 9 else tokens[5]]
+
+    def acked_one(self, reply: str) -> bool:
+        """Count an ack; True when the request on `reply` is complete (pull again)."""
         self.acked += 1
         left = self.remaining[reply] - 1
         self.remaining[reply] = left
-        if left == 0:
-            await self.pull(reply)
         if self.acked >= self.target and not self.done.done():
             self.last = time.monotonic()
             self.cpu_seconds = time.process_time() - self.cpu_first
             self.done.set_result(None)
+        return left == 0
 
 
 class LeanPlain(Plain):
@@ -117,21 +126,10 @@ class LeanPlain(Plain):
             self.pull_now(subject)
 
     def on_delivery(self, msg: Delivery) -> None:
-        tokens = msg.reply.split(".")
-        reply = self.reply_of[tokens[3] if len(tokens) == 9 else tokens[5]]
-        if self.first is None:
-            self.first = time.monotonic()
-            self.cpu_first = time.process_time()
+        reply = self.arrived(msg.reply)
         self.send(b"PUB %s 4\r\n+ACK\r\n" % msg.reply.encode())
-        self.acked += 1
-        left = self.remaining[reply] - 1
-        self.remaining[reply] = left
-        if left == 0:
+        if self.acked_one(reply):
             self.pull_now(reply)
-        if self.acked >= self.target and not self.done.done():
-            self.last = time.monotonic()
-            self.cpu_seconds = time.process_time() - self.cpu_first
-            self.done.set_result(None)
 
 
 async def main_async(args: argparse.Namespace) -> None:

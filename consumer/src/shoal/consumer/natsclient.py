@@ -300,17 +300,14 @@ class DirectClient(Client):
         data: bytes,
         headers: bytes,  # (or None: nats-py's own annotation says bytes)
     ) -> None:
+        if self.take(sid, subject, reply, data, headers):
+            return
         direct = self._direct.get(sid)
         if direct is None:
             await super()._process_msg(sid, subject, reply, data, headers)
-            return
-        if sid not in self._subs:  # unsubscribed: nats-py drops what still comes
+        elif sid not in self._subs:  # unsubscribed: nats-py drops what still comes
             del self._direct[sid]
-            return
-        self.stats["in_msgs"] += 1
-        self.stats["in_bytes"] += len(data)
-        if reply:
-            direct[0](Delivery(self, subject, reply.decode(), data, headers))
-        else:
+        else:  # a status: no reply subject
+            self.stats["in_msgs"] += 1
             status = await self._process_headers(headers)
             direct[1](subject.decode(), status or {})

@@ -1104,12 +1104,15 @@ class Worker:
         the first partitions kept the event loop busy); one transaction takes a few ms.
         """
         ps = sorted(targets)
-        singles: list[int] = ps if len(ps) == 1 else []
+        if len(ps) == 1:
+            await self._claim(ps[0], targets[ps[0]])
+            return
+        singles: list[int] = []
         lease = self.membership.lease_id
         value = self.config.member_id.encode()
-        batches = [ps[i : i + CLAIM_BATCH] for i in range(0, len(ps), CLAIM_BATCH)]
         try:
-            for batch in batches if len(ps) > 1 else []:
+            for i in range(0, len(ps), CLAIM_BATCH):
+                batch = ps[i : i + CLAIM_BATCH]
                 keys = [self.config.keys.claim(p) for p in batch]
                 try:
                     revision = await self.etcd.create_all_returning_revision(keys, value, lease)
