@@ -44,9 +44,24 @@ def test_decays_when_idle_but_never_below_the_floor() -> None:
     assert limit == 64
 
 
-def test_no_update_within_an_interval() -> None:
+def test_no_update_within_an_interval_while_the_budget_lasts() -> None:
     budget = HoldBudget(8192)
-    budget.limit(10, 0.0)
+    assert budget.limit(1000, 0.0) == 1000
+    _settle(budget, 999)  # less than the budget: the window runs its full interval
+    assert budget.limit(1000, 0.1) == 1000
+    assert budget.limit(1000, 0.25) == 3996
+
+
+def test_a_budget_used_up_early_ends_the_window_early() -> None:
+    # A member starting on a backlog: 576 settled in 20 ms is 28,800 msg/s. Waiting out
+    # the interval would keep it at the floor for a quarter of a second.
+    budget = HoldBudget(8192)
+    assert budget.limit(576, 0.0) == 576
+    _settle(budget, 576)
+    assert budget.limit(576, 0.01) == 576  # not before min_window
+    assert budget.limit(576, 0.02) == 8192
+    # The next window is a full one again unless the new budget is used up as fast.
     _settle(budget, 1000)
-    assert budget.limit(10, 0.1) == 10  # the window is not over yet
-    assert budget.limit(10, 0.25) == 4000
+    assert budget.limit(576, 0.1) == 8192
+    assert budget.limit(576, 0.27) == 8192
+    assert budget.rate == (28800 + 1000 / 0.25) / 2

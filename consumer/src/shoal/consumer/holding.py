@@ -12,16 +12,31 @@ partition plus a batch, or nothing could pull) nor above `ceiling` (max_buffered
 memory bound). A fast handler gets a deep buffer, a slow one a shallow one, without a
 setting to tune. The rate is an exponentially weighted average over `interval` windows,
 so one quiet window does not collapse the budget.
+
+A window also ends early, once the member has settled its whole budget in it (and at
+least `min_window` has passed): the budget is then too small by far, at least
+`interval / elapsed` times, and waiting out the interval would keep a member that
+starts on a backlog at the floor (576 messages for 128 partitions) for its first quarter
+second. With a noop handler that was a third of a 50,000-message drain.
 """
 
 from __future__ import annotations
 
 
 class HoldBudget:
-    def __init__(self, ceiling: int, *, hold_seconds: float = 1.0, interval: float = 0.25) -> None:
+    def __init__(
+        self,
+        ceiling: int,
+        *,
+        hold_seconds: float = 1.0,
+        interval: float = 0.25,
+        min_window: float = 0.02,
+    ) -> None:
         self.ceiling = ceiling
         self.hold_seconds = hold_seconds
         self.interval = interval
+        self.min_window = min_window
+        self.budget = 0  # the last limit given
         self.rate = 0.0  # messages settled per second, smoothed
         self._count = 0
         self._mark: float | None = None
@@ -33,7 +48,9 @@ class HoldBudget:
         """The budget at monotonic time `now`, given the floor the caller needs."""
         if self._mark is None:
             self._mark = now
-        elif (elapsed := now - self._mark) >= self.interval:
+        elif (elapsed := now - self._mark) >= self.interval or (
+            self._count >= self.budget and elapsed >= self.min_window
+        ):
             window = self._count / elapsed
             # Half the weight on the newest window: the budget doubles within a few
             # windows when a backlog arrives, and halves as fast when it is gone.
@@ -41,4 +58,5 @@ class HoldBudget:
             self._count = 0
             self._mark = now
         wanted = int(self.rate * self.hold_seconds)
-        return max(floor, min(self.ceiling, wanted))
+        self.budget = max(floor, min(self.ceiling, wanted))
+        return self.budget
