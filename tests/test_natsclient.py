@@ -143,9 +143,12 @@ async def test_direct_path_against_a_real_server(direct: DirectClient) -> None:
     assert dict(got[1].headers) == {"Shoal-Project-Id": "p1", "N": "1"}
     assert all(m.reply.startswith(f"$JS.ACK.{stream}.d.1.") for m in got)
 
-    # Acks through the lean publish; a nak with a delay brings the message back.
-    await got[0].ack()
-    await got[1].ack()
+    # Acks through the lean publish. The first wakes the flusher; while that flush is
+    # queued, the next is queued without a coroutine. A nak with a delay brings the
+    # message back.
+    assert not nc.queue_ack(got[0].reply), "no flush queued yet: the caller must await"
+    await nc.publish_ack(got[0].reply)
+    assert nc.queue_ack(got[1].reply)
     await got[2].nak(delay=0.2)
     await nc.flush()
     info = await js.consumer_info(stream, "d")
@@ -195,6 +198,7 @@ async def test_publish_ack_while_disconnected_is_nats_pys_publish() -> None:
         await nc.publish("x", b"+ACK")
     with pytest.raises(type(raised.value)):
         await nc.publish_ack("x")
+    assert not nc.queue_ack("x")  # the caller then awaits publish_ack, which refuses
 
 
 class Recorder:
@@ -284,7 +288,34 @@ async def test_fast_parser_hands_over_what_nats_pys_parser_does() -> None:
         assert len(ours.calls) > 0
 
 
+async def outcome(parser: Parser, recorder: Recorder, data: bytes) -> Any:
+    try:
+        await parser.parse(data)
+    except ProtocolError as exc:
+        return ("refused", type(exc))
+    return recorder.calls
+
+
 async def test_fast_parser_refuses_what_nats_pys_refuses() -> None:
+    payload = b"hello\r\n"
+    odd_lines = [
+        b"BOGUS line\r\n",
+        b"MSG only-a-subject\r\n",
+        b"MSG s 1 5 \r\n" + payload,  # trailing whitespace
+        b"MSG s x 5\r\n" + payload,  # a sid that is not a number
+        b"MSG s 1 r +5\r\n" + payload,
+        b"MSG s 1 r 5_0\r\n" + payload,
+        b"MSG s 1 a b 5\r\n" + payload,  # one token too many
+        b"HMSG s 1 r x 5\r\n" + payload,
+        b"HMSG s 1 5\r\n" + payload,  # one size only
+        b"MSGX s 1 5\r\n" + payload,
+        b"MSG\ts\t1\t5\r\n" + payload,  # tabs: whitespace in nats-py's grammar too
+        b"HMSG  s  1  r  0  5\r\n" + payload,
+    ]
+    for data in odd_lines:
+        theirs, ours = Recorder(), Recorder()
+        expected = await outcome(Parser(theirs), theirs, data)
+        assert await outcome(FastParser(ours), ours, data) == expected, data
     for bad in (b"BOGUS line\r\n", b"MSG only-a-subject\r\n"):
         with pytest.raises(ProtocolError):
             await FastParser(Recorder()).parse(bad)

@@ -37,6 +37,8 @@ class Membership:
         # Each new lease is a new incarnation: claims made under an older one are gone.
         self.incarnation = 0
         self._renewed_at = 0.0  # monotonic time the last successful keep-alive was *sent*
+        # Read once: safe() runs once per message.
+        self._fence_after = config.fence_after
         self.leaving = False
         self.changed = asyncio.Event()
         # The member key's create_revision as we last wrote it: stats updates are
@@ -51,7 +53,7 @@ class Membership:
         """True while our lease is certainly alive on the server."""
         if not self.lease_id:
             return False
-        return time.monotonic() - self._renewed_at < self.config.fence_after
+        return time.monotonic() - self._renewed_at < self._fence_after
 
     def _value(self) -> bytes:
         return json.dumps(self._stats(), sort_keys=True).encode()
