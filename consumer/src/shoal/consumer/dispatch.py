@@ -98,6 +98,7 @@ class Dispatcher:
         self._running: dict[asyncio.Task[None], Source] = {}
         self._cancelling: set[asyncio.Task[None]] = set()
         self._spare: list[ProjectQueue] = []
+        self._waking = False  # a _wake_idle call is due
         self.running = 0
 
     def start(self) -> None:
@@ -130,11 +131,32 @@ class Dispatcher:
     def _schedule(self, queue: ProjectQueue) -> None:
         queue.scheduled = True
         self._ready.append(queue)
-        while self._idle:
-            waiter = self._idle.popleft()
+        if self._idle and not self._waking:
+            self._waking = True
+            asyncio.get_running_loop().call_soon(self._wake_idle, None)
+
+    def _wake_idle(self, asker: asyncio.Task[None] | None) -> None:
+        """Wake idle workers for the ready projects, after the current turn of the event
+        loop: one for each if `asker`, a worker that took a project and left others
+        ready, is still in its handler (the handler awaits: the others need workers of
+        their own); otherwise one, if any project is still ready.
+
+        Not one per project as it becomes ready: a worker whose handler never awaits
+        runs on through the ready projects in the same turn, so a read of many
+        messages needs one worker woken, not one per message. (A worker woken per
+        project cost a future and a task step for 0.4-1 of every message read at once,
+        bench/hotpath.py, and nearly all of those workers found nothing left to run.)
+        """
+        self._waking = False
+        ready = len(self._ready)
+        if asker is None or asker not in self._running:
+            ready = min(ready, 1)
+        idle = self._idle
+        while ready and idle:
+            waiter = idle.popleft()
             if not waiter.done():
                 waiter.set_result(None)
-                break
+                ready -= 1
 
     def _retry_due(self, queue: ProjectQueue) -> None:
         queue.scheduled = False
@@ -172,6 +194,10 @@ class Dispatcher:
             if source.stopping or not queue.pending:
                 continue  # left for the hand-over, which gives unstarted messages back
             held = queue.pending[0]
+            if ready and self._idle and not self._waking:
+                # Others are ready: if this handler awaits, they need workers of their own.
+                self._waking = True
+                loop.call_soon(self._wake_idle, me)
             queue.running = True
             source.inflight += 1
             self.running += 1
