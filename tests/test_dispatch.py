@@ -91,7 +91,7 @@ async def test_handlers_that_never_await_leave_the_other_workers_asleep() -> Non
 
     try:
         await asyncio.sleep(0)
-        loop.call_soon = counting_call_soon  # type: ignore[method-assign]
+        loop.call_soon = counting_call_soon  # type: ignore[method-assign,assignment]
         seq = 0
         for _ in range(10):  # ten reads of 40 messages, of 40 projects, each
             for p in range(40):
