@@ -154,7 +154,55 @@ the bench is named; one run of it varies by 3-5 s at load 1-3 on this shared mac
   parse alone takes 4 s where pandas does all in 8 s); 1.6x from the second core not
   (0.94x, 1.12x and 1.17x at 10M, 1.02x at 2M).
 
-Figures per version: the commit messages on branches ``spark``, ``spark3`` and ``spark4``.
+Session 11 (branch ``spark5``: the fixed costs that dominate at 2M rows; each experiment
+a report alone on the bench's logs, local[2], load 1.3-3.9 unless said, as the other work
+on this machine comes and goes: one run varies by 1-3 s at 2M):
+
+* Where 2M rows' 21-22 s go (Spark's event log, JVM counters): before the first job
+  2.8 s; parse and pairing 4.2 s; the other five checkpoints 5.3 s, 2.6 s of it gaps
+  between their jobs (planning, Janino); the 19 jobs after them 8 s; after Spark 1 s.
+  708 tasks: 2.6 s deserializing, 24.5 s running of which 11.9 s on a CPU. The JIT
+  compilers took 26.6 s of CPU in one report (C2 ~22 s: Spark's generated classes 4.4 s,
+  Janino 3 s, Java deserialization 3 s, the rest spread over Spark SQL, Parquet, Jackson
+  and collections): more than one of the two cores, all along. Janino: some 230
+  compiles, 2.0-3.2 s on the driver. The same report again in the same JVM: 14.8 s, then
+  13.5 s; 200k rows (1,563 lines) take 16.1 s. At 2M the report is fixed cost, most of
+  it a cold JVM.
+* Measured, not merged (branch ``spark5``): the driver JVM mapping Spark's classes from
+  a class-data archive (AppCDS; 17,300 of the 26,100 classes a report loads; Janino's
+  signed jars are not archived), recorded once per Java, pyspark jars and JVM options.
+  Session start 3.3-4.2 s -> 1.9-2.2 s, but the report itself did not change beyond the
+  noise (2M: 21.6 and 22.4 s against 24.5 s in one A/B, 22.1 against 21.9 s in the bench
+  below), while the recording session starts and stops 15-35 s slower and each archive
+  takes about 190 MB per virtualenv. Not worth its risks (a damaged archive, crash
+  reports moved) for a second and a half.
+* Did not pay (reverted; 2M rows, two runs each, the baseline alternated with them):
+  ``-XX:CompileThresholdScaling=3`` (JIT CPU 28.6-33.0 s -> 22.7-23.4 s; report 21.3
+  and 21.6 s against 21.7 and 25.1 s) and ``=5`` (24.8 and 24.0 s against 22.4 and 21.7
+  s); C2 thresholds 30000/40000/200000 (22.4 and 25.3 s); 4 partitions per core instead
+  of 16 (2M: 19.2 and 20.0 s against 21.7 and 20.3 s; 200k: 20.9 and 12.8 s against 16.1
+  and 20.2 s: noise beyond the difference, and 8 partitions hash the bench's 8 groups
+  4+2+1+1, which session 8 measured at 10M). ``-XX:TieredStopAtLevel=1`` does pay at
+  2M (JIT CPU 29 s -> 3.9 s; 20.3 and 20.7 s against 22.4 and 21.7 s) but cost 75 s
+  against 44 s at 10M (session 9); choosing it by input size needs the size before the
+  JVM starts, and the bench starts its session first: not done.
+* Not tried for lack of time: fewer jobs after the checkpoints (the small tables in one
+  collect). Measured only: of the 2.8 s before the first job at 2M, building the parse's
+  expressions (:func:`shoal.analytics.spark_input.parsed_lines`) makes 3,749 Py4J calls,
+  1.3 s (the pairing's window 450 calls, 0.15 s): the parse as SQL text (one call, but
+  a cold ANTLR parse) is the next thing to measure there.
+* The whole bench, on ``spark5`` (``SHOAL_SPARK_CDS=0``, i.e. main, is "before"; load
+  before -> after):
+  10M rows, before: local[2] 45.4 s, local[1] 47.8 s, pandas 43.2 s (1.3 -> 1.7); after:
+  local[2] 44.0 s, local[1] 44.0 s, pandas 42.6 s (1.9 -> 1.6), startup 3.4 -> 2.0 s.
+  2M rows, before: local[2] 21.9 s, local[1] 22.4 s, pandas 8.5 s (1.3 -> 2.3); after:
+  local[2] 22.1 s, local[1] 21.7 s, pandas 8.2 s (1.9 -> 2.6). Targets: none met (45 s
+  at 10M met once after, missed once before, by under a second either way; Spark slower
+  than pandas at 10M both times, 0.95x and 0.97x; 0.37-0.39x at 2M; core speedup
+  1.0-1.05x).
+
+Figures per version: the commit messages on branches ``spark``, ``spark3``, ``spark4`` and
+``spark5``.
 """
 
 from __future__ import annotations
