@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -142,3 +143,40 @@ def test_die_with_parent_only_from_the_main_thread() -> None:
 def test_spawn_sets_preexec_fn_itself() -> None:
     with pytest.raises(TypeError):
         spawn(["true"], preexec_fn=lambda: None)
+
+
+BECOME = textwrap.dedent(
+    """
+    import ctypes, importlib.util, sys
+
+    spec = importlib.util.spec_from_file_location("sandbox", sys.argv[1])
+    sandbox = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sandbox)
+
+    def death_signal():
+        value = ctypes.c_int(0)
+        sandbox._libc.prctl(sandbox.PR_GET_PDEATHSIG, ctypes.byref(value), 0, 0, 0)
+        return value.value
+
+    before = death_signal()
+    sandbox._become({"uid": 65534, "gid": 65534, "groups": []})
+    print(before, death_signal())
+    """
+)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="changing to another user needs root")
+def test_the_image_sandbox_keeps_the_death_signal_across_the_change_of_user() -> None:
+    """The kernel clears it when the uid changes; the sandbox must set it again, or an
+    image pod would outlive its kubelet."""
+    from harness.localkube.image import SANDBOX
+
+    with tempfile.TemporaryFile() as out:
+        process = spawn([sys.executable, "-I", "-S", "-c", BECOME, str(SANDBOX)], stdout=out)
+        try:
+            assert process.wait(30) == 0
+        finally:
+            process.kill()
+            process.wait(10)
+        out.seek(0)
+        assert out.read().split() == [str(int(signal.SIGKILL)).encode()] * 2
