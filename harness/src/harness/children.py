@@ -12,9 +12,10 @@ The catch: the kernel's "parent" is the *thread* that forked the child, and the 
 comes when that thread exits, not the process. Servers are started from executor
 threads (NatsCluster, EtcdCluster, ``asyncio.to_thread``) that end long before the
 servers should, so `spawn` forks every child from one daemon thread of its own that
-lives exactly as long as the process. ``die_with_parent()`` is the same preexec hook for
-a starter that must call Popen itself (asyncio's subprocess API): only from the main
-thread, which also lives as long as the process.
+lives exactly as long as the process (it waits for work without holding the GIL, so
+interpreter shutdown does not end it early either). ``die_with_parent()`` is the same
+preexec hook for a starter that must call Popen itself (asyncio's subprocess API): only
+from the main thread, which also lives as long as the process.
 
 Only the direct child gets the signal. A child that execs through a wrapper (spark-class
 is a bash script ending in ``exec java``) stays the same process, so that is fine; a
@@ -87,6 +88,9 @@ class _Spawner:
     """The one thread every child is forked from (one per process: a fork starts anew)."""
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
         self._lock = threading.Lock()
         self._pid = 0
         self._requests: queue.SimpleQueue[_Request] = queue.SimpleQueue()
@@ -133,6 +137,9 @@ def _kill_unclaimed(future: Future[subprocess.Popen[bytes]]) -> None:
 
 
 _spawner = _Spawner()
+# A forked child of this process has no spawner thread, and maybe a lock held by another
+# thread at the fork: it starts anew.
+os.register_at_fork(after_in_child=_spawner.reset)
 
 
 def spawn(
@@ -149,4 +156,5 @@ def spawn(
     if outlive:
         log.debug("starting %s (outlives this process)", args[0])
         return subprocess.Popen(args, **popen_kwargs)
+    log.debug("starting %s (dies with this process)", args[0])
     return _spawner.submit(args, popen_kwargs)
