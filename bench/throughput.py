@@ -64,6 +64,7 @@ import nats
 from nats.js import api
 
 from harness.bench import cpu_seconds, emit, log_problems, note, run_bench, scrape_counter
+from harness.children import die_with_parent
 from harness.fleet import Fleet, Member, settled, wait_for_status
 from harness.localkube.tools import natscli_path
 from harness.servers import EtcdServer, NatsServer, free_port
@@ -295,6 +296,7 @@ async def run_plain(
         "--client",
         client,
         stdout=asyncio.subprocess.PIPE,
+        preexec_fn=die_with_parent(),
     )
     assert proc.stdout is not None
     try:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -76,6 +79,72 @@ def test_up_and_down_twice_leaves_nothing(tmp_path: Path) -> None:
         port = int(state.apiserver_url.rsplit(":", 1)[1])
         with socket.socket() as sock:
             assert sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+# Starts a plane and a pod in it, writes `ready`, then waits to be killed.
+PLANE_PARENT = textwrap.dedent(
+    """
+    import json, sys, threading, time
+    from pathlib import Path
+
+    from harness.localkube.plane import LocalKube
+
+    plane = LocalKube(Path(sys.argv[1])).up()
+    pod = {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "sleeper", "namespace": "default"},
+        "spec": {"containers": [{
+            "name": "main", "image": "shoal:dev",
+            "command": ["python", "-c", "import time; time.sleep(600)"],
+        }]},
+    }
+    plane.kubectl("apply", "-f", "-", input_text=json.dumps(pod))
+    pids = plane.root / "kubelet" / "pids"
+    deadline = time.monotonic() + 60
+    while not list(pids.glob("*.pid")):
+        assert time.monotonic() < deadline, "the pod did not start"
+        time.sleep(0.2)
+    (plane.root / "ready").write_text("")
+    threading.Event().wait()
+    """
+)
+
+
+def test_the_plane_and_its_pods_die_with_the_process_that_started_it(tmp_path: Path) -> None:
+    """SIGKILL to the process that started a plane: its components and pods go too."""
+    root = tmp_path / "plane"
+    with (tmp_path / "parent.log").open("wb") as out:
+        parent = subprocess.Popen(
+            [sys.executable, "-c", PLANE_PARENT, str(root)],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    pids: list[int] = []
+    try:
+
+        def ready() -> bool:
+            if parent.poll() is not None:
+                log = (tmp_path / "parent.log").read_text(errors="replace")
+                raise AssertionError(f"the parent exited ({parent.returncode}): {log[-3000:]}")
+            return (root / "ready").exists()
+
+        wait_until(ready, 120, "the parent's plane and pod")
+        components = State.load(root / "state.json").components
+        pids = [c.pid for c in components]
+        pids += [int(f.read_text()) for f in (root / "kubelet" / "pids").glob("*.pid")]
+        assert len(pids) == len(components) + 1 and all(alive(pid) for pid in pids)
+
+        parent.kill()
+        parent.wait(10)
+        # The pod goes with the kubelet, which goes with the parent.
+        wait_until(
+            lambda: not [pid for pid in pids if alive(pid)], 10, "the plane and its pod to die"
+        )
+    finally:
+        parent.kill()
+        parent.wait(10)
+        LocalKube(root).down()  # whatever state.json and the kubelet's pids/ record
 
 
 def test_deployment_runs_processes_scales_and_cascades(

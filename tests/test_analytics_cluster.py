@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from harness.children import spawn
 from harness.servers import free_port
 from shoal.analytics.generate import history, specs_for, write_edge_cases, write_history
 from shoal.analytics.report import run_report
@@ -53,7 +54,8 @@ class Cluster:
 
 def _start(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
     with log.open("wb") as out:
-        return subprocess.Popen(
+        # spark-class execs java: the JVM is this child, and dies with this process.
+        return spawn(
             [str(spark_home() / "bin" / "spark-class"), *args],
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -1,7 +1,8 @@
 """A fleet of real `shoal-consumer run` processes, for tests, the demo and benchmarks.
 
 Every member is a separate OS process (so kill -9 and SIGSTOP mean what they say), logs
-to its own file, and is stopped by `close()` whatever state it is in.
+to its own file, and is stopped by `close()` whatever state it is in, or by the kernel if
+the process that started it dies first (harness.children).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
+from harness.children import spawn
 from harness.waiting import eventually_async
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
@@ -106,7 +108,7 @@ class Fleet:
         env.update(extra_env)
         log_path = self.workdir / f"{member_id}.log"
         with log_path.open("ab") as out:
-            process = subprocess.Popen(
+            process = spawn(
                 [sys.executable, "-m", "shoal.consumer", "run"],
                 env=env,
                 stdout=out,

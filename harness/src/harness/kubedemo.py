@@ -76,7 +76,8 @@ def wait_ready(plane: LocalKube, members: int, timeout: float = 120) -> None:
 
 
 def plane_up(root: Path, image: str | None = None) -> LocalKube:
-    plane = LocalKube(root, image=image)
+    # The plane stays up after the demo (`make cluster-down` stops it).
+    plane = LocalKube(root, image=image, outlive=True)
     if plane.state_path.exists() and any(
         alive(c.pid) for c in State.load(plane.state_path).components
     ):

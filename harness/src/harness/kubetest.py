@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import REPO_ROOT
+from harness.children import spawn
 from harness.localkube.plane import LocalKube
 from harness.servers import free_port
 from harness.waiting import eventually
@@ -78,7 +79,7 @@ def operator_process(
     }
     args = [a for ns in namespaces for a in ("--namespace", ns)]
     with log_path.open("wb") as out:
-        process = subprocess.Popen(
+        process = spawn(
             [
                 sys.executable,
                 "-m",

@@ -2,7 +2,8 @@
 
 Each server binds only to 127.0.0.1, on free ports, keeps its data and log in the work
 directory it is given, and runs in its own session (a Ctrl-C to the test runner does not
-reach it; an ``atexit`` hook stops whatever is still running).
+reach it; an ``atexit`` hook stops whatever is still running, and the kernel kills it if
+this process dies without running that hook: harness.children).
 
 Binaries: the ``binary`` argument, else ``$SHOAL_ETCD`` / ``$SHOAL_NATS_SERVER`` (the
 Makefile sets both), else the shoal cache (``${XDG_CACHE_HOME:-~/.cache}/shoal``, where
@@ -35,6 +36,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, ClassVar, Self
 
+from harness.children import spawn
 from harness.waiting import WaitTimeout, eventually
 
 __all__ = [
@@ -117,6 +119,7 @@ class ServerProcess:
         self.binary = self._find_binary(binary)
         self._proc: subprocess.Popen[bytes] | None = None
         self._started_once = False
+        self._outlive = False
         self._allocate_ports()
 
     # -- subclass hooks --------------------------------------------------------------------
@@ -176,14 +179,17 @@ class ServerProcess:
     def pid(self) -> int | None:
         return self._proc.pid if self.running and self._proc is not None else None
 
-    def start(self) -> Self:
+    def start(self, *, outlive: bool = False) -> Self:
         """Start the server and wait until it is ready (at most 20 s).
 
         The first start picks new ports if the chosen ones were taken in the meantime
-        (up to 3 attempts); a restart keeps its ports, so clients can reconnect.
+        (up to 3 attempts); a restart keeps its ports, so clients can reconnect. The
+        server dies with this process (harness.children) unless ``outlive=True``, which
+        `detach()` needs.
         """
         if self.running:
             return self
+        self._outlive = outlive
         attempts = 1 if self._started_once else BIND_ATTEMPTS
         for attempt in range(1, attempts + 1):
             if self._spawn_and_wait():
@@ -207,8 +213,9 @@ class ServerProcess:
         with self.log_path.open("ab") as log:
             log.write(f"\n=== {time.strftime('%H:%M:%S')} {' '.join(command)}\n".encode())
             log.flush()
-            self._proc = subprocess.Popen(
+            self._proc = spawn(
                 command,
+                outlive=self._outlive,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -271,10 +278,11 @@ class ServerProcess:
         self._reap()
 
     def detach(self) -> int:
-        """Leave the server running after this process exits (no atexit stop); its pid.
+        """Hand the running server over to the caller, who stops it by pid; its pid.
 
-        For `make cluster-up`, which returns with the servers up; `make cluster-down`
-        stops them by pid.
+        No atexit stop. For the local plane, whose `down()` stops its servers from any
+        process: with `make cluster-up`, which returns with the servers up, they were
+        started with ``start(outlive=True)``; any other still dies with this process.
         """
         if self._proc is None or self._proc.poll() is not None:
             raise RuntimeError(f"{self.name} is not running")
@@ -295,12 +303,12 @@ class ServerProcess:
 
     def restart(self, *, kill: bool = False) -> Self:
         """Stop (or with ``kill=True`` crash) the server and start it again, same ports
-        and data."""
+        and data (and whether it outlives this process)."""
         if kill:
             self.kill()
         else:
             self.stop()
-        return self.start()
+        return self.start(outlive=self._outlive)
 
     def _log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         try:

@@ -33,7 +33,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    plane = LocalKube(args.root, image=args.image)
+    # `up` returns with the plane running: its processes outlive this one.
+    plane = LocalKube(args.root, image=args.image, outlive=True)
     if args.command == "up":
         started = time.monotonic()
         try:

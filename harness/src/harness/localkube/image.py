@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.children import spawn
+
 log = logging.getLogger(__name__)
 
 SANDBOX = Path(__file__).with_name("sandbox.py")
@@ -240,8 +242,11 @@ class ImageRoot:
 
 
 def start(spec: dict[str, Any], out: Any) -> subprocess.Popen[bytes]:
-    """The container's process (sandbox.py execs into it): pid, group and exit status."""
-    process = subprocess.Popen(
+    """The container's process (sandbox.py execs into it): pid, group and exit status.
+
+    It dies with the kubelet (harness.children; sandbox.py keeps the signal across the
+    change to the pod's user, which clears it)."""
+    process = spawn(
         sandbox_command(),
         stdin=subprocess.PIPE,
         stdout=out,

@@ -84,6 +84,7 @@ import yaml
 from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 
+from harness.children import spawn
 from harness.localkube import image as image_runtime
 from harness.localkube.image import SERVICE_ACCOUNT_DIR, Identity, ImageRoot, RunAsError
 from harness.waiting import WaitTimeout, eventually
@@ -314,7 +315,7 @@ class PodRunner:
         env = {key: _rewrite_path(value, moved) for key, value in env.items()}
         state.env = env
         command = [_rewrite_path(arg, moved) for arg in self._command(state.spec, env)]
-        state.process = subprocess.Popen(
+        state.process = spawn(
             command,
             stdin=subprocess.DEVNULL,
             stdout=out,

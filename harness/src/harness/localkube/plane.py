@@ -8,9 +8,11 @@ of this project's virtualenv, or, with `image=`, chrooted into that image's root
 filesystem as the pod's user. A NATS server and a second etcd serve the consumer groups.
 
 `LocalKube(root).up()` starts everything and writes `root/env` (KUBECONFIG, PATH,
-NATS_URL, ETCD_ENDPOINTS) and `root/values.yaml` (Helm values for the chart); with
-`detach=True` the processes outlive this one, and `LocalKube(root).down()` (from any
-process) stops them, using the pids recorded in `root/state.json`.
+NATS_URL, ETCD_ENDPOINTS) and `root/values.yaml` (Helm values for the chart);
+`LocalKube(root).down()` (from any process) stops them, using the pids recorded in
+`root/state.json`. The processes die with this one, even by SIGKILL (harness.children:
+the kubelet's pods die with the kubelet), unless `outlive=True` (`make cluster-up`, the
+demo): then they run until `down()`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any, Self
 
 import yaml
 
+from harness.children import spawn
 from harness.localkube.image import remove_recorded
 from harness.localkube.pki import Pki, ensure_pki
 from harness.localkube.tools import KubeTools, find_tools
@@ -193,10 +196,13 @@ class LocalKube:
         tools: KubeTools | None = None,
         venv_bin: Path | None = None,
         image: str | None = None,
+        outlive: bool = False,
     ) -> None:
         """`image`: the kubelet runs shoal:dev pods from this image's root filesystem
-        (chroot, the pod's uid; needs root and buildah), not as processes of `venv_bin`."""
+        (chroot, the pod's uid; needs root and buildah), not as processes of `venv_bin`.
+        `outlive`: the plane's processes outlive this one (else they die with it)."""
         self.root = Path(root).resolve()
+        self.outlive = outlive
         self.tools = tools
         self.venv_bin = venv_bin or Path(sys.executable).parent
         self.image = image
@@ -261,15 +267,16 @@ class LocalKube:
 
     def _start_kube_etcd(self, tools: KubeTools) -> None:
         etcd = EtcdServer(self.root / "kube-etcd", binary=tools.etcd)
-        etcd.start()
+        etcd.start(outlive=self.outlive)
         self._record("kube-etcd", etcd.detach(), None, str(etcd.log_path))
         self._kube_etcd_endpoint = etcd.endpoint
 
     def _spawn(self, name: str, command: list[str], env: dict[str, str] | None = None) -> int:
         log_path = self.logs / f"{name}.log"
         with log_path.open("ab") as out:
-            process = subprocess.Popen(
+            process = spawn(
                 command,
+                outlive=self.outlive,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -416,11 +423,11 @@ class LocalKube:
 
     def _start_group_servers(self) -> None:
         nats = NatsServer(self.root / "nats")
-        nats.start()
+        nats.start(outlive=self.outlive)
         self.state.nats_url = nats.url
         self._record("nats-server", nats.detach(), None, str(nats.log_path))
         etcd = EtcdServer(self.root / "etcd")
-        etcd.start()
+        etcd.start(outlive=self.outlive)
         self.state.etcd_endpoint = etcd.endpoint
         self._record("etcd", etcd.detach(), None, str(etcd.log_path))
 

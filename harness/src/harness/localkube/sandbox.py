@@ -41,6 +41,8 @@ MS_BIND = 0x1000
 MS_REC = 0x4000
 MS_PRIVATE = 0x40000
 PR_SET_NO_NEW_PRIVS = 38
+PR_SET_PDEATHSIG = 1
+PR_GET_PDEATHSIG = 2
 
 # The character devices a container runtime gives every container (major, minor).
 DEVICES = {
@@ -149,10 +151,21 @@ def _mount_kernel_filesystems(sys_fd: int) -> None:
 
 
 def _become(spec: dict[str, Any]) -> None:
-    """The container's identity: groups, gid, uid (root's capabilities go with uid 0)."""
+    """The container's identity: groups, gid, uid (root's capabilities go with uid 0).
+
+    The kernel clears the parent-death signal the kubelet gave this process (so that its
+    containers die with it: harness.children) when the uid or gid changes: set it again.
+    """
+    death = ctypes.c_int(0)
+    _check(_libc.prctl(PR_GET_PDEATHSIG, ctypes.byref(death), 0, 0, 0), "prctl(GET_PDEATHSIG)")
+    parent = os.getppid()
     os.setgroups([int(g) for g in spec.get("groups", [])])
     os.setgid(int(spec["gid"]))
     os.setuid(int(spec["uid"]))
+    if death.value:
+        _check(_libc.prctl(PR_SET_PDEATHSIG, death.value, 0, 0, 0), "prctl(SET_PDEATHSIG)")
+        if os.getppid() != parent:  # the kubelet died while the signal was unset
+            os.kill(os.getpid(), death.value)
     if spec.get("no_new_privs"):
         _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
 
