@@ -95,7 +95,9 @@ def _wait_for(cluster: Cluster, workers: int, logs: list[Path], timeout: float) 
             alive = [w for w in cluster.state().get("workers", []) if w.get("state") == "ALIVE"]
             if len(alive) >= workers:
                 return
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
+            # ValueError: the UI answers before it has attached its /json/ page (it once
+            # sent its HTML front page there, just after binding).
             last = exc
         time.sleep(0.5)
     tails = "\n".join(f"--- {log.name}\n{log.read_text()[-2000:]}" for log in logs)
@@ -112,6 +114,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         "SPARK_LOG_DIR": str(root),
         # Small daemons: the master and workers only schedule.
         "SPARK_DAEMON_MEMORY": "256m",
+        # No REST submission server: it would bind the fixed port 6066.
+        "SPARK_MASTER_OPTS": "-Dspark.master.rest.enabled=false",
     }
     port, ui = free_port(), free_port()
     url = f"spark://127.0.0.1:{port}"
