@@ -63,7 +63,7 @@ from typing import Any
 import nats
 from nats.js import api
 
-from harness.bench import cpu_seconds, emit, log_problems, note, run_bench, scrape_counter
+from harness.bench import cpu_seconds, emit, io_calls, log_problems, note, run_bench, scrape_counter
 from harness.children import die_with_parent
 from harness.fleet import Fleet, Member, settled, wait_for_status
 from harness.localkube.tools import natscli_path
@@ -324,8 +324,18 @@ class Side:
     reader_cpu: float = 0.0  # CPU seconds of the reading process while timed
     nats_cpu: float = 0.0
     rounds: list[float] = field(default_factory=list)  # msgs/s per round
+    nats_io: tuple[int, int] = (0, 0)  # nats-server's read and write system calls
 
-    def add(self, messages: int, seconds: float, delay: float, reader: float, srv: float) -> None:
+    def add(
+        self,
+        messages: int,
+        seconds: float,
+        delay: float,
+        reader: float,
+        srv: float,
+        srv_io: tuple[int, int],
+    ) -> None:
+        self.nats_io = (self.nats_io[0] + srv_io[0], self.nats_io[1] + srv_io[1])
         self.messages += messages
         self.seconds += seconds
         self.start_delay.append(round(delay, 3))
@@ -343,6 +353,9 @@ class Side:
             # do: on 2 cores the reader and nats-server share what is left of them.
             "reader_cpu_us_per_msg": round(1e6 * self.reader_cpu / self.messages, 1),
             "nats_cpu_us_per_msg": round(1e6 * self.nats_cpu / self.messages, 1),
+            # Fewer system calls per message: the traffic came in bigger writes.
+            "nats_reads_per_msg": round(self.nats_io[0] / self.messages, 3),
+            "nats_writes_per_msg": round(self.nats_io[1] / self.messages, 3),
             "start_delay_s": self.start_delay,
         }
 
@@ -406,15 +419,21 @@ class Bench:
         member = self.fleet.start("m-0", SHOAL_METRICS_PORT=str(port))
         await wait_metrics(port, 30)
         first, member_cpu0 = await first_processed(port, member.pid, self.args.timeout)
-        nats0 = cpu_seconds(self.nats_pid)
+        nats0, io0 = cpu_seconds(self.nats_pid), io_calls(self.nats_pid)
         last = await self.clock.last_ack(self.args.timeout)
         cpu1 = (cpu_seconds(member.pid), cpu_seconds(self.nats_pid))
+        io1 = io_calls(self.nats_pid)
         await check_drained(self.js, self.stream, self.partition_durables)
         self.fleet.term("m-0")
         await asyncio.to_thread(self.fleet.wait_exit, "m-0", 60)
         seconds = last - first
         self.shoal.add(
-            self.args.messages, seconds, first - started, cpu1[0] - member_cpu0, cpu1[1] - nats0
+            self.args.messages,
+            seconds,
+            first - started,
+            cpu1[0] - member_cpu0,
+            cpu1[1] - nats0,
+            (io1[0] - io0[0], io1[1] - io0[1]),
         )
         note(
             f"shoal: {self.args.messages} in {seconds:.2f} s = "
@@ -427,11 +446,12 @@ class Bench:
         first message (its own report) to the server's last applied ack, as for shoal."""
         side = self.lean if client == "lean" else self.plain
         nats0 = 0.0
+        io0 = (0, 0)
         started = time.time()
 
         async def ready(pid: int) -> None:
-            nonlocal nats0
-            nats0 = cpu_seconds(self.nats_pid)
+            nonlocal nats0, io0
+            nats0, io0 = cpu_seconds(self.nats_pid), io_calls(self.nats_pid)
 
         result, _ = await run_plain(
             self.url,
@@ -444,7 +464,7 @@ class Bench:
             client,
         )
         last = await self.clock.last_ack(self.args.timeout)
-        nats1 = cpu_seconds(self.nats_pid)
+        nats1, io1 = cpu_seconds(self.nats_pid), io_calls(self.nats_pid)
         await check_drained(self.js, self.stream, self.partition_durables)
         if result.first is None:
             raise RuntimeError("the plain reader saw no message")
@@ -452,7 +472,14 @@ class Bench:
         offset = time.time() - time.monotonic()
         first = result.first + offset
         seconds = last - first
-        side.add(result.acked, seconds, first - started, result.cpu_s, nats1 - nats0)
+        side.add(
+            result.acked,
+            seconds,
+            first - started,
+            result.cpu_s,
+            nats1 - nats0,
+            (io1[0] - io0[0], io1[1] - io0[1]),
+        )
         note(
             f"plain ({client}): {result.acked} in {seconds:.2f} s = "
             f"{result.acked / seconds:.0f} msg/s "
