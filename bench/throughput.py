@@ -26,10 +26,14 @@ Method (both sides read THE SAME messages of THE SAME stream, in the same run):
   scraped every 50 ms to see it finish (2-5 % of its CPU, which the plain reader did not
   pay). A member's CPU is read from /proc at its start and at the end; the plain reader
   reports its own, from its first message to its last ack.
-* Nothing publishes while a side is timed. There are ``--rounds`` rounds (default 2),
+* Nothing publishes while a side is timed. An untimed warm-up round comes first (each
+  side drains one backlog: the server's first drains are its slowest, and the first side
+  timed used to pay for them). Then ``--rounds`` rounds (default 4; 2 until session 12),
   each with a fresh backlog; the order of the two sides alternates between rounds, so
   caches and background work of the server do not favour one side. A side's rate is its
-  total messages over its total timed seconds.
+  total messages over its total timed seconds. (A 50,000-message drain takes under a
+  second, and this machine's speed changes from one second to the next: more rounds
+  average more of it.)
 
 Figures: ``shoal_msgs_per_s``, ``plain_msgs_per_s``, ``ratio`` (shoal / plain, target >=
 0.9), the CPU each reader used while timed, and ``rss_mb_64_partitions``: two members
@@ -43,6 +47,8 @@ the nats CLI that ``make tools`` builds).
 ``plain_lean_client_msgs_per_s`` and ``ratio_to_lean_plain``: a third side, the same plain
 reader on the member's own client path (``harness.plain --client lean``), as a second
 reference (``--no-lean-reference`` leaves it out).
+``nats_in_msgs_per_msg``: what each reader sent the server per message (one ack, plus its
+share of pull requests and anything else), from nats-server's ``/varz``.
 ``--strict`` exits 1 when a figure misses its target.
 """
 
@@ -56,6 +62,7 @@ import re
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,7 +70,7 @@ from typing import Any
 import nats
 from nats.js import api
 
-from harness.bench import cpu_seconds, emit, io_calls, log_problems, note, run_bench, scrape_counter
+from harness.bench import cpu_seconds, emit, log_problems, note, run_bench, scrape_counter
 from harness.children import die_with_parent
 from harness.fleet import Fleet, Member, settled, wait_for_status
 from harness.localkube.tools import natscli_path
@@ -91,7 +98,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "64 partitions. One JSON line per figure on stdout; progress on stderr.",
     )
     parser.add_argument("--messages", type=int, default=50_000, help="backlog per round")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds (order alternates)")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds (order alternates)")
+    parser.add_argument(
+        "--no-warm-up",
+        dest="warm_up",
+        action="store_false",
+        help="leave out the untimed round before the timed ones",
+    )
     parser.add_argument("--projects", type=int, default=1_000, help="distinct project ids")
     parser.add_argument("--payload", type=int, default=64, help="payload bytes per message")
     parser.add_argument("--partitions", type=int, default=128)
@@ -324,23 +337,17 @@ class Side:
     reader_cpu: float = 0.0  # CPU seconds of the reading process while timed
     nats_cpu: float = 0.0
     rounds: list[float] = field(default_factory=list)  # msgs/s per round
-    nats_io: tuple[int, int] = (0, 0)  # nats-server's read and write system calls
+    nats_in_msgs: int = 0  # what the reader sent the server: acks, pull requests, ...
 
     def add(
-        self,
-        messages: int,
-        seconds: float,
-        delay: float,
-        reader: float,
-        srv: float,
-        srv_io: tuple[int, int],
+        self, messages: int, seconds: float, delay: float, reader: float, srv: ServerSample
     ) -> None:
-        self.nats_io = (self.nats_io[0] + srv_io[0], self.nats_io[1] + srv_io[1])
+        self.nats_in_msgs += srv.in_msgs
         self.messages += messages
         self.seconds += seconds
         self.start_delay.append(round(delay, 3))
         self.reader_cpu += reader
-        self.nats_cpu += srv
+        self.nats_cpu += srv.cpu
         self.rounds.append(round(messages / seconds, 1))
 
     def figures(self) -> dict[str, Any]:
@@ -353,15 +360,32 @@ class Side:
             # do: on 2 cores the reader and nats-server share what is left of them.
             "reader_cpu_us_per_msg": round(1e6 * self.reader_cpu / self.messages, 1),
             "nats_cpu_us_per_msg": round(1e6 * self.nats_cpu / self.messages, 1),
-            # Fewer system calls per message: the traffic came in bigger writes.
-            "nats_reads_per_msg": round(self.nats_io[0] / self.messages, 3),
-            "nats_writes_per_msg": round(self.nats_io[1] / self.messages, 3),
+            # One ack per message, and the rest mostly pull requests: each costs the
+            # server about as much as a dozen messages.
+            "nats_in_msgs_per_msg": round(self.nats_in_msgs / self.messages, 4),
             "start_delay_s": self.start_delay,
         }
 
     @property
     def rate(self) -> float:
         return self.messages / self.seconds
+
+
+@dataclass(frozen=True)
+class ServerSample:
+    """nats-server's CPU seconds and inbound messages so far (or between two samples)."""
+
+    cpu: float
+    in_msgs: int
+
+    @classmethod
+    def take(cls, pid: int, monitor_url: str) -> ServerSample:
+        with urllib.request.urlopen(f"{monitor_url}/varz", timeout=5) as answer:
+            varz = json.load(answer)
+        return cls(cpu_seconds(pid), int(varz["in_msgs"]))
+
+    def since(self, before: ServerSample) -> ServerSample:
+        return ServerSample(self.cpu - before.cpu, self.in_msgs - before.in_msgs)
 
 
 class Bench:
@@ -373,6 +397,7 @@ class Bench:
         etcd: Etcd,
         nc: Any,
         nats_pid: int,
+        nats_monitor: str,
     ) -> None:
         self.args = args
         self.fleet = fleet
@@ -381,6 +406,7 @@ class Bench:
         self.nc = nc
         self.js = nc.jetstream()
         self.nats_pid = nats_pid
+        self.nats_monitor = nats_monitor
         self.url = config.nats_url
         self.stream = config.stream
         self.partition_durables = [durable_name(p) for p in range(config.partitions)]
@@ -408,7 +434,7 @@ class Bench:
             raise RuntimeError(f"stream grew by {after - before}, not {a.messages}")
         note(f"published {a.messages} messages in {took:.1f} s ({a.messages / took:.0f} msg/s)")
 
-    async def time_shoal(self) -> None:
+    async def time_shoal(self, side: Side | None = None) -> None:
         """A member that joins the group alone, claims all partitions, drains the backlog.
 
         Timed from its first processed message (its start-up and claiming are not charged,
@@ -419,21 +445,19 @@ class Bench:
         member = self.fleet.start("m-0", SHOAL_METRICS_PORT=str(port))
         await wait_metrics(port, 30)
         first, member_cpu0 = await first_processed(port, member.pid, self.args.timeout)
-        nats0, io0 = cpu_seconds(self.nats_pid), io_calls(self.nats_pid)
+        nats0 = self.server()
         last = await self.clock.last_ack(self.args.timeout)
-        cpu1 = (cpu_seconds(member.pid), cpu_seconds(self.nats_pid))
-        io1 = io_calls(self.nats_pid)
+        member_cpu1, nats1 = cpu_seconds(member.pid), self.server()
         await check_drained(self.js, self.stream, self.partition_durables)
         self.fleet.term("m-0")
         await asyncio.to_thread(self.fleet.wait_exit, "m-0", 60)
         seconds = last - first
-        self.shoal.add(
+        (self.shoal if side is None else side).add(
             self.args.messages,
             seconds,
             first - started,
-            cpu1[0] - member_cpu0,
-            cpu1[1] - nats0,
-            (io1[0] - io0[0], io1[1] - io0[1]),
+            member_cpu1 - member_cpu0,
+            nats1.since(nats0),
         )
         note(
             f"shoal: {self.args.messages} in {seconds:.2f} s = "
@@ -441,17 +465,17 @@ class Bench:
             "after the start)"
         )
 
-    async def time_plain(self, client: str = "nats-py") -> None:
+    async def time_plain(self, client: str = "nats-py", side: Side | None = None) -> None:
         """The plain consumer on the same durables (no member runs meanwhile): from its
         first message (its own report) to the server's last applied ack, as for shoal."""
-        side = self.lean if client == "lean" else self.plain
-        nats0 = 0.0
-        io0 = (0, 0)
+        if side is None:
+            side = self.lean if client == "lean" else self.plain
+        nats0 = ServerSample(0.0, 0)
         started = time.time()
 
         async def ready(pid: int) -> None:
-            nonlocal nats0, io0
-            nats0, io0 = cpu_seconds(self.nats_pid), io_calls(self.nats_pid)
+            nonlocal nats0
+            nats0 = self.server()
 
         result, _ = await run_plain(
             self.url,
@@ -464,7 +488,7 @@ class Bench:
             client,
         )
         last = await self.clock.last_ack(self.args.timeout)
-        nats1, io1 = cpu_seconds(self.nats_pid), io_calls(self.nats_pid)
+        nats1 = self.server()
         await check_drained(self.js, self.stream, self.partition_durables)
         if result.first is None:
             raise RuntimeError("the plain reader saw no message")
@@ -477,8 +501,7 @@ class Bench:
             seconds,
             first - started,
             result.cpu_s,
-            nats1 - nats0,
-            (io1[0] - io0[0], io1[1] - io0[1]),
+            nats1.since(nats0),
         )
         note(
             f"plain ({client}): {result.acked} in {seconds:.2f} s = "
@@ -486,6 +509,9 @@ class Bench:
             f"(first message {first - started:.2f} s after the start; its own last ack "
             f"{1000 * (result.last + offset - last):+.0f} ms from the server's)"
         )
+
+    def server(self) -> ServerSample:
+        return ServerSample.take(self.nats_pid, self.nats_monitor)
 
     async def start_member(self, member_id: str, members: set[str]) -> tuple[Member, int]:
         port = free_port()
@@ -498,6 +524,18 @@ class Bench:
     async def throughput(self) -> None:
         """Each side consumes a backlog of its own from the same 128 durables, alone."""
         a, c = self.args, self.config
+        if a.warm_up:
+            # The server's first drains of the durables are its slowest: in 9 runs of 2
+            # rounds, the side timed first (the member) read its first round 17 % slower
+            # than its second, in every run (the plain side 5 %). Each side drains a
+            # backlog once, untimed.
+            for side in ("plain", "shoal"):
+                await self.publish_backlog(f"warm-up-{side}")
+                if side == "shoal":
+                    await self.time_shoal(Side())
+                else:
+                    await self.time_plain(side=Side())
+            note("warm-up round done; the timed rounds follow")
         for round_ in range(a.rounds):
             sides = ["shoal", "plain"] if round_ % 2 == 0 else ["plain", "shoal"]
             if a.lean_reference:
@@ -679,7 +717,7 @@ async def run(args: argparse.Namespace, root: Path) -> None:
         try:
             if nats_server.pid is None:
                 raise RuntimeError("nats-server is not running")
-            bench = Bench(args, fleet, config, etcd, nc, nats_server.pid)
+            bench = Bench(args, fleet, config, etcd, nc, nats_server.pid, nats_server.monitor_url)
             await bench.setup()
             await bench.throughput()
             await bench.rss()

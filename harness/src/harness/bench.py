@@ -93,13 +93,6 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def io_calls(pid: int) -> tuple[int, int]:
-    """(read, write) system calls a process has made so far (/proc/<pid>/io: syscr,
-    syscw; all its threads). Per message, they tell how well the traffic is batched."""
-    fields = dict(line.split(": ", 1) for line in Path(f"/proc/{pid}/io").read_text().splitlines())
-    return int(fields["syscr"]), int(fields["syscw"])
-
-
 def host_cpu() -> tuple[float, float]:
     """(busy, total) CPU seconds of the whole machine so far, from /proc/stat."""
     values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
