@@ -71,7 +71,7 @@ import nats
 from nats.js import api
 
 from harness.bench import cpu_seconds, emit, log_problems, note, run_bench, scrape_counter
-from harness.children import die_with_parent
+from harness.children import dying_with_parent
 from harness.fleet import Fleet, Member, settled, wait_for_status
 from harness.localkube.tools import natscli_path
 from harness.servers import EtcdServer, NatsServer, free_port
@@ -290,7 +290,7 @@ async def run_plain(
     client: str = "nats-py",
 ) -> tuple[PlainResult, int]:
     """Run harness.plain in its own process (as a member is); returns its result and pid."""
-    proc = await asyncio.create_subprocess_exec(
+    command = [
         sys.executable,
         "-m",
         "harness.plain",
@@ -308,8 +308,9 @@ async def run_plain(
         str(timeout),
         "--client",
         client,
-        stdout=asyncio.subprocess.PIPE,
-        preexec_fn=die_with_parent(),
+    ]
+    proc = await asyncio.create_subprocess_exec(
+        *dying_with_parent(command), stdout=asyncio.subprocess.PIPE
     )
     assert proc.stdout is not None
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from harness.children import die_with_parent, spawn
+from harness.children import dying_with_parent, spawn
 from harness.localkube.plane import alive
 from harness.waiting import eventually
 
@@ -124,12 +125,12 @@ def test_spawn_from_a_thread_that_ends_outlives_the_thread() -> None:
             process.wait(10)
 
 
-def test_die_with_parent_only_from_the_main_thread() -> None:
+def test_dying_with_parent_only_from_the_main_thread() -> None:
     errors: list[BaseException] = []
 
     def outside() -> None:
         try:
-            die_with_parent()
+            dying_with_parent(["true"])
         except RuntimeError as exc:
             errors.append(exc)
 
@@ -137,12 +138,64 @@ def test_die_with_parent_only_from_the_main_thread() -> None:
     thread.start()
     thread.join()
     assert len(errors) == 1
-    assert callable(die_with_parent())
+    command = dying_with_parent(["true", "x"])
+    assert command[-2:] == [shutil.which("true"), "x"], command
 
 
-def test_spawn_sets_preexec_fn_itself() -> None:
+def test_spawn_takes_no_preexec_fn() -> None:
     with pytest.raises(TypeError):
         spawn(["true"], preexec_fn=lambda: None)
+
+
+def test_a_missing_or_unrunnable_program_fails_in_the_caller_as_with_popen(
+    tmp_path: Path,
+) -> None:
+    """The child runs setpriv first, which would only exit 127: spawn raises what Popen
+    would have raised, before anything starts."""
+    with pytest.raises(FileNotFoundError):
+        spawn(["shoal-no-such-program"])
+    with pytest.raises(FileNotFoundError):
+        spawn([str(tmp_path / "missing")])
+    plain = tmp_path / "not-executable"
+    plain.write_text("#!/bin/sh\n")
+    with pytest.raises(PermissionError):
+        spawn([str(plain)])
+    with pytest.raises(FileNotFoundError):
+        spawn(["true"], env={"PATH": str(tmp_path)})
+    # Relative to cwd, as Popen resolves it.
+    script = tmp_path / "hello"
+    script.write_text("#!/bin/sh\necho hello\n")
+    script.chmod(0o755)
+    process = spawn(["./hello"], cwd=tmp_path, stdout=subprocess.PIPE)
+    out, _ = process.communicate(timeout=10)
+    assert out == b"hello\n"
+
+
+def test_a_child_of_a_process_with_grpc_threads_runs_no_fork_handlers(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The etcd client's gRPC threads run in the benches and tests that spawn members. A
+    child forked to run Python before its exec (a preexec_fn, until session 12) ran
+    gRPC's fork handlers: the parent logged "skipping fork() handlers" on every start,
+    some children "epoll_wait error: Bad file descriptor", and a bench's member once hung
+    there. spawn's children exec at once (vfork), and no fork handler runs."""
+    import grpc
+
+    channel = grpc.insecure_channel("127.0.0.1:1")  # starts gRPC's threads
+    try:
+        grpc.channel_ready_future(channel).result(timeout=0.2)
+    except grpc.FutureTimeoutError:
+        pass
+    children_err = tmp_path / "children.err"
+    try:
+        with children_err.open("ab") as err:
+            for _ in range(50):
+                process = spawn(["true"], stderr=err)
+                assert process.wait(10) == 0
+    finally:
+        channel.close()
+    assert "fork" not in capfd.readouterr().err
+    assert children_err.read_text() == ""
 
 
 BECOME = textwrap.dedent(

@@ -3,19 +3,26 @@
 A test, bench or demo that is killed (SIGKILL, or SIGTERM/SIGINT before its teardown
 runs) never gets to stop the servers and members it started: without help they live on
 as orphans, holding ports and CPU. On Linux a child can ask the kernel for a signal when
-its parent dies: ``prctl(PR_SET_PDEATHSIG)``, set here between fork and exec, and kept
-across exec (the kernel clears it only for set-user-ID binaries and credential changes).
-The signal is SIGKILL: nobody is left to wait for a graceful stop, and a process whose
-SIGTERM handler hangs would otherwise still be an orphan.
+its parent dies: ``prctl(PR_SET_PDEATHSIG)``, kept across exec (the kernel clears it only
+for set-user-ID binaries and credential changes). The signal is SIGKILL: nobody is left
+to wait for a graceful stop, and a process whose SIGTERM handler hangs would otherwise
+still be an orphan.
+
+The child sets it by running ``setpriv --pdeathsig KILL -- <command>`` (util-linux),
+which execs the command in the same process. Not with a ``preexec_fn``: that makes
+``subprocess`` fork instead of vfork and run Python, and the fork handlers of every
+library loaded, in the child of a process with threads. gRPC's (the etcd client's) did
+not survive it: a bench's member hung before its exec, its log a single gRPC line
+("epoll_wait error: Bad file descriptor"), and the group never saw it join.
 
 The catch: the kernel's "parent" is the *thread* that forked the child, and the signal
 comes when that thread exits, not the process. Servers are started from executor
 threads (NatsCluster, EtcdCluster, ``asyncio.to_thread``) that end long before the
 servers should, so `spawn` forks every child from one daemon thread of its own that
 lives exactly as long as the process (it waits for work without holding the GIL, so
-interpreter shutdown does not end it early either). ``die_with_parent()`` is the same
-preexec hook for a starter that must call Popen itself (asyncio's subprocess API): only
-from the main thread, which also lives as long as the process.
+interpreter shutdown does not end it early either). ``dying_with_parent(args)`` is the
+same command line for a starter that must start the child itself (asyncio's subprocess
+API): only from the main thread, which also lives as long as the process.
 
 Only the direct child gets the signal. A child that execs through a wrapper (spark-class
 is a bash script ending in ``exec java``) stays the same process, so that is fine; a
@@ -28,57 +35,80 @@ kubelet starts its pods with `spawn` too). ``outlive=True`` is for the processes
 
 from __future__ import annotations
 
-import ctypes
+import errno
 import logging
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, cast
 
-__all__ = ["die_with_parent", "spawn"]
+__all__ = ["dying_with_parent", "spawn"]
 
 log = logging.getLogger(__name__)
 
-PR_SET_PDEATHSIG = 1
 DEATH_SIGNAL = signal.SIGKILL
 
-# Looked up once here: the child, between fork and exec, should do as little as it can.
-_prctl: Any = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+
+def _death_signal_prefix() -> list[str]:
+    if sys.platform != "linux":
+        return []  # no parent-death signal there: children are started plainly
+    setpriv = shutil.which("setpriv") or shutil.which("setpriv", path="/usr/bin:/bin")
+    if setpriv is None:
+        raise RuntimeError(
+            "setpriv not found: it comes with util-linux (Debian: apt-get install util-linux)"
+        )
+    return [setpriv, "--pdeathsig", DEATH_SIGNAL.name.removeprefix("SIG"), "--"]
 
 
-def die_with_parent() -> Callable[[], None]:
-    """A ``preexec_fn`` that makes the child get SIGKILL when this process dies.
+_PREFIX: list[str] | None = None
 
-    Only from the main thread (see the module docstring); `spawn` uses it from its own
-    thread. Elsewhere than Linux the child is started without it.
+
+def _with_death_signal(
+    args: Sequence[str],
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+) -> list[str]:
+    global _PREFIX
+    if _PREFIX is None:
+        _PREFIX = _death_signal_prefix()
+    command = [os.fspath(a) for a in args]
+    if _PREFIX and command:
+        command[0] = _executable(command[0], env, cwd)
+    return [*_PREFIX, *command]
+
+
+def _executable(head: str, env: dict[str, str] | None, cwd: str | os.PathLike[str] | None) -> str:
+    """What Popen would run, or the OSError it would raise in this process (setpriv would
+    only exit with 127 in the child)."""
+    if "/" not in head:
+        path = (os.environ if env is None else env).get("PATH", os.defpath)
+        found = shutil.which(head, path=path)
+        if found is None:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), head)
+        return found
+    full = os.path.join(os.fspath(cwd) if cwd is not None else os.getcwd(), head)
+    if not os.path.exists(full):
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), head)
+    if not os.access(full, os.X_OK) or os.path.isdir(full):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), head)
+    return os.path.abspath(full)
+
+
+def dying_with_parent(args: Sequence[str]) -> list[str]:
+    """`args` as a command line whose process gets SIGKILL when this process dies.
+
+    Only from the main thread (see the module docstring); `spawn` does it from its own
+    thread. Elsewhere than Linux, `args` unchanged.
     """
     if threading.current_thread() is not threading.main_thread():
-        raise RuntimeError("die_with_parent() outside the main thread: use spawn()")
-    return _preexec()
-
-
-def _preexec() -> Callable[[], None]:
-    parent = os.getpid()
-    sig = int(DEATH_SIGNAL)
-    prctl = _prctl
-
-    def preexec() -> None:
-        # Runs in the child between fork and exec: no logging, no locks.
-        if prctl is None:
-            return
-        if prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
-            errno = ctypes.get_errno()
-            raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
-        if os.getppid() != parent:
-            # The parent died between fork and prctl: the signal will never come.
-            os.kill(os.getpid(), sig)
-
-    return preexec
+        raise RuntimeError("dying_with_parent() outside the main thread: use spawn()")
+    return _with_death_signal(args)
 
 
 _Request = tuple[Sequence[str], dict[str, Any], "Future[subprocess.Popen[bytes]]"]
@@ -118,9 +148,9 @@ class _Spawner:
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                process: subprocess.Popen[bytes] = subprocess.Popen(
-                    args, **{**kwargs, "preexec_fn": _preexec()}
-                )
+                command = _with_death_signal(args, kwargs.get("env"), kwargs.get("cwd"))
+                # (kwargs may ask for text mode: the annotation is the common case)
+                process = cast("subprocess.Popen[bytes]", subprocess.Popen(command, **kwargs))
             except BaseException as exc:
                 future.set_exception(exc)
             else:
@@ -152,7 +182,8 @@ def spawn(
     processes meant to outlive this one, stopped later by pid.
     """
     if "preexec_fn" in popen_kwargs:
-        raise TypeError("spawn() sets preexec_fn itself")
+        # Python in the child of a process with threads can hang there (module docstring).
+        raise TypeError("spawn() takes no preexec_fn")
     if outlive:
         log.debug("starting %s (outlives this process)", args[0])
         return subprocess.Popen(args, **popen_kwargs)
