@@ -81,13 +81,14 @@ class GroupConfig(BaseModel):
     backoff: tuple[float, ...] = tuple(_CONSUMER.backoff_seconds)
     max_concurrency: int = Field(_CONSUMER.max_concurrency, ge=1, le=10000)
     retry_policy: Literal["InOrder", "NakAndContinue"] = _CONSUMER.retry_policy
-    # Fetched messages held at most, per partition (each pull asks for what fits) and per
-    # member; what is held counts against ack_wait, so the worker keeps it alive.
-    fetch_batch: int = Field(64, ge=1, le=1024)
+    # Fetched messages held at most per partition (each pull asks for what fits); below
+    # it a partition holds half a second of its own settle rate, at least 64 (holding.py).
+    # What is held counts against ack_wait, so the worker keeps it alive.
+    fetch_batch: int = Field(256, ge=1, le=1024)
     # The most a member holds (plus what its open pulls may bring): the memory bound.
     # Below it the budget follows the member's throughput (holding.py: about a second of
-    # it), so a slow handler's member holds little; 8,192 = 128 partitions x fetch_batch.
-    max_buffered: int = Field(8192, ge=1)
+    # it), so a slow handler's member holds little; 32,768 = 128 partitions x fetch_batch.
+    max_buffered: int = Field(32768, ge=1)
     # A pull request lives at most this long; a released partition waits for it, so it
     # bounds the hand-over pause (DESIGN: p99 < 1 s for planned moves).
     fetch_expires: float = Field(0.3, gt=0.05, le=5)
