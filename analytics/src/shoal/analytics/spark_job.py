@@ -963,7 +963,8 @@ def write_table(report: SparkReport, name: str, out: str, progress: Progress) ->
     target = os.path.join(out, "tables", name)
     frame.sortWithinPartitions(*KEYS[name]).write.mode("overwrite").parquet(target)
     if name in ("ownership", "member_churn"):
-        report.written(name, frame.sparkSession.read.parquet(target))
+        # With the schema given, no job of its own to read it from a file's footer.
+        report.written(name, frame.sparkSession.read.schema(frame.schema).parquet(target))
     progress(f"spark: wrote {name} ({time.monotonic() - started:.1f} s)")
 
 
