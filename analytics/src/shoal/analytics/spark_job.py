@@ -201,8 +201,41 @@ on this machine comes and goes: one run varies by 1-3 s at 2M):
   than pandas at 10M both times, 0.95x and 0.97x; 0.37-0.39x at 2M; core speedup
   1.0-1.05x).
 
-Figures per version: the commit messages on branches ``spark``, ``spark3``, ``spark4`` and
-``spark5``.
+Session 12 (branch ``spark6``: the two ideas session 11 left untried; 2M rows, the report
+alone on the bench's logs, local[2], main's code alternated with each change, load 1.0-3.3;
+"after the checkpoints" is Spark's event log from the last checkpoint to the last job):
+
+* Did not pay: the small collects in two unions, each frame's columns renamed apart and
+  the others' null, split and retyped in pandas (figures identical): reasons, by_strategy,
+  problems and input counts beside the writes; groups, member totals, heat map and
+  hand-over sample after them. 25 jobs -> 17, but report 30.4, 26.1, 25.1 s against 24.0,
+  23.2, 22.9 s, after the checkpoints 10.0-10.7 s against 8.7-8.9 s. A union merges no
+  stages: every branch still runs its 32 tasks, its joins' broadcasts run one after the
+  other before its job, and the late union's 104-task stage (with the hand-over sample's
+  scan of the wide rows) sat on the critical path. Ten step threads instead of three (all
+  small collects submitted at once; the ownership's write, the critical path, then no
+  longer gets the cores first): after the checkpoints 7.9-10.0 s against 8.9-10.2 s,
+  reports 22.5-25.8 s against 23.9-26.6 s, noise. The plots' data queued before the writes
+  of member counts and problems: 8.6 and 9.3 s against 8.5 and 8.5 s.
+* Did not pay: the parse's thirteen field checks as one SQL text (``F.expr``; the
+  optimized plan is identical, given left-nested ORs: the parser balances a chain of
+  ORs), 1,600 Py4J calls fewer: ``parsed_lines`` cold 2.09-2.45 s against 1.83-2.29 s.
+  Building those checks over Py4J took 0.07 s (a call is some 0.06 ms); the text is parsed
+  lazily, cold, in the analysis. Where ``parsed_lines``' 2.1 s cold go (cProfile): the
+  analyses of its ``withColumn`` chain 0.7 s, the text source's file listing 0.4 s, the two
+  ``inputFiles`` 0.3 s (the JSON one optimizes the whole parse), building expressions 0.5 s.
+  The parse's rejected whole-stage compile (13,970 bytes of bytecode) costs 0.19 s.
+* Kept: the written ownership and churn read back with their schema: no job to read a
+  Parquet footer (25 -> 23 jobs); the wall does not change measurably.
+* The whole bench, main's code then this version, alternated (load before -> after): 2M
+  rows, local[2] 25.4 s, local[1] 24.5 s, pandas 9.1 s (1.9 -> 2.0) then 23.3, 23.8, 9.2 s
+  (0.4 -> 2.0); 23.4, 23.9, 9.7 s (2.0 -> 2.4) then 27.4, 24.5, 9.1 s (1.5 -> 2.2). 10M
+  rows: local[2] 47.4 s, local[1] 50.6 s, pandas 46.1 s (1.3 -> 1.7) then 48.6, 49.5, 47.6
+  s (1.1 -> 1.9). No change; targets as before: none met (0.97x and 0.98x of pandas at
+  10M, 0.33-0.42x at 2M, core speedup 0.90-1.07x).
+
+Figures per version: the commit messages on branches ``spark``, ``spark3``, ``spark4``,
+``spark5`` and ``spark6``.
 """
 
 from __future__ import annotations
@@ -963,7 +996,8 @@ def write_table(report: SparkReport, name: str, out: str, progress: Progress) ->
     target = os.path.join(out, "tables", name)
     frame.sortWithinPartitions(*KEYS[name]).write.mode("overwrite").parquet(target)
     if name in ("ownership", "member_churn"):
-        report.written(name, frame.sparkSession.read.parquet(target))
+        # With the schema given, no job of its own to read it from a file's footer.
+        report.written(name, frame.sparkSession.read.schema(frame.schema).parquet(target))
     progress(f"spark: wrote {name} ({time.monotonic() - started:.1f} s)")
 
 
