@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import nats
 import pytest
 
+from harness.fleet import Fleet
 from harness.servers import EtcdServer, NatsServer
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
@@ -100,3 +102,29 @@ def make_config(
         )
 
     return make
+
+
+@pytest.fixture
+def make_fleet(
+    tmp_path: Path, nats_url: str, etcd_endpoint: str, namespace: str, group: str
+) -> Iterator[Callable[..., Fleet]]:
+    """Member processes of this test's group on the session's servers (harness.fleet),
+    with Fleet's own keyword arguments (handler, partitions, env); all stopped at the end,
+    even when the test fails."""
+    fleets: list[Fleet] = []
+
+    def make(**kwargs: Any) -> Fleet:
+        fleet = Fleet(
+            tmp_path / f"members-{len(fleets)}" if fleets else tmp_path / "members",
+            nats_url=nats_url,
+            etcd_endpoint=etcd_endpoint,
+            namespace=namespace,
+            group=group,
+            **kwargs,
+        )
+        fleets.append(fleet)
+        return fleet
+
+    yield make
+    for fleet in reversed(fleets):
+        fleet.close()

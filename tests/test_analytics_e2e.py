@@ -14,7 +14,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,19 +32,11 @@ P = 128
 
 
 @pytest.fixture
-def fleet(
-    tmp_path: Path, nats_url: str, etcd_endpoint: str, namespace: str, group: str
-) -> Iterator[Fleet]:
-    with Fleet(
-        tmp_path / "members",
-        nats_url=nats_url,
-        etcd_endpoint=etcd_endpoint,
-        namespace=namespace,
-        group=group,
+def fleet(make_fleet: Callable[..., Fleet]) -> Fleet:
+    return make_fleet(
         handler="shoal.consumer.handlers:noop",
         env={"SHOAL_LEASE_TTL": "5", "SHOAL_KEEPALIVE_INTERVAL": "1", "SHOAL_ACK_WAIT": "2"},
-    ) as f:
-        yield f
+    )
 
 
 def cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:

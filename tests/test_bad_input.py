@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,19 +36,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 
 @pytest.fixture
-def fleet(
-    tmp_path: Path, group: str, namespace: str, nats_url: str, etcd_endpoint: str
-) -> Iterator[Fleet]:
-    with Fleet(
-        tmp_path / "members",
-        nats_url=nats_url,
-        etcd_endpoint=etcd_endpoint,
-        namespace=namespace,
-        group=group,
-        partitions=16,
-        env={"SHOAL_LEASE_TTL": "5", "SHOAL_KEEPALIVE_INTERVAL": "1"},
-    ) as f:
-        yield f
+def fleet(make_fleet: Callable[..., Fleet]) -> Fleet:
+    return make_fleet(partitions=16, env={"SHOAL_LEASE_TTL": "5", "SHOAL_KEEPALIVE_INTERVAL": "1"})
 
 
 @pytest.fixture

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -32,19 +31,8 @@ SETTINGS = ("handler", "partitions", "ledger", "ack_wait")
 
 
 @pytest.fixture
-def fleet(
-    tmp_path: Path, nats_url: str, etcd_endpoint: str, namespace: str, group: str
-) -> Iterator[Fleet]:
-    with Fleet(
-        tmp_path / "members",
-        nats_url=nats_url,
-        etcd_endpoint=etcd_endpoint,
-        namespace=namespace,
-        group=group,
-        handler=HANDLER,
-        partitions=PARTITIONS,
-    ) as f:
-        yield f
+def fleet(make_fleet: Callable[..., Fleet]) -> Fleet:
+    return make_fleet(handler=HANDLER, partitions=PARTITIONS)
 
 
 def one_project_per_partition() -> dict[int, str]:

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter, defaultdict
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -49,19 +48,8 @@ SETTINGS = (
 
 
 @pytest.fixture
-def fleet(
-    tmp_path: Path, nats_url: str, etcd_endpoint: str, namespace: str, group: str
-) -> Iterator[Fleet]:
-    with Fleet(
-        tmp_path / "members",
-        nats_url=nats_url,
-        etcd_endpoint=etcd_endpoint,
-        namespace=namespace,
-        group=group,
-        handler=HANDLER,
-        partitions=PARTITIONS,
-    ) as f:
-        yield f
+def fleet(make_fleet: Callable[..., Fleet]) -> Fleet:
+    return make_fleet(handler=HANDLER, partitions=PARTITIONS)
 
 
 async def run_group(
