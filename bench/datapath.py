@@ -23,15 +23,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import nats
 
-from harness.bench import cpu_seconds, emit, log_problems, note, run_bench
+from harness.bench import cpu_seconds, emit, log_problems, note, run_bench, varz
 from harness.fleet import Fleet, settled, wait_for_status
 from harness.servers import EtcdServer, NatsServer
 from harness.waiting import eventually_async
@@ -69,12 +67,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--strict", action="store_true", help="exit 1 when a figure misses its target"
     )
     return parser.parse_args(argv)
-
-
-def varz(monitor_url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(f"{monitor_url}/varz", timeout=5) as answer:
-        data: dict[str, Any] = json.load(answer)
-        return data
 
 
 class Bench:

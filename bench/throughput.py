@@ -62,7 +62,6 @@ import re
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,7 +69,7 @@ from typing import Any
 import nats
 from nats.js import api
 
-from harness.bench import cpu_seconds, emit, log_problems, note, run_bench, scrape_counter
+from harness.bench import cpu_seconds, emit, log_problems, note, run_bench, scrape_counter, varz
 from harness.children import dying_with_parent
 from harness.fleet import Fleet, Member, settled, wait_for_status
 from harness.localkube.tools import natscli_path
@@ -362,7 +361,7 @@ class Side:
             "reader_cpu_us_per_msg": round(1e6 * self.reader_cpu / self.messages, 1),
             "nats_cpu_us_per_msg": round(1e6 * self.nats_cpu / self.messages, 1),
             # One ack per message, and the rest mostly pull requests: each costs the
-            # server about as much as a dozen messages.
+            # server about as much as a message or two.
             "nats_in_msgs_per_msg": round(self.nats_in_msgs / self.messages, 4),
             "start_delay_s": self.start_delay,
         }
@@ -381,9 +380,7 @@ class ServerSample:
 
     @classmethod
     def take(cls, pid: int, monitor_url: str) -> ServerSample:
-        with urllib.request.urlopen(f"{monitor_url}/varz", timeout=5) as answer:
-            varz = json.load(answer)
-        return cls(cpu_seconds(pid), int(varz["in_msgs"]))
+        return cls(cpu_seconds(pid), int(varz(monitor_url)["in_msgs"]))
 
     def since(self, before: ServerSample) -> ServerSample:
         return ServerSample(self.cpu - before.cpu, self.in_msgs - before.in_msgs)

@@ -93,6 +93,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def varz(monitor_url: str) -> dict[str, Any]:
+    """nats-server's /varz: its counters (in_msgs, out_msgs, ...) over every client."""
+    with urllib.request.urlopen(f"{monitor_url}/varz", timeout=5) as answer:
+        data: dict[str, Any] = json.load(answer)
+        return data
+
+
 def host_cpu() -> tuple[float, float]:
     """(busy, total) CPU seconds of the whole machine so far, from /proc/stat."""
     values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
