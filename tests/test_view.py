@@ -75,3 +75,31 @@ def test_targets_and_claims_follow_watch_events_and_relists() -> None:
 
     view.load(12, {KEYS.partition(1): kv(KEYS.partition(1), target("c"))})
     assert view.owners() == {1: "c"}
+
+
+def test_a_change_parses_again_only_what_it_touched() -> None:
+    view = view_of(
+        kv(KEYS.member("a"), {"owned": []}),
+        kv(KEYS.partition(0), target("a")),
+        kv(KEYS.claim(0), b"a", lease=5),
+    )
+    view.targets(), view.claims()
+    targets, claims = view._targets, view._claims
+
+    # A member's stats: neither targets nor claims are read again.
+    stats = json.dumps({"owned": [0]}).encode()
+    view._apply_events([PutEvent(KEYS.member("a").encode(), stats, 1, 11, 0)], 11)
+    assert view._targets is targets and view._claims is claims
+    assert view.members() == {"a": {"owned": [0]}}
+
+    # A target: the claims stay parsed; the targets are read again.
+    moved = json.dumps(target("b", 2)).encode()
+    view._apply_events([PutEvent(KEYS.partition(0).encode(), moved, 1, 12, 0)], 12)
+    assert view._claims is claims
+    assert view.owners() == {0: "b"}
+
+    # A claim: the targets stay parsed; the claims are read again.
+    targets = view._targets
+    view._apply_events([PutEvent(KEYS.claim(0).encode(), b"b", 13, 13, 6)], 13)
+    assert view._targets is targets
+    assert view.claims() == {0: Claim("b", 6, 13)}

@@ -205,9 +205,15 @@ class GroupView:
         self._event = asyncio.Event()
 
     def _apply_events(self, events: list[Any], revision: int) -> None:
-        self._targets = self._claims = None  # parsed again at the next read
+        targets, claims = self.keys.partitions, self.keys.claims
         for event in events:
             key = event.key.decode()
+            # Parsed again at the next read only if they changed: members rewrite their
+            # stats every few seconds, which changes neither (128 targets: 0.4 ms).
+            if key.startswith(targets):
+                self._targets = None
+            elif key.startswith(claims):
+                self._claims = None
             if type(event).__name__ == "DeleteEvent":
                 self.kvs.pop(key, None)
             else:
