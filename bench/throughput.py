@@ -28,12 +28,14 @@ Method (both sides read THE SAME messages of THE SAME stream, in the same run):
   reports its own, from its first message to its last ack.
 * Nothing publishes while a side is timed. An untimed warm-up round comes first (each
   side drains one backlog: the server's first drains are its slowest, and the first side
-  timed used to pay for them). Then ``--rounds`` rounds (default 4; 2 until session 12),
-  each with a fresh backlog; the order of the two sides alternates between rounds, so
-  caches and background work of the server do not favour one side. A side's rate is its
-  total messages over its total timed seconds. (A 50,000-message drain takes under a
-  second, and this machine's speed changes from one second to the next: more rounds
-  average more of it.)
+  timed used to pay for them). Then ``--rounds`` rounds (default 8; 2 until session 12,
+  4 in session 12), each with a fresh backlog; the order of the two sides alternates
+  between rounds, so caches and background work of the server do not favour one side. A
+  side's rate is its total messages over its total timed seconds. (A 50,000-message
+  drain takes under a second, and this machine's speed changes from one second to the
+  next: in session 12's ten runs of 4 rounds, the member's round against the plain
+  reader's next to it ranged 0.79-1.02 within one run, and the runs' ratios 0.887-0.998.
+  More rounds average more of it; 8 cost some 40 s more.)
 
 Figures: ``shoal_msgs_per_s``, ``plain_msgs_per_s``, ``ratio`` (shoal / plain, target >=
 0.9), the CPU each reader used while timed, and ``rss_mb_64_partitions``: two members
@@ -97,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "64 partitions. One JSON line per figure on stdout; progress on stderr.",
     )
     parser.add_argument("--messages", type=int, default=50_000, help="backlog per round")
-    parser.add_argument("--rounds", type=int, default=4, help="rounds (order alternates)")
+    parser.add_argument("--rounds", type=int, default=8, help="rounds (order alternates)")
     parser.add_argument(
         "--no-warm-up",
         dest="warm_up",
