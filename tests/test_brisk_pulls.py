@@ -7,14 +7,16 @@ is released only once its open pull ended. Once the assignment that answers the 
 is in the view, what moves is stopping already and what stays gains nothing from short
 pulls; they only cost CPU while the host is busy with the hand-over (measured: the
 unmoved partitions' extra pause p99 went from 15-74 ms to 17-37 ms, bench/handover.py).
-Meanwhile no partition dozes (its last pull before a doze is a full-length one): the
-last test, on real servers.
+Meanwhile no partition dozes (its last pull before a doze is a full-length one). A
+member leaving on SIGTERM pulls briskly first, and leaves once its full-length pulls have
+ended. The last two tests run on real servers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -180,4 +182,98 @@ async def test_awake_partitions_do_not_doze_while_members_change(
     finally:
         await sub.unsubscribe()
         await etcd.delete(config.keys.member("m-x"))
+    assert "Traceback" not in fleet.logs()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+async def test_a_leaving_member_ends_its_full_length_pulls_before_it_leaves(
+    make_fleet: Callable[..., Fleet], etcd: Etcd, js: Any, make_config: Any
+) -> None:
+    """Once its member key is gone, a member stops its partitions, and each is released
+    when its open pull has ended. So on SIGTERM it first pulls briskly and lets the
+    full-length pulls it has open end (still consuming), and only then leaves."""
+    partitions = 4
+    config: GroupConfig = make_config(handler=HANDLER, partitions=partitions)
+    await ensure_group(js, config)
+    fleet = make_fleet(handler=HANDLER, partitions=partitions)
+    loop = asyncio.get_running_loop()
+    # By reply subject (a partition's, for all its pulls: one is open at a time): when
+    # each pull was seen and its expiry; when each end status was seen.
+    sent: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    ends: dict[str, list[float]] = defaultdict(list)
+
+    async def on_pull(msg: Any) -> None:
+        sent[msg.reply].append((loop.time(), json.loads(msg.data)["expires"] / 1e9))
+
+    async def on_inbox(msg: Any) -> None:
+        # Statuses come on the request's own reply subject (messages keep theirs).
+        if msg.headers and msg.headers.get("Status") in ("404", "408", "409"):
+            ends[msg.subject].append(loop.time())
+
+    def pulls() -> list[tuple[float, float, float]]:
+        """(seen at, expires, end seen at: inf if none) of every pull so far."""
+        out = []
+        for reply, requests in sent.items():
+            for at, expires in requests:
+                end = min((t for t in ends[reply] if t >= at), default=float("inf"))
+                out.append((at, expires, end))
+        return out
+
+    nc = js._nc
+    subs = [
+        await nc.subscribe(f"$JS.API.CONSUMER.MSG.NEXT.{config.stream}.*", cb=on_pull),
+        await nc.subscribe("_INBOX.>", cb=on_inbox),
+    ]
+    projects: dict[int, str] = {}
+    for i in range(10_000):
+        projects.setdefault(partition_for(f"p{i}", partitions), f"p{i}")
+    producer = Producer(js, config.subject_prefix, partitions)
+
+    async def trickle() -> None:
+        # One message per partition every 0.2 s: each stays awake, and its pulls (of
+        # IDLE_BATCH or more) end at their expiry, with a status we can see.
+        for n in range(10_000):
+            await producer.publish_many(
+                [Outgoing(p, b"ok", f"{p}-{n}", {SEQ_HEADER: str(n)}) for p in projects.values()]
+            )
+            await asyncio.sleep(0.2)
+
+    feeding: asyncio.Task[None] | None = None
+    try:
+        fleet.start("m-0", **config_env(config, SETTINGS))
+        await wait_for_status(
+            etcd, config.namespace, config.group, partitions, settled({"m-0"}), 30
+        )
+        feeding = asyncio.create_task(trickle())
+        await asyncio.sleep(1.5)
+        termed_at = loop.time()
+        assert any(e == config.fetch_expires for at, e, _ in pulls() if at > termed_at - 0.5)
+        fleet.term("m-0")
+
+        async def member_key() -> int:
+            _, kvs = await etcd.get_prefix(config.keys.member("m-0"))
+            return len(kvs)
+
+        await eventually_async(
+            member_key, 10, "m-0 to leave", until=lambda n: n == 0, interval=0.01
+        )
+        left_at = loop.time()
+        assert await asyncio.to_thread(fleet.wait_exit, "m-0", 30) == 0
+    finally:
+        if feeding is not None:
+            feeding.cancel()
+        for sub in subs:
+            await sub.unsubscribe()
+
+    await asyncio.sleep(0.5)  # the statuses of pulls still open when it left
+    seen = pulls()
+    late = [
+        round(end - left_at, 3)
+        for at, expires, end in seen
+        if expires > BRISK_EXPIRES and at < left_at and end > left_at + 0.02
+    ]
+    assert not late, f"full-length pulls that ended after the member left (s after): {late}"
+    # It went on consuming meanwhile, with brisk pulls.
+    assert any(e <= BRISK_EXPIRES for at, e, _ in seen if termed_at < at < left_at)
     assert "Traceback" not in fleet.logs()

@@ -290,6 +290,12 @@ class ConsumerProcess:
         log.info("Leaving the group gracefully")
         if self.health is not None:
             self.health.write()  # unready at once (leaving), still alive while draining
+        if self.worker is not None:
+            # Pulls sent from now on are brisk; the full-length ones open end first (at
+            # most fetch_expires), so that our partitions are released within a brisk
+            # pull of our leaving: a SIGTERM'd member's open pulls kept each partition
+            # up to 0.3 s (most of a leave's hand-over latency).
+            await self.worker.prepare_to_leave(c.fetch_expires + 0.2)
         await self.membership.leave()
         drained = True
         if self.worker is not None:

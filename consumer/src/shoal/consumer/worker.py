@@ -219,6 +219,7 @@ class PartitionRunner:
         self._floor = min(PULL_FLOOR, worker.config.fetch_batch)
         self._cap = self._floor
         self._request_end: asyncio.Future[str] | None = None
+        self.open_expires = 0.0  # the open pull request's expiry (s), 0 when none is open
         self._wakeup: asyncio.Future[None] | None = None
         self.arrived = 0  # messages delivered to our pull requests
         self.gave_up_a_request = False  # a pull taken for lost (RequestWatch)
@@ -424,6 +425,7 @@ class PartitionRunner:
         w.reserved += room
         self._request_end = end = loop.create_future()
         request = json.dumps({"batch": room, "expires": int(expires * 1e9)}).encode()
+        self.open_expires = expires
         await w.nc.publish(api_subject, request, reply=inbox)
         # The request ends with its batch, or a status; bounded in case the status was
         # lost with a connection or a server.
@@ -437,6 +439,7 @@ class PartitionRunner:
         finally:
             watch.cancel()
             self._request_end = None
+            self.open_expires = 0.0
             if self._remaining:
                 w.reserved -= self._remaining
                 self._remaining = 0
@@ -1013,6 +1016,21 @@ class Worker:
     def brisk(self) -> bool:
         """Partitions are about to move (see _notice_members)."""
         return bool(self._brisk_until) and time.monotonic() < self._brisk_until
+
+    async def prepare_to_leave(self, timeout: float) -> None:
+        """Before our member key goes: pull briskly, and wait (at most `timeout`) until
+        no pull of full length is open. Once we leave, every partition stops, and each is
+        released when its open pull has ended: a brisk one ends within BRISK_EXPIRES,
+        where one sent before would keep the partition up to fetch_expires. The
+        partitions go on consuming meanwhile; a dozing one has no pull open."""
+        self._brisk_until = time.monotonic() + BRISK_FOR
+        self._brisk_generation = self.view.generation()
+        deadline = time.monotonic() + timeout
+        while any(r.open_expires > BRISK_EXPIRES for r in self.runners.values()):
+            if time.monotonic() >= deadline:
+                log.info("Leaving with pulls still open (they did not end in %.1f s)", timeout)
+                break
+            await asyncio.sleep(0.02)  # polled: once per process, for 0.3 s at most
 
     def pull_expires(self) -> float:
         expires = self.config.fetch_expires
