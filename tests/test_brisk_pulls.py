@@ -107,18 +107,30 @@ SETTINGS = ("handler", "partitions", "ledger")
 
 
 class PullLog:
-    """Every pull request sent to the stream's durables, with when it was seen and the
-    expiry it asked for (a plain subscriber on the JetStream API subject sees each)."""
+    """Every pull request sent to the stream's durables, with when it was seen, the
+    expiry it asked for and its reply subject (a plain subscriber on the JetStream API
+    subject sees each)."""
 
     def __init__(self) -> None:
         self.pulls: list[tuple[float, float]] = []  # (loop time, expires in seconds)
+        # By reply subject (a partition's, for all its pulls: one is open at a time).
+        self.by_reply: dict[str, list[tuple[float, float]]] = defaultdict(list)
 
     async def seen(self, msg: Any) -> None:
-        expires = json.loads(msg.data).get("expires", 0) / 1e9
-        self.pulls.append((asyncio.get_running_loop().time(), expires))
+        pull = (asyncio.get_running_loop().time(), json.loads(msg.data).get("expires", 0) / 1e9)
+        self.pulls.append(pull)
+        self.by_reply[msg.reply].append(pull)
 
     def since(self, start: float) -> list[float]:
         return [expires for at, expires in self.pulls if at >= start]
+
+
+def one_project_each(partitions: int) -> list[str]:
+    """A project id for every partition."""
+    projects: dict[int, str] = {}
+    for i in range(10_000):
+        projects.setdefault(partition_for(f"p{i}", partitions), f"p{i}")
+    return list(projects.values())
 
 
 @pytest.mark.e2e
@@ -159,10 +171,8 @@ async def test_awake_partitions_do_not_doze_while_members_change(
         joined_at = loop.time()
         # One message per partition wakes each (its alarm rings); then its pulls come
         # back empty, which would make it doze again.
-        projects: dict[int, str] = {}
-        for i in range(10_000):
-            projects.setdefault(partition_for(f"p{i}", partitions), f"p{i}")
-        items = [Outgoing(p, b"ok", f"{p}-0", {SEQ_HEADER: "0"}) for p in projects.values()]
+        projects = one_project_each(partitions)
+        items = [Outgoing(p, b"ok", f"{p}-0", {SEQ_HEADER: "0"}) for p in projects]
         await Producer(js, config.subject_prefix, partitions).publish_many(items)
         woken_at = loop.time()
         await asyncio.sleep(BRISK_FOR - 0.5 - (woken_at - joined_at))
@@ -198,13 +208,8 @@ async def test_a_leaving_member_ends_its_full_length_pulls_before_it_leaves(
     await ensure_group(js, config)
     fleet = make_fleet(handler=HANDLER, partitions=partitions)
     loop = asyncio.get_running_loop()
-    # By reply subject (a partition's, for all its pulls: one is open at a time): when
-    # each pull was seen and its expiry; when each end status was seen.
-    sent: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    ends: dict[str, list[float]] = defaultdict(list)
-
-    async def on_pull(msg: Any) -> None:
-        sent[msg.reply].append((loop.time(), json.loads(msg.data)["expires"] / 1e9))
+    log = PullLog()
+    ends: dict[str, list[float]] = defaultdict(list)  # by reply subject: end statuses seen
 
     async def on_inbox(msg: Any) -> None:
         # Statuses come on the request's own reply subject (messages keep theirs).
@@ -214,7 +219,7 @@ async def test_a_leaving_member_ends_its_full_length_pulls_before_it_leaves(
     def pulls() -> list[tuple[float, float, float]]:
         """(seen at, expires, end seen at: inf if none) of every pull so far."""
         out = []
-        for reply, requests in sent.items():
+        for reply, requests in log.by_reply.items():
             for at, expires in requests:
                 end = min((t for t in ends[reply] if t >= at), default=float("inf"))
                 out.append((at, expires, end))
@@ -222,12 +227,10 @@ async def test_a_leaving_member_ends_its_full_length_pulls_before_it_leaves(
 
     nc = js._nc
     subs = [
-        await nc.subscribe(f"$JS.API.CONSUMER.MSG.NEXT.{config.stream}.*", cb=on_pull),
+        await nc.subscribe(f"$JS.API.CONSUMER.MSG.NEXT.{config.stream}.*", cb=log.seen),
         await nc.subscribe("_INBOX.>", cb=on_inbox),
     ]
-    projects: dict[int, str] = {}
-    for i in range(10_000):
-        projects.setdefault(partition_for(f"p{i}", partitions), f"p{i}")
+    projects = one_project_each(partitions)
     producer = Producer(js, config.subject_prefix, partitions)
 
     async def trickle() -> None:
@@ -235,7 +238,7 @@ async def test_a_leaving_member_ends_its_full_length_pulls_before_it_leaves(
         # IDLE_BATCH or more) end at their expiry, with a status we can see.
         for n in range(10_000):
             await producer.publish_many(
-                [Outgoing(p, b"ok", f"{p}-{n}", {SEQ_HEADER: str(n)}) for p in projects.values()]
+                [Outgoing(p, b"ok", f"{p}-{n}", {SEQ_HEADER: str(n)}) for p in projects]
             )
             await asyncio.sleep(0.2)
 
@@ -260,13 +263,13 @@ async def test_a_leaving_member_ends_its_full_length_pulls_before_it_leaves(
         )
         left_at = loop.time()
         assert await asyncio.to_thread(fleet.wait_exit, "m-0", 30) == 0
+        await asyncio.sleep(0.5)  # the statuses of pulls still open when it left
     finally:
         if feeding is not None:
             feeding.cancel()
         for sub in subs:
             await sub.unsubscribe()
 
-    await asyncio.sleep(0.5)  # the statuses of pulls still open when it left
     seen = pulls()
     late = [
         round(end - left_at, 3)

@@ -1003,8 +1003,7 @@ class Worker:
         ids = self.view.member_ids()
         if ids != self._member_ids:
             if self._member_ids is not None:
-                self._brisk_until = time.monotonic() + BRISK_FOR
-                self._brisk_generation = self.view.generation()
+                self._start_brisk()
             self._member_ids = ids
         elif self._brisk_until and self.view.generation() > self._brisk_generation:
             # The leader has written the assignment that answers the change: what we
@@ -1012,6 +1011,11 @@ class Worker:
             # keep gains nothing from short pulls, which only cost CPU on a host busy
             # with the hand-over (the unmoved partitions' pauses).
             self._brisk_until = 0.0
+
+    def _start_brisk(self) -> None:
+        """Pull briskly for BRISK_FOR, or until the next assignment is written."""
+        self._brisk_until = time.monotonic() + BRISK_FOR
+        self._brisk_generation = self.view.generation()
 
     def brisk(self) -> bool:
         """Partitions are about to move (see _notice_members)."""
@@ -1023,8 +1027,7 @@ class Worker:
         released when its open pull has ended: a brisk one ends within BRISK_EXPIRES,
         where one sent before would keep the partition up to fetch_expires. The
         partitions go on consuming meanwhile; a dozing one has no pull open."""
-        self._brisk_until = time.monotonic() + BRISK_FOR
-        self._brisk_generation = self.view.generation()
+        self._start_brisk()
         deadline = time.monotonic() + timeout
         while any(r.open_expires > BRISK_EXPIRES for r in self.runners.values()):
             if time.monotonic() >= deadline:
