@@ -29,7 +29,8 @@ from shoal.consumer import handlers
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.metrics import Metrics
 from shoal.consumer.natsclient import DirectClient
-from shoal.consumer.worker import PartitionRunner, Worker
+from shoal.consumer.partition import PartitionRunner
+from shoal.consumer.worker import Worker
 from shoal.contracts.names import MSG_ID_HEADER, PROJECT_HEADER, durable_name, partition_for
 
 PARTITIONS = 128

@@ -4,7 +4,7 @@ read off the wire (a plain subscriber on the JetStream API subject sees each of 
 A partition that settles fast holds up to fetch_batch, so its pulls grow (each pull costs
 the server about as much as a message or two); one whose handler is slow keeps to
 PULL_FLOOR, so that it does not take the member's budget from the others; an idle one
-asks for IDLE_BATCH (its open pulls reserve what they ask for). holding.py, worker.py.
+asks for IDLE_BATCH (its open pulls reserve what they ask for). holding.py, partition.py.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from harness.waiting import eventually_async
 from shoal.consumer.config import GroupConfig, config_env
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.jetstream import ensure_group
+from shoal.consumer.partition import IDLE_BATCH, PULL_FLOOR
 from shoal.consumer.producer import Outgoing, Producer
-from shoal.consumer.worker import IDLE_BATCH, PULL_FLOOR
 from shoal.contracts.names import SEQ_HEADER, durable_name, partition_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]

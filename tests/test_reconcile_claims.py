@@ -16,8 +16,9 @@ from typing import Any
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import KV
 from shoal.consumer.metrics import Metrics
+from shoal.consumer.partition import PartitionRunner
 from shoal.consumer.view import GroupView
-from shoal.consumer.worker import PartitionRunner, Worker
+from shoal.consumer.worker import Worker
 
 ME = "m-0"
 LEASE = 77

@@ -1,4 +1,4 @@
-"""When a pull request counts as lost (worker.RequestWatch): only on evidence.
+"""When a pull request counts as lost (partition.RequestWatch): only on evidence.
 
 A stand-in connection object gives the two facts the watch reads (connected, reconnect
 count); the loop and its timers are real, with short expiries.
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from shoal.consumer.worker import AnswerClock, RequestWatch
+from shoal.consumer.partition import AnswerClock, RequestWatch
 
 
 @dataclass

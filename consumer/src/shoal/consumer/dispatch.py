@@ -18,7 +18,7 @@ The pieces:
 
 What running a message means (the handler, acks, dead letters, fencing) is the caller's
 `execute` function; what a partition's queues are for (pulling, hand-over) is the
-`Source`'s (worker.PartitionRunner). This module only orders and schedules.
+`Source`'s (partition.PartitionRunner). This module only orders and schedules.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class Held:
 
 
 class Source(Protocol):
-    """What the dispatcher needs of a partition (worker.PartitionRunner)."""
+    """What the dispatcher needs of a partition (partition.PartitionRunner)."""
 
     partition: int
     stopping: bool

@@ -7,7 +7,7 @@ batch; when the last of them is done, one INFO line says what happened:
     Released 32 partitions (0-31) to c-3 in 140 ms
     Took 32 partitions (96-127) in 95 ms
 
-Each partition's own steps stay at DEBUG (worker.py).
+Each partition's own steps stay at DEBUG (partition.py, worker.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,639 @@
+"""One owned partition: pulling its durable, dozing while it is idle, and letting it go.
+
+A `PartitionRunner` pulls the partition's durable into the member's `Dispatcher`
+(dispatch.py), which runs different projects concurrently and each project's messages in
+order. It keeps about half a second of its own settle rate, between `PULL_FLOOR` and
+`fetch_batch` messages (holding.py). When the `Worker` (worker.py) stops it, it does the
+letting-go half of the hand-over (DESIGN.md, and worker.py's docstring): no new pull,
+the running handlers finish and ack, what was fetched but not started goes back to
+JetStream in stream order, and the last nak is a request, so that all are applied before
+the worker deletes the claim.
+
+Pulling uses raw JetStream pull requests rather than nats-py's fetch(): every request is
+read until the server ends it (batch complete, or a 404/408/409 status), so when the
+partition is let go no pull request of ours is still open on the server. An open request
+would deliver a message after we stopped reading; that message would sit unacked until
+ack_wait, then come back to the next owner out of order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from nats.js.errors import NotFoundError
+
+from shoal.consumer.alarm import Alarm
+from shoal.consumer.dispatch import Held, ProjectQueue
+from shoal.consumer.handlers import Fenced
+from shoal.consumer.holding import PARTITION_HOLD_SECONDS, HoldBudget
+from shoal.consumer.jetstream import consumer_config
+from shoal.consumer.natsclient import Delivery
+from shoal.contracts.names import PROJECT_HEADER, durable_name, partition_for, partition_subject
+
+if TYPE_CHECKING:
+    from shoal.consumer.worker import Worker
+
+__all__ = [
+    "IDLE_BATCH",
+    "PULL_FLOOR",
+    "AnswerClock",
+    "PartitionRunner",
+    "RequestWatch",
+    "ack_fields",
+]
+
+log = logging.getLogger(__name__)
+
+# Pulls nobody answers (503: the durable or the stream is gone): first and longest wait.
+MISSING_DURABLE_BACKOFF = 0.25
+MISSING_DURABLE_BACKOFF_MAX = 2.0
+# Unanswered pulls in a row (about 2 s with the backoff) before the durable is recreated.
+RECREATE_AFTER_SILENT_PULLS = 4
+# What an idle partition's pull asks for; doubled while pulls come back full.
+IDLE_BATCH = 4
+# A pull that came back full within this long found a backlog: the next asks for all the
+# partition may hold, not twice as much.
+BACKLOG_PULL_SECONDS = 0.02
+# The least a busy partition may hold (fetch_batch if smaller), however slowly it settles.
+PULL_FLOOR = 64
+# Empty pulls in a row (fetch_expires each) after which a partition dozes (Alarm).
+DOZE_AFTER_EMPTY_PULLS = 3
+# A dozing partition still pulls once this often: a safety net, should an alarm be missed.
+DOZE_SWEEP = 60.0
+PROJECT_HEADER_BYTES = PROJECT_HEADER.encode()
+
+
+def ack_fields(reply: str) -> tuple[str, int, int]:
+    """(consumer, stream sequence, delivery count) from a JetStream reply subject.
+
+    $JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<time>.<pending>,
+    or the longer v2 form with a domain and an account hash after ACK. nats-py's
+    Msg.metadata parses every field, a datetime included, on each message; the hot path
+    needs these three.
+    """
+    tokens = reply.split(".")
+    if len(tokens) == 9:
+        return tokens[3], int(tokens[5]), int(tokens[4])
+    return tokens[5], int(tokens[7]), int(tokens[6])
+
+
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+def _end_as(end: asyncio.Future[str], status: str) -> None:
+    if not end.done():
+        end.set_result(status)
+
+
+class RequestWatch:
+    """Ends a pull request as "lost" when its end status cannot come any more.
+
+    The server always ends a request (its batch, or 408 at its expiry) unless the
+    connection went away with it, or the server that held it did: in a NATS cluster a
+    pull request waits on the durable's leader, and when that node dies the request dies
+    with it while our own connection (to another node) stays up. Taking a request for
+    lost merely because its end is late is worse than waiting: a member short of CPU
+    reads late, and each request it gave up on while the server was still filling it
+    brings messages nobody accounted for, so the member reads later still, and held
+    messages outlive their ack_wait (redeliveries, duplicates). So a late request is given
+    up only on evidence: the connection dropped or reconnected since it was sent, or the
+    member has read the answer to a request that the servers ended well after this one
+    was due (:attr:`AnswerClock.upto`), so it is not reading late; or after a generous
+    bound.
+    """
+
+    LATE_CHECK = 1.0
+    # How much later than this request's due end another request must have been answered
+    # for this one to count as lost (routes between cluster nodes reorder a little).
+    ANSWERED_MARGIN = 1.0
+    GIVE_UP_AFTER = 15.0
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        nc: Any,
+        end: asyncio.Future[str],
+        expires: float,
+        answers: AnswerClock,
+    ) -> None:
+        self.loop = loop
+        self.nc = nc
+        self.end = end
+        self.answers = answers
+        self.reconnects = nc.stats.get("reconnects", 0)
+        self.sent_at = loop.time()
+        self.due = self.sent_at + expires
+        self.deadline = self.due + self.GIVE_UP_AFTER
+        self.timer = loop.call_later(expires + self.LATE_CHECK, self._check)
+
+    def _check(self) -> None:
+        if self.end.done():
+            return
+        dropped = not self.nc.is_connected or self.nc.stats.get("reconnects", 0) != self.reconnects
+        outrun = self.answers.upto >= self.due + self.ANSWERED_MARGIN
+        if dropped or outrun or self.loop.time() >= self.deadline:
+            _end_as(self.end, "lost")
+        else:
+            self.timer = self.loop.call_later(self.LATE_CHECK, self._check)
+
+    def ended(self, status: str) -> None:
+        """The request ended with `status` (not "lost"): the server answered it."""
+        self.answers.answered(self.sent_at, self.due, status)
+
+    def cancel(self) -> None:
+        self.timer.cancel()
+
+
+class AnswerClock:
+    """The latest time at which, as far as this member has read, a server answered one
+    of its pull requests: for an expiry (408) the request's due end, for any other end
+    the time the request was sent (the server answered after that). One per member."""
+
+    def __init__(self) -> None:
+        self.upto = 0.0
+
+    def answered(self, sent_at: float, due: float, status: str) -> None:
+        when = due if status == "408" else sent_at
+        if when > self.upto:
+            self.upto = when
+
+
+class PartitionRunner:
+    """Pulls one partition's durable into the dispatcher, and lets it go when told."""
+
+    def __init__(
+        self, worker: Worker, partition: int, claim_revision: int, target_ts: float | None
+    ):
+        self.worker = worker
+        self.partition = partition
+        self.claim_revision = claim_revision
+        self.target_ts = target_ts
+        self.stopping = False
+        self.fenced = False
+        self.first_message_seen = False
+        self.stop_requested_at = 0.0
+        self.task: asyncio.Task[None] | None = None
+        # dispatch.Source: the held messages of each project, and how many run now.
+        self.projects: dict[str, ProjectQueue] = {}
+        self.inflight = 0
+        self.buffered = 0  # held messages (queued, running, or waiting for a retry)
+        self.processed = 0
+        # Messages that arrived after the stop: given back once no request is open.
+        self._late: list[Any] = []
+        self._remaining = 0  # messages the open pull request may still bring
+        self._want = IDLE_BATCH  # what the next pull asks for, at most
+        # What this partition may hold: half a second of its own settle rate (holding.py).
+        self.hold = HoldBudget(worker.config.fetch_batch, hold_seconds=PARTITION_HOLD_SECONDS)
+        self._floor = min(PULL_FLOOR, worker.config.fetch_batch)
+        self._cap = self._floor
+        self._request_end: asyncio.Future[str] | None = None
+        self.open_expires = 0.0  # the open pull request's expiry (s), 0 when none is open
+        self._wakeup: asyncio.Future[None] | None = None
+        self.arrived = 0  # messages delivered to our pull requests
+        self.gave_up_a_request = False  # a pull taken for lost (RequestWatch)
+        self.dozing = False  # no pull open: waiting for the alarm (alarm.py)
+        self.roused = False
+        self.alarm = Alarm(worker.nc, partition_subject(worker.config.subject_prefix, partition))
+
+    # -- dispatch.Source ----------------------------------------------------------------
+
+    def settled(self, held: Held) -> None:
+        self.buffered -= 1
+        self.processed += 1
+        self.hold.settled()
+        w = self.worker
+        w.buffered -= 1
+        w.holding.settled()
+        # Wake the puller only when it could pull now: waking it on every settled
+        # message, to find its buffer still more than half full, cost a fifth of a
+        # busy member's CPU.
+        if self._wakeup is not None and self._room() > 0:
+            self._wake()
+        if w.starved:
+            w.wake_starved()
+
+    def went_idle(self) -> None:
+        self._wake()
+
+    # -- control --------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            _resolve(self._wakeup)
+
+    async def sleep_until_woken(self, timeout: float) -> None:
+        """Until _wake(), or `timeout` (a safety net; asyncio.wait_for costs more)."""
+        loop = asyncio.get_running_loop()
+        self._wakeup = waiter = loop.create_future()
+        timer = loop.call_later(timeout, _resolve, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._wakeup = None
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.stop_requested_at = time.monotonic()
+        self._wake()
+
+    def fence(self) -> None:
+        self.stopping = True
+        self.fenced = True
+        # Handlers still running must stop now, not when they are done: fencing happens
+        # fence_margin before our lease can expire, and once it has, the next owner
+        # starts the partition. Left running, a handler would overlap with it, and the
+        # in-progress acks would keep JetStream from redelivering its message (so the
+        # next owner would also start on the later messages first). Cancelled, each
+        # stops at its next await; its message is redelivered after ack_wait.
+        cancelled = self.worker.dispatcher.cancel_running(self)
+        if cancelled:
+            log.warning(
+                "Fenced: cancelled %d handler(s) running on partition %d",
+                cancelled,
+                self.partition,
+            )
+        self._wake()
+        end = self._request_end
+        if end is not None and not end.done():
+            end.set_result("fenced")
+
+    # -- pulling --------------------------------------------------------------------------
+
+    def _room(self) -> int:
+        """How many messages the next pull asks for.
+
+        The member never holds, or has asked for, more than max_buffered messages:
+        what it holds runs its ack_wait on the server while it waits its turn, so holding
+        more than it can start soon means redeliveries, i.e. duplicates. A partition
+        asks for `_want`: a few while it is idle (its pulls stay open and reserve their
+        batch, so big idle pulls would starve busy partitions), twice as many each time
+        a pull comes back full, up to what it may hold (`_cap`). It asks again once half
+        of its buffer is free (or it is empty), so a busy partition pulls in batches, not
+        one request per settled message.
+        """
+        w = self.worker
+        batch = self._cap
+        room = min(self._want, batch - self.buffered, w.budget() - w.buffered - w.reserved)
+        if self.buffered and room < max(1, min(self._want, batch) // 2):
+            return 0
+        return room
+
+    async def run(self) -> None:
+        w = self.worker
+        inbox = w.inbox_for(self)
+        api_subject = f"$JS.API.CONSUMER.MSG.NEXT.{w.config.stream}.{durable_name(self.partition)}"
+        try:
+            backoff = MISSING_DURABLE_BACKOFF
+            silent = 0  # pulls in a row that nobody answered (503)
+            empty = 0  # pulls in a row that ended with nothing (404/408)
+            while not self.stopping:
+                # A partition that settles fast holds more, so that its pulls bring more
+                # each: every pull costs the server about as much as a message or two,
+                # and a noop member's 32-message pulls cost it a microsecond per message
+                # more than a plain reader's 256. A slow one keeps PULL_FLOOR, so the
+                # member's budget is not taken by a few partitions while others starve.
+                self._cap = self.hold.limit(self._floor, time.monotonic())
+                room = self._room()
+                if room <= 0:
+                    # Full: wait until the dispatcher settles some of ours (or, when the
+                    # whole member is full, anyone's).
+                    if self.buffered < self._cap:
+                        w.starved[self] = None
+                    await self.sleep_until_woken(1.0)
+                    w.starved.pop(self, None)
+                    continue
+                sent = time.monotonic()
+                status, got = await self._pull(api_subject, inbox, room)
+                if status == "batch":
+                    if time.monotonic() - sent < BACKLOG_PULL_SECONDS:
+                        # Full at once: a backlog waits. Doubling from IDLE_BATCH took
+                        # six pulls per partition to reach 256, most of a 390-message
+                        # share of a 50,000-message backlog.
+                        self._want = w.config.fetch_batch
+                    else:
+                        self._want = min(self._want * 2, w.config.fetch_batch)
+                elif status in ("404", "408"):
+                    self._want = IDLE_BATCH
+                if status == "503":
+                    # Nobody answers pulls on this durable: it (or the stream) was
+                    # deleted, or its leader is being elected (a cluster node died), or
+                    # JetStream is away. Asking again at once is a busy loop of requests:
+                    # back off, and recreate the durable only once it has stayed silent
+                    # for a while (an election takes seconds; a create sent meanwhile
+                    # only times out, and would stretch the backoff).
+                    silent += 1
+                    started = asyncio.get_running_loop().time()
+                    if silent >= RECREATE_AFTER_SILENT_PULLS and await self._recreate_durable():
+                        # JetStream answered the create, so the durable exists now: pull
+                        # at once. (Sleeping out the backoff here added 2 s to every
+                        # resume after a lone server's restart, which loses the durables
+                        # whose state is in memory.)
+                        silent, backoff = 0, MISSING_DURABLE_BACKOFF
+                        continue
+                    # The recreate's own wait (up to its 2 s timeout while JetStream
+                    # elects leaders) counts toward the backoff: once JetStream answers
+                    # again, the next pull comes within the backoff, not the backoff plus
+                    # that timeout (a 3-node cluster's partition resumed 16 s after a
+                    # node died instead of the others' 8-12 s).
+                    elapsed = asyncio.get_running_loop().time() - started
+                    await asyncio.sleep(max(0.0, backoff - elapsed))
+                    backoff = min(backoff * 2, MISSING_DURABLE_BACKOFF_MAX)
+                    continue
+                silent = 0
+                backoff = MISSING_DURABLE_BACKOFF
+                if status == "409":
+                    await asyncio.sleep(0.1)
+                if got or status not in ("404", "408"):
+                    empty = 0
+                    if self.alarm.armed:
+                        await self.alarm.disarm()
+                    continue
+                empty += 1
+                if w.brisk():
+                    # Partitions are about to move: no doze step. Brisk pulls come back
+                    # empty often, and a doze's pulls while the alarm is armed wait out
+                    # the full fetch_expires, so a partition caught in one was released
+                    # up to 0.3 s after its stop (most of a join's hand-over tail). A
+                    # step begun already is undone; the partition dozes afterwards.
+                    if self.alarm.armed:
+                        await self.alarm.disarm()
+                elif empty >= DOZE_AFTER_EMPTY_PULLS and not self.stopping:
+                    empty = await self._doze_step()
+        except Fenced:
+            pass
+        except Exception:
+            if not self.stopping:
+                log.exception("Partition %d consumer failed; releasing it", self.partition)
+                self.stop()
+                await asyncio.sleep(1.0)  # no tight loop while e.g. NATS is away
+        try:
+            await self.alarm.disarm()
+            if self.fenced:
+                log.warning("Fenced: stopped consuming partition %d at once", self.partition)
+            else:
+                await self._hand_back()
+        finally:
+            w.forget_inbox(inbox)
+            await w.runner_done(self)
+
+    async def _pull(self, api_subject: str, inbox: str, room: int) -> tuple[str, int]:
+        """Send one pull request for up to `room` messages and wait for its end.
+
+        Returns how it ended ("batch", a status such as "408", "lost" or "fenced") and how
+        many messages it brought.
+        """
+        w = self.worker
+        loop = asyncio.get_running_loop()
+        # The pull that confirms a doze (the alarm armed) waits the full fetch_expires for
+        # what was published just before the alarm's subscription to reach the stream.
+        expires = w.config.fetch_expires if self.alarm.armed else w.pull_expires()
+        arrived = self.arrived
+        self._remaining = room
+        w.reserved += room
+        self._request_end = end = loop.create_future()
+        request = json.dumps({"batch": room, "expires": int(expires * 1e9)}).encode()
+        self.open_expires = expires
+        await w.nc.publish(api_subject, request, reply=inbox)
+        # The request ends with its batch, or a status; bounded in case the status was
+        # lost with a connection or a server.
+        watch = RequestWatch(loop, w.nc, end, expires, w.answers)
+        try:
+            status = await end
+            if status != "lost":
+                watch.ended(status)
+            else:
+                self.gave_up_a_request = True
+        finally:
+            watch.cancel()
+            self._request_end = None
+            self.open_expires = 0.0
+            if self._remaining:
+                w.reserved -= self._remaining
+                self._remaining = 0
+                if w.starved:
+                    w.wake_starved()
+        return status, self.arrived - arrived
+
+    # -- dozing ---------------------------------------------------------------------------
+
+    async def _doze_step(self) -> int:
+        """The partition's pulls keep coming back empty: stop pulling, if that is safe,
+        until a message is published to it. Returns the new count of empty pulls.
+
+        Steps, one per call (the caller pulls in between):
+          1. arm the alarm (a core subscription to the partition's subject), then check
+             that the durable has nothing for us: nothing pending, and nothing unacked
+             but what we hold (a crashed owner's unacked messages come back after
+             ack_wait, with no publish to wake us). Then one more pull, sent after the
+             subscription: it catches what was published just before it;
+          2. that pull came back empty too: doze until the alarm rings, the runner is
+             stopped, the connection was lost, or a safety sweep is due.
+        """
+        if not self.alarm.armed:
+            await self.alarm.arm()
+            if not await self._nothing_outstanding():
+                await self.alarm.disarm()
+                return 0
+            return DOZE_AFTER_EMPTY_PULLS - 1  # one more (confirming) pull, then doze
+        rang = await self._doze(DOZE_SWEEP)
+        if rang:
+            await self.alarm.disarm()
+            return 0
+        return DOZE_AFTER_EMPTY_PULLS - 1  # a sweep: one pull, still armed, then doze
+
+    async def _doze(self, sweep: float) -> bool:
+        """Until the alarm rings (True), or the runner stops, is roused (the connection
+        dropped, and what was published meanwhile rang nothing; or its durable or the
+        stream was deleted), or `sweep` seconds passed (False)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + sweep
+        self.dozing = True
+        self.roused = False
+        self.alarm.on_ring(self._wake)
+        try:
+            while not self.alarm.rang and not self.stopping and not self.roused:
+                left = deadline - loop.time()
+                if left <= 0:
+                    return False
+                await self.sleep_until_woken(left)
+            return self.alarm.rang
+        finally:
+            self.dozing = False
+
+    def rouse(self) -> None:
+        """Pull again now, although the alarm did not ring (see Worker.check_connection
+        and Worker._on_deleted)."""
+        self.roused = True
+        self._wake()
+
+    async def _nothing_outstanding(self) -> bool:
+        w = self.worker
+        try:
+            info = await w.js.consumer_info(
+                w.config.stream, durable_name(self.partition), timeout=2
+            )
+        except Exception as exc:
+            log.debug("Partition %d: no consumer info (%r); not dozing", self.partition, exc)
+            return False
+        # Our held messages are unacked on the server, so they count in num_ack_pending;
+        # anything beyond them is someone else's, or an ack of ours not applied yet.
+        return not info.num_pending and (info.num_ack_pending or 0) <= self.buffered
+
+    def deliver_status(self, headers: dict[str, str]) -> None:
+        """A status (no reply subject, nothing to ack) arrived for our pull request: 100 is
+        an idle heartbeat; anything else ends the open request (404/408: nothing more;
+        409: the server ended it, e.g. a leader change; 503: no JetStream answers)."""
+        status = headers.get("Status", "")
+        if status == "100":
+            return
+        if status not in ("404", "408"):
+            log.debug(
+                "Pull on partition %d ended: %s %s",
+                self.partition,
+                status,
+                headers.get("Description", ""),
+            )
+        self._end_request(status or "?")
+
+    def deliver(self, msg: Delivery, seq: int, delivered: int) -> str | None:
+        """A message arrived for our pull requests (its stream sequence and delivery count
+        parsed already): hold it for the dispatcher. Returns why it must be dead-lettered
+        instead, if it must (the caller awaits that; this is not a coroutine, as it runs
+        once per message)."""
+        self.arrived += 1
+        if self._remaining > 0:
+            self._remaining -= 1
+            self.worker.reserved -= 1
+            if self._remaining == 0:
+                self._end_request("batch")
+        if self.stopping:
+            if not self.fenced:
+                self._late.append(msg)
+            return None
+        w = self.worker
+        project = msg.header(PROJECT_HEADER_BYTES)
+        if not project:
+            return "missing Shoal-Project-Id header"
+        if not w.belongs(project, self.partition):
+            return (
+                f"project {project!r} belongs to partition "
+                f"{partition_for(project, w.config.partitions)}"
+            )
+        self.buffered += 1
+        w.buffered += 1
+        w.dispatcher.submit(self, Held(msg, project, seq, delivered, time.monotonic()))
+        return None
+
+    def _end_request(self, status: str) -> None:
+        if self._request_end is not None:
+            _end_as(self._request_end, status)
+
+    # -- letting go -----------------------------------------------------------------------
+
+    async def _hand_back(self) -> None:
+        """After the last request ended: let running handlers finish, give back the rest."""
+        while self.inflight and not self.fenced:
+            await self.sleep_until_woken(1.0)
+        if self.fenced:
+            return
+        if self.gave_up_a_request:
+            # A message of a request we gave up on (its end status lost) may still come.
+            # (Every other request has ended: nothing more can come for it.)
+            await asyncio.sleep(0.02)
+        drained_at = time.monotonic()
+        unstarted = [held for queue in self.projects.values() for held in queue.pending]
+        for msg in self._late:
+            _, seq, delivered = ack_fields(msg.reply)
+            unstarted.append(Held(msg, "", seq, delivered, drained_at))
+        unstarted.sort(key=lambda held: held.seq)
+        await self._give_back(unstarted)
+        log.debug(
+            "Partition %d: handlers done %.0f ms after the stop, %d given back in %.0f ms",
+            self.partition,
+            1000 * (drained_at - self.stop_requested_at),
+            len(unstarted),
+            1000 * (time.monotonic() - drained_at),
+        )
+
+    async def _give_back(self, unstarted: list[Held]) -> None:
+        """Return fetched but unstarted messages to JetStream, in stream order, for the
+        next owner."""
+        w = self.worker
+        if not unstarted or not w.nats_reachable():
+            # Without NATS a nak request would wait out its timeout on a dead connection;
+            # unacked, the messages are redelivered after ack_wait anyway.
+            return
+        naks: list[Held] = []
+        for held in unstarted:
+            if held.delivered >= w.config.max_deliver:
+                # A nak of its last delivery would strand it: JetStream would not
+                # deliver it again. Finish it here instead (in order: the ones before it
+                # were naked first, and nobody else runs this partition yet).
+                await self._flush_naks(naks)
+                naks = []
+                await w.run_last_delivery(self, held)
+            else:
+                naks.append(held)
+        await self._flush_naks(naks)
+        self.projects.clear()
+        self._late.clear()
+
+    async def _flush_naks(self, naks: list[Held]) -> None:
+        """Nak in order; the last one as a request, answered once JetStream applied it.
+
+        JetStream applies acks asynchronously, in the order they arrive: a plain nak can
+        still be in its queue when the next owner's first pull arrives, which then gets
+        newer messages first. The answer to the last nak means all of them are applied.
+        """
+        if not naks:
+            return
+        nc = self.worker.nc
+        try:
+            for held in naks[:-1]:
+                await nc.publish(held.msg.reply, b"-NAK")
+            await nc.request(naks[-1].msg.reply, b"-NAK", timeout=5)
+        except Exception:
+            log.debug("Giving back messages of partition %d failed", self.partition, exc_info=True)
+
+    async def _recreate_durable(self) -> bool:
+        """Recreate this partition's durable, unless JetStream objects are not ours to
+        manage or the stream itself is gone. True when JetStream confirmed the create."""
+        w = self.worker
+        c = w.config
+        if not c.ensure_jetstream:
+            log.error(
+                "No JetStream consumer answers for partition %d (durable %s on stream %s "
+                "deleted?); not recreating it (SHOAL_ENSURE_JETSTREAM is off)",
+                self.partition,
+                durable_name(self.partition),
+                c.stream,
+            )
+            return False
+        try:
+            try:
+                # Creating a durable that exists with this config is a no-op; a new one
+                # starts with what the work-queue stream still holds: nothing acked.
+                await w.js.add_consumer(
+                    c.stream, config=consumer_config(c, self.partition), timeout=2
+                )
+                log.warning(
+                    "Recreated the missing durable consumer of partition %d", self.partition
+                )
+                return True
+            except NotFoundError:
+                # The stream itself is gone, and its messages with it: recreating it is a
+                # decision for whoever deleted it (the operator reconciles it). Say so
+                # once, and keep backing off.
+                if not w.stream_missing_logged:
+                    w.stream_missing_logged = True
+                    log.error("Stream %s is missing: nothing to consume until it is back", c.stream)
+        except Exception as exc:  # JetStream away, or refusing: the backoff goes on
+            log.warning("Could not recreate the durable of partition %d: %r", self.partition, exc)
+        return False
