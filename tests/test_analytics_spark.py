@@ -162,6 +162,25 @@ def test_spark_report_files(spark_out: tuple[Path, dict[str, Any]]) -> None:
     assert "out_of_order" in html and "unknown_schema" in html
 
 
+def test_spark_jobs_are_named_after_the_report_steps(
+    spark: SparkSession, spark_out: tuple[Path, dict[str, Any]]
+) -> None:
+    """In Spark's UI and event log (here its status store, which both read), every job of
+    the report carries the step it ran for: on a cluster that is how one finds where a
+    slow report spends its time."""
+    jobs = spark.sparkContext._jsc.sc().statusStore().jobsList(None)
+    descriptions = [jobs.apply(i).description() for i in range(jobs.size())]
+    named = {str(d.get()) for d in descriptions if d.isDefined()}
+    for step in (
+        "keep parsed lines, events beside their predecessors",
+        "keep owner pairs",
+        "write ownership",
+        "collect generations",
+        "collect groups",
+    ):
+        assert f"shoal: {step}" in named, sorted(named)
+
+
 def test_empty_input_gives_an_empty_report(spark: SparkSession, tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     logs.mkdir()

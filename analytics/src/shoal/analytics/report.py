@@ -167,6 +167,9 @@ def _spark_data(
             def timed() -> None:
                 for before in after:
                     before.result()
+                # Each step's jobs carry its name in Spark's UI and event log (a local
+                # property of this thread, which pyspark pins to a JVM thread of its own).
+                spark.sparkContext.setJobDescription(f"shoal: {name}")
                 with steps.step(name):
                     work()
                 step(f"{name} done")

@@ -165,6 +165,8 @@ class _Keeper:
         from pyspark import StorageLevel
 
         started = time.monotonic()
+        # Named in Spark's UI and event log (this thread's jobs), as the report's steps are.
+        frame.sparkSession.sparkContext.setJobDescription(f"shoal: keep {name}")
         kept = frame.localCheckpoint(eager=True, storageLevel=StorageLevel(*KEPT_ARGS))
         self.cached.append(kept)
         if self.progress is not None:
