@@ -170,8 +170,11 @@ def _spark_data(
                 # Each step's jobs carry its name in Spark's UI and event log (a local
                 # property of this thread, which pyspark pins to a JVM thread of its own).
                 spark.sparkContext.setJobDescription(f"shoal: {name}")
-                with steps.step(name):
-                    work()
+                try:
+                    with steps.step(name):
+                        work()
+                finally:
+                    spark.sparkContext.setJobDescription(None)  # type: ignore[arg-type]
                 step(f"{name} done")
 
             return pool.submit(timed)

@@ -165,9 +165,14 @@ class _Keeper:
         from pyspark import StorageLevel
 
         started = time.monotonic()
-        # Named in Spark's UI and event log (this thread's jobs), as the report's steps are.
-        frame.sparkSession.sparkContext.setJobDescription(f"shoal: keep {name}")
-        kept = frame.localCheckpoint(eager=True, storageLevel=StorageLevel(*KEPT_ARGS))
+        # Named in Spark's UI and event log (this thread's jobs), as the report's steps are;
+        # cleared after, so that later jobs on a caller's session are not named after it.
+        sc = frame.sparkSession.sparkContext
+        sc.setJobDescription(f"shoal: keep {name}")
+        try:
+            kept = frame.localCheckpoint(eager=True, storageLevel=StorageLevel(*KEPT_ARGS))
+        finally:
+            sc.setJobDescription(None)  # type: ignore[arg-type]
         self.cached.append(kept)
         if self.progress is not None:
             self.progress(f"spark: kept {name} ({time.monotonic() - started:.1f} s)")
