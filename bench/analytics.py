@@ -16,6 +16,10 @@ Figures (one JSON line each on stdout; progress on stderr while it runs):
 * ``pandas_report_s``: the same report with the pandas engine; ``rows_per_s``, peak RSS.
 * ``spark_over_pandas``: pandas time / Spark time on the first master (target 1.5 at 2M
   rows and below, above 1 beyond).
+* ``spark_report_warm_s``: the first master's report once more on the same session, its
+  JVM's code compiled by the first (``--no-warm`` leaves it out), and
+  ``spark_over_pandas_warm``: pandas time / that time. What a cold JVM costs the report
+  is the difference; a user's first report pays it, which ``spark_report_s`` measures.
 * ``core_speedup``: ``local[1]`` time / ``local[2]`` time when both ran (target 1.6).
   ``local[1]`` runs one task at a time, but its JVM's compilers and collector still use
   the second core (165 % CPU measured, session 9), so it is not a one-core run.
@@ -23,6 +27,11 @@ Figures (one JSON line each on stdout; progress on stderr while it runs):
   Python) held to one CPU (``sched_setaffinity``: the JVM then sizes its compiler and
   collector threads for one), against ``local[2]``: what the second core gives the whole
   report. ``--no-one-cpu`` leaves it out.
+* ``spark_jvm_cpu_s``: the CPU the JVM used during each report (from /proc, per thread),
+  and its parts: ``tasks_s`` (executor task threads), ``jit_s`` (the C1 and C2 compiler
+  threads), ``gc_s`` (the collector's threads), ``other_s`` (the driver: planning,
+  Janino, Py4J, the scheduler). On 2 cores the JIT's share is what a cold JVM pays beside
+  the work itself, and what ``local[1]`` runs on the second core.
 * ``engines_agree``: both summaries give the same numbers (ok true/false).
 * ``load_before`` / ``load_after``: the 1-minute load average, since other work on the
   machine skews every figure.
@@ -44,7 +53,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from harness.bench import emit, failed, note, workdir
+from harness.bench import emit, failed, note, thread_cpu, workdir
 from shoal.analytics.generate import HistorySpec, history, specs_for, write_history
 
 BENCH = "analytics"
@@ -69,6 +78,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         dest="one_cpu",
         action="store_false",
         help="leave out the local[1] run held to one CPU (core_speedup_one_cpu)",
+    )
+    parser.add_argument(
+        "--no-warm",
+        dest="warm",
+        action="store_false",
+        help="leave out the first master's second report on the same session (spark_report_warm_s)",
     )
     parser.add_argument("--skip-pandas", action="store_true", help="Spark only")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
@@ -128,17 +143,70 @@ def _spark_run(
     out: Path,
     rows: int,
     cpus: set[int] | None = None,
+    warm: bool = False,
 ) -> tuple[float, dict[str, Any]]:
     """One report on a session of its own; with `cpus`, this process and the JVM it
     starts (which inherits the mask) run on those CPUs only."""
     if cpus is None:
-        return _spark_report(args, master, logs, out, rows)
+        return _spark_report(args, master, logs, out, rows, warm=warm)
     allowed = os.sched_getaffinity(0)
     os.sched_setaffinity(0, cpus)
     try:
         return _spark_report(args, master, logs, out, rows, cpus=len(cpus))
     finally:
         os.sched_setaffinity(0, allowed)
+
+
+def _jvm_pid() -> int | None:
+    """The pid of the JVM pyspark started (its gateway's process), if it started one."""
+    from pyspark import SparkContext
+
+    proc = getattr(SparkContext._gateway, "proc", None)
+    return getattr(proc, "pid", None)
+
+
+def _jvm_cpu(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """CPU seconds between two :func:`thread_cpu` readings, by kind of thread."""
+    kinds = {"tasks_s": 0.0, "jit_s": 0.0, "gc_s": 0.0, "other_s": 0.0}
+    for name, seconds in after.items():
+        used = seconds - before.get(name, 0.0)
+        if "CompilerThre" in name:
+            kinds["jit_s"] += used
+        elif name.startswith("GC Thread"):
+            kinds["gc_s"] += used
+        elif name.startswith("Executor task"):
+            kinds["tasks_s"] += used
+        else:
+            kinds["other_s"] += used
+    return kinds
+
+
+def _timed_report(
+    spark: Any, logs: Path, out: Path, master: str, held: dict[str, int], warm: bool = False
+) -> tuple[float, dict[str, Any]]:
+    """One report on a running session, and the JVM's CPU meanwhile by kind of thread."""
+    from shoal.analytics.report import run_report
+
+    pid = _jvm_pid()
+    cpu_before = thread_cpu(pid) if pid else {}
+    started = time.monotonic()
+    summary = run_report(str(logs), out, engine="spark", spark=spark, progress=note)
+    wall = time.monotonic() - started
+    if pid:
+        kinds = _jvm_cpu(cpu_before, thread_cpu(pid))
+        total = sum(kinds.values())
+        emit(
+            BENCH,
+            "spark_jvm_cpu_s",
+            total,
+            master=master,
+            **held,
+            **({"warm": True} if warm else {}),
+            **kinds,
+            jit_share=kinds["jit_s"] / total if total else None,
+            cores_busy=total / wall,
+        )
+    return wall, summary
 
 
 def _spark_report(
@@ -148,8 +216,10 @@ def _spark_report(
     out: Path,
     rows: int,
     cpus: int | None = None,
+    warm: bool = False,
 ) -> tuple[float, dict[str, Any]]:
-    from shoal.analytics.report import run_report
+    """The report on a new session (a cold JVM, as a user's first report runs); with
+    ``warm``, once more on the same session (``spark_report_warm_s``)."""
     from shoal.analytics.session import spark_session, stop_spark
 
     started = time.monotonic()
@@ -158,9 +228,19 @@ def _spark_report(
     held = {"cpus": cpus} if cpus else {}
     emit(BENCH, "spark_startup_s", startup, master=spark.sparkContext.master, **held)
     try:
-        started = time.monotonic()
-        summary = run_report(str(logs), out, engine="spark", spark=spark, progress=note)
-        wall = time.monotonic() - started
+        wall, summary = _timed_report(spark, logs, out, master, held)
+        if warm:
+            again, _ = _timed_report(spark, logs, out / "warm", master, held, warm=True)
+            emit(
+                BENCH,
+                "spark_report_warm_s",
+                again,
+                rows=rows,
+                master=master,
+                cold_s=wall,
+                note="the same report again on the same session: its JVM's code compiled",
+            )
+            summary = {**summary, "warm_s": again}
     finally:
         stop_spark(spark)
     target = 45.0 if master == "local[2]" and rows >= 10_000_000 and not cpus else None
@@ -194,7 +274,9 @@ def run(args: argparse.Namespace, root: Path) -> None:
     walls: dict[str, float] = {}
     from_spark: dict[str, Any] = {}
     for i, master in enumerate(args.master):
-        walls[master], summary = _spark_run(args, master, logs, root / f"spark-{i}", rows)
+        walls[master], summary = _spark_run(
+            args, master, logs, root / f"spark-{i}", rows, warm=args.warm and i == 0
+        )
         if i == 0:
             from_spark = summary
     first = args.master[0]
@@ -240,6 +322,15 @@ def run(args: argparse.Namespace, root: Path) -> None:
             target=target,
             ok=ratio >= target if rows <= 2_000_000 else ratio > target,
         )
+        if "warm_s" in from_spark:
+            emit(
+                BENCH,
+                "spark_over_pandas_warm",
+                wall / from_spark["warm_s"],
+                rows=rows,
+                master=first,
+                note="pandas time / the warm Spark report's (spark_report_warm_s)",
+            )
         same = _figures(from_spark) == _figures(from_pandas) and (
             from_spark["input_stats"] == from_pandas["input_stats"]
         )

@@ -35,6 +35,7 @@ __all__ = [
     "read_stream_json",
     "scrape_counter",
     "summary",
+    "thread_cpu",
     "workdir",
 ]
 
@@ -91,6 +92,28 @@ def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     # fields[0] is field 3 (state) of proc(5): utime and stime are fields 14 and 15.
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds so far per thread name of a process, numbers in names folded to ``#``
+    (``GC Thread#0`` and ``GC Thread#1`` count as ``GC Thread##``). Linux truncates the
+    names to 15 characters (``C2 CompilerThre``). Threads that end meanwhile are skipped;
+    a process that is gone raises ProcessLookupError."""
+    hz = os.sysconf("SC_CLK_TCK")
+    tasks = Path(f"/proc/{pid}/task")
+    if not tasks.is_dir():
+        raise ProcessLookupError(f"no process {pid}")
+    totals: dict[str, float] = {}
+    for stat in tasks.glob("*/stat"):
+        try:
+            raw = stat.read_text()
+        except OSError:  # the thread ended
+            continue
+        head, _, tail = raw.rpartition(")")
+        name = re.sub(r"[0-9]+", "#", head.partition("(")[2])
+        fields = tail.split()
+        totals[name] = totals.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / hz
+    return totals
 
 
 def varz(monitor_url: str) -> dict[str, Any]:
