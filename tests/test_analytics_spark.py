@@ -181,6 +181,22 @@ def test_spark_jobs_are_named_after_the_report_steps(
         assert f"shoal: {step}" in named, sorted(named)
 
 
+def test_a_second_report_reuses_the_compiled_classes(
+    spark: SparkSession, logs: Path, spark_out: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """A report compiles some 230 classes of generated code. With Spark's default cache of
+    100 a second report on the same session (a notebook, a long-lived driver, these tests)
+    compiled them all again, and the JIT compiled the new classes again."""
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None
+    compiles = jvm.org.apache.spark.metrics.source.CodegenMetrics.METRIC_COMPILATION_TIME()
+    before = compiles.getCount()
+    summary = run_report(str(logs), tmp_path, engine="spark", spark=spark)
+    again = compiles.getCount() - before
+    assert summary["by_strategy"] == spark_out[1]["by_strategy"]
+    assert again <= 25, f"the same report compiled {again} classes again"
+
+
 def test_empty_input_gives_an_empty_report(spark: SparkSession, tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     logs.mkdir()
