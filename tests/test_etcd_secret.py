@@ -28,6 +28,9 @@ from shoal.operator.etcdsecret import (
 CA = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
 CERT = b"-----BEGIN CERTIFICATE-----\nMIIC\n-----END CERTIFICATE-----\n"
 KEY = b"-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----\n"
+# Long enough never to turn up by chance in a repr's random directory name (a "pw" once
+# did: ".etcd.ta1opw9l").
+PASSWORD = "secret-password-17"
 
 
 def b64(value: bytes | str) -> str:
@@ -112,7 +115,7 @@ async def test_files_are_private_and_hold_the_secret(
     clients: EtcdClients, secrets: FakeSecrets
 ) -> None:
     secrets.secrets["prod", "etcd"] = SecretData(
-        "7", tls_data(username=b64("shoal"), password=b64("pw"))
+        "7", tls_data(username=b64("shoal"), password=b64(PASSWORD))
     )
     files = await clients.files("prod", "etcd")
     check_private_files(clients.root, files)
@@ -132,10 +135,10 @@ def check_private_files(root: Path, files: SecretFiles) -> None:
         assert Path(path).parent == files.directory
         assert Path(path).read_bytes() == content
         assert mode(Path(path)) == 0o600
-    assert (options["username"], options["password"]) == ("shoal", "pw")
+    assert (options["username"], options["password"]) == ("shoal", PASSWORD)
     # Credentials stay in memory: only the three PEM files are written.
     assert sorted(p.name for p in files.directory.iterdir()) == ["ca.crt", "tls.crt", "tls.key"]
-    assert "pw" not in repr(files)
+    assert PASSWORD not in repr(files)
 
 
 async def test_files_are_cached_by_resource_version(
