@@ -49,7 +49,7 @@ import os
 import resource
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,16 @@ from harness.bench import emit, failed, note, thread_cpu, workdir
 from shoal.analytics.generate import HistorySpec, history, specs_for, write_history
 
 BENCH = "analytics"
+
+
+@dataclass
+class SparkRun:
+    """A Spark report on a session of its own: its wall time and summary, and with
+    ``--warm`` the wall time of the same report again on that session."""
+
+    wall: float
+    summary: dict[str, Any]
+    warm_s: float | None = None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -144,7 +154,7 @@ def _spark_run(
     rows: int,
     cpus: set[int] | None = None,
     warm: bool = False,
-) -> tuple[float, dict[str, Any]]:
+) -> SparkRun:
     """One report on a session of its own; with `cpus`, this process and the JVM it
     starts (which inherits the mask) run on those CPUs only."""
     if cpus is None:
@@ -217,7 +227,7 @@ def _spark_report(
     rows: int,
     cpus: int | None = None,
     warm: bool = False,
-) -> tuple[float, dict[str, Any]]:
+) -> SparkRun:
     """The report on a new session (a cold JVM, as a user's first report runs); with
     ``warm``, once more on the same session (``spark_report_warm_s``)."""
     from shoal.analytics.session import spark_session, stop_spark
@@ -227,6 +237,7 @@ def _spark_report(
     startup = time.monotonic() - started
     held = {"cpus": cpus} if cpus else {}
     emit(BENCH, "spark_startup_s", startup, master=spark.sparkContext.master, **held)
+    again: float | None = None
     try:
         wall, summary = _timed_report(spark, logs, out, master, held)
         if warm:
@@ -240,7 +251,6 @@ def _spark_report(
                 cold_s=wall,
                 note="the same report again on the same session: its JVM's code compiled",
             )
-            summary = {**summary, "warm_s": again}
     finally:
         stop_spark(spark)
     target = 45.0 if master == "local[2]" and rows >= 10_000_000 and not cpus else None
@@ -256,7 +266,7 @@ def _spark_report(
         generations=summary["input_stats"]["used"],
         **({"target": target, "ok": wall <= target} if target else {}),
     )
-    return wall, summary
+    return SparkRun(wall, summary, again)
 
 
 def _load(figure: str) -> None:
@@ -271,14 +281,12 @@ def run(args: argparse.Namespace, root: Path) -> None:
     rows = generate(args, logs)
     _load("load_before")
 
-    walls: dict[str, float] = {}
-    from_spark: dict[str, Any] = {}
-    for i, master in enumerate(args.master):
-        walls[master], summary = _spark_run(
-            args, master, logs, root / f"spark-{i}", rows, warm=args.warm and i == 0
-        )
-        if i == 0:
-            from_spark = summary
+    runs = [
+        _spark_run(args, master, logs, root / f"spark-{i}", rows, warm=args.warm and i == 0)
+        for i, master in enumerate(args.master)
+    ]
+    walls = {master: done.wall for master, done in zip(args.master, runs, strict=True)}
+    from_spark, warm_s = runs[0].summary, runs[0].warm_s
     first = args.master[0]
     for strategy, figures in from_spark["by_strategy"].items():
         emit(
@@ -296,7 +304,7 @@ def run(args: argparse.Namespace, root: Path) -> None:
         emit(BENCH, "core_speedup", speedup, rows=rows, target=1.6, ok=speedup >= 1.6)
         if args.one_cpu and len(os.sched_getaffinity(0)) > 1:
             one = min(os.sched_getaffinity(0))
-            wall, _ = _spark_run(args, "local[1]", logs, root / "spark-one-cpu", rows, {one})
+            wall = _spark_run(args, "local[1]", logs, root / "spark-one-cpu", rows, {one}).wall
             emit(
                 BENCH,
                 "core_speedup_one_cpu",
@@ -322,11 +330,11 @@ def run(args: argparse.Namespace, root: Path) -> None:
             target=target,
             ok=ratio >= target if rows <= 2_000_000 else ratio > target,
         )
-        if "warm_s" in from_spark:
+        if warm_s:
             emit(
                 BENCH,
                 "spark_over_pandas_warm",
-                wall / from_spark["warm_s"],
+                wall / warm_s,
                 rows=rows,
                 master=first,
                 note="pandas time / the warm Spark report's (spark_report_warm_s)",

@@ -87,11 +87,16 @@ def workdir(prefix: str, keep: bool) -> Iterator[Path]:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time a process has used so far (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+def _stat_cpu(stat: str) -> float:
+    """User + system CPU seconds from a /proc stat line (a process's or a thread's)."""
+    fields = stat.rpartition(")")[2].split()
     # fields[0] is field 3 (state) of proc(5): utime and stime are fields 14 and 15.
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (all its threads)."""
+    return _stat_cpu(Path(f"/proc/{pid}/stat").read_text())
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
@@ -99,7 +104,6 @@ def thread_cpu(pid: int) -> dict[str, float]:
     (``GC Thread#0`` and ``GC Thread#1`` count as ``GC Thread##``). Linux truncates the
     names to 15 characters (``C2 CompilerThre``). Threads that end meanwhile are skipped;
     a process that is gone raises ProcessLookupError."""
-    hz = os.sysconf("SC_CLK_TCK")
     tasks = Path(f"/proc/{pid}/task")
     if not tasks.is_dir():
         raise ProcessLookupError(f"no process {pid}")
@@ -109,10 +113,8 @@ def thread_cpu(pid: int) -> dict[str, float]:
             raw = stat.read_text()
         except OSError:  # the thread ended
             continue
-        head, _, tail = raw.rpartition(")")
-        name = re.sub(r"[0-9]+", "#", head.partition("(")[2])
-        fields = tail.split()
-        totals[name] = totals.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / hz
+        name = re.sub(r"[0-9]+", "#", raw.rpartition(")")[0].partition("(")[2])
+        totals[name] = totals.get(name, 0.0) + _stat_cpu(raw)
     return totals
 
 
