@@ -2,7 +2,8 @@
 
 `scripted_ledger` records like the `ledger` handler of shoal.consumer.handlers, after doing
 what the message's data says: ``wait:<ms>`` awaits that long (an I/O-bound handler),
-``fail:<n>`` fails its first n attempts, ``poison`` fails every attempt.
+``fail:<n>`` fails its first n attempts, ``poison`` fails every attempt, ``permanent``
+raises PermanentError (dead-lettered at once), ``hang`` never returns.
 
 `slow_ledger` is the `ledger` handler of shoal.consumer.handlers with two differences a
 scenario needs: a message whose data is ``sleep:<seconds>[:<cleanup>]`` takes that long
@@ -20,7 +21,7 @@ import json
 import logging
 import time
 
-from shoal.consumer.handlers import Message
+from shoal.consumer.handlers import Message, PermanentError
 from shoal.contracts.names import SEQ_HEADER, ledger_subject
 
 __all__ = ["SLEEP_PREFIX", "scripted_ledger", "slow_ledger"]
@@ -79,5 +80,9 @@ async def scripted_ledger(msg: Message) -> None:
         raise ScriptedFailure(f"attempt {msg.delivery_count} of {msg.message_id} fails")
     elif command == "poison":
         raise ScriptedFailure(f"{msg.message_id} is poison")
+    elif command == "permanent":
+        raise PermanentError(f"{msg.message_id} can never succeed")
+    elif command == "hang":
+        await asyncio.Event().wait()
     msg.ensure_owned()
     await _record(msg, started)

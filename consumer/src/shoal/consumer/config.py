@@ -106,6 +106,10 @@ class GroupConfig(BaseModel):
     ready_file: str | None = None
     # A NATS credentials file (the operator mounts the group's credentials secret).
     nats_creds_file: str | None = None
+    # What nats-py buffers while the connection is down (its pending_size; nats.go's
+    # ReconnectBufSize): beyond it a publish raises instead of queueing. 2 MiB is
+    # nats-py's default; a member survives a full buffer either way (partition.py).
+    nats_reconnect_buffer: int = Field(2 * 1024 * 1024, ge=1024)
     # etcd over TLS (CA, client certificate and key files: the operator mounts the group's
     # spec.etcd.tlsSecret) and etcd authentication. Files are checked when the etcd client
     # is made (shoal.consumer.etcd.check_security), not here: the operator builds this
@@ -227,6 +231,7 @@ ENV_FIELDS: dict[str, str] = {
     "SHOAL_READY_FILE": "ready_file",
     "SHOAL_ENSURE_JETSTREAM": "ensure_jetstream",
     "NATS_CREDS_FILE": "nats_creds_file",
+    "SHOAL_NATS_RECONNECT_BUFFER": "nats_reconnect_buffer",
     "ETCD_CA_FILE": "etcd_ca_file",
     "ETCD_CERT_FILE": "etcd_cert_file",
     "ETCD_KEY_FILE": "etcd_key_file",

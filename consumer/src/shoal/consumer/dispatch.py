@@ -42,7 +42,16 @@ SPARE_QUEUES = 1024
 class Held:
     """A fetched message of one project, held until it is settled or given back."""
 
-    __slots__ = ("delivered", "failures", "kept", "msg", "project", "seq")
+    __slots__ = (
+        "delivered",
+        "failures",
+        "kept",
+        "msg",
+        "project",
+        "seq",
+        "settle_failures",
+        "verdict",
+    )
 
     def __init__(self, msg: Any, project: str, seq: int, delivered: int, now: float) -> None:
         self.msg = msg
@@ -51,6 +60,18 @@ class Held:
         self.delivered = delivered  # JetStream's delivery count for this delivery
         self.failures = 0  # handler failures here, retried in place
         self.kept = now  # last time JetStream heard of it (delivery or in-progress ack)
+        # What the handler's run decided, until it is carried out: (ACKED, ""),
+        # (DEAD_LETTER, reason), (TERMINATED, reason: copied to the dead letters
+        # already), (NAKED, delay). None: the handler has not run to a decision yet.
+        self.verdict: tuple[str, str] | None = None
+        self.settle_failures = 0  # tries to carry out the verdict that failed
+
+
+# Held.verdict's kinds (compared with `is`: one object each).
+ACKED = "ack"
+DEAD_LETTER = "dead-letter"
+TERMINATED = "terminate"
+NAKED = "nak"
 
 
 class Source(Protocol):
@@ -84,6 +105,8 @@ class ProjectQueue:
 # partition was fenced or released mid-way: leave the message to the hand-over).
 SETTLED: None = None
 ABANDONED = -1.0
+# After an unexpected error of execute() itself (a bug): retry the head this much later.
+BUG_RETRY_DELAY = 1.0
 Execute = Callable[[Any, Held], Awaitable[float | None]]
 
 
@@ -214,10 +237,12 @@ class Dispatcher:
                 me.uncancel()
                 outcome = ABANDONED
             except Exception:
-                # execute() handles the handler's errors; this is a bug of ours. Leave
-                # the message unacked (JetStream redelivers it) rather than lose a worker.
+                # execute() handles the handler's and the settling's errors; this is a
+                # bug of ours. Retry the message later rather than lose a worker, or
+                # leave its project stalled behind it (nothing would reschedule it,
+                # and in-progress acks would keep JetStream from redelivering it).
                 log.exception("Running a message of partition %d failed", source.partition)
-                outcome = ABANDONED
+                outcome = BUG_RETRY_DELAY
             finally:
                 self._cancelling.discard(me)
                 del self._running[me]

@@ -60,7 +60,12 @@ class _Callbacks:
 
 
 async def connect(
-    url: str, *, name: str, attempts: int | None = None, creds_file: str | None = None
+    url: str,
+    *,
+    name: str,
+    attempts: int | None = None,
+    creds_file: str | None = None,
+    reconnect_buffer: int | None = None,
 ) -> Any:
     """Connect to NATS, retrying with capped backoff and saying why each attempt failed.
 
@@ -99,6 +104,7 @@ async def connect(
                 # A leaving member drains its connection last; nats-py's default (30 s)
                 # would outlast a pod's grace period if a subscription never empties.
                 "drain_timeout": 5,
+                **({"pending_size": reconnect_buffer} if reconnect_buffer else {}),
                 "error_cb": callbacks.error,
                 "disconnected_cb": callbacks.disconnected,
                 "reconnected_cb": callbacks.reconnected,

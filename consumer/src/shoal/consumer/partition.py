@@ -321,6 +321,12 @@ class PartitionRunner:
                         self._want = min(self._want * 2, w.config.fetch_batch)
                 elif status in ("404", "408"):
                     self._want = IDLE_BATCH
+                if status == "unsent":
+                    # NATS is away and nats-py buffers no more: nothing was asked for.
+                    # Try again after a backoff; the buffer empties on reconnecting.
+                    await self.sleep_until_woken(backoff)
+                    backoff = min(backoff * 2, MISSING_DURABLE_BACKOFF_MAX)
+                    continue
                 if status == "503":
                     # Nobody answers pulls on this durable: it (or the stream) was
                     # deleted, or its leader is being elected (a cluster node died), or
@@ -348,6 +354,13 @@ class PartitionRunner:
                     continue
                 silent = 0
                 backoff = MISSING_DURABLE_BACKOFF
+                if w.unsent_pulls and status not in ("lost", "fenced"):
+                    # (Answered by the server: a lost request was only buffered.)
+                    log.warning(
+                        "Pull requests flow again (%d could not be sent meanwhile)",
+                        w.unsent_pulls,
+                    )
+                    w.unsent_pulls = 0
                 if status == "409":
                     await asyncio.sleep(0.1)
                 if got or status not in ("404", "408"):
@@ -395,23 +408,33 @@ class PartitionRunner:
         # what was published just before the alarm's subscription to reach the stream.
         expires = w.config.fetch_expires if self.alarm.armed else w.pull_expires()
         arrived = self.arrived
+        request = json.dumps({"batch": room, "expires": int(expires * 1e9)}).encode()
+        # The reservation is made, and given back, inside one try: a publish that raises
+        # (nats-py's reconnect buffer full while NATS is away: OutboundBufferLimitError)
+        # once kept it, and after enough of those the member's budget stayed spent for
+        # good: it never pulled again, its claims held and its probes green.
         self._remaining = room
         w.reserved += room
         self._request_end = end = loop.create_future()
-        request = json.dumps({"batch": room, "expires": int(expires * 1e9)}).encode()
         self.open_expires = expires
-        await w.nc.publish(api_subject, request, reply=inbox)
-        # The request ends with its batch, or a status; bounded in case the status was
-        # lost with a connection or a server.
-        watch = RequestWatch(loop, w.nc, end, expires, w.answers)
+        watch: RequestWatch | None = None
         try:
+            try:
+                await w.nc.publish(api_subject, request, reply=inbox)
+            except Exception as exc:
+                self._unsent(exc)
+                return "unsent", 0
+            # The request ends with its batch, or a status; bounded in case the status
+            # was lost with a connection or a server.
+            watch = RequestWatch(loop, w.nc, end, expires, w.answers)
             status = await end
             if status != "lost":
                 watch.ended(status)
             else:
                 self.gave_up_a_request = True
         finally:
-            watch.cancel()
+            if watch is not None:
+                watch.cancel()
             self._request_end = None
             self.open_expires = 0.0
             if self._remaining:
@@ -420,6 +443,18 @@ class PartitionRunner:
                 if w.starved:
                     w.wake_starved()
         return status, self.arrived - arrived
+
+    def _unsent(self, exc: Exception) -> None:
+        """A pull request could not be sent; say so once per outage (the worker keeps
+        the count), not once per partition and retry."""
+        w = self.worker
+        if not w.unsent_pulls:
+            log.warning(
+                "Could not send pull requests (%r): NATS is away and the reconnect buffer "
+                "is full; retrying with a backoff",
+                exc,
+            )
+        w.unsent_pulls += 1
 
     # -- dozing ---------------------------------------------------------------------------
 

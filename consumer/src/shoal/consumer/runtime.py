@@ -190,7 +190,10 @@ class ConsumerProcess:
             self.metrics_port = self.metrics.serve(c.metrics_port)
         await self.etcd.connect()
         self.nc = await connect(
-            c.nats_url, name=f"shoal-{c.group}-{c.member_id}", creds_file=c.nats_creds_file
+            c.nats_url,
+            name=f"shoal-{c.group}-{c.member_id}",
+            creds_file=c.nats_creds_file,
+            reconnect_buffer=c.nats_reconnect_buffer,
         )
         self.js = self.nc.jetstream()
         self.nats_health = NatsHealth(self.nc)

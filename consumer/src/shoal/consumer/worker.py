@@ -26,7 +26,16 @@ from typing import Any
 
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.deadletter import dead_letter_headers
-from shoal.consumer.dispatch import ABANDONED, SETTLED, Dispatcher, Held
+from shoal.consumer.dispatch import (
+    ABANDONED,
+    ACKED,
+    DEAD_LETTER,
+    NAKED,
+    SETTLED,
+    TERMINATED,
+    Dispatcher,
+    Held,
+)
 from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd
 from shoal.consumer.handlers import (
     DeliveredMessage,
@@ -63,6 +72,10 @@ PARTITION_CACHE_SIZE = 100_000
 # --max-txn-ops, 128 by default).
 CLAIM_BATCH = 64
 ACK = b"+ACK"
+# A verdict that could not be carried out (dispatch.Held.verdict) is tried again after
+# this long, doubling up to SETTLE_RETRY_MAX.
+SETTLE_RETRY_FIRST = 0.5
+SETTLE_RETRY_MAX = 10.0
 
 
 class Worker:
@@ -101,6 +114,8 @@ class Worker:
         # (An ordered set: the longest waiting is woken first.)
         self.starved: dict[PartitionRunner, None] = {}
         self.stream_missing_logged = False
+        # Pull requests that could not be sent since the last one that was (partition.py).
+        self.unsent_pulls = 0
         self.claiming: set[int] = set()
         self.handovers = HandOverLog()
         # Claims we deleted (their create revisions, by partition) that the view may still
@@ -161,40 +176,35 @@ class Worker:
             runner.first_message_seen = True
             if runner.target_ts is not None:
                 self.metrics.handover_seconds.observe(max(0.0, time.time() - runner.target_ts))
-        msg = held.msg
-        started = time.perf_counter()
-        try:
-            await self.handler(self._message(runner, held))
-        except Fenced:
-            runner.fence()
-            return ABANDONED
-        except PermanentError as exc:
-            await self.dead_letter(msg, runner.partition, f"permanent error: {exc}")
-            self.tally.dead_letter += 1
-            return SETTLED
-        except Exception as exc:
-            return await self._failed(runner, held, exc)
-        finally:
-            self.tally.observe_handler(time.perf_counter() - started)
-        # Msg.ack() minus its checks (we ack each message once, here or nowhere), and
-        # without a coroutine while a flush is queued (nearly always, under load).
-        if not self.nc.queue_ack(msg.reply, ACK):
-            await self.nc.publish_ack(msg.reply, ACK)
-        self.tally.ok += 1
-        # (Its delivery time: close enough for a 60 s window, and no clock read.)
-        self._projects[held.project] = held.kept
-        return SETTLED
+        if held.verdict is None:
+            # (Decided already: the handler ran, and only settling it failed before.)
+            started = time.perf_counter()
+            try:
+                await self.handler(self._message(runner, held))
+            except Fenced:
+                runner.fence()
+                return ABANDONED
+            except PermanentError as exc:
+                held.verdict = (DEAD_LETTER, f"permanent error: {exc}")
+            except Exception as exc:
+                delay = self._failed(runner, held, exc)
+                if delay is not None:
+                    return delay
+            else:
+                held.verdict = (ACKED, "")
+            finally:
+                self.tally.observe_handler(time.perf_counter() - started)
+        return await self._settle(runner, held)
 
-    async def _failed(self, runner: PartitionRunner, held: Held, exc: Exception) -> float | None:
-        """A handler error: retry in place (or nak), or dead-letter after max_deliver."""
+    def _failed(self, runner: PartitionRunner, held: Held, exc: Exception) -> float | None:
+        """A handler error: the delay before it is retried in place, or None when its
+        verdict is set (dead-letter after max_deliver attempts, or nak)."""
         held.failures += 1
         # Attempts so far: one per earlier delivery (elsewhere), plus ours here.
         attempts = held.delivered - 1 + held.failures
-        msg = held.msg
         if attempts >= self.config.max_deliver:
-            await self.dead_letter(msg, runner.partition, f"failed {attempts} times, last: {exc!r}")
-            self.tally.dead_letter += 1
-            return SETTLED
+            held.verdict = (DEAD_LETTER, f"failed {attempts} times, last: {exc!r}")
+            return None
         delay = self.retry_delay(attempts)
         self.tally.retry += 1
         if self.config.retry_policy == "NakAndContinue":
@@ -209,8 +219,8 @@ class Worker:
                 exc,
                 delay,
             )
-            await msg.nak(delay=delay)
-            return SETTLED
+            held.verdict = (NAKED, str(delay))
+            return None
         log.warning(
             "Handler failed on message %d of project %r (attempt %d of %d): %r; "
             "retrying in %.1f s, the project's later messages wait",
@@ -222,6 +232,69 @@ class Worker:
             delay,
         )
         return delay
+
+    async def _settle(self, runner: PartitionRunner, held: Held) -> float | None:
+        """Carry out the message's verdict: ack, dead-letter or nak it.
+
+        If that fails (NATS away and its reconnect buffer full, the dead-letter stream
+        missing or full), the message stays at the head of its project with its verdict,
+        and settling is retried after a backoff; the handler does not run again. Leaving
+        it instead (as a failure here once did) stalled the project for good: nothing
+        rescheduled it, and in-progress acks kept JetStream from redelivering it.
+        """
+        assert held.verdict is not None
+        kind, detail = held.verdict
+        msg = held.msg
+        try:
+            if kind is ACKED:
+                # Msg.ack() minus its checks (we ack each message once, here or
+                # nowhere), and without a coroutine while a flush is queued (nearly
+                # always, under load).
+                if not self.nc.queue_ack(msg.reply, ACK):
+                    await self.nc.publish_ack(msg.reply, ACK)
+            elif kind is DEAD_LETTER:
+                await self._publish_dead_letter(msg, runner.partition, detail)
+                # Copied: if only the term fails, the retry must not copy it again.
+                held.verdict = (TERMINATED, detail)
+                await msg.term()
+            elif kind is TERMINATED:
+                await msg.term()
+            else:
+                await msg.nak(delay=float(detail))
+        except Exception as exc:
+            held.settle_failures += 1
+            delay = min(SETTLE_RETRY_FIRST * 2.0 ** (held.settle_failures - 1), SETTLE_RETRY_MAX)
+            # Once, then every tenth: a long outage must not flood the log.
+            if held.settle_failures % 10 == 1:
+                log.warning(
+                    "Could not %s message %d of project %r (partition %d, try %d): %r; "
+                    "retrying in %.1f s, the project's later messages wait",
+                    kind,
+                    held.seq,
+                    held.project,
+                    runner.partition,
+                    held.settle_failures,
+                    exc,
+                    delay,
+                )
+            return delay
+        if kind is ACKED:
+            self.tally.ok += 1
+            # (Its delivery time: close enough for a 60 s window, and no clock read.)
+            self._projects[held.project] = held.kept
+        elif kind is NAKED:
+            pass
+        else:
+            self.tally.dead_letter += 1
+            log.warning("Dead-lettered a message of partition %d: %s", runner.partition, detail)
+        if held.settle_failures:
+            log.warning(
+                "Settled message %d of project %r after %d failed tries",
+                held.seq,
+                held.project,
+                held.settle_failures,
+            )
+        return SETTLED
 
     async def run_last_delivery(self, runner: PartitionRunner, held: Held) -> None:
         """Run a message on its last delivery during a give-back: once, no retry."""
@@ -300,12 +373,15 @@ class Worker:
 
     async def dead_letter(self, msg: Delivery, partition: int, reason: str) -> None:
         """Publish to <prefix>.dlq.<p> with the reason, then terminate the original."""
+        await self._publish_dead_letter(msg, partition, reason)
+        await msg.term()
+        log.warning("Dead-lettered a message of partition %d: %s", partition, reason)
+
+    async def _publish_dead_letter(self, msg: Delivery, partition: int, reason: str) -> None:
         headers = dead_letter_headers(msg.headers, msg.subject, reason, self.config.member_id)
         await self.js.publish(
             dlq_subject(self.config.subject_prefix, partition), msg.data, headers=headers
         )
-        await msg.term()
-        log.warning("Dead-lettered a message of partition %d: %s", partition, reason)
 
     def budget(self) -> int:
         """What the member may hold plus what its open pulls may bring (holding.py): about

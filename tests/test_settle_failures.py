@@ -1,0 +1,94 @@
+"""A message whose handler ran but whose settling failed is settled later, in order.
+
+Real nats-server, etcd and a member process running harness.handlers:scripted_ledger.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from harness.fleet import Fleet, settled, wait_for_status
+from harness.waiting import eventually_async
+from shoal.consumer.config import config_env
+from shoal.consumer.etcd import Etcd
+from shoal.consumer.jetstream import ensure_group
+from shoal.consumer.ledger import read_ledger
+from shoal.consumer.producer import Outgoing, Producer
+from shoal.contracts.names import (
+    DEAD_LETTER_REASON_HEADER,
+    SEQ_HEADER,
+    dlq_subjects,
+    partition_for,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+HANDLER = "harness.handlers:scripted_ledger"
+PARTITIONS = 4
+SETTINGS = ("handler", "partitions", "ledger")
+
+
+async def processed(js: Any, stream: str) -> set[str]:
+    return {r.message_id for r in await read_ledger(js, stream)}
+
+
+async def test_a_failed_dead_letter_publish_is_retried_and_the_project_goes_on(
+    make_fleet: Callable[..., Fleet], etcd: Etcd, js: Any, make_config: Any
+) -> None:
+    """With the group's dead-letter stream deleted, a handler raises PermanentError on
+    the second of four messages of one project. The dead-letter publish fails; the
+    message keeps its place, its project's later messages wait (order), other projects
+    flow, and once the stream is back the message is dead-lettered and the project
+    goes on. Before the fix the message was abandoned: its project's later messages
+    were never processed while another project's flowed."""
+    config = make_config(handler=HANDLER, partitions=PARTITIONS)
+    await ensure_group(js, config)
+    fleet = make_fleet(handler=HANDLER, partitions=PARTITIONS)
+    fleet.start("m-0", **config_env(config, SETTINGS))
+    await wait_for_status(
+        etcd, config.namespace, config.group, config.partitions, settled({"m-0"}), 30
+    )
+    # (After the member started: it creates what is missing when it starts.)
+    await js.delete_stream(config.dlq_stream)
+    # Both projects on one partition: the stall is per project, not per partition.
+    stuck = "stuck-0"
+    other = next(
+        f"other-{i}"
+        for i in range(1000)
+        if partition_for(f"other-{i}", PARTITIONS) == partition_for(stuck, PARTITIONS)
+    )
+    datas = [b"ok", b"permanent", b"ok", b"ok"]
+    items = [Outgoing(stuck, d, f"{stuck}-{i}", {SEQ_HEADER: str(i)}) for i, d in enumerate(datas)]
+    items += [Outgoing(other, b"ok", f"{other}-{i}", {SEQ_HEADER: str(i)}) for i in range(20)]
+    producer = Producer(js, config.subject_prefix, config.partitions)
+    await producer.publish_many(items)
+
+    others = {f"{other}-{i}" for i in range(20)}
+    await eventually_async(
+        lambda: processed(js, config.ledger_stream),
+        30,
+        "the other project's messages",
+        until=lambda done: others | {f"{stuck}-0"} <= done,
+    )
+    done = await processed(js, config.ledger_stream)
+    # In order: nothing of the project runs past the message that is not settled yet.
+    assert not done & {f"{stuck}-2", f"{stuck}-3"}, sorted(done)
+    await ensure_group(js, config)  # the dead-letter stream is back
+    await eventually_async(
+        lambda: processed(js, config.ledger_stream),
+        30,
+        "the project's later messages after the dead-letter stream is back",
+        until=lambda done: {f"{stuck}-2", f"{stuck}-3"} <= done,
+    )
+    sub = await js.pull_subscribe(dlq_subjects(config.subject_prefix)[0], stream=config.dlq_stream)
+    try:
+        letters = await sub.fetch(10, timeout=5)
+    finally:
+        await sub.unsubscribe()
+    assert len(letters) == 1, [m.headers for m in letters]
+    assert "permanent error" in (letters[0].headers or {})[DEAD_LETTER_REASON_HEADER]
+    log = fleet.members["m-0"].log_text()
+    assert "Could not dead-letter message" in log, log[-3000:]
