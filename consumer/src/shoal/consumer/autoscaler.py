@@ -5,7 +5,8 @@ Every ``spec.autoscaling.intervalSeconds`` the leader
      never cached);
   2. collects the stats every member keeps in its member key (cpu, active projects, lag,
      rate) and whether a hand-over is in progress (some partition not yet consumed by the
-     owner the assignment names: no decision then);
+     owner the assignment names: no load decision then, but replicas outside
+     [minReplicas, maxReplicas] are still brought back);
   3. calls the pure :func:`decide`;
   4. acts: records the decision in etcd (``<prefix>scale``, epoch-guarded: the operator
      turns it into ``status.lastScale`` and a successor keeps the cooldown, timed by its

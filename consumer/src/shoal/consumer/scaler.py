@@ -32,8 +32,8 @@ Rules (the seed's, made safe, plus an HPA-like lag target):
   cooldown), while a rebalance (hand-over) is in progress, or without any data; never
   outside ``[min_replicas, min(max_replicas, partitions)]``. A current count outside
   those bounds is brought back to them at once ("below minReplicas"), even inside a
-  cooldown and without data: bounds are hard limits, not load heuristics, and clamping
-  is idempotent so it cannot flap.
+  cooldown, during a hand-over and without data: bounds are hard limits, not load
+  heuristics, and clamping is idempotent so it cannot flap.
 
 Defaults that are not in the CRD:
 
@@ -527,13 +527,15 @@ def decide(
 
     if not policy.enabled:
         return hold("autoscaling disabled")
-    if rebalancing:
-        return hold("rebalance in progress")
+    # The bounds come before the hand-over check: a partition nobody claims (a hand-over
+    # that does not end) must not keep a group below minReplicas or above maxReplicas.
     if current < policy.lower:
         return act(policy.lower, f"below minReplicas ({current} < {policy.lower})", None)
     if current > policy.upper:
         bound = "maxReplicas" if policy.max_replicas <= policy.partitions else "partitions"
         return act(policy.upper, f"above {bound} ({current} > {policy.upper})", None)
+    if rebalancing:
+        return hold("rebalance in progress")
     if not reports:
         return hold("no data" if current else "no data (scaled to zero)")
     if current == 0:
