@@ -29,6 +29,7 @@ from shoal.consumer.scaler import (
     ScalerState,
     decide,
     parse_stats,
+    without_action,
 )
 
 T0 = 1_700_000_000.0
@@ -891,3 +892,17 @@ def test_random_traces_keep_the_safety_properties(
         assert len(state.history) <= (pol.scale_down_window_seconds / INTERVAL) + 3
     for action in sorted(set(actions)):
         event(f"action {action}")
+
+
+def test_a_failed_action_starts_no_cooldown() -> None:
+    """Issue 24, defect 8 (the pure part): the state for an action that did not take
+    effect keeps the round's history but not the action, so the next round acts again."""
+    before = ScalerState(last_action_time=T0 - 3600, last_action_direction="down")
+    hot = uniform(2, T0, cpu=99.0)
+    decision, after = decide(hot, 2, policy(), T0, before)
+    assert decision.action == "up" and after.last_action_time == T0
+    failed = without_action(after, before)
+    assert (failed.last_action_time, failed.last_action_direction) == (T0 - 3600, "down")
+    assert failed.history == after.history
+    again, _ = decide(uniform(2, T0 + 30, cpu=99.0), 2, policy(), T0 + 30, failed)
+    assert (again.action, again.replicas) == ("up", 3), again.reason

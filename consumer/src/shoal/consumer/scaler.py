@@ -34,6 +34,9 @@ Rules (the seed's, made safe, plus an HPA-like lag target):
   those bounds is brought back to them at once ("below minReplicas"), even inside a
   cooldown, during a hand-over and without data: bounds are hard limits, not load
   heuristics, and clamping is idempotent so it cannot flap.
+* The cooldown that :func:`decide` starts with an action holds only if the action took
+  effect: for one that failed, the caller keeps :func:`without_action` of the state, and
+  the next round decides again.
 
 Defaults that are not in the CRD:
 
@@ -76,6 +79,7 @@ __all__ = [
     "ScalerState",
     "decide",
     "parse_stats",
+    "without_action",
 ]
 
 log = logging.getLogger(__name__)
@@ -563,3 +567,15 @@ def decide(
             rec,
         )
     return act(rec, reason, rec)
+
+
+def without_action(state: ScalerState, before: ScalerState) -> ScalerState:
+    """``state`` (returned by :func:`decide` with an action) for an action that did not
+    take effect (the scale was refused, or could not be recorded): the round's history
+    stays, but the last action is still the one in ``before``, so no cooldown starts for
+    a change that never happened and the next round may try again."""
+    return replace(
+        state,
+        last_action_time=before.last_action_time,
+        last_action_direction=before.last_action_direction,
+    )
