@@ -201,6 +201,26 @@ def test_invalid_groups_are_refused_with_readable_messages(crd: LocalKube, names
     assert get_json(crd, "cg", "-n", namespace)["items"] == []
 
 
+ZERO_WITH_AUTOSCALING = "replicas must be at least 1 while autoscaling is enabled"
+
+
+def test_replicas_zero_is_refused_while_autoscaling_is_enabled(
+    crd: LocalKube, namespace: str
+) -> None:
+    """Issue 24, defect 10d: the autoscaler runs in the members, so an autoscaled group
+    at 0 never comes back. Refused, also through the scale subresource (kubectl scale,
+    an HPA); without autoscaling, 0 stops the group by hand and is accepted."""
+    message = refused(crd, group("zero", namespace, replicas=0, autoscaling={"enabled": True}))
+    assert ZERO_WITH_AUTOSCALING in message
+    apply(crd, group("auto", namespace, autoscaling={"enabled": True}))
+    result = crd.kubectl("scale", "cg", "auto", "-n", namespace, "--replicas=0", check=False)
+    assert result.returncode != 0 and ZERO_WITH_AUTOSCALING in result.stderr, result.stderr
+    assert get_json(crd, "cg", "auto", "-n", namespace)["spec"]["replicas"] == 3
+    # Stopping it by hand: autoscaling off and 0 in one change.
+    apply(crd, group("auto", namespace, replicas=0, autoscaling={"enabled": False}))
+    assert get_json(crd, "cg", "auto", "-n", namespace)["spec"]["replicas"] == 0
+
+
 def test_partitions_are_immutable(crd: LocalKube, namespace: str) -> None:
     apply(crd, group("fixed", namespace, partitions=64))
     message = refused(crd, group("fixed", namespace, partitions=32))

@@ -13,18 +13,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+import etcd3
 import pytest
+from kubernetes.client import ApiException
 
 from shoal.consumer.autoscaler import (
     LEADER_COST,
     VICTIM_COST,
     Autoscaler,
+    ScaleFailed,
     ScaleRecord,
     choose_victim,
     deletion_costs,
     event_message,
     handover_in_progress,
     resume_state,
+    retry_delay,
 )
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.cpu import (
@@ -395,3 +399,107 @@ async def test_the_cooldown_survives_a_leader_change_whatever_the_clocks(
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
         await etcd.delete_prefix(config.keys.prefix)
+
+
+class DenyingTarget(RecordingTarget):
+    """An API server that refuses the next `denials` scale patches with `status`."""
+
+    def __init__(self, spec: dict[str, Any], status: int, denials: int = 1) -> None:
+        super().__init__(spec)
+        self.status, self.denials = status, denials
+
+    async def scale(self, replicas: int) -> None:
+        if self.denials:
+            self.denials -= 1
+            self.calls.append(("denied", replicas))
+            raise ApiException(status=self.status, reason="Denied")
+        await super().scale(replicas)
+
+    async def event(self, reason: str, message: str, uid: str, warning: bool = False) -> None:
+        self.calls.append(("warning" if warning else "event", reason))
+
+
+HOT_SPEC = {
+    "handler": "shoal.consumer.handlers:noop",
+    "replicas": 2,
+    "minReplicas": 1,
+    "maxReplicas": 4,
+    "partitions": 8,
+    "autoscaling": {"enabled": True, "cooldownSeconds": 600, "targetLagPerMember": 100},
+}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("status", [403, 409, 422])
+async def test_a_denied_scale_starts_no_cooldown_and_is_retried(
+    etcd: Etcd, group: str, namespace: str, status: int
+) -> None:
+    """Issue 24, defect 8: the API server refused the patch, yet the loop started its
+    600 s cooldown, so the group stayed too small for ten minutes with nothing scaled.
+    Now a refused scale leaves no cooldown (in memory, or in etcd for a successor), is
+    reported once as a Warning Event, and the next round scales."""
+    config = GroupConfig(namespace=namespace, group=group, partitions=8, member_id="lead")
+    epoch = await _group(etcd, config, {"lead": _stats(1000), "x": _stats(1000)})
+    view = GroupView(etcd, config.keys, config.partitions)
+    watcher = asyncio.create_task(view.run())
+    try:
+        await view.synced.wait()
+        target = DenyingTarget(dict(HOT_SPEC), status, denials=2)
+        scaler = Autoscaler(config, etcd, view, FakeLeader(epoch), target)
+        for _ in range(2):
+            with pytest.raises(ScaleFailed, match=rf"could not scale 2 -> 4: API {status}"):
+                await scaler.round()
+        assert scaler.state is not None and scaler.state.last_action_time is None
+        # Reported once per episode, not once per try.
+        assert [c for c in target.calls if c[0] == "warning"] == [("warning", "ScaleFailed")]
+        # The decision recorded before the patch is withdrawn: a successor would
+        # otherwise hold a cooldown for a scale that never happened.
+        _, kvs = await etcd.get_prefix(config.keys.scale)
+        assert config.keys.scale not in kvs
+        await scaler.round()
+        assert ("scale", 4) in target.calls, (scaler.last_reason, target.calls)
+        assert scaler.state.last_action_time is not None  # the cooldown runs from now
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+        await etcd.delete_prefix(config.keys.prefix)
+
+
+@pytest.mark.e2e
+async def test_an_etcd_error_while_recording_starts_no_cooldown(
+    etcd: Etcd, group: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 24, defect 8: the decision could not be recorded in etcd (so nothing was
+    scaled), yet the cooldown started."""
+    config = GroupConfig(namespace=namespace, group=group, partitions=8, member_id="lead")
+    epoch = await _group(etcd, config, {"lead": _stats(1000), "x": _stats(1000)})
+    view = GroupView(etcd, config.keys, config.partitions)
+    watcher = asyncio.create_task(view.run())
+    try:
+        await view.synced.wait()
+        target = RecordingTarget(dict(HOT_SPEC))
+        scaler = Autoscaler(config, etcd, view, FakeLeader(epoch), target)
+        real = etcd.guarded_put_many
+
+        async def unreachable(*args: Any, **kwargs: Any) -> bool:
+            raise etcd3.exceptions.ConnectionFailedError()
+
+        monkeypatch.setattr(etcd, "guarded_put_many", unreachable)
+        with pytest.raises(ScaleFailed, match="could not scale 2 -> 4"):
+            await scaler.round()
+        assert ("scale", 4) not in target.calls
+        monkeypatch.setattr(etcd, "guarded_put_many", real)
+        await scaler.round()
+        assert ("scale", 4) in target.calls, (scaler.last_reason, target.calls)
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+        await etcd.delete_prefix(config.keys.prefix)
+
+
+def test_failed_rounds_back_off_from_the_next_evaluation_to_five_minutes() -> None:
+    """A permanent denial is retried at the next evaluation, then ever more rarely: one
+    log line per try, at most one every MAX_BACKOFF_SECONDS."""
+    delays = [retry_delay(30.0, failures) for failures in range(1, 8)]
+    assert delays == [30.0, 60.0, 120.0, 240.0, 300.0, 300.0, 300.0]
+    assert retry_delay(1.0, 1) == 1.0

@@ -19,6 +19,7 @@ import kopf
 import pytest
 
 from shoal.consumer.jetstream import StreamConfigConflict
+from shoal.contracts.spec import SpecError
 from shoal.operator import reconciler
 from shoal.operator.builders import selector_string
 from shoal.operator.etcdsecret import EtcdClients, SecretData
@@ -581,3 +582,15 @@ async def test_the_timer_leaves_a_group_not_yet_reconciled_alone(
     assert kube.applied == []  # the resume handler applies it
     assert degraded_reason(st) == "AsExpected"
     assert group_state(memo) == GroupState()
+
+
+def test_a_group_stored_at_zero_with_autoscaling_can_still_be_deleted() -> None:
+    """The CRD and the model now refuse replicas 0 with autoscaling on (issue 24, defect
+    10d); a group stored before that must not block its own finalizer."""
+    stored = {"handler": "a:b", "replicas": 0, "autoscaling": {"enabled": True}}
+    with pytest.raises(SpecError, match="replicas must be at least 1 while autoscaling"):
+        reconciler.spec_model(stored)
+    model = reconciler.deletable_spec(stored)
+    assert (model.replicas, model.autoscaling.enabled, model.handler) == (0, False, "a:b")
+    with pytest.raises(SpecError, match="minReplicas must not exceed maxReplicas"):
+        reconciler.deletable_spec({"handler": "a:b", "minReplicas": 5, "maxReplicas": 2})

@@ -2,7 +2,7 @@
 
 Synthetic traces are driven step by step (interval 30 s, cooldown 600 s) and the replica
 series is asserted; small exhaustive grids pin the rules; hypothesis checks the safety
-properties (bounds, no action while rebalancing, at most one action per cooldown and so
+properties (bounds, no load action while rebalancing, at most one action per cooldown and so
 no reversal inside one) on random noisy traces with missing, garbage and stale stats.
 """
 
@@ -29,6 +29,7 @@ from shoal.consumer.scaler import (
     ScalerState,
     decide,
     parse_stats,
+    without_action,
 )
 
 T0 = 1_700_000_000.0
@@ -755,6 +756,25 @@ def test_above_partitions_is_clamped() -> None:
     assert decision.reason == "above partitions (6 > 4)"
 
 
+@pytest.mark.parametrize(
+    ("current", "wanted", "reason"),
+    [(1, 2, "below minReplicas (1 < 2)"), (6, 4, "above maxReplicas (6 > 4)")],
+)
+def test_bounds_are_enforced_while_a_partition_is_unclaimed(
+    current: int, wanted: int, reason: str
+) -> None:
+    """Issue 24, defect 10c: one partition that nobody claims (a hand-over that never
+    ends) held every decision back, even the clamp into [minReplicas, maxReplicas]. The
+    bounds are hard limits, not load heuristics: they do not wait for a hand-over."""
+    pol = policy(min_replicas=2, max_replicas=4)
+    decision, _ = decide(uniform(current, T0), current, pol, T0, ScalerState(), rebalancing=True)
+    assert (decision.replicas, decision.reason) == (wanted, reason)
+    # Load-based decisions still wait for the hand-over.
+    hot = uniform(3, T0, cpu=99.0)
+    decision, _ = decide(hot, 3, pol, T0, ScalerState(), rebalancing=True)
+    assert (decision.action, decision.reason) == ("none", "rebalance in progress")
+
+
 # -- purity and the safety properties on random traces -------------------------------------
 
 
@@ -847,9 +867,9 @@ def test_random_traces_keep_the_safety_properties(
         assert (decision, new_state) == decide(stats, current, pol, now, state, rebalancing)
         assert decision.dry_run is pol.dry_run
         assert (decision.action == "none") is (decision.replicas == current)
-        if rebalancing:
-            assert decision.action == "none"
         in_range = pol.lower <= current <= pol.upper
+        if rebalancing and in_range:
+            assert decision.action == "none"  # only the bounds do not wait for a hand-over
         if decision.action != "none" or in_range:
             assert pol.lower <= decision.replicas <= pol.upper
         if in_range and decision.action != "none":
@@ -872,3 +892,17 @@ def test_random_traces_keep_the_safety_properties(
         assert len(state.history) <= (pol.scale_down_window_seconds / INTERVAL) + 3
     for action in sorted(set(actions)):
         event(f"action {action}")
+
+
+def test_a_failed_action_starts_no_cooldown() -> None:
+    """Issue 24, defect 8 (the pure part): the state for an action that did not take
+    effect keeps the round's history but not the action, so the next round acts again."""
+    before = ScalerState(last_action_time=T0 - 3600, last_action_direction="down")
+    hot = uniform(2, T0, cpu=99.0)
+    decision, after = decide(hot, 2, policy(), T0, before)
+    assert decision.action == "up" and after.last_action_time == T0
+    failed = without_action(after, before)
+    assert (failed.last_action_time, failed.last_action_direction) == (T0 - 3600, "down")
+    assert failed.history == after.history
+    again, _ = decide(uniform(2, T0 + 30, cpu=99.0), 2, policy(), T0 + 30, failed)
+    assert (again.action, again.replicas) == ("up", 3), again.reason

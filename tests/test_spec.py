@@ -143,6 +143,10 @@ def test_camel_case_in_snake_case_out() -> None:
         ({"handler": "a:b", "minReplicas": 0}, "spec.minReplicas must be at least 1: a group"),
         ({"handler": "a:b", "maxReplicas": 200}, "maxReplicas must not exceed partitions"),
         (
+            {"handler": "a:b", "replicas": 0, "autoscaling": {"enabled": True}},
+            "spec: replicas must be at least 1 while autoscaling is enabled",
+        ),
+        (
             {"handler": "a:b", "assignment": {"strategy": "modulo", "loadAware": True}},
             "loadAware needs strategy sticky",
         ),
@@ -154,6 +158,29 @@ def test_camel_case_in_snake_case_out() -> None:
 def test_bad_specs_are_one_readable_error(spec: Any, message: str) -> None:
     with pytest.raises(SpecError, match=re.escape(message)):
         parse_spec(spec)
+
+
+REPLICAS_RULE = "!has(self.autoscaling) || !self.autoscaling.enabled || self.replicas >= 1"
+
+
+def test_replicas_zero_stops_a_group_only_without_autoscaling() -> None:
+    """Issue 24, defect 10d: `replicas: 0` was accepted with autoscaling on, and the group
+    never came back: the autoscaler runs in the members, so with none there is no leader
+    to bring it back to minReplicas. Without autoscaling, 0 keeps its meaning (the group
+    is stopped by hand, its messages wait in the stream; the operator reports it Ready,
+    ScaledToZero), as for a Deployment. The CRD refuses the same specs as the model, with
+    the same message (e2e/test_crd.py proves the API server applies the rule, through
+    the scale subresource too)."""
+    assert parse_spec({"handler": "a:b", "replicas": 0}).replicas == 0
+    with pytest.raises(SpecError) as refused:
+        parse_spec({"handler": "a:b", "replicas": 0, "autoscaling": {"enabled": True}})
+    message = str(refused.value).removeprefix("spec: ")
+    rules = {
+        r["rule"]: " ".join(r["message"].split())
+        for r in crd_spec_schema()["x-kubernetes-validations"]
+    }
+    assert rules.get(REPLICAS_RULE) == message
+    assert "disable autoscaling" in message
 
 
 def test_integral_floats_are_integers() -> None:

@@ -147,9 +147,20 @@ class AssignmentSpec(_Section):
         return self
 
 
+# The autoscaler runs in the members: with none, nothing would bring the group back to
+# minReplicas. The CRD's rule says the same (tests/test_spec.py).
+REPLICAS_WITH_AUTOSCALING = (
+    "replicas must be at least 1 while autoscaling is enabled: the autoscaler runs in the "
+    "group's members, so a group scaled to 0 has no leader and nothing would ever scale it "
+    "up again (to stop the group, disable autoscaling and set replicas to 0)"
+)
+
+
 class ConsumerGroupSpec(_Section):
     """``spec`` of a ConsumerGroup (group shoal.dev, version v1alpha1)."""
 
+    # 0 stops the group by hand (no pods; its messages wait in the stream), as for a
+    # Deployment; but not while autoscaling is enabled (see _bounds).
     replicas: Int = Field(3, ge=0)
     # At least 1: a group scaled to 0 has no member, so no leader, and nothing would
     # ever scale it up again (the CRD refuses 0 with the same message).
@@ -185,6 +196,8 @@ class ConsumerGroupSpec(_Section):
             raise ValueError("minReplicas must not exceed maxReplicas")
         if self.max_replicas > self.partitions:
             raise ValueError("maxReplicas must not exceed partitions")
+        if self.replicas < 1 and self.autoscaling.enabled:
+            raise ValueError(REPLICAS_WITH_AUTOSCALING)
         return self
 
     def cpu_limit(self) -> object:

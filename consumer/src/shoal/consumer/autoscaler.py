@@ -5,7 +5,8 @@ Every ``spec.autoscaling.intervalSeconds`` the leader
      never cached);
   2. collects the stats every member keeps in its member key (cpu, active projects, lag,
      rate) and whether a hand-over is in progress (some partition not yet consumed by the
-     owner the assignment names: no decision then);
+     owner the assignment names: no load decision then, but replicas outside
+     [minReplicas, maxReplicas] are still brought back);
   3. calls the pure :func:`decide`;
   4. acts: records the decision in etcd (``<prefix>scale``, epoch-guarded: the operator
      turns it into ``status.lastScale`` and a successor keeps the cooldown, timed by its
@@ -17,9 +18,15 @@ Every ``spec.autoscaling.intervalSeconds`` the leader
 
 Every round, autoscaling on or off, the leader also keeps the members' pod-deletion-cost
 current (its own highest, the others their partition counts), so a scale-down by anyone
-spares the leader. API errors back off (doubling, up to 5 minutes) and are logged; a
-member whose stats are missing or garbage is left out for that round by the decision
-function.
+spares the leader. API errors back off (the next evaluation, then doubling, up to 5
+minutes) and are logged; a member whose stats are missing or garbage is left out for that
+round by the decision function.
+
+The cooldown starts only when a scale took effect. A scale that failed (the API server
+refused the patch: 403, 409, 422, ...; or etcd could not record the decision) changed
+nothing: it raises :class:`ScaleFailed`, is logged at every try and posted once as a
+``ScaleFailed`` Warning Event, its record is withdrawn from etcd, and the next round
+decides again, after the backoff.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from typing import Any, Protocol
 
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd
-from shoal.consumer.scaler import Action, Decision, Policy, ScalerState, decide
+from shoal.consumer.scaler import Action, Decision, Policy, ScalerState, decide, without_action
 from shoal.consumer.view import Claim, GroupView, Target
 from shoal.contracts.spec import parse_spec
 
@@ -49,6 +56,17 @@ VICTIM_COST = -1_000_000
 SCALE_SETTLE_SECONDS = 120.0
 #: How long a scale-down victim stays marked if it does not leave.
 VICTIM_MARK_SECONDS = 120.0
+
+
+class ScaleFailed(RuntimeError):
+    """A decided scale that did not take effect: nothing changed, no cooldown started."""
+
+
+def retry_delay(interval: float, failures: int) -> float:
+    """How long after the `failures`-th failed round in a row the loop tries again: the
+    next evaluation first, then doubling, so a permanent denial is retried (and logged)
+    at most once every MAX_BACKOFF_SECONDS."""
+    return float(min(MAX_BACKOFF_SECONDS, interval * 2 ** max(0, failures - 1)))
 
 
 class ScaleTarget(Protocol):
@@ -213,6 +231,9 @@ class Autoscaler:
         self._victim: tuple[str | None, float] | None = None  # (member, mark until)
         self.decisions = 0
         self.actions = 0
+        # Why the last scale failed (None after a success): its Warning Event is posted
+        # once per episode, not at every retry.
+        self._failure: str | None = None
 
     async def run(self) -> None:
         interval, failures = 30.0, 0
@@ -230,7 +251,7 @@ class Autoscaler:
                 raise
             except Exception as exc:
                 failures += 1
-                delay = min(MAX_BACKOFF_SECONDS, interval * 2**failures)
+                delay = retry_delay(interval, failures)
                 log.warning(
                     "Autoscaling round failed (%s); next try in %.0f s",
                     _short(exc),
@@ -256,15 +277,38 @@ class Autoscaler:
         current = spec.replicas
         stats = {member: data for member, data in self.view.members().items()}
         busy = handover_in_progress(self.config.partitions, self.view.targets(), self.view.claims())
-        decision, self.state = decide(stats, current, policy, self.clock(), self.state, busy)
+        before = self.state
+        decision, after = decide(stats, current, policy, self.clock(), before, busy)
         self.decisions += 1
         if decision.action == "none":
+            self.state = after
             if decision.reason != self.last_reason:
                 log.info("Autoscaler: %d replicas; %s", current, decision.reason)
                 self.last_reason = decision.reason
             return policy.interval_seconds
         self.last_reason = ""
-        await self._act(decision, current, str(group["metadata"].get("uid", "")))
+        uid = str(group["metadata"].get("uid", ""))
+        try:
+            took_effect = await self._act(decision, current, uid)
+        except Exception as exc:
+            # Nothing changed, so no cooldown: the next round decides again.
+            self.state = without_action(after, before)
+            self._victim = None  # no scale-down is coming: the next round unmarks it
+            failure = _short(exc)
+            if failure != self._failure:
+                self._failure = failure
+                await self._event(
+                    "ScaleFailed",
+                    f"Could not scale {current} -> {decision.replicas} ({decision.reason}): "
+                    f"{failure}; no cooldown started, retrying with backoff",
+                    uid,
+                    warning=True,
+                )
+            raise ScaleFailed(
+                f"could not scale {current} -> {decision.replicas}: {failure}; no cooldown started"
+            ) from exc
+        self._failure = None
+        self.state = after if took_effect else without_action(after, before)
         return policy.interval_seconds
 
     def _pending_victim(self) -> str | None:
@@ -304,7 +348,9 @@ class Autoscaler:
             log.warning("Ignoring garbage at %s", self.config.keys.scale)
         return record
 
-    async def _act(self, decision: Decision, current: int, uid: str) -> None:
+    async def _act(self, decision: Decision, current: int, uid: str) -> bool:
+        """Record the decision, then apply it (or, in a dry run, report it). True when it
+        took effect; False when leadership was lost first; an exception when it failed."""
         record = ScaleRecord(
             time=self.clock(),
             from_replicas=current,
@@ -322,13 +368,24 @@ class Autoscaler:
             raise RuntimeError(f"could not record the decision in etcd: {exc}") from exc
         if not written:
             log.info("Lost leadership before scaling; leaving it to the next leader")
-            return
+            return False
         message = event_message(decision, current)
         up = decision.action == "up"
         if decision.dry_run:
             log.info("Autoscaler (dry run): %s", message)
             await self._event("WouldScaleUp" if up else "WouldScaleDown", message, uid)
-            return
+            return True
+        try:
+            await self._scale(decision, up)
+        except Exception:
+            await self._withdraw(keys.scale)
+            raise
+        self.actions += 1
+        log.info("Autoscaler: %s", message)
+        await self._event("ScaledUp" if up else "ScaledDown", message, uid)
+        return True
+
+    async def _scale(self, decision: Decision, up: bool) -> None:
         if not up:
             victim = choose_victim(
                 self.view.owners(), sorted(self.view.members()), self.config.member_id
@@ -338,22 +395,35 @@ class Autoscaler:
             self._victim = (victim, time.monotonic() + VICTIM_MARK_SECONDS)
             await self._mark_pods(victim)
             log.info("Scale-down victim: %s (fewest partitions, not the leader)", victim)
-        # The generation that follows is this scale's doing, for the assignment log.
-        self.leader.expect_scale(decision.replicas, time.monotonic() + SCALE_SETTLE_SECONDS)
         await self.target.scale(decision.replicas)
-        self.actions += 1
-        log.info("Autoscaler: %s", message)
-        await self._event("ScaledUp" if up else "ScaledDown", message, uid)
+        # The generation that follows is this scale's doing, for the assignment log. (Set
+        # once the patch went through: members join or leave seconds after it.)
+        self.leader.expect_scale(decision.replicas, time.monotonic() + SCALE_SETTLE_SECONDS)
 
-    async def _event(self, reason: str, message: str, uid: str) -> None:
+    async def _withdraw(self, key: str) -> None:
+        """Delete the record of a scale that failed, so that no successor holds a cooldown
+        for it (a successor times the cooldown from when it saw the record).
+
+        Not epoch-guarded (the client has no guarded delete), but it follows our guarded
+        write by one API call: a successor would have to win an election and record a
+        scale in between. Should the delete fail, a successor would hold one needless
+        cooldown; this leader holds none (its scaler state lives in memory)."""
+        try:
+            await self.etcd.delete(key)
+        except TRANSIENT_ERRORS as exc:
+            log.warning("Could not withdraw the record of the failed scale: %s", exc)
+
+    async def _event(self, reason: str, message: str, uid: str, warning: bool = False) -> None:
         # The decision stands even when its Event cannot be posted.
         try:
-            await self.target.event(reason, message, uid)
+            await self.target.event(reason, message, uid, warning=warning)
         except Exception as exc:
             log.warning("Could not post the %s Event: %s", reason, _short(exc))
 
 
 def _short(exc: BaseException) -> str:
+    if isinstance(exc, ScaleFailed):
+        return str(exc)
     reason = getattr(exc, "reason", None)
     status = getattr(exc, "status", None)
     if status is not None:

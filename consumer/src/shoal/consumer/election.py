@@ -243,12 +243,8 @@ class Leader:
                 pass
 
     async def _lead(self) -> None:
-        # Wait until the view has seen our own leader key, so _still_leader() is meaningful.
-        while self.view.leader() is None or self.view.leader() != self._me():
-            await self.view.changed(0.5)
-            current = self.view.leader()
-            if current is not None and current != self._me():
-                return
+        if not await self._seen_leading():
+            return
         self._set_leader(True)
         log.info(
             "Became leader of %s/%s (epoch %d)",
@@ -308,6 +304,34 @@ class Leader:
                 self.config.group,
                 self.epoch,
             )
+
+    async def _seen_leading(self) -> bool:
+        """Wait until the view shows our own leader key, so _still_leader() is meaningful.
+
+        False when it will not: another leader shows, or our key is gone before the view
+        showed it (its lease expired, or it was deleted), which the view proves once it
+        has caught up past the key's creation (our epoch) without it. Without that, with
+        nobody else to campaign, no member would ever lead again. A view that does not
+        catch up within a lease TTL (a silent watch) gets the same answer. Either way
+        run() decides again from the view: it leads again when the key shows up as ours,
+        and campaigns when there is none.
+        """
+        deadline = time.monotonic() + self.config.lease_ttl
+        while (current := self.view.leader()) != self._me():
+            if current is not None:
+                return False  # someone else leads
+            if self.view.revision >= self.epoch:
+                log.info("Leader key of epoch %d gone before we saw it; deciding again", self.epoch)
+                return False
+            if time.monotonic() >= deadline:
+                log.warning(
+                    "The view has not shown our leader key (epoch %d) after %d s; deciding again",
+                    self.epoch,
+                    self.config.lease_ttl,
+                )
+                return False
+            await self.view.changed(0.5)
+        return True
 
     def _loads(self) -> dict[int, float]:
         if not self.config.load_aware or self.config.strategy != "sticky":
@@ -380,6 +404,9 @@ class Leader:
             strategy=self.config.strategy,
         )
         changes = {p: owner for p, owner in new.items() if previous.get(p) != owner}
+        # Whatever an earlier write did, the assignment is in place now (a write whose
+        # answer was lost may have committed): a retry with nothing to change succeeded.
+        self._write_failed = False
         if not changes:
             return True
         generation = max((t.generation for t in targets.values()), default=0) + 1
@@ -390,7 +417,6 @@ class Leader:
             ).encode()
             for p, owner in changes.items()
         }
-        self._write_failed = False
         try:
             ok = await self.etcd.guarded_put_many(self.config.keys.leader, self.epoch, items)
         except TRANSIENT_ERRORS as exc:

@@ -32,8 +32,11 @@ Rules (the seed's, made safe, plus an HPA-like lag target):
   cooldown), while a rebalance (hand-over) is in progress, or without any data; never
   outside ``[min_replicas, min(max_replicas, partitions)]``. A current count outside
   those bounds is brought back to them at once ("below minReplicas"), even inside a
-  cooldown and without data: bounds are hard limits, not load heuristics, and clamping
-  is idempotent so it cannot flap.
+  cooldown, during a hand-over and without data: bounds are hard limits, not load
+  heuristics, and clamping is idempotent so it cannot flap.
+* The cooldown that :func:`decide` starts with an action holds only if the action took
+  effect: for one that failed, the caller keeps :func:`without_action` of the state, and
+  the next round decides again.
 
 Defaults that are not in the CRD:
 
@@ -76,6 +79,7 @@ __all__ = [
     "ScalerState",
     "decide",
     "parse_stats",
+    "without_action",
 ]
 
 log = logging.getLogger(__name__)
@@ -527,13 +531,15 @@ def decide(
 
     if not policy.enabled:
         return hold("autoscaling disabled")
-    if rebalancing:
-        return hold("rebalance in progress")
+    # The bounds come before the hand-over check: a partition nobody claims (a hand-over
+    # that does not end) must not keep a group below minReplicas or above maxReplicas.
     if current < policy.lower:
         return act(policy.lower, f"below minReplicas ({current} < {policy.lower})", None)
     if current > policy.upper:
         bound = "maxReplicas" if policy.max_replicas <= policy.partitions else "partitions"
         return act(policy.upper, f"above {bound} ({current} > {policy.upper})", None)
+    if rebalancing:
+        return hold("rebalance in progress")
     if not reports:
         return hold("no data" if current else "no data (scaled to zero)")
     if current == 0:
@@ -561,3 +567,15 @@ def decide(
             rec,
         )
     return act(rec, reason, rec)
+
+
+def without_action(state: ScalerState, before: ScalerState) -> ScalerState:
+    """``state`` (returned by :func:`decide` with an action) for an action that did not
+    take effect (the scale was refused, or could not be recorded): the round's history
+    stays, but the last action is still the one in ``before``, so no cooldown starts for
+    a change that never happened and the next round may try again."""
+    return replace(
+        state,
+        last_action_time=before.last_action_time,
+        last_action_direction=before.last_action_direction,
+    )

@@ -70,6 +70,23 @@ def spec_model(spec: Any) -> ConsumerGroupSpec:
     return parse_spec(spec if isinstance(spec, ConsumerGroupSpec) else dict(spec))
 
 
+def deletable_spec(spec: Any) -> ConsumerGroupSpec:
+    """The spec a deletion works from.
+
+    A group stored before the CRD refused `replicas: 0` with autoscaling on (issue 24)
+    fails the model; its finalizer must still run, or the group could never be deleted.
+    Autoscaling does not matter to a deletion, so such a spec is read with it off. Any
+    other problem raises, as before (kopf retries and logs it).
+    """
+    try:
+        return spec_model(spec)
+    except SpecError:
+        if isinstance(spec, ConsumerGroupSpec):
+            raise
+        autoscaling = dict(spec.get("autoscaling") or {})
+        return spec_model({**dict(spec), "autoscaling": {**autoscaling, "enabled": False}})
+
+
 def group_config(name: str, namespace: str, spec: Any, settings: OperatorSettings) -> GroupConfig:
     """The consumers' configuration, as the pods get it (builders.pod_config)."""
     return pod_config(name, namespace, spec_model(spec), settings)
@@ -553,7 +570,7 @@ async def delete(
     namespace = namespace or "default"  # ConsumerGroups are namespaced
     settings: OperatorSettings = memo.settings
     # The group's own state needs no clearing: kopf drops its memo with the object.
-    model = spec_model(spec)
+    model = deletable_spec(spec)
     config = group_config(name, namespace, model, settings)
     # The consumers must be gone first: garbage collection would remove them only after
     # this finalizer, and a live leader would write the assignment straight back.
