@@ -92,3 +92,67 @@ async def test_a_failed_dead_letter_publish_is_retried_and_the_project_goes_on(
     assert "permanent error" in (letters[0].headers or {})[DEAD_LETTER_REASON_HEADER]
     log = fleet.members["m-0"].log_text()
     assert "Could not dead-letter message" in log, log[-3000:]
+
+
+async def test_a_handler_that_never_returns_is_timed_out_retried_then_dead_lettered(
+    make_fleet: Callable[..., Fleet], etcd: Etcd, js: Any, make_config: Any
+) -> None:
+    """handlerTimeoutSeconds: a handler still running after it is cancelled, and the run
+    counts as a failed attempt: retried in place with the backoff, dead-lettered after
+    maxDeliver. The project's later messages wait for it (order); another project on the
+    same partition never pauses, so the partition is not reported stalled. Before, the
+    in-progress acks kept such a message alive for ever, its project behind it."""
+    config = make_config(
+        handler=HANDLER,
+        partitions=PARTITIONS,
+        handler_timeout=1.5,
+        max_deliver=3,
+        backoff=(0.5,),
+        stall_after=5,
+    )
+    await ensure_group(js, config)
+    fleet = make_fleet(handler=HANDLER, partitions=PARTITIONS)
+    settings = (*SETTINGS, "handler_timeout", "max_deliver", "backoff", "stall_after")
+    fleet.start("m-0", **config_env(config, settings))
+    await wait_for_status(
+        etcd, config.namespace, config.group, config.partitions, settled({"m-0"}), 30
+    )
+    hung = "hung-0"
+    other = next(
+        f"other-{i}"
+        for i in range(1000)
+        if partition_for(f"other-{i}", PARTITIONS) == partition_for(hung, PARTITIONS)
+    )
+    items = [Outgoing(hung, d, f"{hung}-{i}", {}) for i, d in enumerate([b"hang", b"ok", b"ok"])]
+    # 8 s of the other project's work, one message after another.
+    items += [Outgoing(other, b"wait:200", f"{other}-{i}", {}) for i in range(40)]
+    await Producer(js, config.subject_prefix, config.partitions).publish_many(items)
+
+    ids = {i.message_id for i in items}
+    await eventually_async(
+        lambda: processed(js, config.ledger_stream),
+        60,
+        "every message but the hung one",
+        until=lambda done: ids - {f"{hung}-0"} <= done,
+    )
+    records = {r.message_id: r for r in await read_ledger(js, config.ledger_stream)}
+    # Order: the hung project's later messages ran only after it was dead-lettered,
+    # three timeouts and two backoffs later; the other project's meanwhile.
+    others_during = [
+        r
+        for mid, r in records.items()
+        if mid.startswith(other) and r.started < records[f"{hung}-1"].started
+    ]
+    assert len(others_during) >= 10, len(others_during)
+    sub = await js.pull_subscribe(dlq_subjects(config.subject_prefix)[0], stream=config.dlq_stream)
+    try:
+        letters = await sub.fetch(10, timeout=5)
+    finally:
+        await sub.unsubscribe()
+    assert len(letters) == 1
+    reason = (letters[0].headers or {})[DEAD_LETTER_REASON_HEADER]
+    assert "failed 3 times" in reason and "handlerTimeoutSeconds" in reason, reason
+    log = fleet.members["m-0"].log_text()
+    assert log.count("Handler ran past 1.5 s on message") == 3, log[-3000:]
+    assert f"project {hung!r}" in log
+    assert "is stalled" not in log

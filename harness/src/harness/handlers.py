@@ -3,7 +3,8 @@
 `scripted_ledger` records like the `ledger` handler of shoal.consumer.handlers, after doing
 what the message's data says: ``wait:<ms>`` awaits that long (an I/O-bound handler),
 ``fail:<n>`` fails its first n attempts, ``poison`` fails every attempt, ``permanent``
-raises PermanentError (dead-lettered at once), ``hang`` never returns.
+raises PermanentError (dead-lettered at once), ``hang`` never returns, ``hang-on:<member>``
+never returns on that member only (a pod whose downstream connection is wedged).
 
 `slow_ledger` is the `ledger` handler of shoal.consumer.handlers with two differences a
 scenario needs: a message whose data is ``sleep:<seconds>[:<cleanup>]`` takes that long
@@ -82,7 +83,7 @@ async def scripted_ledger(msg: Message) -> None:
         raise ScriptedFailure(f"{msg.message_id} is poison")
     elif command == "permanent":
         raise PermanentError(f"{msg.message_id} can never succeed")
-    elif command == "hang":
+    elif command == "hang" or (command == "hang-on" and arg == msg.context.member_id):
         await asyncio.Event().wait()
     msg.ensure_owned()
     await _record(msg, started)

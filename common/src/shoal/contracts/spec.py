@@ -108,6 +108,9 @@ class ConsumerSpec(_Section):
     # project (other projects go on). NakAndContinue: it is redelivered by JetStream
     # after the backoff, and later messages of its project may overtake it.
     retry_policy: Literal["InOrder", "NakAndContinue"] = "InOrder"
+    # A handler still running after this long is cancelled, and the run counts as a
+    # failed attempt (retried with the backoff, dead-lettered after maxDeliver); 0: never.
+    handler_timeout_seconds: float = Field(300.0, ge=0)
 
 
 class NatsSpec(_Section):
@@ -188,6 +191,9 @@ class ConsumerGroupSpec(_Section):
     autoscaling: AutoscalingSpec = AutoscalingSpec()
     assignment: AssignmentSpec = AssignmentSpec()
     deletion_policy: Literal["Retain", "Delete"] = "Retain"
+    # A partition with work (messages pending or held) and no progress (no pull answered,
+    # no message settled) for this long is stalled: reported, and moved by the leader.
+    stall_after_seconds: Int = Field(60, ge=5)
 
     @model_validator(mode="after")
     def _bounds(self) -> ConsumerGroupSpec:

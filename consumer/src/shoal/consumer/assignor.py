@@ -27,6 +27,7 @@ Vocabulary:
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "moved",
     "owner_counts",
     "quotas",
+    "relieve_stalls",
     "skew",
 ]
 
@@ -253,6 +255,54 @@ def assign(
     if budget < 0:
         raise ValueError(f"max_moves must be >= 0, got {max_moves}")
     return _rebalance_load(result, ordered, previous, _partition_loads(partitions, loads), budget)
+
+
+def relieve_stalls(
+    assignment: Mapping[int, str],
+    stalled: Mapping[str, Iterable[int]],
+    members: Iterable[str],
+) -> dict[int, str]:
+    """``assignment`` with every stalled partition moved away from the member that
+    reports it stalled (progress.py), owner counts unchanged.
+
+    ``stalled``: member -> the partitions it reports stalled; only partitions that
+    ``assignment`` still gives to their reporter count (a report about a partition moved
+    already is old news). Each goes to the eligible member with the fewest partitions
+    (by name on ties), which gives back one of its own in exchange: its lowest
+    partition that nobody reports stalled. A swap, not a plain move, so that the
+    assignment stays as balanced as it was (the sticky assignor runs only when members
+    change, and a move would leave a skew of 2 until then); a plain move only when no
+    member has a partition to give back. A partition with no other member to go to
+    stays where it is.
+    """
+    result = dict(assignment)
+    ordered = _sorted_members(members)
+    reported = {p for ps in stalled.values() for p in ps}
+    counts = Counter(result.values())
+
+    def swappable(member: str, p: int) -> int | None:
+        return min(
+            (q for q, owner in result.items() if owner == member and q != p and q not in reported),
+            default=None,
+        )
+
+    for member in sorted(stalled):
+        for p in sorted(set(stalled[member])):
+            if result.get(p) != member:
+                continue
+            others = [m for m in ordered if m != member]
+            swaps = [(counts[m], m, q) for m in others if (q := swappable(m, p)) is not None]
+            if swaps:
+                _, to, q = min(swaps)
+                result[p], result[q] = to, member
+            elif others:
+                # Nobody has a partition to give back: move it all the same (a stalled
+                # partition consumed nowhere is worse than a skew).
+                to = min(others, key=lambda m: (counts[m], m))
+                result[p] = to
+                counts[member] -= 1
+                counts[to] += 1
+    return result
 
 
 def moved(previous: Mapping[int, str], current: Mapping[int, str]) -> list[tuple[int, str, str]]:

@@ -39,6 +39,7 @@ _STREAM = StreamSpec()
 _CONSUMER = ConsumerSpec()
 _ASSIGNMENT = AssignmentSpec()
 _PARTITIONS: int = ConsumerGroupSpec.model_fields["partitions"].default
+_STALL_AFTER: int = ConsumerGroupSpec.model_fields["stall_after_seconds"].default
 
 
 def default_member_id() -> str:
@@ -81,6 +82,10 @@ class GroupConfig(BaseModel):
     backoff: tuple[float, ...] = tuple(_CONSUMER.backoff_seconds)
     max_concurrency: int = Field(_CONSUMER.max_concurrency, ge=1, le=10000)
     retry_policy: Literal["InOrder", "NakAndContinue"] = _CONSUMER.retry_policy
+    # Cancel a handler after this long, as a failed attempt (0: never).
+    handler_timeout: float = Field(_CONSUMER.handler_timeout_seconds, ge=0)
+    # A partition with work and no progress this long is stalled (progress.py).
+    stall_after: float = Field(_STALL_AFTER, ge=1)
     # Fetched messages held at most per partition (each pull asks for what fits); below
     # it a partition holds half a second of its own settle rate, at least 64 (holding.py).
     # What is held counts against ack_wait, so the worker keeps it alive.
@@ -221,6 +226,8 @@ ENV_FIELDS: dict[str, str] = {
     "SHOAL_BACKOFF": "backoff",
     "SHOAL_MAX_CONCURRENCY": "max_concurrency",
     "SHOAL_RETRY_POLICY": "retry_policy",
+    "SHOAL_HANDLER_TIMEOUT": "handler_timeout",
+    "SHOAL_STALL_AFTER": "stall_after",
     "SHOAL_MAX_BUFFERED": "max_buffered",
     "SHOAL_LEDGER": "ledger",
     "SHOAL_LEASE_TTL": "lease_ttl",
@@ -329,6 +336,8 @@ def group_config(
         backoff=tuple(consumer.backoff_seconds),
         max_concurrency=consumer.max_concurrency,
         retry_policy=consumer.retry_policy,
+        handler_timeout=consumer.handler_timeout_seconds,
+        stall_after=model.stall_after_seconds,
         strategy=model.assignment.strategy,
         load_aware=model.assignment.load_aware,
         **fields,

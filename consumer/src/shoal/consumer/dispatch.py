@@ -50,6 +50,8 @@ class Held:
         "project",
         "seq",
         "settle_failures",
+        "started",
+        "timed_out",
         "verdict",
     )
 
@@ -65,6 +67,10 @@ class Held:
         # already), (NAKED, delay). None: the handler has not run to a decision yet.
         self.verdict: tuple[str, str] | None = None
         self.settle_failures = 0  # tries to carry out the verdict that failed
+        # When its handler started (time.perf_counter), 0 while none runs; and whether the
+        # handler timeout's sweep cancelled that run (worker.Worker._watch_handlers).
+        self.started = 0.0
+        self.timed_out = False
 
 
 # Held.verdict's kinds (compared with `is`: one object each).
@@ -72,6 +78,7 @@ ACKED = "ack"
 DEAD_LETTER = "dead-letter"
 TERMINATED = "terminate"
 NAKED = "nak"
+ACK_VERDICT = (ACKED, "")
 
 
 class Source(Protocol):
@@ -117,8 +124,9 @@ class Dispatcher:
         self._ready: deque[ProjectQueue] = deque()
         self._idle: deque[asyncio.Future[None]] = deque()
         self._workers: list[asyncio.Task[None]] = []
-        # worker task -> the source whose message it runs now (for fencing)
-        self._running: dict[asyncio.Task[None], Source] = {}
+        # worker task -> the project whose head it runs now (for fencing, and the
+        # handler timeout's sweep: running_heads)
+        self._running: dict[asyncio.Task[None], ProjectQueue] = {}
         self._cancelling: set[asyncio.Task[None]] = set()
         self._spare: list[ProjectQueue] = []
         self._waking = False  # a _wake_idle call is due
@@ -192,11 +200,15 @@ class Dispatcher:
         me = asyncio.current_task()
         for task, running in self._running.items():
             # Not the caller's own task: a handler that raised Fenced is already stopping.
-            if running is source and task is not me and task not in self._cancelling:
+            if running.source is source and task is not me and task not in self._cancelling:
                 self._cancelling.add(task)
                 task.cancel()
                 cancelled += 1
         return cancelled
+
+    def running_heads(self) -> list[tuple[asyncio.Task[None], Held]]:
+        """(worker task, message) for every message whose handler runs now."""
+        return [(task, queue.pending[0]) for task, queue in self._running.items() if queue.pending]
 
     async def _work(self) -> None:
         loop = asyncio.get_running_loop()
@@ -224,7 +236,7 @@ class Dispatcher:
             queue.running = True
             source.inflight += 1
             self.running += 1
-            self._running[me] = source
+            self._running[me] = queue
             try:
                 outcome = await self._execute(source, held)
             except asyncio.CancelledError:

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.consumer.assignor import assign, moved
+from shoal.consumer.assignor import assign, moved, relieve_stalls
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd
 from shoal.consumer.membership import Membership
@@ -275,6 +275,9 @@ class Leader:
                         if not self._write_failed:
                             applied_members = members
                             first = False
+                elif stalled := self._stalled(members):
+                    if not await self._rebalance(members, applied_members, first, stalled):
+                        break
                 elif self.config.load_aware and time.monotonic() >= next_load_check:
                     next_load_check = time.monotonic() + self.config.load_check_interval
                     gain = self._load_gain(members)
@@ -392,17 +395,42 @@ class Leader:
         now = time.monotonic()
         return len(members) < replicas and now < until and now < started + SCALE_JOIN_WAIT
 
-    async def _rebalance(self, members: set[str], applied: set[str], first: bool) -> bool:
+    def _stalled(self, members: set[str]) -> dict[str, list[int]]:
+        """The partitions members report stalled (progress.py) that are still theirs."""
+        owners = self.view.owners()
+        reports: dict[str, list[int]] = {}
+        for member, data in self.view.members().items():
+            stalled = data.get("stalled")
+            if member not in members or not isinstance(stalled, list):
+                continue
+            mine = [p for p in stalled if isinstance(p, int) and owners.get(p) == member]
+            if mine:
+                reports[member] = mine
+        return reports
+
+    async def _rebalance(
+        self,
+        members: set[str],
+        applied: set[str],
+        first: bool,
+        stalled: dict[str, list[int]] | None = None,
+    ) -> bool:
+        """Write the assignment for `members`; with `stalled`, only move those stalled
+        partitions away from the members that report them (assignor.relieve_stalls)."""
         targets = self.view.targets()
         previous = {p: t.owner for p, t in targets.items()}
-        loads = self._loads()
-        new = assign(
-            self.config.partitions,
-            members,
-            previous,
-            loads=loads or None,
-            strategy=self.config.strategy,
-        )
+        if stalled:
+            loads: dict[int, float] = {}
+            new = relieve_stalls(previous, stalled, members)
+        else:
+            loads = self._loads()
+            new = assign(
+                self.config.partitions,
+                members,
+                previous,
+                loads=loads or None,
+                strategy=self.config.strategy,
+            )
         changes = {p: owner for p, owner in new.items() if previous.get(p) != owner}
         # Whatever an earlier write did, the assignment is in place now (a write whose
         # answer was lost may have committed): a retry with nothing to change succeeded.
@@ -431,7 +459,14 @@ class Leader:
             return False
         self.rebalances += 1
         moves = moved(previous, new)
-        reason = self._reason(applied, set(previous.values()), members, first)
+        reason = (
+            "failover" if stalled else self._reason(applied, set(previous.values()), members, first)
+        )
+        if stalled:
+            log.warning(
+                "Moved stalled partitions away from the members that reported them: %s",
+                ", ".join(f"{p} {src} -> {dst}" for p, src, dst in moves),
+            )
         log.info(
             "Wrote generation %d (%s): %d members, %d partitions moved",
             generation,

@@ -28,6 +28,11 @@ class PermanentError(Exception):
     """Raised by a handler for a message that can never succeed: dead-letter it now."""
 
 
+class HandlerTimeout(Exception):
+    """The handler ran longer than handlerTimeoutSeconds and was cancelled: a failed
+    attempt (retried with the backoff, dead-lettered after maxDeliver)."""
+
+
 class Fenced(RuntimeError):
     """This member may no longer own the partition (its lease may have expired)."""
 

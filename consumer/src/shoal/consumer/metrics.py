@@ -90,6 +90,11 @@ class Metrics:
         self.partitions_owned = Gauge(
             "shoal_partitions_owned", "Partitions this member consumes now", registry=r
         )
+        self.partitions_stalled = Gauge(
+            "shoal_partitions_stalled",
+            "Owned partitions with work and no progress for stallAfterSeconds",
+            registry=r,
+        )
         self.is_leader = Gauge("shoal_is_leader", "1 while this member leads the group", registry=r)
         self.rebalances = Counter(
             "shoal_rebalances", "Assignment generations written by this member", registry=r

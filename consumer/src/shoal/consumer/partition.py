@@ -32,6 +32,7 @@ from shoal.consumer.handlers import Fenced
 from shoal.consumer.holding import PARTITION_HOLD_SECONDS, HoldBudget
 from shoal.consumer.jetstream import consumer_config
 from shoal.consumer.natsclient import Delivery
+from shoal.consumer.progress import Progress
 from shoal.contracts.names import PROJECT_HEADER, durable_name, partition_for, partition_subject
 
 if TYPE_CHECKING:
@@ -196,6 +197,10 @@ class PartitionRunner:
         self.open_expires = 0.0  # the open pull request's expiry (s), 0 when none is open
         self._wakeup: asyncio.Future[None] | None = None
         self.arrived = 0  # messages delivered to our pull requests
+        self.answered = 0  # pull requests the server ended with its batch, or with nothing
+        # num_pending + num_ack_pending of the durable, as last read (runtime's lag loop).
+        self.server_lag = 0
+        self.progress = Progress()  # the stall check's (Worker.check_stalls)
         self.gave_up_a_request = False  # a pull taken for lost (RequestWatch)
         self.dozing = False  # no pull open: waiting for the alarm (alarm.py)
         self.roused = False
@@ -430,6 +435,8 @@ class PartitionRunner:
             status = await end
             if status != "lost":
                 watch.ended(status)
+                if status in ("batch", "404", "408"):
+                    self.answered += 1
             else:
                 self.gave_up_a_request = True
         finally:
@@ -501,6 +508,32 @@ class PartitionRunner:
             return self.alarm.rang
         finally:
             self.dozing = False
+
+    def has_work(self) -> bool:
+        """Messages held, or pending in the durable as last read (not while dozing: a
+        partition dozes only once nothing is outstanding)."""
+        return not self.dozing and (self.buffered > 0 or self.server_lag > 0)
+
+    def waiting_on(self) -> str:
+        """What the partition is waiting for, in words (for the stall's log line)."""
+        w = self.worker
+        if self.fenced:
+            return "nothing: it is fenced"
+        if self.stopping:
+            return f"its hand-over ({self.inflight} handler(s) still running)"
+        if w.unsent_pulls:
+            return "NATS: pull requests cannot be sent"
+        if self.open_expires:
+            return "the answer to an open pull request"
+        if self.inflight:
+            return f"{self.inflight} running handler(s), {self.buffered} message(s) held"
+        if self.buffered:
+            return f"a dispatcher worker for {self.buffered} held message(s)"
+        room = w.budget() - w.buffered - w.reserved
+        return (
+            f"room to pull (the member's pull budget has {room}; {w.buffered} held, "
+            f"{w.reserved} asked for)"
+        )
 
     def rouse(self) -> None:
         """Pull again now, although the alarm did not ring (see Worker.check_connection

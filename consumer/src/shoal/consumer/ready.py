@@ -5,12 +5,15 @@ event loop): whether it has joined its group, whether its lease is certainly ali
 (not fenced), whether NATS answers, whether it is leaving, and a monotonic timestamp.
 
 * Readiness (`shoal-ready`): ready only while the state is fresh (refreshed within
-  --max-age, default 5 s) and the member is joined, not fenced, reaches NATS and is not
-  leaving. A member fenced for good, cut from NATS or frozen turns unready within
-  seconds, and ready again once it recovers.
-* Liveness (`shoal-ready --live`): fails only when the state has not been refreshed for
+  --max-age, default 5 s) and the member is joined, not fenced, reaches NATS, is not
+  leaving and holds no stalled partition (progress.py). A member fenced for good, cut
+  from NATS or frozen turns unready within seconds, and ready again once it recovers.
+* Liveness (`shoal-ready --live`): fails when the state has not been refreshed for
   a generous time (--max-age, default 60 s): the process's event loop is stuck or the
-  process is frozen. It never fails because etcd or NATS are down: a member that cannot
+  process is frozen; or when the member is wedged: it still holds a partition stalled for
+  three stallAfterSeconds, long after the leader should have moved it, so something in
+  the process is stuck for good. It never fails because etcd or NATS are down (a stall
+  does not count while they are: progress.py): a member that cannot
   reach them stops consuming by itself and recovers by itself when they come back, while
   restarting every pod during an etcd or NATS outage would only add a storm of restarts
   (and of re-joins and hand-overs) to the outage.
@@ -31,7 +34,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +61,10 @@ class MemberState:
     safe: bool  # its lease is certainly alive (not fenced)
     nats: bool  # NATS round trips succeed
     leaving: bool  # shutting down
+    # Owned partitions with work and no progress (progress.py); the leader moves them.
+    stalled: list[int] = field(default_factory=list)
+    # A partition stalled far longer than the leader needs to move it: stuck for good.
+    wedged: bool = False
 
 
 def write_state(path: Path, state: MemberState) -> None:
@@ -83,6 +90,9 @@ def read_state(path: Path) -> MemberState:
             safe=bool(data["safe"]),
             nats=bool(data["nats"]),
             leaving=bool(data["leaving"]),
+            # (Absent from files written before stall checks existed.)
+            stalled=[int(p) for p in data.get("stalled", [])],
+            wedged=bool(data.get("wedged", False)),
         )
     except (KeyError, TypeError) as exc:
         raise ValueError(f"missing or bad field: {exc}") from None
@@ -123,6 +133,11 @@ def check(
         )
     if not state.nats:
         return False, f"not ready: {who} cannot reach NATS and has given its partitions up"
+    if state.stalled:
+        return False, (
+            f"not ready: {who} has stalled partition(s) {state.stalled}: work and no "
+            "progress; the leader moves them to other members"
+        )
     return True, f"ready: {who} has joined, holds its lease and reaches NATS"
 
 
@@ -141,6 +156,11 @@ def check_live(
         return False, (
             f"not alive: member {state.member} (pid {state.pid}) has not refreshed its "
             f"state for {age:.0f} s (> {max_age:g} s): its event loop is stuck"
+        )
+    if state.wedged:
+        return False, (
+            f"not alive: member {state.member} (pid {state.pid}) has held stalled "
+            f"partition(s) {state.stalled} long after the leader should have moved them"
         )
     return True, f"alive: member {state.member} refreshed its state {age:.1f} s ago"
 

@@ -89,6 +89,8 @@ class ConsumerProcess:
             safe=m.safe(),
             nats=self.nats_health is not None and self.nats_health.reachable(),
             leaving=m.leaving or self.stopping.is_set(),
+            stalled=self.worker.stalled() if self.worker is not None else [],
+            wedged=self.worker is not None and self.worker.wedged(),
         )
 
     def _stats(self) -> dict[str, Any]:
@@ -261,9 +263,13 @@ class ConsumerProcess:
             total = held
             for p, result in zip(owned, results, strict=True):
                 if isinstance(result, BaseException):
+                    # (The partition keeps its last known lag: the stall check's "work".)
                     log.debug("Lag of partition %d unavailable: %r", p, result)
                 else:
                     total += result
+                    runner = self.worker.runners.get(p)
+                    if runner is not None:
+                        runner.server_lag = result
             self.lag = total
             self.metrics.lag.set(total)
 

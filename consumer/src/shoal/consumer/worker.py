@@ -28,6 +28,7 @@ from shoal.consumer.config import GroupConfig
 from shoal.consumer.deadletter import dead_letter_headers
 from shoal.consumer.dispatch import (
     ABANDONED,
+    ACK_VERDICT,
     ACKED,
     DEAD_LETTER,
     NAKED,
@@ -42,6 +43,7 @@ from shoal.consumer.handlers import (
     Fenced,
     Handler,
     HandlerContext,
+    HandlerTimeout,
     Message,
     PermanentError,
 )
@@ -51,8 +53,10 @@ from shoal.consumer.membership import Membership
 from shoal.consumer.metrics import Metrics
 from shoal.consumer.natsclient import Delivery, DirectClient
 from shoal.consumer.partition import IDLE_BATCH, AnswerClock, PartitionRunner, ack_fields
+from shoal.consumer.progress import WEDGED_AFTER_STALLS, Change
 from shoal.consumer.view import GroupView
 from shoal.contracts.names import (
+    MSG_ID_HEADER,
     dlq_subject,
     durable_name,
     partition_for,
@@ -76,6 +80,15 @@ ACK = b"+ACK"
 # this long, doubling up to SETTLE_RETRY_MAX.
 SETTLE_RETRY_FIRST = 0.5
 SETTLE_RETRY_MAX = 10.0
+
+
+def message_id(held: Held) -> str:
+    """The message's id (Nats-Msg-Id), for logs; its stream sequence if it has none."""
+    try:
+        value = held.msg.headers.get(MSG_ID_HEADER) if held.msg.headers else None
+    except Exception:
+        value = None
+    return str(value) if value else f"seq-{held.seq}"
 
 
 class Worker:
@@ -177,8 +190,8 @@ class Worker:
             if runner.target_ts is not None:
                 self.metrics.handover_seconds.observe(max(0.0, time.time() - runner.target_ts))
         if held.verdict is None:
-            # (Decided already: the handler ran, and only settling it failed before.)
-            started = time.perf_counter()
+            # (Otherwise decided already: the handler ran, and only settling it failed.)
+            started = held.started = time.perf_counter()
             try:
                 await self.handler(self._message(runner, held))
             except Fenced:
@@ -186,15 +199,68 @@ class Worker:
                 return ABANDONED
             except PermanentError as exc:
                 held.verdict = (DEAD_LETTER, f"permanent error: {exc}")
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if not held.timed_out or task is None:
+                    raise  # a fence, or the process stopping
+                task.uncancel()  # ours (_watch_handlers); another cancel still stands
+                if task.cancelling() or runner.fenced:
+                    raise
+                timeout = HandlerTimeout(
+                    f"still running after {self.config.handler_timeout:g} s (handlerTimeoutSeconds)"
+                )
+                delay = self._failed(runner, held, timeout)
+                if delay is not None:
+                    return delay
             except Exception as exc:
                 delay = self._failed(runner, held, exc)
                 if delay is not None:
                     return delay
             else:
-                held.verdict = (ACKED, "")
+                if held.timed_out:
+                    # The handler swallowed our cancel and finished: take it back.
+                    task = asyncio.current_task()
+                    if task is not None and task.cancelling():
+                        task.uncancel()
+                # Msg.ack() minus its checks (we ack each message once, here or
+                # nowhere), and without a coroutine while a flush is queued (nearly
+                # always, under load): the hot path ends here.
+                if self.nc.queue_ack(held.msg.reply, ACK):
+                    self.tally.ok += 1
+                    # (Its delivery time: close enough for a 60 s window, no clock read.)
+                    self._projects[held.project] = held.kept
+                    return SETTLED
+                held.verdict = ACK_VERDICT
             finally:
+                held.started = 0.0
+                held.timed_out = False
                 self.tally.observe_handler(time.perf_counter() - started)
         return await self._settle(runner, held)
+
+    async def _watch_handlers(self) -> None:
+        """Cancel handlers that run past handler_timeout: each such run is a failed
+        attempt (_execute). Without this a handler that never returns holds its project
+        for good, kept alive by in-progress acks. One sweep for the member, reading what
+        the dispatcher knows anyway: nothing is added per message but a clock read."""
+        timeout = self.config.handler_timeout
+        period = min(1.0, max(0.05, timeout / 4))
+        while True:
+            await asyncio.sleep(period)
+            now = time.perf_counter()
+            for task, held in self.dispatcher.running_heads():
+                if not held.started or held.timed_out or now - held.started < timeout:
+                    continue
+                held.timed_out = True
+                log.warning(
+                    "Handler ran past %g s on message %d (id %s) of project %r, partition "
+                    "%d: cancelling it; the run counts as a failed attempt",
+                    timeout,
+                    held.seq,
+                    message_id(held),
+                    held.project,
+                    partition_for(held.project, self.config.partitions),
+                )
+                task.cancel()
 
     def _failed(self, runner: PartitionRunner, held: Held, exc: Exception) -> float | None:
         """A handler error: the delay before it is retried in place, or None when its
@@ -363,6 +429,8 @@ class Worker:
             # group's assignment is load-aware.
             "partition_rates": {str(p): round(r, 2) for p, r in sorted(rates.items()) if r},
             "active_projects": len(self._projects),
+            # Partitions with work and no progress (progress.py): the leader moves them.
+            "stalled": self.stalled(),
         }
 
     def retry_delay(self, attempts: int) -> float:
@@ -454,6 +522,8 @@ class Worker:
         await self._watch_deletions()
         self.dispatcher.start()
         self._spawn(self.keep_held_alive())
+        if self.config.handler_timeout:
+            self._spawn(self._watch_handlers())
         while True:
             view_changed = self.view.change_event()
             member_changed = self.membership.changed
@@ -461,6 +531,7 @@ class Worker:
             self._notice_members()
             self._reconcile()
             self.check_connection()
+            self.check_stalls()
             waiters = [
                 asyncio.ensure_future(view_changed.wait()),
                 asyncio.ensure_future(member_changed.wait()),
@@ -604,7 +675,15 @@ class Worker:
                 # (Leaving, the target is still us: no new owner to name yet.)
                 new_owner = target.owner if target is not None and target.owner != me else ""
                 self.handovers.releasing({p: new_owner})
-                current.stop()
+                if current.progress.stalled_at is not None:
+                    # Moved because it stalled: whatever it waits on may never come, so
+                    # no orderly hand-over (it would wait on it too). Stop at once, as a
+                    # fence does; its claim is released below once its handlers have
+                    # stopped, and what it held is redelivered after ack_wait.
+                    log.warning("Partition %d moved away while stalled: stopping it at once", p)
+                    current.fence()
+                else:
+                    current.stop()
             elif not want and current is None and p not in self.claiming:
                 if self.handovers.is_taking(p):
                     self.handovers.abandoned(p)  # the target moved on before we started
@@ -796,6 +875,46 @@ class Worker:
                 while runner.inflight and (left := deadline - time.monotonic()) > 0:
                     await runner.sleep_until_woken(min(left, 0.1))
         return drained
+
+    # -- progress ---------------------------------------------------------------------
+
+    def check_stalls(self) -> None:
+        """Find partitions with work and no progress for stall_after (progress.py); say
+        so once per episode. The stats carry them to the leader, which moves them."""
+        now = time.monotonic()
+        after = self.config.stall_after
+        # Without NATS or a sure lease nothing can progress, and that is said already
+        # (nats_ok in the stats, the fence): it is not a silent stall, and restarting
+        # members through liveness during an outage would only add to it.
+        excused = not self.nats_reachable() or not self.membership.safe()
+        for p, r in self.runners.items():
+            change = r.progress.observe(
+                (r.arrived, r.answered, r.processed), r.has_work() and not excused, now, after
+            )
+            if change is Change.STALLED:
+                log.warning(
+                    "Partition %d is stalled: no progress for %.0f s with work to do "
+                    "(%d held, %d pending on the server); waiting on %s. Reporting it, so "
+                    "that the leader moves it to another member",
+                    p,
+                    now - r.progress.since,
+                    r.buffered,
+                    r.server_lag,
+                    r.waiting_on(),
+                )
+            elif change is Change.RECOVERED:
+                log.warning("Partition %d makes progress again", p)
+        self.metrics.partitions_stalled.set(len(self.stalled()))
+
+    def stalled(self) -> list[int]:
+        return sorted(p for p, r in self.runners.items() if r.progress.stalled_at is not None)
+
+    def wedged(self) -> bool:
+        """A partition stalled for WEDGED_AFTER_STALLS stall periods: the leader should
+        have moved it long ago, so something here is stuck for good (liveness fails)."""
+        now = time.monotonic()
+        bound = WEDGED_AFTER_STALLS * self.config.stall_after
+        return any(r.progress.stalled_for(now) >= bound for r in self.runners.values())
 
     def owned(self) -> list[int]:
         return sorted(self.runners)

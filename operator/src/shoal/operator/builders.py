@@ -87,6 +87,8 @@ POD_FIELDS = (
     "backoff",
     "max_concurrency",
     "retry_policy",
+    "handler_timeout",
+    "stall_after",
     "drain_timeout",
     "ready_file",
     "ensure_jetstream",

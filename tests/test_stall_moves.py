@@ -1,0 +1,114 @@
+"""A stalled partition is noticed, reported and moved (progress.py, election.py).
+
+Real nats-server, etcd and two member processes running harness.handlers:scripted_ledger.
+The stall is real, not injected: on one member only, the handler of one project never
+returns (a pod whose downstream connection is wedged), with no handler timeout; the
+project's later messages fill its partition's buffer, so the partition pulls, settles and
+receives nothing while messages wait. Nothing else would ever move it: the member is
+alive, holds its lease and reaches NATS.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness.fleet import Fleet, settled, wait_for_status
+from harness.waiting import eventually_async
+from shoal.consumer.config import config_env
+from shoal.consumer.etcd import Etcd
+from shoal.consumer.jetstream import ensure_group
+from shoal.consumer.ledger import read_ledger
+from shoal.consumer.producer import Outgoing, Producer
+from shoal.consumer.ready import check, check_live
+from shoal.contracts.names import SEQ_HEADER, partition_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+HANDLER = "harness.handlers:scripted_ledger"
+PARTITIONS = 4
+STALL_AFTER = 5
+SETTINGS = ("handler", "partitions", "ledger", "handler_timeout", "stall_after")
+
+
+async def test_a_stalled_partition_is_moved_and_consumed_elsewhere(
+    make_fleet: Callable[..., Fleet], etcd: Etcd, js: Any, make_config: Any, tmp_path: Path
+) -> None:
+    config = make_config(
+        handler=HANDLER, partitions=PARTITIONS, handler_timeout=0, stall_after=STALL_AFTER
+    )
+    await ensure_group(js, config)
+    fleet = make_fleet(handler=HANDLER, partitions=PARTITIONS)
+    ready = {m: tmp_path / f"{m}.ready" for m in ("m-0", "m-1")}
+    for member in ("m-0", "m-1"):
+        fleet.start(member, **config_env(config, SETTINGS), SHOAL_READY_FILE=str(ready[member]))
+    status = await wait_for_status(
+        etcd, config.namespace, config.group, PARTITIONS, settled({"m-0", "m-1"}), 30
+    )
+    victim = min(p for p, m in status.owners.items() if m == "m-0")
+    project = next(
+        f"wedged-{i}" for i in range(1000) if partition_for(f"wedged-{i}", PARTITIONS) == victim
+    )
+    # More than the partition may hold (64 at first): its buffer fills behind the hang.
+    items = [
+        Outgoing(project, b"hang-on:m-0", f"{project}-{i}", {SEQ_HEADER: str(i)})
+        for i in range(150)
+    ]
+    published = time.monotonic()
+    await Producer(js, config.subject_prefix, PARTITIONS).publish_many(items)
+
+    # Probe m-0 as the kubelet would, every 0.1 s, until it reports the stall: while it
+    # holds the stalled partition it is not ready (the leader moves it seconds later).
+    unready: list[str] = []
+
+    async def probed() -> str:
+        ok, why = check(str(ready["m-0"]))
+        if not ok:
+            unready.append(why)
+        return _log(fleet, "m-0")
+
+    await eventually_async(
+        probed,
+        STALL_AFTER + 15,
+        "m-0 to report the partition stalled",
+        until=lambda text: f"Partition {victim} is stalled" in text,
+        describe=lambda text: text[-2000:],
+    )
+    stalled_in = time.monotonic() - published
+    await eventually_async(
+        probed, 5, "m-0 to turn unready", until=lambda _: bool(unready), interval=0.1
+    )
+    ids = {i.message_id for i in items}
+
+    async def done() -> set[str]:
+        return {r.message_id for r in await read_ledger(js, config.ledger_stream)} & ids
+
+    await eventually_async(
+        done,
+        STALL_AFTER + 30,
+        "the stalled partition's messages to be processed by m-1",
+        until=lambda got: got == ids,
+    )
+    consumed_in = time.monotonic() - published
+    final = await wait_for_status(
+        etcd, config.namespace, config.group, PARTITIONS, settled({"m-0", "m-1"}), 30
+    )
+    records = [r for r in await read_ledger(js, config.ledger_stream) if r.message_id in ids]
+    print(f"stalled after {stalled_in:.1f} s, all consumed after {consumed_in:.1f} s")
+    assert {r.member for r in records} == {"m-1"}
+    assert final.owners[victim] == "m-1"
+    assert final.skew <= 1
+    assert any(f"stalled partition(s) [{victim}]" in why for why in unready), unready
+    # Moved away, m-0 holds no stalled partition: ready again, and never wedged.
+    assert check(str(ready["m-0"]))[0], check(str(ready["m-0"]))
+    assert check_live(str(ready["m-0"]))[0]
+    leader_log = _log(fleet, final.leader or "")
+    assert "Moved stalled partitions" in leader_log
+
+
+def _log(fleet: Fleet, member: str) -> str:
+    return fleet.members[member].log_text()
