@@ -290,6 +290,7 @@ def test_every_variable_is_one_the_consumer_knows() -> None:
         "SHOAL_METRICS_PORT",
         "SHOAL_MAX_BUFFERED",
         "SHOAL_NATS_RECONNECT_BUFFER",  # nats-py's default unless spec.env sets it
+        "SHOAL_DOZE_SWEEP",
     }
     needed = set(ENV_FIELDS) - tuning - {"SHOAL_STATS_INTERVAL", "SHOAL_LOAD_CHECK_INTERVAL"}
     assert needed <= set(names)

@@ -97,6 +97,9 @@ class GroupConfig(BaseModel):
     # A pull request lives at most this long; a released partition waits for it, so it
     # bounds the hand-over pause (DESIGN: p99 < 1 s for planned moves).
     fetch_expires: float = Field(0.3, gt=0.05, le=5)
+    # A dozing partition (alarm.py) still pulls once this often: a safety net, should an
+    # alarm be missed. Shorter only to test what many sweeps do (fault suite, soak).
+    doze_sweep: float = Field(60.0, ge=0.05)
 
     lease_ttl: int = Field(10, ge=2)
     keepalive_interval: float = Field(3.0, gt=0)
@@ -239,6 +242,7 @@ ENV_FIELDS: dict[str, str] = {
     "SHOAL_ENSURE_JETSTREAM": "ensure_jetstream",
     "NATS_CREDS_FILE": "nats_creds_file",
     "SHOAL_NATS_RECONNECT_BUFFER": "nats_reconnect_buffer",
+    "SHOAL_DOZE_SWEEP": "doze_sweep",
     "ETCD_CA_FILE": "etcd_ca_file",
     "ETCD_CERT_FILE": "etcd_cert_file",
     "ETCD_KEY_FILE": "etcd_key_file",

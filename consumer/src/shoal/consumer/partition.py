@@ -63,8 +63,6 @@ BACKLOG_PULL_SECONDS = 0.02
 PULL_FLOOR = 64
 # Empty pulls in a row (fetch_expires each) after which a partition dozes (Alarm).
 DOZE_AFTER_EMPTY_PULLS = 3
-# A dozing partition still pulls once this often: a safety net, should an alarm be missed.
-DOZE_SWEEP = 60.0
 PROJECT_HEADER_BYTES = PROJECT_HEADER.encode()
 
 
@@ -484,7 +482,7 @@ class PartitionRunner:
                 await self.alarm.disarm()
                 return 0
             return DOZE_AFTER_EMPTY_PULLS - 1  # one more (confirming) pull, then doze
-        rang = await self._doze(DOZE_SWEEP)
+        rang = await self._doze(self.worker.config.doze_sweep)
         if rang:
             await self.alarm.disarm()
             return 0
