@@ -82,6 +82,15 @@ SETTLE_RETRY_FIRST = 0.5
 SETTLE_RETRY_MAX = 10.0
 
 
+def _log_etcd_error(exc: Exception, message: str, partition: int) -> None:
+    """A warning for etcd being away (retried as a matter of course); an error, with
+    its type, for anything else, which someone should look at."""
+    if isinstance(exc, TRANSIENT_ERRORS):
+        log.warning(message, partition, exc)
+    else:
+        log.error(message, partition, f"{type(exc).__name__}: {exc}")
+
+
 def message_id(held: Held) -> str:
     """The message's id (Nats-Msg-Id), for logs; its stream sequence if it has none."""
     try:
@@ -726,9 +735,9 @@ class Worker:
                 keys = [self.config.keys.claim(p) for p in batch]
                 try:
                     revision = await self.etcd.create_all_returning_revision(keys, value, lease)
-                except TRANSIENT_ERRORS as exc:
+                except Exception as exc:
                     # The next pass tries again (the view's next change, or within 1 s).
-                    log.warning("Could not claim partitions %s (etcd: %s)", batch, exc)
+                    log.warning("Could not claim partitions %s (etcd: %r)", batch, exc)
                     for p in batch:
                         self.claiming.discard(p)
                     continue
@@ -762,8 +771,8 @@ class Worker:
                     1000 * (time.time() - target_ts),
                 )
             self._start(p, revision, target_ts)
-        except TRANSIENT_ERRORS as exc:
-            log.warning("Could not claim partition %d (etcd: %s)", p, exc)
+        except Exception as exc:  # the next pass tries again
+            log.warning("Could not claim partition %d (etcd: %r)", p, exc)
         finally:
             self.claiming.discard(p)
             self._wake.set()
@@ -778,6 +787,21 @@ class Worker:
 
     async def runner_done(self, runner: PartitionRunner) -> None:
         """The runner stopped fetching: make acks durable, then let the partition go."""
+        try:
+            await self._let_go(runner)
+        finally:
+            # Whatever failed above, the runner is done: it must not stay listed as
+            # consuming (a runner left here, stopping for ever with its claim on our live
+            # lease, was a partition nobody would consume again).
+            self.buffered -= runner.buffered
+            runner.buffered = 0
+            p = runner.partition
+            if self.runners.get(p) is runner:
+                del self.runners[p]
+            self.metrics.partitions_owned.set(len(self.runners))
+            self._wake.set()
+
+    async def _let_go(self, runner: PartitionRunner) -> None:
         p = runner.partition
         if not runner.fenced:
             # Without NATS the flush can only time out: release at once, so that a member
@@ -794,12 +818,14 @@ class Worker:
                 await self.etcd.delete_if_created_at(
                     self.config.keys.claim(p), runner.claim_revision
                 )
-            except TRANSIENT_ERRORS as exc:
+            except Exception as exc:
                 # Not "the lease will expire it": our lease is alive, so the claim would
                 # stay, and the next owner would wait for it forever. Retry until it is
-                # gone; meanwhile the partition counts as being claimed, so that we do
-                # not start it again under the claim we are deleting.
-                log.warning("Could not delete claim %d (%s); retrying", p, exc)
+                # gone, whatever the error (a refusal, say a permission an operator took
+                # away for a moment, is no reason to give the partition up for good);
+                # meanwhile the partition counts as being claimed, so that we do not
+                # start it again under the claim we are deleting.
+                _log_etcd_error(exc, "Could not delete claim %d (%s); retrying", p)
                 self.claiming.add(p)
                 self._spawn(self._release_later(p, runner.claim_revision))
                 self.handovers.abandoned(p)  # _release_later says when it is done
@@ -817,13 +843,8 @@ class Worker:
                 # Its handlers were cancelled but have not stopped yet: the claim must
                 # outlive them (see _reconcile), or the next owner starts alongside.
                 self._stopping_handlers[p] = runner
-        # Given back, or left to JetStream's redelivery (fenced): no longer ours to hold.
-        self.buffered -= runner.buffered
-        runner.buffered = 0
-        if self.runners.get(p) is runner:
-            del self.runners[p]
-        self.metrics.partitions_owned.set(len(self.runners))
-        self._wake.set()
+        # (runner_done then forgets the runner: given back, or left to JetStream's
+        # redelivery when fenced, what it held is no longer ours.)
 
     async def _release_later(self, p: int, claim_revision: int) -> None:
         """Delete claims/p (the incarnation we held) once etcd answers again."""
@@ -840,8 +861,8 @@ class Worker:
                     ):
                         log.info("Released partition %d", p)
                     return
-                except TRANSIENT_ERRORS as exc:
-                    log.warning("Could not delete claim %d (%s); retrying", p, exc)
+                except Exception as exc:
+                    _log_etcd_error(exc, "Could not delete claim %d (%s); retrying", p)
                     delay = min(delay * 2, 5.0)
         finally:
             self.claiming.discard(p)
