@@ -79,3 +79,27 @@ async def test_a_runner_whose_claim_is_gone_stops() -> None:
     worker._reconcile()
     assert gone.stopping
     assert not fresh.stopping
+
+
+async def test_after_a_brief_fence_the_partition_waits_for_its_cancelled_handlers() -> None:
+    """Fenced for a moment, the lease survives and the partition is still ours: it is
+    started again under its claim, but only once the handlers the fence cancelled have
+    stopped. Started at once (as it was), it ran the partition's messages beside a
+    handler still rolling back."""
+    worker = worker_with(target(CONFIG, 4, ME), claim(CONFIG, 4, ME, 30), revision=30)
+    fenced = PartitionRunner(worker, 4, claim_revision=30, target_ts=None)
+    fenced.fence()
+    fenced.inflight = 1  # a cancelled handler, still stopping
+    worker._stopping_handlers[4] = fenced
+    started: list[Any] = []
+    worker._start = lambda p, *_: started.append(p)  # type: ignore[method-assign]
+    worker._reconcile()
+    assert started == []
+    assert 4 not in worker.runners
+
+    fenced.inflight = 0  # it stopped
+    fenced.went_idle()
+    assert worker._wake.is_set()  # the worker reconciles again at once
+    worker._reconcile()
+    assert started == [4]
+    assert 4 not in worker._stopping_handlers

@@ -223,6 +223,10 @@ class PartitionRunner:
 
     def went_idle(self) -> None:
         self._wake()
+        if self.fenced:
+            # The worker may be waiting for these handlers to stop before it starts the
+            # partition again or releases its claim (Worker._reconcile).
+            self.worker.poke()
 
     # -- control --------------------------------------------------------------------------
 

@@ -678,6 +678,14 @@ class Worker:
                     to_claim[p] = target.ts if target else None
                 elif claim.member == me and claim.lease == lease:
                     # Ours already (we were fenced for a moment, or restarted in place).
+                    stopping = self._stopping_handlers.get(p)
+                    if stopping is not None:
+                        if stopping.inflight:
+                            # The fence cancelled handlers that are still stopping (a
+                            # rollback, say): a new runner now would run the partition's
+                            # messages beside them. went_idle() pokes us when they end.
+                            continue
+                        del self._stopping_handlers[p]
                     self._start(p, claim.create_revision, None)
             elif not want and current is not None and not current.stopping:
                 log.debug("Releasing partition %d", p)
@@ -936,6 +944,10 @@ class Worker:
         now = time.monotonic()
         bound = WEDGED_AFTER_STALLS * self.config.stall_after
         return any(r.progress.stalled_for(now) >= bound for r in self.runners.values())
+
+    def poke(self) -> None:
+        """Reconcile again soon (something it waits for has happened)."""
+        self._wake.set()
 
     def owned(self) -> list[int]:
         return sorted(self.runners)
