@@ -265,7 +265,8 @@ def test_stream_config_and_policies(localkube: LocalKube, operator: Path) -> Non
     )
     p7 = next(i for i in infos if i.name == "p7")
     assert p7.config.filter_subject == f"shoal.{ns}.streams.7"
-    assert p7.config.ack_wait == 7 and p7.config.max_deliver == 4
+    # (maxDeliver is counted by the members: the durables' own limit is off.)
+    assert p7.config.ack_wait == 7 and p7.config.max_deliver == -1
 
     # Retention cannot change in place: Degraded, a Warning, and the stream left as it is.
     plane.kubectl(

@@ -25,17 +25,17 @@ pytestmark = pytest.mark.e2e
 
 
 class RefusesOnce:
-    """The real client, whose first claim deletion is refused."""
+    """The real client, whose first release (claim deletion) is refused."""
 
     def __init__(self, etcd: Etcd) -> None:
         self._etcd = etcd
         self.refused = 0
 
-    async def delete_if_created_at(self, key: str, create_revision: int) -> bool:
+    async def release_claim(self, claim: str, revision: int, record: str, value: Any) -> bool:
         if not self.refused:
             self.refused += 1
             raise EtcdAuthError("etcd refused user 'shoal': etcdserver: permission denied")
-        return await self._etcd.delete_if_created_at(key, create_revision)
+        return await self._etcd.release_claim(claim, revision, record, value)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._etcd, name)

@@ -4,7 +4,9 @@
 what the message's data says: ``wait:<ms>`` awaits that long (an I/O-bound handler),
 ``fail:<n>`` fails its first n attempts, ``poison`` fails every attempt, ``permanent``
 raises PermanentError (dead-lettered at once), ``hang`` never returns, ``hang-on:<member>``
-never returns on that member only (a pod whose downstream connection is wedged).
+never returns on that member only (a pod whose downstream connection is wedged),
+``fail-runs:<n>`` fails the first n times it actually runs, whichever member runs it
+(counted in files under $SHOAL_TEST_STATE_DIR: attempts, not JetStream's deliveries).
 
 `slow_ledger` is the `ledger` handler of shoal.consumer.handlers with two differences a
 scenario needs: a message whose data is ``sleep:<seconds>[:<cleanup>]`` takes that long
@@ -20,7 +22,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
+from pathlib import Path
 
 from shoal.consumer.handlers import Message, PermanentError
 from shoal.contracts.names import SEQ_HEADER, ledger_subject
@@ -68,6 +72,15 @@ async def _record(msg: Message, started: float) -> None:
     )
 
 
+def _count_run(message_id: str, *, add: bool = True) -> int:
+    """How many times this message has run so far, over every member (this run too)."""
+    path = Path(os.environ["SHOAL_TEST_STATE_DIR"]) / f"{message_id}.runs"
+    if add:
+        with path.open("a") as runs:
+            runs.write(f"{os.getpid()}\n")
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
 class ScriptedFailure(RuntimeError):
     """What `scripted_ledger` raises for ``fail:<n>`` and ``poison`` messages."""
 
@@ -85,5 +98,7 @@ async def scripted_ledger(msg: Message) -> None:
         raise PermanentError(f"{msg.message_id} can never succeed")
     elif command == "hang" or (command == "hang-on" and arg == msg.context.member_id):
         await asyncio.Event().wait()
+    elif command == "fail-runs" and _count_run(msg.message_id) <= int(arg):
+        raise ScriptedFailure(f"run {_count_run(msg.message_id, add=False)} of {msg.message_id}")
     msg.ensure_owned()
     await _record(msg, started)

@@ -135,6 +135,14 @@ class Keys:
         # The autoscaler's last action (time, from, to, reason): the operator reports it
         # as status.lastScale, and a new leader keeps the cooldown it started.
         self.scale = self.prefix + "scale"
+        # Per partition, what its last orderly hand-over gave back: {stream sequence:
+        # credit}, the deliveries of each message that were not one attempt each (a
+        # hand-over nak is none; a delivery retried in place f times is f). The next
+        # owner counts a message's attempts as deliveries - credit (partition.py).
+        self.handbacks = self.prefix + "handbacks/"
+
+    def handback(self, partition: int) -> str:
+        return f"{self.handbacks}{partition}"
 
     def member(self, member_id: str) -> str:
         return self.members + member_id

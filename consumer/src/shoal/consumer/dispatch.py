@@ -43,6 +43,7 @@ class Held:
     """A fetched message of one project, held until it is settled or given back."""
 
     __slots__ = (
+        "credit",
         "delivered",
         "failures",
         "kept",
@@ -60,6 +61,9 @@ class Held:
         self.project = project
         self.seq = seq  # stream sequence
         self.delivered = delivered  # JetStream's delivery count for this delivery
+        # Earlier deliveries that were not one attempt each (hand-overs: Keys.handbacks):
+        # attempts before this delivery = delivered - 1 - credit.
+        self.credit = 0
         self.failures = 0  # handler failures here, retried in place
         self.kept = now  # last time JetStream heard of it (delivery or in-progress ack)
         # What the handler's run decided, until it is carried out: (ACKED, ""),

@@ -518,6 +518,21 @@ class Etcd:
         )
         return bool(ok)
 
+    async def release_claim(
+        self, claim: str, create_revision: int, record: str, value: bytes | None
+    ) -> bool:
+        """Delete claim if it is still the incarnation created at create_revision, and in
+        the same transaction put `record` (or delete it, for None): whoever sees the
+        claim gone sees the record too."""
+        tx = self.client.transactions
+        ok, _ = await self.call(
+            self.client.transaction,
+            compare=[tx.create(claim) == create_revision],
+            success=[tx.delete(claim), tx.put(record, value) if value else tx.delete(record)],
+            failure=[],
+        )
+        return bool(ok)
+
     async def guarded_put_many(
         self, guard_key: str, guard_create_revision: int, items: dict[str, bytes]
     ) -> bool:

@@ -201,8 +201,12 @@ def consumer_config(config: GroupConfig, partition: int) -> api.ConsumerConfig:
         deliver_policy=api.DeliverPolicy.ALL,
         ack_wait=config.ack_wait,
         max_ack_pending=config.max_ack_pending,
-        # One more than we handle: the worker dead-letters on the last delivery itself.
-        max_deliver=config.max_deliver,
+        # Unlimited: the members count attempts themselves (partition.py, credits), because
+        # JetStream counts every delivery, and each hand-over gives unstarted messages
+        # back with a nak, a delivery that was no attempt. With JetStream's limit at
+        # max_deliver, a message moved k times had max_deliver - k attempts left, and
+        # one moved often enough was stranded by moves alone.
+        max_deliver=-1,
         # No backoff on the durable: with one, JetStream uses its first step as the
         # ack_wait of every first delivery. The backoff is the member's: it spaces the
         # in-place retries (and, with NakAndContinue, the delays of its naks); JetStream

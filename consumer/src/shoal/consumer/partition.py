@@ -199,6 +199,12 @@ class PartitionRunner:
         # num_pending + num_ack_pending of the durable, as last read (runtime's lag loop).
         self.server_lag = 0
         self.progress = Progress()  # the stall check's (Worker.check_stalls)
+        # Credits of messages given back to this partition by earlier owners and not
+        # delivered to us yet (stream sequence -> credit: dispatch.Held.credit), read from
+        # the hand-over record when we start; what we give back, with its new credits,
+        # when we stop (`handback`, written with the claim's deletion: Worker.runner_done).
+        self.credits: dict[int, int] = {}
+        self.handback: dict[int, int] = {}
         self.gave_up_a_request = False  # a pull taken for lost (RequestWatch)
         self.dozing = False  # no pull open: waiting for the alarm (alarm.py)
         self.roused = False
@@ -294,6 +300,7 @@ class PartitionRunner:
 
     async def run(self) -> None:
         w = self.worker
+        self.credits = w.view.handback_credits(self.partition)
         inbox = w.inbox_for(self)
         api_subject = f"$JS.API.CONSUMER.MSG.NEXT.{w.config.stream}.{durable_name(self.partition)}"
         try:
@@ -598,7 +605,10 @@ class PartitionRunner:
             )
         self.buffered += 1
         w.buffered += 1
-        w.dispatcher.submit(self, Held(msg, project, seq, delivered, time.monotonic()))
+        held = Held(msg, project, seq, delivered, time.monotonic())
+        if self.credits:
+            held.credit = self.credits.pop(seq, 0)
+        w.dispatcher.submit(self, held)
         return None
 
     def _end_request(self, status: str) -> None:
@@ -621,7 +631,9 @@ class PartitionRunner:
         unstarted = [held for queue in self.projects.values() for held in queue.pending]
         for msg in self._late:
             _, seq, delivered = ack_fields(msg.reply)
-            unstarted.append(Held(msg, "", seq, delivered, drained_at))
+            late = Held(msg, "", seq, delivered, drained_at)
+            late.credit = self.credits.pop(seq, 0)
+            unstarted.append(late)
         unstarted.sort(key=lambda held: held.seq)
         await self._give_back(unstarted)
         log.debug(
@@ -634,24 +646,21 @@ class PartitionRunner:
 
     async def _give_back(self, unstarted: list[Held]) -> None:
         """Return fetched but unstarted messages to JetStream, in stream order, for the
-        next owner."""
+        next owner, and note what each delivery was (`handback`): a message given back
+        unstarted made no attempt here; one retried in place made `failures` attempts.
+        The next owner reads the note (Keys.handbacks), so that hand-overs never use up
+        a message's attempts (JetStream counts each nak as a delivery)."""
         w = self.worker
+        # Credits we were handed and never used (messages not delivered to us) still hold.
+        self.handback = dict(self.credits)
         if not unstarted or not w.nats_reachable():
             # Without NATS a nak request would wait out its timeout on a dead connection;
-            # unacked, the messages are redelivered after ack_wait anyway.
+            # unacked, the messages are redelivered after ack_wait anyway (and those
+            # deliveries count as attempts: nothing is noted for them).
             return
-        naks: list[Held] = []
         for held in unstarted:
-            if held.delivered >= w.config.max_deliver:
-                # A nak of its last delivery would strand it: JetStream would not
-                # deliver it again. Finish it here instead (in order: the ones before it
-                # were naked first, and nobody else runs this partition yet).
-                await self._flush_naks(naks)
-                naks = []
-                await w.run_last_delivery(self, held)
-            else:
-                naks.append(held)
-        await self._flush_naks(naks)
+            self.handback[held.seq] = held.credit + 1 - held.failures
+        await self._flush_naks(unstarted)
         self.projects.clear()
         self._late.clear()
 

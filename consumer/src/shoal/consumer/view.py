@@ -192,6 +192,23 @@ class GroupView:
             result[p] = Claim(member, kv.lease, kv.create_revision)
         return result
 
+    def handback_credits(self, partition: int) -> dict[int, int]:
+        """What the last orderly hand-over of `partition` gave back (Keys.handbacks):
+        stream sequence -> credit. Read once, when a runner starts; garbage is ignored."""
+        kv = self.kvs.get(self.keys.handback(partition))
+        if kv is None:
+            return {}
+        data = self._json(kv)
+        if data is None:
+            return {}
+        credits: dict[int, int] = {}
+        for seq, credit in data.items():
+            if seq.isdigit() and isinstance(credit, int) and not isinstance(credit, bool):
+                credits[int(seq)] = credit
+            else:
+                self._garbage(kv, f"has a bad entry {seq!r}: {credit!r}")
+        return credits
+
     # -- keeping up to date --------------------------------------------------------------
 
     def load(self, revision: int, kvs: dict[str, KV]) -> None:

@@ -19,6 +19,7 @@ member's budget: at most `max_buffered` messages over all partitions.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -183,7 +184,7 @@ class Worker:
             runner.partition,
             held.msg,
             held.seq,
-            held.delivered + held.failures,
+            held.delivered - held.credit + held.failures,
             self.context,
         )
 
@@ -198,6 +199,14 @@ class Worker:
             runner.first_message_seen = True
             if runner.target_ts is not None:
                 self.metrics.handover_seconds.observe(max(0.0, time.time() - runner.target_ts))
+        if held.verdict is None and held.delivered - 1 - held.credit >= self.config.max_deliver:
+            # Every attempt made already, each delivery unanswered: its members crashed or
+            # froze mid-handler (JetStream's own limit is off: jetstream.consumer_config).
+            held.verdict = (
+                DEAD_LETTER,
+                f"delivered {held.delivered - held.credit - 1} times without an answer "
+                f"(maxDeliver {self.config.max_deliver}): its members died or froze on it",
+            )
         if held.verdict is None:
             # (Otherwise decided already: the handler ran, and only settling it failed.)
             started = held.started = time.perf_counter()
@@ -275,8 +284,9 @@ class Worker:
         """A handler error: the delay before it is retried in place, or None when its
         verdict is set (dead-letter after max_deliver attempts, or nak)."""
         held.failures += 1
-        # Attempts so far: one per earlier delivery (elsewhere), plus ours here.
-        attempts = held.delivered - 1 + held.failures
+        # Attempts so far: one per earlier delivery that was one (elsewhere: Held.credit),
+        # plus ours here.
+        attempts = held.delivered - 1 - held.credit + held.failures
         if attempts >= self.config.max_deliver:
             held.verdict = (DEAD_LETTER, f"failed {attempts} times, last: {exc!r}")
             return None
@@ -370,19 +380,6 @@ class Worker:
                 held.settle_failures,
             )
         return SETTLED
-
-    async def run_last_delivery(self, runner: PartitionRunner, held: Held) -> None:
-        """Run a message on its last delivery during a give-back: once, no retry."""
-        try:
-            await self.handler(self._message(runner, held))
-        except Exception as exc:
-            await self.dead_letter(
-                held.msg, runner.partition, f"failed on its last delivery: {exc!r}"
-            )
-            self.tally.dead_letter += 1
-            return
-        await held.msg.ack()
-        self.tally.ok += 1
 
     async def keep_held_alive(self) -> None:
         """In-progress acks for messages held longer than a quarter of ack_wait.
@@ -823,9 +820,7 @@ class Worker:
             except Exception:
                 log.warning("Flushing acks before releasing partition %d failed", p)
             try:
-                await self.etcd.delete_if_created_at(
-                    self.config.keys.claim(p), runner.claim_revision
-                )
+                await self._release(p, runner.claim_revision, runner.handback)
             except Exception as exc:
                 # Not "the lease will expire it": our lease is alive, so the claim would
                 # stay, and the next owner would wait for it forever. Retry until it is
@@ -835,7 +830,7 @@ class Worker:
                 # start it again under the claim we are deleting.
                 _log_etcd_error(exc, "Could not delete claim %d (%s); retrying", p)
                 self.claiming.add(p)
-                self._spawn(self._release_later(p, runner.claim_revision))
+                self._spawn(self._release_later(p, runner.claim_revision, runner.handback))
                 self.handovers.abandoned(p)  # _release_later says when it is done
             else:
                 self._released[p] = runner.claim_revision
@@ -854,7 +849,20 @@ class Worker:
         # (runner_done then forgets the runner: given back, or left to JetStream's
         # redelivery when fenced, what it held is no longer ours.)
 
-    async def _release_later(self, p: int, claim_revision: int) -> None:
+    async def _release(self, p: int, claim_revision: int, handback: dict[int, int] | None) -> bool:
+        """Delete claims/p (the incarnation we held); with `handback` (an orderly
+        hand-over), write the hand-over record in the same transaction (none: leave it)."""
+        claim = self.config.keys.claim(p)
+        if handback is None:
+            return await self.etcd.delete_if_created_at(claim, claim_revision)
+        value = json.dumps({str(seq): c for seq, c in sorted(handback.items())}).encode()
+        return await self.etcd.release_claim(
+            claim, claim_revision, self.config.keys.handback(p), value if handback else None
+        )
+
+    async def _release_later(
+        self, p: int, claim_revision: int, handback: dict[int, int] | None = None
+    ) -> None:
         """Delete claims/p (the incarnation we held) once etcd answers again."""
         delay = 0.2
         try:
@@ -864,9 +872,7 @@ class Worker:
                 if claim is None or claim.create_revision != claim_revision:
                     return  # gone already (deleted, or expired with an old lease)
                 try:
-                    if await self.etcd.delete_if_created_at(
-                        self.config.keys.claim(p), claim_revision
-                    ):
+                    if await self._release(p, claim_revision, handback):
                         log.info("Released partition %d", p)
                     return
                 except Exception as exc:
