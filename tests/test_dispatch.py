@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from shoal.consumer.dispatch import SETTLED, Dispatcher, Held, ProjectQueue
+from shoal.consumer.dispatch import SETTLED, Dispatcher, Held, Outcome, ProjectQueue
 
 
 class Partition:
@@ -49,7 +49,7 @@ async def test_awaiting_handlers_of_a_burst_all_run_at_once() -> None:
     most = 0
     release = asyncio.Event()
 
-    async def execute(source: Any, held: Held) -> float | None:
+    async def execute(source: Any, held: Held) -> Outcome | float:
         nonlocal running, most
         running += 1
         most = max(most, running)
@@ -73,7 +73,7 @@ async def test_awaiting_handlers_of_a_burst_all_run_at_once() -> None:
 
 
 async def test_handlers_that_never_await_leave_the_other_workers_asleep() -> None:
-    async def execute(source: Any, held: Held) -> float | None:
+    async def execute(source: Any, held: Held) -> Outcome | float:
         return SETTLED
 
     dispatcher = Dispatcher(execute, max_concurrency=50)
@@ -108,7 +108,7 @@ async def test_handlers_that_never_await_leave_the_other_workers_asleep() -> Non
 
 
 async def test_one_project_runs_in_order_whatever_wakes() -> None:
-    async def execute(source: Any, held: Held) -> float | None:
+    async def execute(source: Any, held: Held) -> Outcome | float:
         await asyncio.sleep(0)
         return SETTLED
 

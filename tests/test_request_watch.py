@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from shoal.consumer.partition import AnswerClock, RequestWatch
+from shoal.consumer.pull import AnswerClock, RequestWatch
 
 
 @dataclass

@@ -27,6 +27,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
+from enum import Enum
 from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
@@ -111,14 +112,19 @@ class ProjectQueue:
         self.running = False  # a worker runs its head now
 
 
-# What `execute` returns: SETTLED (acked, dead-lettered, or handed to JetStream for
-# redelivery), a delay in seconds before the head is retried in place, or ABANDONED (the
-# partition was fenced or released mid-way: leave the message to the hand-over).
-SETTLED: None = None
-ABANDONED = -1.0
+class Outcome(Enum):
+    """What `execute` made of a message, when it is not a retry: a retry is the delay,
+    in seconds, before the head of its project runs again, in place."""
+
+    SETTLED = "settled"  # acked, dead-lettered, or handed to JetStream for redelivery
+    ABANDONED = "abandoned"  # fenced or released mid-way: left to the hand-over
+
+
+SETTLED = Outcome.SETTLED
+ABANDONED = Outcome.ABANDONED
 # After an unexpected error of execute() itself (a bug): retry the head this much later.
 BUG_RETRY_DELAY = 1.0
-Execute = Callable[[Any, Held], Awaitable[float | None]]
+Execute = Callable[[Any, Held], Awaitable[Outcome | float]]
 
 
 class Dispatcher:
@@ -280,7 +286,7 @@ class Dispatcher:
             elif outcome is SETTLED:
                 if not source.stopping:
                     self._schedule(queue)
-            elif outcome != ABANDONED and not source.stopping:
+            elif not isinstance(outcome, Outcome) and not source.stopping:
                 queue.scheduled = True
                 loop.call_later(outcome, self._retry_due, queue)
             streak += 1

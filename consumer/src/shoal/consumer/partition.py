@@ -22,6 +22,7 @@ import asyncio
 import json
 import logging
 import time
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from nats.js.errors import NotFoundError
@@ -33,6 +34,7 @@ from shoal.consumer.holding import PARTITION_HOLD_SECONDS, HoldBudget
 from shoal.consumer.jetstream import consumer_config
 from shoal.consumer.natsclient import Delivery
 from shoal.consumer.progress import Progress
+from shoal.consumer.pull import PullRequest, RequestWatch
 from shoal.contracts.names import PROJECT_HEADER, durable_name, partition_for, partition_subject
 
 if TYPE_CHECKING:
@@ -41,9 +43,8 @@ if TYPE_CHECKING:
 __all__ = [
     "IDLE_BATCH",
     "PULL_FLOOR",
-    "AnswerClock",
     "PartitionRunner",
-    "RequestWatch",
+    "Phase",
     "ack_fields",
 ]
 
@@ -85,86 +86,39 @@ def _resolve(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-def _end_as(end: asyncio.Future[str], status: str) -> None:
-    if not end.done():
-        end.set_result(status)
+class Phase(Enum):
+    """Where a partition is in its life on this member (PartitionRunner.phase).
 
-
-class RequestWatch:
-    """Ends a pull request as "lost" when its end status cannot come any more.
-
-    The server always ends a request (its batch, or 408 at its expiry) unless the
-    connection went away with it, or the server that held it did: in a NATS cluster a
-    pull request waits on the durable's leader, and when that node dies the request dies
-    with it while our own connection (to another node) stays up. Taking a request for
-    lost merely because its end is late is worse than waiting: a member short of CPU
-    reads late, and each request it gave up on while the server was still filling it
-    brings messages nobody accounted for, so the member reads later still, and held
-    messages outlive their ack_wait (redeliveries, duplicates). So a late request is given
-    up only on evidence: the connection dropped or reconnected since it was sent, or the
-    member has read the answer to a request that the servers ended well after this one
-    was due (:attr:`AnswerClock.upto`), so it is not reading late; or after a generous
-    bound.
+    Before a runner exists the worker claims the partition (Worker.claiming); after it,
+    the claim is gone or left to the lease. A stall (progress.py) is not a phase: a
+    partition stalls in any of them, and the stall check says so.
     """
 
-    LATE_CHECK = 1.0
-    # How much later than this request's due end another request must have been answered
-    # for this one to count as lost (routes between cluster nodes reorder a little).
-    ANSWERED_MARGIN = 1.0
-    GIVE_UP_AFTER = 15.0
-
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        nc: Any,
-        end: asyncio.Future[str],
-        expires: float,
-        answers: AnswerClock,
-    ) -> None:
-        self.loop = loop
-        self.nc = nc
-        self.end = end
-        self.answers = answers
-        self.reconnects = nc.stats.get("reconnects", 0)
-        self.sent_at = loop.time()
-        self.due = self.sent_at + expires
-        self.deadline = self.due + self.GIVE_UP_AFTER
-        self.timer = loop.call_later(expires + self.LATE_CHECK, self._check)
-
-    def _check(self) -> None:
-        if self.end.done():
-            return
-        dropped = not self.nc.is_connected or self.nc.stats.get("reconnects", 0) != self.reconnects
-        outrun = self.answers.upto >= self.due + self.ANSWERED_MARGIN
-        if dropped or outrun or self.loop.time() >= self.deadline:
-            _end_as(self.end, "lost")
-        else:
-            self.timer = self.loop.call_later(self.LATE_CHECK, self._check)
-
-    def ended(self, status: str) -> None:
-        """The request ended with `status` (not "lost"): the server answered it."""
-        self.answers.answered(self.sent_at, self.due, status)
-
-    def cancel(self) -> None:
-        self.timer.cancel()
+    CONSUMING = "consuming"  # pulling, or waiting for room to pull
+    DOZING = "dozing"  # nothing outstanding: no pull open, the alarm armed (alarm.py)
+    STOPPING = "stopping"  # told to let go: no new pull; the open one and handlers end
+    GIVING_BACK = "giving back"  # naking what was fetched and not started, in order
+    FENCED = "fenced"  # stopped at once: handlers cancelled, nothing given back
+    RELEASED = "released"  # its claim deleted (or, fenced, left to the lease)
 
 
-class AnswerClock:
-    """The latest time at which, as far as this member has read, a server answered one
-    of its pull requests: for an expiry (408) the request's due end, for any other end
-    the time the request was sent (the server answered after that). One per member."""
-
-    def __init__(self) -> None:
-        self.upto = 0.0
-
-    def answered(self, sent_at: float, due: float, status: str) -> None:
-        when = due if status == "408" else sent_at
-        if when > self.upto:
-            self.upto = when
+# Every move a runner may make; any other is a bug of ours, logged and refused.
+_NEXT: dict[Phase, frozenset[Phase]] = {
+    Phase.CONSUMING: frozenset({Phase.DOZING, Phase.STOPPING, Phase.FENCED}),
+    Phase.DOZING: frozenset({Phase.CONSUMING, Phase.STOPPING, Phase.FENCED}),
+    Phase.STOPPING: frozenset({Phase.GIVING_BACK, Phase.FENCED, Phase.RELEASED}),
+    Phase.GIVING_BACK: frozenset({Phase.FENCED, Phase.RELEASED}),
+    Phase.FENCED: frozenset({Phase.RELEASED}),
+    Phase.RELEASED: frozenset(),
+}
 
 
 class PartitionRunner:
-    """Pulls one partition's durable into the dispatcher, and lets it go when told."""
+    """Pulls one partition's durable into the dispatcher, and lets it go when told.
+
+    Its life is `phase` (Phase), changed in one place (`_enter`), each change logged at
+    debug level; `stopping`, `fenced` and `dozing` are read on the hot path and follow it.
+    """
 
     def __init__(
         self, worker: Worker, partition: int, claim_revision: int, target_ts: float | None
@@ -173,8 +127,9 @@ class PartitionRunner:
         self.partition = partition
         self.claim_revision = claim_revision
         self.target_ts = target_ts
-        self.stopping = False
-        self.fenced = False
+        self.phase = Phase.CONSUMING
+        self.stopping = False  # STOPPING or later: no new pull, nothing new starts
+        self.fenced = False  # FENCED (and then RELEASED)
         self.first_message_seen = False
         self.stop_requested_at = 0.0
         self.task: asyncio.Task[None] | None = None
@@ -185,14 +140,12 @@ class PartitionRunner:
         self.processed = 0
         # Messages that arrived after the stop: given back once no request is open.
         self._late: list[Any] = []
-        self._remaining = 0  # messages the open pull request may still bring
         self._want = IDLE_BATCH  # what the next pull asks for, at most
         # What this partition may hold: half a second of its own settle rate (holding.py).
         self.hold = HoldBudget(worker.config.fetch_batch, hold_seconds=PARTITION_HOLD_SECONDS)
         self._floor = min(PULL_FLOOR, worker.config.fetch_batch)
         self._cap = self._floor
-        self._request_end: asyncio.Future[str] | None = None
-        self.open_expires = 0.0  # the open pull request's expiry (s), 0 when none is open
+        self.request: PullRequest | None = None  # the open pull request, if any
         self._wakeup: asyncio.Future[None] | None = None
         self.arrived = 0  # messages delivered to our pull requests
         self.answered = 0  # pull requests the server ended with its batch, or with nothing
@@ -206,7 +159,7 @@ class PartitionRunner:
         self.credits: dict[int, int] = {}
         self.handback: dict[int, int] = {}
         self.gave_up_a_request = False  # a pull taken for lost (RequestWatch)
-        self.dozing = False  # no pull open: waiting for the alarm (alarm.py)
+        self.dozing = False  # DOZING
         self.roused = False
         self.alarm = Alarm(worker.nc, partition_subject(worker.config.subject_prefix, partition))
 
@@ -251,14 +204,40 @@ class PartitionRunner:
             timer.cancel()
             self._wakeup = None
 
+    def _enter(self, phase: Phase) -> bool:
+        """Move to `phase`, if that is a move its life allows; True if it moved."""
+        if phase is self.phase:
+            return False
+        if phase not in _NEXT[self.phase]:
+            log.warning(
+                "Partition %d: no move from %s to %s (a bug); staying %s",
+                self.partition,
+                self.phase.value,
+                phase.value,
+                self.phase.value,
+            )
+            return False
+        log.debug("Partition %d: %s -> %s", self.partition, self.phase.value, phase.value)
+        self.phase = phase
+        self.dozing = phase is Phase.DOZING
+        self.stopping = phase not in (Phase.CONSUMING, Phase.DOZING)
+        self.fenced = self.fenced or phase is Phase.FENCED
+        return True
+
     def stop(self) -> None:
-        self.stopping = True
+        if self.stopping:
+            return
+        self._enter(Phase.STOPPING)
         self.stop_requested_at = time.monotonic()
         self._wake()
 
+    def released(self) -> None:
+        """Its claim is deleted, or left to the lease (Worker.runner_done)."""
+        self._enter(Phase.RELEASED)
+
     def fence(self) -> None:
-        self.stopping = True
-        self.fenced = True
+        if not self._enter(Phase.FENCED):
+            return
         # Handlers still running must stop now, not when they are done: fencing happens
         # fence_margin before our lease can expire, and once it has, the next owner
         # starts the partition. Left running, a handler would overlap with it, and the
@@ -273,9 +252,8 @@ class PartitionRunner:
                 self.partition,
             )
         self._wake()
-        end = self._request_end
-        if end is not None and not end.done():
-            end.set_result("fenced")
+        if self.request is not None:
+            self.request.finish("fenced")
 
     # -- pulling --------------------------------------------------------------------------
 
@@ -422,26 +400,19 @@ class PartitionRunner:
         # what was published just before the alarm's subscription to reach the stream.
         expires = w.config.fetch_expires if self.alarm.armed else w.pull_expires()
         arrived = self.arrived
-        request = json.dumps({"batch": room, "expires": int(expires * 1e9)}).encode()
-        # The reservation is made, and given back, inside one try: a publish that raises
-        # (nats-py's reconnect buffer full while NATS is away: OutboundBufferLimitError)
-        # once kept it, and after enough of those the member's budget stayed spent for
-        # good: it never pulled again, its claims held and its probes green.
-        self._remaining = room
-        w.reserved += room
-        self._request_end = end = loop.create_future()
-        self.open_expires = expires
+        payload = json.dumps({"batch": room, "expires": int(expires * 1e9)}).encode()
+        self.request = request = PullRequest(w, room, expires)
         watch: RequestWatch | None = None
         try:
             try:
-                await w.nc.publish(api_subject, request, reply=inbox)
+                await w.nc.publish(api_subject, payload, reply=inbox)
             except Exception as exc:
                 self._unsent(exc)
                 return "unsent", 0
             # The request ends with its batch, or a status; bounded in case the status
             # was lost with a connection or a server.
-            watch = RequestWatch(loop, w.nc, end, expires, w.answers)
-            status = await end
+            watch = RequestWatch(loop, w.nc, request.end, expires, w.answers)
+            status = await request.end
             if status != "lost":
                 watch.ended(status)
                 if status in ("batch", "404", "408"):
@@ -451,13 +422,8 @@ class PartitionRunner:
         finally:
             if watch is not None:
                 watch.cancel()
-            self._request_end = None
-            self.open_expires = 0.0
-            if self._remaining:
-                w.reserved -= self._remaining
-                self._remaining = 0
-                if w.starved:
-                    w.wake_starved()
+            self.request = None
+            request.close()
         return status, self.arrived - arrived
 
     def _unsent(self, exc: Exception) -> None:
@@ -505,7 +471,8 @@ class PartitionRunner:
         stream was deleted), or `sweep` seconds passed (False)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + sweep
-        self.dozing = True
+        if not self._enter(Phase.DOZING):
+            return False  # stopping already
         self.roused = False
         self.alarm.on_ring(self._wake)
         try:
@@ -516,7 +483,8 @@ class PartitionRunner:
                 await self.sleep_until_woken(left)
             return self.alarm.rang
         finally:
-            self.dozing = False
+            if self.phase is Phase.DOZING:
+                self._enter(Phase.CONSUMING)
 
     def has_work(self) -> bool:
         """Messages held, or pending in the durable as last read (not while dozing: a
@@ -532,7 +500,7 @@ class PartitionRunner:
             return f"its hand-over ({self.inflight} handler(s) still running)"
         if w.unsent_pulls:
             return "NATS: pull requests cannot be sent"
-        if self.open_expires:
+        if self.request is not None:
             return "the answer to an open pull request"
         if self.inflight:
             return f"{self.inflight} running handler(s), {self.buffered} message(s) held"
@@ -577,7 +545,8 @@ class PartitionRunner:
                 status,
                 headers.get("Description", ""),
             )
-        self._end_request(status or "?")
+        if self.request is not None:
+            self.request.finish(status or "?")
 
     def deliver(self, msg: Delivery, seq: int, delivered: int) -> str | None:
         """A message arrived for our pull requests (its stream sequence and delivery count
@@ -585,11 +554,13 @@ class PartitionRunner:
         instead, if it must (the caller awaits that; this is not a coroutine, as it runs
         once per message)."""
         self.arrived += 1
-        if self._remaining > 0:
-            self._remaining -= 1
+        request = self.request
+        if request is not None and request.remaining:
+            # PullRequest.arrived(), inline: this runs once per message.
+            request.remaining -= 1
             self.worker.reserved -= 1
-            if self._remaining == 0:
-                self._end_request("batch")
+            if not request.remaining:
+                request.finish("batch")
         if self.stopping:
             if not self.fenced:
                 self._late.append(msg)
@@ -611,10 +582,6 @@ class PartitionRunner:
         w.dispatcher.submit(self, held)
         return None
 
-    def _end_request(self, status: str) -> None:
-        if self._request_end is not None:
-            _end_as(self._request_end, status)
-
     # -- letting go -----------------------------------------------------------------------
 
     async def _hand_back(self) -> None:
@@ -628,6 +595,7 @@ class PartitionRunner:
             # (Every other request has ended: nothing more can come for it.)
             await asyncio.sleep(0.02)
         drained_at = time.monotonic()
+        self._enter(Phase.GIVING_BACK)
         unstarted = [held for queue in self.projects.values() for held in queue.pending]
         for msg in self._late:
             _, seq, delivered = ack_fields(msg.reply)

@@ -37,6 +37,7 @@ from shoal.consumer.dispatch import (
     TERMINATED,
     Dispatcher,
     Held,
+    Outcome,
 )
 from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd
 from shoal.consumer.handlers import (
@@ -53,8 +54,9 @@ from shoal.consumer.holding import HoldBudget
 from shoal.consumer.membership import Membership
 from shoal.consumer.metrics import Metrics
 from shoal.consumer.natsclient import Delivery, DirectClient
-from shoal.consumer.partition import IDLE_BATCH, AnswerClock, PartitionRunner, ack_fields
+from shoal.consumer.partition import IDLE_BATCH, PartitionRunner, ack_fields
 from shoal.consumer.progress import WEDGED_AFTER_STALLS, Change
+from shoal.consumer.pull import AnswerClock
 from shoal.consumer.view import GroupView
 from shoal.contracts.names import (
     MSG_ID_HEADER,
@@ -188,7 +190,7 @@ class Worker:
             self.context,
         )
 
-    async def _execute(self, runner: PartitionRunner, held: Held) -> float | None:
+    async def _execute(self, runner: PartitionRunner, held: Held) -> Outcome | float:
         """Run the handler on one message and settle it; see dispatch.Execute."""
         if runner.fenced:
             return ABANDONED
@@ -318,7 +320,7 @@ class Worker:
         )
         return delay
 
-    async def _settle(self, runner: PartitionRunner, held: Held) -> float | None:
+    async def _settle(self, runner: PartitionRunner, held: Held) -> Outcome | float:
         """Carry out the message's verdict: ack, dead-letter or nak it.
 
         If that fails (NATS away and its reconnect buffer full, the dead-letter stream
@@ -582,7 +584,10 @@ class Worker:
         partitions go on consuming meanwhile; a dozing one has no pull open."""
         self._start_brisk()
         deadline = time.monotonic() + timeout
-        while any(r.open_expires > BRISK_EXPIRES for r in self.runners.values()):
+        while any(
+            r.request is not None and r.request.expires > BRISK_EXPIRES
+            for r in self.runners.values()
+        ):
             if time.monotonic() >= deadline:
                 log.info("Leaving with pulls still open (they did not end in %.1f s)", timeout)
                 break
@@ -798,6 +803,7 @@ class Worker:
             # Whatever failed above, the runner is done: it must not stay listed as
             # consuming (a runner left here, stopping for ever with its claim on our live
             # lease, was a partition nobody would consume again).
+            runner.released()
             self.buffered -= runner.buffered
             runner.buffered = 0
             p = runner.partition
