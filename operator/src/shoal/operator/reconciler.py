@@ -398,6 +398,7 @@ async def observe_group(
     members: dict[str, int] = {}
     leader, generation_seen, unowned, unclaimed = None, 0, config.partitions, config.partitions
     moving = 0
+    stalled: tuple[tuple[int, str], ...] = ()
     try:
         etcd = await _etcd(memo, config.etcd_endpoints, namespace, etcd_secret_name(model))
         group = await read_status(etcd, namespace, name, config.partitions)
@@ -405,6 +406,8 @@ async def observe_group(
         leader, generation_seen = group.leader, group.generation
         unowned, unclaimed = len(group.unowned), len(group.unclaimed)
         moving = sum(1 for p, owner in group.owners.items() if group.claims.get(p) != owner)
+        stalled = observe.stalled_partitions(group.members, config.partitions)
+        _report_stalls(body, memo, stalled, model.stall_after_seconds)
         problem = await _no_space(etcd, body, memo, config.etcd_endpoints)
     except EtcdSecretProblem as exc:
         problem = (exc.reason, exc.message)
@@ -437,6 +440,8 @@ async def observe_group(
         unowned=unowned,
         unclaimed=unclaimed,
         moving=moving,
+        stalled=stalled,
+        stall_after=model.stall_after_seconds,
         lag=lag,
         problem=problem,
         selector=selector_string(name),
@@ -452,6 +457,30 @@ async def observe_group(
         )
     for key, value in new.items():
         patch.status[key] = value
+
+
+def _report_stalls(
+    body: kopf.Body, memo: Any, stalled: tuple[tuple[int, str], ...], stall_after: int
+) -> None:
+    """A Warning Event PartitionStalled when a member starts reporting partitions stalled,
+    a Normal PartitionStallEnded when it stops: one pair per episode, not one per
+    observation. Called only when etcd was read, so an etcd outage ends no episode (and
+    does not repeat the Warning once etcd is back)."""
+    state = group_state(memo)
+    started, ended = observe.stall_changes(state.stalled, stalled)
+    for member, partitions in started.items():
+        kopf.warn(
+            body,
+            reason="PartitionStalled",
+            message=observe.stall_started_message(member, partitions, stall_after),
+        )
+    for member, partitions in ended.items():
+        kopf.info(
+            body,
+            reason="PartitionStallEnded",
+            message=observe.stall_ended_message(member, partitions),
+        )
+    state.stalled = frozenset(stalled)
 
 
 async def _no_space(

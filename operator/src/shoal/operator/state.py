@@ -41,6 +41,10 @@ class GroupState:
     # Whether the group's etcd had its NOSPACE alarm raised at the last observation (an
     # Event is posted when it is raised and when it is cleared, not every observation).
     etcd_no_space: bool = False
+    # (partition, member) pairs reported stalled at the last observation that read etcd:
+    # a PartitionStalled Event is posted for each new pair, not at every observation.
+    # (A restarted operator announces the episodes still going on once more.)
+    stalled: frozenset[tuple[int, str]] = frozenset()
 
 
 def group_state(memo: MutableMapping[str, Any]) -> GroupState:
