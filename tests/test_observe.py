@@ -423,6 +423,17 @@ def test_a_stall_episode_starts_once_and_ends_once() -> None:
     assert stall_changes(frozenset(both), ((3, "c-2"),)) == ({"c-2": [3]}, {"c-1": [3, 8]})
 
 
+def test_an_episode_between_two_observations_starts_and_ends_at_once() -> None:
+    # Reported and moved between two runs of the status timer (seen by the StallWatch).
+    assert stall_changes(frozenset(), (), {(3, "c-1")}) == ({"c-1": [3]}, {"c-1": [3]})
+    # Seen between and still stalled now: it starts, and goes on.
+    assert stall_changes(frozenset(), ((3, "c-1"),), {(3, "c-1")}) == ({"c-1": [3]}, {})
+    # An episode going on, reported again between (every stats write): nothing new.
+    known = frozenset({(3, "c-1")})
+    assert stall_changes(known, ((3, "c-1"),), {(3, "c-1")}) == ({}, {})
+    assert stall_changes(known, (), {(3, "c-1")}) == ({}, {"c-1": [3]})
+
+
 def test_stall_event_messages_name_partition_member_and_what_happens() -> None:
     assert stall_started_message("c-1", [3], 60) == (
         "Partition 3 stalled on member c-1: work waiting and no progress for 60 s or more; "

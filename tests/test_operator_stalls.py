@@ -153,15 +153,15 @@ async def test_member_reports_become_status_and_one_event_per_episode(
     assert len(stall_events(events)) == 2
 
     # etcd unreadable for one observation: no episode ends, none starts again afterwards.
-    real_read = reconciler.read_status
+    real_read = reconciler._read_group
 
     async def unreadable(*_: Any) -> Any:
         raise ConnectionError("etcd away")
 
-    monkeypatch.setattr(reconciler, "read_status", unreadable)
+    monkeypatch.setattr(reconciler, "_read_group", unreadable)
     away = await observe(memo, namespace, group, spec, status)
     assert condition(away, "Degraded")["reason"] == "EtcdUnavailable"
-    monkeypatch.setattr(reconciler, "read_status", real_read)
+    monkeypatch.setattr(reconciler, "_read_group", real_read)
     status = await observe(memo, namespace, group, spec, away)
     assert len(stall_events(events)) == 2
     assert len(status["stalledPartitions"]) == 3
@@ -205,6 +205,56 @@ async def test_member_reports_become_status_and_one_event_per_episode(
     assert condition(status, "Progressing")["reason"] != "PartitionsStalled"
     assert condition(status, "Degraded")["reason"] == "AsExpected"
     assert group_state(memo).stalled == frozenset()
+
+
+async def test_a_stall_shorter_than_the_timers_period_is_still_told(
+    etcd: Etcd,
+    js: Any,
+    make_config: Any,
+    memo: kopf.Memo,
+    events: list[Event],
+    namespace: str,
+    group: str,
+) -> None:
+    """The usual case: the leader moves a stalled partition within a second or two, and
+    its member stops reporting it at its next stats write, all between two runs of the
+    status timer. Both Events are posted all the same, Warning first."""
+    keys = Keys(namespace, group)
+    spec = {"handler": "shoal.consumer.handlers:noop", "partitions": 16}
+    await ensure_group(js, make_config(partitions=16))
+    await etcd.put(keys.member("c-0"), b'{"stalled": []}')
+    status = await observe(memo, namespace, group, spec, {})  # starts the watch
+    for stats in ('{"stalled": [5]}', '{"stalled": [5, 6]}', "garbage", '{"stalled": []}'):
+        await etcd.put(keys.member("c-0"), stats.encode())
+    await etcd.put(keys.member("c-1"), b'{"stalled": [9]}')
+    await etcd.delete(keys.member("c-1"))  # it reported a stall, then left
+
+    async def told() -> list[Event]:
+        nonlocal status
+        status = await observe(memo, namespace, group, spec, status)
+        return stall_events(events)
+
+    # The watch's callback runs on etcd3's thread: give it a moment (it is not the timer).
+    found = await eventually_async(told, 5, "the Events", until=lambda e: len(e) == 4)
+    assert [e[:2] for e in found] == [
+        ("Warning", "PartitionStalled"),
+        ("Warning", "PartitionStalled"),
+        ("Normal", "PartitionStallEnded"),
+        ("Normal", "PartitionStallEnded"),
+    ]
+    assert found[0][2].startswith("Partitions 5, 6 stalled on member c-0")
+    assert found[1][2].startswith("Partition 9 stalled on member c-1")
+    assert found[2][2].startswith("Partitions 5, 6 no longer reported stalled by member c-0")
+    assert "stalledPartitions" not in status
+    # Told once: later observations add nothing.
+    for _ in range(2):
+        status = await observe(memo, namespace, group, spec, status)
+    assert len(stall_events(events)) == 4
+    # Deleting the group stops its watch.
+    watch = group_state(memo).stall_watch
+    assert watch is not None and watch.watch_id is not None
+    await watch.stop()
+    assert watch.watch_id is None
 
 
 HANDLER = "harness.handlers:scripted_ledger"
@@ -261,22 +311,19 @@ async def test_a_real_stall_shows_in_status_and_events(
         seen.append(status)
         return status
 
+    # At the operator's own period: the stall is often over (moved) before the next run.
     await eventually_async(
         observed,
-        STALL_AFTER + 20,
-        "the operator to show the stalled partition",
-        until=lambda st: st.get("stalledPartitions") == [{"partition": victim, "member": "m-0"}],
-        interval=0.5,
+        STALL_AFTER + 40,
+        "the operator to tell of the stall",
+        until=lambda _: any(e[1] == "PartitionStallEnded" for e in events),
+        interval=reconciler.OBSERVE_INTERVAL,
     )
-    assert condition(seen[-1], "Progressing")["reason"] == "PartitionsStalled"
-    # The leader moves it; m-0 stops reporting it; the episode ends.
-    await eventually_async(
-        observed,
-        30,
-        "the stall to end",
-        until=lambda st: "stalledPartitions" not in st,
-        interval=0.5,
-    )
+    print(f"stalledPartitions seen in {sum('stalledPartitions' in st for st in seen)} runs")
+    for st in seen:
+        if "stalledPartitions" in st:
+            assert st["stalledPartitions"] == [{"partition": victim, "member": "m-0"}]
+            assert condition(st, "Progressing")["reason"] == "PartitionsStalled"
     assert stall_events(events) == [
         (
             "Warning",

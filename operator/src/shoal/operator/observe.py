@@ -131,14 +131,21 @@ def stall_ended_message(member: str, partitions: Sequence[int]) -> str:
 
 
 def stall_changes(
-    before: Iterable[tuple[int, str]], now: Iterable[tuple[int, str]]
+    known: Iterable[tuple[int, str]],
+    now: Iterable[tuple[int, str]],
+    seen_between: Iterable[tuple[int, str]] = (),
 ) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
     """(started, ended), each member -> partitions: the stall episodes that began and
-    ended between two observations. An episode is one member reporting one partition
-    stalled, from the first observation that shows it to the first that does not; so a
-    partition that stalls again on its next owner is a new episode."""
-    old, new = set(before), set(now)
-    return by_member(new - old), by_member(old - new)
+    ended since the last observation.
+
+    An episode is one member reporting one partition stalled, from the first observation
+    that shows it to the first that does not; so a partition that stalls again on its next
+    owner is a new episode. `known`: the episodes going on at the last observation; `now`:
+    what this one reads; `seen_between`: what was reported in between (StallWatch), so an
+    episode shorter than the timer's period still starts and ends, in that order.
+    """
+    old, new, between = set(known), set(now), set(seen_between)
+    return by_member((new | between) - old), by_member((old | between) - new)
 
 
 def conditions(o: Observed) -> list[dict[str, Any]]:
