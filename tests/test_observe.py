@@ -404,7 +404,7 @@ def test_status_lists_the_stalled_partitions_with_their_members() -> None:
     progressing = by_type(st["conditions"])["Progressing"]
     assert progressing["message"] == (
         "3 partitions stalled (3, 7 on c-1; 12 on c-2): work waiting and no progress for "
-        "90 s or more; the leader moves them to other members"
+        "90 s or more; the leader moves them elsewhere"
     )
     assert by_type(st["conditions"])["Degraded"]["message"] == progressing["message"]
     # None: the status patch deletes the field once nothing is stalled.
@@ -435,11 +435,19 @@ def test_an_episode_between_two_observations_starts_and_ends_at_once() -> None:
 
 
 def test_stall_event_messages_name_partition_member_and_what_happens() -> None:
-    assert stall_started_message("c-1", [3], 60) == (
+    assert stall_started_message("c-1", [3], 60, 3) == (
         "Partition 3 stalled on member c-1: work waiting and no progress for 60 s or more; "
         "the leader moves it to another member"
     )
-    assert stall_started_message("c-1", [3, 8], 60).startswith("Partitions 3, 8 stalled on")
+    assert stall_started_message("c-1", [3, 8], 60, 3).startswith("Partitions 3, 8 stalled on")
+    # A lone member: the leader has nowhere to move it (liveness restarts the member).
+    assert stall_started_message("c-0", [3, 8], 60, 1).endswith(
+        "; no other member can take them: the member restarts if it stays stalled"
+    )
+    lone = observed(members={"c-0": 128}, stalled=((3, "c-0"),))
+    assert by_type(conditions(lone))["Progressing"]["message"].endswith(
+        "; no other member can take it: the member restarts if it stays stalled"
+    )
     assert stall_ended_message("c-1", [3]) == (
         "Partition 3 no longer reported stalled by member c-1 (progressing again, moved to "
         "another member, or the member left)"

@@ -129,7 +129,7 @@ async def test_member_reports_become_status_and_one_event_per_episode(
     assert (progressing["status"], progressing["reason"]) == ("False", "PartitionsStalled")
     assert progressing["message"] == (
         "3 partitions stalled (3 on c-0; 1, 12 on c-2): work waiting and no progress for "
-        "30 s or more; the leader moves them to other members"
+        "30 s or more; the leader moves them elsewhere"
     )
     assert condition(status, "Degraded")["reason"] == "PartitionsStalled"
     assert stall_events(events) == [
@@ -143,7 +143,7 @@ async def test_member_reports_become_status_and_one_event_per_episode(
             "Warning",
             "PartitionStalled",
             "Partitions 1, 12 stalled on member c-2: work waiting and no progress for 30 s "
-            "or more; the leader moves them to another member",
+            "or more; the leader moves them elsewhere",
         ),
     ]
 

@@ -100,6 +100,16 @@ def _partitions(ps: Sequence[int]) -> str:
     return f"{'Partition' if len(ps) == 1 else 'Partitions'} {', '.join(map(str, ps))}"
 
 
+def _remedy(members: int, count: int) -> str:
+    """What happens to stalled partitions: the leader moves them, if it has where to."""
+    them = "it" if count == 1 else "them"
+    if members > 1:
+        return "the leader moves " + ("it to another member" if count == 1 else "them elsewhere")
+    # assignor.relieve_stalls leaves it in place; the member's liveness restarts it once
+    # it stays stalled for WEDGED_AFTER_STALLS periods.
+    return f"no other member can take {them}: the member restarts if it stays stalled"
+
+
 def stalled_message(o: Observed) -> str:
     where = "; ".join(
         f"{', '.join(map(str, ps))} on {member}" for member, ps in by_member(o.stalled).items()
@@ -107,17 +117,18 @@ def stalled_message(o: Observed) -> str:
     count = len(o.stalled)
     return (
         f"{count} {'partition' if count == 1 else 'partitions'} stalled ({where}): work "
-        f"waiting and no progress for {o.stall_after} s or more; the leader moves them to "
-        "other members"
+        f"waiting and no progress for {o.stall_after} s or more; "
+        f"{_remedy(len(o.members), count)}"
     )
 
 
-def stall_started_message(member: str, partitions: Sequence[int], stall_after: int) -> str:
+def stall_started_message(
+    member: str, partitions: Sequence[int], stall_after: int, members: int
+) -> str:
     """The PartitionStalled Event: which partitions, on which member, and what happens."""
-    it = "it" if len(partitions) == 1 else "them"
     return (
         f"{_partitions(partitions)} stalled on member {member}: work waiting and no progress "
-        f"for {stall_after} s or more; the leader moves {it} to another member"
+        f"for {stall_after} s or more; {_remedy(members, len(partitions))}"
     )
 
 

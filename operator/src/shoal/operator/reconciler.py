@@ -411,7 +411,7 @@ async def observe_group(
         moving = sum(1 for p, owner in group.owners.items() if group.claims.get(p) != owner)
         stalled = observe.stalled_partitions(group.members, config.partitions)
         between = await _stalls_between(memo, etcd, config.keys, config.partitions, revision)
-        _report_stalls(body, memo, stalled, between, model.stall_after_seconds)
+        _report_stalls(body, memo, stalled, between, model.stall_after_seconds, len(members))
         problem = await _no_space(etcd, body, memo, config.etcd_endpoints)
     except EtcdSecretProblem as exc:
         problem = (exc.reason, exc.message)
@@ -503,6 +503,7 @@ def _report_stalls(
     stalled: tuple[tuple[int, str], ...],
     between: set[tuple[int, str]],
     stall_after: int,
+    members: int,
 ) -> None:
     """A Warning Event PartitionStalled when a member starts reporting partitions stalled,
     a Normal PartitionStallEnded when it stops: one pair per episode, not one per
@@ -515,7 +516,7 @@ def _report_stalls(
         kopf.warn(
             body,
             reason="PartitionStalled",
-            message=observe.stall_started_message(member, partitions, stall_after),
+            message=observe.stall_started_message(member, partitions, stall_after, members),
         )
     for member, partitions in ended.items():
         kopf.info(
