@@ -26,6 +26,7 @@ ALERTS = {
     "ShoalLagGrowing",
     "ShoalDeadLetters",
     "ShoalMemberFenced",
+    "ShoalPartitionStalled",
 }
 
 

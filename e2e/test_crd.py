@@ -138,6 +138,8 @@ def test_status_subresource_takes_status(crd: LocalKube, namespace: str) -> None
         "skew": 1,
         "lag": 42,
         "partitionsPerMember": {"min": 42, "max": 43},
+        # Kept, not pruned: the schema has it.
+        "stalledPartitions": [{"partition": 7, "member": "g-abc"}],
         "conditions": [
             {
                 "type": "Ready",

@@ -32,6 +32,7 @@ from shoal.contracts.names import (
     default_stream_name,
     ledger_stream_name,
     log_stream_name,
+    partition_for,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
@@ -296,3 +297,110 @@ def test_stream_config_and_policies(localkube: LocalKube, operator: Path) -> Non
             await nc.close()
 
     assert not [s for s in asyncio.run(stream_names()) if s.startswith(stream)]
+
+
+def test_a_stalled_partition_is_told_by_describe_and_moved(
+    localkube: LocalKube, operator: Path
+) -> None:
+    """Issue 24's "kubectl describe cg says it happened", with a real stall: one project's
+    handler never returns on one pod (harness.handlers:scripted_ledger `hang-on:<pod>`, no
+    handler timeout) and more messages than its partition holds wait behind it."""
+    plane, ns, name = localkube, "op-test", "stally"
+    manifest = json.loads(example(ns, 2, handler="harness.handlers:scripted_ledger"))
+    manifest["metadata"]["name"] = name
+    manifest["spec"].update(
+        {"partitions": 4, "maxReplicas": 2, "stallAfterSeconds": 5, "deletionPolicy": "Delete"}
+    )
+    manifest["spec"]["nats"]["consumer"] = {"handlerTimeoutSeconds": 0}
+    plane.kubectl("apply", "-f", "-", input_text=json.dumps(manifest))
+    try:
+        wait_until(
+            lambda: (
+                condition(get_json(plane, "cg", name, "-n", ns), "Ready").get("status") == "True"
+            ),
+            90,
+            "the group to become Ready",
+        )
+        victim, member = asyncio.run(_wedge_one_partition(plane, ns, name, 4))
+
+        def told(reason: str) -> list[dict[str, Any]]:
+            events = get_json(plane, "events", "-n", ns, f"--field-selector=reason={reason}")
+            return [e for e in events["items"] if e["involvedObject"]["name"] == name]
+
+        ended = wait_until(
+            lambda: told("PartitionStallEnded"), 60, "the stall to start and end", interval=1
+        )
+        stalled = told("PartitionStalled")
+        assert [(e["type"], e["message"]) for e in stalled] == [
+            (
+                "Warning",
+                f"Partition {victim} stalled on member {member}: work waiting and no progress "
+                "for 5 s or more; the leader moves it to another member",
+            )
+        ]
+        assert [e["type"] for e in ended] == ["Normal"]
+        assert ended[0]["message"].startswith(
+            f"Partition {victim} no longer reported stalled by member {member}"
+        )
+        described = plane.kubectl("describe", "cg", name, "-n", ns).stdout
+        assert "PartitionStalled" in described and "PartitionStallEnded" in described
+        print("\n".join(line for line in described.splitlines() if "PartitionStall" in line))
+        # Moved and consumed elsewhere: the stream drains (work queue), the status clears.
+        asyncio.run(_drained(plane, f"shoal_{ns}_{name}"))
+        cg = wait_until(
+            lambda: (
+                (c := get_json(plane, "cg", name, "-n", ns))
+                and "stalledPartitions" not in c["status"]
+                and c
+            ),
+            30,
+            "status.stalledPartitions to go",
+        )
+        assert condition(cg, "Progressing")["reason"] != "PartitionsStalled"
+    finally:
+        plane.kubectl("delete", "cg", name, "-n", ns, "--timeout=120s", check=False)
+
+
+async def _wedge_one_partition(
+    plane: LocalKube, ns: str, name: str, partitions: int
+) -> tuple[int, str]:
+    """Publish 150 messages of one project whose handler hangs on the member owning its
+    partition; (that partition, that member)."""
+    etcd = Etcd(plane.state.etcd_endpoint)
+    await etcd.connect(attempts=5)
+    nc = await nats.connect(plane.state.nats_url)
+    try:
+        status = await wait_for_status(
+            etcd,
+            ns,
+            name,
+            partitions,
+            lambda s: len(s.members) == 2 and not s.unowned and s.claims == s.owners,
+            60,
+        )
+        victim = min(status.owners)
+        member = status.owners[victim]
+        project = next(
+            f"wedged-{i}" for i in range(1000) if partition_for(f"wedged-{i}", partitions) == victim
+        )
+        items = [
+            Outgoing(project, f"hang-on:{member}".encode(), f"{project}-{i}", {SEQ_HEADER: str(i)})
+            for i in range(150)
+        ]
+        await Producer(nc.jetstream(), f"shoal.{ns}.{name}", partitions).publish_many(items)
+        return victim, member
+    finally:
+        await nc.close()
+        etcd.close()
+
+
+async def _drained(plane: LocalKube, stream: str) -> None:
+    nc = await nats.connect(plane.state.nats_url)
+    try:
+
+        async def left() -> int:
+            return int((await nc.jetstream().stream_info(stream)).state.messages)
+
+        await eventually_async(left, 60, f"{stream} to drain", until=lambda n: n == 0)
+    finally:
+        await nc.close()

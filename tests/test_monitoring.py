@@ -91,6 +91,7 @@ def test_the_alerts_platform_teams_ask_for() -> None:
         "ShoalLagGrowing",
         "ShoalDeadLetters",
         "ShoalMemberFenced",
+        "ShoalPartitionStalled",
     }
 
 

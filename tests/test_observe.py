@@ -11,7 +11,17 @@ from typing import Any
 
 import pytest
 
-from shoal.operator.observe import Observed, conditions, degraded, stamp, status
+from shoal.operator.observe import (
+    Observed,
+    conditions,
+    degraded,
+    stall_changes,
+    stall_ended_message,
+    stall_started_message,
+    stalled_partitions,
+    stamp,
+    status,
+)
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 
@@ -147,6 +157,30 @@ def summary(found: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
             ("True", "Reconciling"),
             ("True", "HandlerInvalid"),
             id="problem-and-no-members",
+        ),
+        pytest.param(
+            # c-1 reports partition 3 stalled (its readiness fails with it).
+            {"stalled": ((3, "c-1"),), "ready_replicas": 2},
+            ("False", "WaitingForMembers"),
+            ("False", "PartitionsStalled"),
+            ("True", "PartitionsStalled"),
+            id="stalled",
+        ),
+        pytest.param(
+            # The leader is moving it: the stall still shows until c-1 stops reporting it.
+            {"stalled": ((3, "c-1"),), "moving": 1},
+            ("True", "GroupReady"),
+            ("False", "PartitionsStalled"),
+            ("True", "PartitionsStalled"),
+            id="stalled-while-moving",
+        ),
+        pytest.param(
+            # A problem says more than the stall it may cause.
+            {"stalled": ((3, "c-1"),), "problem": ("NatsUnavailable", "timeout")},
+            ("False", "NatsUnavailable"),
+            ("False", "PartitionsStalled"),
+            ("True", "NatsUnavailable"),
+            id="stalled-and-problem",
         ),
     ],
 )
@@ -323,3 +357,98 @@ def test_status_carries_transition_times_over() -> None:
     first = status(observed(), [], T0)
     second = status(observed(lag=5), first["conditions"], T1)
     assert {c["lastTransitionTime"] for c in second["conditions"]} == {T0}
+
+
+# -- stalled partitions ------------------------------------------------------------------------
+
+
+def test_stalled_partitions_are_read_from_the_members_stats() -> None:
+    members = {
+        "c-1": {"cpu": 0.1, "stalled": [7, 3]},
+        "c-0": {"stalled": []},
+        "c-2": {"owned": 42},  # a member of an older version reports nothing
+    }
+    assert stalled_partitions(members, 128) == ((3, "c-1"), (7, "c-1"))
+
+
+@pytest.mark.parametrize(
+    "stats",
+    [
+        {"stalled": "3"},
+        {"stalled": 3},
+        {"stalled": {"3": True}},
+        {"stalled": None},
+        {"stalled": ["3", 3.0, None, True, -1, 128, [3], {"p": 3}]},
+    ],
+    ids=["string", "int", "object", "null", "bad-entries"],
+)
+def test_garbage_in_a_members_stats_is_ignored(stats: dict[str, Any]) -> None:
+    members: dict[str, Any] = {"c-0": stats, "c-1": {"stalled": [5]}, "c-2": "not stats"}
+    assert stalled_partitions(members, 128) == ((5, "c-1"),)
+
+
+def test_two_members_reporting_one_partition_are_both_shown() -> None:
+    # The old owner still reports it while the new one already does (stats lag behind).
+    members = {"c-0": {"stalled": [9]}, "c-1": {"stalled": [9, 9]}}
+    assert stalled_partitions(members, 16) == ((9, "c-0"), (9, "c-1"))
+
+
+def test_status_lists_the_stalled_partitions_with_their_members() -> None:
+    o = observed(stalled=((3, "c-1"), (7, "c-1"), (12, "c-2")), stall_after=90)
+    st = status(o, [], T0)
+    assert st["stalledPartitions"] == [
+        {"partition": 3, "member": "c-1"},
+        {"partition": 7, "member": "c-1"},
+        {"partition": 12, "member": "c-2"},
+    ]
+    progressing = by_type(st["conditions"])["Progressing"]
+    assert progressing["message"] == (
+        "3 partitions stalled (3, 7 on c-1; 12 on c-2): work waiting and no progress for "
+        "90 s or more; the leader moves them elsewhere"
+    )
+    assert by_type(st["conditions"])["Degraded"]["message"] == progressing["message"]
+    # None: the status patch deletes the field once nothing is stalled.
+    assert status(observed(), st["conditions"], T1)["stalledPartitions"] is None
+
+
+def test_a_stall_episode_starts_once_and_ends_once() -> None:
+    first = ((3, "c-1"),)
+    assert stall_changes(frozenset(), first) == ({"c-1": [3]}, {})
+    # Still stalled at the next observations: nothing new.
+    assert stall_changes(frozenset(first), first) == ({}, {})
+    # Another partition of the same member starts its own episode; 3's goes on.
+    both = ((3, "c-1"), (8, "c-1"))
+    assert stall_changes(frozenset(first), both) == ({"c-1": [8]}, {})
+    # Moved: c-1 stops reporting both; the next owner stalls on 3 again, a new episode.
+    assert stall_changes(frozenset(both), ((3, "c-2"),)) == ({"c-2": [3]}, {"c-1": [3, 8]})
+
+
+def test_an_episode_between_two_observations_starts_and_ends_at_once() -> None:
+    # Reported and moved between two runs of the status timer (seen by the StallWatch).
+    assert stall_changes(frozenset(), (), {(3, "c-1")}) == ({"c-1": [3]}, {"c-1": [3]})
+    # Seen between and still stalled now: it starts, and goes on.
+    assert stall_changes(frozenset(), ((3, "c-1"),), {(3, "c-1")}) == ({"c-1": [3]}, {})
+    # An episode going on, reported again between (every stats write): nothing new.
+    known = frozenset({(3, "c-1")})
+    assert stall_changes(known, ((3, "c-1"),), {(3, "c-1")}) == ({}, {})
+    assert stall_changes(known, (), {(3, "c-1")}) == ({}, {"c-1": [3]})
+
+
+def test_stall_event_messages_name_partition_member_and_what_happens() -> None:
+    assert stall_started_message("c-1", [3], 60, 3) == (
+        "Partition 3 stalled on member c-1: work waiting and no progress for 60 s or more; "
+        "the leader moves it to another member"
+    )
+    assert stall_started_message("c-1", [3, 8], 60, 3).startswith("Partitions 3, 8 stalled on")
+    # A lone member: the leader has nowhere to move it (liveness restarts the member).
+    assert stall_started_message("c-0", [3, 8], 60, 1).endswith(
+        "; no other member can take them: the member restarts if it stays stalled"
+    )
+    lone = observed(members={"c-0": 128}, stalled=((3, "c-0"),))
+    assert by_type(conditions(lone))["Progressing"]["message"].endswith(
+        "; no other member can take it: the member restarts if it stays stalled"
+    )
+    assert stall_ended_message("c-1", [3]) == (
+        "Partition 3 no longer reported stalled by member c-1 (progressing again, moved to "
+        "another member, or the member left)"
+    )

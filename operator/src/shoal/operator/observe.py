@@ -8,7 +8,7 @@ that moves only when the condition's status does.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,9 @@ class Observed:
     # Partitions whose consumer is not (yet) the owner the assignment names: a hand-over
     # in progress, or an owner that has not claimed its partition yet.
     moving: int = 0
+    # (partition, member) for each partition a member reports stalled (stalled_partitions).
+    stalled: tuple[tuple[int, str], ...] = ()
+    stall_after: int = 60  # spec.stallAfterSeconds, for the messages
     problem: tuple[str, str] | None = None  # reason, message: why the group cannot work
     selector: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -63,10 +66,109 @@ def rebalancing(o: Observed) -> bool:
     return assigned + o.unowned < o.partitions or joined_without_share
 
 
+def stalled_partitions(
+    members: Mapping[str, Mapping[str, Any]], partitions: int
+) -> tuple[tuple[int, str], ...]:
+    """(partition, member) for every partition a member's stats report stalled, sorted.
+
+    The stats are whatever etcd holds (shoal.consumer.progress decides what is stalled, the
+    member writes the list with its stats): a "stalled" that is not a list, and entries
+    that are not partition numbers of this group, are skipped, so that a member of another
+    version or a hand-edited key cannot take the group's status down with it.
+    """
+    found: set[tuple[int, str]] = set()
+    for member, stats in members.items():
+        reported = stats.get("stalled") if isinstance(stats, Mapping) else None
+        if not isinstance(reported, list):
+            continue
+        for p in reported:
+            # bool is an int to Python, but true is no partition number.
+            if isinstance(p, int) and not isinstance(p, bool) and 0 <= p < partitions:
+                found.add((p, member))
+    return tuple(sorted(found))
+
+
+def by_member(stalled: Iterable[tuple[int, str]]) -> dict[str, list[int]]:
+    """member -> its partitions, both sorted."""
+    result: dict[str, list[int]] = {}
+    for p, member in sorted(stalled, key=lambda pm: (pm[1], pm[0])):
+        result.setdefault(member, []).append(p)
+    return result
+
+
+def _partitions(ps: Sequence[int]) -> str:
+    return f"{'Partition' if len(ps) == 1 else 'Partitions'} {', '.join(map(str, ps))}"
+
+
+def _remedy(members: int, count: int) -> str:
+    """What happens to stalled partitions: the leader moves them, if it has where to."""
+    them = "it" if count == 1 else "them"
+    if members > 1:
+        return "the leader moves " + ("it to another member" if count == 1 else "them elsewhere")
+    # assignor.relieve_stalls leaves it in place; the member's liveness restarts it once
+    # it stays stalled for WEDGED_AFTER_STALLS periods.
+    return f"no other member can take {them}: the member restarts if it stays stalled"
+
+
+def stalled_message(o: Observed) -> str:
+    where = "; ".join(
+        f"{', '.join(map(str, ps))} on {member}" for member, ps in by_member(o.stalled).items()
+    )
+    count = len(o.stalled)
+    return (
+        f"{count} {'partition' if count == 1 else 'partitions'} stalled ({where}): work "
+        f"waiting and no progress for {o.stall_after} s or more; "
+        f"{_remedy(len(o.members), count)}"
+    )
+
+
+def stall_started_message(
+    member: str, partitions: Sequence[int], stall_after: int, members: int
+) -> str:
+    """The PartitionStalled Event: which partitions, on which member, and what happens."""
+    return (
+        f"{_partitions(partitions)} stalled on member {member}: work waiting and no progress "
+        f"for {stall_after} s or more; {_remedy(members, len(partitions))}"
+    )
+
+
+def stall_ended_message(member: str, partitions: Sequence[int]) -> str:
+    """The PartitionStallEnded Event. The operator only sees that the member stopped
+    reporting them, not why: it says the three reasons that can be."""
+    return (
+        f"{_partitions(partitions)} no longer reported stalled by member {member} "
+        "(progressing again, moved to another member, or the member left)"
+    )
+
+
+def stall_changes(
+    known: Iterable[tuple[int, str]],
+    now: Iterable[tuple[int, str]],
+    seen_between: Iterable[tuple[int, str]] = (),
+) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """(started, ended), each member -> partitions: the stall episodes that began and
+    ended since the last observation.
+
+    An episode is one member reporting one partition stalled, from the first observation
+    that shows it to the first that does not; so a partition that stalls again on its next
+    owner is a new episode. `known`: the episodes going on at the last observation; `now`:
+    what this one reads; `seen_between`: what was reported in between (StallWatch), so an
+    episode shorter than the timer's period still starts and ends, in that order.
+    """
+    old, new, between = set(known), set(now), set(seen_between)
+    return by_member((new | between) - old), by_member((old | between) - new)
+
+
 def conditions(o: Observed) -> list[dict[str, Any]]:
     if o.problem is not None:
         reason, message = o.problem
         degraded = _condition("Degraded", True, reason, message, o.generation)
+    elif o.stalled:
+        # Not a problem of the group's spec or servers, but part of its work waits: that
+        # is what Degraded means to tools that read only the conditions.
+        degraded = _condition(
+            "Degraded", True, "PartitionsStalled", stalled_message(o), o.generation
+        )
     else:
         degraded = _condition("Degraded", False, "AsExpected", "No problem found", o.generation)
 
@@ -114,7 +216,14 @@ def conditions(o: Observed) -> list[dict[str, Any]]:
             o.generation,
         )
 
-    if rebalancing(o):
+    if o.stalled:
+        # First, like a Deployment's ProgressDeadlineExceeded: it is what `kubectl get cg`
+        # shows (the Status column), and a move of the stalled partitions that follows is
+        # Rebalancing only once no member reports them any more.
+        progressing = _condition(
+            "Progressing", False, "PartitionsStalled", stalled_message(o), o.generation
+        )
+    elif rebalancing(o):
         progressing = _condition(
             "Progressing",
             True,
@@ -197,6 +306,8 @@ def status(o: Observed, old_conditions: Sequence[Mapping[str, Any]], now: str) -
         # group rebalances: the Status column says Rebalancing instead of a passing skew.
         "skew": None if rebalancing(o) else skew(o),
         "conditions": stamp(conditions(o), old_conditions, now),
+        # None (deleted by the status patch) when nothing is stalled: describe stays short.
+        "stalledPartitions": [{"partition": p, "member": m} for p, m in o.stalled] or None,
     }
     if o.lag is not None:
         result["lag"] = o.lag

@@ -4,7 +4,8 @@ Intent (create, update, resume): apply the children built from the spec (Deploym
 ServiceAccount, Role, RoleBinding, PodDisruptionBudget), all adopted so deletion
 cascades, and make sure the JetStream stream and per-partition durables exist.
 Observation (a timer): read the Deployment, etcd and JetStream into status, with an
-Event for each new assignment generation and each change of replicas.
+Event for each new assignment generation, each change of replicas and each stall episode
+(a watch on the members' keys catches stalls shorter than the timer's period).
 Deletion: a finalizer clears the group's etcd prefix; the stream goes only with
 deletionPolicy Delete. A spec that passes the schema but cannot work (unreachable NATS,
 an unknown handler, a missing or unusable spec.etcd.tlsSecret) becomes Degraded with a
@@ -31,7 +32,8 @@ from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd, EtcdUnavailable, describe
 from shoal.consumer.handlers import HandlerError, load_handler
 from shoal.consumer.jetstream import StreamConfigConflict, connect, ensure_group
-from shoal.consumer.status import read_status
+from shoal.consumer.status import GroupStatus, status_from_view
+from shoal.consumer.view import GroupView
 from shoal.contracts.names import (
     API_GROUP,
     API_VERSION,
@@ -52,6 +54,7 @@ from shoal.operator.builders import (
 from shoal.operator.etcdsecret import EtcdClients, EtcdSecretProblem
 from shoal.operator.kube import Kube, api_client
 from shoal.operator.settings import OperatorSettings, settings_from_env
+from shoal.operator.stallwatch import StallWatch
 from shoal.operator.state import group_state
 
 log = logging.getLogger(__name__)
@@ -398,13 +401,17 @@ async def observe_group(
     members: dict[str, int] = {}
     leader, generation_seen, unowned, unclaimed = None, 0, config.partitions, config.partitions
     moving = 0
+    stalled: tuple[tuple[int, str], ...] = ()
     try:
         etcd = await _etcd(memo, config.etcd_endpoints, namespace, etcd_secret_name(model))
-        group = await read_status(etcd, namespace, name, config.partitions)
+        group, revision = await _read_group(etcd, namespace, name, config.partitions)
         members = {m: group.counts.get(m, 0) for m in group.members}
         leader, generation_seen = group.leader, group.generation
         unowned, unclaimed = len(group.unowned), len(group.unclaimed)
         moving = sum(1 for p, owner in group.owners.items() if group.claims.get(p) != owner)
+        stalled = observe.stalled_partitions(group.members, config.partitions)
+        between = await _stalls_between(memo, etcd, config.keys, config.partitions, revision)
+        _report_stalls(body, memo, stalled, between, model.stall_after_seconds, len(members))
         problem = await _no_space(etcd, body, memo, config.etcd_endpoints)
     except EtcdSecretProblem as exc:
         problem = (exc.reason, exc.message)
@@ -437,6 +444,8 @@ async def observe_group(
         unowned=unowned,
         unclaimed=unclaimed,
         moving=moving,
+        stalled=stalled,
+        stall_after=model.stall_after_seconds,
         lag=lag,
         problem=problem,
         selector=selector_string(name),
@@ -452,6 +461,70 @@ async def observe_group(
         )
     for key, value in new.items():
         patch.status[key] = value
+
+
+async def _read_group(
+    etcd: Etcd, namespace: str, name: str, partitions: int
+) -> tuple[GroupStatus, int]:
+    """The group as etcd holds it now (shoal.consumer.status.read_status), and the
+    revision of that listing."""
+    view = GroupView(etcd, Keys(namespace, name), partitions)
+    view.load(*await etcd.get_prefix(view.keys.prefix))
+    return status_from_view(view, namespace, name), view.revision
+
+
+async def _stalls_between(
+    memo: Any, etcd: Etcd, keys: Keys, partitions: int, revision: int
+) -> set[tuple[int, str]]:
+    """The stalls members reported since the last observation, up to `revision` (the
+    listing just read), from the group's StallWatch; started here at the first
+    observation, and again after it failed or the etcd client changed (a rotated
+    Secret), from `revision` on."""
+    state = group_state(memo)
+    watch = state.stall_watch
+    if watch is not None and not watch.failed and watch.etcd is etcd:
+        return watch.take(revision)
+    if watch is not None:
+        await watch.stop()
+    state.stall_watch = None
+    watch = StallWatch(etcd, keys.members, partitions)
+    try:
+        await watch.start(revision + 1)
+    except Exception as exc:  # a best effort: the listing still shows what is stalled now
+        log.warning("Could not watch the members of %s: %s", keys.prefix, describe(exc))
+        return set()
+    state.stall_watch = watch
+    return set()
+
+
+def _report_stalls(
+    body: kopf.Body,
+    memo: Any,
+    stalled: tuple[tuple[int, str], ...],
+    between: set[tuple[int, str]],
+    stall_after: int,
+    members: int,
+) -> None:
+    """A Warning Event PartitionStalled when a member starts reporting partitions stalled,
+    a Normal PartitionStallEnded when it stops: one pair per episode, not one per
+    observation, even for an episode that began and ended between two observations
+    (`between`). Called only when etcd was read, so an etcd outage ends no episode (and
+    does not repeat the Warning once etcd is back)."""
+    state = group_state(memo)
+    started, ended = observe.stall_changes(state.stalled, stalled, between)
+    for member, partitions in started.items():
+        kopf.warn(
+            body,
+            reason="PartitionStalled",
+            message=observe.stall_started_message(member, partitions, stall_after, members),
+        )
+    for member, partitions in ended.items():
+        kopf.info(
+            body,
+            reason="PartitionStallEnded",
+            message=observe.stall_ended_message(member, partitions),
+        )
+    state.stalled = frozenset(stalled)
 
 
 async def _no_space(
@@ -569,7 +642,12 @@ async def delete(
 ) -> None:
     namespace = namespace or "default"  # ConsumerGroups are namespaced
     settings: OperatorSettings = memo.settings
-    # The group's own state needs no clearing: kopf drops its memo with the object.
+    # The group's own state needs no clearing (kopf drops its memo with the object), but
+    # its etcd watch would outlive it.
+    watch = group_state(memo).stall_watch
+    if watch is not None:
+        group_state(memo).stall_watch = None
+        await watch.stop()
     model = deletable_spec(spec)
     config = group_config(name, namespace, model, settings)
     # The consumers must be gone first: garbage collection would remove them only after

@@ -17,6 +17,8 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from shoal.operator.stallwatch import StallWatch
+
 # The key in a resource's memo; never set on the operator's memo (every group would share it).
 MEMO_KEY = "shoal_group_state"
 
@@ -41,6 +43,13 @@ class GroupState:
     # Whether the group's etcd had its NOSPACE alarm raised at the last observation (an
     # Event is posted when it is raised and when it is cleared, not every observation).
     etcd_no_space: bool = False
+    # (partition, member) pairs reported stalled at the last observation that read etcd:
+    # a PartitionStalled Event is posted for each new pair, not at every observation.
+    # (A restarted operator announces the episodes still going on once more.)
+    stalled: frozenset[tuple[int, str]] = frozenset()
+    # What the members report between two observations (started by the status timer,
+    # stopped when the group is deleted).
+    stall_watch: StallWatch | None = None
 
 
 def group_state(memo: MutableMapping[str, Any]) -> GroupState:

@@ -1,0 +1,344 @@
+"""The operator shows stalled partitions: status, conditions and one Event per episode.
+
+The operator's status timer (reconciler.observe_group) runs as kopf would call it, against
+the session's real etcd (and, in the last test, real nats-server and member processes);
+only Kubernetes is a fake (the Deployment's status, and kopf's Events recorded).
+
+1. Member keys written by hand, garbage included: what the status and Events say, episode
+   by episode, and that an etcd outage ends no episode.
+2. A real stall (tests/test_stall_moves.py's: one project's handler hangs on one member):
+   from the member's own report through etcd to the operator's status and Events.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import kopf
+import pytest
+
+from harness.fleet import Fleet, settled, wait_for_status
+from harness.waiting import eventually_async
+from shoal.consumer.config import config_env
+from shoal.consumer.etcd import Etcd
+from shoal.consumer.jetstream import ensure_group
+from shoal.consumer.producer import Outgoing, Producer
+from shoal.contracts.names import SEQ_HEADER, Keys, partition_for
+from shoal.operator import reconciler
+from shoal.operator.state import group_state
+
+Event = tuple[str, str, str]  # type, reason, message
+
+
+@pytest.fixture
+def events(monkeypatch: pytest.MonkeyPatch) -> list[Event]:
+    """kopf's Events, recorded instead of posted."""
+    found: list[Event] = []
+
+    def recorder(kind: str) -> Callable[..., None]:
+        def post(body: Any, *, reason: str, message: str = "") -> None:
+            found.append((kind, reason, message))
+
+        return post
+
+    monkeypatch.setattr(kopf, "info", recorder("Normal"))
+    monkeypatch.setattr(kopf, "warn", recorder("Warning"))
+    return found
+
+
+class FakeKube:
+    async def deployment_status(self, namespace: str, name: str) -> dict[str, int]:
+        return {"replicas": 2, "ready": 2}
+
+
+@pytest.fixture
+async def memo(
+    monkeypatch: pytest.MonkeyPatch, etcd_endpoint: str, nats_url: str
+) -> AsyncIterator[kopf.Memo]:
+    """A group's memo as the real startup handler fills it: real etcd and NATS clients on
+    the session's servers, a fake Kubernetes client."""
+    monkeypatch.setattr(reconciler, "api_client", lambda: object())
+    monkeypatch.setattr(reconciler, "Kube", lambda api: FakeKube())
+    monkeypatch.setenv("NATS_URL", nats_url)
+    monkeypatch.setenv("ETCD_ENDPOINTS", etcd_endpoint)
+    operator_memo = kopf.Memo()
+    await reconciler.startup(settings=kopf.OperatorSettings(), memo=operator_memo)
+    yield kopf.Memo(operator_memo)  # the group's own memo: a shallow copy, as kopf makes
+    await reconciler.cleanup_clients(memo=operator_memo)
+
+
+async def observe(
+    memo: kopf.Memo, namespace: str, group: str, spec: dict[str, Any], status: dict[str, Any]
+) -> dict[str, Any]:
+    """One run of the status timer; the status after its patch (None deletes a field)."""
+    patch = kopf.Patch()
+    await reconciler.observe_group(
+        name=group,
+        namespace=namespace,
+        spec=spec,
+        meta={"generation": 1},
+        status=status,
+        body=kopf.Body({"metadata": {"name": group, "namespace": namespace, "uid": "u"}}),
+        memo=memo,
+        patch=patch,
+    )
+    merged = {**status, **patch["status"]}
+    return {k: v for k, v in merged.items() if v is not None}
+
+
+def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next(c for c in status["conditions"] if c["type"] == kind)
+
+
+def stall_events(events: list[Event]) -> list[Event]:
+    return [e for e in events if e[1].startswith("PartitionStall")]
+
+
+async def test_member_reports_become_status_and_one_event_per_episode(
+    etcd: Etcd,
+    js: Any,
+    make_config: Any,
+    memo: kopf.Memo,
+    events: list[Event],
+    namespace: str,
+    group: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    keys = Keys(namespace, group)
+    spec = {"handler": "shoal.consumer.handlers:noop", "partitions": 16, "stallAfterSeconds": 30}
+    await ensure_group(js, make_config(partitions=16))  # NATS is fine: only stalls are news
+
+    async def report(member: str, stats: Any) -> None:
+        await etcd.put(keys.member(member), json.dumps(stats).encode())
+
+    await report("c-0", {"cpu": 0.1, "stalled": [3]})
+    await report("c-1", {"stalled": "3"})  # garbage: ignored
+    await report("c-2", {"stalled": [1, "x", True, 99, None, 1.5, 12]})  # only 1 and 12
+    await etcd.put(keys.member("c-3"), b"not json at all")
+    status = await observe(memo, namespace, group, spec, {})
+
+    assert status["stalledPartitions"] == [
+        {"partition": 1, "member": "c-2"},
+        {"partition": 3, "member": "c-0"},
+        {"partition": 12, "member": "c-2"},
+    ]
+    progressing = condition(status, "Progressing")
+    assert (progressing["status"], progressing["reason"]) == ("False", "PartitionsStalled")
+    assert progressing["message"] == (
+        "3 partitions stalled (3 on c-0; 1, 12 on c-2): work waiting and no progress for "
+        "30 s or more; the leader moves them elsewhere"
+    )
+    assert condition(status, "Degraded")["reason"] == "PartitionsStalled"
+    assert stall_events(events) == [
+        (
+            "Warning",
+            "PartitionStalled",
+            "Partition 3 stalled on member c-0: work waiting and no progress for 30 s or "
+            "more; the leader moves it to another member",
+        ),
+        (
+            "Warning",
+            "PartitionStalled",
+            "Partitions 1, 12 stalled on member c-2: work waiting and no progress for 30 s "
+            "or more; the leader moves them elsewhere",
+        ),
+    ]
+
+    # Still stalled at the next observations: no Event more.
+    for _ in range(2):
+        status = await observe(memo, namespace, group, spec, status)
+    assert len(stall_events(events)) == 2
+
+    # etcd unreadable for one observation: no episode ends, none starts again afterwards.
+    real_read = reconciler._read_group
+
+    async def unreadable(*_: Any) -> Any:
+        raise ConnectionError("etcd away")
+
+    monkeypatch.setattr(reconciler, "_read_group", unreadable)
+    away = await observe(memo, namespace, group, spec, status)
+    assert condition(away, "Degraded")["reason"] == "EtcdUnavailable"
+    monkeypatch.setattr(reconciler, "_read_group", real_read)
+    status = await observe(memo, namespace, group, spec, away)
+    assert len(stall_events(events)) == 2
+    assert len(status["stalledPartitions"]) == 3
+
+    # c-0's partition 3 is moved: c-0 stops reporting it. c-2 goes on with 12 only.
+    await report("c-0", {"cpu": 0.1, "stalled": []})
+    await report("c-2", {"stalled": [12]})
+    status = await observe(memo, namespace, group, spec, status)
+    assert status["stalledPartitions"] == [{"partition": 12, "member": "c-2"}]
+    assert stall_events(events)[2:] == [
+        (
+            "Normal",
+            "PartitionStallEnded",
+            "Partition 3 no longer reported stalled by member c-0 (progressing again, moved "
+            "to another member, or the member left)",
+        ),
+        (
+            "Normal",
+            "PartitionStallEnded",
+            "Partition 1 no longer reported stalled by member c-2 (progressing again, moved "
+            "to another member, or the member left)",
+        ),
+    ]
+    # The next owner of 3 stalls on it too: a new episode, a new Warning.
+    await report("c-1", {"stalled": [3]})
+    status = await observe(memo, namespace, group, spec, status)
+    assert stall_events(events)[4:] == [
+        (
+            "Warning",
+            "PartitionStalled",
+            "Partition 3 stalled on member c-1: work waiting and no progress for 30 s or "
+            "more; the leader moves it to another member",
+        )
+    ]
+
+    # Every member gone: every episode ends, the field goes, the conditions clear.
+    await etcd.delete_prefix(keys.members)
+    status = await observe(memo, namespace, group, spec, status)
+    assert "stalledPartitions" not in status
+    assert [e[:2] for e in stall_events(events)[5:]] == [("Normal", "PartitionStallEnded")] * 2
+    assert condition(status, "Progressing")["reason"] != "PartitionsStalled"
+    assert condition(status, "Degraded")["reason"] == "AsExpected"
+    assert group_state(memo).stalled == frozenset()
+
+
+async def test_a_stall_shorter_than_the_timers_period_is_still_told(
+    etcd: Etcd,
+    js: Any,
+    make_config: Any,
+    memo: kopf.Memo,
+    events: list[Event],
+    namespace: str,
+    group: str,
+) -> None:
+    """The usual case: the leader moves a stalled partition within a second or two, and
+    its member stops reporting it at its next stats write, all between two runs of the
+    status timer. Both Events are posted all the same, Warning first."""
+    keys = Keys(namespace, group)
+    spec = {"handler": "shoal.consumer.handlers:noop", "partitions": 16}
+    await ensure_group(js, make_config(partitions=16))
+    await etcd.put(keys.member("c-0"), b'{"stalled": []}')
+    status = await observe(memo, namespace, group, spec, {})  # starts the watch
+    for stats in ('{"stalled": [5]}', '{"stalled": [5, 6]}', "garbage", '{"stalled": []}'):
+        await etcd.put(keys.member("c-0"), stats.encode())
+    await etcd.put(keys.member("c-1"), b'{"stalled": [9]}')
+    await etcd.delete(keys.member("c-1"))  # it reported a stall, then left
+
+    async def told() -> list[Event]:
+        nonlocal status
+        status = await observe(memo, namespace, group, spec, status)
+        return stall_events(events)
+
+    # The watch's callback runs on etcd3's thread: give it a moment (it is not the timer).
+    found = await eventually_async(told, 5, "the Events", until=lambda e: len(e) == 4)
+    assert [e[:2] for e in found] == [
+        ("Warning", "PartitionStalled"),
+        ("Warning", "PartitionStalled"),
+        ("Normal", "PartitionStallEnded"),
+        ("Normal", "PartitionStallEnded"),
+    ]
+    assert found[0][2].startswith("Partitions 5, 6 stalled on member c-0")
+    assert found[1][2].startswith("Partition 9 stalled on member c-1")
+    assert found[2][2].startswith("Partitions 5, 6 no longer reported stalled by member c-0")
+    assert "stalledPartitions" not in status
+    # Told once: later observations add nothing.
+    for _ in range(2):
+        status = await observe(memo, namespace, group, spec, status)
+    assert len(stall_events(events)) == 4
+    # Deleting the group stops its watch.
+    watch = group_state(memo).stall_watch
+    assert watch is not None and watch.watch_id is not None
+    await watch.stop()
+    assert watch.watch_id is None
+
+
+HANDLER = "harness.handlers:scripted_ledger"
+PARTITIONS = 4
+STALL_AFTER = 5
+SETTINGS = ("handler", "partitions", "ledger", "handler_timeout", "stall_after")
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+async def test_a_real_stall_shows_in_status_and_events(
+    make_fleet: Callable[..., Fleet],
+    etcd: Etcd,
+    js: Any,
+    make_config: Any,
+    memo: kopf.Memo,
+    events: list[Event],
+    tmp_path: Path,
+) -> None:
+    config = make_config(
+        handler=HANDLER, partitions=PARTITIONS, handler_timeout=0, stall_after=STALL_AFTER
+    )
+    await ensure_group(js, config)
+    fleet = make_fleet(handler=HANDLER, partitions=PARTITIONS)
+    for member in ("m-0", "m-1"):
+        fleet.start(member, **config_env(config, SETTINGS))
+    members = await wait_for_status(
+        etcd, config.namespace, config.group, PARTITIONS, settled({"m-0", "m-1"}), 30
+    )
+    victim = min(p for p, m in members.owners.items() if m == "m-0")
+    project = next(
+        f"wedged-{i}" for i in range(1000) if partition_for(f"wedged-{i}", PARTITIONS) == victim
+    )
+    # One project's handler never returns on m-0, and more messages than the partition
+    # holds wait behind it: its partition stalls there (see tests/test_stall_moves.py).
+    items = [
+        Outgoing(project, b"hang-on:m-0", f"{project}-{i}", {SEQ_HEADER: str(i)})
+        for i in range(150)
+    ]
+    await Producer(js, config.subject_prefix, PARTITIONS).publish_many(items)
+    spec = {
+        "handler": HANDLER,
+        "partitions": PARTITIONS,
+        "replicas": 2,
+        "maxReplicas": 2,
+        "ledger": True,
+        "stallAfterSeconds": STALL_AFTER,
+        "nats": {"consumer": {"handlerTimeoutSeconds": 0}},
+    }
+    seen: list[dict[str, Any]] = []
+
+    async def observed() -> dict[str, Any]:
+        status = await observe(memo, config.namespace, config.group, spec, seen[-1] if seen else {})
+        seen.append(status)
+        return status
+
+    # At the operator's own period: the stall is often over (moved) before the next run.
+    await eventually_async(
+        observed,
+        STALL_AFTER + 40,
+        "the operator to tell of the stall",
+        until=lambda _: any(e[1] == "PartitionStallEnded" for e in events),
+        interval=reconciler.OBSERVE_INTERVAL,
+    )
+    print(f"stalledPartitions seen in {sum('stalledPartitions' in st for st in seen)} runs")
+    for st in seen:
+        if "stalledPartitions" in st:
+            assert st["stalledPartitions"] == [{"partition": victim, "member": "m-0"}]
+            assert condition(st, "Progressing")["reason"] == "PartitionsStalled"
+    assert stall_events(events) == [
+        (
+            "Warning",
+            "PartitionStalled",
+            f"Partition {victim} stalled on member m-0: work waiting and no progress for "
+            f"{STALL_AFTER} s or more; the leader moves it to another member",
+        ),
+        (
+            "Normal",
+            "PartitionStallEnded",
+            f"Partition {victim} no longer reported stalled by member m-0 (progressing again, "
+            "moved to another member, or the member left)",
+        ),
+    ]
+    final = await wait_for_status(
+        etcd, config.namespace, config.group, PARTITIONS, settled({"m-0", "m-1"}), 30
+    )
+    assert final.owners[victim] == "m-1"
