@@ -354,3 +354,7 @@ def status(group: str, namespace: str, etcd_endpoints: str, partitions: int, as_
         )
     if st.unowned:
         click.echo(f"  unowned partitions: {len(st.unowned)}")
+    if st.stalled:
+        # (progress.py: work and no progress; the leader moves them.)
+        stalled = ", ".join(f"{p} on {m}" for p, m in sorted(st.stalled.items()))
+        click.echo(f"  stalled partitions: {stalled}")

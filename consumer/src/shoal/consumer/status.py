@@ -26,6 +26,8 @@ class GroupStatus:
     skew: int = 0
     unowned: list[int] = field(default_factory=list)
     unclaimed: list[int] = field(default_factory=list)
+    # Partitions a member reports stalled (progress.py), by partition.
+    stalled: dict[int, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -40,6 +42,7 @@ class GroupStatus:
             "skew": self.skew,
             "unowned": self.unowned,
             "unclaimed": self.unclaimed,
+            "stalled": {str(p): m for p, m in sorted(self.stalled.items())},
             "owners": {str(p): m for p, m in sorted(self.owners.items())},
         }
 
@@ -70,4 +73,19 @@ def status_from_view(view: GroupView, namespace: str, group: str) -> GroupStatus
         skew=skew(owners, members) if members and owners else 0,
         unowned=[p for p in range(view.partitions) if p not in owners],
         unclaimed=[p for p in range(view.partitions) if p not in claims],
+        stalled=stalled_by_partition(members, view.partitions),
     )
+
+
+def stalled_by_partition(members: dict[str, dict[str, Any]], partitions: int) -> dict[int, str]:
+    """Partition -> the member reporting it stalled, from the members' stats (anything
+    that is not a list of partition numbers is ignored)."""
+    stalled: dict[int, str] = {}
+    for member, stats in sorted(members.items()):
+        reported = stats.get("stalled")
+        if not isinstance(reported, list):
+            continue
+        for p in reported:
+            if isinstance(p, int) and not isinstance(p, bool) and 0 <= p < partitions:
+                stalled[p] = member
+    return stalled
