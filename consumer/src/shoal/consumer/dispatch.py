@@ -205,7 +205,7 @@ class Dispatcher:
             self._schedule(queue)
 
     def cancel_running(self, source: Source) -> int:
-        """Cancel the handlers running for `source` now (it was fenced); how many."""
+        """Cancel the handlers running for `source` now (fenced, or aborted); how many."""
         cancelled = 0
         me = asyncio.current_task()
         for task, running in self._running.items():
@@ -219,6 +219,12 @@ class Dispatcher:
     def running_heads(self) -> list[tuple[asyncio.Task[None], Held]]:
         """(worker task, message) for every message whose handler runs now."""
         return [(task, queue.pending[0]) for task, queue in self._running.items() if queue.pending]
+
+    def running_sources(self) -> list[tuple[Source, Held]]:
+        """(source, message) for every message whose handler runs now."""
+        return [
+            (queue.source, queue.pending[0]) for queue in self._running.values() if queue.pending
+        ]
 
     async def _work(self) -> None:
         loop = asyncio.get_running_loop()

@@ -62,6 +62,8 @@ IDLE_BATCH = 4
 BACKLOG_PULL_SECONDS = 0.02
 # The least a busy partition may hold (fetch_batch if smaller), however slowly it settles.
 PULL_FLOOR = 64
+# How long handlers cancelled by abort() may take to stop before it becomes a fence.
+ABORT_GRACE = 5.0
 # Empty pulls in a row (fetch_expires each) after which a partition dozes (Alarm).
 DOZE_AFTER_EMPTY_PULLS = 3
 PROJECT_HEADER_BYTES = PROJECT_HEADER.encode()
@@ -132,6 +134,7 @@ class PartitionRunner:
         self.fenced = False  # FENCED (and then RELEASED)
         self.first_message_seen = False
         self.stop_requested_at = 0.0
+        self.abort_by = 0.0  # abort(): when cancelled handlers must have stopped
         self.task: asyncio.Task[None] | None = None
         # dispatch.Source: the held messages of each project, and how many run now.
         self.projects: dict[str, ProjectQueue] = {}
@@ -230,6 +233,24 @@ class PartitionRunner:
         self._enter(Phase.STOPPING)
         self.stop_requested_at = time.monotonic()
         self._wake()
+
+    def abort(self) -> None:
+        """Let go now, and in order: cancel the running handlers (their messages stay at
+        the head of their projects), then the usual hand-over gives everything back in
+        stream order once the open pull has ended. For a partition moved away because it
+        stalled: whatever its handlers wait on may never come. (A fence gives nothing back,
+        so its messages return only after ack_wait, behind newer ones of their projects.)
+        Handlers that ignore the cancel for ABORT_GRACE make it a fence after all."""
+        if self.stopping:
+            return
+        self.stop()
+        self.abort_by = time.monotonic() + ABORT_GRACE
+        cancelled = self.worker.dispatcher.cancel_running(self)
+        log.warning(
+            "Partition %d: letting go at once, %d running handler(s) cancelled",
+            self.partition,
+            cancelled,
+        )
 
     def released(self) -> None:
         """Its claim is deleted, or left to the lease (Worker.runner_done)."""
@@ -587,6 +608,16 @@ class PartitionRunner:
     async def _hand_back(self) -> None:
         """After the last request ended: let running handlers finish, give back the rest."""
         while self.inflight and not self.fenced:
+            if self.abort_by and time.monotonic() >= self.abort_by:
+                log.warning(
+                    "Partition %d: %d cancelled handler(s) still running %.0f s after the "
+                    "abort; fencing it instead (its messages come back after ack_wait)",
+                    self.partition,
+                    self.inflight,
+                    ABORT_GRACE,
+                )
+                self.fence()
+                break
             await self.sleep_until_woken(1.0)
         if self.fenced:
             return

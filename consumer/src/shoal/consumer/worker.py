@@ -696,11 +696,10 @@ class Worker:
                 self.handovers.releasing({p: new_owner})
                 if current.progress.stalled_at is not None:
                     # Moved because it stalled: whatever it waits on may never come, so
-                    # no orderly hand-over (it would wait on it too). Stop at once, as a
-                    # fence does; its claim is released below once its handlers have
-                    # stopped, and what it held is redelivered after ack_wait.
-                    log.warning("Partition %d moved away while stalled: stopping it at once", p)
-                    current.fence()
+                    # its running handlers are cancelled rather than waited for; what it
+                    # held is given back in order as in any hand-over.
+                    log.warning("Partition %d moved away while stalled", p)
+                    current.abort()
                 else:
                     current.stop()
             elif not want and current is None and p not in self.claiming:
@@ -928,10 +927,20 @@ class Worker:
         # (nats_ok in the stats, the fence): it is not a silent stall, and restarting
         # members through liveness during an outage would only add to it.
         excused = not self.nats_reachable() or not self.membership.safe()
+        # A handler still within handler_timeout is progress under way: a legitimately
+        # long one (its partition's buffer full of its project's later messages) must
+        # not get its partition moved, and its run cancelled, every stall_after. Past
+        # the timeout it is cancelled (_watch_handlers). With no timeout, a handler that
+        # runs past stall_after with nothing else moving is a stall.
+        busy: set[int] = set()
+        if self.config.handler_timeout:
+            clock = time.perf_counter()
+            for source, held in self.dispatcher.running_sources():
+                if held.started and clock - held.started < self.config.handler_timeout:
+                    busy.add(source.partition)
         for p, r in self.runners.items():
-            change = r.progress.observe(
-                (r.arrived, r.answered, r.processed), r.has_work() and not excused, now, after
-            )
+            has_work = r.has_work() and not excused and p not in busy
+            change = r.progress.observe((r.arrived, r.answered, r.processed), has_work, now, after)
             if change is Change.STALLED:
                 log.warning(
                     "Partition %d is stalled: no progress for %.0f s with work to do "
