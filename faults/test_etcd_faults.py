@@ -392,6 +392,57 @@ async def test_etcd_cluster_first_endpoint_killed(
         cluster.stop()
 
 
+async def test_etcd_node_isolated_from_its_peers_and_a_member_killed(
+    make_group: Callable[..., FaultGroup], tmp_path: Path
+) -> None:
+    """Bound: the etcd member behind the first endpoint (where every member connects) is
+    cut from its peers for 60 s, not killed: it still answers clients, with no leader,
+    so its watches would just go silent. A member killed meanwhile has its partitions
+    moved within TTL + 10 s (every view follows the calls to a healthy endpoint)."""
+    isolation = 60.0
+    cluster = EtcdCluster(tmp_path / "etcd-cluster", peer_proxies=True)
+    g = make_group(
+        name="etcd node isolated from its peers 60 s, a member killed meanwhile",
+        etcd_endpoints=cluster.endpoints,
+    )
+    try:
+        await asyncio.to_thread(cluster.start)
+        await g.start()
+        await asyncio.sleep(3)
+        isolated = time.monotonic()
+        cluster.isolate(0)
+        # Long enough for a watch on the isolated node to go quiet (or be cancelled).
+        await asyncio.sleep(5)
+        before = await g.status()
+        victim = next(m for m in reversed(g.member_ids) if m != before.leader)
+        lost = g.partitions_of(before, victim)
+        healthy = set(g.member_ids) - {victim}
+        g.fleet.kill(victim)
+        g.gone.add(victim)
+        killed = time.monotonic()
+        figures = g.figures
+        figures["victim_partitions"] = len(lost)
+        try:
+            await g.wait_for(
+                lambda s: all(s.claims.get(p) in healthy for p in lost),
+                TTL + 10,
+                f"{victim}'s partitions to move while etcd node e0 is isolated",
+            )
+        finally:
+            figures["partitions_moved_s"] = round(time.monotonic() - killed, 2)
+        await asyncio.sleep(max(0.0, isolation - (time.monotonic() - isolated)))
+        cluster.heal()
+        healed = time.monotonic()
+        await g.wait_for(g.settled(), 30, "the group to settle after the heal")
+        figures["settled_after_heal_s"] = round(time.monotonic() - healed, 2)
+        figures["fenced_members"] = [m for m in healthy if "Fenced" in g.log_of(m)]
+        await asyncio.sleep(2)
+        await g.finish()
+    finally:
+        await g.close()  # before its etcd goes away (idempotent; the fixture closes it too)
+        cluster.stop()
+
+
 async def test_member_fenced_while_its_partitions_move(
     make_group: Callable[..., FaultGroup],
 ) -> None:

@@ -7,8 +7,10 @@ tests that use it are marked e2e (`make test-fast` runs only the others).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,10 +21,12 @@ from etcd3 import etcdrpc
 from etcd3.etcdrpc import auth_pb2
 
 from harness.localkube.pki import Pki, ensure_pki, ensure_serving_cert
+from harness.proxy import TcpProxy
 from harness.servers import EtcdServer, EtcdTLS
 from shoal.consumer.cli import main
 from shoal.consumer.config import config_from_env
 from shoal.consumer.etcd import (
+    TRANSIENT_ERRORS,
     Etcd,
     EtcdAuthError,
     EtcdConfigError,
@@ -324,3 +328,71 @@ async def test_the_operator_connects_with_the_groups_secret(
     finally:
         clients.close()
     assert not (tmp_path / "operator").exists()
+
+
+async def longest_stall(stop: asyncio.Event, tick: float = 0.01) -> float:
+    """How much later than asked the event loop woke a sleeper, at worst, until `stop`."""
+    worst = 0.0
+    while not stop.is_set():
+        asked = time.monotonic()
+        await asyncio.sleep(tick)
+        worst = max(worst, time.monotonic() - asked - tick)
+    return worst
+
+
+@pytest.mark.e2e
+async def test_an_outage_with_auth_never_blocks_the_event_loop(
+    auth_etcd: EtcdServer, pki: Pki
+) -> None:
+    """With a username, building a client is an Authenticate RPC. During an outage (both
+    endpoints silent) each fail-over builds one, and each must run in a worker thread: on
+    the event loop it stalled everything (keep-alives, in-progress acks, probes) for up
+    to the whole timeout, again and again."""
+    timeout = 2.0
+    with (
+        TcpProxy(auth_etcd.endpoint, name="etcd-a") as a,
+        TcpProxy(auth_etcd.endpoint, name="etcd-b") as b,
+    ):
+        etcd = Etcd(
+            f"{a.address},{b.address}",
+            timeout=timeout,
+            username="shoal",
+            password="pw",
+            **tls_options(pki),
+        )
+        stop = asyncio.Event()
+        monitor: asyncio.Task[float] | None = None
+        try:
+            await etcd.connect(attempts=3)
+            await etcd.put("/shoal/stall/a", b"1")
+            a.blackhole()
+            b.blackhole()
+            monitor = asyncio.create_task(longest_stall(stop))
+            failures = 0
+            deadline = time.monotonic() + 4 * timeout
+            while time.monotonic() < deadline:
+                try:
+                    await etcd.put("/shoal/stall/a", b"2")
+                except TRANSIENT_ERRORS:
+                    failures += 1
+                await asyncio.sleep(0.05)
+            stop.set()
+            stall = await monitor
+            print(f"longest event-loop stall during the outage: {stall:.3f} s")
+            assert failures >= 2
+            assert stall < 0.5, f"the event loop stalled {stall:.2f} s"
+            # And back to normal after it.
+            a.pass_through()
+            b.pass_through()
+            for _ in range(10):
+                try:
+                    await etcd.put("/shoal/stall/a", b"3")
+                    break
+                except TRANSIENT_ERRORS:
+                    await asyncio.sleep(0.5)
+            assert (await etcd.get_prefix("/shoal/stall/"))[1]["/shoal/stall/a"].value == b"3"
+        finally:
+            stop.set()
+            if monitor is not None:
+                await asyncio.gather(monitor, return_exceptions=True)
+            etcd.close()

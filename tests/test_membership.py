@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -14,8 +14,6 @@ from shoal.consumer.etcd import Etcd
 from shoal.consumer.membership import Membership
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
-
-T = TypeVar("T")
 
 
 class SlowWrites(Etcd):
@@ -31,16 +29,21 @@ class SlowWrites(Etcd):
         self.delay = 0.0
         self.delayed = asyncio.Event()  # set when a delayed write has started waiting
 
-    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        name = getattr(fn, "__name__", "")
-        ops = kwargs.get("success") or []
-        writes_key = (name == "put" and bool(args) and args[0] == self.key) or (
-            name == "transaction" and any(getattr(op, "key", None) == self.key for op in ops)
-        )
-        if self.delay and writes_key:
+    async def _slow(self, key: str | None) -> None:
+        if self.delay and key == self.key:
             self.delayed.set()
             await asyncio.sleep(self.delay)
-        return await super().call(fn, *args, **kwargs)
+
+    async def put(self, key: str, value: bytes, lease: int | None = None) -> None:
+        await self._slow(key)
+        await super().put(key, value, lease)
+
+    async def _transaction(
+        self, *, compare: list[Any], success: list[Any], failure: list[Any]
+    ) -> tuple[bool, list[Any]]:
+        for op in success:
+            await self._slow(getattr(op, "key", None))
+        return await super()._transaction(compare=compare, success=success, failure=failure)
 
 
 async def test_a_stats_put_in_flight_never_recreates_the_key_after_leave(

@@ -252,9 +252,9 @@ async def test_a_stall_shorter_than_the_timers_period_is_still_told(
     assert len(stall_events(events)) == 4
     # Deleting the group stops its watch.
     watch = group_state(memo).stall_watch
-    assert watch is not None and watch.watch_id is not None
+    assert watch is not None and watch.watch is not None
     await watch.stop()
-    assert watch.watch_id is None
+    assert watch.watch is None
 
 
 HANDLER = "harness.handlers:scripted_ledger"

@@ -24,6 +24,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import time
 import uuid
@@ -40,7 +41,14 @@ from harness.drain import wait_drained
 from harness.fleet import Fleet
 from harness.handlers import SLEEP_PREFIX
 from harness.proxy import TcpProxy
-from harness.servers import HOST, EtcdServer, NatsCluster, NatsServer, ServerProcess
+from harness.servers import (
+    HOST,
+    EtcdServer,
+    NatsCluster,
+    NatsServer,
+    ServerProcess,
+    _http_get,
+)
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd
 from shoal.consumer.jetstream import ensure_group
@@ -61,6 +69,7 @@ __all__ = [
     "QuotaEtcdServer",
     "SteadyProducer",
     "freeze",
+    "log_causes",
     "report",
     "thaw",
 ]
@@ -188,6 +197,8 @@ class EtcdClusterMember(EtcdServer):
     def __init__(self, workdir: str | os.PathLike[str], *, member_name: str) -> None:
         self.member_name = member_name
         self.initial_cluster = ""  # set by EtcdCluster once every member has its ports
+        # What the other members dial: its peer port, or a proxy in front of it.
+        self.advertised_peer_url = ""
         super().__init__(workdir)
 
     @property
@@ -202,7 +213,7 @@ class EtcdClusterMember(EtcdServer):
             f"--listen-client-urls={self.client_url}",
             f"--advertise-client-urls={self.client_url}",
             f"--listen-peer-urls={self.peer_url}",
-            f"--initial-advertise-peer-urls={self.peer_url}",
+            f"--initial-advertise-peer-urls={self.advertised_peer_url or self.peer_url}",
             f"--initial-cluster={self.initial_cluster}",
             "--initial-cluster-state=new",
             "--initial-cluster-token=shoal-faults",
@@ -215,13 +226,27 @@ class EtcdClusterMember(EtcdServer):
 
 
 class EtcdCluster:
-    """Three etcd members on free loopback ports; `endpoints` as ETCD_ENDPOINTS wants."""
+    """Three etcd members on free loopback ports; `endpoints` as ETCD_ENDPOINTS wants.
 
-    def __init__(self, workdir: Path, size: int = 3) -> None:
+    With `peer_proxies`, each member's peers reach it through a TcpProxy of its own (its
+    advertised peer URL), so that `isolate(i)` can cut member i from its peers while it
+    still answers clients on its client port (with no leader, so no writes).
+    """
+
+    def __init__(self, workdir: Path, size: int = 3, *, peer_proxies: bool = False) -> None:
         self.members = [
             EtcdClusterMember(Path(workdir) / f"etcd{i}", member_name=f"e{i}") for i in range(size)
         ]
-        cluster = ",".join(f"{m.member_name}={m.peer_url}" for m in self.members)
+        self.peer_proxies: list[TcpProxy] = []
+        if peer_proxies:
+            for m in self.members:
+                # peek: etcd's peer requests name their sender (X-Server-From).
+                proxy = TcpProxy(f"{HOST}:{m.peer_port}", name=f"{m.member_name}-peers", peek=True)
+                self.peer_proxies.append(proxy.start())
+                m.advertised_peer_url = f"http://{proxy.address}"
+        cluster = ",".join(
+            f"{m.member_name}={m.advertised_peer_url or m.peer_url}" for m in self.members
+        )
         for member in self.members:
             member.initial_cluster = cluster
 
@@ -236,9 +261,35 @@ class EtcdCluster:
                 future.result()
         return self
 
+    def member_ids(self) -> list[str]:
+        """Each member's raft id as etcd writes it in its peer requests (hex)."""
+        status, body = _http_get(f"{self.members[-1].peer_url}/members")
+        if status != 200:
+            raise RuntimeError(f"etcd /members answered {status}")
+        by_name = {m["name"]: format(int(m["id"]), "x") for m in json.loads(body)}
+        return [by_name[m.member_name] for m in self.members]
+
+    def isolate(self, index: int) -> None:
+        """Cut member `index` from its peers (both ways); its clients still reach it."""
+        if not self.peer_proxies:
+            raise RuntimeError("isolate() needs EtcdCluster(peer_proxies=True)")
+        sender = f"X-Server-From: {self.member_ids()[index]}".encode()
+        for i, proxy in enumerate(self.peer_proxies):
+            if i == index:
+                proxy.blackhole()  # nobody reaches it
+            else:
+                proxy.hold(sender)  # it reaches nobody
+
+    def heal(self) -> None:
+        for proxy in self.peer_proxies:
+            proxy.hold(None)
+            proxy.pass_through()
+
     def stop(self) -> None:
         for member in self.members:
             member.stop()
+        for proxy in self.peer_proxies:
+            proxy.close()
 
 
 def freeze(server: ServerProcess) -> None:
@@ -250,6 +301,29 @@ def freeze(server: ServerProcess) -> None:
 def thaw(server: ServerProcess) -> None:
     if server.pid is not None:
         os.killpg(server.pid, signal.SIGCONT)
+
+
+# A log record's first line (shoal.logs.FORMAT): "<date> <time> LEVEL logger: message".
+_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (\w+) ([\w.]+): (.*)$")
+_VARYING = re.compile(r"\b[0-9a-f]*[0-9][0-9a-f]*\b")
+
+
+def log_causes(text: str, *, width: int = 40) -> dict[str, int]:
+    """How many log records of each cause `text` (a member's log) holds.
+
+    A cause is the logger and the start of the message with its numbers masked: "Lease
+    keep-alive failed (...); fencing in 2.5 s" and "... in 0.0 s" are one cause. Lines
+    that do not start a record (tracebacks) count with the record they belong to.
+    """
+    causes: dict[str, int] = {}
+    for line in text.splitlines():
+        match = _RECORD.match(line)
+        if match is None:
+            continue
+        _level, logger, message = match.groups()
+        cause = f"{logger}: {_VARYING.sub('#', message)[:width]}"
+        causes[cause] = causes.get(cause, 0) + 1
+    return causes
 
 
 def report(name: str, figures: Mapping[str, Any]) -> str:

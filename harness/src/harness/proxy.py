@@ -12,6 +12,12 @@ switches the proxy between three modes at any moment:
 
 Independently, `delay(seconds)` adds latency to every byte (a slow network or server).
 
+With ``peek=True`` (protocols whose client speaks first, as HTTP does), the proxy reads a
+connection's first bytes before it connects upstream, and `hold(marker)` blackholes only
+the connections whose first bytes contain `marker`: e.g. one etcd member's peer requests
+(its ``X-Server-From`` header) among those of every member, to cut that member from its
+peers while the others still talk to each other.
+
 What the clients do with a blackholed connection (why a partition needs timeouts):
 
 - etcd3's gRPC channel has no keep-alive pings: unary calls fail at their deadline
@@ -72,6 +78,7 @@ class _Connection:
         self.client = client
         self.upstream: asyncio.StreamWriter | None = None
         self.tasks: set[asyncio.Task[Any]] = set()
+        self.hello = b""  # its first bytes from the client (with peek)
 
     def reset(self) -> None:
         for task in self.tasks:
@@ -83,7 +90,7 @@ class _Connection:
 class TcpProxy:
     """Listens on 127.0.0.1:<free port> and forwards to ``upstream`` ("host:port")."""
 
-    def __init__(self, upstream: str, *, name: str = "proxy") -> None:
+    def __init__(self, upstream: str, *, name: str = "proxy", peek: bool = False) -> None:
         host, _, port = upstream.rpartition(":")
         if host not in (HOST, "localhost"):
             raise ValueError(f"the proxy forwards to loopback only, not {upstream!r}")
@@ -95,7 +102,11 @@ class TcpProxy:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server: asyncio.Server | None = None
-        self._passing: asyncio.Event | None = None
+        self._peek = peek
+        self._held: bytes | None = None
+        # Set (and replaced) at every change of mode or hold: whoever waits for bytes
+        # to flow looks again.
+        self._changed: asyncio.Event | None = None
         self._connections: set[_Connection] = set()
         self.accepted = 0
 
@@ -149,6 +160,14 @@ class TcpProxy:
         self._delay = seconds
         log.info("proxy %s: latency %.1f s", self.name, seconds)
 
+    def hold(self, marker: bytes | None) -> None:
+        """Blackhole the connections whose first bytes contain `marker` (None: none
+        any more); needs peek=True. The mode applies to the others as usual."""
+        if marker is not None and not self._peek:
+            raise ValueError(f"proxy {self.name}: hold() needs peek=True")
+        self._call(self._set_held(marker))
+        log.info("proxy %s: holding %r", self.name, marker)
+
     def open_connections(self) -> int:
         return len(self._connections)
 
@@ -188,18 +207,31 @@ class TcpProxy:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
 
     async def _listen(self) -> None:
-        self._passing = asyncio.Event()
-        self._passing.set()
+        self._changed = asyncio.Event()
         self._server = await asyncio.start_server(self._handle, HOST, 0)
         self.port = int(self._server.sockets[0].getsockname()[1])
 
+    def _notify(self) -> None:
+        assert self._changed is not None
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _flowing(self, connection: _Connection) -> bool:
+        held = self._held is not None and self._held in connection.hello
+        return self._mode is Mode.PASS and not held
+
+    async def _wait_flowing(self, connection: _Connection) -> None:
+        while not self._flowing(connection):
+            assert self._changed is not None
+            await self._changed.wait()
+
+    async def _set_held(self, marker: bytes | None) -> None:
+        self._held = marker
+        self._notify()
+
     async def _set_mode(self, mode: Mode) -> None:
-        assert self._passing is not None
         self._mode = mode
-        if mode is Mode.PASS:
-            self._passing.set()
-        else:
-            self._passing.clear()
+        self._notify()
         if mode is Mode.RESET:
             for connection in list(self._connections):
                 connection.reset()
@@ -213,7 +245,6 @@ class TcpProxy:
         self._connections.clear()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        assert self._passing is not None
         self.accepted += 1
         if self._mode is Mode.RESET:
             _rst(writer)
@@ -224,13 +255,17 @@ class TcpProxy:
         if current is not None:
             connection.tasks.add(current)
         try:
+            if self._peek:
+                connection.hello = await reader.read(CHUNK)
             # A blackhole accepts and then says nothing: the upstream connection is made
             # only once bytes may flow, so the server sees nothing of it meanwhile.
-            await self._passing.wait()
+            await self._wait_flowing(connection)
             up_reader, up_writer = await asyncio.open_connection(
                 self.upstream_host, self.upstream_port
             )
             connection.upstream = up_writer
+            if connection.hello:
+                up_writer.write(connection.hello)
             await asyncio.gather(
                 self._pump(reader, up_writer, connection),
                 self._pump(up_reader, writer, connection),
@@ -249,7 +284,6 @@ class TcpProxy:
     async def _pump(
         self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, connection: _Connection
     ) -> None:
-        assert self._passing is not None
         # Chunks go out in order, each no earlier than `delay` after it was read: a
         # writer of its own, so that a latency does not slow the reading down, and a
         # change of latency never reorders the bytes of a stream.
@@ -260,7 +294,7 @@ class TcpProxy:
                 data = await src.read(CHUNK)
                 # Hold the chunk (and so stop reading: the kernel buffers fill up, as on
                 # a partition) until the network is back.
-                await self._passing.wait()
+                await self._wait_flowing(connection)
                 loop = asyncio.get_running_loop()
                 chunks.put_nowait((loop.time() + self._delay, data))
                 if not data:

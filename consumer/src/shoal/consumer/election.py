@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.consumer.assignor import assign, moved, relieve_stalls
+from shoal.consumer.backoff import QuietLog
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd
 from shoal.consumer.membership import Membership
@@ -135,6 +136,9 @@ class Leader:
         self._nats_ok_since: dict[str, float | None] = {}
         # The last _rebalance could not write its assignment (an etcd error): retry it.
         self._write_failed = False
+        # While etcd refuses, each retry fails again: one line per 10 s says so.
+        self._campaign_failures = QuietLog(log)
+        self._write_failures = QuietLog(log)
 
     def on_leadership(self, callback: Callable[[bool], None]) -> None:
         self._on_change.append(callback)
@@ -231,12 +235,15 @@ class Leader:
                     epoch = await self.etcd.create_returning_revision(
                         keys.leader, self.config.member_id.encode(), self.membership.lease_id
                     )
+                    self._campaign_failures.recovered()
                     if epoch is not None:
                         self.epoch = epoch
                         await self._lead()
                         continue
                 except TRANSIENT_ERRORS as exc:
-                    log.warning("Campaign failed (etcd: %s)", exc)
+                    self._campaign_failures.failed(
+                        logging.WARNING, "Campaign failed (etcd: %s)", exc
+                    )
             try:
                 await asyncio.wait_for(changed.wait(), 1.0)
             except TimeoutError:
@@ -448,10 +455,13 @@ class Leader:
         try:
             ok = await self.etcd.guarded_put_many(self.config.keys.leader, self.epoch, items)
         except TRANSIENT_ERRORS as exc:
-            log.warning("Could not write the assignment (etcd: %s); will retry", exc)
+            self._write_failures.failed(
+                logging.WARNING, "Could not write the assignment (etcd: %s); will retry", exc
+            )
             self._write_failed = True
             await asyncio.sleep(1.0)
             return True
+        self._write_failures.recovered()
         if not ok:
             log.warning(
                 "Lost leadership (epoch %d) while writing generation %d", self.epoch, generation

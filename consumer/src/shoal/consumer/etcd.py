@@ -1,14 +1,18 @@
 """An asyncio face on the synchronous etcd3 client.
 
 etcd3 blocks; every call here runs in a worker thread so the event loop never stalls
-(a stalled loop would miss lease keep-alives and fetch deadlines). Watches run on
-etcd3's own watcher thread and are handed to the loop with call_soon_threadsafe.
+(a stalled loop would miss lease keep-alives and fetch deadlines): the client a call
+uses is looked up (and built, when that is an RPC) in that thread too. Watches run on a
+watcher thread per client (_Watcher, etcd3's without its spin) and are handed to the
+loop with call_soon_threadsafe. Every call and watch requires etcd to have a leader, and
+when calls fail over to another endpoint, watchers are told (on_new_client).
 
 TLS and authentication: `Etcd(endpoints, ca_file=, cert_file=, key_file=, username=,
 password=)` uses the same settings for every endpoint. The files are checked when the
 `Etcd` is made (EtcdConfigError: one line naming the file), etcd3 reads them whenever it
 opens a channel. With a username, etcd3 authenticates while it builds its client (a
-blocking RPC), so that client is made in `connect()`, in a worker thread, and made again
+blocking RPC), so that client is made in `connect()`, in a worker thread (never on the
+event loop: during an outage each build can take the whole timeout), and made again
 when etcd refuses its token (an expired simple token, or a JWT from an older auth store):
 the refused call fails as a transient error and the caller's retry uses the new token.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import queue
 import random
 import threading
 import time
@@ -28,7 +33,12 @@ from typing import Any, TypeVar
 
 import etcd3
 import etcd3.exceptions
+import etcd3.watch
 import grpc
+from etcd3 import etcdrpc
+from etcd3.client import Transactions
+
+from shoal.consumer.backoff import QuietLog
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +62,10 @@ class EtcdNoSpace(RuntimeError):
     joining needs a write) is not.
     """
 
+
+# Builds transactions' compares and operations; holds no client (etcd3 gives each
+# client one, and reading it on the loop would build a client there).
+_TX = Transactions()
 
 # Clients left behind by endpoint fail-overs that are kept open (calls may still run on
 # them); older ones are closed.
@@ -96,6 +110,113 @@ def _quiet_closed_watchers(args: threading.ExceptHookArgs) -> None:
 
 threading.excepthook = _quiet_closed_watchers
 
+# gRPC's own reconnect backoff grows to 120 s: after a minute-long etcd outage a member
+# went on failing every call, without trying, for 10-15 s after etcd was back. Capped at
+# 5 s it still costs nothing while etcd is away.
+GRPC_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.min_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 5000),
+]
+
+# gRPC metadata asking etcd to refuse (and for watches: cancel) a call on a member
+# that has no leader.
+REQUIRE_LEADER = ("hasleader", "true")
+
+# How often an idle watcher thread looks for a new watch to open a stream for.
+WATCHER_IDLE_POLL = 0.05
+
+
+class _Watcher(etcd3.watch.Watcher):  # type: ignore[misc]
+    """etcd3's watcher thread, without its spin, and with a leader required.
+
+    etcd3 opens a new watch stream the moment the last one failed, for ever: with etcd
+    down each attempt fails at once, and that loop burnt more than a core for as long as
+    the outage lasted (also in every client a fail-over had retired). Here a stream is
+    opened only while somebody wants a watch; its failure goes to the watchers, who
+    watch again after their own backoff.
+
+    Its streams carry the client's metadata, so `hasleader=true` (REQUIRE_LEADER): an
+    etcd member cut from its peers still answers on its client port but sees no writes,
+    so its watches would go silent, no event and no error, and every view on it would
+    freeze. With the flag, etcd cancels them once the member has lost its leader (after
+    three election timeouts), and the watchers move on (see Etcd.on_new_client: calls
+    fail over to the next endpoint).
+    """
+
+    # etcd3's own state (untyped there).
+    _callbacks: dict[int, Callable[[Any], None]]
+    _request_queue: queue.Queue[Any]
+    _new_watch: Any
+
+    def __init__(self, client: Any) -> None:
+        super().__init__(
+            etcdrpc.WatchStub(client.channel),
+            timeout=client.timeout,
+            call_credentials=client.call_credentials,
+            metadata=client.metadata,
+        )
+        self.closed = threading.Event()
+
+    def _wanted(self) -> bool:
+        return bool(self._callbacks) or self._new_watch is not None
+
+    def _run(self) -> None:
+        while not self.closed.is_set():
+            with self._lock:
+                if not self._wanted():
+                    self._new_watch_cond.wait(WATCHER_IDLE_POLL)
+                    continue
+                requests = self._request_queue
+            try:
+                stream = self._watch_stub.Watch(
+                    etcd3.watch._new_request_iter(requests),
+                    credentials=self._credentials,
+                    metadata=self._metadata,
+                )
+                for response in stream:
+                    self._handle_response(response)
+                # A stream etcd ended without an error: its watches are gone all the same.
+                error: BaseException = etcd3.exceptions.ConnectionFailedError()
+            except grpc.RpcError as exc:
+                error = exc
+            except ValueError:  # "Channel closed": the client was closed
+                return
+            with self._lock:
+                if self._new_watch:
+                    self._new_watch.err = error
+                    self._new_watch_cond.notify_all()
+                callbacks, self._callbacks = self._callbacks, {}
+                # A new queue for the next stream (as etcd3 does): requests meant for
+                # this one must not leak into it.
+                requests.put(None)
+                self._request_queue = queue.Queue(maxsize=10)
+            for callback in callbacks.values():
+                etcd3.watch._safe_callback(callback, error)
+
+    def _handle_response(self, response: Any) -> None:
+        # etcd3 drops a response that says etcd cancelled a watch (other than for a
+        # compaction) and keeps its callback: that watch would be silent for ever.
+        if response.canceled and not response.created and not response.compact_revision:
+            with self._lock:
+                callback = self._callbacks.pop(response.watch_id, None)
+            if callback is not None:  # None: we cancelled it ourselves
+                reason = response.cancel_reason or "no reason given"
+                etcd3.watch._safe_callback(callback, WatchCanceled(reason))
+            return
+        super()._handle_response(response)
+
+
+class WatchCanceled(RuntimeError):
+    """etcd cancelled a watch (its cancel_reason)."""
+
+
+def _close_client(client: Any) -> None:
+    watcher = getattr(client, "watcher", None)
+    if isinstance(watcher, _Watcher):
+        watcher.closed.set()
+    client.close()
+
 
 class EtcdUnavailable(RuntimeError):
     """etcd could not be reached within the allowed attempts."""
@@ -116,6 +237,9 @@ _TLS_SIGNS = ("TSI_", "SSL", "ssl", "handshake", "certificate")
 
 def describe(exc: BaseException) -> str:
     """An etcd3 error with what gRPC said (etcd3 raises its errors without a message)."""
+    if isinstance(exc, grpc.RpcError) and callable(getattr(exc, "code", None)):
+        # A raw one (a watch stream's end): its str() is gRPC's whole debug dump.
+        return f"{exc.code().name}: {exc.details()}"
     text = str(exc)
     cause = exc.__cause__ or exc.__context__
     if isinstance(cause, grpc.RpcError):
@@ -196,6 +320,14 @@ class KV:
     lease: int
 
 
+@dataclass(frozen=True)
+class Watch:
+    """A watch, and the client it lives on."""
+
+    client: Any
+    watch_id: int
+
+
 # How a refused token shows: an expired one, or (JWT) one from before an auth store change.
 _TOKEN_REFUSED = ("invalid auth token", "revision of auth store is old")
 
@@ -231,6 +363,10 @@ class Etcd:
         # Clients replaced after a refused token: their watches may still deliver, so
         # they are closed with this one, not at once.
         self._retired: list[Any] = []
+        # Told (from whichever thread) when calls move to a new client: watches live on
+        # the client that made them, and must move too (GroupView).
+        self._on_new_client: list[Callable[[], None]] = []
+        self._fail_overs = QuietLog(log)
         # With a username, building a client is an RPC: connect() does it, off the loop.
         self._client: Any = None if self.username else self._make_client()
         # Our own threads: a hand-over issues dozens of claims and releases at once, and
@@ -242,7 +378,7 @@ class Etcd:
         """A client for the current endpoint (blocking when it must authenticate)."""
         host, port = self.endpoints[self._index % len(self.endpoints)]
         try:
-            return etcd3.client(
+            client = etcd3.client(
                 host=host,
                 port=port,
                 timeout=self.timeout,
@@ -251,7 +387,14 @@ class Etcd:
                 cert_key=self.key_file,
                 user=self.username,
                 password=self._password,
+                grpc_options=GRPC_OPTIONS,
             )
+            # WithRequireLeader, as etcd's own client offers it: an etcd member cut from
+            # its peers answers every call with "no leader" at once (not after the whole
+            # timeout), so calls fail over, and it cancels our watches (see _Watcher).
+            client.metadata = (*(client.metadata or ()), REQUIRE_LEADER)
+            client.watcher = _Watcher(client)
+            return client
         except OSError as exc:  # etcd3 reads the TLS files here
             raise EtcdConfigError(f"etcd TLS file unreadable: {exc}") from None
         except grpc.RpcError as exc:  # only the Authenticate call raises these
@@ -280,6 +423,18 @@ class Etcd:
     def _ensure_client(self) -> None:
         _ = self.client  # builds it
 
+    def on_new_client(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (from any thread) whenever calls move to another client: an
+        endpoint fail-over, a token renewal. Watches made before stay on the old one."""
+        self._on_new_client.append(callback)
+
+    def _new_client(self) -> None:
+        for callback in self._on_new_client:
+            try:
+                callback()
+            except Exception:
+                log.exception("A new-client callback failed")
+
     @property
     def endpoint(self) -> str:
         host, port = self.endpoints[self._index % len(self.endpoints)]
@@ -291,9 +446,10 @@ class Etcd:
             self._index += 1
             old, self._client = self._client, None
             if old is not None:
-                old.close()
+                _close_client(old)
             if not self.username:
                 self._client = self._make_client()
+            self._new_client()
 
     def _renew_token(self) -> None:
         """etcd refused our token: authenticate again (in a worker thread)."""
@@ -306,6 +462,7 @@ class Etcd:
                 self._retired.append(self._client)
             self._client = fresh
         log.info("Authenticated again to etcd at %s (its token was refused)", self.endpoint)
+        self._new_client()
 
     def _fail_over(self, failed: Any) -> None:
         """`failed`, the client in use, lost its endpoint: use the next one from now on.
@@ -317,17 +474,20 @@ class Etcd:
         fail too), and the old client is retired, not closed: closing it under those
         calls would make them fail with errors nobody retries.
         """
-        if len(self.endpoints) < 2 or failed is None:
+        if len(self.endpoints) < 2:
             return
         with self._lock:
+            # `failed` is None when building the client failed (with a username that is
+            # an RPC): the endpoint is as dead as if a call on it had failed.
             if self._client is not failed:
                 return  # another call moved on already
             old = self.endpoint
             self._index += 1
-            self._retired.append(failed)
+            if failed is not None:
+                self._retired.append(failed)
             while len(self._retired) > MAX_RETIRED_CLIENTS:
                 try:
-                    self._retired.pop(0).close()
+                    _close_client(self._retired.pop(0))
                 except Exception:
                     log.debug("Closing a retired etcd client failed", exc_info=True)
             try:
@@ -335,14 +495,24 @@ class Etcd:
             except Exception as exc:  # with a username, building it is an RPC
                 log.debug("etcd client for %s not built yet: %r", self.endpoint, exc)
                 self._client = None
-        log.warning("etcd at %s unreachable; using %s from now on", old, self.endpoint)
+        # With every endpoint down, each failure moves on: one line per 10 s says so.
+        self._fail_overs.failed(
+            logging.WARNING, "etcd at %s unreachable; using %s from now on", old, self.endpoint
+        )
+        self._new_client()
 
-    def _run(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
+    def _run(self, op: Callable[[Any], T], name: str, resolve: bool) -> T:
+        """op(client), in a worker thread: with `resolve`, the client is resolved (and,
+        with a username, built: an RPC that can take the whole timeout) here, never on
+        the event loop."""
         client = self._client
         try:
-            result = fn(*args, **kwargs)
+            if client is None and resolve:
+                client = self.client
+            result = op(client)
         except (etcd3.exceptions.ConnectionFailedError, etcd3.exceptions.ConnectionTimeoutError):
-            self._fail_over(client)
+            if client is not None or resolve:  # (connect() rotates on its own)
+                self._fail_over(client)
             raise
         except grpc.RpcError as exc:
             code, details = exc.code(), str(exc.details() or "")
@@ -364,7 +534,7 @@ class Etcd:
                     f"etcd at {self.endpoint} refused {who}: {details or code}"
                 ) from None
             raise
-        if self.no_space and getattr(fn, "__name__", "") in _WRITES:
+        if self.no_space and name in _WRITES:
             self.no_space = False
             log.warning(
                 "etcd at %s accepts writes again: its NOSPACE alarm is cleared", self.endpoint
@@ -389,9 +559,20 @@ class Etcd:
         )
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """fn(*args, **kwargs) in a worker thread. A bound method of `client` names the
+        client as it was on the loop; the methods below use `_call`, which does not."""
+        name = getattr(fn, "__name__", "")
+        return await self._in_thread(lambda _client: fn(*args, **kwargs), name, resolve=False)
+
+    async def _call(self, op: Callable[[Any], T], name: str = "") -> T:
+        """op(client) in a worker thread, on the client current there; `name` is the
+        etcd3 method's (the NOSPACE alarm clears with the first write that works)."""
+        return await self._in_thread(op, name, resolve=True)
+
+    async def _in_thread(self, op: Callable[[Any], T], name: str, *, resolve: bool) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
-            self._executor, functools.partial(self._run, fn, args, kwargs)
+            self._executor, functools.partial(self._run, op, name, resolve)
         )
 
     async def connect(self, *, attempts: int | None = None, max_delay: float = 10.0) -> None:
@@ -405,7 +586,7 @@ class Etcd:
             attempt += 1
             try:
                 await self.call(self._ensure_client)
-                await self.call(lambda: self.client.status())
+                await self._call(lambda c: c.status())
                 if attempt > 1:
                     log.info("Connected to etcd at %s after %d attempts", self.endpoint, attempt)
                 return
@@ -424,7 +605,7 @@ class Etcd:
 
     async def get_prefix(self, prefix: str) -> tuple[int, dict[str, KV]]:
         """All keys under prefix and the store revision they were read at."""
-        response = await self.call(self.client.get_prefix_response, prefix)
+        response = await self._call(lambda c: c.get_prefix_response(prefix))
         kvs = {
             kv.key.decode(): KV(
                 kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision, kv.lease
@@ -434,13 +615,22 @@ class Etcd:
         return int(response.header.revision), kvs
 
     async def put(self, key: str, value: bytes, lease: int | None = None) -> None:
-        await self.call(self.client.put, key, value, lease=lease)
+        await self._call(lambda c: c.put(key, value, lease=lease), "put")
 
     async def delete(self, key: str) -> bool:
-        return bool(await self.call(self.client.delete, key))
+        return bool(await self._call(lambda c: c.delete(key)))
 
     async def delete_prefix(self, prefix: str) -> None:
-        await self.call(self.client.delete_prefix, prefix)
+        await self._call(lambda c: c.delete_prefix(prefix))
+
+    async def _transaction(
+        self, *, compare: list[Any], success: list[Any], failure: list[Any]
+    ) -> tuple[bool, list[Any]]:
+        ok, responses = await self._call(
+            lambda c: c.transaction(compare=compare, success=success, failure=failure),
+            "transaction",
+        )
+        return bool(ok), list(responses)
 
     async def create_returning_revision(
         self, key: str, value: bytes, lease: int | None
@@ -449,9 +639,8 @@ class Etcd:
 
         One round trip: the put and a read of the new key in the same transaction.
         """
-        tx = self.client.transactions
-        ok, responses = await self.call(
-            self.client.transaction,
+        tx = _TX
+        ok, responses = await self._transaction(
             compare=[tx.create(key) == 0],
             success=[tx.put(key, value, lease=lease), tx.get(key)],
             failure=[],
@@ -467,9 +656,8 @@ class Etcd:
         etcd refuses a transaction of more than --max-txn-ops (128 by default) compares
         or operations: callers pass at most CLAIM_BATCH keys.
         """
-        tx = self.client.transactions
-        ok, responses = await self.call(
-            self.client.transaction,
+        tx = _TX
+        ok, responses = await self._transaction(
             compare=[tx.create(key) == 0 for key in keys],
             success=[*(tx.put(key, value, lease=lease) for key in keys), tx.get(keys[0])],
             failure=[],
@@ -478,9 +666,8 @@ class Etcd:
 
     async def put_returning_revision(self, key: str, value: bytes, lease: int | None) -> int:
         """Put key (created or overwritten); its create_revision, in one round trip."""
-        tx = self.client.transactions
-        _, responses = await self.call(
-            self.client.transaction,
+        tx = _TX
+        _, responses = await self._transaction(
             compare=[],
             success=[tx.put(key, value, lease=lease), tx.get(key)],
             failure=[],
@@ -498,9 +685,8 @@ class Etcd:
         False (nothing written) when the key is gone or was created again since: an
         update that must never bring a deleted key back.
         """
-        tx = self.client.transactions
-        ok, _ = await self.call(
-            self.client.transaction,
+        tx = _TX
+        ok, _ = await self._transaction(
             compare=[tx.create(key) == create_revision],
             success=[tx.put(key, value, lease=lease)],
             failure=[],
@@ -509,9 +695,8 @@ class Etcd:
 
     async def delete_if_created_at(self, key: str, create_revision: int) -> bool:
         """Delete key only if it is still the incarnation created at create_revision."""
-        tx = self.client.transactions
-        ok, _ = await self.call(
-            self.client.transaction,
+        tx = _TX
+        ok, _ = await self._transaction(
             compare=[tx.create(key) == create_revision],
             success=[tx.delete(key)],
             failure=[],
@@ -541,12 +726,11 @@ class Etcd:
         etcd allows 128 operations per transaction by default; larger writes go in chunks,
         each guarded on its own, so a deposed writer stops at the first failed chunk.
         """
-        tx = self.client.transactions
+        tx = _TX
         keys = sorted(items)
         for start in range(0, len(keys), 128):
             chunk = keys[start : start + 128]
-            ok, _ = await self.call(
-                self.client.transaction,
+            ok, _ = await self._transaction(
                 compare=[tx.create(guard_key) == guard_create_revision],
                 success=[tx.put(k, items[k]) for k in chunk],
                 failure=[],
@@ -556,39 +740,50 @@ class Etcd:
         return True
 
     async def grant_lease(self, ttl: int) -> int:
-        lease = await self.call(self.client.lease, ttl)
+        lease = await self._call(lambda c: c.lease(ttl), "lease")
         return int(lease.id)
 
     async def refresh_lease(self, lease_id: int) -> int:
         """Send one keep-alive; return the remaining TTL (0 or less: the lease is gone)."""
-        responses = await self.call(lambda: list(self.client.refresh_lease(lease_id)))
+        responses = await self._call(lambda c: list(c.refresh_lease(lease_id)))
         if not responses:
             return 0
         return int(responses[-1].TTL)
 
     async def revoke_lease(self, lease_id: int) -> None:
-        await self.call(self.client.revoke_lease, lease_id)
+        await self._call(lambda c: c.revoke_lease(lease_id))
 
-    def add_watch_prefix(
+    async def watch_prefix(
         self, prefix: str, start_revision: int, callback: Callable[[Any], None]
-    ) -> int:
-        """Blocking: register a watch (call via `call`). The callback runs on etcd3's thread."""
-        return int(
-            self.client.add_watch_prefix_callback(prefix, callback, start_revision=start_revision)
-        )
+    ) -> Watch:
+        """Watch prefix from start_revision on the current client; the callback runs on
+        the watcher's thread, with each response or the error that ended the watch."""
 
-    def cancel_watch(self, watch_id: int) -> None:
-        try:
-            self.client.cancel_watch(watch_id)
-        except Exception:  # cancelling a watch on a dead connection is not an error
-            log.debug("Cancelling watch %s failed", watch_id, exc_info=True)
+        def add(client: Any) -> Watch:
+            watch_id = client.add_watch_prefix_callback(
+                prefix, callback, start_revision=start_revision
+            )
+            return Watch(client, int(watch_id))
+
+        return await self._call(add)
+
+    async def cancel_watch(self, watch: Watch) -> None:
+        """Cancel it on the client that made it (calls may have moved on since)."""
+
+        def cancel(_client: Any) -> None:
+            try:
+                watch.client.cancel_watch(watch.watch_id)
+            except Exception:  # cancelling a watch on a dead connection is not an error
+                log.debug("Cancelling watch %s failed", watch.watch_id, exc_info=True)
+
+        await self._in_thread(cancel, "", resolve=False)
 
     def close(self) -> None:
         for client in [*self._retired, self._client]:
             if client is None:
                 continue
             try:
-                client.close()
+                _close_client(client)
             except Exception:
                 log.debug("Closing the etcd client failed", exc_info=True)
         self._retired.clear()

@@ -17,6 +17,7 @@ from nats.errors import NoRespondersError
 from nats.js import api
 from nats.js.errors import APIError, BadRequestError, NotFoundError
 
+from shoal.consumer.backoff import QuietLog
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.natsclient import DirectClient
 from shoal.contracts.names import (
@@ -43,19 +44,23 @@ class _Callbacks:
 
     def __init__(self) -> None:
         self.nc: Any = None
+        # nats-py tries to reconnect every reconnect_time_wait while NATS is away, and
+        # reports each failure: one line per 10 s is enough.
+        self._errors = QuietLog(log)
 
     def _closing(self) -> bool:
         return self.nc is not None and (self.nc.is_closed or self.nc.is_draining)
 
     async def error(self, exc: Exception) -> None:
         if not self._closing():
-            log.warning("NATS connection error: %r", exc)
+            self._errors.failed(logging.WARNING, "NATS connection error: %r", exc)
 
     async def disconnected(self) -> None:
         if not self._closing():
             log.warning("Disconnected from NATS; reconnecting")
 
     async def reconnected(self) -> None:
+        self._errors.recovered()
         log.info("Reconnected to NATS")
 
 

@@ -16,13 +16,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from shoal.consumer.backoff import Backoff, QuietLog
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd
 
 log = logging.getLogger(__name__)
 
-# After a failed (or timed-out) keep-alive, the next attempt goes out this soon.
+# After a failed (or timed-out) keep-alive, the next attempt goes out this soon, while
+# the lease may still be alive on the server.
 KEEPALIVE_RETRY = 0.5
+# Once it cannot be (a TTL has passed since the last renewal), only noticing etcd's
+# return matters: the attempts back off up to this (a member of a group whose etcd is
+# down must not spin).
+KEEPALIVE_RETRY_MAX = 5.0
 
 
 class Membership:
@@ -60,7 +66,8 @@ class Membership:
 
     async def join(self) -> None:
         """Grant a lease and register; retried with backoff until it works."""
-        delay = 0.2
+        backoff = Backoff(0.2, 5.0)
+        quiet = QuietLog(log)
         while True:
             try:
                 sent = time.monotonic()
@@ -89,9 +96,9 @@ class Membership:
                 self._signal()
                 return
             except TRANSIENT_ERRORS as exc:
-                log.warning("Could not join (etcd: %s); retrying in %.1f s", exc, delay)
+                delay = backoff.next()
+                quiet.failed(logging.WARNING, "Could not join (etcd: %s); retrying", exc)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
 
     def _signal(self) -> None:
         self.changed.set()
@@ -107,7 +114,16 @@ class Membership:
         was_safe = self.safe()
         while True:
             left = self.config.fence_after - (time.monotonic() - self._renewed_at)
-            await asyncio.sleep(min(max(left, 0.0) + 0.01, self.config.keepalive_interval))
+            if left > 0:
+                wait = left + 0.01
+            elif was_safe:
+                wait = 0.0  # unsafe from now on: say so at once
+            else:
+                # Fenced: only a renewal ends it, and whoever renews signals `changed`
+                # itself. Looking 100 times a second was a spin for as long as etcd
+                # stayed away.
+                wait = self.config.keepalive_interval
+            await asyncio.sleep(min(wait, self.config.keepalive_interval))
             if self.safe() != was_safe:
                 was_safe = self.safe()
                 if not was_safe and self.lease_id:
@@ -130,6 +146,9 @@ class Membership:
         was_safe = True
         interval = self.config.keepalive_interval
         next_at = time.monotonic() + interval
+        retry = Backoff(KEEPALIVE_RETRY, KEEPALIVE_RETRY_MAX)
+        failures = QuietLog(log)
+        stats_failures = QuietLog(log)
         while True:
             # Keep-alives go out every interval counted from the last one sent, not
             # from when the last one (and the stats put after it) finished, and one that
@@ -146,13 +165,26 @@ class Membership:
                     self.etcd.refresh_lease(self.lease_id), self.config.keepalive_interval
                 )
             except TRANSIENT_ERRORS as exc:  # TimeoutError (the wait_for) is among them
-                log.warning(
+                unrenewed = time.monotonic() - self._renewed_at
+                failures.failed(
+                    logging.WARNING,
                     "Lease keep-alive failed (%s); fencing in %.1f s unless it recovers",
                     exc,
-                    max(0.0, self.config.fence_after - (time.monotonic() - self._renewed_at)),
+                    max(0.0, self.config.fence_after - unrenewed),
                 )
-                next_at = min(next_at, time.monotonic() + KEEPALIVE_RETRY)
+                if unrenewed < self.config.lease_ttl:
+                    # The lease may still be alive: a renewal in time saves everything.
+                    retry.reset()
+                    next_at = min(next_at, time.monotonic() + KEEPALIVE_RETRY)
+                else:
+                    # It has expired by now (we are fenced since fence_after, whatever
+                    # these attempts do): wait for etcd's return without spinning.
+                    next_at = time.monotonic() + retry.next()
                 continue
+            retry.reset()
+            if failures.failing:
+                lasted = failures.recovered()
+                log.info("etcd answers keep-alives again (after %.1f s)", lasted)
             if ttl <= 0:
                 log.warning("Lease %x expired; stopped consuming and re-joining", self.lease_id)
                 self.lease_id = 0
@@ -167,8 +199,9 @@ class Membership:
                 self._signal()
             try:
                 await self._publish_stats()
+                stats_failures.recovered()
             except TRANSIENT_ERRORS as exc:
-                log.warning("Could not publish member stats: %s", exc)
+                stats_failures.failed(logging.WARNING, "Could not publish member stats: %s", exc)
 
     async def _publish_stats(self) -> None:
         """Update our member key, never re-creating it once leave() has begun."""

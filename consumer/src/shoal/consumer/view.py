@@ -12,14 +12,21 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 from dataclasses import dataclass
 from typing import Any
 
-from shoal.consumer.etcd import KV, TRANSIENT_ERRORS, Etcd
+from shoal.consumer.backoff import Backoff, QuietLog
+from shoal.consumer.etcd import KV, TRANSIENT_ERRORS, Etcd, Watch, describe
 from shoal.contracts.names import Keys
 
 log = logging.getLogger(__name__)
+
+
+class NewClient(Exception):
+    """Calls moved to another etcd client (an endpoint fail-over, a new token)."""
+
+    def __str__(self) -> str:
+        return "etcd calls moved to another endpoint or token"
 
 
 @dataclass(frozen=True)
@@ -241,7 +248,7 @@ class GroupView:
         self._notify()
 
     def _on_watch(self, response: Any) -> None:
-        # Runs on etcd3's watcher thread: hand everything to the event loop.
+        # Runs on the watcher's thread: hand everything to the event loop.
         assert self._loop is not None
         if isinstance(response, BaseException):
             self._loop.call_soon_threadsafe(self._errors.put_nowait, response)
@@ -250,37 +257,63 @@ class GroupView:
                 self._apply_events, list(response.events), int(response.header.revision)
             )
 
+    def _on_new_client(self) -> None:
+        # Any thread. Our watch stays on the client that made it: after a fail-over
+        # that is the endpoint found dead (or cut from its peers, answering nothing),
+        # and the view would freeze. Watch again where the calls go now.
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._errors.put_nowait, NewClient())
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+
     async def run(self) -> None:
         """List and watch forever; on errors list and watch again with backoff."""
         self._loop = asyncio.get_running_loop()
-        delay = 0.2
+        self.etcd.on_new_client(self._on_new_client)
+        backoff = Backoff(0.2, 5.0)
+        # One cause: while etcd is away each retry fails, and says so once per 10 s.
+        trouble = QuietLog(log)
         while True:
-            watch_id: int | None = None
+            watch: Watch | None = None
             try:
                 revision, kvs = await self.etcd.get_prefix(self.keys.prefix)
                 self.load(revision, kvs)
                 while not self._errors.empty():
                     self._errors.get_nowait()
-                watch_id = await self.etcd.call(
-                    self.etcd.add_watch_prefix, self.keys.prefix, revision + 1, self._on_watch
-                )
+                watch = await self.etcd.watch_prefix(self.keys.prefix, revision + 1, self._on_watch)
                 self.synced.set()
                 self._notify()
-                delay = 0.2
+                backoff.reset()
+                if trouble.failing:
+                    log.info(
+                        "Watching %s again (after %.1f s)", self.keys.prefix, trouble.recovered()
+                    )
                 error = await self._errors.get()
-                log.warning("Watch on %s failed (%s); listing again", self.keys.prefix, error)
+                if isinstance(error, NewClient):
+                    log.info("Watching %s again: %s", self.keys.prefix, error)
+                else:
+                    trouble.failed(
+                        logging.WARNING,
+                        "Watch on %s failed (%s); listing again",
+                        self.keys.prefix,
+                        describe(error),
+                    )
             except TRANSIENT_ERRORS as exc:
-                log.warning(
-                    "etcd unreachable while watching %s (%s); retrying in %.1f s",
+                trouble.failed(
+                    logging.WARNING,
+                    "etcd unreachable while watching %s (%s); retrying",
                     self.keys.prefix,
-                    exc,
-                    delay,
+                    describe(exc),
                 )
             except Exception as exc:
                 # grpc errors surface with many types; anything else is a bug worth a trace.
-                log.warning("Watching %s failed: %r; retrying", self.keys.prefix, exc)
+                trouble.failed(
+                    logging.WARNING, "Watching %s failed: %r; retrying", self.keys.prefix, exc
+                )
             finally:
-                if watch_id is not None:
-                    await self.etcd.call(self.etcd.cancel_watch, watch_id)
-            await asyncio.sleep(delay * (0.5 + random.random()))
-            delay = min(delay * 2, 5.0)
+                if watch is not None:
+                    await self.etcd.cancel_watch(watch)
+            await asyncio.sleep(backoff.next())

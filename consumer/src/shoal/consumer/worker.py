@@ -49,7 +49,7 @@ from shoal.consumer.handlers import (
     Message,
     PermanentError,
 )
-from shoal.consumer.handover_log import HandOverLog
+from shoal.consumer.handover_log import HandOverLog, ranges
 from shoal.consumer.holding import HoldBudget
 from shoal.consumer.membership import Membership
 from shoal.consumer.metrics import Metrics
@@ -66,6 +66,7 @@ from shoal.contracts.names import (
 )
 
 log = logging.getLogger(__name__)
+
 
 ACTIVE_PROJECT_WINDOW = 60.0
 # For a while after a member joined or left (the leader's debounce, its write, the
@@ -631,17 +632,27 @@ class Worker:
                 if runner.dozing:
                     runner.rouse()
 
+    def _fence_all(self, why: str) -> None:
+        """Stop every runner at once; one line for all of them."""
+        fenced = sorted(p for p, r in self.runners.items() if not r.fenced)
+        for p in fenced:
+            self.runners[p].fence()
+        if fenced:
+            log.warning(
+                "Fenced (%s): stopped consuming %d partitions at once: %s",
+                why,
+                len(fenced),
+                ranges(fenced),
+            )
+
     def _reconcile(self) -> None:
         me = self.config.member_id
         if self.membership.incarnation != self._incarnation:
             # A new lease: claims taken under the old one have expired with it.
-            for runner in self.runners.values():
-                runner.fence()
+            self._fence_all("a new lease")
             self._incarnation = self.membership.incarnation
         if not self.membership.safe():
-            for runner in self.runners.values():
-                if not runner.fenced:
-                    runner.fence()
+            self._fence_all("the lease is not renewed")
             return
         targets = self.view.targets()
         claims = self.view.claims()

@@ -20,7 +20,7 @@ import logging
 import threading
 from typing import Any
 
-from shoal.consumer.etcd import Etcd
+from shoal.consumer.etcd import Etcd, Watch
 from shoal.operator.observe import stalled_partitions
 
 log = logging.getLogger(__name__)
@@ -33,21 +33,19 @@ class StallWatch:
         self.etcd = etcd
         self.prefix = members_prefix
         self.partitions = partitions
-        self.watch_id: int | None = None
+        self.watch: Watch | None = None
         self.failed = False
         self._lock = threading.Lock()
         self._seen: dict[Stall, int] = {}  # -> the first revision it was seen reported at
 
     async def start(self, revision: int) -> None:
         """Watch from `revision` (the one after the listing the caller just read)."""
-        self.watch_id = await self.etcd.call(
-            self.etcd.add_watch_prefix, self.prefix, revision, self._on_watch
-        )
+        self.watch = await self.etcd.watch_prefix(self.prefix, revision, self._on_watch)
 
     async def stop(self) -> None:
-        if self.watch_id is not None:
-            watch_id, self.watch_id = self.watch_id, None
-            await self.etcd.call(self.etcd.cancel_watch, watch_id)
+        if self.watch is not None:
+            watch, self.watch = self.watch, None
+            await self.etcd.cancel_watch(watch)
 
     def _on_watch(self, response: Any) -> None:
         # etcd3's watcher thread. A deleted key reports nothing: its member is gone.
