@@ -156,3 +156,34 @@ async def test_a_handler_that_never_returns_is_timed_out_retried_then_dead_lette
     assert log.count("Handler ran past 1.5 s on message") == 3, log[-3000:]
     assert f"project {hung!r}" in log
     assert "is stalled" not in log
+
+
+async def test_a_handler_raising_cancelled_error_itself_is_a_failure(
+    make_fleet: Callable[..., Fleet], etcd: Etcd, js: Any, make_config: Any
+) -> None:
+    """A handler that raises CancelledError although nobody cancelled it (a task of its
+    own cancelled under it) fails like any other: retried, then dead-lettered, its
+    project goes on. Let through, it ended the dispatcher worker that ran it, for good,
+    and its project stalled. With max_concurrency 1 the member had no worker left."""
+    config = make_config(
+        handler=HANDLER, partitions=PARTITIONS, max_concurrency=1, max_deliver=2, backoff=(0.2,)
+    )
+    await ensure_group(js, config)
+    fleet = make_fleet(handler=HANDLER, partitions=PARTITIONS)
+    settings = (*SETTINGS, "max_concurrency", "max_deliver", "backoff")
+    fleet.start("m-0", **config_env(config, settings))
+    await wait_for_status(
+        etcd, config.namespace, config.group, config.partitions, settled({"m-0"}), 30
+    )
+    items = [Outgoing("c", b"cancelled", "c-0", {}), Outgoing("c", b"ok", "c-1", {})]
+    items += [Outgoing(f"o{i}", b"ok", f"o{i}", {}) for i in range(10)]
+    await Producer(js, config.subject_prefix, config.partitions).publish_many(items)
+    ids = {i.message_id for i in items} - {"c-0"}
+    await eventually_async(
+        lambda: processed(js, config.ledger_stream),
+        30,
+        "every message but the one whose handler raised CancelledError",
+        until=lambda done: ids <= done,
+    )
+    assert int((await js.stream_info(config.dlq_stream)).state.messages) == 1
+    assert fleet.members["m-0"].alive()

@@ -6,7 +6,8 @@ what the message's data says: ``wait:<ms>`` awaits that long (an I/O-bound handl
 raises PermanentError (dead-lettered at once), ``hang`` never returns, ``hang-on:<member>``
 never returns on that member only (a pod whose downstream connection is wedged),
 ``fail-runs:<n>`` fails the first n times it actually runs, whichever member runs it
-(counted in files under $SHOAL_TEST_STATE_DIR: attempts, not JetStream's deliveries).
+(counted in files under $SHOAL_TEST_STATE_DIR: attempts, not JetStream's deliveries),
+``cancelled`` raises CancelledError although nobody cancelled the handler.
 
 `slow_ledger` is the `ledger` handler of shoal.consumer.handlers with two differences a
 scenario needs: a message whose data is ``sleep:<seconds>[:<cleanup>]`` takes that long
@@ -98,6 +99,8 @@ async def scripted_ledger(msg: Message) -> None:
         raise PermanentError(f"{msg.message_id} can never succeed")
     elif command == "hang" or (command == "hang-on" and arg == msg.context.member_id):
         await asyncio.Event().wait()
+    elif command == "cancelled":
+        raise asyncio.CancelledError()  # as a task of its own cancelled under it would
     elif command == "fail-runs" and _count_run(msg.message_id) <= int(arg):
         raise ScriptedFailure(f"run {_count_run(msg.message_id, add=False)} of {msg.message_id}")
     msg.ensure_owned()

@@ -220,17 +220,26 @@ class Worker:
                 return ABANDONED
             except PermanentError as exc:
                 held.verdict = (DEAD_LETTER, f"permanent error: {exc}")
-            except asyncio.CancelledError:
+            except asyncio.CancelledError as exc:
                 task = asyncio.current_task()
-                if not held.timed_out or task is None:
-                    raise  # a fence, or the process stopping
-                task.uncancel()  # ours (_watch_handlers); another cancel still stands
-                if task.cancelling() or runner.fenced:
+                if task is None:
                     raise
-                timeout = HandlerTimeout(
-                    f"still running after {self.config.handler_timeout:g} s (handlerTimeoutSeconds)"
-                )
-                delay = self._failed(runner, held, timeout)
+                if not task.cancelling():
+                    # Nobody cancelled us: the handler raised it itself (a task of its own
+                    # cancelled under it, say). A failure like any other; let through, it
+                    # ended a dispatcher worker for good, and its project with it.
+                    failure: BaseException = exc
+                elif not held.timed_out:
+                    raise  # a fence, or the process stopping
+                else:
+                    task.uncancel()  # ours (_watch_handlers); another cancel still stands
+                    if task.cancelling() or runner.fenced:
+                        raise
+                    failure = HandlerTimeout(
+                        f"still running after {self.config.handler_timeout:g} s "
+                        "(handlerTimeoutSeconds)"
+                    )
+                delay = self._failed(runner, held, failure)
                 if delay is not None:
                     return delay
             except Exception as exc:
@@ -283,7 +292,7 @@ class Worker:
                 )
                 task.cancel()
 
-    def _failed(self, runner: PartitionRunner, held: Held, exc: Exception) -> float | None:
+    def _failed(self, runner: PartitionRunner, held: Held, exc: BaseException) -> float | None:
         """A handler error: the delay before it is retried in place, or None when its
         verdict is set (dead-letter after max_deliver attempts, or nak)."""
         held.failures += 1
