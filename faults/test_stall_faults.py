@@ -54,7 +54,7 @@ async def test_nats_down_until_every_members_reconnect_buffer_fills(
 
     Bound: every partition consumed again within 15 s of the restart; 0 lost; every
     member said its buffer was full (else the scenario is not the one it claims).
-    About 70 s."""
+    About 45 s."""
     g = make_group(
         name="nats down until every member's reconnect buffer fills, three members",
         env={"SHOAL_NATS_RECONNECT_BUFFER": str(16 * 1024)},
@@ -98,7 +98,7 @@ async def test_handler_that_never_returns_for_one_project(
     other projects of its partition never pause meanwhile (their longest gap on that
     partition, from the ledger, within the producer's own spacing of one project, 2.5 s,
     plus 1 s; their longest publish-to-processing wait under 3 s); the partition is not
-    reported stalled (stallAfterSeconds 5 here, shorter than the hang's 7 s). About 40 s.
+    reported stalled (stallAfterSeconds 5 here, shorter than the hang's 7 s). About 20 s.
     """
     g = make_group(
         name="a handler that never returns, for one project",
@@ -167,7 +167,7 @@ async def test_dead_letter_stream_deleted_while_messages_go_to_it(
 
     Bound: while the stream is gone those projects' later messages wait (order); once it
     is back, the five dead letters arrive and the projects continue within 15 s (the
-    settle retry's longest backoff, 10 s, plus 5 s); 0 lost. About 45 s."""
+    settle retry's longest backoff, 10 s, plus 5 s); 0 lost. About 25 s."""
     g = make_group(name="the dead-letter stream deleted while messages go to it", handler=SCRIPTED)
     await g.start()
     await asyncio.sleep(3)
@@ -220,7 +220,7 @@ async def test_max_deliver_2_three_moves_of_a_backlog_then_sigterm_2s_drain(
     their last delivery (defect 3). Only planned moves: no member crashes, no handler
     fails, so any dead letter is one made by moves alone.
 
-    Bound: 0 overlaps, 0 lost, and no message dead-lettered. About 60 s."""
+    Bound: 0 overlaps, 0 lost, and no message dead-lettered. About 45 s."""
     g = make_group(
         name="maxDeliver 2, three moves of a backlog, then SIGTERM with a 2 s drain",
         env={
@@ -297,7 +297,7 @@ async def test_idle_group_many_doze_sweeps_rss(make_group: Callable[..., FaultGr
     partitions over 3 members. Here 256 partitions at 0.05 s make about 3 min / 0.35 s
     = 514 sweeps per partition, about 44,000 per member; the scenario counts the sweeps
     (the pull requests the server receives) and asserts at least 39,000 per member. The
-    soak runs the 20-minute version. About 4 min."""
+    soak runs the 20-minute version. About 3 min 30 s."""
     g = make_group(
         name="an idle group, doze sweep 0.05 s for 3 minutes: RSS",
         partitions=256,
