@@ -14,7 +14,7 @@
 #                   kill and a 2-minute NATS outage; an idle group with a 1 s doze sweep for
 #                   SOAK_IDLE_MINUTES (20); NATS down 330 s with one member, 240 s with three
 #                   (SOAK_NATS_DOWN_ONE_S, SOAK_NATS_DOWN_THREE_S). RSS and ledger audits;
-#                   figures in .tmp/soak/<time>.jsonl. About SOAK_MINUTES + 45 minutes.
+#                   figures in .tmp/soak/<time>.jsonl. About SOAK_MINUTES + 32 minutes.
 #   make bench      run every bench/*.py; JSON lines go to bench/results/<time>/<name>.jsonl
 #   make demo       python -m harness.kubedemo: the local control plane, helm, a ConsumerGroup
 #   make demo-local python -m harness.demo against real servers (DEMO_ARGS=... to pass options)
