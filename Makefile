@@ -9,6 +9,12 @@
 #   make typecheck  mypy --strict on the shoal packages and the harness
 #   make faults     the fault suite (faults/): one fault per scenario on a real group under
 #                   load; one JSON line of figures per scenario in .tmp/faults/<time>.jsonl
+#   make soak       long runs, not in CI (faults/soak/, marker soak): a group of 3 under a
+#                   varying load for SOAK_MINUTES (default 30) with a member restart, a leader
+#                   kill and a 2-minute NATS outage; an idle group with a 1 s doze sweep for
+#                   SOAK_IDLE_MINUTES (20); NATS down 330 s with one member, 240 s with three
+#                   (SOAK_NATS_DOWN_ONE_S, SOAK_NATS_DOWN_THREE_S). RSS and ledger audits;
+#                   figures in .tmp/soak/<time>.jsonl. About SOAK_MINUTES + 32 minutes.
 #   make bench      run every bench/*.py; JSON lines go to bench/results/<time>/<name>.jsonl
 #   make demo       python -m harness.kubedemo: the local control plane, helm, a ConsumerGroup
 #   make demo-local python -m harness.demo against real servers (DEMO_ARGS=... to pass options)
@@ -51,7 +57,7 @@ echo "promtool: $$promtool ($$("$$promtool" --version 2>&1 | head -n1))"; \
 export SHOAL_NATS_SERVER="$$nats" SHOAL_ETCD="$$etcd" SHOAL_PROMTOOL="$$promtool";
 endef
 
-.PHONY: venv test test-fast faults lint typecheck bench demo demo-local servers clean tools cluster-up cluster-down image
+.PHONY: venv test test-fast faults soak lint typecheck bench demo demo-local servers clean tools cluster-up cluster-down image
 
 venv: $(STAMP)
 
@@ -117,6 +123,19 @@ faults: venv
 	mkdir -p "$$(dirname "$$results")"; status=0; \
 	SHOAL_FAULTS_RESULTS="$$results" $(PYM) pytest faults -m faults $(PYTEST_ARGS) || status=$$?; \
 	echo "faults: $$((SECONDS - start)) s; figures ($$results):"; \
+	cat "$$results" 2>/dev/null || true; \
+	exit $$status
+
+# Not in CI. PYTEST_ARGS='-k varying' for the loaded soak alone; SOAK_MINUTES=3 for a
+# short one.
+SOAK_MINUTES ?= 30
+soak: venv
+	@$(servers_env) \
+	start=$$SECONDS; results="$${SOAK_RESULTS:-.tmp/soak/$$(date -u +%Y%m%dT%H%M%SZ).jsonl}"; \
+	mkdir -p "$$(dirname "$$results")"; status=0; \
+	SOAK_MINUTES=$(SOAK_MINUTES) SHOAL_FAULTS_RESULTS="$$results" \
+	  $(PYM) pytest faults/soak -m soak $(PYTEST_ARGS) || status=$$?; \
+	echo "soak: $$((SECONDS - start)) s; figures ($$results):"; \
 	cat "$$results" 2>/dev/null || true; \
 	exit $$status
 

@@ -35,6 +35,7 @@ from types import TracebackType
 from typing import Any, Literal, Self
 
 import nats
+import nats.js.errors
 
 from harness.audit import FaultAudit, audit_faults
 from harness.drain import wait_drained
@@ -71,6 +72,7 @@ __all__ = [
     "freeze",
     "log_causes",
     "report",
+    "rss_mb",
     "thaw",
 ]
 
@@ -162,11 +164,12 @@ class SteadyProducer:
         self.acked[mid] = sent
 
     async def _run(self) -> None:
-        per_tick = max(1, round(self.rate * self.TICK))
-        limit = int(self.rate * 2)  # at most 2 s of publishes awaiting their acks
         i = 0
         next_tick = time.monotonic()
         while True:
+            # Read every tick: a soak varies `rate` while the producer runs.
+            per_tick = max(1, round(self.rate * self.TICK))
+            limit = int(self.rate * 2)  # at most 2 s of publishes awaiting their acks
             if len(self._inflight) + per_tick > limit:
                 self.skipped += per_tick
             else:
@@ -326,6 +329,14 @@ def log_causes(text: str, *, width: int = 40) -> dict[str, int]:
     return causes
 
 
+def rss_mb(pid: int) -> float:
+    """A process's resident set size (VmRSS of /proc/<pid>/status), in MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise ValueError(f"no VmRSS for process {pid}")
+
+
 def report(name: str, figures: Mapping[str, Any]) -> str:
     """One JSON line per scenario: to stdout, and appended to $SHOAL_FAULTS_RESULTS."""
     line = json.dumps({"scenario": name, **figures}, sort_keys=False, default=str)
@@ -375,8 +386,13 @@ class FaultGroup:
             etcd_endpoints=etcd_endpoints or etcd_server.endpoint,
             handler=handler,
             ledger=True,  # the audit reads the ledger handler's records
-            # The durables are created with the members' ack_wait.
+            # The durables are created with the members' ack_wait (and max_deliver).
             ack_wait=float({**MEMBER_ENV, **(env or {})}["SHOAL_ACK_WAIT"]),
+            **(
+                {"max_deliver": int(env["SHOAL_MAX_DELIVER"])}
+                if env and "SHOAL_MAX_DELIVER" in env
+                else {}
+            ),
             # Streams and durables (members create them too: they must agree, or a
             # member would "update" the stream to its own replica count).
             stream_replicas=stream_replicas,
@@ -524,6 +540,55 @@ class FaultGroup:
         assert self.producer is not None
         self.producer.acked[mid] = sent
         return mid, partition
+
+    def project_on(self, partition: int, prefix: str) -> str:
+        """A project name starting with `prefix` that hashes to `partition`."""
+        return next(
+            f"{prefix}-{k}"
+            for k in range(1_000_000)
+            if partition_for(f"{prefix}-{k}", self.config.partitions) == partition
+        )
+
+    async def publish(
+        self, project: str, data: bytes, *, seq: int | None = None, promised: bool = True
+    ) -> str:
+        """One message of `project` (as the producer sends them); its id. A promised one
+        counts as acked like the producer's: the audit expects it in the ledger (a
+        message meant to be dead-lettered is not promised)."""
+        mid = f"{self.config.group}-{project}-{uuid.uuid4().hex[:8]}"
+        headers = {PROJECT_HEADER: project, MSG_ID_HEADER: mid}
+        if seq is not None:
+            headers[SEQ_HEADER] = str(seq)
+        partition = partition_for(project, self.config.partitions)
+        sent = time.time()
+        await self.js.publish(
+            partition_subject(self.config.subject_prefix, partition), data, headers=headers
+        )
+        if promised:
+            assert self.producer is not None
+            self.producer.acked[mid] = sent
+        return mid
+
+    async def dead_letters(self) -> list[dict[str, str]]:
+        """The headers of every message in the dead-letter stream, in order."""
+        info = await self.js.stream_info(self.config.dlq_stream)
+        letters = []
+        if info.state.messages:
+            for seq in range(info.state.first_seq, info.state.last_seq + 1):
+                try:
+                    msg = await self.js.get_msg(self.config.dlq_stream, seq)
+                except nats.js.errors.NotFoundError:
+                    continue
+                letters.append(dict(msg.headers or {}))
+        return letters
+
+    def rss(self) -> dict[str, float]:
+        """Each live member process's resident set size, in MB."""
+        return {
+            m: round(rss_mb(member.pid), 2)
+            for m, member in self.fleet.members.items()
+            if member.alive()
+        }
 
     # -- observing -----------------------------------------------------------------------
 
