@@ -9,14 +9,17 @@ import itertools
 import json
 import random
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
+from nats import errors
 from nats.aio.client import Client
 from nats.errors import ProtocolError
 from nats.js import api
 from nats.protocol.parser import Parser
 
+from harness.servers import NatsServer
 from harness.waiting import eventually_async
 from shoal.consumer.natsclient import (
     Delivery,
@@ -329,3 +332,52 @@ async def test_fast_parser_refuses_what_nats_pys_refuses() -> None:
     for bad in (b"BOGUS line\r\n", b"MSG only-a-subject\r\n"):
         with pytest.raises(ProtocolError):
             await FastParser(Recorder()).parse(bad)
+
+
+@pytest.mark.e2e
+async def test_requests_refused_while_the_reconnect_buffer_is_full_leave_nothing_behind(
+    tmp_path: Path,
+) -> None:
+    """nats-py registers a request's reply future before it publishes the request; when
+    that publish raises (NATS away, the reconnect buffer full), nothing ever removed the
+    future. DirectClient refuses such a request up front: nothing is left behind, and
+    requests work again once NATS is back. (Before: one entry per refused request.)"""
+    server = NatsServer(tmp_path / "nats")
+    nc = DirectClient()
+    try:
+        server.start()
+        await nc.connect(
+            server.url,
+            pending_size=4096,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.2,
+            connect_timeout=1,
+        )
+        js = nc.jetstream()
+        server.kill()
+        await eventually_async(lambda: _disconnected(nc), 10, "the client to notice")
+        with pytest.raises(errors.OutboundBufferLimitError):
+            for _ in range(1000):  # fill the reconnect buffer
+                await nc.publish("fill", b"x" * 100)
+        for _ in range(200):
+            with pytest.raises((errors.OutboundBufferLimitError, errors.TimeoutError)):
+                await nc.request("some.service", b"ping", timeout=0.05)
+            with pytest.raises(Exception):  # noqa: B017 (whatever nats-py makes of it)
+                await js.consumer_info("S", "d", timeout=0.05)
+        assert len(nc._resp_map) == 0
+        server.start()
+        await eventually_async(lambda: _connected(nc), 20, "the client to reconnect")
+        await js.add_stream(name="S", subjects=["s.>"])
+        assert (await js.stream_info("S")).config.name == "S"
+        assert len(nc._resp_map) == 0
+    finally:
+        await nc.close()
+        server.stop()
+
+
+async def _disconnected(nc: Any) -> bool:
+    return not nc.is_connected
+
+
+async def _connected(nc: Any) -> bool:
+    return bool(nc.is_connected)

@@ -24,10 +24,10 @@ parser for messages, and :meth:`DirectClient.publish_ack` publishes an ack witho
 All this leans on private parts of nats-py 2.16: ``Client._process_msg`` (overridden),
 ``_process_headers``, ``_send_command``, ``_flush_pending``, ``_flush_queue``,
 ``_pending``, ``_pending_data_size``, ``_max_pending_size``, ``_subs``, ``_ps`` and the
-parser's state. ``tests/test_natsclient.py`` checks them against nats-py itself (the
-same parser calls for random wires cut anywhere, the same headers for odd header
-blocks) and the direct path against a real nats-server, so a nats-py upgrade that moves
-them fails there first. (docs/data-path.md has the measurements.)
+parser's state; its tests also read ``_resp_map``. ``tests/test_natsclient.py`` checks
+them against nats-py itself (the same parser calls for random wires cut anywhere, the
+same headers for odd header blocks) and the direct path against a real nats-server, so a
+nats-py upgrade that moves them fails there first. (docs/data-path.md has the measurements.)
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from nats import errors
 from nats.aio.client import Client
 from nats.protocol.parser import AWAITING_CONTROL_LINE, AWAITING_MSG_PAYLOAD, Parser
 
@@ -278,6 +279,31 @@ class DirectClient(Client):
         """Send `sub`'s JetStream messages to `on_message` and its statuses to
         `on_status`, both called as each is read (neither may block)."""
         self._direct[sub._id] = (on_message, on_status)
+
+    async def request(
+        self,
+        subject: str,
+        payload: bytes = b"",
+        timeout: float = 0.5,
+        old_style: bool = False,
+        headers: dict[str, Any] | None = None,
+    ) -> Any:
+        """nats-py's request (JetStream's API calls and publishes go through it), refused
+        up front when its publish would be: nats-py registers the reply's future before
+        it publishes, and only an answer or the timeout removes it, so every request
+        whose publish raised (the reconnect buffer full while NATS is away) stayed in
+        `_resp_map` for good. A member asking for its lag, its health and its dead
+        letters through a long outage grew by about a megabyte a minute."""
+        if self.is_closed:
+            raise errors.ConnectionClosedError
+        if not self.is_connected and (
+            self._max_pending_size <= 0
+            or self._pending_data_size + len(payload) + len(subject) >= self._max_pending_size
+        ):
+            raise errors.OutboundBufferLimitError
+        return await super().request(
+            subject, payload, timeout=timeout, old_style=old_style, headers=headers
+        )
 
     def queue_ack(self, subject: str, payload: bytes = b"+ACK") -> bool:
         """Queue an ack (or another verb) for a JetStream reply subject, without a
