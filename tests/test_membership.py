@@ -103,3 +103,19 @@ async def test_a_member_key_deleted_under_a_live_member_comes_back(
             await asyncio.gather(runner, return_exceptions=True)
         await membership.close()
         await etcd.delete_prefix(config.keys.prefix)
+
+
+async def test_leaving_with_a_lease_that_expired_already_is_a_clean_exit(
+    make_config: Callable[..., GroupConfig], etcd: Etcd
+) -> None:
+    """A member whose lease expired while it shut down (its keep-alive stopped with its
+    other tasks, a slow host) has nothing left to revoke: close() says so and returns.
+    It raised etcd's NOT_FOUND, and the pod exited 1 after a clean hand-over (seen in
+    the fault suite's rolling restart on a busy host)."""
+    config = make_config(member_id="m-expired", lease_ttl=3, keepalive_interval=0.5, fence_margin=1)
+    membership = Membership(etcd, config, lambda: {"ts": time.time()})
+    await membership.join()
+    lease = membership.lease_id
+    await etcd.revoke_lease(lease)  # gone, as an expiry would leave it
+    await membership.close()
+    assert membership.lease_id == 0

@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import grpc
+
 from shoal.consumer.backoff import Backoff, QuietLog
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd
@@ -238,4 +240,10 @@ class Membership:
             log.warning(
                 "Could not revoke lease (%s); it expires in %d s", exc, self.config.lease_ttl
             )
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            # Expired already (its keep-alive stopped with the other tasks on a slow
+            # host): what revoking was for is done.
+            log.info("Lease %x had expired already; nothing to revoke", self.lease_id)
         self.lease_id = 0
