@@ -216,14 +216,12 @@ class Dispatcher:
                 cancelled += 1
         return cancelled
 
-    def running_heads(self) -> list[tuple[asyncio.Task[None], Held]]:
-        """(worker task, message) for every message whose handler runs now."""
-        return [(task, queue.pending[0]) for task, queue in self._running.items() if queue.pending]
-
-    def running_sources(self) -> list[tuple[Source, Held]]:
-        """(source, message) for every message whose handler runs now."""
+    def running_heads(self) -> list[tuple[asyncio.Task[None], Source, Held]]:
+        """(worker task, its source, the message) for every handler running now."""
         return [
-            (queue.source, queue.pending[0]) for queue in self._running.values() if queue.pending
+            (task, queue.source, queue.pending[0])
+            for task, queue in self._running.items()
+            if queue.pending
         ]
 
     async def _work(self) -> None:

@@ -13,15 +13,12 @@ for good: the member stopped pulling, its claims held and its probes green.)
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from shoal.consumer.worker import Worker
 
 __all__ = ["AnswerClock", "PullRequest", "RequestWatch"]
-
-log = logging.getLogger(__name__)
 
 
 class PullRequest:

@@ -277,7 +277,7 @@ class Worker:
         while True:
             await asyncio.sleep(period)
             now = time.perf_counter()
-            for task, held in self.dispatcher.running_heads():
+            for task, _, held in self.dispatcher.running_heads():
                 if not held.started or held.timed_out or now - held.started < timeout:
                     continue
                 held.timed_out = True
@@ -955,7 +955,7 @@ class Worker:
         busy: set[int] = set()
         if self.config.handler_timeout:
             clock = time.perf_counter()
-            for source, held in self.dispatcher.running_sources():
+            for _, source, held in self.dispatcher.running_heads():
                 if held.started and clock - held.started < self.config.handler_timeout:
                     busy.add(source.partition)
         for p, r in self.runners.items():
