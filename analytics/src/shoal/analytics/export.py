@@ -179,6 +179,7 @@ async def export_log(
     from nats.js.errors import NotFoundError
 
     from shoal.consumer.jetstream import connect
+    from shoal.consumer.natsauth import NatsSecurity
 
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
@@ -189,7 +190,7 @@ async def export_log(
             nats_url,
             name=f"shoal-analytics-export-{namespace}-{group}",
             attempts=connect_attempts,
-            creds_file=creds_file,
+            security=NatsSecurity(creds_file=creds_file),
         )
     except ConnectionError as exc:
         raise ExportError(str(exc)) from None

@@ -17,6 +17,7 @@ from typing import Any, Literal, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from shoal.consumer.natsauth import NatsSecurity
 from shoal.contracts.names import (
     Keys,
     check_subject_prefix,
@@ -112,8 +113,17 @@ class GroupConfig(BaseModel):
     # The member's state (joined, fenced, NATS, a timestamp), rewritten every second and
     # removed at exit: the pod's probes (`shoal-ready`, `shoal-ready --live`) read it.
     ready_file: str | None = None
-    # A NATS credentials file (the operator mounts the group's credentials secret).
+    # NATS credentials: a credentials file (the operator mounts the group's credentials
+    # secret), or a user and password, or an nkey seed file; and TLS with a private CA
+    # and a client certificate (spec.nats.tlsSecret). Checked when connecting
+    # (shoal.consumer.natsauth), not here, for the same reason as etcd's below.
     nats_creds_file: str | None = None
+    nats_user: str | None = None
+    nats_password: SecretStr | None = None
+    nats_nkey_seed_file: str | None = None
+    nats_ca_file: str | None = None
+    nats_cert_file: str | None = None
+    nats_key_file: str | None = None
     # What nats-py buffers while the connection is down (its pending_size; nats.go's
     # ReconnectBufSize): beyond it a publish raises instead of queueing. 2 MiB is
     # nats-py's default; a member survives a full buffer either way (partition.py).
@@ -204,6 +214,19 @@ class GroupConfig(BaseModel):
             password=password,
         )
 
+    def nats_security(self) -> NatsSecurity:
+        """TLS and credentials for shoal.consumer.jetstream.connect."""
+        password = self.nats_password.get_secret_value() if self.nats_password else None
+        return NatsSecurity(
+            ca_file=self.nats_ca_file,
+            cert_file=self.nats_cert_file,
+            key_file=self.nats_key_file,
+            creds_file=self.nats_creds_file,
+            user=self.nats_user,
+            password=password,
+            nkey_seed_file=self.nats_nkey_seed_file,
+        )
+
     @property
     def fence_after(self) -> float:
         return self.lease_ttl - self.fence_margin
@@ -241,6 +264,12 @@ ENV_FIELDS: dict[str, str] = {
     "SHOAL_READY_FILE": "ready_file",
     "SHOAL_ENSURE_JETSTREAM": "ensure_jetstream",
     "NATS_CREDS_FILE": "nats_creds_file",
+    "NATS_USER": "nats_user",
+    "NATS_PASSWORD": "nats_password",
+    "NATS_NKEY_SEED_FILE": "nats_nkey_seed_file",
+    "NATS_CA_FILE": "nats_ca_file",
+    "NATS_CERT_FILE": "nats_cert_file",
+    "NATS_KEY_FILE": "nats_key_file",
     "SHOAL_NATS_RECONNECT_BUFFER": "nats_reconnect_buffer",
     "SHOAL_DOZE_SWEEP": "doze_sweep",
     "ETCD_CA_FILE": "etcd_ca_file",

@@ -19,6 +19,7 @@ from nats.js.errors import APIError, BadRequestError, NotFoundError
 
 from shoal.consumer.backoff import QuietLog
 from shoal.consumer.config import GroupConfig
+from shoal.consumer.natsauth import NatsSecurity
 from shoal.consumer.natsclient import DirectClient
 from shoal.contracts.names import (
     assignments_subject,
@@ -69,7 +70,7 @@ async def connect(
     *,
     name: str,
     attempts: int | None = None,
-    creds_file: str | None = None,
+    security: NatsSecurity | None = None,
     reconnect_buffer: int | None = None,
 ) -> Any:
     """Connect to NATS, retrying with capped backoff and saying why each attempt failed.
@@ -84,7 +85,7 @@ async def connect(
         attempt += 1
         try:
             # max_reconnect_attempts=1: nats-py only gives up on a server when it is > 0.
-            auth: dict[str, Any] = {"user_credentials": creds_file} if creds_file else {}
+            auth = security.connect_options() if security is not None else {}
             probe = await nats.connect(
                 url,
                 **auth,

@@ -194,7 +194,7 @@ class ConsumerProcess:
         self.nc = await connect(
             c.nats_url,
             name=f"shoal-{c.group}-{c.member_id}",
-            creds_file=c.nats_creds_file,
+            security=c.nats_security(),
             reconnect_buffer=c.nats_reconnect_buffer,
         )
         self.js = self.nc.jetstream()

@@ -32,6 +32,7 @@ from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd, EtcdUnavailable, describe
 from shoal.consumer.handlers import HandlerError, load_handler
 from shoal.consumer.jetstream import StreamConfigConflict, connect, ensure_group
+from shoal.consumer.natsauth import NatsSecurity
 from shoal.consumer.status import GroupStatus, status_from_view
 from shoal.consumer.view import GroupView
 from shoal.contracts.names import (
@@ -158,14 +159,14 @@ async def _nats(memo: Any, config: GroupConfig, attempts: int) -> Any:
     two connections (probe and real) per tick. A failed connect is not cached, so the
     next call tries again; a kept connection reconnects by itself.
     """
-    cache: dict[tuple[str, str | None], Any] = memo.nats
-    key = (config.nats_url, config.nats_creds_file)
+    cache: dict[tuple[str, NatsSecurity], Any] = memo.nats
+    key = (config.nats_url, config.nats_security())
     if key not in cache or cache[key].is_closed:
         cache[key] = await connect(
             config.nats_url,
             name="shoal-operator",
             attempts=attempts,
-            creds_file=config.nats_creds_file,
+            security=config.nats_security(),
         )
     return cache[key]
 
