@@ -22,6 +22,9 @@ from shoal.consumer.config import ENV_FIELDS, GroupConfig, config_from_env
 from shoal.contracts.names import GROUP_LABEL, default_stream_name, default_subject_prefix
 from shoal.operator.builders import (
     ETCD_SECRET_VERSION,
+    NATS_CREDENTIALS_SECRET_VERSION,
+    NATS_TLS_SECRET_VERSION,
+    NatsPodSecrets,
     READY_FILE,
     build_deployment,
     build_pdb,
@@ -69,6 +72,7 @@ def full_spec() -> dict[str, Any]:
         "nats": {
             "url": "nats://nats.messaging:4222",
             "credentialsSecret": "orders-nats",
+            "tlsSecret": "orders-nats-tls",
             "subjectPrefix": "acme.orders",
             "stream": {"name": "ORDERS", "retention": "limits", "storage": "memory", "replicas": 3},
             "consumer": {
@@ -292,8 +296,11 @@ def test_every_variable_is_one_the_consumer_knows() -> None:
         "SHOAL_NATS_RECONNECT_BUFFER",  # nats-py's default unless spec.env sets it
         "SHOAL_DOZE_SWEEP",
     }
+    # The other two forms of NATS credentials (a user and password, an nkey seed): the
+    # full spec's Secret holds a credentials file (the tests below show the other forms).
+    other_forms = {"NATS_USER", "NATS_PASSWORD", "NATS_NKEY_SEED_FILE"}
     needed = set(ENV_FIELDS) - tuning - {"SHOAL_STATS_INTERVAL", "SHOAL_LOAD_CHECK_INTERVAL"}
-    assert needed <= set(names)
+    assert needed - other_forms <= set(names)
 
 
 def test_env_values_are_strings_and_names_unique() -> None:
@@ -915,3 +922,149 @@ def test_the_etcd_secret_version_rolls_the_pod_template() -> None:
     # Only the annotation differs: a rotation changes nothing else about the pods.
     v1["spec"]["template"]["metadata"].pop("annotations")
     assert v1 == plain
+
+
+# -- spec.nats.tlsSecret and the forms of spec.nats.credentialsSecret ---------------------------
+
+
+def nats_spec(**nats: Any) -> dict[str, Any]:
+    return {**minimal_spec(), "nats": nats}
+
+
+def volume_and_mount(deployment: dict[str, Any], name: str) -> tuple[Any, Any]:
+    volumes = {volume["name"]: volume for volume in pod_spec(deployment)["volumes"]}
+    mounts = {mount["name"]: mount for mount in container(deployment)["volumeMounts"]}
+    return volumes.get(name), mounts.get(name)
+
+
+def test_nats_tls_secret_is_mounted_read_only_and_named_in_env() -> None:
+    deployment = build_deployment(NAME, NAMESPACE, nats_spec(tlsSecret="orders-tls"), SETTINGS)
+    volume, mount = volume_and_mount(deployment, "nats-tls")
+    assert volume["secret"] == {
+        "secretName": "orders-tls",
+        "items": [
+            {"key": "ca.crt", "path": "ca.crt"},
+            {"key": "tls.crt", "path": "tls.crt"},
+            {"key": "tls.key", "path": "tls.key"},
+        ],
+    }
+    assert mount == {"name": "nats-tls", "mountPath": "/etc/shoal/nats-tls", "readOnly": True}
+    config = config_from_env(resolve(container(deployment)["env"]))
+    assert (config.nats_ca_file, config.nats_cert_file, config.nats_key_file) == (
+        "/etc/shoal/nats-tls/ca.crt",
+        "/etc/shoal/nats-tls/tls.crt",
+        "/etc/shoal/nats-tls/tls.key",
+    )
+    assert config.nats_security().uses_tls
+
+
+def test_a_ca_only_nats_tls_secret_mounts_and_names_only_the_ca() -> None:
+    spec = nats_spec(tlsSecret="orders-tls")
+    nats = NatsPodSecrets(client_certificate=False)
+    deployment = build_deployment(NAME, NAMESPACE, spec, SETTINGS, nats=nats)
+    volume, _ = volume_and_mount(deployment, "nats-tls")
+    assert volume["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
+    config = config_from_env(resolve(container(deployment)["env"]))
+    assert config.nats_ca_file == "/etc/shoal/nats-tls/ca.crt"
+    assert config.nats_cert_file is None and config.nats_key_file is None
+
+
+def test_user_and_password_come_from_the_secret_never_as_plain_values() -> None:
+    spec = nats_spec(credentialsSecret="orders-nats")
+    nats = NatsPodSecrets(credentials="user")
+    deployment = build_deployment(NAME, NAMESPACE, spec, SETTINGS, nats=nats)
+    assert volume_and_mount(deployment, "nats-credentials") == (None, None)
+    env = container(deployment)["env"]
+    by_name = {var["name"]: var for var in env}
+    for var, key in (("NATS_USER", "user"), ("NATS_PASSWORD", "password")):
+        assert by_name[var] == {
+            "name": var,
+            "valueFrom": {"secretKeyRef": {"name": "orders-nats", "key": key}},
+        }
+    assert "NATS_CREDS_FILE" not in by_name
+    assert "hunter2" not in json.dumps(deployment)
+    config = config_from_env(
+        resolve(env, secrets={"orders-nats": {"user": "orders", "password": "hunter2"}})
+    )
+    security = config.nats_security()
+    assert (security.user, security.password, security.creds_file) == ("orders", "hunter2", None)
+    # Without the Secret's keys the container is not started (the operator checks first).
+    with pytest.raises(KeyError):
+        resolve(env, secrets={"orders-nats": {}})
+
+
+def test_an_nkey_seed_is_mounted_as_a_file() -> None:
+    spec = nats_spec(credentialsSecret="orders-nats")
+    deployment = build_deployment(
+        NAME, NAMESPACE, spec, SETTINGS, nats=NatsPodSecrets(credentials="nkey")
+    )
+    volume, mount = volume_and_mount(deployment, "nats-credentials")
+    assert volume["secret"] == {
+        "secretName": "orders-nats",
+        "items": [{"key": "nkey", "path": "nkey"}],
+    }
+    assert mount["readOnly"] is True
+    config = config_from_env(resolve(container(deployment)["env"]))
+    assert config.nats_nkey_seed_file == "/etc/shoal/nats/nkey"
+    assert config.nats_creds_file is None and config.nats_user is None
+
+
+def test_nats_tls_and_credentials_and_etcd_tls_together() -> None:
+    spec = {
+        **etcd_tls_spec(),
+        "nats": {"credentialsSecret": "orders-nats", "tlsSecret": "orders-tls"},
+    }
+    deployment = build_deployment(NAME, NAMESPACE, spec, SETTINGS)
+    volumes = [volume["name"] for volume in pod_spec(deployment)["volumes"]]
+    assert volumes == ["tmp", "nats-credentials", "nats-tls", "etcd-tls"]
+    mounts = [mount["mountPath"] for mount in container(deployment)["volumeMounts"]]
+    assert len(set(mounts)) == len(mounts)
+    config = config_from_env(resolve(container(deployment)["env"]))
+    assert config.nats_creds_file == "/etc/shoal/nats/creds"
+    assert config.nats_ca_file == "/etc/shoal/nats-tls/ca.crt"
+    assert config.etcd_ca_file == "/etc/shoal/etcd/ca.crt"
+
+
+def test_the_nats_secrets_versions_roll_the_pod_template() -> None:
+    spec = nats_spec(credentialsSecret="orders-nats", tlsSecret="orders-tls")
+    plain = build_deployment(NAME, NAMESPACE, spec, SETTINGS)
+    assert "annotations" not in plain["spec"]["template"]["metadata"]
+    nats = NatsPodSecrets(tls_version="11", credentials_version="12")
+    v1 = build_deployment(NAME, NAMESPACE, spec, SETTINGS, "10", nats)
+    assert v1["spec"]["template"]["metadata"]["annotations"] == {
+        ETCD_SECRET_VERSION: "10",
+        NATS_TLS_SECRET_VERSION: "11",
+        NATS_CREDENTIALS_SECRET_VERSION: "12",
+    }
+    rotated = NatsPodSecrets(tls_version="13", credentials_version="12")
+    v2 = children(NAME, NAMESPACE, spec, SETTINGS, "10", rotated)[3]
+    assert v2["spec"]["template"]["metadata"]["annotations"][NATS_TLS_SECRET_VERSION] == "13"
+    # Only the annotations differ: a rotation changes nothing else about the pods.
+    v1["spec"]["template"]["metadata"].pop("annotations")
+    assert v1 == plain
+    # Versions of Secrets the spec does not name are not annotated.
+    alone = build_deployment(NAME, NAMESPACE, minimal_spec(), SETTINGS, nats=nats)
+    assert "annotations" not in alone["spec"]["template"]["metadata"]
+
+
+def test_a_rollout_replaces_one_pod_at_a_time() -> None:
+    deployment = build_deployment(NAME, NAMESPACE, nats_spec(tlsSecret="orders-tls"), SETTINGS)
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+    }
+
+
+def test_operator_nats_settings_from_env() -> None:
+    ops = settings_from_env(
+        {
+            "NATS_CA_FILE": "/etc/shoal/operator-nats-tls/ca.crt",
+            "NATS_USER": "shoal-operator",
+            "NATS_PASSWORD": "s3cret-operator-pw",
+        }
+    )
+    security = ops.nats_security()
+    assert security.ca_file == "/etc/shoal/operator-nats-tls/ca.crt"
+    assert (security.user, security.password) == ("shoal-operator", "s3cret-operator-pw")
+    assert "s3cret-operator-pw" not in repr(ops) + repr(security)
+    assert OperatorSettings().nats_security().connect_options() == {}

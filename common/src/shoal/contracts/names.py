@@ -171,6 +171,10 @@ GROUP_LABEL = f"{API_GROUP}/group"
 CONSUMER_APP_NAME = "shoal-consumer"
 # Pod-template annotation: the etcd tlsSecret version the pods were started with.
 ETCD_SECRET_VERSION_ANNOTATION = f"{API_GROUP}/etcd-secret-version"
+# The same for spec.nats.tlsSecret and spec.nats.credentialsSecret: members read their NATS
+# certificates and credentials only at start.
+NATS_TLS_SECRET_VERSION_ANNOTATION = f"{API_GROUP}/nats-tls-secret-version"
+NATS_CREDENTIALS_SECRET_VERSION_ANNOTATION = f"{API_GROUP}/nats-credentials-secret-version"
 # Which pod a ReplicaSet removes first on a scale-down (lowest cost goes first).
 DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
 

@@ -115,7 +115,12 @@ class ConsumerSpec(_Section):
 
 class NatsSpec(_Section):
     url: str = ""  # empty: the operator's default
+    # A Secret with key `creds` (a credentials file), or `user` and `password`, or `nkey`
+    # (a seed): how the members, and the operator for this group, authenticate.
     credentials_secret: str = ""
+    # A Secret with `ca.crt` (the servers' CA) and optionally `tls.crt` and `tls.key` (a
+    # client certificate): TLS for the members and, for this group, the operator.
+    tls_secret: str = ""
     subject_prefix: str = Field("", pattern=r"^([^.*>\s]+(\.[^.*>\s]+)*)?$")
     stream: StreamSpec = StreamSpec()
     consumer: ConsumerSpec = ConsumerSpec()

@@ -17,7 +17,8 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping
-from typing import Any, TypedDict
+from dataclasses import dataclass
+from typing import Any, Literal, TypedDict
 
 from shoal.consumer.config import ENV_VARS, GroupConfig, config_env, group_config
 from shoal.consumer.cpu import LIMIT_ENV as CPU_LIMIT_ENV
@@ -26,6 +27,8 @@ from shoal.contracts.names import (
     CONSUMER_APP_NAME,
     ETCD_SECRET_VERSION_ANNOTATION,
     GROUP_LABEL,
+    NATS_CREDENTIALS_SECRET_VERSION_ANNOTATION,
+    NATS_TLS_SECRET_VERSION_ANNOTATION,
     PLURAL,
     check_token,
 )
@@ -52,9 +55,44 @@ DRAIN_SLACK_SECONDS = 15
 # the host's /tmp. $(POD_NAME) only expands because POD_NAME comes earlier in env.
 READY_FILE = "/tmp/shoal/$(POD_NAME)/ready"
 
+# spec.nats.credentialsSecret, in one of three forms (NatsPodSecrets.credentials): a
+# credentials file (key creds) or an nkey seed (key nkey), mounted; or a user and
+# password (keys user, password), passed as env from the Secret, never as plain values.
 NATS_CREDS_DIR = "/etc/shoal/nats"
 NATS_CREDS_KEY = "creds"
 NATS_CREDS_FILE = f"{NATS_CREDS_DIR}/{NATS_CREDS_KEY}"
+NATS_NKEY_KEY = "nkey"
+NATS_NKEY_FILE = f"{NATS_CREDS_DIR}/{NATS_NKEY_KEY}"
+NATS_USER_KEY, NATS_PASSWORD_KEY = "user", "password"
+NATS_AUTH_KEYS = {"nats_user": NATS_USER_KEY, "nats_password": NATS_PASSWORD_KEY}
+
+# spec.nats.tlsSecret: ca.crt always; tls.crt and tls.key when the servers verify clients.
+NATS_TLS_DIR = "/etc/shoal/nats-tls"
+NATS_CA_KEY, NATS_CERT_KEY, NATS_KEY_KEY = "ca.crt", "tls.crt", "tls.key"
+NATS_TLS_FILES = {  # GroupConfig field -> key in the Secret (and file name in NATS_TLS_DIR)
+    "nats_ca_file": NATS_CA_KEY,
+    "nats_cert_file": NATS_CERT_KEY,
+    "nats_key_file": NATS_KEY_KEY,
+}
+# Pod-template annotations: the NATS Secrets' versions the pods were started with.
+NATS_TLS_SECRET_VERSION = NATS_TLS_SECRET_VERSION_ANNOTATION
+NATS_CREDENTIALS_SECRET_VERSION = NATS_CREDENTIALS_SECRET_VERSION_ANNOTATION
+
+CredentialsForm = Literal["creds", "user", "nkey"]
+
+
+@dataclass(frozen=True)
+class NatsPodSecrets:
+    """What the operator found in a group's NATS Secrets (shoal.operator.natssecret): the
+    pods' mounts and env follow it, and its versions go into the pod template, so that a
+    new version rolls the pods. The defaults are what a spec alone says (a credentials
+    file; a client certificate with the CA), for builders called without reading them."""
+
+    credentials: CredentialsForm = "creds"
+    client_certificate: bool = True
+    tls_version: str | None = None
+    credentials_version: str | None = None
+
 
 # spec.etcd.tlsSecret: a kubernetes.io/tls-style Secret. The three files are required (the
 # mount fails with a clear event without them); username and password are optional keys.
@@ -96,6 +134,8 @@ POD_FIELDS = (
     "strategy",
     "load_aware",
     "nats_creds_file",
+    "nats_nkey_seed_file",
+    *NATS_TLS_FILES,
     "metrics_port",
     *ETCD_TLS_FILES,
 )
@@ -165,18 +205,31 @@ def pod_config(
     spec: Spec,
     settings: OperatorSettings,
     member_id: str = "shoal-operator",
+    nats: NatsPodSecrets | None = None,
 ) -> GroupConfig:
     """The consumers' configuration, derived from the spec and the operator's settings.
 
-    The operator uses it too (stream, durables, etcd keys, NATS credentials); in the pods
-    the member id is the pod's name instead of `member_id`.
+    The operator uses it too (stream, durables, etcd keys), but not for its own NATS
+    connection: the file paths here exist only in the pods (shoal.operator.natssecret
+    reads the group's Secrets instead). In the pods the member id is the pod's name
+    instead of `member_id`. The NATS user and password are not here: they reach the pods
+    from the Secret (consumer_env).
     """
     check_token(namespace, "namespace")
     check_token(name, "ConsumerGroup name")
     model = parse_spec(spec)
+    nats = nats or NatsPodSecrets()
     files: dict[str, Any] = {}
     if model.nats.credentials_secret:
-        files["nats_creds_file"] = NATS_CREDS_FILE
+        if nats.credentials == "creds":
+            files["nats_creds_file"] = NATS_CREDS_FILE
+        elif nats.credentials == "nkey":
+            files["nats_nkey_seed_file"] = NATS_NKEY_FILE
+    if model.nats.tls_secret:
+        files["nats_ca_file"] = f"{NATS_TLS_DIR}/{NATS_CA_KEY}"
+        if nats.client_certificate:
+            files["nats_cert_file"] = f"{NATS_TLS_DIR}/{NATS_CERT_KEY}"
+            files["nats_key_file"] = f"{NATS_TLS_DIR}/{NATS_KEY_KEY}"
     if model.etcd.tls_secret:
         files.update({field: f"{ETCD_TLS_DIR}/{key}" for field, key in ETCD_TLS_FILES.items()})
     return group_config(
@@ -209,10 +262,24 @@ def _field_env(name: str, field_path: str) -> Obj:
     return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": field_path}}}
 
 
-def consumer_env(name: str, namespace: str, spec: Spec, settings: OperatorSettings) -> list[Obj]:
+def _secret_env(field: str, secret: str, key: str, optional: bool = False) -> Obj:
+    ref: Obj = {"name": secret, "key": key}
+    if optional:
+        ref["optional"] = True
+    return {"name": ENV_VARS[field], "valueFrom": {"secretKeyRef": ref}}
+
+
+def consumer_env(
+    name: str,
+    namespace: str,
+    spec: Spec,
+    settings: OperatorSettings,
+    nats: NatsPodSecrets | None = None,
+) -> list[Obj]:
     """The consumer container's env: what shoal.consumer.config.config_from_env reads."""
     model = parse_spec(spec)
-    config = pod_config(name, namespace, model, settings)
+    nats = nats or NatsPodSecrets()
+    config = pod_config(name, namespace, model, settings, nats=nats)
     env = [
         _field_env("POD_NAME", "metadata.name"),
         # The member id is the pod name: `kubectl get pods` and etcd tell the same story.
@@ -226,13 +293,14 @@ def consumer_env(name: str, namespace: str, spec: Spec, settings: OperatorSettin
     if model.etcd.tls_secret:
         env += [
             # optional: a Secret without these keys means no etcd authentication.
-            {
-                "name": ENV_VARS[field],
-                "valueFrom": {
-                    "secretKeyRef": {"name": model.etcd.tls_secret, "key": key, "optional": True}
-                },
-            }
+            _secret_env(field, model.etcd.tls_secret, key, optional=True)
             for field, key in ETCD_AUTH_KEYS.items()
+        ]
+    if model.nats.credentials_secret and nats.credentials == "user":
+        # Not optional: the operator checked that both keys are there.
+        env += [
+            _secret_env(field, model.nats.credentials_secret, key)
+            for field, key in NATS_AUTH_KEYS.items()
         ]
 
     # The user's variables go last so that they win. Ours that they name are dropped rather
@@ -249,25 +317,40 @@ def _metadata(child: str, name: str, namespace: str) -> Obj:
     return {"name": child, "namespace": namespace, "labels": labels(name)}
 
 
-def _volumes(spec: ConsumerGroupSpec) -> tuple[list[Obj], list[Obj]]:
+def _volumes(spec: ConsumerGroupSpec, nats: NatsPodSecrets) -> tuple[list[Obj], list[Obj]]:
     """(pod volumes, container mounts)."""
     # A read-only root filesystem still needs a writable /tmp (the ready file, Python).
     volumes: list[Obj] = [{"name": "tmp", "emptyDir": {}}]
     mounts: list[Obj] = [{"name": "tmp", "mountPath": "/tmp"}]
     secret = spec.nats.credentials_secret
-    if secret:
-        # Only the key we point NATS_CREDS_FILE at: a secret without it fails the mount
-        # with a clear event instead of a consumer that cannot find its file.
+    if secret and nats.credentials != "user":
+        # Only the key we point NATS_CREDS_FILE (or NATS_NKEY_SEED_FILE) at: a secret
+        # without it fails the mount with a clear event instead of a consumer that cannot
+        # find its file. A user and password come as env instead (consumer_env).
+        key = NATS_CREDS_KEY if nats.credentials == "creds" else NATS_NKEY_KEY
         volumes.append(
             {
                 "name": "nats-credentials",
-                "secret": {
-                    "secretName": secret,
-                    "items": [{"key": NATS_CREDS_KEY, "path": NATS_CREDS_KEY}],
-                },
+                "secret": {"secretName": secret, "items": [{"key": key, "path": key}]},
             }
         )
         mounts.append({"name": "nats-credentials", "mountPath": NATS_CREDS_DIR, "readOnly": True})
+    nats_tls = spec.nats.tls_secret
+    if nats_tls:
+        keys = [NATS_CA_KEY, NATS_CERT_KEY, NATS_KEY_KEY]
+        volumes.append(
+            {
+                "name": "nats-tls",
+                "secret": {
+                    "secretName": nats_tls,
+                    "items": [
+                        {"key": key, "path": key}
+                        for key in (keys if nats.client_certificate else keys[:1])
+                    ],
+                },
+            }
+        )
+        mounts.append({"name": "nats-tls", "mountPath": NATS_TLS_DIR, "readOnly": True})
     etcd_secret = spec.etcd.tls_secret
     if etcd_secret:
         # Only the files, listed: the username and password reach the pod as env vars.
@@ -292,15 +375,19 @@ def _metrics_ports(settings: OperatorSettings) -> Obj:
 
 
 def _container(
-    name: str, namespace: str, spec: ConsumerGroupSpec, settings: OperatorSettings
+    name: str,
+    namespace: str,
+    spec: ConsumerGroupSpec,
+    settings: OperatorSettings,
+    nats: NatsPodSecrets,
 ) -> Obj:
-    _, mounts = _volumes(spec)
+    _, mounts = _volumes(spec, nats)
     return {
         "name": CONTAINER_NAME,
         "image": spec.image or settings.default_image,
         "imagePullPolicy": spec.image_pull_policy or settings.image_pull_policy,
         "command": list(COMMAND),
-        "env": consumer_env(name, namespace, spec, settings),
+        "env": consumer_env(name, namespace, spec, settings, nats),
         "resources": copy.deepcopy(spec.resources),
         **_metrics_ports(settings),
         # Ready = joined, not fenced, reaching NATS, and the state refreshed within 5 s
@@ -365,13 +452,16 @@ def build_deployment(
     spec: Spec,
     settings: OperatorSettings,
     etcd_secret_version: str | None = None,
+    nats: NatsPodSecrets | None = None,
 ) -> Obj:
     """The consumers' Deployment. `etcd_secret_version` (the tlsSecret's resourceVersion)
-    goes into the pod template: members read their certificates once, at start, so a
-    rotated Secret must roll the pods (one at a time, each hand-over lossless)."""
+    and the NATS Secrets' versions (`nats`) go into the pod template: members read their
+    certificates and credentials once, at start, so a rotated Secret must roll the pods
+    (one at a time, each hand-over lossless)."""
     names = resource_names(name)
     model = parse_spec(spec)
-    volumes, _ = _volumes(model)
+    nats = nats or NatsPodSecrets()
+    volumes, _ = _volumes(model, nats)
     # The user's labels and annotations first, ours over them: the selector's labels must
     # stay (the Deployment would not own its pods otherwise), and so must the Secret
     # version that rolls the pods.
@@ -379,6 +469,10 @@ def build_deployment(
     annotations = dict(model.pod_annotations)
     if etcd_secret_version:
         annotations[ETCD_SECRET_VERSION] = etcd_secret_version
+    if nats.tls_version and model.nats.tls_secret:
+        annotations[NATS_TLS_SECRET_VERSION] = nats.tls_version
+    if nats.credentials_version and model.nats.credentials_secret:
+        annotations[NATS_CREDENTIALS_SECRET_VERSION] = nats.credentials_version
     if annotations:
         template_meta["annotations"] = annotations
     pod_spec: Obj = {
@@ -387,7 +481,7 @@ def build_deployment(
         # RuntimeDefault seccomp: with the container's context this meets the
         # "restricted" Pod Security Standard.
         "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
-        "containers": [_container(name, namespace, model, settings)],
+        "containers": [_container(name, namespace, model, settings, nats)],
         "volumes": volumes,
         **_placement(name, model),
     }
@@ -499,12 +593,13 @@ def children(
     spec: Spec,
     settings: OperatorSettings,
     etcd_secret_version: str | None = None,
+    nats: NatsPodSecrets | None = None,
 ) -> list[Obj]:
     """Every child, in apply order: identity and permissions before the pods that use them."""
     return [
         build_service_account(name, namespace),
         build_role(name, namespace),
         build_role_binding(name, namespace),
-        build_deployment(name, namespace, spec, settings, etcd_secret_version),
+        build_deployment(name, namespace, spec, settings, etcd_secret_version, nats),
         build_pdb(name, namespace, spec),
     ]

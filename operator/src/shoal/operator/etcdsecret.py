@@ -108,7 +108,7 @@ def decode_secret(namespace: str, name: str, data: Mapping[str, str]) -> dict[st
     return decoded
 
 
-def _write_private(path: Path, content: bytes) -> None:
+def write_private(path: Path, content: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.write(fd, content)
@@ -222,7 +222,7 @@ class EtcdClients:
             decoded = decode_secret(namespace, name, secret.data)
             directory = Path(tempfile.mkdtemp(prefix=f"{namespace}.{name}.", dir=self.root))
             for file_key in REQUIRED_KEYS:
-                _write_private(directory / file_key, decoded[file_key])
+                write_private(directory / file_key, decoded[file_key])
             username = decoded.get(USERNAME_KEY)
             password = decoded.get(PASSWORD_KEY)
             files = SecretFiles(

@@ -8,13 +8,15 @@ Event for each new assignment generation, each change of replicas and each stall
 (a watch on the members' keys catches stalls shorter than the timer's period).
 Deletion: a finalizer clears the group's etcd prefix; the stream goes only with
 deletionPolicy Delete. A spec that passes the schema but cannot work (unreachable NATS,
-an unknown handler, a missing or unusable spec.etcd.tlsSecret) becomes Degraded with a
+an unknown handler, a missing or unusable spec.etcd.tlsSecret or NATS Secret, NATS
+refusing the group's credentials or certificates) becomes Degraded with a
 Warning Event and is retried with backoff: a step of reconcile raises GroupProblem, and
 reconcile alone reports it.
 
 What all groups share is in the operator's memo, filled by the startup handler: settings,
 the Kubernetes client, etcd connections with the files of the groups' etcd Secrets
-(memo.etcd, shoal.operator.etcdsecret.EtcdClients) and NATS connections. What one group
+(memo.etcd, shoal.operator.etcdsecret.EtcdClients) and NATS connections with the files of
+the groups' NATS Secrets (memo.nats, shoal.operator.natssecret.NatsClients). What one group
 remembers is in its own memo (shoal.operator.state.GroupState).
 """
 
@@ -32,7 +34,7 @@ from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd, EtcdUnavailable, describe
 from shoal.consumer.handlers import HandlerError, load_handler
 from shoal.consumer.jetstream import StreamConfigConflict, connect, ensure_group
-from shoal.consumer.natsauth import NatsSecurity
+from shoal.consumer.natsauth import NatsConfigError
 from shoal.consumer.status import GroupStatus, status_from_view
 from shoal.consumer.view import GroupView
 from shoal.contracts.names import (
@@ -43,9 +45,10 @@ from shoal.contracts.names import (
     Keys,
     format_time,
 )
-from shoal.contracts.spec import ConsumerGroupSpec, SpecError, parse_spec
+from shoal.contracts.spec import ConsumerGroupSpec, NatsSpec, SpecError, parse_spec
 from shoal.operator import observe
 from shoal.operator.builders import (
+    NatsPodSecrets,
     build_deployment,
     children,
     pod_config,
@@ -54,6 +57,7 @@ from shoal.operator.builders import (
 )
 from shoal.operator.etcdsecret import EtcdClients, EtcdSecretProblem
 from shoal.operator.kube import Kube, api_client
+from shoal.operator.natssecret import NatsClients, NatsSecretProblem
 from shoal.operator.settings import OperatorSettings, settings_from_env
 from shoal.operator.stallwatch import StallWatch
 from shoal.operator.state import group_state
@@ -117,7 +121,14 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     memo.settings = settings_from_env(os.environ)
     memo.kube = Kube(api_client())
     memo.etcd = EtcdClients(memo.kube)
-    memo.nats = {}
+    own = memo.settings.nats_security()
+    try:
+        own.check()
+    except NatsConfigError as exc:
+        # Not fatal: groups with Secrets of their own may still work; the others say
+        # NatsUnavailable with this line in their status.
+        log.error("The operator's own NATS settings cannot work: %s", exc)
+    memo.nats = NatsClients(memo.kube, own)
     # Nothing per group here: kopf shallow-copies this memo into every group's memo, so a
     # dict set here would be one dict for all groups (see shoal.operator.state).
     log.info(
@@ -132,8 +143,8 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
 async def cleanup_clients(memo: Any, **_: Any) -> None:
     if memo.get("etcd") is not None:
         memo.etcd.close()  # and removes the Secrets' files
-    for nc in memo.get("nats", {}).values():
-        await nc.close()
+    if memo.get("nats") is not None:
+        await memo.nats.close()  # and removes the Secrets' files
 
 
 @kopf.on.probe(id="operator")
@@ -152,23 +163,32 @@ class GroupProblem(Exception):
         self.delay = delay
 
 
-async def _nats(memo: Any, config: GroupConfig, attempts: int) -> Any:
-    """One NATS connection per server and credentials, kept across handler calls.
+async def _nats(
+    memo: Any,
+    config: GroupConfig,
+    spec: NatsSpec,
+    attempts: int,
+    *,
+    stale_ok: bool = False,
+) -> Any:
+    """One NATS connection per server and credentials, kept across handler calls: with the
+    group's own NATS Secrets (spec.nats.tlsSecret, credentialsSecret), read through the
+    API, else the operator's own settings.
 
     The status timer runs every few seconds per group: connecting each time would cost
     two connections (probe and real) per tick. A failed connect is not cached, so the
-    next call tries again; a kept connection reconnects by itself.
+    next call tries again; a kept connection reconnects by itself. NatsSecretProblem:
+    the Secrets cannot be used, or NATS refused them.
     """
-    cache: dict[tuple[str, NatsSecurity], Any] = memo.nats
-    key = (config.nats_url, config.nats_security())
-    if key not in cache or cache[key].is_closed:
-        cache[key] = await connect(
-            config.nats_url,
-            name="shoal-operator",
-            attempts=attempts,
-            security=config.nats_security(),
-        )
-    return cache[key]
+    clients: NatsClients = memo.nats
+    return await clients.get(
+        config.nats_url,
+        config.namespace,
+        spec,
+        connect=connect,
+        attempts=attempts,
+        stale_ok=stale_ok,
+    )
 
 
 def check_handler(spec: Any, settings: OperatorSettings, retry: int) -> None:
@@ -194,6 +214,18 @@ async def etcd_secret_version(
     except EtcdSecretProblem as exc:
         # Capped low: a Secret is usually created right after the group.
         delay = min(60, 5 * 2 ** min(retry, 4))
+        raise GroupProblem(exc.reason, exc.message, delay=delay) from exc
+
+
+async def nats_secrets(
+    clients: NatsClients, namespace: str, spec: Any, retry: int
+) -> NatsPodSecrets:
+    """What the group's NATS Secrets hold (the pods' mounts and env follow it), read and
+    checked: GroupProblem (NatsSecretMissing, NatsSecretForbidden) if they cannot be used."""
+    try:
+        return (await clients.group(namespace, spec_model(spec).nats)).pods
+    except NatsSecretProblem as exc:
+        delay = min(60, 5 * 2 ** min(retry, 4))  # as for the etcd Secret
         raise GroupProblem(exc.reason, exc.message, delay=delay) from exc
 
 
@@ -228,25 +260,34 @@ async def apply_children(
     spec: Any,
     settings: OperatorSettings,
     secret_version: str | None,
+    nats: NatsPodSecrets | None = None,
 ) -> None:
     """Server-side apply the Deployment, RBAC and PDB, owned by the group so that
     deleting it deletes them."""
-    for obj in children(name, namespace, spec_model(spec), settings, secret_version):
+    for obj in children(name, namespace, spec_model(spec), settings, secret_version, nats):
         kopf.adopt(obj, owner=body)
         await kube.apply(obj)
 
 
-async def ensure_jetstream(memo: Any, config: GroupConfig, retry: int) -> None:
-    """The group's streams and one durable per partition.
+async def ensure_jetstream(
+    memo: Any, config: GroupConfig, retry: int, nats: NatsSpec | None = None
+) -> None:
+    """The group's streams and one durable per partition, through a connection with the
+    group's NATS Secrets (`nats`, the spec's section) if it names them.
 
     GroupProblem StreamConfigConflict if the stream exists with a configuration JetStream
-    cannot change in place, NatsUnavailable if JetStream cannot be reached or refuses.
+    cannot change in place; NatsAuthFailed, NatsTLSFailed (NATS refused the credentials
+    or the certificates) or NatsSecretMissing; NatsUnavailable if JetStream cannot be
+    reached or refuses.
     """
     try:
-        nc = await _nats(memo, config, attempts=2)
+        nc = await _nats(memo, config, nats or NatsSpec(), attempts=2)
         await ensure_group(nc.jetstream(), config)
     except StreamConfigConflict as exc:
         raise GroupProblem("StreamConfigConflict", str(exc), delay=60) from exc
+    except NatsSecretProblem as exc:
+        delay = min(60, 5 * 2 ** min(retry, 4))  # someone must act; check again soon
+        raise GroupProblem(exc.reason, exc.message, delay=delay) from exc
     except Exception as exc:
         message = f"JetStream at {config.nats_url} unavailable: {exc}"
         delay = min(300, 5 * 2 ** min(retry, 6))
@@ -291,16 +332,20 @@ async def reconcile(
         # 2. The etcd Secret, before any pod exists: pods would only wait for a volume
         #    that cannot mount.
         secret_version = await etcd_secret_version(memo.etcd, namespace, model, retry)
+        #    And the NATS Secrets, for the same reason (and the pods' mounts follow them).
+        nats = await nats_secrets(memo.nats, namespace, model, retry)
         # 3. The consumers' configuration.
         config = group_config(name, namespace, model, settings)
         # 4. A change of spec.replicas: status.lastScale and who made it.
         await report_scale(memo, config, model, old, etcd_secret_name(model), patch, body)
         # 5. The children (Deployment, RBAC, PDB); the status timer compares later
         #    versions of the Secret with the one applied here.
-        await apply_children(memo.kube, body, name, namespace, model, settings, secret_version)
-        state.applied, state.secret_version = True, secret_version
-        # 6. JetStream: the streams and the durables.
-        await ensure_jetstream(memo, config, retry)
+        await apply_children(
+            memo.kube, body, name, namespace, model, settings, secret_version, nats
+        )
+        state.applied, state.secret_version, state.nats_secrets = True, secret_version, nats
+        # 6. JetStream: the streams and the durables, with the group's NATS Secrets.
+        await ensure_jetstream(memo, config, retry, model.nats)
     except GroupProblem as problem:
         # The status timer sees only etcd and NATS: it keeps reporting this problem
         # until a reconcile succeeds.
@@ -326,26 +371,53 @@ async def reconcile(
 
 
 async def _roll_on_rotation(
-    memo: Any, name: str, namespace: str, spec: kopf.Spec, body: kopf.Body
+    memo: Any,
+    name: str,
+    namespace: str,
+    spec: kopf.Spec,
+    body: kopf.Body,
+    *,
+    etcd_ok: bool,
+    nats_ok: bool,
 ) -> None:
-    """A new version of the group's etcd Secret: re-apply the Deployment with it, which
-    rolls the pods (they read their certificates only at start)."""
-    secret = etcd_secret_name(spec)
+    """A new version of the group's etcd Secret or NATS Secrets: re-apply the Deployment
+    with it, which rolls the pods (they read their certificates and credentials only at
+    start). Only versions this process has used successfully just now (`etcd_ok`,
+    `nats_ok`): rolling onto a Secret that fails would leave every new pod unready."""
     state = group_state(memo)
-    if secret is None or not state.applied:
+    if not state.applied:
         return  # not reconciled by this process yet: the resume handler applies it
-    version = memo.etcd.known_version(namespace, secret)
-    if version is None or version == state.secret_version:
+    model = spec_model(spec)
+    etcd_secret = model.etcd.tls_secret
+    etcd_version = state.secret_version
+    if etcd_secret and etcd_ok:
+        etcd_version = memo.etcd.known_version(namespace, etcd_secret) or etcd_version
+    nats = state.nats_secrets
+    if nats_ok and (model.nats.tls_secret or model.nats.credentials_secret):
+        clients: NatsClients = memo.nats
+        nats = clients.known(namespace, model.nats) or nats
+    rotated: list[tuple[str, str]] = []
+    if etcd_version != state.secret_version:
+        rotated.append(("EtcdSecretRotated", f"Secret {etcd_secret} (version {etcd_version})"))
+    if nats != state.nats_secrets and state.nats_secrets is not None and nats is not None:
+        for secret, old, new in (
+            (model.nats.tls_secret, state.nats_secrets.tls_version, nats.tls_version),
+            (
+                model.nats.credentials_secret,
+                state.nats_secrets.credentials_version,
+                nats.credentials_version,
+            ),
+        ):
+            if secret and old != new:
+                rotated.append(("NatsSecretRotated", f"Secret {secret} (version {new})"))
+    if not rotated:
         return
-    deployment = build_deployment(name, namespace, dict(spec), memo.settings, version)
+    deployment = build_deployment(name, namespace, model, memo.settings, etcd_version, nats)
     kopf.adopt(deployment, owner=body)
     await memo.kube.apply(deployment)
-    state.secret_version = version
-    kopf.info(
-        body,
-        reason="EtcdSecretRotated",
-        message=f"Secret {secret} changed (version {version}): rolling the consumer pods",
-    )
+    state.secret_version, state.nats_secrets = etcd_version, nats
+    for reason, what in rotated:
+        kopf.info(body, reason=reason, message=f"{what} changed: rolling the consumer pods")
 
 
 def etcd_secret_name(spec: Any) -> str | None:
@@ -418,18 +490,23 @@ async def observe_group(
         problem = (exc.reason, exc.message)
     except Exception as exc:
         problem = ("EtcdUnavailable", f"etcd at {config.etcd_endpoints} unavailable: {exc}")
-    if problem is None and etcd_secret_name(model):
-        # _etcd above has just read the Secret: compare versions without reading it again.
-        await _roll_on_rotation(memo, name, namespace, spec, body)
+    etcd_ok = problem is None
     # A problem the last reconcile found (a handler, a stream change) stands until fixed.
     problem = problem or group_state(memo).problem
     lag: int | None = None
+    nats_ok = False
     try:
-        nc = await _nats(memo, config, attempts=1)
+        nc = await _nats(memo, config, model.nats, attempts=1)
+        nats_ok = True
         info = await nc.jetstream().stream_info(config.stream)
         lag = int(info.state.messages) if config.retention == "workqueue" else None
+    except NatsSecretProblem as exc:
+        problem = problem or (exc.reason, exc.message)
     except Exception as exc:
         problem = problem or ("NatsUnavailable", f"JetStream at {config.nats_url}: {exc}")
+    # _etcd and _nats above have just read the Secrets: compare versions without reading
+    # them again.
+    await _roll_on_rotation(memo, name, namespace, spec, body, etcd_ok=etcd_ok, nats_ok=nats_ok)
 
     generation = int(meta.get("generation") or 0)
     old = dict(status or {})
@@ -674,7 +751,15 @@ async def delete(
             memo, body, status, patch, meta, model, config.etcd_endpoints, prefix, exc
         )
     if model.deletion_policy == "Delete":
-        js = (await _nats(memo, config, attempts=2)).jetstream()
+        try:
+            nc = await _nats(memo, config, model.nats, attempts=2, stale_ok=True)
+        except NatsSecretProblem as exc:
+            if retry < DELETE_SECRET_RETRIES:
+                raise kopf.TemporaryError(exc.message, delay=min(30, 3 * 2**retry)) from exc
+            message = f"{exc.message}: the group's streams are left in place"
+            kopf.warn(body, reason="StreamsKept", message=message)
+            return
+        js = nc.jetstream()
         for stream in (
             config.stream,
             config.dlq_stream,

@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from shoal.consumer.config import GroupConfig
+from shoal.consumer.natsauth import NatsSecurity
 
 _CONSUMER_DRAIN_TIMEOUT = int(GroupConfig.model_fields["drain_timeout"].default)
 
@@ -25,6 +26,16 @@ ENV_FIELDS: dict[str, str] = {
     "SHOAL_DRAIN_TIMEOUT": "drain_timeout_seconds",
     "SHOAL_CONSUMER_METRICS_PORT": "consumer_metrics_port",
     "SHOAL_DELETE_ETCD_TIMEOUT": "delete_etcd_timeout_seconds",
+    # The operator's own NATS TLS and credentials (the chart's nats.tlsSecret and
+    # nats.credentialsSecret), for groups that name no Secrets of their own: the same
+    # variables a member reads.
+    "NATS_CA_FILE": "nats_ca_file",
+    "NATS_CERT_FILE": "nats_cert_file",
+    "NATS_KEY_FILE": "nats_key_file",
+    "NATS_CREDS_FILE": "nats_creds_file",
+    "NATS_USER": "nats_user",
+    "NATS_PASSWORD": "nats_password",
+    "NATS_NKEY_SEED_FILE": "nats_nkey_seed_file",
 }
 
 
@@ -50,6 +61,27 @@ class OperatorSettings(BaseModel):
     delete_etcd_timeout_seconds: float = Field(120.0, gt=0)
     # Empty: watch the whole cluster.
     watch_namespaces: list[str] = Field(default_factory=list)
+    # The operator's own NATS TLS and credentials (files in its pod); unset: plain and
+    # anonymous. A group's spec.nats.tlsSecret / credentialsSecret replace them for it.
+    nats_ca_file: str | None = None
+    nats_cert_file: str | None = None
+    nats_key_file: str | None = None
+    nats_creds_file: str | None = None
+    nats_user: str | None = None
+    nats_password: SecretStr | None = None
+    nats_nkey_seed_file: str | None = None
+
+    def nats_security(self) -> NatsSecurity:
+        password = self.nats_password.get_secret_value() if self.nats_password else None
+        return NatsSecurity(
+            ca_file=self.nats_ca_file,
+            cert_file=self.nats_cert_file,
+            key_file=self.nats_key_file,
+            creds_file=self.nats_creds_file,
+            user=self.nats_user,
+            password=password,
+            nkey_seed_file=self.nats_nkey_seed_file,
+        )
 
 
 def parse_list(value: str) -> list[str]:

@@ -17,6 +17,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from shoal.operator.builders import NatsPodSecrets
 from shoal.operator.stallwatch import StallWatch
 
 # The key in a resource's memo; never set on the operator's memo (every group would share it).
@@ -36,6 +37,9 @@ class GroupState:
     # The etcd tlsSecret version the Deployment was last applied with (None: no Secret);
     # a different version read later means the Secret was rotated.
     secret_version: str | None = None
+    # What the group's NATS Secrets held (their versions, the credentials' form) when the
+    # Deployment was last applied; None before that.
+    nats_secrets: NatsPodSecrets | None = None
     # Deleting the group: when (monotonic) clearing its etcd keys first failed because
     # etcd was unreachable, and whether the deletionPolicy's decision was announced.
     delete_etcd_failing_since: float | None = None
