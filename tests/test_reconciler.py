@@ -17,18 +17,27 @@ from typing import Any
 
 import kopf
 import pytest
+from nats import errors as nats_errors
 
 from shoal.consumer.jetstream import StreamConfigConflict
+from shoal.consumer.natsauth import NatsSecurity
 from shoal.contracts.spec import SpecError
 from shoal.operator import reconciler
-from shoal.operator.builders import selector_string
+from shoal.operator.builders import (
+    NATS_CREDENTIALS_SECRET_VERSION,
+    NATS_TLS_SECRET_VERSION,
+    NatsPodSecrets,
+    selector_string,
+)
 from shoal.operator.etcdsecret import EtcdClients, SecretData
+from shoal.operator.natssecret import NatsClients
 from shoal.operator.reconciler import (
     GroupProblem,
     check_handler,
     ensure_jetstream,
     etcd_secret_version,
     group_config,
+    nats_secrets,
 )
 from shoal.operator.settings import OperatorSettings
 from shoal.operator.state import MEMO_KEY, GroupState, group_state
@@ -244,7 +253,9 @@ async def test_two_groups_do_not_share_state(world: World, operator_memo: kopf.M
     assert a is not b
     assert a.problem is not None and a.problem[0] == "HandlerInvalid"
     assert not a.applied  # nothing was applied for a group that cannot work
-    assert b == GroupState(problem=None, applied=True, secret_version=None)
+    assert b == GroupState(
+        problem=None, applied=True, secret_version=None, nats_secrets=NatsPodSecrets()
+    )
     # Nothing per group landed where every group's memo is copied from.
     assert MEMO_KEY not in operator_memo
     # The status timer of each group reports its own problem only.
@@ -360,16 +371,27 @@ def config_of(name: str = "orders") -> Any:
     return group_config(name, NAMESPACE, {"replicas": 1, "handler": GOOD}, SETTINGS)
 
 
-async def test_jetstream_ensured(world: World) -> None:
-    memo = kopf.Memo(nats={})
+@pytest.fixture
+async def nats_memo(tmp_path: Path) -> AsyncIterator[kopf.Memo]:
+    """A memo with the operator's NATS connections (Secrets from a FakeKube)."""
+    kube = FakeKube()
+    memo = kopf.Memo(kube=kube, nats=NatsClients(kube, NatsSecurity(), tmp_path / "nats"))
+    yield memo
+    await memo.nats.close()
+
+
+async def test_jetstream_ensured(world: World, nats_memo: kopf.Memo) -> None:
+    memo = nats_memo
     await ensure_jetstream(memo, config_of(), retry=0)
     assert world.ensured == [f"shoal_{NAMESPACE}_orders"]
 
 
-async def test_a_stream_conflict_is_retried_after_a_minute(world: World) -> None:
+async def test_a_stream_conflict_is_retried_after_a_minute(
+    world: World, nats_memo: kopf.Memo
+) -> None:
     world.stream_error = StreamConfigConflict("stream shoal_prod_orders: retention differs")
     with pytest.raises(GroupProblem) as caught:
-        await ensure_jetstream(kopf.Memo(nats={}), config_of(), retry=3)
+        await ensure_jetstream(nats_memo, config_of(), retry=3)
     problem = caught.value
     assert (problem.reason, problem.message, problem.delay) == (
         "StreamConfigConflict",
@@ -382,17 +404,17 @@ async def test_a_stream_conflict_is_retried_after_a_minute(world: World) -> None
     ("retry", "delay"), [(0, 5), (1, 10), (2, 20), (5, 160), (6, 300), (10, 300)]
 )
 async def test_unreachable_nats_is_nats_unavailable_with_backoff(
-    world: World, retry: int, delay: int
+    world: World, nats_memo: kopf.Memo, retry: int, delay: int
 ) -> None:
     world.nats_error = OSError("connection refused")
-    memo = kopf.Memo(nats={})
+    memo = nats_memo
     with pytest.raises(GroupProblem) as caught:
         await ensure_jetstream(memo, config_of(), retry=retry)
     problem = caught.value
     assert problem.reason == "NatsUnavailable"
     assert problem.message == f"JetStream at {NATS_URL} unavailable: connection refused"
     assert problem.delay == delay
-    assert memo.nats == {}  # a failed connect is not kept: the next call tries again
+    assert len(memo.nats) == 0  # a failed connect is not kept: the next call tries again
 
 
 # -- reconcile: the one place that reports problems --------------------------------------------
@@ -425,7 +447,17 @@ class Case:
     applied: bool  # whether the children were applied before the problem was found
     stream_error: Exception | None = None
     nats_error: Exception | None = None
+    secrets: dict[str, dict[str, str]] = field(default_factory=dict)
 
+
+def refused(message: str) -> Exception:
+    """What shoal.consumer.jetstream.connect raises when NATS refuses the login."""
+    error = ConnectionError(f"NATS at {NATS_URL} unreachable after 2 attempts")
+    error.__cause__ = nats_errors.Error(message)
+    return error
+
+
+AUTH_DATA = {"user": b64(b"orders"), "password": b64(b"wrong-password")}
 
 CASES = {
     "handler": Case({"handler": BAD}, "HandlerInvalid", 20, applied=False),
@@ -442,6 +474,24 @@ CASES = {
     "nats": Case(
         {"handler": GOOD}, "NatsUnavailable", 10, applied=True, nats_error=OSError("refused")
     ),
+    "nats-secret": Case(
+        {"handler": GOOD, "nats": {"tlsSecret": "gone"}}, "NatsSecretMissing", 10, applied=False
+    ),
+    "nats-credentials-unusable": Case(
+        {"handler": GOOD, "nats": {"credentialsSecret": "auth"}},
+        "NatsSecretMissing",
+        10,
+        applied=False,
+        secrets={"auth": {"user": b64(b"orders")}},
+    ),
+    "nats-auth": Case(
+        {"handler": GOOD, "nats": {"credentialsSecret": "auth"}},
+        "NatsAuthFailed",
+        10,
+        applied=True,
+        nats_error=refused("nats: 'Authorization Violation'"),
+        secrets={"auth": AUTH_DATA},
+    ),
 }
 
 
@@ -451,6 +501,8 @@ async def test_each_problem_degrades_warns_and_retries(
 ) -> None:
     memo = resource_memo(operator_memo)
     world.stream_error, world.nats_error = case.stream_error, case.nats_error
+    for secret, data in case.secrets.items():
+        operator_memo.kube.secrets[(NAMESPACE, secret)] = SecretData("1", data)
     ready = {
         "type": "Ready",
         "status": "True",
@@ -594,3 +646,122 @@ def test_a_group_stored_at_zero_with_autoscaling_can_still_be_deleted() -> None:
     assert (model.replicas, model.autoscaling.enabled, model.handler) == (0, False, "a:b")
     with pytest.raises(SpecError, match="minReplicas must not exceed maxReplicas"):
         reconciler.deletable_spec({"handler": "a:b", "minReplicas": 5, "maxReplicas": 2})
+
+
+# -- the group's NATS Secrets ------------------------------------------------------------------
+
+
+async def test_the_pods_follow_the_nats_secrets_and_the_operator_reads_them(
+    world: World, operator_memo: kopf.Memo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kube: FakeKube = operator_memo.kube
+    kube.secrets[(NAMESPACE, "nats-tls")] = SecretData("5", {"ca.crt": b64(CA)})
+    kube.secrets[(NAMESPACE, "nats-auth")] = SecretData("6", AUTH_DATA)
+    used: list[NatsSecurity] = []
+
+    async def connect(url: str, *, security: NatsSecurity, **_: Any) -> FakeNats:
+        used.append(security)
+        return FakeNats()
+
+    monkeypatch.setattr(reconciler, "connect", connect)
+    memo = resource_memo(operator_memo)
+    nats = {"tlsSecret": "nats-tls", "credentialsSecret": "nats-auth"}
+    spec = {"replicas": 1, "handler": GOOD, "nats": nats}
+    await reconcile(memo, "orders", spec)
+
+    (deployment,) = [obj for obj in kube.applied if obj["kind"] == "Deployment"]
+    template = deployment["spec"]["template"]
+    assert template["metadata"]["annotations"] == {
+        NATS_TLS_SECRET_VERSION: "5",
+        NATS_CREDENTIALS_SECRET_VERSION: "6",
+    }
+    env = {var["name"]: var for var in template["spec"]["containers"][0]["env"]}
+    assert env["NATS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+        "name": "nats-auth",
+        "key": "password",
+    }
+    assert env["NATS_CA_FILE"]["value"] == "/etc/shoal/nats-tls/ca.crt"
+    assert "NATS_CERT_FILE" not in env  # a CA-only Secret
+    # The operator connected with what it read through the API, not the pods' paths.
+    (security,) = used
+    assert security.user == "orders" and security.password == "wrong-password"
+    assert security.ca_file is not None
+    assert security.ca_file.startswith(str(operator_memo.nats.root))
+    assert group_state(memo).nats_secrets == NatsPodSecrets(
+        credentials="user", client_certificate=False, tls_version="5", credentials_version="6"
+    )
+
+
+async def test_nats_secrets_step(operator_memo: kopf.Memo) -> None:
+    clients: NatsClients = operator_memo.nats
+    assert await nats_secrets(clients, NAMESPACE, SPEC, retry=0) == NatsPodSecrets()
+    spec = {**SPEC, "nats": {"credentialsSecret": "nats-auth"}}
+    with pytest.raises(GroupProblem) as caught:
+        await nats_secrets(clients, NAMESPACE, spec, retry=3)
+    assert (caught.value.reason, caught.value.delay) == ("NatsSecretMissing", 40)
+    assert caught.value.message == (
+        f"Secret {NAMESPACE}/nats-auth (spec.nats.credentialsSecret) not found"
+    )
+
+
+async def test_a_refused_login_shows_in_status(world: World, operator_memo: kopf.Memo) -> None:
+    operator_memo.kube.secrets[(NAMESPACE, "auth")] = SecretData("1", AUTH_DATA)
+    world.nats_error = refused("nats: 'Authorization Violation'")
+    st = await observe(
+        resource_memo(operator_memo),
+        "orders",
+        {"replicas": 1, "handler": GOOD, "nats": {"credentialsSecret": "auth"}},
+    )
+    degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "NatsAuthFailed"
+    assert f"Secret {NAMESPACE}/auth (spec.nats.credentialsSecret)" in degraded["message"]
+    assert "wrong-password" not in degraded["message"]
+
+
+async def test_a_rotated_nats_secret_rolls_only_its_own_group(
+    world: World, operator_memo: kopf.Memo
+) -> None:
+    kube: FakeKube = operator_memo.kube
+    for name in ("alpha", "beta"):
+        kube.secrets[(NAMESPACE, f"{name}-nats")] = SecretData("1", TLS_DATA)
+    memos = {name: resource_memo(operator_memo) for name in ("alpha", "beta")}
+    specs = {
+        name: {"replicas": 1, "handler": GOOD, "nats": {"tlsSecret": f"{name}-nats"}}
+        for name in memos
+    }
+    for name, memo in memos.items():
+        await reconcile(memo, name, specs[name])
+    kube.secrets[(NAMESPACE, "alpha-nats")] = SecretData("2", TLS_DATA)
+    kube.applied.clear()
+    world.events.clear()
+    for name, memo in memos.items():
+        await observe(memo, name, specs[name])
+
+    (deployment,) = kube.applied
+    assert deployment["metadata"]["name"] == "alpha-consumer"
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations == {NATS_TLS_SECRET_VERSION: "2"}
+    assert world.reasons("Normal") == ["NatsSecretRotated"]
+    assert "alpha-nats (version 2)" in world.events[0][2]
+    state = group_state(memos["alpha"]).nats_secrets
+    assert state is not None and state.tls_version == "2"
+    # Observed again: nothing more to roll.
+    kube.applied.clear()
+    await observe(memos["alpha"], "alpha", specs["alpha"])
+    assert kube.applied == []
+
+
+async def test_a_rotated_nats_secret_that_is_refused_rolls_nothing(
+    world: World, operator_memo: kopf.Memo
+) -> None:
+    kube: FakeKube = operator_memo.kube
+    kube.secrets[(NAMESPACE, "auth")] = SecretData("1", AUTH_DATA)
+    memo = resource_memo(operator_memo)
+    spec = {"replicas": 1, "handler": GOOD, "nats": {"credentialsSecret": "auth"}}
+    await reconcile(memo, "orders", spec)
+    kube.secrets[(NAMESPACE, "auth")] = SecretData("2", AUTH_DATA)
+    world.nats_error = refused("nats: 'Authorization Violation'")
+    kube.applied.clear()
+    st = await observe(memo, "orders", spec)
+    assert degraded_reason(st) == "NatsAuthFailed"
+    assert kube.applied == []  # new pods could not log in either: the old ones stay

@@ -388,12 +388,13 @@ class NatsClients:
                     url, name="shoal-operator", attempts=attempts, security=group.security
                 )
             except Exception as exc:
-                refused = refusal(exc)
+                # A connect that already diagnosed it carries the refusal (`why`).
+                refused = getattr(exc, "why", None) or refusal(exc)
                 if refused is None:
                     raise
                 raise NatsSecretProblem(
                     refused.reason,
-                    f"NATS at {url} refused {group.describe(namespace, refused.reason)}: "
+                    f"NATS at {url} with {group.describe(namespace, refused.reason)}: "
                     f"{refused.message}",
                 ) from exc
             self._connections[key] = nc

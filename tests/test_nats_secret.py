@@ -1,0 +1,346 @@
+"""The operator's handling of a group's spec.nats Secrets (tlsSecret, credentialsSecret).
+
+NatsClients reads Secrets through anything with `read_secret` (here a dict), checks them,
+writes their files privately and caches them by resourceVersion; then it connects with
+them to a real nats-server that requires TLS with a client certificate and a password,
+and says which Secret NATS refused. The same on the local plane, through the API server
+and with consumer pods: e2e/test_nats_tls.py.
+"""
+
+from __future__ import annotations
+
+import base64
+import secrets as random_secrets
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes.client.rest import ApiException
+
+from harness.securenats import SecureNats, secure_nats_server
+from shoal.consumer.jetstream import connect
+from shoal.consumer.natsauth import NatsSecurity
+from shoal.contracts.spec import NatsSpec
+from shoal.operator.builders import NatsPodSecrets
+from shoal.operator.etcdsecret import SecretData
+from shoal.operator.natssecret import (
+    SECRET_FORBIDDEN,
+    SECRET_MISSING,
+    NatsClients,
+    NatsSecretProblem,
+    decode_credentials,
+    decode_tls,
+)
+
+CA = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+CERT = b"-----BEGIN CERTIFICATE-----\nMIIC\n-----END CERTIFICATE-----\n"
+KEY = b"-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----\n"
+CREDS = b"-----BEGIN NATS USER JWT-----\neyJ0\n------END NATS USER JWT------\n"
+SEED = b"SUAMLK2ZNL35WSMW37E7UD4VZ7ELPEE7LLQKLE5A6W3PMHQOR5GXBRQOZE\n"
+PASSWORD = "nats-password-4711"
+USER, OPERATOR = "orders", "shoal-operator"
+
+
+def b64(value: bytes | str) -> str:
+    raw = value.encode() if isinstance(value, str) else value
+    return base64.b64encode(raw).decode()
+
+
+def tls_data(**extra: str) -> dict[str, str]:
+    return {"ca.crt": b64(CA), "tls.crt": b64(CERT), "tls.key": b64(KEY), **extra}
+
+
+class FakeSecrets:
+    """read_secret over a dict (namespace, name) -> SecretData; an ApiException to raise."""
+
+    def __init__(self) -> None:
+        self.secrets: dict[tuple[str, str], SecretData] = {}
+        self.error: ApiException | None = None
+
+    async def read_secret(self, namespace: str, name: str) -> SecretData | None:
+        if self.error is not None:
+            raise self.error
+        return self.secrets.get((namespace, name))
+
+
+@pytest.fixture
+def secrets() -> FakeSecrets:
+    return FakeSecrets()
+
+
+@pytest.fixture
+async def clients(secrets: FakeSecrets, tmp_path: Path) -> Any:
+    nats = NatsClients(secrets, NatsSecurity(), tmp_path / "nats-secrets")
+    yield nats
+    await nats.close()
+
+
+def read(path: str) -> bytes:
+    return Path(path).read_bytes()
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+# -- checking ----------------------------------------------------------------------------------
+
+
+def test_a_complete_tls_secret_and_a_ca_only_one_decode() -> None:
+    assert decode_tls("prod", "t", tls_data()) == {"ca.crt": CA, "tls.crt": CERT, "tls.key": KEY}
+    assert decode_tls("prod", "t", {"ca.crt": b64(CA)}) == {"ca.crt": CA}
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({}, "has no ca.crt: it needs ca.crt"),
+        ({"tls.crt": b64(CERT), "tls.key": b64(KEY)}, "has no ca.crt"),
+        ({"ca.crt": b64(CA), "tls.crt": b64(CERT)}, "has no tls.key: tls.crt and tls.key go"),
+        ({"ca.crt": b64(CA), "tls.key": b64(KEY)}, "has no tls.crt"),
+        ({**tls_data(), "ca.crt": "not base64!"}, "ca.crt is not base64"),
+        ({**tls_data(), "tls.crt": b64(KEY)}, "tls.crt is not a PEM certificate"),
+        ({**tls_data(), "tls.key": b64(CERT)}, "tls.key is not a PEM private key"),
+    ],
+)
+def test_an_unusable_tls_secret_says_what_is_wrong(data: dict[str, str], message: str) -> None:
+    with pytest.raises(NatsSecretProblem) as info:
+        decode_tls("prod", "nats-tls", data)
+    assert info.value.reason == SECRET_MISSING
+    assert info.value.message.startswith("Secret prod/nats-tls (spec.nats.tlsSecret)")
+    assert message in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("data", "form"),
+    [
+        ({"creds": b64(CREDS)}, "creds"),
+        ({"user": b64(USER), "password": b64(PASSWORD)}, "user"),
+        ({"nkey": b64(SEED)}, "nkey"),
+    ],
+)
+def test_each_form_of_credentials_decodes(data: dict[str, str], form: str) -> None:
+    found, decoded = decode_credentials("prod", "nats", data)
+    assert found == form
+    assert set(decoded) == set(data)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({}, "needs one of: key creds"),
+        ({"creds": b64(CREDS), "nkey": b64(SEED)}, "it has more than one"),
+        ({"user": b64(USER)}, "has no password: user and password go together"),
+        ({"password": b64(PASSWORD)}, "has no user"),
+        ({"user": b64(b"\xff"), "password": b64(PASSWORD)}, "user is not UTF-8"),
+        ({"creds": b64("hello")}, "creds is not a NATS credentials file"),
+        ({"nkey": b64("SAABC")}, "nkey is not an nkey user seed"),
+    ],
+)
+def test_unusable_credentials_say_what_is_wrong(data: dict[str, str], message: str) -> None:
+    with pytest.raises(NatsSecretProblem) as info:
+        decode_credentials("prod", "nats", data)
+    assert info.value.reason == SECRET_MISSING
+    assert info.value.message.startswith("Secret prod/nats (spec.nats.credentialsSecret)")
+    assert message in info.value.message
+    assert PASSWORD not in info.value.message
+
+
+# -- files -------------------------------------------------------------------------------------
+
+
+async def test_files_are_private_and_the_password_stays_in_memory(
+    clients: NatsClients, secrets: FakeSecrets
+) -> None:
+    secrets.secrets["prod", "tls"] = SecretData("7", tls_data())
+    secrets.secrets["prod", "auth"] = SecretData(
+        "8", {"user": b64(USER), "password": b64(PASSWORD)}
+    )
+    group = await clients.group("prod", NatsSpec(tls_secret="tls", credentials_secret="auth"))
+    security = group.security
+    assert mode(clients.root) == 0o700
+    for path, content in (
+        (security.ca_file, CA),
+        (security.cert_file, CERT),
+        (security.key_file, KEY),
+    ):
+        assert path is not None
+        assert read(path) == content
+        assert mode(Path(path)) == 0o600 and mode(Path(path).parent) == 0o700
+        assert Path(path).parent.parent == clients.root
+    assert (security.user, security.password) == (USER, PASSWORD)
+    assert security.creds_file is None
+    written = [p for p in clients.root.rglob("*") if p.is_file()]
+    assert all(PASSWORD.encode() not in p.read_bytes() for p in written)
+    assert PASSWORD not in repr(group)
+    assert group.pods == NatsPodSecrets(
+        credentials="user", client_certificate=True, tls_version="7", credentials_version="8"
+    )
+
+
+async def test_a_creds_file_and_a_ca_only_tls_secret(
+    clients: NatsClients, secrets: FakeSecrets
+) -> None:
+    secrets.secrets["prod", "tls"] = SecretData("1", {"ca.crt": b64(CA)})
+    secrets.secrets["prod", "auth"] = SecretData("2", {"creds": b64(CREDS)})
+    group = await clients.group("prod", NatsSpec(tls_secret="tls", credentials_secret="auth"))
+    assert group.security.cert_file is None and group.security.key_file is None
+    assert group.security.creds_file is not None
+    assert read(group.security.creds_file) == CREDS
+    assert group.pods.client_certificate is False and group.pods.credentials == "creds"
+
+
+async def test_the_operators_own_settings_fill_in_what_a_group_does_not_name(
+    secrets: FakeSecrets, tmp_path: Path
+) -> None:
+    own = NatsSecurity(ca_file="/own/ca.crt", user="shoal-operator", password="own-pw")
+    nats = NatsClients(secrets, own, tmp_path / "n")
+    try:
+        assert (await nats.group("prod", NatsSpec())).security == own
+        secrets.secrets["prod", "tls"] = SecretData("1", {"ca.crt": b64(CA)})
+        only_tls = (await nats.group("prod", NatsSpec(tls_secret="tls"))).security
+        assert only_tls.ca_file != own.ca_file  # the group's CA
+        assert (only_tls.user, only_tls.password) == ("shoal-operator", "own-pw")
+        secrets.secrets["prod", "auth"] = SecretData("2", {"nkey": b64(SEED)})
+        only_auth = (await nats.group("prod", NatsSpec(credentials_secret="auth"))).security
+        assert only_auth.ca_file == own.ca_file
+        assert only_auth.user is None and only_auth.password is None
+        assert only_auth.nkey_seed_file is not None
+    finally:
+        await nats.close()
+
+
+async def test_files_are_cached_by_resource_version(
+    clients: NatsClients, secrets: FakeSecrets
+) -> None:
+    secrets.secrets["prod", "tls"] = SecretData("7", tls_data())
+    first = await clients.tls_files("prod", "tls")
+    assert await clients.tls_files("prod", "tls") is first
+    secrets.secrets["prod", "tls"] = SecretData("8", {"ca.crt": b64(CERT)})
+    second = await clients.tls_files("prod", "tls")
+    assert second.version == "8" and not second.client_certificate
+    assert not first.directory.exists()  # the replaced version's files are gone
+    assert clients.known("prod", NatsSpec(tls_secret="tls")) == NatsPodSecrets(
+        client_certificate=False, tls_version="8"
+    )
+    assert clients.known("prod", NatsSpec(tls_secret="other")) is None
+
+
+async def test_a_missing_secret_and_a_secret_gone_while_deleting(
+    clients: NatsClients, secrets: FakeSecrets
+) -> None:
+    with pytest.raises(NatsSecretProblem) as info:
+        await clients.group("prod", NatsSpec(credentials_secret="auth"))
+    assert info.value.reason == SECRET_MISSING
+    assert info.value.message == "Secret prod/auth (spec.nats.credentialsSecret) not found"
+    secrets.secrets["prod", "auth"] = SecretData("1", {"creds": b64(CREDS)})
+    before = await clients.credential_files("prod", "auth")
+    del secrets.secrets["prod", "auth"]
+    assert await clients.credential_files("prod", "auth", stale_ok=True) is before
+
+
+async def test_an_invalid_new_version_keeps_nothing_half_written(
+    clients: NatsClients, secrets: FakeSecrets
+) -> None:
+    secrets.secrets["prod", "tls"] = SecretData("9", {"tls.crt": b64(CERT)})
+    with pytest.raises(NatsSecretProblem):
+        await clients.tls_files("prod", "tls")
+    assert list(clients.root.iterdir()) == []
+
+
+async def test_no_permission_to_read_secrets(clients: NatsClients, secrets: FakeSecrets) -> None:
+    secrets.error = ApiException(status=403, reason="Forbidden")
+    with pytest.raises(NatsSecretProblem) as info:
+        await clients.group("prod", NatsSpec(tls_secret="tls"))
+    assert info.value.reason == SECRET_FORBIDDEN
+    assert "Secret prod/tls (spec.nats.tlsSecret)" in info.value.message
+    secrets.error = ApiException(status=500, reason="Internal Server Error")
+    with pytest.raises(ApiException):
+        await clients.group("prod", NatsSpec(tls_secret="tls"))
+
+
+def test_the_default_directory_is_private_and_temporary(secrets: FakeSecrets) -> None:
+    import asyncio
+
+    nats = NatsClients(secrets, NatsSecurity())
+    assert mode(nats.root) == 0o700 and nats.root.name.startswith("shoal-operator-nats-")
+    asyncio.run(nats.close())
+    assert not nats.root.exists()
+
+
+# -- a real nats-server requiring TLS with client certificates and a password ------------------
+
+
+@pytest.fixture(scope="module")
+def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureNats]:
+    nats = secure_nats_server(
+        tmp_path_factory.mktemp("secure-nats"),
+        {USER: PASSWORD, OPERATOR: random_secrets.token_hex(8)},
+    )
+    nats.server.start()
+    try:
+        yield nats
+    finally:
+        nats.server.stop()
+
+
+def tls_secret(secure: SecureNats) -> SecretData:
+    data = {key: b64(path.read_bytes()) for key, path in secure.tls_files().items()}
+    return SecretData("1", data)
+
+
+def user_secret(password: str, version: str = "1") -> SecretData:
+    return SecretData(version, {"user": b64(USER), "password": b64(password)})
+
+
+SPEC = NatsSpec(tls_secret="nats-tls", credentials_secret="nats-auth")
+
+
+async def test_connects_with_the_groups_secrets_and_keeps_the_connection(
+    secure: SecureNats, clients: NatsClients, secrets: FakeSecrets
+) -> None:
+    secrets.secrets["prod", "nats-tls"] = tls_secret(secure)
+    secrets.secrets["prod", "nats-auth"] = user_secret(PASSWORD)
+    nc = await clients.get(secure.url, "prod", SPEC, connect=connect, attempts=1)
+    info = await nc.jetstream().account_info()  # JetStream through TLS, as user orders
+    assert info.limits is not None
+    assert await clients.get(secure.url, "prod", SPEC, connect=connect, attempts=1) is nc
+    assert len(clients) == 1
+
+    # A new version of a Secret: a new connection, and the old one is closed.
+    secrets.secrets["prod", "nats-auth"] = user_secret(PASSWORD, version="2")
+    again = await clients.get(secure.url, "prod", SPEC, connect=connect, attempts=1)
+    assert again is not nc and nc.is_closed and not again.is_closed
+    assert len(clients) == 1
+
+
+async def test_a_wrong_password_is_nats_auth_failed_naming_the_secret(
+    secure: SecureNats, clients: NatsClients, secrets: FakeSecrets
+) -> None:
+    secrets.secrets["prod", "nats-tls"] = tls_secret(secure)
+    secrets.secrets["prod", "nats-auth"] = user_secret("not-the-password")
+    with pytest.raises(NatsSecretProblem) as info:
+        await clients.get(secure.url, "prod", SPEC, connect=connect, attempts=1)
+    assert info.value.reason == "NatsAuthFailed"
+    assert f"NATS at {secure.url} with Secret prod/nats-auth" in info.value.message
+    assert "not-the-password" not in info.value.message
+    assert len(clients) == 0  # nothing kept: the next call tries again
+
+
+async def test_an_unknown_ca_is_nats_tls_failed_naming_the_secret(
+    secure: SecureNats,
+    clients: NatsClients,
+    secrets: FakeSecrets,
+    tmp_path: Path,
+) -> None:
+    other = secure_nats_server(tmp_path / "other", {})  # only for its CA; never started
+    secrets.secrets["prod", "nats-tls"] = SecretData(
+        "1", {**tls_secret(secure).data, "ca.crt": b64(other.pki.ca_cert.read_bytes())}
+    )
+    secrets.secrets["prod", "nats-auth"] = user_secret(PASSWORD)
+    with pytest.raises(NatsSecretProblem) as info:
+        await clients.get(secure.url, "prod", SPEC, connect=connect, attempts=1)
+    assert info.value.reason == "NatsTLSFailed"
+    assert "with Secret prod/nats-tls (spec.nats.tlsSecret):" in info.value.message
