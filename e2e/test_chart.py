@@ -118,6 +118,8 @@ def test_unset_extension_points_leave_the_operator_pod_plain() -> None:
         ("extraEnv[0].value=x", "/extraEnv/0"),
         ("priorityClassName[0]=x", "/priorityClassName"),
         ("consumerPodPolicy.annotation=a' || true || 'b", "/consumerPodPolicy/annotation"),
+        ("nats.credentialsType=password", "/nats/credentialsType"),
+        ("nats.tlsClientCertificate=perhaps", "/nats/tlsClientCertificate"),
     ],
 )
 def test_the_schema_refuses_bad_values(setting: str, where: str) -> None:
@@ -207,3 +209,63 @@ def test_monitoring_is_opt_in_except_the_dashboard_and_the_metrics_port() -> Non
     ]["spec"]["containers"]
     env = {var["name"]: var.get("value") for var in container["env"]}
     assert env["SHOAL_CONSUMER_METRICS_PORT"] == ""
+
+
+def operator_nats(*args: str) -> tuple[dict[str, Any], list[Any], list[Any]]:
+    """The operator container's NATS_* env (name -> var), its mounts and the pod's volumes."""
+    pod = only(render(*args), "Deployment")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {var["name"]: var for var in container["env"] if var["name"].startswith("NATS_")}
+    return env, container["volumeMounts"], pod["volumes"]
+
+
+def test_the_operator_is_plain_and_anonymous_on_nats_by_default() -> None:
+    env, mounts, volumes = operator_nats()
+    assert list(env) == ["NATS_URL"]
+    assert [m["name"] for m in mounts] == ["tmp"] and [v["name"] for v in volumes] == ["tmp"]
+
+
+def test_the_operators_own_nats_tls_and_password_come_from_secrets() -> None:
+    env, mounts, volumes = operator_nats(
+        "--set",
+        "nats.tlsSecret=operator-nats-tls",
+        "--set",
+        "nats.credentialsSecret=operator-nats",
+        "--set",
+        "nats.credentialsType=userPassword",
+    )
+    assert env["NATS_CA_FILE"]["value"] == "/etc/shoal/nats-tls/ca.crt"
+    assert env["NATS_CERT_FILE"]["value"] == "/etc/shoal/nats-tls/tls.crt"
+    assert env["NATS_KEY_FILE"]["value"] == "/etc/shoal/nats-tls/tls.key"
+    for var, key in (("NATS_USER", "user"), ("NATS_PASSWORD", "password")):
+        assert env[var]["valueFrom"] == {"secretKeyRef": {"name": "operator-nats", "key": key}}
+    assert "NATS_CREDS_FILE" not in env
+    assert {"name": "nats-tls", "mountPath": "/etc/shoal/nats-tls", "readOnly": True} in mounts
+    (tls,) = [v for v in volumes if v["name"] == "nats-tls"]
+    assert tls["secret"]["secretName"] == "operator-nats-tls"
+    assert [i["key"] for i in tls["secret"]["items"]] == ["ca.crt", "tls.crt", "tls.key"]
+    assert "nats-credentials" not in [v["name"] for v in volumes]  # env, not a file
+
+
+@pytest.mark.parametrize(
+    ("kind", "var", "key"),
+    [("creds", "NATS_CREDS_FILE", "creds"), ("nkey", "NATS_NKEY_SEED_FILE", "nkey")],
+)
+def test_the_operators_credentials_file_is_mounted(kind: str, var: str, key: str) -> None:
+    env, mounts, volumes = operator_nats(
+        "--set",
+        "nats.credentialsSecret=operator-nats",
+        "--set",
+        f"nats.credentialsType={kind}",
+        "--set",
+        "nats.tlsSecret=ca-only",
+        "--set",
+        "nats.tlsClientCertificate=false",
+    )
+    assert env[var]["value"] == f"/etc/shoal/nats/{key}"
+    assert "NATS_PASSWORD" not in env and "NATS_CERT_FILE" not in env
+    (creds,) = [v for v in volumes if v["name"] == "nats-credentials"]
+    assert creds["secret"] == {"secretName": "operator-nats", "items": [{"key": key, "path": key}]}
+    assert {"name": "nats-credentials", "mountPath": "/etc/shoal/nats", "readOnly": True} in mounts
+    (tls,) = [v for v in volumes if v["name"] == "nats-tls"]
+    assert tls["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]

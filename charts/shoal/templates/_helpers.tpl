@@ -137,8 +137,9 @@ holds those permissions itself rather than the broader `escalate` and `bind` ver
 {{- end }}
 
 {{/*
-A group's spec.etcd.tlsSecret: the operator reads it by name to reach the group's etcd
-(status, and clearing etcd on deletion). Only get: it never lists or watches Secrets, so
+A group's spec.etcd.tlsSecret, spec.nats.tlsSecret and spec.nats.credentialsSecret: the
+operator reads them by name to reach the group's etcd (status, and clearing etcd on
+deletion) and NATS (the group's stream and durables, status). Only get: it never lists or watches Secrets, so
 it reads only those the groups name. That is as far as RBAC goes: it cannot follow what
 each group names, and the operator cannot grant itself a per-group Role for the named
 Secret (escalation prevention: it would need to hold that get already). resourceNames
