@@ -342,3 +342,45 @@ async def test_a_real_stall_shows_in_status_and_events(
         etcd, config.namespace, config.group, PARTITIONS, settled({"m-0", "m-1"}), 30
     )
     assert final.owners[victim] == "m-1"
+
+
+async def test_a_restarted_operator_does_not_announce_an_ongoing_stall_again(
+    etcd: Etcd,
+    js: Any,
+    make_config: Any,
+    memo: kopf.Memo,
+    events: list[Event],
+    namespace: str,
+    group: str,
+) -> None:
+    """The episodes a previous operator process announced are in the status it wrote: a
+    new process (an empty memo) takes them from there. One still going on gets no second
+    Warning; one that ended while no operator ran gets its PartitionStallEnded."""
+    keys = Keys(namespace, group)
+    spec = {"handler": "shoal.consumer.handlers:noop", "partitions": 16, "stallAfterSeconds": 30}
+    await ensure_group(js, make_config(partitions=16))
+    await etcd.put(keys.member("c-0"), json.dumps({"stalled": [3]}).encode())
+    await etcd.put(keys.member("c-1"), json.dumps({"stalled": []}).encode())
+    # What the operator before the restart wrote: 3 on c-0 (still stalled), 5 on c-1
+    # (healed since).
+    before = {
+        "stalledPartitions": [
+            {"partition": 3, "member": "c-0"},
+            {"partition": 5, "member": "c-1"},
+        ]
+    }
+    status = await observe(memo, namespace, group, spec, before)
+
+    assert status["stalledPartitions"] == [{"partition": 3, "member": "c-0"}]
+    assert stall_events(events) == [
+        (
+            "Normal",
+            "PartitionStallEnded",
+            "Partition 5 no longer reported stalled by member c-1 (progressing again, moved "
+            "to another member, or the member left)",
+        )
+    ]
+    # Garbage in the old status is ignored, not a crash.
+    group_state(memo).stalled = None
+    await observe(memo, namespace, group, spec, {"stalledPartitions": [{"partition": "x"}, 7]})
+    assert [e[1] for e in stall_events(events)] == ["PartitionStallEnded", "PartitionStalled"]

@@ -141,6 +141,21 @@ def stall_ended_message(member: str, partitions: Sequence[int]) -> str:
     )
 
 
+def stalls_in_status(status: Mapping[str, Any] | None) -> frozenset[tuple[int, str]]:
+    """The (partition, member) pairs a status's stalledPartitions lists (what an earlier
+    operator process announced); entries that are not such a pair are skipped."""
+    raw = (status or {}).get("stalledPartitions")
+    out: set[tuple[int, str]] = set()
+    for item in raw if isinstance(raw, list) else ():
+        if not isinstance(item, Mapping):
+            continue
+        partition, member = item.get("partition"), item.get("member")
+        if isinstance(partition, int) and not isinstance(partition, bool):
+            if isinstance(member, str):
+                out.add((partition, member))
+    return frozenset(out)
+
+
 def stall_changes(
     known: Iterable[tuple[int, str]],
     now: Iterable[tuple[int, str]],

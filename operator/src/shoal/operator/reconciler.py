@@ -484,7 +484,9 @@ async def observe_group(
         moving = sum(1 for p, owner in group.owners.items() if group.claims.get(p) != owner)
         stalled = observe.stalled_partitions(group.members, config.partitions)
         between = await _stalls_between(memo, etcd, config.keys, config.partitions, revision)
-        _report_stalls(body, memo, stalled, between, model.stall_after_seconds, len(members))
+        _report_stalls(
+            body, memo, status, stalled, between, model.stall_after_seconds, len(members)
+        )
         problem = await _no_space(etcd, body, memo, config.etcd_endpoints)
     except EtcdSecretProblem as exc:
         problem = (exc.reason, exc.message)
@@ -578,6 +580,7 @@ async def _stalls_between(
 def _report_stalls(
     body: kopf.Body,
     memo: Any,
+    status: Any,
     stalled: tuple[tuple[int, str], ...],
     between: set[tuple[int, str]],
     stall_after: int,
@@ -587,9 +590,11 @@ def _report_stalls(
     a Normal PartitionStallEnded when it stops: one pair per episode, not one per
     observation, even for an episode that began and ended between two observations
     (`between`). Called only when etcd was read, so an etcd outage ends no episode (and
-    does not repeat the Warning once etcd is back)."""
+    does not repeat the Warning once etcd is back). A new operator process takes the
+    episodes going on from the `status` the last one wrote."""
     state = group_state(memo)
-    started, ended = observe.stall_changes(state.stalled, stalled, between)
+    known = state.stalled if state.stalled is not None else observe.stalls_in_status(status)
+    started, ended = observe.stall_changes(known, stalled, between)
     for member, partitions in started.items():
         kopf.warn(
             body,

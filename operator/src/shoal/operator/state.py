@@ -49,8 +49,9 @@ class GroupState:
     etcd_no_space: bool = False
     # (partition, member) pairs reported stalled at the last observation that read etcd:
     # a PartitionStalled Event is posted for each new pair, not at every observation.
-    # (A restarted operator announces the episodes still going on once more.)
-    stalled: frozenset[tuple[int, str]] = frozenset()
+    # None until this process observed the group: it then starts from the status's
+    # stalledPartitions, so a restarted operator does not announce them again.
+    stalled: frozenset[tuple[int, str]] | None = None
     # What the members report between two observations (started by the status timer,
     # stopped when the group is deleted).
     stall_watch: StallWatch | None = None
