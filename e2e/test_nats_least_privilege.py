@@ -1,0 +1,267 @@
+"""Issue 31's "done when": a ConsumerGroup on the local plane against a NATS server that
+requires TLS with client certificates and a password, the members and the operator each
+with only the subjects they need, scaled 3 -> 5 -> 2 while messages flow, 0 lost.
+
+The nats-server (harness.securenats) has three users: `member` and `shoal-operator` with
+allow lists for this one group (below: what the member and the operator publish and
+subscribe to), and `admin` for the test's producer and audit. The operator runs as a
+local process with its own NATS settings (NATS_URL, NATS_CA_FILE, NATS_CERT_FILE,
+NATS_KEY_FILE, NATS_USER, NATS_PASSWORD: what the chart's nats.tlsSecret and
+nats.credentialsSecret give the operator pod). The group names spec.nats.tlsSecret, which
+both its pods and the operator use, and no credentialsSecret: the operator would then use
+that Secret itself, and the members' allow list does not let anyone create streams. The
+members' user and password reach them as env from a Secret of their own (spec.env).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+import yaml
+
+from harness.fleet import wait_for_status
+from harness.kubetest import condition, create_namespace, get_json, operator_process, wait_until
+from harness.localkube.plane import LocalKube
+from harness.securenats import SecureNats, secure_nats_server
+from harness.waiting import eventually_async
+from shoal.consumer.etcd import Etcd
+from shoal.consumer.ledger import audit, read_ledger
+from shoal.consumer.natsauth import NatsSecurity
+from shoal.consumer.producer import Outgoing, Producer
+from shoal.contracts.names import SEQ_HEADER, ledger_stream_name
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+ROOT = Path(__file__).resolve().parent.parent
+NS, NAME, PARTITIONS = "nats-least", "orders", 32
+STREAM = f"shoal_{NS}_{NAME}"
+PREFIX = f"shoal.{NS}.{NAME}"
+API = "$JS.API"
+MEMBER, OPERATOR, ADMIN = "member", "shoal-operator", "admin"
+PASSWORDS = {name: secrets.token_hex(8) for name in (MEMBER, OPERATOR, ADMIN)}
+STREAMS = (STREAM, f"{STREAM}_dlq", f"{STREAM}_log", f"{STREAM}_ledger")
+
+# What a member of this group publishes and subscribes to: its durables' pulls and acks,
+# lag and recreating a deleted durable, the leader's dead-letter sweep, the assignment
+# log, the ledger handler's records, the reachability probe; its partitions (a dozing
+# partition's alarm) and JetStream's advisories on its stream. Replies: `_INBOX.>` (the
+# member side's NATS_INBOX_PREFIX narrows this to the group's own prefix).
+MEMBER_PERMISSIONS = {
+    "publish": {
+        "allow": [
+            f"{API}.CONSUMER.MSG.NEXT.{STREAM}.*",
+            f"$JS.ACK.{STREAM}.>",
+            f"{API}.CONSUMER.INFO.{STREAM}.*",
+            f"{API}.CONSUMER.CREATE.{STREAM}.>",
+            f"{API}.CONSUMER.DURABLE.CREATE.{STREAM}.*",
+            f"{API}.STREAM.MSG.GET.{STREAM}",
+            f"{API}.STREAM.MSG.DELETE.{STREAM}",
+            f"{PREFIX}.dlq.*",
+            f"{PREFIX}.log.assignments",
+            f"{PREFIX}.ledger.*",
+            "_SHOAL.HEALTH",
+        ]
+    },
+    "subscribe": {
+        "allow": [
+            "_INBOX.>",
+            f"{PREFIX}.*",
+            f"$JS.EVENT.ADVISORY.STREAM.DELETED.{STREAM}",
+            f"$JS.EVENT.ADVISORY.CONSUMER.DELETED.{STREAM}.*",
+            f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{STREAM}.*",
+        ]
+    },
+}
+# What the operator does for it: create and update the streams, list and create the
+# durables, read the stream's info for the status, delete the streams with the group.
+OPERATOR_PERMISSIONS = {
+    "publish": {
+        "allow": [
+            *(f"{API}.STREAM.{verb}.{s}" for s in STREAMS for verb in ("CREATE", "UPDATE")),
+            *(f"{API}.STREAM.INFO.{s}" for s in STREAMS),
+            *(f"{API}.STREAM.DELETE.{s}" for s in STREAMS),
+            f"{API}.CONSUMER.LIST.{STREAM}",
+            f"{API}.CONSUMER.INFO.{STREAM}.*",
+            f"{API}.CONSUMER.CREATE.{STREAM}.>",
+            f"{API}.CONSUMER.DURABLE.CREATE.{STREAM}.*",
+        ]
+    },
+    "subscribe": {"allow": ["_INBOX.>"]},
+}
+
+
+@pytest.fixture(scope="module")
+def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureNats]:
+    server = secure_nats_server(
+        tmp_path_factory.mktemp("nats-least"),
+        PASSWORDS,
+        {MEMBER: MEMBER_PERMISSIONS, OPERATOR: OPERATOR_PERMISSIONS},
+    )
+    server.server.start()
+    try:
+        yield server
+    finally:
+        server.server.stop()
+
+
+@pytest.fixture(scope="module")
+def operator(
+    localkube: LocalKube, secure: SecureNats, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Path]:
+    plane = localkube
+    files = secure.tls_files()
+    own = {
+        "NATS_URL": secure.url,
+        "NATS_CA_FILE": str(files["ca.crt"]),
+        "NATS_CERT_FILE": str(files["tls.crt"]),
+        "NATS_KEY_FILE": str(files["tls.key"]),
+        "NATS_USER": OPERATOR,
+        "NATS_PASSWORD": PASSWORDS[OPERATOR],
+    }
+    log_path = tmp_path_factory.mktemp("nats-least-operator") / "operator.log"
+    with operator_process(plane, [NS], log_path, extra_env=own):
+        create_namespace(plane, NS)
+        try:
+            yield log_path
+        finally:
+            plane.kubectl("delete", "cg", "--all", "-n", NS, "--timeout=90s", check=False)
+            plane.kubectl("delete", "namespace", NS, "--wait=false", check=False)
+            wait_until(lambda: not _pods(plane), 90, "this file's pods to be gone")
+
+
+def _pods(plane: LocalKube) -> list[Any]:
+    found = plane.kubectl("get", "pods", "-n", NS, "-o", "json", check=False)
+    return list(json.loads(found.stdout)["items"]) if found.returncode == 0 else []
+
+
+def create_secret(plane: LocalKube, name: str, *args: str) -> None:
+    manifest = plane.kubectl(
+        "create", "secret", "generic", name, "-n", NS, *args, "--dry-run=client", "-o", "yaml"
+    ).stdout
+    plane.kubectl("apply", "-f", "-", input_text=manifest)
+
+
+def manifest(secure: SecureNats) -> str:
+    group = yaml.safe_load((ROOT / "examples" / "consumergroup.yaml").read_text())
+    group["metadata"] = {"name": NAME, "namespace": NS}
+    spec = group["spec"]
+    spec.update(replicas=3, partitions=PARTITIONS)
+    spec["nats"] = {**spec.get("nats", {}), "url": secure.url, "tlsSecret": "nats-tls"}
+    spec["env"] = [
+        {"name": var, "valueFrom": {"secretKeyRef": {"name": "nats-member", "key": key}}}
+        for var, key in (("NATS_USER", "user"), ("NATS_PASSWORD", "password"))
+    ]
+    return json.dumps(group)
+
+
+def admin_security(secure: SecureNats) -> NatsSecurity:
+    files = secure.tls_files()
+    return NatsSecurity(
+        ca_file=str(files["ca.crt"]),
+        cert_file=str(files["tls.crt"]),
+        key_file=str(files["tls.key"]),
+        user=ADMIN,
+        password=PASSWORDS[ADMIN],
+    )
+
+
+async def scale_while_producing(plane: LocalKube, secure: SecureNats) -> dict[str, int]:
+    etcd = Etcd(plane.state.etcd_endpoint)
+    await etcd.connect(attempts=5)
+    nc = await nats.connect(secure.url, **admin_security(secure).connect_options())
+    try:
+        js = nc.jetstream()
+
+        def members(n: int) -> Any:
+            return lambda s: len(s.members) == n and not s.unowned and s.claims == s.owners
+
+        await wait_for_status(etcd, NS, NAME, PARTITIONS, members(3), 60)
+        items = [
+            Outgoing(f"project-{i % 500}", b"x", f"lp-{i}", {SEQ_HEADER: str(i // 500)})
+            for i in range(4000)
+        ]
+        producer = Producer(js, PREFIX, PARTITIONS)
+        production = asyncio.create_task(producer.publish_many(items, window=128))
+        for replicas in (5, 2):
+            await asyncio.to_thread(
+                plane.kubectl, "scale", "cg", NAME, "-n", NS, f"--replicas={replicas}"
+            )
+            await wait_for_status(etcd, NS, NAME, PARTITIONS, members(replicas), 150)
+            print(f"scaled to {replicas}")
+        await production
+
+        async def left() -> int:
+            return int((await js.stream_info(STREAM)).state.messages)
+
+        await eventually_async(
+            left, 120, "the group to drain its stream", until=lambda n: n == 0, interval=0.5
+        )
+        records = await read_ledger(js, ledger_stream_name(STREAM))
+        summary: dict[str, int] = audit(records, [i.message_id or "" for i in items]).summary()
+        return summary
+    finally:
+        await nc.close()
+        etcd.close()
+
+
+def violations(secure: SecureNats) -> list[str]:
+    log = secure.server.log_path.read_text()
+    return [line for line in log.splitlines() if "Violation" in line]
+
+
+async def member_asks_for_stream_info(secure: SecureNats) -> str | None:
+    """What refusing the member's STREAM.INFO looks like to it (None: it was answered)."""
+    member = dataclasses.replace(admin_security(secure), user=MEMBER, password=PASSWORDS[MEMBER])
+    nc = await nats.connect(secure.url, **member.connect_options())
+    try:
+        await nc.request(f"{API}.STREAM.INFO.{STREAM}", b"", timeout=2)
+    except nats.errors.TimeoutError as exc:  # the server drops it (and logs it)
+        return repr(exc)
+    finally:
+        await nc.close()
+    return None
+
+
+def test_least_privilege_tls_and_passwords_scaled_3_5_2_with_nothing_lost(
+    localkube: LocalKube, secure: SecureNats, operator: Path
+) -> None:
+    plane = localkube
+    files = secure.tls_files()
+    create_secret(plane, "nats-tls", *(f"--from-file={k}={p}" for k, p in files.items()))
+    create_secret(
+        plane,
+        "nats-member",
+        f"--from-literal=user={MEMBER}",
+        f"--from-literal=password={PASSWORDS[MEMBER]}",
+    )
+    started = time.monotonic()
+    plane.kubectl("apply", "-f", "-", input_text=manifest(secure))
+    wait_until(
+        lambda: condition(get_json(plane, "cg", NAME, "-n", NS), "Ready").get("status") == "True",
+        120,
+        "the group to become Ready",
+    )
+    print(f"Ready in {time.monotonic() - started:.1f} s")
+
+    summary = asyncio.run(scale_while_producing(plane, secure))
+    print(f"audit: {summary}")
+    assert summary["lost"] == 0
+    assert summary["duplicates"] == 0
+
+    # Nobody stepped outside their allow list: the server logs every refused subject...
+    assert violations(secure) == []
+    # ...as it does now for a member asking for the stream's info (the operator's).
+    refused = asyncio.run(member_asks_for_stream_info(secure))
+    assert refused is not None, "the member read the stream's info"
+    logged = wait_until(lambda: violations(secure), 10, "the server to log the violation")
+    assert any(f"user:{MEMBER}" in line and f"STREAM.INFO.{STREAM}" in line for line in logged)
+    plane.kubectl("delete", "cg", NAME, "-n", NS, "--timeout=120s")
