@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import secrets as random_secrets
 import stat
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 import pytest
 from kubernetes.client.rest import ApiException
 
+from harness.localkube.pki import ensure_pki
 from harness.securenats import SecureNats, secure_nats_server
 from shoal.consumer.jetstream import connect
 from shoal.consumer.natsauth import NatsSecurity
@@ -34,9 +36,20 @@ from shoal.operator.natssecret import (
     decode_tls,
 )
 
-CA = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
-CERT = b"-----BEGIN CERTIFICATE-----\nMIIC\n-----END CERTIFICATE-----\n"
-KEY = b"-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----\n"
+
+def _pems(*clients: str) -> dict[str, bytes]:
+    """A CA and client certificates, real ones: the operator loads them before use."""
+    with tempfile.TemporaryDirectory() as directory:
+        pki = ensure_pki(Path(directory), dict.fromkeys(clients))
+        pems = {"ca.crt": pki.ca_cert.read_bytes()}
+        for client in clients:
+            cert, key = pki.client(client)
+            pems[f"{client}.crt"], pems[f"{client}.key"] = cert.read_bytes(), key.read_bytes()
+        return pems
+
+
+PEMS, OTHER = _pems("client"), _pems("client")
+CA, CERT, KEY = PEMS["ca.crt"], PEMS["client.crt"], PEMS["client.key"]
 CREDS = b"-----BEGIN NATS USER JWT-----\neyJ0\n------END NATS USER JWT------\n"
 SEED = b"SUAMLK2ZNL35WSMW37E7UD4VZ7ELPEE7LLQKLE5A6W3PMHQOR5GXBRQOZE\n"
 PASSWORD = "nats-password-4711"
@@ -239,6 +252,20 @@ async def test_a_missing_secret_and_a_secret_gone_while_deleting(
     before = await clients.credential_files("prod", "auth")
     del secrets.secrets["prod", "auth"]
     assert await clients.credential_files("prod", "auth", stale_ok=True) is before
+
+
+async def test_a_key_that_is_not_the_certificates_is_unusable(
+    clients: NatsClients, secrets: FakeSecrets
+) -> None:
+    other_key = b64(OTHER["client.key"])
+    secrets.secrets["prod", "tls"] = SecretData("3", tls_data(**{"tls.key": other_key}))
+    with pytest.raises(NatsSecretProblem) as info:
+        await clients.tls_files("prod", "tls")
+    assert info.value.reason == SECRET_MISSING
+    assert info.value.message.startswith(
+        "Secret prod/tls (spec.nats.tlsSecret): its certificates cannot be used:"
+    )
+    assert list(clients.root.iterdir()) == []
 
 
 async def test_an_invalid_new_version_keeps_nothing_half_written(

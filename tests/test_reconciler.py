@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import copy
 import dataclasses
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ import kopf
 import pytest
 from nats import errors as nats_errors
 
+from harness.localkube.pki import ensure_pki
 from shoal.consumer.jetstream import StreamConfigConflict
 from shoal.consumer.natsauth import NatsSecurity
 from shoal.contracts.spec import SpecError
@@ -58,6 +60,15 @@ def b64(raw: bytes) -> str:
 
 
 TLS_DATA = {"ca.crt": b64(CA), "tls.crt": b64(CA), "tls.key": b64(KEY)}
+
+
+def _real_ca() -> bytes:
+    # The operator loads a NATS Secret's certificates before use: a real one.
+    with tempfile.TemporaryDirectory() as directory:
+        return ensure_pki(Path(directory), {}).ca_cert.read_bytes()
+
+
+NATS_TLS_DATA = {"ca.crt": b64(_real_ca())}
 
 
 # -- fakes -------------------------------------------------------------------------------------
@@ -657,7 +668,7 @@ async def test_the_pods_follow_the_nats_secrets_and_the_operator_reads_them(
     world: World, operator_memo: kopf.Memo, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     kube: FakeKube = operator_memo.kube
-    kube.secrets[(NAMESPACE, "nats-tls")] = SecretData("5", {"ca.crt": b64(CA)})
+    kube.secrets[(NAMESPACE, "nats-tls")] = SecretData("5", NATS_TLS_DATA)
     kube.secrets[(NAMESPACE, "nats-auth")] = SecretData("6", AUTH_DATA)
     used: list[NatsSecurity] = []
 
@@ -725,7 +736,7 @@ async def test_a_rotated_nats_secret_rolls_only_its_own_group(
 ) -> None:
     kube: FakeKube = operator_memo.kube
     for name in ("alpha", "beta"):
-        kube.secrets[(NAMESPACE, f"{name}-nats")] = SecretData("1", TLS_DATA)
+        kube.secrets[(NAMESPACE, f"{name}-nats")] = SecretData("1", NATS_TLS_DATA)
     memos = {name: resource_memo(operator_memo) for name in ("alpha", "beta")}
     specs = {
         name: {"replicas": 1, "handler": GOOD, "nats": {"tlsSecret": f"{name}-nats"}}
@@ -733,7 +744,7 @@ async def test_a_rotated_nats_secret_rolls_only_its_own_group(
     }
     for name, memo in memos.items():
         await reconcile(memo, name, specs[name])
-    kube.secrets[(NAMESPACE, "alpha-nats")] = SecretData("2", TLS_DATA)
+    kube.secrets[(NAMESPACE, "alpha-nats")] = SecretData("2", NATS_TLS_DATA)
     kube.applied.clear()
     world.events.clear()
     for name, memo in memos.items():

@@ -27,6 +27,7 @@ import binascii
 import dataclasses
 import logging
 import shutil
+import ssl
 import tempfile
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -276,6 +277,14 @@ class NatsClients:
             for file_key, content in decoded.items():
                 write_private(directory / file_key, content)
             files = TlsFiles(secret.resource_version, directory, NATS_CERT_KEY in decoded)
+            try:
+                # Loaded once here, so that a certificate that is not the key's, or not a
+                # certificate at all, names the Secret instead of failing every connect.
+                files.apply(NatsSecurity()).ssl_context()
+            except (ssl.SSLError, ValueError) as exc:
+                shutil.rmtree(directory, ignore_errors=True)
+                where = _where(namespace, name, TLS_FIELD)
+                raise _missing(f"{where}: its certificates cannot be used: {exc}") from None
             self._tls[key] = files
             if cached is not None:
                 await self._forget(key, cached.version, cached.directory)
