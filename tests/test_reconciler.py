@@ -90,6 +90,9 @@ class FakeKube:
     async def deployment_status(self, namespace: str, name: str) -> dict[str, int]:
         return {"replicas": 0, "ready": 0}
 
+    async def remove_consumers(self, namespace: str, deployment: str, selector: str) -> int:
+        return 0  # the consumers are gone
+
     def kinds(self) -> list[str]:
         return [obj["kind"] for obj in self.applied]
 
@@ -105,8 +108,13 @@ class FakeStreamInfo:
 
 
 class FakeJetStream:
+    deleted: list[str] = []
+
     async def stream_info(self, name: str) -> FakeStreamInfo:
         return FakeStreamInfo()
+
+    async def delete_stream(self, name: str) -> None:
+        self.deleted.append(name)
 
 
 class FakeNats:
@@ -125,6 +133,9 @@ class FakeEtcd:
 
     async def get_prefix(self, prefix: str) -> tuple[int, dict[str, Any]]:
         return 1, {}
+
+    async def delete_prefix(self, prefix: str) -> None:
+        pass
 
 
 @dataclass
@@ -778,3 +789,52 @@ async def test_a_rotated_nats_secret_that_is_refused_rolls_nothing(
     st = await observe(memo, "orders", spec)
     assert degraded_reason(st) == "NatsAuthFailed"
     assert kube.applied == []  # new pods could not log in either: the old ones stay
+
+
+async def delete(memo: kopf.Memo, name: str, spec: dict[str, Any], retry: int = 0) -> None:
+    """Call the deletion handler as kopf would."""
+    await reconciler.delete(
+        name=name,
+        namespace=NAMESPACE,
+        spec=spec,
+        memo=memo,
+        body=body(name),
+        status={},
+        patch=kopf.Patch(),
+        meta={"generation": 1},
+        retry=retry,
+    )
+
+
+async def test_deleting_uses_the_nats_secret_read_before_if_it_is_gone(
+    world: World, operator_memo: kopf.Memo
+) -> None:
+    """Deleting a namespace removes the Secret before the group's finalizer runs."""
+    FakeJetStream.deleted = []
+    kube: FakeKube = operator_memo.kube
+    kube.secrets[(NAMESPACE, "auth")] = SecretData("1", AUTH_DATA)
+    memo = resource_memo(operator_memo)
+    spec = {
+        "replicas": 1,
+        "handler": GOOD,
+        "deletionPolicy": "Delete",
+        "nats": {"credentialsSecret": "auth"},
+    }
+    await reconcile(memo, "orders", spec)
+    del kube.secrets[(NAMESPACE, "auth")]
+    await delete(memo, "orders", spec)
+    assert FakeJetStream.deleted[0] == f"shoal_{NAMESPACE}_orders"
+
+
+async def test_deleting_with_a_nats_secret_never_seen_keeps_the_streams_at_last(
+    world: World, operator_memo: kopf.Memo
+) -> None:
+    FakeJetStream.deleted = []
+    memo = resource_memo(operator_memo)
+    spec = {"handler": GOOD, "deletionPolicy": "Delete", "nats": {"tlsSecret": "gone"}}
+    with pytest.raises(kopf.TemporaryError, match="gone"):
+        await delete(memo, "orders", spec, retry=0)
+    await delete(memo, "orders", spec, retry=reconciler.DELETE_SECRET_RETRIES)
+    assert FakeJetStream.deleted == []
+    assert world.reasons("Warning") == ["StreamsKept"]
+    assert "streams are left in place" in world.events[-1][2]
