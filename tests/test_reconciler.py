@@ -108,7 +108,7 @@ class FakeStreamInfo:
 
 
 class FakeJetStream:
-    deleted: list[str] = []
+    deleted: list[str] = []  # every FakeJetStream's: each test resets it
 
     async def stream_info(self, name: str) -> FakeStreamInfo:
         return FakeStreamInfo()
