@@ -29,6 +29,7 @@ from shoal.consumer.jetstream import NatsHealth, connect, ensure_group, partitio
 from shoal.consumer.kube import GroupObject
 from shoal.consumer.membership import Membership
 from shoal.consumer.metrics import Metrics
+from shoal.consumer.natsauth import NatsRefusal
 from shoal.consumer.ready import HealthFile, MemberState
 from shoal.consumer.view import GroupView
 from shoal.consumer.worker import Worker
@@ -76,6 +77,8 @@ class ConsumerProcess:
             HealthFile(config.ready_file, self._member_state) if config.ready_file else None
         )
         self._health_task: asyncio.Task[None] | None = None
+        # Why NATS refuses us (credentials, TLS), while it does: the probes say it.
+        self.nats_refusal: NatsRefusal | None = None
 
     def _member_state(self) -> MemberState:
         """What the probes see; memory only (never waits on etcd or NATS)."""
@@ -91,7 +94,11 @@ class ConsumerProcess:
             leaving=m.leaving or self.stopping.is_set(),
             stalled=self.worker.stalled() if self.worker is not None else [],
             wedged=self.worker is not None and self.worker.wedged(),
+            problem=str(self.nats_refusal) if self.nats_refusal else "",
         )
+
+    def _on_nats_refusal(self, why: NatsRefusal | None) -> None:
+        self.nats_refusal = why
 
     def _stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = {
@@ -186,6 +193,8 @@ class ConsumerProcess:
                 c.ack_wait,
                 c.fence_after,
             )
+        # Unusable NATS settings stop start-up here, before etcd is even asked.
+        c.nats_security().check()
         if self.health is not None and self._health_task is None:
             self._health_task = asyncio.create_task(self.health.run(), name="health-file")
         if c.metrics_port is not None:
@@ -196,6 +205,7 @@ class ConsumerProcess:
             name=f"shoal-{c.group}-{c.member_id}",
             security=c.nats_security(),
             reconnect_buffer=c.nats_reconnect_buffer,
+            on_refusal=self._on_nats_refusal,
         )
         self.js = self.nc.jetstream()
         self.nats_health = NatsHealth(self.nc)
