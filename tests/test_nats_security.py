@@ -238,7 +238,7 @@ def test_settings_are_checked_before_connecting(tmp_path: Path) -> None:
         NatsSecurity(user="u").check()
     with pytest.raises(NatsConfigError, match="one of a credentials file"):
         NatsSecurity(user="u", password="p", creds_file=__file__).check()
-    with pytest.raises(NatsConfigError, match="CA file .* is not readable"):
+    with pytest.raises(NatsConfigError, match=r"CA file .* is not readable"):
         NatsSecurity(ca_file=str(tmp_path / "missing.crt")).check()
     (tmp_path / "junk.crt").write_text("not a certificate")
     with pytest.raises(NatsConfigError, match="TLS files cannot be used"):
