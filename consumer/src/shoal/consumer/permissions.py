@@ -64,10 +64,8 @@ def member_permissions(config: GroupConfig, inbox_prefix: str | None = None) -> 
         f"{API}.CONSUMER.MSG.NEXT.{stream}.*",
         # Acks, naks, in-progress and terms go to the delivered message's reply subject.
         f"$JS.ACK.{stream}.>",
-        # Lag and dozing (consumer_info), recreating a deleted durable (add_consumer with
-        # a filter subject: CONSUMER.CREATE.<stream>.<durable>.<filter>).
+        # Lag and dozing (consumer_info).
         f"{API}.CONSUMER.INFO.{stream}.*",
-        f"{API}.CONSUMER.CREATE.{stream}.>",
         # The leader's sweep of messages past max_deliver (deadletter.py): read the
         # original, publish it to the DLQ, delete it.
         f"{API}.STREAM.MSG.GET.{stream}",
@@ -81,6 +79,7 @@ def member_permissions(config: GroupConfig, inbox_prefix: str | None = None) -> 
     if config.ledger:
         publish += ledger_subjects(prefix)  # the test ledger handler
     if config.ensure_jetstream:
+        # ensure_group at start, and recreating a deleted durable (partition.py).
         publish += _management(config)
     subscribe = [
         f"{inbox}.>",
@@ -104,7 +103,12 @@ def _management(config: GroupConfig) -> list[str]:
     out: list[str] = []
     for stream in _streams(config):
         out += [f"{API}.STREAM.CREATE.{stream}", f"{API}.STREAM.UPDATE.{stream}"]
-    out += [f"{API}.CONSUMER.LIST.{config.stream}", f"{API}.CONSUMER.CREATE.{config.stream}.>"]
+    # nats-py 2.16 creates a consumer that has a durable_name and no name with the
+    # legacy DURABLE.CREATE request (its CONSUMER.CREATE form needs config.name).
+    out += [
+        f"{API}.CONSUMER.LIST.{config.stream}",
+        f"{API}.CONSUMER.DURABLE.CREATE.{config.stream}.*",
+    ]
     return out
 
 
