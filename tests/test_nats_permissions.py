@@ -42,6 +42,7 @@ from shoal.contracts.names import SEQ_HEADER, durable_name, partition_subject
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 P = 32
+PRODUCER_INBOX = "_SHOAL_PRODUCER.test.a"
 TTL = 5
 FAST_ENV = {"SHOAL_LEASE_TTL": str(TTL), "SHOAL_KEEPALIVE_INTERVAL": "1", "SHOAL_ACK_WAIT": "2"}
 
@@ -112,7 +113,7 @@ def setup(tmp_path: Path, etcd_endpoint: str, group: str) -> Iterator[Setup]:
         ),
         NatsUser("member-a", "a-pw", *_lists(member_permissions(a, default_inbox_prefix(a)))),
         NatsUser("member-b", "b-pw", *_lists(member_permissions(b, default_inbox_prefix(b)))),
-        NatsUser("producer", "producer-pw", *_lists(producer_permissions(a, "_INBOX.producer"))),
+        NatsUser("producer", "producer-pw", *_lists(producer_permissions(a, PRODUCER_INBOX))),
     ]
     security = NatsServerSecurity.generate(tmp_path / "pki", users)
     server = NatsServer(tmp_path / "nats", security=security)
@@ -154,7 +155,7 @@ async def test_a_group_runs_with_exactly_its_permissions(
         await op.close()
 
     producer_nc = await connect(
-        url, name="producer", attempts=3, security=setup.client("producer", "_INBOX.producer")
+        url, name="producer", attempts=3, security=setup.client("producer", PRODUCER_INBOX)
     )
     admin = await connect(url, name="admin", attempts=3, security=setup.client("admin"))
     items = [
@@ -232,7 +233,7 @@ async def test_a_member_of_group_b_cannot_read_group_a(setup: Setup) -> None:
     finally:
         await op.close()
     producer_nc = await connect(
-        url, name="producer", attempts=3, security=setup.client("producer", "_INBOX.producer")
+        url, name="producer", attempts=3, security=setup.client("producer", PRODUCER_INBOX)
     )
     try:
         await Producer(producer_nc.jetstream(), a.subject_prefix, P).publish_many(

@@ -56,7 +56,7 @@ def test_a_member_may_use_its_own_group_only() -> None:
             "_SHOAL.HEALTH",
         ],
         "subscribe": [
-            "_INBOX.shop.orders.abc.*",
+            "_SHOAL_INBOX.shop.orders.abc.*",
             "shoal.shop.orders.7",
             "$JS.EVENT.ADVISORY.STREAM.DELETED.shoal_shop_orders",
             "$JS.EVENT.ADVISORY.CONSUMER.DELETED.shoal_shop_orders.p7",
@@ -82,6 +82,13 @@ def test_a_member_may_use_its_own_group_only() -> None:
         concrete = subject.replace(">", "x").replace("*", "p1")
         assert not any(matches(p, concrete) for p in mine.subscribe), subject
     assert not any(matches(p, "_INBOX.abc.1") for p in mine.subscribe)
+    # No user's inbox permission covers another's replies: the operator's _INBOX.> is
+    # no prefix of the members' or the producers'.
+    op, producer = operator_permissions(a), producer_permissions(a, "_SHOAL_PRODUCER.shop.orders")
+    member_reply = default_inbox_prefix(a) + ".abc.1"
+    producer_reply = "_SHOAL_PRODUCER.shop.orders.abc.1"
+    assert not any(matches(p, member_reply) for p in op.subscribe + producer.subscribe)
+    assert not any(matches(p, producer_reply) for p in op.subscribe + mine.subscribe)
 
 
 def test_standalone_members_and_the_operator_manage_the_streams() -> None:
@@ -122,8 +129,9 @@ def test_the_cli_prints_a_block_nats_server_accepts(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["permissions", "-g", "orders", "-n", "shop"])
     assert result.exit_code == 0, result.output
     out = result.output
-    assert "# Members: NATS_USER=shoal-member NATS_INBOX_PREFIX=_INBOX.shop.orders" in out
-    assert '"_INBOX.shop.orders.>"' in out
+    assert "# Members: NATS_USER=shoal-member NATS_INBOX_PREFIX=_SHOAL_INBOX.shop.orders" in out
+    assert '"_SHOAL_INBOX.shop.orders.>"' in out
+    assert '"_SHOAL_PRODUCER.shop.orders.>"' in out
     assert "password: $SHOAL_MEMBER_PASSWORD" in out
     (tmp_path / "auth.conf").write_text(out)
     conf = tmp_path / "server.conf"

@@ -348,7 +348,7 @@ def plan(partitions: int, before: str, after: str, as_json: bool) -> None:
 @click.option(
     "--inbox-prefix",
     default=None,
-    help="The members' reply prefix, NATS_INBOX_PREFIX (default _INBOX.<namespace>.<group>).",
+    help="The members' reply prefix, NATS_INBOX_PREFIX (default _SHOAL_INBOX.<namespace>.<group>).",
 )
 @click.option("--ledger", is_flag=True, help="The group writes the test ledger.")
 @click.option(
@@ -378,9 +378,9 @@ def permissions(
     server's config (passwords are read from the server's environment:
     $SHOAL_MEMBER_PASSWORD, $SHOAL_OPERATOR_PASSWORD, $SHOAL_PRODUCER_PASSWORD).
 
-    Members must then connect with NATS_INBOX_PREFIX set to the inbox prefix shown:
-    with nats-py's shared _INBOX, any user allowed to subscribe to its replies could
-    read every other client's, other groups' pulled messages included.
+    Members and producers must then connect with NATS_INBOX_PREFIX set as shown: with
+    nats-py's shared _INBOX, any user allowed to subscribe to its replies could read
+    every other client's, other groups' pulled messages included.
     """
     from shoal.consumer import permissions as perms
     from shoal.consumer.config import GroupConfig
@@ -403,13 +403,20 @@ def permissions(
         f"# Shoal group {namespace}/{group}: stream {config.stream}, subjects "
         f"{config.subject_prefix}.*"
     )
+    producer_inbox = perms.default_producer_inbox_prefix(config)
     click.echo(f"# Members: NATS_USER={member_user} NATS_INBOX_PREFIX={inbox}")
+    click.echo(f"# Producers: NATS_USER={producer_user} NATS_INBOX_PREFIX={producer_inbox}")
+    click.echo(f"# The operator: NATS_USER={operator_user} (nats-py's _INBOX)")
     click.echo(
         perms.authorization_block(
             [
                 (member_user, "$SHOAL_MEMBER_PASSWORD", perms.member_permissions(config, inbox)),
                 (operator_user, "$SHOAL_OPERATOR_PASSWORD", perms.operator_permissions(config)),
-                (producer_user, "$SHOAL_PRODUCER_PASSWORD", perms.producer_permissions(config)),
+                (
+                    producer_user,
+                    "$SHOAL_PRODUCER_PASSWORD",
+                    perms.producer_permissions(config, producer_inbox),
+                ),
             ]
         ),
         nl=False,

@@ -9,9 +9,11 @@ on a real nats-server with exactly these lists.
 Replies: every request (JetStream API calls, publishes with an ack, pulls) is answered on
 the client's inbox, ``<inbox prefix>.>``. nats-py's prefix is ``_INBOX`` for every client,
 so a subscribe permission on ``_INBOX.>`` lets any user holding it read every other
-client's replies, e.g. the messages a member of another group pulled. So members use a
-per-group prefix (``NATS_INBOX_PREFIX``, by default in this output
-``_INBOX.<namespace>.<group>``) and may subscribe only below it.
+client's replies, e.g. the messages a member of another group pulled. So members and
+producers use prefixes of their group's own (``NATS_INBOX_PREFIX``, by default in this
+output ``_SHOAL_INBOX.<namespace>.<group>`` and ``_SHOAL_PRODUCER.<namespace>.<group>``),
+outside ``_INBOX``, and may subscribe only below them. The operator keeps nats-py's
+``_INBOX``: ``_INBOX.>`` then overlaps with no member's or producer's replies.
 """
 
 from __future__ import annotations
@@ -42,8 +44,13 @@ class Permissions:
 
 
 def default_inbox_prefix(config: GroupConfig) -> str:
-    """A reply prefix of the group's own (group and namespace names have no dots)."""
-    return f"_INBOX.{config.namespace}.{config.group}"
+    """The members' reply prefix: the group's own (Kubernetes names have no dots), and
+    under no other prefix, so that no other user's inbox permission covers it."""
+    return f"_SHOAL_INBOX.{config.namespace}.{config.group}"
+
+
+def default_producer_inbox_prefix(config: GroupConfig) -> str:
+    return f"_SHOAL_PRODUCER.{config.namespace}.{config.group}"
 
 
 def _streams(config: GroupConfig) -> list[str]:
