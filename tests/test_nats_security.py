@@ -148,7 +148,56 @@ async def test_a_member_retries_a_refusal_quietly(
     assert len(seen) >= 3 and all(s.startswith("NatsAuthFailed: ") for s in seen)
 
 
-def member_env(secured: Secured, settings: NatsSecurity, ready_file: Path) -> dict[str, str]:
+def test_a_member_whose_login_is_dropped_exits_with_one_line(
+    tmp_path: Path, etcd_endpoint: str, group: str
+) -> None:
+    """The server drops a connected member's login (its password rotated). nats-py then
+    closes the connection for good instead of reconnecting (last_error: its
+    AuthorizationError), so the member leaves its group and exits 1 with one line; the
+    pod's restart connects again, with the secret as it is then."""
+    security = NatsServerSecurity.generate(tmp_path / "pki", [NatsUser("member", PASSWORD)])
+    server = NatsServer(tmp_path / "nats", security=security)
+    ready_file = tmp_path / "ready.json"
+    client = NatsSecurity(
+        ca_file=str(security.ca_file),
+        cert_file=str(security.client_cert),
+        key_file=str(security.client_key),
+        user="member",
+        password=PASSWORD,
+    )
+    try:
+        server.start()
+        with Fleet(
+            tmp_path / "members",
+            nats_url=server.url,
+            etcd_endpoint=etcd_endpoint,
+            namespace="test",
+            group=group,
+            partitions=8,
+            env=member_env(client, ready_file),
+        ) as fleet:
+            member = fleet.start("m-0")
+            eventually(
+                lambda: readiness.check(str(ready_file)),
+                30,
+                "the member to be ready",
+                until=lambda result: result[0],
+                interval=0.2,
+            )
+            rotated = dataclasses.replace(security, users=(NatsUser("member", "rotated"),))
+            server.reload(rotated)
+            assert fleet.wait_exit("m-0", 30) == 1
+            text = member.log_text()
+    finally:
+        server.stop()
+    lines = [line for line in text.splitlines() if "NatsAuthFailed" in line]
+    assert len(lines) == 1, text
+    assert "NATS closed this member's connection for good" in lines[0], text
+    assert "Left group" in text, text
+    assert "Traceback" not in text, text
+
+
+def member_env(settings: NatsSecurity, ready_file: Path) -> dict[str, str]:
     env = {
         "NATS_CA_FILE": settings.ca_file or "",
         "NATS_CERT_FILE": settings.cert_file or "",
@@ -173,7 +222,7 @@ def test_a_refused_member_logs_one_line_and_is_not_ready(
         namespace="test",
         group=group,
         partitions=8,
-        env=member_env(secured, settings, ready_file),
+        env=member_env(settings, ready_file),
     ) as fleet:
         member = fleet.start("m-0")
         message = eventually(
@@ -194,6 +243,8 @@ def test_a_refused_member_logs_one_line_and_is_not_ready(
     assert len(lines) == 1, text
     assert says in lines[0] and "retrying" in lines[0], lines[0]
     assert "Traceback" not in text, text
+    # Every attempt was seen as the refusal it is, none as an unreachable server.
+    assert "unreachable" not in text, text
 
 
 def test_unusable_settings_stop_the_member_at_once(
@@ -207,7 +258,7 @@ def test_unusable_settings_stop_the_member_at_once(
         namespace="test",
         group=group,
         partitions=8,
-        env=member_env(secured, settings, tmp_path / "ready.json"),
+        env=member_env(settings, tmp_path / "ready.json"),
     ) as fleet:
         member = fleet.start("m-0")
         assert fleet.wait_exit("m-0", 20) == 1
@@ -228,6 +279,27 @@ def test_produce_takes_the_same_settings(secured: Secured) -> None:
     ok = CliRunner().invoke(main, args, env={**env, "NATS_PASSWORD": PASSWORD})
     assert ok.exit_code == 0, ok.output
     refused = CliRunner().invoke(main, args, env={**env, "NATS_PASSWORD": "wrong"})
+    assert refused.exit_code == 1
+    assert "Error: NatsAuthFailed: NATS refused the credentials" in refused.output
+    assert "Traceback" not in refused.output
+
+
+def test_the_export_takes_the_same_settings(secured: Secured, tmp_path: Path) -> None:
+    from shoal.analytics.cli import main as analytics
+
+    good = secured.client()
+    env = {
+        "NATS_CA_FILE": good.ca_file,
+        "NATS_CERT_FILE": good.cert_file,
+        "NATS_KEY_FILE": good.key_file,
+        "NATS_USER": "member",
+    }
+    args = ["export", "-g", "nosuch", "--nats-url", secured.server.url, "-o", str(tmp_path)]
+    # Connected (TLS and password accepted); the group has no log stream.
+    ok = CliRunner().invoke(analytics, args, env={**env, "NATS_PASSWORD": PASSWORD})
+    assert ok.exit_code == 1 and "NatsAuthFailed" not in ok.output, ok.output
+    assert "nosuch" in ok.output, ok.output
+    refused = CliRunner().invoke(analytics, args, env={**env, "NATS_PASSWORD": "wrong"})
     assert refused.exit_code == 1
     assert "Error: NatsAuthFailed: NATS refused the credentials" in refused.output
     assert "Traceback" not in refused.output

@@ -518,15 +518,29 @@ class NatsServer(ServerProcess):
     def config_path(self) -> Path:
         return self.workdir / "nats-server.conf"
 
+    def _write_config(self, security: NatsServerSecurity) -> None:
+        # Ports and the store in the file too: one place to read what the server ran.
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(
+            f"listen: {HOST}:{self.port}\n"
+            f"http: {HOST}:{self.monitor_port}\n"
+            f"jetstream: {{store_dir: {json.dumps(str(self.store_dir))}}}\n"
+            + security.config_text()
+        )
+
+    def reload(self, security: NatsServerSecurity) -> None:
+        """Give the running secured server new users, passwords, permissions or
+        certificates, as an operator would: rewrite its config file and send SIGHUP.
+        nats-server disconnects the clients whose login no longer holds."""
+        if self.security is None:
+            raise RuntimeError("reload() is for a server started with security")
+        self.security = security
+        self._write_config(security)
+        self._signal(signal.SIGHUP)
+
     def _command(self) -> list[str]:
         if self.security is not None:
-            # Ports and the store in the file too: one place to read what the server ran.
-            self.config_path.write_text(
-                f"listen: {HOST}:{self.port}\n"
-                f"http: {HOST}:{self.monitor_port}\n"
-                f"jetstream: {{store_dir: {json.dumps(str(self.store_dir))}}}\n"
-                + self.security.config_text()
-            )
+            self._write_config(self.security)
             return [self.binary, "-c", str(self.config_path), *self.extra_args]
         return [
             self.binary,

@@ -21,7 +21,7 @@ from shoal.consumer.config import (
 )
 from shoal.consumer.etcd import Etcd, EtcdAuthError, EtcdConfigError
 from shoal.consumer.handlers import HandlerError
-from shoal.consumer.natsauth import NatsConfigError
+from shoal.consumer.natsauth import NatsClosed, NatsConfigError
 from shoal.contracts.names import DEFAULT_PARTITIONS, SEQ_HEADER, default_subject_prefix
 from shoal.logs import log_level_option, setup_logging
 
@@ -165,6 +165,9 @@ def run(
         asyncio.run(run_consumer(config))
     except (HandlerError, EtcdConfigError, EtcdAuthError, NatsConfigError) as exc:
         raise click.ClickException(str(exc)) from None
+    except NatsClosed:
+        # (Logged already, with the reason.) A restart connects again, with backoff.
+        raise SystemExit(1) from None
 
 
 def _validation_message(exc: ValidationError) -> str:

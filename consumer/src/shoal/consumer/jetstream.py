@@ -54,6 +54,7 @@ class _Callbacks:
     def __init__(self, on_refusal: Callable[[NatsRefusal | None], None] | None) -> None:
         self.nc: Any = None
         self.on_refusal = on_refusal
+        self.closed_event = asyncio.Event()
         # nats-py tries to reconnect every reconnect_time_wait while NATS is away, and
         # reports each failure: one line per 10 s is enough.
         self._errors = QuietLog(log)
@@ -76,6 +77,9 @@ class _Callbacks:
     async def disconnected(self) -> None:
         if not self._closing():
             log.warning("Disconnected from NATS; reconnecting")
+
+    async def closed(self) -> None:
+        self.closed_event.set()
 
     async def reconnected(self) -> None:
         self._errors.recovered()
@@ -156,9 +160,12 @@ async def connect(
                 "error_cb": callbacks.error,
                 "disconnected_cb": callbacks.disconnected,
                 "reconnected_cb": callbacks.reconnected,
+                "closed_cb": callbacks.closed,
             }
             await nc.connect(url, **options)
             callbacks.nc = nc
+            # Set once the connection is closed for good (runtime: _watch_connection).
+            nc.closed_event = callbacks.closed_event
             if on_refusal is not None:
                 on_refusal(None)
             if refused.failing:

@@ -140,6 +140,11 @@ class NatsRefused(ConnectionError):
         self.why = why
 
 
+class NatsClosed(ConnectionError):
+    """nats-py closed a connection for good: it does not reconnect when the server drops
+    a connected client's login (a password rotated, a user removed), it closes."""
+
+
 # What nats-server's TLS alerts mean for the client (OpenSSL's reason codes). The server
 # checks the client certificate after the client considers a TLS 1.3 handshake done, so
 # these arrive only from a read on the connection (see diagnose_tls).
@@ -197,9 +202,16 @@ def refusal(exc: BaseException | None) -> NatsRefusal | None:
 def maybe_tls_refusal(exc: BaseException, url: str, security: NatsSecurity) -> bool:
     """Whether `exc` may be a TLS refusal of the client certificate in disguise: the
     server hung up right after a TLS handshake (nothing else resets a fresh connection
-    to a live server)."""
+    to a live server). nats-py says "Connection lost", or, when its CONNECT was still
+    being written, BrokenPipeError."""
     return _tls_url(url, security) and isinstance(
-        exc, ConnectionResetError | ssl.SSLEOFError | EOFError
+        exc,
+        ConnectionResetError
+        | BrokenPipeError
+        | ConnectionAbortedError
+        | ssl.SSLEOFError
+        | EOFError
+        | nats_errors.UnexpectedEOF,
     )
 
 
