@@ -87,16 +87,10 @@ class Setup:
         )
 
     def member_env(self, config: GroupConfig, user: str) -> dict[str, str]:
-        s = self.client(user, default_inbox_prefix(config))
         return {
             **FAST_ENV,
             "SHOAL_ENSURE_JETSTREAM": "false",
-            "NATS_CA_FILE": s.ca_file or "",
-            "NATS_CERT_FILE": s.cert_file or "",
-            "NATS_KEY_FILE": s.key_file or "",
-            "NATS_USER": user,
-            "NATS_PASSWORD": s.password or "",
-            "NATS_INBOX_PREFIX": s.inbox_prefix or "",
+            **self.security.client_env(user, default_inbox_prefix(config)),
         }
 
 

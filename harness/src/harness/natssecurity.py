@@ -13,8 +13,11 @@ the users (a password each and, optionally, subject permissions). Given to
     security = NatsServerSecurity.generate(tmp_path / "pki", [NatsUser("member", "pw")])
     with NatsServer(tmp_path / "nats", security=security) as server:
         # server.url is tls://127.0.0.1:<port>; clients trust security.ca_file and
-        # present security.client_cert / security.client_key
-        ...
+        # present security.client_cert / security.client_key; a member's environment:
+        env = {"NATS_URL": server.url, **security.client_env("member")}
+
+`server.reload(new_security)` rewrites the config and sends SIGHUP (rotate a password,
+remove a user: nats-server drops the clients whose login no longer holds).
 
 `issue_client_cert(...)` makes other client certificates from the same CA, e.g. one
 that expired already (``expired=True``) for error tests.
@@ -78,11 +81,22 @@ class NatsServerSecurity:
 
     @classmethod
     def generate(
-        cls, directory: str | Path, users: Sequence[NatsUser], *, verify: bool = True
+        cls,
+        directory: str | Path,
+        users: Sequence[NatsUser],
+        *,
+        verify: bool = True,
+        dns_names: Sequence[str] = ("localhost",),
+        ip_addresses: Sequence[str] = ("127.0.0.1",),
     ) -> NatsServerSecurity:
-        """Write (once) the CA and certificates into `directory`; describe `users`."""
+        """Write (once) the CA and certificates into `directory`; describe `users`.
+
+        The server's certificate is valid for `dns_names` and `ip_addresses` (e.g. a
+        Service's name, for pods that reach the server through it)."""
         pki = ensure_pki(Path(directory), {CLIENT_CERT: "shoal-nats-client"})
-        server_cert, server_key = ensure_serving_cert(pki, "nats-server")
+        server_cert, server_key = ensure_serving_cert(
+            pki, "nats-server", tuple(dns_names), tuple(ip_addresses)
+        )
         client_cert, client_key = pki.client(CLIENT_CERT)
         return cls(
             ca_file=pki.ca_cert,
@@ -99,6 +113,20 @@ class NatsServerSecurity:
             if user.name == name:
                 return user
         raise KeyError(name)
+
+    def client_env(self, user: str, inbox_prefix: str | None = None) -> dict[str, str]:
+        """The NATS_* environment a Shoal member (or produce, or the export) needs to
+        reach this server as `user` (shoal.consumer.config: NATS_CA_FILE ...)."""
+        env = {
+            "NATS_CA_FILE": str(self.ca_file),
+            "NATS_CERT_FILE": str(self.client_cert),
+            "NATS_KEY_FILE": str(self.client_key),
+            "NATS_USER": user,
+            "NATS_PASSWORD": self.user(user).password,
+        }
+        if inbox_prefix:
+            env["NATS_INBOX_PREFIX"] = inbox_prefix
+        return env
 
     def config_text(self) -> str:
         """The config file's tls and accounts blocks (NATS config accepts JSON values)."""
