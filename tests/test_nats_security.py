@@ -98,6 +98,19 @@ def refused_settings(secured: Secured) -> dict[str, tuple[NatsSecurity, str, str
 CASES = ["wrong password", "unknown CA", "expired client certificate", "no client certificate"]
 
 
+async def test_without_a_ca_file_the_system_cas_are_trusted(secured: Secured) -> None:
+    # A tls:// URL and a client certificate, no NATS_CA_FILE: the system's CAs, which
+    # do not know this test's CA.
+    with pytest.raises(NatsRefused, match="unable to get local issuer certificate"):
+        await connect(
+            secured.server.url, name="t", attempts=1, security=secured.client(ca_file=None)
+        )
+    # And a plain nats:// URL still gets TLS from a server that requires it.
+    plain = secured.server.url.replace("tls://", "nats://")
+    nc = await connect(plain, name="t", attempts=1, security=secured.client())
+    await nc.close()
+
+
 async def test_connects_with_client_certificate_and_password(secured: Secured) -> None:
     assert secured.server.url.startswith("tls://")
     nc = await connect(secured.server.url, name="t", attempts=2, security=secured.client())
