@@ -31,13 +31,20 @@ from shoal.consumer.ledger import audit, read_ledger
 from shoal.consumer.natsauth import NatsSecurity
 from shoal.consumer.permissions import (
     Permissions,
+    default_exporter_inbox_prefix,
     default_inbox_prefix,
+    exporter_permissions,
     member_permissions,
     operator_permissions,
     producer_permissions,
 )
 from shoal.consumer.producer import Outgoing, Producer
-from shoal.contracts.names import SEQ_HEADER, durable_name, partition_subject
+from shoal.contracts.names import (
+    SEQ_HEADER,
+    assignments_subject,
+    durable_name,
+    partition_subject,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -108,6 +115,7 @@ def setup(tmp_path: Path, etcd_endpoint: str, group: str) -> Iterator[Setup]:
         NatsUser("member-a", "a-pw", *_lists(member_permissions(a, default_inbox_prefix(a)))),
         NatsUser("member-b", "b-pw", *_lists(member_permissions(b, default_inbox_prefix(b)))),
         NatsUser("producer", "producer-pw", *_lists(producer_permissions(a, PRODUCER_INBOX))),
+        NatsUser("exporter", "exporter-pw", *_lists(exporter_permissions(a))),
     ]
     security = NatsServerSecurity.generate(tmp_path / "pki", users)
     server = NatsServer(tmp_path / "nats", security=security)
@@ -297,3 +305,30 @@ async def test_a_member_of_group_b_cannot_read_group_a(setup: Setup) -> None:
     finally:
         await admin.close()
     assert violations(setup.server, "member-b"), "the server logged no violation"
+
+
+async def test_the_export_runs_with_exactly_its_permissions(setup: Setup, tmp_path: Path) -> None:
+    from shoal.analytics.export import export_log
+
+    a, url = setup.a, setup.server.url
+    op = await connect(url, name="operator", attempts=3, security=setup.client("operator"))
+    admin = await connect(url, name="admin", attempts=3, security=setup.client("admin"))
+    try:
+        await ensure_group(op.jetstream(), a)
+        for generation in range(5):  # what the leader logs (the export copies it verbatim)
+            await admin.jetstream().publish(
+                assignments_subject(a.subject_prefix), f'{{"generation": {generation}}}'.encode()
+            )
+    finally:
+        await op.close()
+        await admin.close()
+    result = await export_log(
+        nats_url=url,
+        namespace=a.namespace,
+        group=a.group,
+        out=tmp_path / "out",
+        security=setup.client("exporter", default_exporter_inbox_prefix(a)),
+        connect_attempts=2,
+    )
+    assert result.messages == 5
+    assert violations(setup.server, "exporter") == []

@@ -143,6 +143,7 @@ def test_the_cli_prints_a_block_nats_server_accepts(tmp_path: Path) -> None:
         "SHOAL_MEMBER_PASSWORD": "m",
         "SHOAL_OPERATOR_PASSWORD": "o",
         "SHOAL_PRODUCER_PASSWORD": "p",
+        "SHOAL_ANALYTICS_PASSWORD": "x",
     }
     checked = subprocess.run(
         [binary, "-t", "-c", str(conf)], capture_output=True, text=True, env=env, timeout=30

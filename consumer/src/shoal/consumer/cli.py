@@ -364,6 +364,7 @@ def plan(partitions: int, before: str, after: str, as_json: bool) -> None:
 @click.option("--member-user", default="shoal-member", show_default=True)
 @click.option("--operator-user", default="shoal-operator", show_default=True)
 @click.option("--producer-user", default="shoal-producer", show_default=True)
+@click.option("--analytics-user", default="shoal-analytics", show_default=True)
 def permissions(
     group: str,
     namespace: str,
@@ -375,11 +376,13 @@ def permissions(
     member_user: str,
     operator_user: str,
     producer_user: str,
+    analytics_user: str,
 ) -> None:
-    """Print the least NATS permissions of a group's members, the operator and a
-    producer, as an `authorization { users = [...] }` block to paste into a NATS
-    server's config (passwords are read from the server's environment:
-    $SHOAL_MEMBER_PASSWORD, $SHOAL_OPERATOR_PASSWORD, $SHOAL_PRODUCER_PASSWORD).
+    """Print the least NATS permissions of a group's members, the operator, a producer
+    and the assignment-log export, as an `authorization { users = [...] }` block to
+    paste into a NATS server's config (passwords are read from the server's
+    environment: $SHOAL_MEMBER_PASSWORD, $SHOAL_OPERATOR_PASSWORD,
+    $SHOAL_PRODUCER_PASSWORD, $SHOAL_ANALYTICS_PASSWORD).
 
     Members and producers must then connect with NATS_INBOX_PREFIX set as shown: with
     nats-py's shared _INBOX, any user allowed to subscribe to its replies could read
@@ -409,6 +412,8 @@ def permissions(
     producer_inbox = perms.default_producer_inbox_prefix(config)
     click.echo(f"# Members: NATS_USER={member_user} NATS_INBOX_PREFIX={inbox}")
     click.echo(f"# Producers: NATS_USER={producer_user} NATS_INBOX_PREFIX={producer_inbox}")
+    export_inbox = perms.default_exporter_inbox_prefix(config)
+    click.echo(f"# The export: NATS_USER={analytics_user} NATS_INBOX_PREFIX={export_inbox}")
     click.echo(f"# The operator: NATS_USER={operator_user} (nats-py's _INBOX)")
     click.echo(
         perms.authorization_block(
@@ -419,6 +424,11 @@ def permissions(
                     producer_user,
                     "$SHOAL_PRODUCER_PASSWORD",
                     perms.producer_permissions(config, producer_inbox),
+                ),
+                (
+                    analytics_user,
+                    "$SHOAL_ANALYTICS_PASSWORD",
+                    perms.exporter_permissions(config, export_inbox),
                 ),
             ]
         ),

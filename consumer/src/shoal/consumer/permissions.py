@@ -10,9 +10,10 @@ Replies: every request (JetStream API calls, publishes with an ack, pulls) is an
 the client's inbox, ``<inbox prefix>.>``. nats-py's prefix is ``_INBOX`` for every client,
 so a subscribe permission on ``_INBOX.>`` lets any user holding it read every other
 client's replies, e.g. the messages a member of another group pulled. So members and
-producers use prefixes of their group's own (``NATS_INBOX_PREFIX``, by default in this
-output ``_SHOAL_INBOX.<namespace>.<group>`` and ``_SHOAL_PRODUCER.<namespace>.<group>``),
-outside ``_INBOX``, and may subscribe only below them. The operator keeps nats-py's
+producers (and the export) use prefixes of their group's own (``NATS_INBOX_PREFIX``, by
+default in this output ``_SHOAL_INBOX.<namespace>.<group>``,
+``_SHOAL_PRODUCER.<namespace>.<group>``, ``_SHOAL_EXPORT.<namespace>.<group>``), outside
+``_INBOX``, and may subscribe only below them. The operator keeps nats-py's
 ``_INBOX``: ``_INBOX.>`` then overlaps with no member's or producer's replies.
 """
 
@@ -137,6 +138,27 @@ def producer_permissions(config: GroupConfig, inbox_prefix: str | None = None) -
     subjects, and its inbox for JetStream's publish acks."""
     inbox = inbox_prefix or config.nats_inbox_prefix or "_INBOX"
     return Permissions(tuple(stream_subjects(config.subject_prefix)), (f"{inbox}.>",))
+
+
+def default_exporter_inbox_prefix(config: GroupConfig) -> str:
+    return f"_SHOAL_EXPORT.{config.namespace}.{config.group}"
+
+
+def exporter_permissions(config: GroupConfig, inbox_prefix: str | None = None) -> Permissions:
+    """`shoal-analytics export` of the group's assignment log (analytics/export.py): the
+    log stream's info, an ephemeral pull consumer on it (created without a name, so with
+    the plain CONSUMER.CREATE request), its pulls (no acks: AckPolicy NONE), deleting it."""
+    inbox = inbox_prefix or default_exporter_inbox_prefix(config)
+    log_stream = config.log_stream
+    return Permissions(
+        (
+            f"{API}.STREAM.INFO.{log_stream}",
+            f"{API}.CONSUMER.CREATE.{log_stream}",
+            f"{API}.CONSUMER.MSG.NEXT.{log_stream}.*",
+            f"{API}.CONSUMER.DELETE.{log_stream}.*",
+        ),
+        (f"{inbox}.>",),
+    )
 
 
 def _quoted(subjects: Sequence[str]) -> str:
