@@ -51,10 +51,12 @@ _STORAGE = {"file": api.StorageType.FILE, "memory": api.StorageType.MEMORY}
 class _Callbacks:
     """One-line logs for a connection's events instead of nats-py's tracebacks."""
 
-    def __init__(self, on_refusal: Callable[[NatsRefusal | None], None] | None) -> None:
+    def __init__(
+        self, on_refusal: Callable[[NatsRefusal | None], None] | None, closed: asyncio.Event
+    ) -> None:
         self.nc: Any = None
         self.on_refusal = on_refusal
-        self.closed_event = asyncio.Event()
+        self.closed_event = closed
         # nats-py tries to reconnect every reconnect_time_wait while NATS is away, and
         # reports each failure: one line per 10 s is enough.
         self._errors = QuietLog(log)
@@ -143,9 +145,10 @@ async def connect(
                 error_cb=_quiet,
             )
             await probe.close()
-            callbacks = _Callbacks(on_refusal)
             # The member reads its pull replies through the direct path (natsclient).
             nc = DirectClient()
+            # closed_event: set once nats-py closed it for good (runtime waits on it).
+            callbacks = _Callbacks(on_refusal, nc.closed_event)
             options: dict[str, Any] = {
                 **auth,
                 "name": name,
@@ -164,14 +167,10 @@ async def connect(
             }
             await nc.connect(url, **options)
             callbacks.nc = nc
-            # Set once the connection is closed for good (runtime: _watch_connection).
-            nc.closed_event = callbacks.closed_event
             if on_refusal is not None:
                 on_refusal(None)
-            if refused.failing:
-                log.info("Connected to NATS at %s after %d attempts", url, attempt)
-                refused.recovered()
-            elif attempt > 1:
+            refused.recovered()
+            if attempt > 1:
                 log.info("Connected to NATS at %s after %d attempts", url, attempt)
             return nc
         except Exception as exc:  # nats-py raises several unrelated types here
