@@ -104,9 +104,6 @@ class Ownership:
         """The runner consuming the partition, if any."""
         return self.runners.get(partition)
 
-    def in_stage(self, stage: Stage) -> list[int]:
-        return sorted(p for p, slot in self._slots.items() if slot.stage is stage)
-
     def busy(self) -> bool:
         """Anything being claimed, consumed or released (what a drain waits for)."""
         return any(

@@ -13,7 +13,9 @@ durable into the member's `Dispatcher` (dispatch.py) and, when stopped, does ste
 the claim's deletion, which is the worker's (`runner_done`). The worker decides what runs:
 it reconciles the partitions this member should own (the view of etcd, view.py) with the
 runners it has, claims and starts partitions, stops and releases them, and holds the
-member's budget: at most `max_buffered` messages over all partitions.
+member's budget: at most `max_buffered` messages over all partitions. Where each partition
+is in that life on this member (claiming, consuming, releasing, released, handlers still
+stopping after a fence, or free) is one record per partition (ownership.py).
 """
 
 from __future__ import annotations
