@@ -29,6 +29,7 @@ from shoal.consumer import handlers
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.metrics import Metrics
 from shoal.consumer.natsclient import DirectClient
+from shoal.consumer.ownership import Stage
 from shoal.consumer.partition import PartitionRunner
 from shoal.consumer.worker import Worker
 from shoal.contracts.names import MSG_ID_HEADER, PROJECT_HEADER, durable_name, partition_for
@@ -79,7 +80,7 @@ async def one_run(count: int, read: int) -> float:
     membership: Any = AlwaysSafe()
     worker = Worker(config, unused, unused, membership, nc, unused, handlers.noop, Metrics())
     for p in range(PARTITIONS):
-        worker.runners[p] = PartitionRunner(worker, p, 1, None)
+        worker.ownership.move(p, Stage.CONSUMING, runner=PartitionRunner(worker, p, 1, None))
     worker.dispatcher.start()
     # The inbox's subscription, as subscribe() would register it (it cannot send a SUB).
     sub: Any = SimpleNamespace(_id=1)

@@ -59,6 +59,11 @@ def test_a_healthy_fresh_member_is_ready_and_alive(tmp_path: Path) -> None:
         ({"nats": False}, "cannot reach NATS"),
         ({"leaving": True}, "is leaving the group"),
         ({"mono": NOW - 6}, "has not refreshed its state for 6.0 s (> 5 s)"),
+        # NATS refuses the member (natsauth.refusal): the reason, before "not joined".
+        (
+            {"joined": False, "problem": "NatsAuthFailed: NATS refused the credentials"},
+            "member c-0: NatsAuthFailed: NATS refused the credentials",
+        ),
     ],
 )
 def test_readiness_says_why_a_member_is_not_ready(
@@ -71,7 +76,14 @@ def test_readiness_says_why_a_member_is_not_ready(
 
 @pytest.mark.parametrize(
     "change",
-    [{"joined": False}, {"safe": False}, {"nats": False}, {"leaving": True}, {"mono": NOW - 59}],
+    [
+        {"joined": False},
+        {"safe": False},
+        {"nats": False},
+        {"leaving": True},
+        {"mono": NOW - 59},
+        {"problem": "NatsTLSFailed: the NATS server requires a client certificate"},
+    ],
 )
 def test_liveness_ignores_etcd_and_nats(tmp_path: Path, change: dict[str, object]) -> None:
     # Fenced, cut from NATS, not joined (etcd down at start-up): all alive.

@@ -16,6 +16,7 @@ from typing import Any
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import KV
 from shoal.consumer.metrics import Metrics
+from shoal.consumer.ownership import Stage
 from shoal.consumer.partition import PartitionRunner
 from shoal.consumer.view import GroupView
 from shoal.consumer.worker import Worker
@@ -56,17 +57,20 @@ def claim(config: GroupConfig, p: int, member: str, revision: int) -> KV:
 async def test_a_claim_it_deleted_is_not_taken_for_its_own() -> None:
     # Partition 3 is ours again; the view still shows the claim we deleted (revision 40).
     worker = worker_with(target(CONFIG, 3, ME), claim(CONFIG, 3, ME, 40), revision=40)
-    worker._released[3] = 40
+    consumed = PartitionRunner(worker, 3, claim_revision=40, target_ts=None)
+    assert worker.ownership.move(3, Stage.CONSUMING, runner=consumed)
+    assert worker.ownership.move(3, Stage.RELEASED, revision=40)
     worker._reconcile()
     assert 3 not in worker.runners
-    assert 3 not in worker.claiming  # nor claimed anew: the old claim still shows
+    # Nor claimed anew: the old claim still shows.
+    assert worker.ownership.stage(3) is Stage.RELEASED
 
     # Once the view has seen the deletion, the partition is claimed again.
     worker.view.load(41, {CONFIG.keys.partition(3): target(CONFIG, 3, ME)})
     started: list[Any] = []
-    worker._spawn = started.append  # type: ignore[method-assign]  # no etcd here
+    worker._spawn = started.append  # type: ignore[method-assign,assignment]  # no etcd here
     worker._reconcile()
-    assert 3 in worker.claiming
+    assert worker.ownership.stage(3) is Stage.CLAIMING
     assert len(started) == 1
     started[0].close()
 
@@ -75,7 +79,8 @@ async def test_a_runner_whose_claim_is_gone_stops() -> None:
     worker = worker_with(target(CONFIG, 2, ME), target(CONFIG, 5, ME), revision=60)
     gone = PartitionRunner(worker, 2, claim_revision=50, target_ts=None)
     fresh = PartitionRunner(worker, 5, claim_revision=70, target_ts=None)  # view behind
-    worker.runners.update({2: gone, 5: fresh})
+    for runner in (gone, fresh):
+        assert worker.ownership.move(runner.partition, Stage.CONSUMING, runner=runner)
     worker._reconcile()
     assert gone.stopping
     assert not fresh.stopping
@@ -88,9 +93,10 @@ async def test_after_a_brief_fence_the_partition_waits_for_its_cancelled_handler
     handler still rolling back."""
     worker = worker_with(target(CONFIG, 4, ME), claim(CONFIG, 4, ME, 30), revision=30)
     fenced = PartitionRunner(worker, 4, claim_revision=30, target_ts=None)
+    assert worker.ownership.move(4, Stage.CONSUMING, runner=fenced)
     fenced.fence()
     fenced.inflight = 1  # a cancelled handler, still stopping
-    worker._stopping_handlers[4] = fenced
+    assert worker.ownership.move(4, Stage.HANDLERS_STOPPING, runner=fenced)
     started: list[Any] = []
     worker._start = lambda p, *_: started.append(p)  # type: ignore[method-assign]
     worker._reconcile()
@@ -102,4 +108,5 @@ async def test_after_a_brief_fence_the_partition_waits_for_its_cancelled_handler
     assert worker._wake.is_set()  # the worker reconciles again at once
     worker._reconcile()
     assert started == [4]
-    assert 4 not in worker._stopping_handlers
+    # (The real _start moves it on to consuming.)
+    assert worker.ownership.stage(4) is Stage.FREE

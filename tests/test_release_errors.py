@@ -17,6 +17,7 @@ import pytest
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd, EtcdAuthError
 from shoal.consumer.metrics import Metrics
+from shoal.consumer.ownership import Stage
 from shoal.consumer.partition import PartitionRunner
 from shoal.consumer.view import GroupView
 from shoal.consumer.worker import Worker
@@ -71,14 +72,15 @@ async def test_a_refused_release_is_retried_and_the_runner_goes(etcd: Etcd, grou
         nats_reachable=lambda: False,  # no flush: there is no NATS in this test
     )
     runner = PartitionRunner(worker, 1, claim_revision=revision, target_ts=None)
-    worker.runners[1] = runner
+    assert worker.ownership.move(1, Stage.CONSUMING, runner=runner)
     runner.stop()
 
     await worker.runner_done(runner)
 
     assert refusing.refused == 1
     assert 1 not in worker.runners  # gone, not a zombie
-    assert 1 in worker.claiming  # still counted as ours until the claim is gone
+    # Still counted as ours until the claim is gone: nothing starts it meanwhile.
+    assert worker.ownership.stage(1) is Stage.RELEASING
     for _ in range(50):
         if key not in (await etcd.get_prefix(key))[1]:
             break
@@ -86,4 +88,4 @@ async def test_a_refused_release_is_retried_and_the_runner_goes(etcd: Etcd, grou
     assert key not in (await etcd.get_prefix(key))[1], "the claim was never released"
     for task in list(worker._tasks):
         await task
-    assert 1 not in worker.claiming
+    assert worker.ownership.stage(1) is Stage.FREE

@@ -37,6 +37,7 @@ from types import TracebackType
 from typing import Any, ClassVar, Self
 
 from harness.children import spawn
+from harness.natssecurity import NatsServerSecurity
 from harness.waiting import WaitTimeout, eventually
 
 __all__ = [
@@ -466,7 +467,14 @@ class EtcdServer(ServerProcess):
 
 
 class NatsServer(ServerProcess):
-    """A nats-server with JetStream on 127.0.0.1 (client and monitoring ports)."""
+    """A nats-server with JetStream on 127.0.0.1 (client and monitoring ports).
+
+    Plain and anonymous by default. With `security` (harness.natssecurity), it runs from a
+    generated config file (``nats-server.conf`` in the work directory): TLS on the client
+    port (``tls { verify: true }``: clients present a certificate from the CA), users with
+    passwords and subject permissions in one account with JetStream; ``url`` is then a
+    ``tls://`` URL. Monitoring stays plain HTTP on its own port.
+    """
 
     name = "nats-server"
     env_var = "SHOAL_NATS_SERVER"
@@ -481,9 +489,11 @@ class NatsServer(ServerProcess):
         binary: str | os.PathLike[str] | None = None,
         *,
         extra_args: Sequence[str] = (),
+        security: NatsServerSecurity | None = None,
     ):
         super().__init__(workdir, binary)
         self.extra_args = list(extra_args)
+        self.security = security
 
     def _allocate_ports(self) -> None:
         self.port = free_port()
@@ -493,7 +503,8 @@ class NatsServer(ServerProcess):
 
     @property
     def url(self) -> str:
-        return f"nats://{HOST}:{self.port}"
+        scheme = "tls" if self.security is not None else "nats"
+        return f"{scheme}://{HOST}:{self.port}"
 
     @property
     def monitor_url(self) -> str:
@@ -503,7 +514,34 @@ class NatsServer(ServerProcess):
     def store_dir(self) -> Path:
         return self.workdir / "jetstream"
 
+    @property
+    def config_path(self) -> Path:
+        return self.workdir / "nats-server.conf"
+
+    def _write_config(self, security: NatsServerSecurity) -> None:
+        # Ports and the store in the file too: one place to read what the server ran.
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(
+            f"listen: {HOST}:{self.port}\n"
+            f"http: {HOST}:{self.monitor_port}\n"
+            f"jetstream: {{store_dir: {json.dumps(str(self.store_dir))}}}\n"
+            + security.config_text()
+        )
+
+    def reload(self, security: NatsServerSecurity) -> None:
+        """Give the running secured server new users, passwords, permissions or
+        certificates, as an operator would: rewrite its config file and send SIGHUP.
+        nats-server disconnects the clients whose login no longer holds."""
+        if self.security is None:
+            raise RuntimeError("reload() is for a server started with security")
+        self.security = security
+        self._write_config(security)
+        self._signal(signal.SIGHUP)
+
     def _command(self) -> list[str]:
+        if self.security is not None:
+            self._write_config(self.security)
+            return [self.binary, "-c", str(self.config_path), *self.extra_args]
         return [
             self.binary,
             "-js",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 import time
 from pathlib import Path
@@ -106,9 +107,13 @@ def export(
 ) -> None:
     """Copy a group's assignment log from JetStream to date-partitioned files.
 
+    NATS TLS and credentials as for `shoal-consumer run`: NATS_CA_FILE, NATS_CERT_FILE,
+    NATS_KEY_FILE, NATS_USER/NATS_PASSWORD, NATS_NKEY_SEED_FILE (and --creds).
+
     Prints one JSON line: the stream, how many messages, their sequence range and the files.
     """
     from shoal.analytics.export import ExportError, export_log, parse_since
+    from shoal.consumer.config import nats_security_from_env
 
     try:
         start = parse_since(since) if since else None
@@ -125,6 +130,8 @@ def export(
                 since=start,
                 stream=stream,
                 creds_file=creds,
+                # TLS and the other credentials as a member takes them (NATS_*).
+                security=nats_security_from_env(os.environ),
                 connect_attempts=connect_attempts,
                 progress=_progress,
             )

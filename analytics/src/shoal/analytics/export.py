@@ -19,14 +19,17 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from shoal.analytics.layout import PartWriter, part_prefix
 from shoal.contracts.events import AssignmentEvent, EventError, parse_event
 from shoal.contracts.names import default_stream_name, log_stream_name
+
+if TYPE_CHECKING:  # nats-py only where the export runs (lazily, below)
+    from shoal.consumer.natsauth import NatsSecurity
 
 __all__ = ["ExportError", "ExportResult", "export_log", "group_log_stream", "parse_since"]
 
@@ -167,6 +170,7 @@ async def export_log(
     since: datetime | None = None,
     stream: str | None = None,
     creds_file: str | None = None,
+    security: NatsSecurity | None = None,
     connect_attempts: int = 5,
     batch: int = 500,
     max_lines: int = 20_000,
@@ -179,7 +183,7 @@ async def export_log(
     from nats.js.errors import NotFoundError
 
     from shoal.consumer.jetstream import connect
-    from shoal.consumer.natsauth import NatsSecurity
+    from shoal.consumer.natsauth import NatsConfigError, NatsSecurity
 
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
@@ -190,9 +194,11 @@ async def export_log(
             nats_url,
             name=f"shoal-analytics-export-{namespace}-{group}",
             attempts=connect_attempts,
-            security=NatsSecurity(creds_file=creds_file),
+            security=replace(security or NatsSecurity(), creds_file=creds_file)
+            if creds_file
+            else security,
         )
-    except ConnectionError as exc:
+    except (ConnectionError, NatsConfigError) as exc:  # NatsRefused is a ConnectionError
         raise ExportError(str(exc)) from None
     try:
         js = nc.jetstream()

@@ -14,9 +14,14 @@ from pydantic import ValidationError
 
 from shoal.consumer import ready as readiness
 from shoal.consumer.assignor import assign, min_moves, moved, owner_counts, skew
-from shoal.consumer.config import config_from_env, etcd_options_from_env
+from shoal.consumer.config import (
+    config_from_env,
+    etcd_options_from_env,
+    nats_security_from_env,
+)
 from shoal.consumer.etcd import Etcd, EtcdAuthError, EtcdConfigError
 from shoal.consumer.handlers import HandlerError
+from shoal.consumer.natsauth import NatsClosed, NatsConfigError
 from shoal.contracts.names import DEFAULT_PARTITIONS, SEQ_HEADER, default_subject_prefix
 from shoal.logs import log_level_option, setup_logging
 
@@ -128,7 +133,16 @@ def run(
       ETCD_KEY_FILE   client private key (PEM)
       ETCD_USERNAME   etcd user, with ETCD_PASSWORD
       ETCD_PASSWORD   its password
-    NATS credentials: NATS_CREDS_FILE. Other settings: SHOAL_* (see the README).
+    NATS TLS and authentication, from the environment too (a tls:// URL alone: TLS
+    with the system's CAs):
+      NATS_CA_FILE       CA certificate of the NATS servers (PEM): enables TLS
+      NATS_CERT_FILE     client certificate (PEM), with NATS_KEY_FILE
+      NATS_KEY_FILE      client private key (PEM)
+      NATS_CREDS_FILE    credentials file (JWT and nkey seed); or
+      NATS_USER          user, with NATS_PASSWORD; or
+      NATS_NKEY_SEED_FILE  nkey seed file
+      NATS_INBOX_PREFIX  reply subjects' prefix (see `permissions --help`)
+    Other settings: SHOAL_* (see the README).
     """
     from shoal.consumer.runtime import run_consumer
 
@@ -149,8 +163,11 @@ def run(
         raise click.UsageError(_validation_message(exc)) from None
     try:
         asyncio.run(run_consumer(config))
-    except (HandlerError, EtcdConfigError, EtcdAuthError) as exc:
+    except (HandlerError, EtcdConfigError, EtcdAuthError, NatsConfigError) as exc:
         raise click.ClickException(str(exc)) from None
+    except NatsClosed:
+        # (Logged already, with the reason.) A restart connects again, with backoff.
+        raise SystemExit(1) from None
 
 
 def _validation_message(exc: ValidationError) -> str:
@@ -236,7 +253,12 @@ def produce(
     run_tag = run_id or str(int(time.time() * 1000))
 
     async def go() -> None:
-        nc = await connect(nats_url, name="shoal-produce", attempts=5)
+        nc = await connect(
+            nats_url,
+            name="shoal-produce",
+            attempts=5,
+            security=nats_security_from_env(os.environ),
+        )
         producer = Producer(nc.jetstream(), prefix, partitions)
         started = time.monotonic()
 
@@ -267,7 +289,10 @@ def produce(
             )
         )
 
-    asyncio.run(go())
+    try:
+        asyncio.run(go())
+    except (NatsConfigError, ConnectionError) as exc:  # one line, no traceback
+        raise click.ClickException(str(exc)) from None
 
 
 @main.command()
@@ -308,6 +333,106 @@ def plan(partitions: int, before: str, after: str, as_json: bool) -> None:
     click.echo(
         "sticky owner counts: "
         + ", ".join(f"{m}={n}" for m, n in sorted(result["sticky"]["counts"].items()))
+    )
+
+
+@main.command()
+@_group
+@_namespace
+@click.option(
+    "--subject-prefix",
+    envvar="SHOAL_SUBJECT_PREFIX",
+    default=None,
+    help="Subject prefix (default shoal.<namespace>.<group>).",
+)
+@click.option(
+    "--stream", envvar="SHOAL_STREAM", default=None, help="Stream name, if not the default."
+)
+@click.option(
+    "--inbox-prefix",
+    default=None,
+    help="The members' reply prefix, NATS_INBOX_PREFIX (default _SHOAL_INBOX.<namespace>.<group>).",
+)
+@click.option("--ledger", is_flag=True, help="The group writes the test ledger.")
+@click.option(
+    "--managed/--standalone",
+    default=True,
+    show_default=True,
+    help="Managed: the operator creates the streams and durables; standalone: the "
+    "members do (SHOAL_ENSURE_JETSTREAM).",
+)
+@click.option("--member-user", default="shoal-member", show_default=True)
+@click.option("--operator-user", default="shoal-operator", show_default=True)
+@click.option("--producer-user", default="shoal-producer", show_default=True)
+@click.option("--analytics-user", default="shoal-analytics", show_default=True)
+def permissions(
+    group: str,
+    namespace: str,
+    subject_prefix: str | None,
+    stream: str | None,
+    inbox_prefix: str | None,
+    ledger: bool,
+    managed: bool,
+    member_user: str,
+    operator_user: str,
+    producer_user: str,
+    analytics_user: str,
+) -> None:
+    """Print the least NATS permissions of a group's members, the operator, a producer
+    and the assignment-log export, as an `authorization { users = [...] }` block to
+    paste into a NATS server's config (passwords are read from the server's
+    environment: $SHOAL_MEMBER_PASSWORD, $SHOAL_OPERATOR_PASSWORD,
+    $SHOAL_PRODUCER_PASSWORD, $SHOAL_ANALYTICS_PASSWORD).
+
+    Members and producers must then connect with NATS_INBOX_PREFIX set as shown: with
+    nats-py's shared _INBOX, any user allowed to subscribe to its replies could read
+    every other client's, other groups' pulled messages included.
+    """
+    from shoal.consumer import permissions as perms
+    from shoal.consumer.config import GroupConfig
+
+    try:
+        config = GroupConfig.model_validate(
+            {
+                "group": group,
+                "namespace": namespace,
+                "ledger": ledger,
+                "ensure_jetstream": not managed,
+                **({"subject_prefix": subject_prefix} if subject_prefix else {}),
+                **({"stream": stream} if stream else {}),
+            }
+        )
+    except ValidationError as exc:
+        raise click.UsageError(_validation_message(exc)) from None
+    inbox = inbox_prefix or perms.default_inbox_prefix(config)
+    click.echo(
+        f"# Shoal group {namespace}/{group}: stream {config.stream}, subjects "
+        f"{config.subject_prefix}.*"
+    )
+    producer_inbox = perms.default_producer_inbox_prefix(config)
+    click.echo(f"# Members: NATS_USER={member_user} NATS_INBOX_PREFIX={inbox}")
+    click.echo(f"# Producers: NATS_USER={producer_user} NATS_INBOX_PREFIX={producer_inbox}")
+    export_inbox = perms.default_exporter_inbox_prefix(config)
+    click.echo(f"# The export: NATS_USER={analytics_user} NATS_INBOX_PREFIX={export_inbox}")
+    click.echo(f"# The operator: NATS_USER={operator_user} (nats-py's _INBOX)")
+    click.echo(
+        perms.authorization_block(
+            [
+                (member_user, "$SHOAL_MEMBER_PASSWORD", perms.member_permissions(config, inbox)),
+                (operator_user, "$SHOAL_OPERATOR_PASSWORD", perms.operator_permissions(config)),
+                (
+                    producer_user,
+                    "$SHOAL_PRODUCER_PASSWORD",
+                    perms.producer_permissions(config, producer_inbox),
+                ),
+                (
+                    analytics_user,
+                    "$SHOAL_ANALYTICS_PASSWORD",
+                    perms.exporter_permissions(config, export_inbox),
+                ),
+            ]
+        ),
+        nl=False,
     )
 
 

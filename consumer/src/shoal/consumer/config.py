@@ -124,6 +124,9 @@ class GroupConfig(BaseModel):
     nats_ca_file: str | None = None
     nats_cert_file: str | None = None
     nats_key_file: str | None = None
+    # Replies to this member's requests and pulls come to <prefix>.>; a per-group prefix
+    # lets the server keep other users from reading them (shoal.consumer.permissions).
+    nats_inbox_prefix: str | None = None
     # What nats-py buffers while the connection is down (its pending_size; nats.go's
     # ReconnectBufSize): beyond it a publish raises instead of queueing. 2 MiB is
     # nats-py's default; a member survives a full buffer either way (partition.py).
@@ -225,6 +228,7 @@ class GroupConfig(BaseModel):
             user=self.nats_user,
             password=password,
             nkey_seed_file=self.nats_nkey_seed_file,
+            inbox_prefix=self.nats_inbox_prefix,
         )
 
     @property
@@ -270,6 +274,7 @@ ENV_FIELDS: dict[str, str] = {
     "NATS_CA_FILE": "nats_ca_file",
     "NATS_CERT_FILE": "nats_cert_file",
     "NATS_KEY_FILE": "nats_key_file",
+    "NATS_INBOX_PREFIX": "nats_inbox_prefix",
     "SHOAL_NATS_RECONNECT_BUFFER": "nats_reconnect_buffer",
     "SHOAL_DOZE_SWEEP": "doze_sweep",
     "ETCD_CA_FILE": "etcd_ca_file",
@@ -292,6 +297,20 @@ def etcd_options_from_env(env: Mapping[str, str]) -> EtcdOptions:
         key_file=env.get("ETCD_KEY_FILE") or None,
         username=env.get("ETCD_USERNAME") or None,
         password=env.get("ETCD_PASSWORD") or None,
+    )
+
+
+def nats_security_from_env(env: Mapping[str, str]) -> NatsSecurity:
+    """Only NATS's TLS and credentials (NATS_*), for commands that need no group config."""
+    return NatsSecurity(
+        ca_file=env.get("NATS_CA_FILE") or None,
+        cert_file=env.get("NATS_CERT_FILE") or None,
+        key_file=env.get("NATS_KEY_FILE") or None,
+        creds_file=env.get("NATS_CREDS_FILE") or None,
+        user=env.get("NATS_USER") or None,
+        password=env.get("NATS_PASSWORD") or None,
+        nkey_seed_file=env.get("NATS_NKEY_SEED_FILE") or None,
+        inbox_prefix=env.get("NATS_INBOX_PREFIX") or None,
     )
 
 

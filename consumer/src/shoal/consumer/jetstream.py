@@ -10,6 +10,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import nats
@@ -19,7 +20,14 @@ from nats.js.errors import APIError, BadRequestError, NotFoundError
 
 from shoal.consumer.backoff import QuietLog
 from shoal.consumer.config import GroupConfig
-from shoal.consumer.natsauth import NatsSecurity
+from shoal.consumer.natsauth import (
+    NatsRefusal,
+    NatsRefused,
+    NatsSecurity,
+    diagnose_tls,
+    maybe_tls_refusal,
+    refusal,
+)
 from shoal.consumer.natsclient import DirectClient
 from shoal.contracts.names import (
     assignments_subject,
@@ -43,8 +51,12 @@ _STORAGE = {"file": api.StorageType.FILE, "memory": api.StorageType.MEMORY}
 class _Callbacks:
     """One-line logs for a connection's events instead of nats-py's tracebacks."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, on_refusal: Callable[[NatsRefusal | None], None] | None, closed: asyncio.Event
+    ) -> None:
         self.nc: Any = None
+        self.on_refusal = on_refusal
+        self.closed_event = closed
         # nats-py tries to reconnect every reconnect_time_wait while NATS is away, and
         # reports each failure: one line per 10 s is enough.
         self._errors = QuietLog(log)
@@ -53,16 +65,41 @@ class _Callbacks:
         return self.nc is not None and (self.nc.is_closed or self.nc.is_draining)
 
     async def error(self, exc: Exception) -> None:
-        if not self._closing():
+        if self._closing():
+            return
+        why = refusal(exc)
+        if why is not None:
+            # E.g. the password was changed on the server while we were connected.
+            if self.on_refusal is not None:
+                self.on_refusal(why)
+            self._errors.failed(logging.ERROR, "%s (reconnecting)", why)
+        else:
             self._errors.failed(logging.WARNING, "NATS connection error: %r", exc)
 
     async def disconnected(self) -> None:
         if not self._closing():
             log.warning("Disconnected from NATS; reconnecting")
 
+    async def closed(self) -> None:
+        self.closed_event.set()
+
     async def reconnected(self) -> None:
         self._errors.recovered()
+        if self.on_refusal is not None:
+            self.on_refusal(None)
         log.info("Reconnected to NATS")
+
+
+class _EofWarning(logging.Filter):
+    """asyncio warns "returning true from eof_received() has no effect when using ssl"
+    each time a nats-py TLS connection ends (its protocol is a StreamReaderProtocol):
+    noise that would follow every refused attempt and every close."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("returning true from eof_received()")
+
+
+logging.getLogger("asyncio").addFilter(_EofWarning())
 
 
 async def connect(
@@ -72,20 +109,31 @@ async def connect(
     attempts: int | None = None,
     security: NatsSecurity | None = None,
     reconnect_buffer: int | None = None,
+    on_refusal: Callable[[NatsRefusal | None], None] | None = None,
 ) -> Any:
     """Connect to NATS, retrying with capped backoff and saying why each attempt failed.
 
     With reconnects enabled nats-py never fails a first connect (it retries on its own,
     every reconnect_time_wait, without backoff or a word to us), so each attempt is made
     with reconnects off; once one succeeds the returned connection reconnects forever.
+
+    Settings that cannot work (a missing file, a certificate without its key) raise
+    NatsConfigError before any attempt. A server that refuses us (credentials, TLS) is
+    logged as one line naming the reason (NatsAuthFailed, NatsTLSFailed), repeated at
+    most every 10 s, and reported to `on_refusal` (None once connected): a member keeps
+    retrying, since someone may fix the server or the secret; a caller with `attempts`
+    (CLI, operator) gets NatsRefused at once, since retrying cannot help it.
     """
+    security = security or NatsSecurity()
+    security.check()
+    auth = security.connect_options()
     delay = 0.2
     attempt = 0
+    refused = QuietLog(log)
     while True:
         attempt += 1
         try:
             # max_reconnect_attempts=1: nats-py only gives up on a server when it is > 0.
-            auth = security.connect_options() if security is not None else {}
             probe = await nats.connect(
                 url,
                 **auth,
@@ -97,9 +145,10 @@ async def connect(
                 error_cb=_quiet,
             )
             await probe.close()
-            callbacks = _Callbacks()
             # The member reads its pull replies through the direct path (natsclient).
             nc = DirectClient()
+            # closed_event: set once nats-py closed it for good (runtime waits on it).
+            callbacks = _Callbacks(on_refusal, nc.closed_event)
             options: dict[str, Any] = {
                 **auth,
                 "name": name,
@@ -114,18 +163,32 @@ async def connect(
                 "error_cb": callbacks.error,
                 "disconnected_cb": callbacks.disconnected,
                 "reconnected_cb": callbacks.reconnected,
+                "closed_cb": callbacks.closed,
             }
             await nc.connect(url, **options)
             callbacks.nc = nc
+            if on_refusal is not None:
+                on_refusal(None)
+            refused.recovered()
             if attempt > 1:
                 log.info("Connected to NATS at %s after %d attempts", url, attempt)
             return nc
         except Exception as exc:  # nats-py raises several unrelated types here
-            if attempts is not None and attempt >= attempts:
-                raise ConnectionError(
-                    f"NATS at {url} unreachable after {attempt} attempts: {exc!r}"
-                ) from exc
-            log.warning("NATS at %s unreachable (%r); retrying in %.1f s", url, exc, delay)
+            why = refusal(exc)
+            if why is None and maybe_tls_refusal(exc, url, security):
+                why = await diagnose_tls(url, security)
+            if why is not None:
+                if attempts is not None:
+                    raise NatsRefused(why) from None
+                if on_refusal is not None:
+                    on_refusal(why)
+                refused.failed(logging.ERROR, "%s (NATS at %s); retrying", why, url)
+            else:
+                if attempts is not None and attempt >= attempts:
+                    raise ConnectionError(
+                        f"NATS at {url} unreachable after {attempt} attempts: {exc!r}"
+                    ) from exc
+                log.warning("NATS at %s unreachable (%r); retrying in %.1f s", url, exc, delay)
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, 10.0)
 

@@ -32,6 +32,7 @@ nats-py upgrade that moves them fails there first. (docs/data-path.md has the me
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -272,6 +273,9 @@ class DirectClient(Client):
 
     def __init__(self) -> None:
         super().__init__()
+        # Set once the connection is closed for good (shoal.consumer.jetstream.connect
+        # sets it from its closed callback; the member's runtime waits on it).
+        self.closed_event = asyncio.Event()
         self._ps = FastParser(self)
         self._direct: dict[int, tuple[OnMessage, OnStatus]] = {}
 

@@ -91,8 +91,9 @@ def _resolve(waiter: asyncio.Future[None]) -> None:
 class Phase(Enum):
     """Where a partition is in its life on this member (PartitionRunner.phase).
 
-    Before a runner exists the worker claims the partition (Worker.claiming); after it,
-    the claim is gone or left to the lease. A stall (progress.py) is not a phase: a
+    Before a runner exists the worker claims the partition; after it, the claim is
+    deleted, its deletion retried, or left for handlers still stopping (the worker's
+    record of the partition: ownership.Stage). A stall (progress.py) is not a phase: a
     partition stalls in any of them, and the stall check says so.
     """
 

@@ -65,6 +65,8 @@ class MemberState:
     stalled: list[int] = field(default_factory=list)
     # A partition stalled far longer than the leader needs to move it: stuck for good.
     wedged: bool = False
+    # Why a server refuses the member, e.g. "NatsAuthFailed: ..." (empty: nothing).
+    problem: str = ""
 
 
 def write_state(path: Path, state: MemberState) -> None:
@@ -93,6 +95,7 @@ def read_state(path: Path) -> MemberState:
             # (Absent from files written before stall checks existed.)
             stalled=[int(p) for p in data.get("stalled", [])],
             wedged=bool(data.get("wedged", False)),
+            problem=str(data.get("problem", "")),
         )
     except (KeyError, TypeError) as exc:
         raise ValueError(f"missing or bad field: {exc}") from None
@@ -125,6 +128,8 @@ def check(
         )
     if state.leaving:
         return False, f"not ready: {who} is leaving the group"
+    if state.problem:
+        return False, f"not ready: {who}: {state.problem}"
     if not state.joined:
         return False, f"not ready: {who} has not joined its group yet (etcd unreachable?)"
     if not state.safe:

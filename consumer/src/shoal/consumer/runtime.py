@@ -29,6 +29,7 @@ from shoal.consumer.jetstream import NatsHealth, connect, ensure_group, partitio
 from shoal.consumer.kube import GroupObject
 from shoal.consumer.membership import Membership
 from shoal.consumer.metrics import Metrics
+from shoal.consumer.natsauth import NatsClosed, NatsRefusal, refusal
 from shoal.consumer.ready import HealthFile, MemberState
 from shoal.consumer.view import GroupView
 from shoal.consumer.worker import Worker
@@ -76,6 +77,10 @@ class ConsumerProcess:
             HealthFile(config.ready_file, self._member_state) if config.ready_file else None
         )
         self._health_task: asyncio.Task[None] | None = None
+        # Why NATS refuses us (credentials, TLS), while it does: the probes say it.
+        self.nats_refusal: NatsRefusal | None = None
+        # What ended the member, when it must exit non-zero (run_consumer raises it).
+        self.fatal: NatsClosed | None = None
 
     def _member_state(self) -> MemberState:
         """What the probes see; memory only (never waits on etcd or NATS)."""
@@ -91,7 +96,11 @@ class ConsumerProcess:
             leaving=m.leaving or self.stopping.is_set(),
             stalled=self.worker.stalled() if self.worker is not None else [],
             wedged=self.worker is not None and self.worker.wedged(),
+            problem=str(self.nats_refusal) if self.nats_refusal else "",
         )
+
+    def _on_nats_refusal(self, why: NatsRefusal | None) -> None:
+        self.nats_refusal = why
 
     def _stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = {
@@ -186,6 +195,8 @@ class ConsumerProcess:
                 c.ack_wait,
                 c.fence_after,
             )
+        # Unusable NATS settings stop start-up here, before etcd is even asked.
+        c.nats_security().check()
         if self.health is not None and self._health_task is None:
             self._health_task = asyncio.create_task(self.health.run(), name="health-file")
         if c.metrics_port is not None:
@@ -196,6 +207,7 @@ class ConsumerProcess:
             name=f"shoal-{c.group}-{c.member_id}",
             security=c.nats_security(),
             reconnect_buffer=c.nats_reconnect_buffer,
+            on_refusal=self._on_nats_refusal,
         )
         self.js = self.nc.jetstream()
         self.nats_health = NatsHealth(self.nc)
@@ -226,6 +238,7 @@ class ConsumerProcess:
             asyncio.create_task(self._publish_generations(), name="assignment-log"),
             asyncio.create_task(self.exhausted.run(), name="exhausted-messages"),
             asyncio.create_task(self.nats_health.run(), name="nats-health"),
+            asyncio.create_task(self._watch_connection(), name="nats-connection"),
         ]
         if c.autoscaler == "kubernetes":
             self._start_autoscaler()
@@ -273,6 +286,21 @@ class ConsumerProcess:
             self.lag = total
             self.metrics.lag.set(total)
 
+    async def _watch_connection(self) -> None:
+        """End the member when nats-py has closed its connection for good.
+
+        nats-py does so, instead of reconnecting, when the server drops the login of a
+        connected client (its password rotated, its user removed: NatsAuthFailed).
+        Nothing would bring the connection back; a new process (the pod restarting,
+        with the secret as it is now) connects again, retrying with backoff.
+        """
+        await self.nc.closed_event.wait()
+        error = self.nc.last_error
+        why = refusal(error) if error is not None else None
+        if why is not None:
+            self.nats_refusal = why
+        raise NatsClosed(f"NATS closed this member's connection for good: {why or repr(error)}")
+
     def request_stop(self) -> None:
         self.stopping.set()
 
@@ -281,8 +309,14 @@ class ConsumerProcess:
         stop = asyncio.create_task(self.stopping.wait())
         done, _ = await asyncio.wait([stop, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
         for task in done:
-            if task is not stop and task.exception() is not None:
-                log.error("Component %s failed: %r", task.get_name(), task.exception())
+            if task is stop:
+                continue
+            exc = task.exception()
+            if isinstance(exc, NatsClosed):
+                self.fatal = exc
+                log.error("%s; leaving the group", exc)
+            elif exc is not None:
+                log.error("Component %s failed: %r", task.get_name(), exc)
         stop.cancel()
 
     async def _stop_health(self) -> None:
@@ -369,3 +403,5 @@ async def run_consumer(config: GroupConfig) -> None:
         await process.wait()
     finally:
         await process.shutdown()
+    if process.fatal is not None:
+        raise process.fatal

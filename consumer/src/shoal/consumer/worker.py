@@ -13,7 +13,9 @@ durable into the member's `Dispatcher` (dispatch.py) and, when stopped, does ste
 the claim's deletion, which is the worker's (`runner_done`). The worker decides what runs:
 it reconciles the partitions this member should own (the view of etcd, view.py) with the
 runners it has, claims and starts partitions, stops and releases them, and holds the
-member's budget: at most `max_buffered` messages over all partitions.
+member's budget: at most `max_buffered` messages over all partitions. Where each partition
+is in that life on this member (claiming, consuming, releasing, released, handlers still
+stopping after a fence, or free) is one record per partition (ownership.py).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from shoal.consumer.holding import HoldBudget
 from shoal.consumer.membership import Membership
 from shoal.consumer.metrics import Metrics
 from shoal.consumer.natsclient import Delivery, DirectClient
+from shoal.consumer.ownership import Ownership, Stage
 from shoal.consumer.partition import IDLE_BATCH, PartitionRunner, ack_fields
 from shoal.consumer.progress import WEDGED_AFTER_STALLS, Change
 from shoal.consumer.pull import AnswerClock
@@ -131,7 +134,12 @@ class Worker:
         self.metrics = metrics
         self.context = HandlerContext(config.member_id, config.subject_prefix, js, membership.safe)
         self.dispatcher = Dispatcher(self._execute, config.max_concurrency)
-        self.runners: dict[int, PartitionRunner] = {}
+        # Each partition's life on this member, one record each (ownership.py): claiming,
+        # consuming, releasing, released, handlers stopping, or free. `runners` is its
+        # index of the consuming partitions' runners, read on the hot path; only
+        # `ownership.move` changes either.
+        self.ownership = Ownership()
+        self.runners = self.ownership.runners
         self.holding = HoldBudget(config.max_buffered)
         self.buffered = 0
         self.reserved = 0  # asked for by open pull requests, not arrived yet
@@ -142,13 +150,8 @@ class Worker:
         self.stream_missing_logged = False
         # Pull requests that could not be sent since the last one that was (partition.py).
         self.unsent_pulls = 0
-        self.claiming: set[int] = set()
+        # One INFO line per hand-over batch (nothing reads it to decide what to do).
         self.handovers = HandOverLog()
-        # Claims we deleted (their create revisions, by partition) that the view may still
-        # show until its watch catches up: not claims that outlived a fence.
-        self._released: dict[int, int] = {}
-        # Fenced runners whose cancelled handlers are still stopping, by partition.
-        self._stopping_handlers: dict[int, PartitionRunner] = {}
         self.leaving = False
         self._incarnation = 0
         self._projects: dict[str, float] = {}
@@ -668,19 +671,26 @@ class Worker:
         lease = self.membership.lease_id
         self.handovers.new_pass()
         to_claim: dict[int, float | None] = {}  # partition -> its target's time
+        ownership = self.ownership
         for p in range(self.config.partitions):
             target = targets.get(p)
             want = not self.leaving and target is not None and target.owner == me
-            current = self.runners.get(p)
             claim = claims.get(p)
-            released = self._released.get(p)
-            if released is not None and current is None:
-                if claim is not None and claim.create_revision == released:
+            # Where the partition is on this member: one lookup (ownership.py).
+            slot = ownership.slot(p)
+            stage = Stage.FREE if slot is None else slot.stage
+            current = slot.runner if slot is not None and stage is Stage.CONSUMING else None
+            if stage is Stage.RELEASED:
+                assert slot is not None
+                if claim is not None and claim.create_revision == slot.revision:
                     # Deleted already; the view has not seen it yet. Taken for ours
                     # ("ours already" below), it would start a runner on a claim that
                     # no longer exists.
                     continue
-                del self._released[p]
+                ownership.move(p, Stage.FREE)
+                slot, stage = None, Stage.FREE
+            # Claiming, or deleting a claim of ours: its task moves it on when done.
+            under_way = stage is Stage.CLAIMING or stage is Stage.RELEASING
             if (
                 current is not None
                 and not current.stopping
@@ -693,21 +703,22 @@ class Worker:
                 log.warning("Partition %d: its claim is gone; stopping its consumer", p)
                 current.stop()
                 continue
-            if want and current is None and p not in self.claiming:
+            if want and current is None and not under_way:
                 self.handovers.taking([p])
                 if claim is None:
-                    self.claiming.add(p)
+                    # (From handlers stopping too: the claim went with the old lease.)
+                    ownership.move(p, Stage.CLAIMING)
                     to_claim[p] = target.ts if target else None
                 elif claim.member == me and claim.lease == lease:
                     # Ours already (we were fenced for a moment, or restarted in place).
-                    stopping = self._stopping_handlers.get(p)
-                    if stopping is not None:
-                        if stopping.inflight:
+                    if stage is Stage.HANDLERS_STOPPING:
+                        assert slot is not None and slot.runner is not None
+                        if slot.runner.inflight:
                             # The fence cancelled handlers that are still stopping (a
                             # rollback, say): a new runner now would run the partition's
                             # messages beside them. went_idle() pokes us when they end.
                             continue
-                        del self._stopping_handlers[p]
+                        ownership.move(p, Stage.FREE)
                     self._start(p, claim.create_revision, None)
             elif not want and current is not None and not current.stopping:
                 log.debug("Releasing partition %d", p)
@@ -722,14 +733,14 @@ class Worker:
                     current.abort()
                 else:
                     current.stop()
-            elif not want and current is None and p not in self.claiming:
+            elif not want and current is None and not under_way:
                 if self.handovers.is_taking(p):
                     self.handovers.abandoned(p)  # the target moved on before we started
-                stopping = self._stopping_handlers.get(p)
-                if stopping is not None:
-                    if stopping.inflight:
+                if stage is Stage.HANDLERS_STOPPING:
+                    assert slot is not None and slot.runner is not None
+                    if slot.runner.inflight:
                         continue  # a cancelled handler still runs: keep the claim
-                    del self._stopping_handlers[p]
+                    ownership.move(p, Stage.FREE)
                 if claim is not None and claim.member == me and claim.lease == lease:
                     # Our claim, on our live lease, with no runner and no longer ours to
                     # consume: a runner fenced for a moment left it (a fence touches
@@ -737,8 +748,8 @@ class Worker:
                     # the lease will not expire it: release it, or the next owner waits
                     # forever.
                     log.info("Releasing partition %d (its claim outlived a fence)", p)
-                    self.claiming.add(p)
-                    self._spawn(self._release_later(p, claim.create_revision))
+                    if ownership.move(p, Stage.RELEASING, revision=claim.create_revision):
+                        self._spawn(self._release_later(p, claim.create_revision))
         if to_claim:
             self._spawn(self._claim_all(to_claim))
 
@@ -768,21 +779,20 @@ class Worker:
                     # The next pass tries again (the view's next change, or within 1 s).
                     log.warning("Could not claim partitions %s (etcd: %r)", batch, exc)
                     for p in batch:
-                        self.claiming.discard(p)
+                        self._unclaim(p)
                     continue
                 if revision is None:
                     singles.extend(batch)  # some are held still: one by one
                     continue
                 for p in batch:
-                    self.claiming.discard(p)
                     self._start(p, revision, targets[p])
                 self._wake.set()
         finally:
             # Whatever was neither started nor left to _claim (an unexpected error) must
             # not stay "claiming" forever.
             for p in ps:
-                if p not in self.runners and p not in singles:
-                    self.claiming.discard(p)
+                if p not in singles:
+                    self._unclaim(p)
         await asyncio.gather(*(self._claim(p, targets[p]) for p in singles))
 
     async def _claim(self, p: int, target_ts: float | None) -> None:
@@ -803,12 +813,19 @@ class Worker:
         except Exception as exc:  # the next pass tries again
             log.warning("Could not claim partition %d (etcd: %r)", p, exc)
         finally:
-            self.claiming.discard(p)
+            self._unclaim(p)
             self._wake.set()
+
+    def _unclaim(self, p: int) -> None:
+        """A claim attempt ended without a runner: the partition is free again (the next
+        pass tries again if it is still ours). Started, it is consuming: left alone."""
+        if self.ownership.stage(p) is Stage.CLAIMING:
+            self.ownership.move(p, Stage.FREE)
 
     def _start(self, p: int, claim_revision: int, target_ts: float | None) -> None:
         runner = PartitionRunner(self, p, claim_revision, target_ts)
-        self.runners[p] = runner
+        if not self.ownership.move(p, Stage.CONSUMING, runner=runner):
+            return  # a bug of ours, logged: a runner nobody lists must not run
         runner.task = asyncio.create_task(runner.run(), name=f"partition-{p}")
         self.metrics.partitions_owned.set(len(self.runners))
         log.debug("Consuming partition %d", p)
@@ -816,23 +833,28 @@ class Worker:
 
     async def runner_done(self, runner: PartitionRunner) -> None:
         """The runner stopped fetching: make acks durable, then let the partition go."""
+        after = Stage.FREE
         try:
-            await self._let_go(runner)
+            after = await self._let_go(runner)
         finally:
             # Whatever failed above, the runner is done: it must not stay listed as
             # consuming (a runner left here, stopping for ever with its claim on our live
-            # lease, was a partition nobody would consume again).
+            # lease, was a partition nobody would consume again). Every stage _let_go
+            # returns is a move consuming allows (ownership._NEXT), so this one happens.
             runner.released()
             self.buffered -= runner.buffered
             runner.buffered = 0
             p = runner.partition
-            if self.runners.get(p) is runner:
-                del self.runners[p]
+            if self.ownership.runner(p) is runner:
+                self.ownership.move(p, after, runner=runner, revision=runner.claim_revision)
             self.metrics.partitions_owned.set(len(self.runners))
             self._wake.set()
 
-    async def _let_go(self, runner: PartitionRunner) -> None:
+    async def _let_go(self, runner: PartitionRunner) -> Stage:
+        """Flush our acks and delete the claim (unless fenced). Returns the partition's
+        next stage, which runner_done moves it to as it forgets the runner."""
         p = runner.partition
+        after = Stage.FREE  # fenced: the claim is left as it is (reconcile sees to it)
         if not runner.fenced:
             # Without NATS the flush can only time out: release at once, so that a member
             # cut from NATS hands its partitions over in seconds. Acks it could not
@@ -854,11 +876,12 @@ class Worker:
                 # meanwhile the partition counts as being claimed, so that we do not
                 # start it again under the claim we are deleting.
                 _log_etcd_error(exc, "Could not delete claim %d (%s); retrying", p)
-                self.claiming.add(p)
+                # (Moved to releasing by runner_done before this task first looks.)
+                after = Stage.RELEASING
                 self._spawn(self._release_later(p, runner.claim_revision, runner.handback))
                 self.handovers.abandoned(p)  # _release_later says when it is done
             else:
-                self._released[p] = runner.claim_revision
+                after = Stage.RELEASED
                 self.handovers.released(p)
             log.debug(
                 "Released partition %d %.0f ms after the stop",
@@ -867,12 +890,15 @@ class Worker:
             )
         if runner.fenced:
             self.handovers.abandoned(p)
-            if runner.inflight:
+            if runner.inflight and after is Stage.FREE:
                 # Its handlers were cancelled but have not stopped yet: the claim must
                 # outlive them (see _reconcile), or the next owner starts alongside.
-                self._stopping_handlers[p] = runner
+                # (Fenced only after the claim's deletion, it has none running: its
+                # hand-over waited for them.)
+                after = Stage.HANDLERS_STOPPING
         # (runner_done then forgets the runner: given back, or left to JetStream's
         # redelivery when fenced, what it held is no longer ours.)
+        return after
 
     async def _release(self, p: int, claim_revision: int, handback: dict[int, int] | None) -> bool:
         """Delete claims/p (the incarnation we held); with `handback` (an orderly
@@ -904,7 +930,8 @@ class Worker:
                     _log_etcd_error(exc, "Could not delete claim %d (%s); retrying", p)
                     delay = min(delay * 2, 5.0)
         finally:
-            self.claiming.discard(p)
+            if self.ownership.stage(p) is Stage.RELEASING:
+                self.ownership.move(p, Stage.FREE)
             self._wake.set()
 
     async def drain(self, timeout: float) -> bool:
@@ -912,7 +939,7 @@ class Worker:
         self.leaving = True
         self._wake.set()
         deadline = time.monotonic() + timeout
-        while (self.runners or self.claiming) and time.monotonic() < deadline:
+        while self.ownership.busy() and time.monotonic() < deadline:
             self._reconcile()
             await asyncio.sleep(0.05)
         drained = not self.runners

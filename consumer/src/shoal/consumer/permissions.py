@@ -1,0 +1,184 @@
+"""The least NATS subject permissions a member, the operator and a producer of one group need.
+
+Pure: from a GroupConfig (stream names, subject prefix) to allow lists, and from those to
+a NATS ``authorization { users = [...] }`` block (`shoal-consumer permissions`). Each
+entry is there because the code uses it (the comments name where); anything not listed
+is refused by a server that enforces them, which tests/test_nats_permissions.py checks
+on a real nats-server with exactly these lists.
+
+Replies: every request (JetStream API calls, publishes with an ack, pulls) is answered on
+the client's inbox, ``<inbox prefix>.>``. nats-py's prefix is ``_INBOX`` for every client,
+so a subscribe permission on ``_INBOX.>`` lets any user holding it read every other
+client's replies, e.g. the messages a member of another group pulled. So members and
+producers (and the export) use prefixes of their group's own (``NATS_INBOX_PREFIX``, by
+default in this output ``_SHOAL_INBOX.<namespace>.<group>``,
+``_SHOAL_PRODUCER.<namespace>.<group>``, ``_SHOAL_EXPORT.<namespace>.<group>``), outside
+``_INBOX``, and may subscribe only below them. The operator keeps nats-py's
+``_INBOX``: ``_INBOX.>`` then overlaps with no member's or producer's replies.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shoal.consumer.config import GroupConfig
+from shoal.consumer.deadletter import ADVISORY
+from shoal.consumer.jetstream import HEALTH_SUBJECT
+from shoal.contracts.names import (
+    assignments_subject,
+    dlq_subjects,
+    ledger_subjects,
+    stream_subjects,
+)
+
+API = "$JS.API"
+
+
+@dataclass(frozen=True)
+class Permissions:
+    """Subjects a NATS user may publish to and subscribe to (allow lists)."""
+
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+
+
+def default_inbox_prefix(config: GroupConfig) -> str:
+    """The members' reply prefix: the group's own (Kubernetes names have no dots), and
+    under no other prefix, so that no other user's inbox permission covers it."""
+    return f"_SHOAL_INBOX.{config.namespace}.{config.group}"
+
+
+def default_producer_inbox_prefix(config: GroupConfig) -> str:
+    return f"_SHOAL_PRODUCER.{config.namespace}.{config.group}"
+
+
+def _streams(config: GroupConfig) -> list[str]:
+    streams = [config.stream, config.dlq_stream, config.log_stream]
+    return [*streams, config.ledger_stream] if config.ledger else streams
+
+
+def member_permissions(config: GroupConfig, inbox_prefix: str | None = None) -> Permissions:
+    """What one member of the group publishes and subscribes to.
+
+    With ``config.ensure_jetstream`` (members run without the operator) a member also
+    creates and updates the group's streams and durables, as the operator does.
+    """
+    inbox = inbox_prefix or config.nats_inbox_prefix or "_INBOX"
+    stream, prefix = config.stream, config.subject_prefix
+    publish = [
+        # Pulls (partition.py: a raw MSG.NEXT request per durable, replies to our inbox).
+        f"{API}.CONSUMER.MSG.NEXT.{stream}.*",
+        # Acks, naks, in-progress and terms go to the delivered message's reply subject.
+        f"$JS.ACK.{stream}.>",
+        # Lag and dozing (consumer_info).
+        f"{API}.CONSUMER.INFO.{stream}.*",
+        # The leader's sweep of messages past max_deliver (deadletter.py): read the
+        # original, publish it to the DLQ, delete it.
+        f"{API}.STREAM.MSG.GET.{stream}",
+        f"{API}.STREAM.MSG.DELETE.{stream}",
+        *dlq_subjects(prefix),
+        # The leader's assignment log (runtime.py).
+        assignments_subject(prefix),
+        # The reachability round trip (jetstream.NatsHealth): answered "no responders".
+        HEALTH_SUBJECT,
+    ]
+    if config.ledger:
+        publish += ledger_subjects(prefix)  # the test ledger handler
+    if config.ensure_jetstream:
+        # ensure_group at start, and recreating a deleted durable (partition.py).
+        publish += _management(config)
+    subscribe = [
+        f"{inbox}.>",
+        # A dozing partition's alarm: any publish on its subject (alarm.py).
+        *stream_subjects(prefix),
+        # Deleted stream or durables rouse dozing partitions (worker.py); the leader
+        # dead-letters what JetStream stopped delivering (deadletter.py).
+        f"$JS.EVENT.ADVISORY.STREAM.DELETED.{stream}",
+        f"$JS.EVENT.ADVISORY.CONSUMER.DELETED.{stream}.*",
+        f"{ADVISORY}.{stream}.*",
+    ]
+    return Permissions(_unique(publish), _unique(subscribe))
+
+
+def _unique(subjects: Sequence[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(subjects))
+
+
+def _management(config: GroupConfig) -> list[str]:
+    """jetstream.ensure_group: create or update the streams, list and create durables."""
+    out: list[str] = []
+    for stream in _streams(config):
+        out += [f"{API}.STREAM.CREATE.{stream}", f"{API}.STREAM.UPDATE.{stream}"]
+    # nats-py 2.16 creates a consumer that has a durable_name and no name with the
+    # legacy DURABLE.CREATE request (its CONSUMER.CREATE form needs config.name).
+    out += [
+        f"{API}.CONSUMER.LIST.{config.stream}",
+        f"{API}.CONSUMER.DURABLE.CREATE.{config.stream}.*",
+    ]
+    return out
+
+
+def operator_permissions(config: GroupConfig, inbox_prefix: str = "_INBOX") -> Permissions:
+    """What the operator does for this group: ensure_group, the stream's info for the
+    status (its message count is the work-queue lag), and deleting the streams with the
+    group (deletionPolicy Delete). For many groups: the union, one entry set per group."""
+    publish = _management(config)
+    publish.append(f"{API}.STREAM.INFO.{config.stream}")  # reconciler: the status's lag
+    publish += [f"{API}.STREAM.DELETE.{stream}" for stream in _streams(config)]
+    if not config.ledger:
+        # The group is deleted with its ledger stream, if one was ever made.
+        publish.append(f"{API}.STREAM.DELETE.{config.ledger_stream}")
+    return Permissions(_unique(publish), (f"{inbox_prefix}.>",))
+
+
+def producer_permissions(config: GroupConfig, inbox_prefix: str | None = None) -> Permissions:
+    """A publisher of the group's messages (`shoal-consumer produce`): the partition
+    subjects, and its inbox for JetStream's publish acks."""
+    inbox = inbox_prefix or config.nats_inbox_prefix or "_INBOX"
+    return Permissions(tuple(stream_subjects(config.subject_prefix)), (f"{inbox}.>",))
+
+
+def default_exporter_inbox_prefix(config: GroupConfig) -> str:
+    return f"_SHOAL_EXPORT.{config.namespace}.{config.group}"
+
+
+def exporter_permissions(config: GroupConfig, inbox_prefix: str | None = None) -> Permissions:
+    """`shoal-analytics export` of the group's assignment log (analytics/export.py): the
+    log stream's info, an ephemeral pull consumer on it (created without a name, so with
+    the plain CONSUMER.CREATE request), its pulls (no acks: AckPolicy NONE), deleting it."""
+    inbox = inbox_prefix or default_exporter_inbox_prefix(config)
+    log_stream = config.log_stream
+    return Permissions(
+        (
+            f"{API}.STREAM.INFO.{log_stream}",
+            f"{API}.CONSUMER.CREATE.{log_stream}",
+            f"{API}.CONSUMER.MSG.NEXT.{log_stream}.*",
+            f"{API}.CONSUMER.DELETE.{log_stream}.*",
+        ),
+        (f"{inbox}.>",),
+    )
+
+
+def _quoted(subjects: Sequence[str]) -> str:
+    return ", ".join(json.dumps(s) for s in subjects)
+
+
+def authorization_block(users: Sequence[tuple[str, str, Permissions]]) -> str:
+    """A NATS config ``authorization`` block: (user, password, permissions) each.
+
+    Passwords are written as given: pass e.g. ``$MEMBER_PASSWORD`` to have nats-server
+    read it from its environment (an unquoted variable in the config file).
+    """
+    lines = ["authorization {", "  users = ["]
+    for user, password, perms in users:
+        secret = password if password.startswith("$") else json.dumps(password)
+        lines += [
+            f"    {{user: {json.dumps(user)}, password: {secret}, permissions: {{",
+            f"      publish: {{allow: [{_quoted(perms.publish)}]}}",
+            f"      subscribe: {{allow: [{_quoted(perms.subscribe)}]}}",
+            "    }}",
+        ]
+    lines += ["  ]", "}"]
+    return "\n".join(lines) + "\n"

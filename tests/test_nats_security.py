@@ -1,0 +1,345 @@
+"""NATS over TLS with client certificates and passwords, and what a refusal looks like.
+
+A real nats-server with ``tls { verify: true }`` and users with passwords (certificates
+from a generated CA: harness.natssecurity) is started by this module and stopped when it
+ends. Each refusal (a wrong password, a server certificate from an unknown CA, an
+expired or a missing client certificate) must be one log line naming the reason, no
+traceback, and a member that says it is not ready, and why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import ssl
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from harness.fleet import Fleet
+from harness.localkube.pki import ensure_pki
+from harness.natssecurity import NatsServerSecurity, NatsUser, issue_client_cert
+from harness.servers import NatsServer
+from harness.waiting import eventually
+from shoal.consumer import ready as readiness
+from shoal.consumer.cli import main
+from shoal.consumer.jetstream import HEALTH_SUBJECT, connect
+from shoal.consumer.natsauth import (
+    NatsConfigError,
+    NatsRefused,
+    NatsSecurity,
+    refusal,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+PASSWORD = "member-secret"
+
+
+@dataclasses.dataclass(frozen=True)
+class Secured:
+    server: NatsServer
+    security: NatsServerSecurity
+    other_ca: Path  # a CA that signed neither the server's nor the clients' certificates
+    expired: tuple[Path, Path]  # a client certificate from the right CA, expired
+
+    def client(self, **changes: str | None) -> NatsSecurity:
+        """A member's settings that work, with `changes` applied."""
+        good = NatsSecurity(
+            ca_file=str(self.security.ca_file),
+            cert_file=str(self.security.client_cert),
+            key_file=str(self.security.client_key),
+            user="member",
+            password=PASSWORD,
+        )
+        return dataclasses.replace(good, **changes)
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
+    root = tmp_path_factory.mktemp("nats-secured")
+    security = NatsServerSecurity.generate(root / "pki", [NatsUser("member", PASSWORD)])
+    other = ensure_pki(root / "other-pki", {})
+    expired = issue_client_cert(security.ca_file, root / "expired", "expired", expired=True)
+    server = NatsServer(root / "nats", security=security)
+    try:
+        server.start()
+        yield Secured(server, security, other.ca_cert, expired)
+    finally:
+        server.stop()
+
+
+def refused_settings(secured: Secured) -> dict[str, tuple[NatsSecurity, str, str]]:
+    """case -> (settings, reason, what the line must say)."""
+    cert, key = secured.expired
+    return {
+        "wrong password": (secured.client(password="wrong"), "NatsAuthFailed", "Authorization"),
+        "unknown CA": (
+            secured.client(ca_file=str(secured.other_ca)),
+            "NatsTLSFailed",
+            "server's certificate was not accepted",
+        ),
+        "expired client certificate": (
+            secured.client(cert_file=str(cert), key_file=str(key)),
+            "NatsTLSFailed",
+            "it has expired",
+        ),
+        "no client certificate": (
+            secured.client(cert_file=None, key_file=None),
+            "NatsTLSFailed",
+            "requires a client certificate",
+        ),
+    }
+
+
+CASES = ["wrong password", "unknown CA", "expired client certificate", "no client certificate"]
+
+
+async def test_without_a_ca_file_the_system_cas_are_trusted(secured: Secured) -> None:
+    # A tls:// URL and a client certificate, no NATS_CA_FILE: the system's CAs, which
+    # do not know this test's CA.
+    with pytest.raises(NatsRefused, match="unable to get local issuer certificate"):
+        await connect(
+            secured.server.url, name="t", attempts=1, security=secured.client(ca_file=None)
+        )
+    # And a plain nats:// URL still gets TLS from a server that requires it.
+    plain = secured.server.url.replace("tls://", "nats://")
+    nc = await connect(plain, name="t", attempts=1, security=secured.client())
+    await nc.close()
+
+
+async def test_connects_with_client_certificate_and_password(secured: Secured) -> None:
+    assert secured.server.url.startswith("tls://")
+    nc = await connect(secured.server.url, name="t", attempts=2, security=secured.client())
+    try:
+        # Round trips work (the health request is answered "no responders" by the server).
+        with pytest.raises(Exception, match="no responders"):
+            await nc.request(HEALTH_SUBJECT, b"", timeout=2)
+        info = await nc.jetstream().account_info()
+        assert info is not None
+    finally:
+        await nc.close()
+
+
+@pytest.mark.parametrize("case", CASES)
+async def test_a_refusal_names_its_reason(
+    secured: Secured, case: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings, reason, says = refused_settings(secured)[case]
+    started = time.monotonic()
+    with pytest.raises(NatsRefused) as raised:
+        await connect(secured.server.url, name="t", attempts=3, security=settings)
+    # A refusal is not retried by one-shot callers: a person must act first.
+    assert time.monotonic() - started < 3
+    assert raised.value.why.reason == reason
+    assert says in str(raised.value)
+    assert "\n" not in str(raised.value)
+
+
+async def test_a_member_retries_a_refusal_quietly(
+    secured: Secured, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings, _, _ = refused_settings(secured)["wrong password"]
+    seen: list[str] = []
+    task = asyncio.create_task(
+        connect(
+            secured.server.url,
+            name="t",
+            security=settings,
+            on_refusal=lambda why: seen.append(str(why)),
+        )
+    )
+    await asyncio.sleep(4)  # several attempts with backoff
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    lines = [r for r in caplog.records if "NatsAuthFailed" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in caplog.records]
+    assert lines[0].exc_info is None
+    assert len(seen) >= 3 and all(s.startswith("NatsAuthFailed: ") for s in seen)
+
+
+def test_a_member_whose_login_is_dropped_exits_with_one_line(
+    tmp_path: Path, etcd_endpoint: str, group: str
+) -> None:
+    """The server drops a connected member's login (its password rotated). nats-py then
+    closes the connection for good instead of reconnecting (last_error: its
+    AuthorizationError), so the member leaves its group and exits 1 with one line; the
+    pod's restart connects again, with the secret as it is then."""
+    security = NatsServerSecurity.generate(tmp_path / "pki", [NatsUser("member", PASSWORD)])
+    server = NatsServer(tmp_path / "nats", security=security)
+    ready_file = tmp_path / "ready.json"
+    client = NatsSecurity(
+        ca_file=str(security.ca_file),
+        cert_file=str(security.client_cert),
+        key_file=str(security.client_key),
+        user="member",
+        password=PASSWORD,
+    )
+    try:
+        server.start()
+        with Fleet(
+            tmp_path / "members",
+            nats_url=server.url,
+            etcd_endpoint=etcd_endpoint,
+            namespace="test",
+            group=group,
+            partitions=8,
+            env=member_env(client, ready_file),
+        ) as fleet:
+            member = fleet.start("m-0")
+            eventually(
+                lambda: readiness.check(str(ready_file)),
+                30,
+                "the member to be ready",
+                until=lambda result: result[0],
+                interval=0.2,
+            )
+            rotated = dataclasses.replace(security, users=(NatsUser("member", "rotated"),))
+            server.reload(rotated)
+            assert fleet.wait_exit("m-0", 30) == 1
+            text = member.log_text()
+    finally:
+        server.stop()
+    lines = [line for line in text.splitlines() if "NatsAuthFailed" in line]
+    assert len(lines) == 1, text
+    assert "NATS closed this member's connection for good" in lines[0], text
+    assert "Left group" in text, text
+    assert "Traceback" not in text, text
+
+
+def member_env(settings: NatsSecurity, ready_file: Path) -> dict[str, str]:
+    env = {
+        "NATS_CA_FILE": settings.ca_file or "",
+        "NATS_CERT_FILE": settings.cert_file or "",
+        "NATS_KEY_FILE": settings.key_file or "",
+        "NATS_USER": settings.user or "",
+        "NATS_PASSWORD": settings.password or "",
+        "SHOAL_READY_FILE": str(ready_file),
+    }
+    return env
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_refused_member_logs_one_line_and_is_not_ready(
+    secured: Secured, etcd_endpoint: str, tmp_path: Path, group: str, case: str
+) -> None:
+    settings, reason, says = refused_settings(secured)[case]
+    ready_file = tmp_path / "ready.json"
+    with Fleet(
+        tmp_path / "members",
+        nats_url=secured.server.url,
+        etcd_endpoint=etcd_endpoint,
+        namespace="test",
+        group=group,
+        partitions=8,
+        env=member_env(settings, ready_file),
+    ) as fleet:
+        member = fleet.start("m-0")
+        message = eventually(
+            lambda: readiness.check(str(ready_file))[1],
+            30,
+            "the member to say why it is not ready",
+            until=lambda line: reason in line,
+            interval=0.2,
+        )
+        assert message.startswith("not ready: member m-0: " + reason), message
+        assert says in message
+        time.sleep(4)  # more attempts, with backoff: still one line
+        assert readiness.check(str(ready_file))[0] is False
+        fleet.term("m-0")
+        assert fleet.wait_exit("m-0", 20) == 0
+        text = member.log_text()
+    lines = [line for line in text.splitlines() if reason in line]
+    assert len(lines) == 1, text
+    assert says in lines[0] and "retrying" in lines[0], lines[0]
+    assert "Traceback" not in text, text
+    # Every attempt was seen as the refusal it is, none as an unreachable server.
+    assert "unreachable" not in text, text
+
+
+def test_unusable_settings_stop_the_member_at_once(
+    secured: Secured, etcd_endpoint: str, tmp_path: Path, group: str
+) -> None:
+    settings = secured.client(key_file=None)  # a certificate without its key
+    with Fleet(
+        tmp_path / "members",
+        nats_url=secured.server.url,
+        etcd_endpoint=etcd_endpoint,
+        namespace="test",
+        group=group,
+        partitions=8,
+        env=member_env(settings, tmp_path / "ready.json"),
+    ) as fleet:
+        member = fleet.start("m-0")
+        assert fleet.wait_exit("m-0", 20) == 1
+        text = member.log_text()
+    assert "Error: NATS client certificate and key go together" in text, text
+    assert "Traceback" not in text, text
+
+
+def test_produce_takes_the_same_settings(secured: Secured) -> None:
+    good = secured.client()
+    env = {
+        "NATS_CA_FILE": good.ca_file,
+        "NATS_CERT_FILE": good.cert_file,
+        "NATS_KEY_FILE": good.key_file,
+        "NATS_USER": "member",
+    }
+    args = ["produce", "-g", "sec", "--nats", secured.server.url, "-m", "0"]
+    ok = CliRunner().invoke(main, args, env={**env, "NATS_PASSWORD": PASSWORD})
+    assert ok.exit_code == 0, ok.output
+    refused = CliRunner().invoke(main, args, env={**env, "NATS_PASSWORD": "wrong"})
+    assert refused.exit_code == 1
+    assert "Error: NatsAuthFailed: NATS refused the credentials" in refused.output
+    assert "Traceback" not in refused.output
+
+
+def test_the_export_takes_the_same_settings(secured: Secured, tmp_path: Path) -> None:
+    from shoal.analytics.cli import main as analytics
+
+    good = secured.client()
+    env = {
+        "NATS_CA_FILE": good.ca_file,
+        "NATS_CERT_FILE": good.cert_file,
+        "NATS_KEY_FILE": good.key_file,
+        "NATS_USER": "member",
+    }
+    args = ["export", "-g", "nosuch", "--nats-url", secured.server.url, "-o", str(tmp_path)]
+    # Connected (TLS and password accepted); the group has no log stream.
+    ok = CliRunner().invoke(analytics, args, env={**env, "NATS_PASSWORD": PASSWORD})
+    assert ok.exit_code == 1 and "NatsAuthFailed" not in ok.output, ok.output
+    assert "nosuch" in ok.output, ok.output
+    refused = CliRunner().invoke(analytics, args, env={**env, "NATS_PASSWORD": "wrong"})
+    assert refused.exit_code == 1
+    assert "Error: NatsAuthFailed: NATS refused the credentials" in refused.output
+    assert "Traceback" not in refused.output
+
+
+def test_settings_are_checked_before_connecting(tmp_path: Path) -> None:
+    with pytest.raises(NatsConfigError, match="user and password go together"):
+        NatsSecurity(user="u").check()
+    with pytest.raises(NatsConfigError, match="one of a credentials file"):
+        NatsSecurity(user="u", password="p", creds_file=__file__).check()
+    with pytest.raises(NatsConfigError, match=r"CA file .* is not readable"):
+        NatsSecurity(ca_file=str(tmp_path / "missing.crt")).check()
+    (tmp_path / "junk.crt").write_text("not a certificate")
+    with pytest.raises(NatsConfigError, match="TLS files cannot be used"):
+        NatsSecurity(ca_file=str(tmp_path / "junk.crt")).check()
+    with pytest.raises(NatsConfigError, match="inbox prefix"):
+        NatsSecurity(inbox_prefix="_INBOX.>").check()
+    assert "***" in repr(NatsSecurity(user="u", password="secret"))
+    assert "secret" not in repr(NatsSecurity(user="u", password="secret"))
+
+
+def test_refusal_reads_what_nats_py_raises() -> None:
+    from nats import errors
+
+    auth = refusal(errors.Error("nats: 'Authorization Violation'"))
+    assert auth is not None and auth.reason == "NatsAuthFailed"
+    assert refusal(ConnectionRefusedError(111, "refused")) is None
+    wrapped = RuntimeError("connect failed")
+    wrapped.__cause__ = ssl.SSLError(1, "[SSL: SSLV3_ALERT_CERTIFICATE_EXPIRED]")
+    assert refusal(wrapped) is not None
