@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from shoal.consumer.config import ENV_FIELDS, GroupConfig, config_from_env
+from shoal.consumer.permissions import member_permissions
 from shoal.contracts.names import GROUP_LABEL, default_stream_name, default_subject_prefix
 from shoal.operator.builders import (
     ETCD_SECRET_VERSION,
@@ -1045,6 +1046,15 @@ def test_the_nats_secrets_versions_roll_the_pod_template() -> None:
     # Versions of Secrets the spec does not name are not annotated.
     alone = build_deployment(NAME, NAMESPACE, minimal_spec(), SETTINGS, nats=nats)
     assert "annotations" not in alone["spec"]["template"]["metadata"]
+
+
+def test_members_reply_under_their_groups_own_inbox_prefix() -> None:
+    config = config_of(minimal_spec())
+    assert config.nats_inbox_prefix == f"_SHOAL_INBOX.{NAMESPACE}.{NAME}"
+    assert config.nats_security().connect_options()["inbox_prefix"] == config.nats_inbox_prefix
+    # Exactly what the least-privilege lists allow the group's members.
+    (inbox,) = [s for s in member_permissions(config).subscribe if "INBOX" in s]
+    assert inbox == f"{config.nats_inbox_prefix}.>"
 
 
 def test_a_rollout_replaces_one_pod_at_a_time() -> None:

@@ -22,6 +22,7 @@ from typing import Any, Literal, TypedDict
 
 from shoal.consumer.config import ENV_VARS, GroupConfig, config_env, group_config
 from shoal.consumer.cpu import LIMIT_ENV as CPU_LIMIT_ENV
+from shoal.consumer.permissions import default_inbox_prefix
 from shoal.contracts.names import (
     API_GROUP,
     CONSUMER_APP_NAME,
@@ -136,6 +137,7 @@ POD_FIELDS = (
     "nats_creds_file",
     "nats_nkey_seed_file",
     *NATS_TLS_FILES,
+    "nats_inbox_prefix",
     "metrics_port",
     *ETCD_TLS_FILES,
 )
@@ -232,7 +234,7 @@ def pod_config(
             files["nats_key_file"] = f"{NATS_TLS_DIR}/{NATS_KEY_KEY}"
     if model.etcd.tls_secret:
         files.update({field: f"{ETCD_TLS_DIR}/{key}" for field, key in ETCD_TLS_FILES.items()})
-    return group_config(
+    config = group_config(
         namespace,
         name,
         model,
@@ -250,6 +252,10 @@ def pod_config(
         metrics_port=settings.consumer_metrics_port,
         **files,
     )
+    # Replies under the group's own prefix, not nats-py's _INBOX shared by every client,
+    # so that a NATS server can allow each group's members their own replies only
+    # (shoal.consumer.permissions; `shoal-consumer permissions` prints the same prefix).
+    return config.model_copy(update={"nats_inbox_prefix": default_inbox_prefix(config)})
 
 
 def _env(name: str, value: str) -> Obj:
