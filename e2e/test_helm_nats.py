@@ -1,7 +1,7 @@
 """The chart's values for the operator's own NATS TLS and credentials, on the local plane.
 
 A release whose operator reaches a nats-server that requires TLS with client
-certificates and a password (harness.securenats) only through its chart values:
+certificates and a password (harness.natssecurity) only through its chart values:
 nats.url, nats.tlsSecret (the CA, a client certificate) and nats.credentialsSecret with
 credentialsType userPassword, Secrets in the release's namespace that the process kubelet
 mounts into the operator Pod (and passes the password as env from the Secret). A group
@@ -26,7 +26,7 @@ import yaml
 
 from harness.kubetest import get_json, wait_until
 from harness.localkube.plane import LocalKube
-from harness.securenats import SecureNats, secure_nats_server
+from harness.securenats import NatsUser, SecureNats, secure_nats_server
 from harness.servers import free_port
 from shoal.consumer.natsauth import NatsSecurity
 
@@ -42,7 +42,8 @@ PARTITIONS = 8
 
 @pytest.fixture(scope="module")
 def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureNats]:
-    server = secure_nats_server(tmp_path_factory.mktemp("helm-nats"), PASSWORDS)
+    users = [NatsUser(name, password) for name, password in PASSWORDS.items()]
+    server = secure_nats_server(tmp_path_factory.mktemp("helm-nats"), users)
     server.server.start()
     try:
         yield server

@@ -2,15 +2,17 @@
 requires TLS with client certificates and a password, the members and the operator each
 with only the subjects they need, scaled 3 -> 5 -> 2 while messages flow, 0 lost.
 
-The nats-server (harness.securenats) has three users: `member` and `shoal-operator` with
-allow lists for this one group (below: what the member and the operator publish and
-subscribe to), and `admin` for the test's producer and audit. The operator runs as a
-local process with its own NATS settings (NATS_URL, NATS_CA_FILE, NATS_CERT_FILE,
-NATS_KEY_FILE, NATS_USER, NATS_PASSWORD: what the chart's nats.tlsSecret and
-nats.credentialsSecret give the operator pod). The group names spec.nats.tlsSecret, which
-both its pods and the operator use, and no credentialsSecret: the operator would then use
-that Secret itself, and the members' allow list does not let anyone create streams. The
-members' user and password reach them as env from a Secret of their own (spec.env).
+The nats-server (harness.natssecurity) has three users: `member` and `shoal-operator`
+with exactly the allow lists shoal.consumer.permissions gives for this one group (what
+`shoal-consumer permissions` prints; the members reply under the group's own inbox
+prefix, NATS_INBOX_PREFIX, which the operator sets in their pods), and `admin` for the
+test's producer and audit. The operator runs as a local process with its own NATS
+settings (NATS_URL, NATS_CA_FILE, NATS_CERT_FILE, NATS_KEY_FILE, NATS_USER,
+NATS_PASSWORD: what the chart's nats.tlsSecret and nats.credentialsSecret give the
+operator pod). The group names spec.nats.tlsSecret, which both its pods and the operator
+use, and no credentialsSecret: the operator would then use that Secret itself, and the
+members' allow list does not let anyone create streams. The members' user and password
+reach them as env from a Secret of their own (spec.env).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import json
 import secrets
 import time
 from collections.abc import Iterator
+from dataclasses import astuple
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +34,16 @@ import yaml
 from harness.fleet import wait_for_status
 from harness.kubetest import condition, create_namespace, get_json, operator_process, wait_until
 from harness.localkube.plane import LocalKube
-from harness.securenats import SecureNats, secure_nats_server
+from harness.securenats import NatsUser, SecureNats, secure_nats_server
 from harness.waiting import eventually_async
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.ledger import audit, read_ledger
 from shoal.consumer.natsauth import NatsSecurity
+from shoal.consumer.permissions import member_permissions, operator_permissions
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.contracts.names import SEQ_HEADER, ledger_stream_name
+from shoal.operator.builders import pod_config
+from shoal.operator.settings import OperatorSettings
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -48,64 +54,31 @@ PREFIX = f"shoal.{NS}.{NAME}"
 API = "$JS.API"
 MEMBER, OPERATOR, ADMIN = "member", "shoal-operator", "admin"
 PASSWORDS = {name: secrets.token_hex(8) for name in (MEMBER, OPERATOR, ADMIN)}
-STREAMS = (STREAM, f"{STREAM}_dlq", f"{STREAM}_log", f"{STREAM}_ledger")
 
-# What a member of this group publishes and subscribes to: its durables' pulls and acks,
-# lag and recreating a deleted durable, the leader's dead-letter sweep, the assignment
-# log, the ledger handler's records, the reachability probe; its partitions (a dozing
-# partition's alarm) and JetStream's advisories on its stream. Replies: `_INBOX.>` (the
-# member side's NATS_INBOX_PREFIX narrows this to the group's own prefix).
-MEMBER_PERMISSIONS = {
-    "publish": {
-        "allow": [
-            f"{API}.CONSUMER.MSG.NEXT.{STREAM}.*",
-            f"$JS.ACK.{STREAM}.>",
-            f"{API}.CONSUMER.INFO.{STREAM}.*",
-            f"{API}.CONSUMER.CREATE.{STREAM}.>",
-            f"{API}.CONSUMER.DURABLE.CREATE.{STREAM}.*",
-            f"{API}.STREAM.MSG.GET.{STREAM}",
-            f"{API}.STREAM.MSG.DELETE.{STREAM}",
-            f"{PREFIX}.dlq.*",
-            f"{PREFIX}.log.assignments",
-            f"{PREFIX}.ledger.*",
-            "_SHOAL.HEALTH",
-        ]
-    },
-    "subscribe": {
-        "allow": [
-            "_INBOX.>",
-            f"{PREFIX}.*",
-            f"$JS.EVENT.ADVISORY.STREAM.DELETED.{STREAM}",
-            f"$JS.EVENT.ADVISORY.CONSUMER.DELETED.{STREAM}.*",
-            f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{STREAM}.*",
-        ]
-    },
-}
-# What the operator does for it: create and update the streams, list and create the
-# durables, read the stream's info for the status, delete the streams with the group.
-OPERATOR_PERMISSIONS = {
-    "publish": {
-        "allow": [
-            *(f"{API}.STREAM.{verb}.{s}" for s in STREAMS for verb in ("CREATE", "UPDATE")),
-            *(f"{API}.STREAM.INFO.{s}" for s in STREAMS),
-            *(f"{API}.STREAM.DELETE.{s}" for s in STREAMS),
-            f"{API}.CONSUMER.LIST.{STREAM}",
-            f"{API}.CONSUMER.INFO.{STREAM}.*",
-            f"{API}.CONSUMER.CREATE.{STREAM}.>",
-            f"{API}.CONSUMER.DURABLE.CREATE.{STREAM}.*",
-        ]
-    },
-    "subscribe": {"allow": ["_INBOX.>"]},
-}
+
+def group_spec() -> dict[str, Any]:
+    return {
+        **yaml.safe_load((ROOT / "examples" / "consumergroup.yaml").read_text())["spec"],
+        "partitions": PARTITIONS,
+    }
+
+
+# The group's configuration as the operator derives it for the pods (their inbox prefix
+# among it): the allow lists are shoal.consumer.permissions' for it, exactly, as
+# `shoal-consumer permissions` prints them.
+CONFIG = pod_config(NAME, NS, group_spec(), OperatorSettings())
+MEMBER_PERMISSIONS = member_permissions(CONFIG)
+OPERATOR_PERMISSIONS = operator_permissions(CONFIG)
 
 
 @pytest.fixture(scope="module")
 def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureNats]:
-    server = secure_nats_server(
-        tmp_path_factory.mktemp("nats-least"),
-        PASSWORDS,
-        {MEMBER: MEMBER_PERMISSIONS, OPERATOR: OPERATOR_PERMISSIONS},
-    )
+    users = [
+        NatsUser(MEMBER, PASSWORDS[MEMBER], *astuple(MEMBER_PERMISSIONS)),
+        NatsUser(OPERATOR, PASSWORDS[OPERATOR], *astuple(OPERATOR_PERMISSIONS)),
+        NatsUser(ADMIN, PASSWORDS[ADMIN]),  # the test's producer and audit
+    ]
+    server = secure_nats_server(tmp_path_factory.mktemp("nats-least"), users)
     server.server.start()
     try:
         yield server

@@ -1,8 +1,8 @@
 """spec.nats.tlsSecret and spec.nats.credentialsSecret on the local control plane: a group
 on a NATS server that requires TLS with client certificates and a password.
 
-This file starts its own nats-server (harness.securenats: `tls { verify: true }`, users
-with passwords; certificates from harness/src/harness/localkube/pki.py); the plane's plain
+This file starts its own nats-server (harness.natssecurity: `tls { verify: true }`, users
+with passwords, certificates from a CA of its own); the plane's plain
 NATS serves the other suites, and the operator's own default (NATS_URL) stays that plain
 server, so a group reaches the secured one only through its spec (url and Secrets). The
 operator runs as a local process watching only this file's namespaces (it reads the
@@ -28,7 +28,7 @@ import yaml
 
 from harness.kubetest import condition, create_namespace, get_json, operator_process, wait_until
 from harness.localkube.plane import LocalKube
-from harness.securenats import SecureNats, secure_nats_server
+from harness.securenats import NatsUser, SecureNats, secure_nats_server
 from shoal.consumer.natsauth import NatsSecurity
 from shoal.operator.builders import NATS_TLS_SECRET_VERSION
 
@@ -43,9 +43,8 @@ PARTITIONS = 16
 
 @pytest.fixture(scope="module")
 def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureNats]:
-    server = secure_nats_server(
-        tmp_path_factory.mktemp("nats-tls"), {USER: PASSWORD, ADMIN: ADMIN_PASSWORD}
-    )
+    users = [NatsUser(USER, PASSWORD), NatsUser(ADMIN, ADMIN_PASSWORD)]
+    server = secure_nats_server(tmp_path_factory.mktemp("nats-tls"), users)
     server.server.start()
     try:
         yield server

@@ -21,7 +21,7 @@ import pytest
 from kubernetes.client.rest import ApiException
 
 from harness.localkube.pki import ensure_pki
-from harness.securenats import SecureNats, secure_nats_server
+from harness.securenats import NatsUser, SecureNats, secure_nats_server
 from shoal.consumer.jetstream import connect
 from shoal.consumer.natsauth import NatsSecurity
 from shoal.contracts.spec import NatsSpec
@@ -304,7 +304,7 @@ def test_the_default_directory_is_private_and_temporary(secrets: FakeSecrets) ->
 def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureNats]:
     nats = secure_nats_server(
         tmp_path_factory.mktemp("secure-nats"),
-        {USER: PASSWORD, OPERATOR: random_secrets.token_hex(8)},
+        [NatsUser(USER, PASSWORD), NatsUser(OPERATOR, random_secrets.token_hex(8))],
     )
     nats.server.start()
     try:
@@ -362,9 +362,9 @@ async def test_an_unknown_ca_is_nats_tls_failed_naming_the_secret(
     secrets: FakeSecrets,
     tmp_path: Path,
 ) -> None:
-    other = secure_nats_server(tmp_path / "other", {})  # only for its CA; never started
+    other = secure_nats_server(tmp_path / "other", [])  # only for its CA; never started
     secrets.secrets["prod", "nats-tls"] = SecretData(
-        "1", {**tls_secret(secure).data, "ca.crt": b64(other.pki.ca_cert.read_bytes())}
+        "1", {**tls_secret(secure).data, "ca.crt": b64(other.security.ca_file.read_bytes())}
     )
     secrets.secrets["prod", "nats-auth"] = user_secret(PASSWORD)
     with pytest.raises(NatsSecretProblem) as info:
