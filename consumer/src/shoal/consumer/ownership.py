@@ -21,7 +21,8 @@ it go (dozing, stopping, giving back, fenced) is its own state machine, partitio
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -81,6 +82,10 @@ class Slot:
     # claims/p's create revision: RELEASING, the one being deleted; RELEASED, the one
     # deleted (what the view may still show).
     revision: int = 0
+    # When it entered this stage (monotonic): handlers stopping for long is a stall.
+    since: float = field(default_factory=time.monotonic)
+    # HANDLERS_STOPPING: whether the worker said they outlived stall_after (said once).
+    reported: bool = False
 
 
 class Ownership:
@@ -103,6 +108,9 @@ class Ownership:
     def runner(self, partition: int) -> PartitionRunner | None:
         """The runner consuming the partition, if any."""
         return self.runners.get(partition)
+
+    def in_stage(self, stage: Stage) -> list[Slot]:
+        return [slot for slot in self._slots.values() if slot.stage is stage]
 
     def busy(self) -> bool:
         """Anything being claimed, consumed or released (what a drain waits for)."""
