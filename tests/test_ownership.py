@@ -191,3 +191,29 @@ async def test_a_drain_waits_for_handlers_an_earlier_fence_cancelled() -> None:
     began = time.monotonic()
     await worker.drain(timeout=5)
     assert time.monotonic() - began < 4
+
+
+async def test_a_partition_whose_claim_went_with_the_lease_waits_for_its_stopping_handlers() -> (
+    None
+):
+    """Fenced for longer than the lease: the claim is gone, the partition is still ours
+    in the target. The handlers the fence cancelled still stop: claiming it again now
+    would start a runner beside them; it is claimed once they have stopped."""
+    worker = worker_with(target(6, ME), claim(6, ME, 30), revision=30)
+    runner = PartitionRunner(worker, 6, claim_revision=30, target_ts=None)
+    assert worker.ownership.move(6, Stage.CONSUMING, runner=runner)
+    runner.fence()
+    runner.inflight = 1
+    await worker.runner_done(runner)
+    assert worker.ownership.stage(6) is Stage.HANDLERS_STOPPING
+    worker.view.load(40, {kv.key: kv for kv in [target(6, ME)]})  # the claim expired
+
+    spawned: list[Any] = []
+    worker._spawn = spawned.append  # type: ignore[method-assign,assignment]  # no etcd here
+    worker._reconcile()
+    assert worker.ownership.stage(6) is Stage.HANDLERS_STOPPING and spawned == []
+
+    runner.inflight = 0
+    worker._reconcile()
+    assert worker.ownership.stage(6) is Stage.CLAIMING and len(spawned) == 1
+    spawned[0].close()

@@ -62,9 +62,9 @@ _NEXT: dict[Stage, frozenset[Stage]] = {
     Stage.CONSUMING: frozenset(
         {Stage.RELEASED, Stage.RELEASING, Stage.HANDLERS_STOPPING, Stage.FREE}
     ),
-    # Claiming: the claim went with the lease (a new one), so the stopping handlers no
-    # longer keep anyone else from the partition; they do not keep us from claiming it
-    # either (as before this record: waiting for them here too would be safer).
+    # Claiming: the claim went with the lease, so the stopping handlers no longer keep
+    # anyone else from the partition (another member may take it: the fence margin is
+    # what keeps them apart); the worker claims it again only once they have stopped.
     Stage.HANDLERS_STOPPING: frozenset({Stage.FREE, Stage.CLAIMING}),
     Stage.RELEASING: frozenset({Stage.FREE}),
     Stage.RELEASED: frozenset({Stage.FREE}),

@@ -704,6 +704,13 @@ class Worker:
                 current.stop()
                 continue
             if want and current is None and not under_way:
+                if stage is Stage.HANDLERS_STOPPING and claim is None:
+                    assert slot is not None and slot.runner is not None
+                    if slot.runner.inflight:
+                        # The claim went with the old lease, but the handlers the fence
+                        # cancelled still stop: a runner of ours now would run the
+                        # partition's messages beside them. went_idle() pokes us.
+                        continue
                 self.handovers.taking([p])
                 if claim is None:
                     # (From handlers stopping too: the claim went with the old lease.)
