@@ -4,8 +4,10 @@ plain bookkeeping, and the worker's use of it is fed a view by hand."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
 from typing import Any
 
 import pytest
@@ -157,4 +159,61 @@ async def test_a_fenced_runner_with_handlers_running_keeps_its_claim_until_they_
     slot = worker.ownership.slot(6)
     assert slot is not None and slot.stage is Stage.RELEASING and slot.revision == 30
     assert len(spawned) == 1
+    spawned[0].close()
+
+
+async def test_a_drain_waits_for_handlers_an_earlier_fence_cancelled() -> None:
+    """Leaving, the worker must not let its caller revoke the lease (and so hand the
+    partition to its next owner) while handlers cancelled by an earlier fence still
+    stop: drain waits for them too, up to the same bound as for its own runners."""
+    worker = worker_with(target(6, ME), claim(6, ME, 30), revision=30)
+    runner = PartitionRunner(worker, 6, claim_revision=30, target_ts=None)
+    assert worker.ownership.move(6, Stage.CONSUMING, runner=runner)
+    runner.fence()
+    runner.inflight = 1
+    await worker.runner_done(runner)
+    assert worker.ownership.stage(6) is Stage.HANDLERS_STOPPING
+
+    async def stops_later() -> None:
+        await asyncio.sleep(0.5)
+        runner.inflight = 0
+        runner.went_idle()
+
+    stopping = asyncio.create_task(stops_later())
+    began = time.monotonic()
+    await worker.drain(timeout=5)
+    assert runner.inflight == 0, "drain returned while a cancelled handler still ran"
+    assert time.monotonic() - began < 2
+    await stopping
+
+    # One that never stops (deaf to cancellation) does not hold the exit for ever.
+    runner.inflight = 1
+    began = time.monotonic()
+    await worker.drain(timeout=5)
+    assert time.monotonic() - began < 4
+
+
+async def test_a_partition_whose_claim_went_with_the_lease_waits_for_its_stopping_handlers() -> (
+    None
+):
+    """Fenced for longer than the lease: the claim is gone, the partition is still ours
+    in the target. The handlers the fence cancelled still stop: claiming it again now
+    would start a runner beside them; it is claimed once they have stopped."""
+    worker = worker_with(target(6, ME), claim(6, ME, 30), revision=30)
+    runner = PartitionRunner(worker, 6, claim_revision=30, target_ts=None)
+    assert worker.ownership.move(6, Stage.CONSUMING, runner=runner)
+    runner.fence()
+    runner.inflight = 1
+    await worker.runner_done(runner)
+    assert worker.ownership.stage(6) is Stage.HANDLERS_STOPPING
+    worker.view.load(40, {kv.key: kv for kv in [target(6, ME)]})  # the claim expired
+
+    spawned: list[Any] = []
+    worker._spawn = spawned.append  # type: ignore[method-assign,assignment]  # no etcd here
+    worker._reconcile()
+    assert worker.ownership.stage(6) is Stage.HANDLERS_STOPPING and spawned == []
+
+    runner.inflight = 0
+    worker._reconcile()
+    assert worker.ownership.stage(6) is Stage.CLAIMING and len(spawned) == 1
     spawned[0].close()

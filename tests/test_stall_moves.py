@@ -24,6 +24,7 @@ from shoal.consumer.etcd import Etcd
 from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.ledger import read_ledger
 from shoal.consumer.producer import Outgoing, Producer
+from shoal.consumer.progress import WEDGED_AFTER_STALLS
 from shoal.consumer.ready import check, check_live
 from shoal.contracts.names import SEQ_HEADER, partition_for
 
@@ -156,3 +157,76 @@ async def test_a_long_handler_within_its_timeout_is_no_stall(
     logs = _log(fleet, "m-0") + _log(fleet, "m-1")
     assert "is stalled" not in logs
     assert "Moved stalled" not in logs
+
+
+async def test_a_handler_deaf_to_cancellation_keeps_its_partition_reported_until_restart(
+    make_fleet: Callable[..., Fleet], etcd: Etcd, js: Any, make_config: Any, tmp_path: Path
+) -> None:
+    """The stalled partition is moved, but its handler ignores being cancelled: the member
+    must keep the claim while the handler runs (never two runs of one partition), so only
+    ending the process frees the partition. That must not be silent: the member goes on
+    reporting the partition stalled (not ready), fails liveness once it is wedged (the
+    kubelet would restart it), and a SIGTERM then lets m-1 consume everything."""
+    config = make_config(
+        handler=HANDLER, partitions=PARTITIONS, handler_timeout=0, stall_after=STALL_AFTER
+    )
+    await ensure_group(js, config)
+    fleet = make_fleet(handler=HANDLER, partitions=PARTITIONS)
+    ready = {m: tmp_path / f"{m}.ready" for m in ("m-0", "m-1")}
+    for member in ("m-0", "m-1"):
+        fleet.start(member, **config_env(config, SETTINGS), SHOAL_READY_FILE=str(ready[member]))
+    status = await wait_for_status(
+        etcd, config.namespace, config.group, PARTITIONS, settled({"m-0", "m-1"}), 30
+    )
+    victim = min(p for p, m in status.owners.items() if m == "m-0")
+    project = next(
+        f"deaf-{i}" for i in range(1000) if partition_for(f"deaf-{i}", PARTITIONS) == victim
+    )
+    items = [Outgoing(project, b"deaf-on:m-0", f"{project}-0", {SEQ_HEADER: "0"})]
+    items += [
+        Outgoing(project, b"ok", f"{project}-{i}", {SEQ_HEADER: str(i)}) for i in range(1, 150)
+    ]
+    await Producer(js, config.subject_prefix, PARTITIONS).publish_many(items)
+
+    await eventually_async(
+        lambda: _log_async(fleet, "m-0"),
+        STALL_AFTER + 15,
+        "m-0 to abort the moved partition's handlers",
+        until=lambda text: "ignores its cancellation" in text,
+        describe=lambda text: text[-2000:],
+    )
+    # Moved in the leader's target, but m-0 keeps the claim while the handler runs: it
+    # still reports the partition stalled, so it is not ready, and soon not live.
+    await eventually_async(
+        lambda: _probe_live(ready["m-0"]),
+        (WEDGED_AFTER_STALLS + 3) * STALL_AFTER,
+        "m-0 to fail liveness (wedged)",
+        until=lambda r: not r[0],
+        describe=repr,
+    )
+    ok, why = check(str(ready["m-0"]))
+    assert not ok and f"stalled partition(s) [{victim}]" in why, why
+    claims = (
+        await wait_for_status(etcd, config.namespace, config.group, PARTITIONS, lambda s: True, 5)
+    ).claims
+    assert claims.get(victim) == "m-0"  # never released beside a running handler
+    assert "still run" in _log(fleet, "m-0")
+
+    # The kubelet's restart: SIGTERM. The deaf handler dies with the process.
+    fleet.term("m-0")
+    ids = {i.message_id for i in items[1:]}
+
+    async def done() -> set[str]:
+        return {r.message_id for r in await read_ledger(js, config.ledger_stream)} & ids
+
+    await eventually_async(
+        done, 45, "m-1 to process the partition's messages", until=lambda got: got == ids
+    )
+
+
+async def _log_async(fleet: Fleet, member: str) -> str:
+    return _log(fleet, member)
+
+
+async def _probe_live(path: Path) -> tuple[bool, str]:
+    return check_live(str(path))

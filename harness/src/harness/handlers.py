@@ -7,7 +7,9 @@ raises PermanentError (dead-lettered at once), ``hang`` never returns, ``hang-on
 never returns on that member only (a pod whose downstream connection is wedged),
 ``fail-runs:<n>`` fails the first n times it actually runs, whichever member runs it
 (counted in files under $SHOAL_TEST_STATE_DIR: attempts, not JetStream's deliveries),
-``cancelled`` raises CancelledError although nobody cancelled the handler.
+``cancelled`` raises CancelledError although nobody cancelled the handler,
+``deaf-on:<member>`` never returns on that member and ignores being cancelled (a handler
+stuck in code that swallows CancelledError: only ending the process stops it).
 
 `slow_ledger` is the `ledger` handler of shoal.consumer.handlers with two differences a
 scenario needs: a message whose data is ``sleep:<seconds>[:<cleanup>]`` takes that long
@@ -99,6 +101,12 @@ async def scripted_ledger(msg: Message) -> None:
         raise PermanentError(f"{msg.message_id} can never succeed")
     elif command == "hang" or (command == "hang-on" and arg == msg.context.member_id):
         await asyncio.Event().wait()
+    elif command == "deaf-on" and arg == msg.context.member_id:
+        while True:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                log.warning("Handler of %s ignores its cancellation", msg.message_id)
     elif command == "cancelled":
         raise asyncio.CancelledError()  # as a task of its own cancelled under it would
     elif command == "fail-runs" and _count_run(msg.message_id) <= int(arg):

@@ -21,7 +21,8 @@ it go (dozing, stopping, giving back, fenced) is its own state machine, partitio
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -61,9 +62,9 @@ _NEXT: dict[Stage, frozenset[Stage]] = {
     Stage.CONSUMING: frozenset(
         {Stage.RELEASED, Stage.RELEASING, Stage.HANDLERS_STOPPING, Stage.FREE}
     ),
-    # Claiming: the claim went with the lease (a new one), so the stopping handlers no
-    # longer keep anyone else from the partition; they do not keep us from claiming it
-    # either (as before this record: waiting for them here too would be safer).
+    # Claiming: the claim went with the lease, so the stopping handlers no longer keep
+    # anyone else from the partition (another member may take it: the fence margin is
+    # what keeps them apart); the worker claims it again only once they have stopped.
     Stage.HANDLERS_STOPPING: frozenset({Stage.FREE, Stage.CLAIMING}),
     Stage.RELEASING: frozenset({Stage.FREE}),
     Stage.RELEASED: frozenset({Stage.FREE}),
@@ -81,6 +82,10 @@ class Slot:
     # claims/p's create revision: RELEASING, the one being deleted; RELEASED, the one
     # deleted (what the view may still show).
     revision: int = 0
+    # When it entered this stage (monotonic): handlers stopping for long is a stall.
+    since: float = field(default_factory=time.monotonic)
+    # HANDLERS_STOPPING: whether the worker said they outlived stall_after (said once).
+    reported: bool = False
 
 
 class Ownership:
@@ -103,6 +108,9 @@ class Ownership:
     def runner(self, partition: int) -> PartitionRunner | None:
         """The runner consuming the partition, if any."""
         return self.runners.get(partition)
+
+    def in_stage(self, stage: Stage) -> list[Slot]:
+        return [slot for slot in self._slots.values() if slot.stage is stage]
 
     def busy(self) -> bool:
         """Anything being claimed, consumed or released (what a drain waits for)."""

@@ -56,7 +56,7 @@ from shoal.consumer.holding import HoldBudget
 from shoal.consumer.membership import Membership
 from shoal.consumer.metrics import Metrics
 from shoal.consumer.natsclient import Delivery, DirectClient
-from shoal.consumer.ownership import Ownership, Stage
+from shoal.consumer.ownership import Ownership, Slot, Stage
 from shoal.consumer.partition import IDLE_BATCH, PartitionRunner, ack_fields
 from shoal.consumer.progress import WEDGED_AFTER_STALLS, Change
 from shoal.consumer.pull import AnswerClock
@@ -704,6 +704,13 @@ class Worker:
                 current.stop()
                 continue
             if want and current is None and not under_way:
+                if stage is Stage.HANDLERS_STOPPING and claim is None:
+                    assert slot is not None and slot.runner is not None
+                    if slot.runner.inflight:
+                        # The claim went with the old lease, but the handlers the fence
+                        # cancelled still stop: a runner of ours now would run the
+                        # partition's messages beside them. went_idle() pokes us.
+                        continue
                 self.handovers.taking([p])
                 if claim is None:
                     # (From handlers stopping too: the claim went with the old lease.)
@@ -943,24 +950,31 @@ class Worker:
             self._reconcile()
             await asyncio.sleep(0.05)
         drained = not self.runners
+        runners = list(self.runners.values())
         if not drained:
             # Handlers that outlived the drain timeout: stop them (as a fence does)
             # before the caller revokes the lease and so hands the partitions to the
             # next owners, which must not start while these still run.
-            runners = list(self.runners.values())
             tasks = [r.task for r in runners if r.task is not None]
             for runner in runners:
                 runner.fence()
             if tasks:
                 await asyncio.wait(tasks, timeout=2.0)
-            # The cancelled handlers run in the dispatcher's tasks, and may take a moment
-            # to stop (a rollback): wait for them too, or the lease goes (and with it
-            # the partitions) while they still run.
-            deadline = time.monotonic() + 2.0
-            for runner in runners:
-                # went_idle() wakes it when its last handler has stopped.
-                while runner.inflight and (left := deadline - time.monotonic()) > 0:
-                    await runner.sleep_until_woken(min(left, 0.1))
+        # The cancelled handlers run in the dispatcher's tasks, and may take a moment to
+        # stop (a rollback): wait for them too, and for those an earlier fence cancelled
+        # (their partitions wait in HANDLERS_STOPPING), or the lease goes (and with it
+        # the partitions) while they still run. Not for ever: one deaf to cancellation
+        # ends with the process.
+        runners += [
+            slot.runner
+            for slot in self.ownership.in_stage(Stage.HANDLERS_STOPPING)
+            if slot.runner is not None
+        ]
+        deadline = time.monotonic() + 2.0
+        for runner in runners:
+            # went_idle() wakes it when its last handler has stopped.
+            while runner.inflight and (left := deadline - time.monotonic()) > 0:
+                await runner.sleep_until_woken(min(left, 0.1))
         return drained
 
     # -- progress ---------------------------------------------------------------------
@@ -1001,16 +1015,43 @@ class Worker:
                 )
             elif change is Change.RECOVERED:
                 log.warning("Partition %d makes progress again", p)
+        for slot in self._deaf(now):
+            if not slot.reported:
+                slot.reported = True
+                log.warning(
+                    "Partition %d: %d handler(s) cancelled %.0f s ago still run (deaf to "
+                    "cancellation); its claim stays ours until they stop, so nobody else "
+                    "can consume it: reporting it stalled (liveness fails after %.0f s)",
+                    slot.partition,
+                    slot.runner.inflight if slot.runner is not None else 0,
+                    now - slot.since,
+                    WEDGED_AFTER_STALLS * after,
+                )
         self.metrics.partitions_stalled.set(len(self.stalled()))
 
+    def _deaf(self, now: float) -> list[Slot]:
+        """Partitions kept for handlers that were cancelled (a fence, a stalled partition
+        moved away) stall_after ago or more and still run: only the end of the process
+        stops them, so they are stalls too (reported, not ready, then wedged)."""
+        return [
+            slot
+            for slot in self.ownership.in_stage(Stage.HANDLERS_STOPPING)
+            if now - slot.since >= self.config.stall_after
+        ]
+
     def stalled(self) -> list[int]:
-        return sorted(p for p, r in self.runners.items() if r.progress.stalled_at is not None)
+        stalled = {p for p, r in self.runners.items() if r.progress.stalled_at is not None}
+        stalled.update(slot.partition for slot in self._deaf(time.monotonic()))
+        return sorted(stalled)
 
     def wedged(self) -> bool:
         """A partition stalled for WEDGED_AFTER_STALLS stall periods: the leader should
-        have moved it long ago, so something here is stuck for good (liveness fails)."""
+        have moved it long ago, so something here is stuck for good (liveness fails).
+        So are handlers that have ignored their cancellation that long."""
         now = time.monotonic()
         bound = WEDGED_AFTER_STALLS * self.config.stall_after
+        if any(now - slot.since >= bound for slot in self._deaf(now)):
+            return True
         return any(r.progress.stalled_for(now) >= bound for r in self.runners.values())
 
     def poke(self) -> None:
