@@ -28,6 +28,7 @@ import yaml
 
 from harness.kubetest import condition, create_namespace, get_json, operator_process, wait_until
 from harness.localkube.plane import LocalKube
+from harness.natssecurity import NatsServerSecurity
 from harness.securenats import NatsUser, SecureNats, secure_nats_server
 from shoal.consumer.natsauth import NatsSecurity
 from shoal.operator.builders import NATS_TLS_SECRET_VERSION
@@ -192,8 +193,8 @@ def test_a_group_on_tls_nats_with_a_password_runs_and_rolls_on_rotation(
     assert not [p for p in _pods(plane, NS) if p["metadata"]["name"].startswith(name)]
 
 
-def test_a_missing_secret_then_a_wrong_password_degrade_until_fixed(
-    localkube: LocalKube, secure: SecureNats, operator: Path
+def test_a_missing_secret_a_wrong_password_and_ca_degrade_until_fixed(
+    localkube: LocalKube, secure: SecureNats, operator: Path, tmp_path: Path
 ) -> None:
     plane, name = localkube, "late"
     create_secret(plane, NS_LATE, "nats-tls", secure.tls_files())
@@ -225,9 +226,21 @@ def test_a_missing_secret_then_a_wrong_password_degrade_until_fixed(
     assert "NatsAuthFailed" in described
     assert "not-" + PASSWORD not in described
 
+    # The right password, but a CA that did not sign the server's certificate.
+    create_secret(plane, NS_LATE, "nats-late", user=USER, password=PASSWORD)
+    other = NatsServerSecurity.generate(tmp_path / "other-ca", [])
+    create_secret(plane, NS_LATE, "nats-tls", {**secure.tls_files(), "ca.crt": other.ca_file})
+    untrusted = wait_until(
+        lambda: (d := degraded(plane, NS_LATE, name)).get("reason") == "NatsTLSFailed" and d,
+        90,
+        "NatsTLSFailed",
+    )
+    assert f"Secret {NS_LATE}/nats-tls (spec.nats.tlsSecret)" in untrusted["message"]
+    assert "certificate" in untrusted["message"]
+
     # Fixed: the group recovers by itself (retry with backoff).
     started = time.monotonic()
-    create_secret(plane, NS_LATE, "nats-late", user=USER, password=PASSWORD)
+    create_secret(plane, NS_LATE, "nats-tls", secure.tls_files())
     wait_until(lambda: ready(plane, NS_LATE, name), 150, "the group to recover")
     print(f"recovered {time.monotonic() - started:.1f} s after the Secret was fixed")
     assert degraded(plane, NS_LATE, name) == {}
