@@ -205,9 +205,13 @@ async def test_a_creds_file_and_a_ca_only_tls_secret(
     assert group.pods.client_certificate is False and group.pods.credentials == "creds"
 
 
-async def test_the_operators_own_settings_fill_in_what_a_group_does_not_name(
+async def test_the_operators_own_identity_wins_and_fills_in_what_a_group_does_not_name(
     secrets: FakeSecrets, tmp_path: Path
 ) -> None:
+    """The operator's own credentials, when set, are used even for a group that names a
+    credentialsSecret (with least privilege the members' user may not manage streams);
+    the group's Secret still serves the pods. Without credentials of its own, the
+    operator uses the group's."""
     own = NatsSecurity(ca_file="/own/ca.crt", user="shoal-operator", password="own-pw")
     nats = NatsClients(secrets, own, tmp_path / "n")
     try:
@@ -217,12 +221,22 @@ async def test_the_operators_own_settings_fill_in_what_a_group_does_not_name(
         assert only_tls.ca_file != own.ca_file  # the group's CA
         assert (only_tls.user, only_tls.password) == ("shoal-operator", "own-pw")
         secrets.secrets["prod", "auth"] = SecretData("2", {"nkey": b64(SEED)})
-        only_auth = (await nats.group("prod", NatsSpec(credentials_secret="auth"))).security
-        assert only_auth.ca_file == own.ca_file
-        assert only_auth.user is None and only_auth.password is None
-        assert only_auth.nkey_seed_file is not None
+        only_auth = await nats.group("prod", NatsSpec(credentials_secret="auth"))
+        assert only_auth.security == own
+        assert only_auth.pods.credentials == "nkey"  # the pods still get the group's
+        assert only_auth.describe("prod", "NatsAuthFailed") == (
+            "the operator's own NATS credentials"
+        )
     finally:
         await nats.close()
+    anonymous = NatsClients(secrets, NatsSecurity(ca_file="/own/ca.crt"), tmp_path / "a")
+    try:
+        group = await anonymous.group("prod", NatsSpec(credentials_secret="auth"))
+        assert group.security.ca_file == "/own/ca.crt"
+        assert group.security.nkey_seed_file is not None and group.security.user is None
+        assert "spec.nats.credentialsSecret" in group.describe("prod", "NatsAuthFailed")
+    finally:
+        await anonymous.close()
 
 
 async def test_files_are_cached_by_resource_version(

@@ -9,8 +9,12 @@ private directory of its own: 0700 directories, 0600 files, created exclusively.
 and password stay in memory.
 
 What a group does not name, the operator's own settings give (its chart values: a Secret
-mounted into the operator's pod, NATS_* env): the group's tlsSecret replaces the
-operator's TLS files, its credentialsSecret the operator's credentials, each on its own.
+mounted into the operator's pod, NATS_* env). Where both exist, the operator's identity
+wins: its own credentials and client certificate, when it has them, are used instead of
+the group's (with least privilege, the members' user may not manage streams; the
+operator's may), and the group's Secret then only serves its pods (still read and
+checked, so a broken one is reported before pods roll onto it). The group's CA is used
+to trust the server either way.
 
 Files are cached by the Secrets' resourceVersions and connections by (url, the versions
 used): the Secrets are read on every use (one GET each), and only a new version is
@@ -214,7 +218,7 @@ class GroupNats:
         if reason == "NatsAuthFailed" and self.credentials_secret:
             return _where(namespace, self.credentials_secret, CREDENTIALS_FIELD)
         what = "TLS settings" if reason == "NatsTLSFailed" else "credentials"
-        return f"the operator's own NATS {what} (the group names no Secret for them)"
+        return f"the operator's own NATS {what}"
 
 
 Connector = Callable[..., Awaitable[Any]]
@@ -335,9 +339,18 @@ class NatsClients:
         security = self.default
         pods = NatsPodSecrets()
         versions: list[tuple[str, str, str]] = []
+        own = self.default
+        own_credentials = bool(own.creds_file or own.user or own.nkey_seed_file)
+        used_credentials = ""
         if spec.tls_secret:
             tls = await self.tls_files(namespace, spec.tls_secret, stale_ok=stale_ok)
             security = tls.apply(security)
+            if own.cert_file:
+                # Our own client certificate is our identity; the group's CA still says
+                # which server to trust.
+                security = dataclasses.replace(
+                    security, cert_file=own.cert_file, key_file=own.key_file
+                )
             pods = dataclasses.replace(
                 pods, client_certificate=tls.client_certificate, tls_version=tls.version
             )
@@ -346,12 +359,14 @@ class NatsClients:
             creds = await self.credential_files(
                 namespace, spec.credentials_secret, stale_ok=stale_ok
             )
-            security = creds.apply(security)
+            if not own_credentials:
+                security = creds.apply(security)
+                used_credentials = spec.credentials_secret
             pods = dataclasses.replace(
                 pods, credentials=creds.form, credentials_version=creds.version
             )
             versions.append((namespace, spec.credentials_secret, creds.version))
-        return GroupNats(security, pods, tuple(versions), spec.tls_secret, spec.credentials_secret)
+        return GroupNats(security, pods, tuple(versions), spec.tls_secret, used_credentials)
 
     def known(self, namespace: str, spec: NatsSpec) -> NatsPodSecrets | None:
         """What `group` last found for these Secrets, without reading them (None: not
