@@ -88,9 +88,7 @@ class RssWatch:
                 "growth_mb": round(warm[-1] - warm[0], 2),
                 # One sample a minute: a leak climbs to the end, a high-water mark
                 # (the allocator keeping what a burst or an outage took) levels off.
-                "per_minute_mb": [
-                    round(mb, 1) for i, (_, mb) in enumerate(warm) if i % (60 // 5) == 0
-                ],
+                "per_minute_mb": [round(mb, 1) for mb in warm[:: 60 // 5]],
             }
         return out
 
