@@ -111,6 +111,12 @@ class ConsumerSpec(_Section):
     # A handler still running after this long is cancelled, and the run counts as a
     # failed attempt (retried with the backoff, dead-lettered after maxDeliver); 0: never.
     handler_timeout_seconds: float = Field(300.0, ge=0)
+    # After a failure (a crash, a fence, a lost lease) the next owner of a partition waits
+    # for the messages its last owner did not settle, at most ackWait and a second, and
+    # runs them before anything newer of their projects (Strict); or pulls at once, and
+    # those come back after ackWait, behind newer ones (Fast). Planned moves are orderly
+    # either way. shoal.consumer.takeover.
+    order_after_failure: Literal["Strict", "Fast"] = "Strict"
 
 
 class NatsSpec(_Section):

@@ -85,6 +85,9 @@ class GroupConfig(BaseModel):
     retry_policy: Literal["InOrder", "NakAndContinue"] = _CONSUMER.retry_policy
     # Cancel a handler after this long, as a failed attempt (0: never).
     handler_timeout: float = Field(_CONSUMER.handler_timeout_seconds, ge=0)
+    # Strict: a partition taken over after a failure runs its earlier deliveries first
+    # (takeover.py); Fast: it pulls at once.
+    order_after_failure: Literal["Strict", "Fast"] = _CONSUMER.order_after_failure
     # A partition with work and no progress this long is stalled (progress.py).
     stall_after: float = Field(_STALL_AFTER, ge=1)
     # Fetched messages held at most per partition (each pull asks for what fits); below
@@ -257,6 +260,7 @@ ENV_FIELDS: dict[str, str] = {
     "SHOAL_MAX_CONCURRENCY": "max_concurrency",
     "SHOAL_RETRY_POLICY": "retry_policy",
     "SHOAL_HANDLER_TIMEOUT": "handler_timeout",
+    "SHOAL_ORDER_AFTER_FAILURE": "order_after_failure",
     "SHOAL_STALL_AFTER": "stall_after",
     "SHOAL_MAX_BUFFERED": "max_buffered",
     "SHOAL_LEDGER": "ledger",
@@ -389,6 +393,7 @@ def group_config(
         max_concurrency=consumer.max_concurrency,
         retry_policy=consumer.retry_policy,
         handler_timeout=consumer.handler_timeout_seconds,
+        order_after_failure=consumer.order_after_failure,
         stall_after=model.stall_after_seconds,
         strategy=model.assignment.strategy,
         load_aware=model.assignment.load_aware,

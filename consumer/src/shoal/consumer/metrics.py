@@ -105,6 +105,13 @@ class Metrics:
             buckets=_HANDOVER_BUCKETS,
             registry=r,
         )
+        self.takeover_wait_seconds = Histogram(
+            "shoal_takeover_wait_seconds",
+            "How long a partition taken over with earlier deliveries outstanding held newer "
+            "messages back until those came back (orderAfterFailure: Strict)",
+            buckets=_HANDOVER_BUCKETS,
+            registry=r,
+        )
         self.lag = Gauge(
             "shoal_lag_messages",
             "Pending plus unacknowledged messages over the partitions this member owns",

@@ -35,6 +35,7 @@ from shoal.consumer.jetstream import consumer_config
 from shoal.consumer.natsclient import Delivery
 from shoal.consumer.progress import Progress
 from shoal.consumer.pull import PullRequest, RequestWatch
+from shoal.consumer.takeover import Gate, describe
 from shoal.contracts.names import PROJECT_HEADER, durable_name, partition_for, partition_subject
 
 if TYPE_CHECKING:
@@ -163,6 +164,9 @@ class PartitionRunner:
         self.credits: dict[int, int] = {}
         self.handback: dict[int, int] = {}
         self.gave_up_a_request = False  # a pull taken for lost (RequestWatch)
+        # Taken over with earlier deliveries outstanding: what arrives waits here until
+        # they are back (takeover.py); None otherwise, and once it has opened.
+        self.gate: Gate | None = None
         self.dozing = False  # DOZING
         self.roused = False
         self.alarm = Alarm(worker.nc, partition_subject(worker.config.subject_prefix, partition))
@@ -304,6 +308,8 @@ class PartitionRunner:
         inbox = w.inbox_for(self)
         api_subject = f"$JS.API.CONSUMER.MSG.NEXT.{w.config.stream}.{durable_name(self.partition)}"
         try:
+            if w.config.order_after_failure == "Strict":
+                await self._gate_earlier_deliveries()
             backoff = MISSING_DURABLE_BACKOFF
             silent = 0  # pulls in a row that nobody answered (503)
             empty = 0  # pulls in a row that ended with nothing (404/408)
@@ -401,6 +407,7 @@ class PartitionRunner:
                 self.stop()
                 await asyncio.sleep(1.0)  # no tight loop while e.g. NATS is away
         try:
+            self._close_gate()
             await self.alarm.disarm()
             if self.fenced:
                 # The worker says so once for all of them (one line per partition was
@@ -589,6 +596,16 @@ class PartitionRunner:
             if not self.fenced:
                 self._late.append(msg)
             return None
+        if self.gate is not None:
+            self.gate.hold(msg, seq, delivered)
+            self.worker.buffered += 1  # the member's budget counts them; ours does not
+            if self.gate.complete():
+                self._let_in("all back")
+            return None
+        return self._accept(msg, seq, delivered)
+
+    def _accept(self, msg: Delivery, seq: int, delivered: int) -> str | None:
+        """deliver()'s second half: check the message and hold it for the dispatcher."""
         w = self.worker
         project = msg.header(PROJECT_HEADER_BYTES)
         if not project:
@@ -605,6 +622,97 @@ class PartitionRunner:
             held.credit = self.credits.pop(seq, 0)
         w.dispatcher.submit(self, held)
         return None
+
+    # -- taking over ----------------------------------------------------------------------
+
+    async def _gate_earlier_deliveries(self) -> None:
+        """Before the first pull: if the durable has deliveries outstanding (an earlier
+        owner's, not given back), hold what arrives until they are back (takeover.py)."""
+        w = self.worker
+        try:
+            info = await w.js.consumer_info(
+                w.config.stream, durable_name(self.partition), timeout=2.0
+            )
+        except Exception as exc:  # not knowing is no reason not to consume
+            log.debug("Partition %d: no consumer info at the start (%r)", self.partition, exc)
+            return
+        self.gate = Gate.for_durable(
+            int(info.num_ack_pending or 0), int(info.delivered.stream_seq or 0), w.config.ack_wait
+        )
+        if self.gate is not None:
+            log.debug(
+                "Partition %d: %d earlier deliveries outstanding (up to sequence %d); "
+                "holding newer messages until they are back",
+                self.partition,
+                self.gate.outstanding,
+                self.gate.upto,
+            )
+            w.spawn(self._watch_gate(self.gate))
+
+    async def _watch_gate(self, gate: Gate) -> None:
+        """While the gate is closed: keep what it holds alive, open it once the durable
+        says nobody else holds a delivery, or once ack_wait has passed."""
+        w = self.worker
+        durable = durable_name(self.partition)
+        period = max(0.2, w.config.ack_wait / 4)
+        asked = 0.0
+        while self.gate is gate:
+            await asyncio.sleep(0.1)
+            if self.gate is not gate:
+                return
+            now = time.monotonic()
+            for waiting in gate.due_keeping(now, period):
+                try:
+                    await waiting.msg.in_progress()
+                except Exception:
+                    log.debug("In-progress ack failed", exc_info=True)
+                    break
+            if gate.expired(now):
+                self._let_in("ack_wait passed")
+                return
+            if now - asked < 0.5:
+                continue
+            asked = now
+            try:
+                info = await w.js.consumer_info(w.config.stream, durable, timeout=1.0)
+            except Exception:
+                continue
+            if self.gate is gate and gate.nobody_else_holds(int(info.num_ack_pending or 0)):
+                self._let_in("none left elsewhere")
+
+    def _let_in(self, how: str) -> None:
+        """Open the gate: what it held goes to the dispatcher in stream order."""
+        gate, self.gate = self.gate, None
+        if gate is None:
+            return
+        now = time.monotonic()
+        w = self.worker
+        waited = now - gate.started
+        w.metrics.takeover_wait_seconds.observe(waited)
+        log.log(
+            logging.INFO if waited >= 0.5 else logging.DEBUG,
+            "Partition %d taken over: %s",
+            self.partition,
+            describe(gate, how, now),
+        )
+        held = gate.release()
+        w.buffered -= len(held)
+        for waiting in held:
+            refused = self._accept(waiting.msg, waiting.seq, waiting.delivered)
+            if refused is not None:
+                w.spawn(w.dead_letter(waiting.msg, self.partition, refused))
+        self._wake()
+
+    def _close_gate(self) -> None:
+        """Stopping while the gate is closed: what it held is given back with the rest
+        (fenced: left to JetStream's redelivery, as anything a fenced runner holds)."""
+        gate, self.gate = self.gate, None
+        if gate is None:
+            return
+        held = gate.release()
+        self.worker.buffered -= len(held)
+        if not self.fenced:
+            self._late.extend(waiting.msg for waiting in held)
 
     # -- letting go -----------------------------------------------------------------------
 

@@ -496,6 +496,10 @@ class Worker:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def spawn(self, coro: Any) -> None:
+        """Run `coro` as a task of the worker's (kept until done; cancelled on close)."""
+        self._spawn(coro)
+
     def inbox_for(self, runner: PartitionRunner) -> str:
         """A new reply subject for `runner`'s pull requests (per runner, so that a late
         message of a runner that has stopped never reaches its successor)."""

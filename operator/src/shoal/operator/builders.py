@@ -127,6 +127,7 @@ POD_FIELDS = (
     "max_concurrency",
     "retry_policy",
     "handler_timeout",
+    "order_after_failure",
     "stall_after",
     "drain_timeout",
     "ready_file",

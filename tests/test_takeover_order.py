@@ -1,0 +1,105 @@
+"""Per-project order when a member dies holding messages (takeover.py), on real servers.
+
+Two member processes run harness.handlers:scripted_ledger. The member that owns one
+project's partition is killed (-9) while it holds that project's messages, delivered and
+unacknowledged; more of the project's messages are published at once. Its partition's
+next owner takes it once the dead member's lease has expired, while those deliveries
+still run their ack_wait on the server:
+
+- Strict (the default): the next owner holds the newer messages until the earlier ones
+  are back, and runs the project in stream order: 0 inversions, and the wait it reported
+  is within ack_wait and a second;
+- Fast: it pulls at once and runs the newer messages first; the earlier ones come back
+  after ack_wait, behind them. (What Shoal did before orderAfterFailure existed: the
+  scenario shows the gate is what makes the difference.)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from harness.fleet import Fleet, settled, wait_for_status
+from harness.waiting import eventually_async
+from shoal.consumer.config import config_env
+from shoal.consumer.etcd import Etcd
+from shoal.consumer.jetstream import ensure_group
+from shoal.consumer.ledger import audit, read_ledger
+from shoal.consumer.producer import Outgoing, Producer
+from shoal.contracts.names import SEQ_HEADER, partition_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+HANDLER = "harness.handlers:scripted_ledger"
+PARTITIONS = 4
+ACK_WAIT = 8.0
+LEASE_TTL = 4
+SETTINGS = ("handler", "partitions", "ledger", "ack_wait", "lease_ttl", "order_after_failure")
+
+
+@pytest.mark.parametrize("order", ["Strict", "Fast"])
+async def test_the_next_owner_of_a_dead_members_partition_keeps_project_order(
+    order: str, make_fleet: Callable[..., Fleet], etcd: Etcd, js: Any, make_config: Any
+) -> None:
+    config = make_config(
+        handler=HANDLER,
+        partitions=PARTITIONS,
+        ack_wait=ACK_WAIT,
+        lease_ttl=LEASE_TTL,
+        keepalive_interval=1.0,
+        order_after_failure=order,
+    )
+    await ensure_group(js, config)
+    fleet = make_fleet(handler=HANDLER, partitions=PARTITIONS)
+    for member in ("m-0", "m-1"):
+        fleet.start(member, **config_env(config, SETTINGS), SHOAL_KEEPALIVE_INTERVAL="1.0")
+    status = await wait_for_status(
+        etcd, config.namespace, config.group, PARTITIONS, settled({"m-0", "m-1"}), 30
+    )
+    victim = min(p for p, m in status.owners.items() if m == "m-0")
+    project = next(
+        f"order-{i}" for i in range(1000) if partition_for(f"order-{i}", PARTITIONS) == victim
+    )
+
+    def message(i: int) -> Outgoing:
+        return Outgoing(project, b"wait:100", f"{project}-{i}", {SEQ_HEADER: str(i)})
+
+    producer = Producer(js, config.subject_prefix, PARTITIONS)
+    first = [message(i) for i in range(30)]
+    await producer.publish_many(first)
+    ids = {i.message_id for i in first}
+
+    async def recorded() -> set[str]:
+        return {r.message_id for r in await read_ledger(js, config.ledger_stream)} & ids
+
+    # m-0 runs a few (100 ms each) and holds the rest: delivered, unacknowledged.
+    await eventually_async(recorded, 30, "m-0 to start on the project", until=lambda s: len(s) >= 3)
+    fleet.kill("m-0")
+    killed = time.monotonic()
+    later = [message(i) for i in range(30, 50)]
+    await producer.publish_many(later)
+    ids |= {i.message_id for i in later}
+    await eventually_async(
+        recorded, 60, "m-1 to process every message", until=lambda s: s == ids, interval=0.5
+    )
+    drained_s = time.monotonic() - killed
+    records = [r for r in await read_ledger(js, config.ledger_stream) if r.message_id in ids]
+    result = audit(records, ids)
+    log = fleet.members["m-1"].log_text()
+    taken = [line for line in log.splitlines() if f"Partition {victim} taken over" in line]
+    print(f"{order}: {len(result.out_of_order)} inversions, done {drained_s:.1f} s after the kill")
+    print("\n".join(taken))
+    assert not result.lost
+    if order == "Strict":
+        assert result.out_of_order == [], result.out_of_order
+        assert f"Partition {victim} taken over:" in log, log[-3000:]
+        waited = float(
+            log.split(f"Partition {victim} taken over:")[1].split(" after ")[1].split(" s")[0]
+        )
+        assert waited <= ACK_WAIT + 1.5, waited
+    else:
+        # Newer messages ran before the dead member's, which came back after ack_wait.
+        assert result.out_of_order, "Fast: expected the earlier deliveries to come back late"
