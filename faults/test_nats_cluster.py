@@ -61,7 +61,10 @@ async def test_stream_leader_node_killed_then_back(
     back = time.time()
     figures["restarted_after_s"] = round(back - killed, 2)
     await asyncio.sleep(8)
-    await g.finish(settle_timeout=60, drain_timeout=90)
+    # Not a crash or fence of a member: deliveries lost in flight with the node come
+    # back after ack_wait, and the runner that asked for them never stopped, so there is
+    # no takeover to hold newer messages back (README: orderAfterFailure's scope).
+    await g.finish(settle_timeout=60, drain_timeout=90, order_kept=False)
     if late:
         _, after_back = resumed_after(await g.records(), killed, late)
         figures["late_partitions_resumed_after_kill_s"] = {

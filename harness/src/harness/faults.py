@@ -661,13 +661,15 @@ class FaultGroup:
         return await read_ledger(self.js, self.config.ledger_stream)
 
     async def finish(
-        self, *, settle_timeout: float = 45, drain_timeout: float = 60
+        self, *, settle_timeout: float = 45, drain_timeout: float = 60, order_kept: bool = True
     ) -> dict[str, Any]:
         """Check what every scenario must show; return `figures`, the audit's added.
 
         The group must settle with every expected member (processes alive, partitions
         claimed by their owners, one leader, skew <= 1) while the producer still runs;
-        then production stops, the stream drains, and the ledger is audited.
+        then production stops, the stream drains, and the ledger is audited: nothing
+        lost, no overlap, and (unless `order_kept` is False: a scenario whose fault the
+        order promise does not cover, or a Fast baseline) no per-project inversion.
         """
         dead = self.expected() - self.alive()
         assert not dead, f"member processes died: {sorted(dead)}\n{self.fleet.logs()}"
@@ -702,6 +704,8 @@ class FaultGroup:
         )
         assert result.lost == [], (figures, result.lost[:10])
         assert result.overlaps == [], (figures, result.overlaps[:10])
+        if order_kept:
+            assert result.order_inversions == 0, figures
         return figures
 
     def takeover_pauses(self) -> dict[str, Any]:
