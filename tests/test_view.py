@@ -35,6 +35,7 @@ class PutEvent:
 @dataclass
 class DeleteEvent:
     key: bytes
+    mod_revision: int = 0  # the deletion's revision (etcd3's DeleteEvent has it too)
 
 
 def view_of(*kvs: KV) -> GroupView:
@@ -103,3 +104,39 @@ def test_a_change_parses_again_only_what_it_touched() -> None:
     view._apply_events([PutEvent(KEYS.claim(0).encode(), b"b", 13, 13, 6)], 13)
     assert view._targets is targets
     assert view.claims() == {0: Claim("b", 6, 13)}
+
+
+def put(key: str, value: bytes, revision: int) -> PutEvent:
+    return PutEvent(key.encode(), value, revision, revision, 0)
+
+
+def delete(key: str, revision: int) -> DeleteEvent:
+    return DeleteEvent(key.encode(), revision)
+
+
+def test_an_orderly_hand_over_is_told_from_a_lost_claim() -> None:
+    """handed_over_cleanly: the claim's deletion and the hand-over record at one revision
+    (one transaction, Worker._release); a claim that expired with its lease, or a
+    deletion this view never saw, is not."""
+    keys = Keys("ns", "g")
+    view = GroupView(None, keys, 4)  # type: ignore[arg-type]
+    view.load(10, {})
+    view._apply_events([put(keys.claim(1), b"m-0", 11), put(keys.claim(2), b"m-0", 12)], 12)
+    assert not view.handed_over_cleanly(1)
+    # Partition 1 released in order: one transaction.
+    view._apply_events([delete(keys.claim(1), 13), put(keys.handback(1), b"{}", 13)], 13)
+    assert view.handed_over_cleanly(1)
+    # Partition 2's claim expired with its lease: an old record does not make it orderly.
+    view._apply_events([put(keys.handback(2), b"{}", 14)], 14)
+    view._apply_events([put(keys.claim(2), b"m-1", 15)], 15)
+    view._apply_events([delete(keys.claim(2), 16)], 16)
+    assert not view.handed_over_cleanly(2)
+    # Claimed again, then lost: its deletion wrote no record.
+    view._apply_events([put(keys.claim(1), b"m-1", 17)], 17)
+    view._apply_events([delete(keys.claim(1), 18)], 18)
+    assert not view.handed_over_cleanly(1)
+    # A fresh listing has no deletions in it: nothing is known to be orderly.
+    view._apply_events([delete(keys.claim(2), 19), put(keys.handback(2), b"{}", 19)], 19)
+    assert view.handed_over_cleanly(2)
+    view.load(20, dict(view.kvs))
+    assert not view.handed_over_cleanly(2)

@@ -308,7 +308,10 @@ class PartitionRunner:
         inbox = w.inbox_for(self)
         api_subject = f"$JS.API.CONSUMER.MSG.NEXT.{w.config.stream}.{durable_name(self.partition)}"
         try:
-            if w.config.order_after_failure == "Strict":
+            if w.config.order_after_failure == "Strict" and not w.view.handed_over_cleanly(
+                self.partition
+            ):
+                # Not given back in order: the durable may have deliveries outstanding.
                 await self._gate_earlier_deliveries()
             backoff = MISSING_DURABLE_BACKOFF
             silent = 0  # pulls in a row that nobody answered (503)

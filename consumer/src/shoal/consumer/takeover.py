@@ -22,8 +22,11 @@ order: each project's earlier message first. The gate opens when
   (the earlier owner stopped renewing its deliveries when it was fenced or died, before
   its claim could be taken), so this bound is for a durable that says something odd.
 
-An orderly hand-over costs one consumer-info request and the first pull's round trip: its
-given-back messages are first in line, so the gate opens on them.
+An orderly hand-over costs nothing: the giver wrote its hand-over record in the same etcd
+transaction that deleted its claim, and the next owner's view, having seen both at one
+revision (GroupView.handed_over_cleanly), skips the gate: what was given back is first in
+line anyway. Anything else (a crash, a fence, a lost lease, a view that started later)
+costs one consumer-info request, and the wait if something is outstanding.
 """
 
 from __future__ import annotations

@@ -72,6 +72,8 @@ class GroupView:
         # time was most of what an idle member did.
         self._targets: dict[int, Target] | None = None
         self._claims: dict[int, Claim] | None = None
+        # claims/<p> -> the revision its last deletion was seen at (handed_over_cleanly).
+        self._claim_deleted: dict[str, int] = {}
 
     # -- reading -------------------------------------------------------------------------
 
@@ -216,11 +218,21 @@ class GroupView:
                 self._garbage(kv, f"has a bad entry {seq!r}: {credit!r}")
         return credits
 
+    def handed_over_cleanly(self, partition: int) -> bool:
+        """Whether the last owner of `partition` gave it back in order: the deletion of
+        its claim, as this view saw it happen, wrote the hand-over record in the same
+        transaction (Worker._release). Not seen (a crash, a lost lease, a fence, or a
+        view that started after it): False."""
+        deleted = self._claim_deleted.get(self.keys.claim(partition))
+        record = self.kvs.get(self.keys.handback(partition))
+        return deleted is not None and record is not None and record.mod_revision == deleted
+
     # -- keeping up to date --------------------------------------------------------------
 
     def load(self, revision: int, kvs: dict[str, KV]) -> None:
         """Replace the whole copy (a fresh listing of the prefix)."""
         self.kvs = kvs
+        self._claim_deleted = {}  # a listing shows no deletions
         self.revision = revision
         self._targets = self._claims = None
 
@@ -240,6 +252,8 @@ class GroupView:
                 self._claims = None
             if type(event).__name__ == "DeleteEvent":
                 self.kvs.pop(key, None)
+                if key.startswith(claims):
+                    self._claim_deleted[key] = int(event.mod_revision)
             else:
                 self.kvs[key] = KV(
                     key, event.value, event.create_revision, event.mod_revision, event.lease

@@ -917,9 +917,11 @@ class Worker:
         claim = self.config.keys.claim(p)
         if handback is None:
             return await self.etcd.delete_if_created_at(claim, claim_revision)
+        # Written even when empty: the next owner reads its revision as the sign of an
+        # orderly hand-over (GroupView.handed_over_cleanly), with nothing to wait for.
         value = json.dumps({str(seq): c for seq, c in sorted(handback.items())}).encode()
         return await self.etcd.release_claim(
-            claim, claim_revision, self.config.keys.handback(p), value if handback else None
+            claim, claim_revision, self.config.keys.handback(p), value
         )
 
     async def _release_later(
