@@ -140,6 +140,14 @@ class Keys:
         # hand-over nak is none; a delivery retried in place f times is f). The next
         # owner counts a message's attempts as deliveries - credit (partition.py).
         self.handbacks = self.prefix + "handbacks/"
+        # Per member, why NATS refuses it (credentials, TLS) while it does: JSON
+        # {"reason", "message", "since"} on a short lease of its own, so a member that
+        # never joined (it connects to NATS first) still says why. Not under members/:
+        # the leader must not give partitions to it.
+        self.problems = self.prefix + "problems/"
+
+    def problem(self, member_id: str) -> str:
+        return self.problems + member_id
 
     def handback(self, partition: int) -> str:
         return f"{self.handbacks}{partition}"

@@ -22,7 +22,12 @@ from shoal.consumer.config import (
 from shoal.consumer.etcd import Etcd, EtcdAuthError, EtcdConfigError
 from shoal.consumer.handlers import HandlerError
 from shoal.consumer.natsauth import NatsClosed, NatsConfigError
-from shoal.contracts.names import DEFAULT_PARTITIONS, SEQ_HEADER, default_subject_prefix
+from shoal.contracts.names import (
+    DEFAULT_PARTITIONS,
+    SEQ_HEADER,
+    default_subject_prefix,
+    format_time,
+)
 from shoal.logs import log_level_option, setup_logging
 
 log = logging.getLogger(__name__)
@@ -443,7 +448,8 @@ def permissions(
 @_partitions
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def status(group: str, namespace: str, etcd_endpoints: str, partitions: int, as_json: bool) -> None:
-    """Show a group's members, leader, owners per member and skew, read from etcd.
+    """Show a group's members, leader, owners per member and skew, read from etcd, and
+    the members NATS refuses (wrong credentials, TLS), with the reason.
 
     etcd TLS and authentication: ETCD_CA_FILE, ETCD_CERT_FILE, ETCD_KEY_FILE, ETCD_USERNAME,
     ETCD_PASSWORD (see `run --help`).
@@ -483,3 +489,9 @@ def status(group: str, namespace: str, etcd_endpoints: str, partitions: int, as_
         # (progress.py: work and no progress; the leader moves them.)
         stalled = ", ".join(f"{p} on {m}" for p, m in sorted(st.stalled.items()))
         click.echo(f"  stalled partitions: {stalled}")
+    for member, problem in sorted(st.problems.items()):
+        # A refused member never joins: this line is all the group knows of it.
+        click.echo(
+            f"  {member:<30} cannot connect to NATS since {format_time(problem.since)}: "
+            f"{problem.reason}: {problem.message}"
+        )

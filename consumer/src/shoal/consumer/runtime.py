@@ -30,6 +30,7 @@ from shoal.consumer.kube import GroupObject
 from shoal.consumer.membership import Membership
 from shoal.consumer.metrics import Metrics
 from shoal.consumer.natsauth import NatsClosed, NatsRefusal, refusal
+from shoal.consumer.problems import RefusalReporter
 from shoal.consumer.ready import HealthFile, MemberState
 from shoal.consumer.view import GroupView
 from shoal.consumer.worker import Worker
@@ -79,6 +80,14 @@ class ConsumerProcess:
         self._health_task: asyncio.Task[None] | None = None
         # Why NATS refuses us (credentials, TLS), while it does: the probes say it.
         self.nats_refusal: NatsRefusal | None = None
+        # ... and etcd says it too (Keys.problem): a refused member has not joined, so
+        # without it neither `shoal-consumer status` nor the operator would know of it.
+        self.refusals = RefusalReporter(
+            self.etcd,
+            config.keys.problem(config.member_id),
+            config.lease_ttl,
+            config.keepalive_interval,
+        )
         # What ended the member, when it must exit non-zero (run_consumer raises it).
         self.fatal: NatsClosed | None = None
 
@@ -100,7 +109,10 @@ class ConsumerProcess:
         )
 
     def _on_nats_refusal(self, why: NatsRefusal | None) -> None:
+        # Called at every attempt; the reporter writes etcd only when the refusal changes.
+        # etcd is connected before NATS (start), so the write can be made at once.
         self.nats_refusal = why
+        self.refusals.report(why)
 
     def _stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = {
@@ -364,6 +376,7 @@ class ConsumerProcess:
                 await self.nc.drain()
             except Exception:
                 log.debug("NATS drain failed", exc_info=True)
+        await self.refusals.close()
         self.etcd.close()
         await self._stop_health()
         log.info("Stopped%s", "" if drained else " (some partitions were not released in time)")
@@ -394,6 +407,8 @@ async def run_consumer(config: GroupConfig) -> None:
         await asyncio.gather(starting, return_exceptions=True)
         stop.cancel()
         log.info("Stopped before start-up completed")
+        # A member NATS refused stops here: its refusal goes from etcd with it.
+        await process.refusals.close()
         process.etcd.close()
         await process._stop_health()
         return

@@ -1,4 +1,5 @@
-"""A one-shot summary of a group from etcd: members, leader, owners, skew."""
+"""A one-shot summary of a group from etcd: members, leader, owners, skew, and the
+members NATS refuses (they never join, so only their problems/ key tells of them)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 from shoal.consumer.assignor import owner_counts, skew
 from shoal.consumer.etcd import Etcd
+from shoal.consumer.problems import MemberProblem
 from shoal.consumer.view import GroupView
 from shoal.contracts.names import Keys
 
@@ -28,6 +30,8 @@ class GroupStatus:
     unclaimed: list[int] = field(default_factory=list)
     # Partitions a member reports stalled (progress.py), by partition.
     stalled: dict[int, str] = field(default_factory=dict)
+    # Members that report NATS refusing them (Keys.problems), by member.
+    problems: dict[str, MemberProblem] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -44,6 +48,10 @@ class GroupStatus:
             "unclaimed": self.unclaimed,
             "stalled": {str(p): m for p, m in sorted(self.stalled.items())},
             "owners": {str(p): m for p, m in sorted(self.owners.items())},
+            "problems": {
+                m: {"reason": p.reason, "message": p.message, "since": p.since}
+                for m, p in sorted(self.problems.items())
+            },
         }
 
 
@@ -74,6 +82,7 @@ def status_from_view(view: GroupView, namespace: str, group: str) -> GroupStatus
         unowned=[p for p in range(view.partitions) if p not in owners],
         unclaimed=[p for p in range(view.partitions) if p not in claims],
         stalled=stalled_by_partition(members, view.partitions),
+        problems=view.problems(),
     )
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from shoal.consumer.backoff import Backoff, QuietLog
 from shoal.consumer.etcd import KV, TRANSIENT_ERRORS, Etcd, Watch, describe
+from shoal.consumer.problems import MemberProblem
 from shoal.contracts.names import Keys
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,24 @@ class GroupView:
         return frozenset(
             key[len(prefix) :] for key in self.kvs if key.startswith(prefix) and key != prefix
         )
+
+    def problems(self) -> dict[str, MemberProblem]:
+        """member -> why NATS refuses it (Keys.problems), for members that report one;
+        values that are not such a report are logged once and ignored."""
+        result: dict[str, MemberProblem] = {}
+        prefix = self.keys.problems
+        for key, kv in self.kvs.items():
+            if not key.startswith(prefix) or key == prefix:
+                continue
+            data = self._json(kv)
+            if data is None:
+                continue
+            problem = MemberProblem.from_json(data)
+            if problem is None:
+                self._garbage(kv, "has no string reason and message and numeric since")
+                continue
+            result[key[len(prefix) :]] = problem
+        return result
 
     def leader(self) -> Leader | None:
         kv = self.kvs.get(self.keys.leader)
