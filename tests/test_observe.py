@@ -15,6 +15,8 @@ from shoal.operator.observe import (
     Observed,
     conditions,
     degraded,
+    refusal_changes,
+    refusals_in_status,
     stall_changes,
     stall_ended_message,
     stall_started_message,
@@ -452,3 +454,32 @@ def test_stall_event_messages_name_partition_member_and_what_happens() -> None:
         "Partition 3 no longer reported stalled by member c-1 (progressing again, moved to "
         "another member, or the member left)"
     )
+
+
+AUTH = ("c-3", "NatsAuthFailed", "NATS refused the credentials")
+
+
+def test_a_refused_member_degrades_the_group_unless_something_bigger_does() -> None:
+    refused = by_type(conditions(observed(refused=(AUTH,), stalled=((5, "c-1"),))))
+    told = "member c-3 cannot connect to NATS: NatsAuthFailed: NATS refused the credentials"
+    assert (refused["Degraded"]["reason"], refused["Degraded"]["message"]) == (
+        "NatsAuthFailed",
+        told,
+    )  # ahead of the stall: a person must act
+    assert refused["Ready"]["reason"] == "GroupReady"  # every replica is ready anyway
+    waiting = by_type(conditions(observed(refused=(AUTH,), ready_replicas=2)))
+    assert waiting["Ready"]["reason"] == "NatsAuthFailed"
+    assert waiting["Ready"]["message"] == f"2 of 3 members ready; {told}"
+    bigger = by_type(conditions(observed(refused=(AUTH,), problem=("EtcdUnavailable", "x"))))
+    assert bigger["Degraded"]["reason"] == "EtcdUnavailable"
+
+
+def test_refusal_episodes_are_read_back_from_the_status() -> None:
+    written = status(observed(refused=(AUTH, ("c-4", "NatsTLSFailed", "expired"))), [], T0)
+    assert refusals_in_status(written) == {("c-3", "NatsAuthFailed"), ("c-4", "NatsTLSFailed")}
+    for garbage in (None, {}, {"conditions": "x"}, {"conditions": [1, {"type": "Degraded"}]}):
+        assert refusals_in_status(garbage) == frozenset()
+    healthy = status(observed(), [], T0)
+    assert refusals_in_status(healthy) == frozenset()
+    started, ended = refusal_changes({("c-3", "NatsAuthFailed")}, {("c-4", "NatsTLSFailed")})
+    assert (started, ended) == ([("c-4", "NatsTLSFailed")], [("c-3", "NatsAuthFailed")])

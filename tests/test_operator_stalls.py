@@ -8,11 +8,15 @@ only Kubernetes is a fake (the Deployment's status, and kopf's Events recorded).
    by episode, and that an etcd outage ends no episode.
 2. A real stall (tests/test_stall_moves.py's: one project's handler hangs on one member):
    from the member's own report through etcd to the operator's status and Events.
+3. A member NATS refuses (its problems/ key, written by hand, garbage beside it): Degraded
+   with its reason naming the member, one Warning per episode, across an operator restart.
+   (tests/test_refusal_report.py has real refused members write and remove the key.)
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -384,3 +388,70 @@ async def test_a_restarted_operator_does_not_announce_an_ongoing_stall_again(
     group_state(memo).stalled = None
     await observe(memo, namespace, group, spec, {"stalledPartitions": [{"partition": "x"}, 7]})
     assert [e[1] for e in stall_events(events)] == ["PartitionStallEnded", "PartitionStalled"]
+
+
+async def test_a_member_nats_refuses_makes_the_group_degraded(
+    etcd: Etcd,
+    js: Any,
+    make_config: Any,
+    memo: kopf.Memo,
+    events: list[Event],
+    namespace: str,
+    group: str,
+) -> None:
+    keys = Keys(namespace, group)
+    spec = {"handler": "shoal.consumer.handlers:noop", "partitions": 16, "replicas": 3}
+    await ensure_group(js, make_config(partitions=16))  # NATS is fine for the operator
+    await etcd.put(keys.member("c-0"), b'{"cpu": 0.1}')
+    why = "NATS refused the credentials (Authorization Violation): wrong user or password"
+    refused = {"reason": "NatsAuthFailed", "message": why, "since": time.time()}
+    await etcd.put(keys.problem("c-1"), json.dumps(refused).encode())
+    await etcd.put(keys.problem("c-2"), b"garbage")  # ignored, as is c-3's
+    await etcd.put(keys.problem("c-3"), json.dumps({**refused, "reason": 7}).encode())
+    status = await observe(memo, namespace, group, spec, {})
+
+    told = f"member c-1 cannot connect to NATS: NatsAuthFailed: {why}"
+    degraded = condition(status, "Degraded")
+    assert (degraded["status"], degraded["reason"], degraded["message"]) == (
+        "True",
+        "NatsAuthFailed",
+        told,
+    )
+    ready = condition(status, "Ready")  # FakeKube: 2 of the 3 pods are ready
+    assert (ready["status"], ready["reason"]) == ("False", "NatsAuthFailed")
+    assert ready["message"] == f"2 of 3 members ready; {told}"
+    assert status["members"] == 1  # a problems/ key is no member
+    assert refusal_events(events) == [("Warning", "NatsAuthFailed", told)]
+
+    # Still refused at the next observation, and after an operator restart (its state
+    # gone: it reads the episode back from the status it wrote): no Warning again.
+    status = await observe(memo, namespace, group, spec, status)
+    group_state(memo).refused = None
+    status = await observe(memo, namespace, group, spec, status)
+    assert len(refusal_events(events)) == 1
+
+    # A second member with another reason: one more Warning; Degraded names both.
+    tls = {"reason": "NatsTLSFailed", "message": "it has expired", "since": time.time()}
+    await etcd.put(keys.problem("c-4"), json.dumps(tls).encode())
+    status = await observe(memo, namespace, group, spec, status)
+    both = f"{told}; member c-4 cannot connect to NATS: NatsTLSFailed: it has expired"
+    assert condition(status, "Degraded")["message"] == both
+    assert refusal_events(events)[1:] == [
+        (
+            "Warning",
+            "NatsTLSFailed",
+            "member c-4 cannot connect to NATS: NatsTLSFailed: it has expired",
+        )
+    ]
+
+    # NATS accepts them (their keys go with their leases): the episodes end.
+    await etcd.delete(keys.problem("c-1"))
+    await etcd.delete(keys.problem("c-4"))
+    status = await observe(memo, namespace, group, spec, status)
+    assert condition(status, "Degraded")["reason"] == "AsExpected"
+    assert condition(status, "Ready")["reason"] == "WaitingForMembers"
+    assert [e[:2] for e in refusal_events(events)[2:]] == [("Normal", "NatsRefusalEnded")] * 2
+
+
+def refusal_events(events: list[Event]) -> list[Event]:
+    return [e for e in events if e[1].startswith("Nats")]

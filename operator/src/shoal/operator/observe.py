@@ -8,6 +8,7 @@ that moves only when the condition's status does.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,8 @@ class Observed:
     stalled: tuple[tuple[int, str], ...] = ()
     stall_after: int = 60  # spec.stallAfterSeconds, for the messages
     problem: tuple[str, str] | None = None  # reason, message: why the group cannot work
+    # (member, reason, message) for each member NATS refuses (Keys.problems), sorted.
+    refused: tuple[tuple[str, str, str], ...] = ()
     selector: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -174,10 +177,50 @@ def stall_changes(
     return by_member((new | between) - old), by_member((old | between) - new)
 
 
+def refused_message(refused: Iterable[tuple[str, str, str]]) -> str:
+    """One clause per member NATS refuses (the Degraded message and the Event's)."""
+    return "; ".join(
+        f"member {member} cannot connect to NATS: {reason}: {message}"
+        for member, reason, message in refused
+    )
+
+
+_REFUSED = re.compile(r"(?:^|; )member (\S+) cannot connect to NATS: (\w+): ")
+
+
+def refusals_in_status(status: Mapping[str, Any] | None) -> frozenset[tuple[str, str]]:
+    """The (member, reason) refusals an earlier operator process announced, read back
+    from the Degraded condition it wrote (refused_message), so a restart does not post
+    their Warning again. Nothing that is not such a condition counts."""
+    raw = (status or {}).get("conditions")
+    for c in raw if isinstance(raw, list) else ():
+        if isinstance(c, Mapping) and c.get("type") == "Degraded" and c.get("status") == "True":
+            message = c.get("message")
+            if isinstance(message, str):
+                return frozenset(_REFUSED.findall(message))
+    return frozenset()
+
+
+def refusal_changes(
+    known: Iterable[tuple[str, str]], now: Iterable[tuple[str, str]]
+) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(started, ended) refusal episodes, each sorted (member, reason): an episode is one
+    member reporting one reason, from the first observation that shows it to the first
+    that does not."""
+    old, new = set(known), set(now)
+    return sorted(new - old), sorted(old - new)
+
+
 def conditions(o: Observed) -> list[dict[str, Any]]:
     if o.problem is not None:
         reason, message = o.problem
         degraded = _condition("Degraded", True, reason, message, o.generation)
+    elif o.refused:
+        # A person must act (a Secret, a server's users or CA): ahead of stalls, which
+        # the leader handles. The reason is the first member's (they usually share one).
+        degraded = _condition(
+            "Degraded", True, o.refused[0][1], refused_message(o.refused), o.generation
+        )
     elif o.stalled:
         # Not a problem of the group's spec or servers, but part of its work waits: that
         # is what Degraded means to tools that read only the conditions.
@@ -202,6 +245,14 @@ def conditions(o: Observed) -> list[dict[str, Any]]:
         )
     elif o.problem is not None:
         ready = _condition("Ready", False, o.problem[0], o.problem[1], o.generation)
+    elif o.ready_replicas < o.spec_replicas and o.refused:
+        ready = _condition(
+            "Ready",
+            False,
+            o.refused[0][1],
+            f"{o.ready_replicas} of {o.spec_replicas} members ready; {refused_message(o.refused)}",
+            o.generation,
+        )
     elif o.ready_replicas < o.spec_replicas:
         ready = _condition(
             "Ready",

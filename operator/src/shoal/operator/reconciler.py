@@ -4,8 +4,9 @@ Intent (create, update, resume): apply the children built from the spec (Deploym
 ServiceAccount, Role, RoleBinding, PodDisruptionBudget), all adopted so deletion
 cascades, and make sure the JetStream stream and per-partition durables exist.
 Observation (a timer): read the Deployment, etcd and JetStream into status, with an
-Event for each new assignment generation, each change of replicas and each stall episode
-(a watch on the members' keys catches stalls shorter than the timer's period).
+Event for each new assignment generation, each change of replicas, each stall episode
+(a watch on the members' keys catches stalls shorter than the timer's period) and each
+member NATS refuses (its problems/ key: Degraded with NatsAuthFailed / NatsTLSFailed).
 Deletion: a finalizer clears the group's etcd prefix; the stream goes only with
 deletionPolicy Delete. A spec that passes the schema but cannot work (unreachable NATS,
 an unknown handler, a missing or unusable spec.etcd.tlsSecret or NATS Secret, NATS
@@ -475,6 +476,7 @@ async def observe_group(
     leader, generation_seen, unowned, unclaimed = None, 0, config.partitions, config.partitions
     moving = 0
     stalled: tuple[tuple[int, str], ...] = ()
+    refused: tuple[tuple[str, str, str], ...] = ()
     try:
         etcd = await _etcd(memo, config.etcd_endpoints, namespace, etcd_secret_name(model))
         group, revision = await _read_group(etcd, namespace, name, config.partitions)
@@ -487,6 +489,8 @@ async def observe_group(
         _report_stalls(
             body, memo, status, stalled, between, model.stall_after_seconds, len(members)
         )
+        refused = tuple(sorted((m, p.reason, p.message) for m, p in group.problems.items()))
+        _report_refusals(body, memo, status, refused)
         problem = await _no_space(etcd, body, memo, config.etcd_endpoints)
     except EtcdSecretProblem as exc:
         problem = (exc.reason, exc.message)
@@ -525,6 +529,7 @@ async def observe_group(
         unclaimed=unclaimed,
         moving=moving,
         stalled=stalled,
+        refused=refused,
         stall_after=model.stall_after_seconds,
         lag=lag,
         problem=problem,
@@ -608,6 +613,33 @@ def _report_stalls(
             message=observe.stall_ended_message(member, partitions),
         )
     state.stalled = frozenset(stalled)
+
+
+def _report_refusals(
+    body: kopf.Body, memo: Any, status: Any, refused: tuple[tuple[str, str, str], ...]
+) -> None:
+    """A Warning Event (reason NatsAuthFailed / NatsTLSFailed) when a member starts
+    reporting that NATS refuses it, a Normal NatsRefusalEnded when it stops: once per
+    episode, not per observation. Like _report_stalls, called only when etcd was read,
+    and a new operator process takes the episodes going on from the `status`."""
+    state = group_state(memo)
+    known = state.refused if state.refused is not None else observe.refusals_in_status(status)
+    messages = {(m, reason): message for m, reason, message in refused}
+    started, ended = observe.refusal_changes(known, messages)
+    for member, reason in started:
+        kopf.warn(
+            body,
+            reason=reason,
+            message=observe.refused_message([(member, reason, messages[member, reason])]),
+        )
+    for member, reason in ended:
+        kopf.info(
+            body,
+            reason="NatsRefusalEnded",
+            message=f"Member {member} no longer reports that NATS refuses it ({reason}): "
+            "NATS accepts it now, or the member left",
+        )
+    state.refused = frozenset(messages)
 
 
 async def _no_space(

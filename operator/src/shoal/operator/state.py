@@ -52,6 +52,10 @@ class GroupState:
     # None until this process observed the group: it then starts from the status's
     # stalledPartitions, so a restarted operator does not announce them again.
     stalled: frozenset[tuple[int, str]] | None = None
+    # (member, reason) of the members that reported NATS refusing them at the last
+    # observation that read etcd (Keys.problems): a Warning is posted for each new one.
+    # None until this process observed the group (then: the status's Degraded message).
+    refused: frozenset[tuple[str, str]] | None = None
     # What the members report between two observations (started by the status timer,
     # stopped when the group is deleted).
     stall_watch: StallWatch | None = None
