@@ -656,8 +656,9 @@ async def test_the_timer_leaves_a_group_not_yet_reconciled_alone(
     st = await observe(memo, "alpha", spec)
     assert kube.applied == []  # the resume handler applies it
     assert degraded_reason(st) == "AsExpected"
-    # Nothing applied or remembered about Secrets; what it saw of stalls it may keep.
-    assert dataclasses.replace(group_state(memo), stalled=None) == GroupState()
+    # Nothing applied or remembered about Secrets; what it saw of stalls and of members
+    # NATS refuses it may keep.
+    assert dataclasses.replace(group_state(memo), stalled=None, refused=None) == GroupState()
 
 
 def test_a_group_stored_at_zero_with_autoscaling_can_still_be_deleted() -> None:
