@@ -398,6 +398,7 @@ async def test_a_member_nats_refuses_makes_the_group_degraded(
     events: list[Event],
     namespace: str,
     group: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     keys = Keys(namespace, group)
     spec = {"handler": "shoal.consumer.handlers:noop", "partitions": 16, "replicas": 3}
@@ -426,6 +427,8 @@ async def test_a_member_nats_refuses_makes_the_group_degraded(
     # Still refused at the next observation, and after an operator restart (its state
     # gone: it reads the episode back from the status it wrote): no Warning again.
     status = await observe(memo, namespace, group, spec, status)
+    ignored = [r for r in caplog.records if "Ignored etcd key" in r.getMessage()]
+    assert len(ignored) == 2, ignored  # c-2 and c-3, once each: not at every observation
     group_state(memo).refused = None
     status = await observe(memo, namespace, group, spec, status)
     assert len(refusal_events(events)) == 1

@@ -57,7 +57,14 @@ class Leader:
 
 
 class GroupView:
-    def __init__(self, etcd: Etcd, keys: Keys, partitions: int) -> None:
+    def __init__(
+        self,
+        etcd: Etcd,
+        keys: Keys,
+        partitions: int,
+        *,
+        garbage_logged: set[tuple[str, int]] | None = None,
+    ) -> None:
         self.etcd = etcd
         self.keys = keys
         self.partitions = partitions
@@ -65,7 +72,9 @@ class GroupView:
         self.revision = 0
         self.synced = asyncio.Event()
         self._event = asyncio.Event()
-        self._garbage_logged: set[tuple[str, int]] = set()
+        # (key, mod_revision) of the garbage already logged; a caller that makes a new
+        # view for every reading (the operator's timer) passes one set to all of them.
+        self._garbage_logged = garbage_logged if garbage_logged is not None else set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._errors: asyncio.Queue[BaseException] = asyncio.Queue()
         # targets() and claims() as of the last change: the worker, the leader and the

@@ -479,7 +479,9 @@ async def observe_group(
     refused: tuple[tuple[str, str, str], ...] = ()
     try:
         etcd = await _etcd(memo, config.etcd_endpoints, namespace, etcd_secret_name(model))
-        group, revision = await _read_group(etcd, namespace, name, config.partitions)
+        group, revision = await _read_group(
+            etcd, namespace, name, config.partitions, group_state(memo).garbage_logged
+        )
         members = {m: group.counts.get(m, 0) for m in group.members}
         leader, generation_seen = group.leader, group.generation
         unowned, unclaimed = len(group.unowned), len(group.unclaimed)
@@ -549,11 +551,15 @@ async def observe_group(
 
 
 async def _read_group(
-    etcd: Etcd, namespace: str, name: str, partitions: int
+    etcd: Etcd,
+    namespace: str,
+    name: str,
+    partitions: int,
+    garbage_logged: set[tuple[str, int]] | None = None,
 ) -> tuple[GroupStatus, int]:
     """The group as etcd holds it now (shoal.consumer.status.read_status), and the
-    revision of that listing."""
-    view = GroupView(etcd, Keys(namespace, name), partitions)
+    revision of that listing. Garbage values are logged once per `garbage_logged`."""
+    view = GroupView(etcd, Keys(namespace, name), partitions, garbage_logged=garbage_logged)
     view.load(*await etcd.get_prefix(view.keys.prefix))
     return status_from_view(view, namespace, name), view.revision
 

@@ -14,7 +14,7 @@ The state lives only in this process: after a restart the resume handler rebuild
 from __future__ import annotations
 
 from collections.abc import MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.operator.builders import NatsPodSecrets
@@ -56,6 +56,9 @@ class GroupState:
     # observation that read etcd (Keys.problems): a Warning is posted for each new one.
     # None until this process observed the group (then: the status's Degraded message).
     refused: frozenset[tuple[str, str]] | None = None
+    # (key, mod_revision) of the garbage values in the group's etcd prefix already logged:
+    # the timer reads with a new view every time, and would log each one every 5 s.
+    garbage_logged: set[tuple[str, int]] = field(default_factory=set)
     # What the members report between two observations (started by the status timer,
     # stopped when the group is deleted).
     stall_watch: StallWatch | None = None
