@@ -296,6 +296,9 @@ def test_every_variable_is_one_the_consumer_knows() -> None:
         "SHOAL_MAX_BUFFERED",
         "SHOAL_NATS_RECONNECT_BUFFER",  # nats-py's default unless spec.env sets it
         "SHOAL_DOZE_SWEEP",
+        # Only for members in another account than the streams' (spec.env sets it;
+        # `shoal-consumer permissions --accounts`): the default needs no variable.
+        "NATS_JS_API_PREFIX",
     }
     # The other two forms of NATS credentials (a user and password, an nkey seed): the
     # full spec's Secret holds a credentials file (the tests below show the other forms).

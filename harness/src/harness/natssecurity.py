@@ -78,6 +78,9 @@ class NatsServerSecurity:
     client_key: Path
     users: tuple[NatsUser, ...]
     verify: bool = True  # require a client certificate
+    # A whole NATS ``accounts`` block to run with instead of the one SHOAL account (e.g.
+    # `shoal-consumer permissions --accounts`); `users` then only name the passwords.
+    accounts: str | None = None
 
     @classmethod
     def generate(
@@ -137,6 +140,8 @@ class NatsServerSecurity:
             "verify": self.verify,
             "timeout": 2,
         }
+        if self.accounts is not None:
+            return f"tls: {json.dumps(tls)}\n{self.accounts}"
         accounts = {ACCOUNT: {"jetstream": "enabled", "users": [u.config() for u in self.users]}}
         return f"tls: {json.dumps(tls)}\naccounts: {json.dumps(accounts)}\n"
 

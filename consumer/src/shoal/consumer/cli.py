@@ -147,6 +147,8 @@ def run(
       NATS_USER          user, with NATS_PASSWORD; or
       NATS_NKEY_SEED_FILE  nkey seed file
       NATS_INBOX_PREFIX  reply subjects' prefix (see `permissions --help`)
+      NATS_JS_API_PREFIX  JetStream API prefix, for streams in another account
+                          (default $JS.API; see `permissions --accounts`)
     Other settings: SHOAL_* (see the README).
     """
     from shoal.consumer.runtime import run_consumer
@@ -366,6 +368,21 @@ def plan(partitions: int, before: str, after: str, as_json: bool) -> None:
     help="Managed: the operator creates the streams and durables; standalone: the "
     "members do (SHOAL_ENSURE_JETSTREAM).",
 )
+@click.option(
+    "--accounts",
+    "as_accounts",
+    is_flag=True,
+    help="Streams in one account, members in another: print an `accounts` block with the "
+    "JetStream account's exports and the members' account's imports.",
+)
+@click.option("--js-account", default="SHOAL", show_default=True)
+@click.option("--member-account", default="TEAM", show_default=True)
+@click.option(
+    "--api-prefix",
+    default=None,
+    help="With --accounts: the JetStream API's prefix in the members' account, their "
+    "NATS_JS_API_PREFIX (default JS.<js-account>.API).",
+)
 @click.option("--member-user", default="shoal-member", show_default=True)
 @click.option("--operator-user", default="shoal-operator", show_default=True)
 @click.option("--producer-user", default="shoal-producer", show_default=True)
@@ -378,6 +395,10 @@ def permissions(
     inbox_prefix: str | None,
     ledger: bool,
     managed: bool,
+    as_accounts: bool,
+    js_account: str,
+    member_account: str,
+    api_prefix: str | None,
     member_user: str,
     operator_user: str,
     producer_user: str,
@@ -392,7 +413,12 @@ def permissions(
     Members and producers must then connect with NATS_INBOX_PREFIX set as shown: with
     nats-py's shared _INBOX, any user allowed to subscribe to its replies could read
     every other client's, other groups' pulled messages included.
+
+    With --accounts: the operator, producers and the export are users of the JetStream
+    account (--js-account), the members of their own (--member-account), which imports
+    only what they need; members then connect with NATS_JS_API_PREFIX as shown.
     """
+    from shoal.consumer import accounts
     from shoal.consumer import permissions as perms
     from shoal.consumer.config import GroupConfig
 
@@ -420,25 +446,33 @@ def permissions(
     export_inbox = perms.default_exporter_inbox_prefix(config)
     click.echo(f"# The export: NATS_USER={analytics_user} NATS_INBOX_PREFIX={export_inbox}")
     click.echo(f"# The operator: NATS_USER={operator_user} (nats-py's _INBOX)")
-    click.echo(
-        perms.authorization_block(
-            [
-                (member_user, "$SHOAL_MEMBER_PASSWORD", perms.member_permissions(config, inbox)),
-                (operator_user, "$SHOAL_OPERATOR_PASSWORD", perms.operator_permissions(config)),
-                (
-                    producer_user,
-                    "$SHOAL_PRODUCER_PASSWORD",
-                    perms.producer_permissions(config, producer_inbox),
-                ),
-                (
-                    analytics_user,
-                    "$SHOAL_ANALYTICS_PASSWORD",
-                    perms.exporter_permissions(config, export_inbox),
-                ),
-            ]
+    js_users: list[perms.User] = [
+        (operator_user, "$SHOAL_OPERATOR_PASSWORD", perms.operator_permissions(config)),
+        (
+            producer_user,
+            "$SHOAL_PRODUCER_PASSWORD",
+            perms.producer_permissions(config, producer_inbox),
         ),
-        nl=False,
+        (
+            analytics_user,
+            "$SHOAL_ANALYTICS_PASSWORD",
+            perms.exporter_permissions(config, export_inbox),
+        ),
+    ]
+    if not as_accounts:
+        member = (member_user, "$SHOAL_MEMBER_PASSWORD", perms.member_permissions(config, inbox))
+        click.echo(perms.authorization_block([member, *js_users]), nl=False)
+        return
+    api = api_prefix or accounts.default_api_prefix(js_account)
+    click.echo(
+        f"# Members are users of account {member_account}: NATS_JS_API_PREFIX={api}; "
+        f"the others of {js_account}"
     )
+    member = (member_user, "$SHOAL_MEMBER_PASSWORD", perms.member_permissions(config, inbox, api))
+    block = accounts.accounts_block(
+        accounts.group_exports(config, api), js_users, [member], js_account, member_account
+    )
+    click.echo(block, nl=False)
 
 
 @main.command()

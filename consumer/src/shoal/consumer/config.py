@@ -130,6 +130,11 @@ class GroupConfig(BaseModel):
     # Replies to this member's requests and pulls come to <prefix>.>; a per-group prefix
     # lets the server keep other users from reading them (shoal.consumer.permissions).
     nats_inbox_prefix: str | None = None
+    # Where this member's JetStream API requests go. "$JS.API" when the streams live in
+    # the member's own account; with the streams in another account, the prefix under
+    # which this account imports that one's API (e.g. "JS.SHOAL.API"; see
+    # `shoal-consumer permissions --accounts`).
+    nats_js_api_prefix: str = Field("$JS.API", min_length=1, pattern=r"^[^\s*>]+[^.\s*>]$")
     # What nats-py buffers while the connection is down (its pending_size; nats.go's
     # ReconnectBufSize): beyond it a publish raises instead of queueing. 2 MiB is
     # nats-py's default; a member survives a full buffer either way (partition.py).
@@ -279,6 +284,7 @@ ENV_FIELDS: dict[str, str] = {
     "NATS_CERT_FILE": "nats_cert_file",
     "NATS_KEY_FILE": "nats_key_file",
     "NATS_INBOX_PREFIX": "nats_inbox_prefix",
+    "NATS_JS_API_PREFIX": "nats_js_api_prefix",
     "SHOAL_NATS_RECONNECT_BUFFER": "nats_reconnect_buffer",
     "SHOAL_DOZE_SWEEP": "doze_sweep",
     "ETCD_CA_FILE": "etcd_ca_file",

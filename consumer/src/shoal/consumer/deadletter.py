@@ -153,7 +153,8 @@ class ExhaustedMessages:
         at the same time).
         """
         request = json.dumps({"seq": seq, "no_erase": True}).encode()
-        reply = await self.nc.request(f"$JS.API.STREAM.MSG.DELETE.{stream}", request, timeout=5)
+        api = self.config.nats_js_api_prefix
+        reply = await self.nc.request(f"{api}.STREAM.MSG.DELETE.{stream}", request, timeout=5)
         answer = json.loads(reply.data)
         if "error" in answer:
             raise RuntimeError(answer["error"].get("description", answer["error"]))

@@ -306,7 +306,8 @@ class PartitionRunner:
         w = self.worker
         self.credits = w.view.handback_credits(self.partition)
         inbox = w.inbox_for(self)
-        api_subject = f"$JS.API.CONSUMER.MSG.NEXT.{w.config.stream}.{durable_name(self.partition)}"
+        api = w.config.nats_js_api_prefix
+        api_subject = f"{api}.CONSUMER.MSG.NEXT.{w.config.stream}.{durable_name(self.partition)}"
         try:
             if w.config.order_after_failure == "Strict" and not w.view.handed_over_cleanly(
                 self.partition

@@ -59,25 +59,28 @@ def _streams(config: GroupConfig) -> list[str]:
     return [*streams, config.ledger_stream] if config.ledger else streams
 
 
-def member_permissions(config: GroupConfig, inbox_prefix: str | None = None) -> Permissions:
+def member_permissions(
+    config: GroupConfig, inbox_prefix: str | None = None, api: str = API
+) -> Permissions:
     """What one member of the group publishes and subscribes to.
 
     With ``config.ensure_jetstream`` (members run without the operator) a member also
-    creates and updates the group's streams and durables, as the operator does.
+    creates and updates the group's streams and durables, as the operator does. `api`:
+    the member's NATS_JS_API_PREFIX (another account's API, imported under a prefix).
     """
     inbox = inbox_prefix or config.nats_inbox_prefix or "_INBOX"
     stream, prefix = config.stream, config.subject_prefix
     publish = [
         # Pulls (partition.py: a raw MSG.NEXT request per durable, replies to our inbox).
-        f"{API}.CONSUMER.MSG.NEXT.{stream}.*",
+        f"{api}.CONSUMER.MSG.NEXT.{stream}.*",
         # Acks, naks, in-progress and terms go to the delivered message's reply subject.
         f"$JS.ACK.{stream}.>",
         # Lag and dozing (consumer_info).
-        f"{API}.CONSUMER.INFO.{stream}.*",
+        f"{api}.CONSUMER.INFO.{stream}.*",
         # The leader's sweep of messages past max_deliver (deadletter.py): read the
         # original, publish it to the DLQ, delete it.
-        f"{API}.STREAM.MSG.GET.{stream}",
-        f"{API}.STREAM.MSG.DELETE.{stream}",
+        f"{api}.STREAM.MSG.GET.{stream}",
+        f"{api}.STREAM.MSG.DELETE.{stream}",
         *dlq_subjects(prefix),
         # The leader's assignment log (runtime.py).
         assignments_subject(prefix),
@@ -88,7 +91,7 @@ def member_permissions(config: GroupConfig, inbox_prefix: str | None = None) -> 
         publish += ledger_subjects(prefix)  # the test ledger handler
     if config.ensure_jetstream:
         # ensure_group at start, and recreating a deleted durable (partition.py).
-        publish += _management(config)
+        publish += management_subjects(config, api)
     subscribe = [
         f"{inbox}.>",
         # A dozing partition's alarm: any publish on its subject (alarm.py).
@@ -106,16 +109,16 @@ def _unique(subjects: Sequence[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(subjects))
 
 
-def _management(config: GroupConfig) -> list[str]:
+def management_subjects(config: GroupConfig, api: str = API) -> list[str]:
     """jetstream.ensure_group: create or update the streams, list and create durables."""
     out: list[str] = []
     for stream in _streams(config):
-        out += [f"{API}.STREAM.CREATE.{stream}", f"{API}.STREAM.UPDATE.{stream}"]
+        out += [f"{api}.STREAM.CREATE.{stream}", f"{api}.STREAM.UPDATE.{stream}"]
     # nats-py 2.16 creates a consumer that has a durable_name and no name with the
     # legacy DURABLE.CREATE request (its CONSUMER.CREATE form needs config.name).
     out += [
-        f"{API}.CONSUMER.LIST.{config.stream}",
-        f"{API}.CONSUMER.DURABLE.CREATE.{config.stream}.*",
+        f"{api}.CONSUMER.LIST.{config.stream}",
+        f"{api}.CONSUMER.DURABLE.CREATE.{config.stream}.*",
     ]
     return out
 
@@ -124,7 +127,7 @@ def operator_permissions(config: GroupConfig, inbox_prefix: str = "_INBOX") -> P
     """What the operator does for this group: ensure_group, the stream's info for the
     status (its message count is the work-queue lag), and deleting the streams with the
     group (deletionPolicy Delete). For many groups: the union, one entry set per group."""
-    publish = _management(config)
+    publish = management_subjects(config)
     publish.append(f"{API}.STREAM.INFO.{config.stream}")  # reconciler: the status's lag
     publish += [f"{API}.STREAM.DELETE.{stream}" for stream in _streams(config)]
     if not config.ledger:
@@ -165,20 +168,27 @@ def _quoted(subjects: Sequence[str]) -> str:
     return ", ".join(json.dumps(s) for s in subjects)
 
 
-def authorization_block(users: Sequence[tuple[str, str, Permissions]]) -> str:
+User = tuple[str, str, Permissions]
+
+
+def user_lines(users: Sequence[User], indent: str) -> list[str]:
+    lines = []
+    for user, password, perms in users:
+        secret = password if password.startswith("$") else json.dumps(password)
+        lines += [
+            f"{indent}{{user: {json.dumps(user)}, password: {secret}, permissions: {{",
+            f"{indent}  publish: {{allow: [{_quoted(perms.publish)}]}}",
+            f"{indent}  subscribe: {{allow: [{_quoted(perms.subscribe)}]}}",
+            f"{indent}}}}}",
+        ]
+    return lines
+
+
+def authorization_block(users: Sequence[User]) -> str:
     """A NATS config ``authorization`` block: (user, password, permissions) each.
 
     Passwords are written as given: pass e.g. ``$MEMBER_PASSWORD`` to have nats-server
     read it from its environment (an unquoted variable in the config file).
     """
-    lines = ["authorization {", "  users = ["]
-    for user, password, perms in users:
-        secret = password if password.startswith("$") else json.dumps(password)
-        lines += [
-            f"    {{user: {json.dumps(user)}, password: {secret}, permissions: {{",
-            f"      publish: {{allow: [{_quoted(perms.publish)}]}}",
-            f"      subscribe: {{allow: [{_quoted(perms.subscribe)}]}}",
-            "    }}",
-        ]
-    lines += ["  ]", "}"]
+    lines = ["authorization {", "  users = [", *user_lines(users, "    "), "  ]", "}"]
     return "\n".join(lines) + "\n"

@@ -221,7 +221,7 @@ class ConsumerProcess:
             reconnect_buffer=c.nats_reconnect_buffer,
             on_refusal=self._on_nats_refusal,
         )
-        self.js = self.nc.jetstream()
+        self.js = self.nc.jetstream(prefix=c.nats_js_api_prefix)
         self.nats_health = NatsHealth(self.nc)
         if c.ensure_jetstream:
             await ensure_group(self.js, c)
