@@ -1,0 +1,227 @@
+"""A group whose streams live in one NATS account and whose members in another.
+
+The server runs (with TLS and client certificates, as tests/test_nats_permissions.py)
+exactly the block `shoal-consumer permissions --accounts` prints for the group, the
+passwords filled in, plus an unrestricted user in each account for the test's own
+reads: SHOAL has JetStream, the operator's user (which creates the streams and
+durables) and the producer's; TEAM has the members' user and only SHOAL's exports.
+Two members, NATS_JS_API_PREFIX=JS.SHOAL.API, consume a few thousand messages while one
+leaves; the ledger (published by the members into SHOAL's ledger stream, through the
+import) shows none lost and none twice, and the server logged no violation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from nats.js.errors import ServiceUnavailableError
+
+from harness.fleet import Fleet, settled, wait_for_status
+from harness.natssecurity import NatsServerSecurity, NatsUser
+from harness.servers import NatsServer
+from harness.waiting import eventually_async
+from shoal.consumer.cli import main
+from shoal.consumer.config import GroupConfig
+from shoal.consumer.etcd import Etcd
+from shoal.consumer.jetstream import connect, ensure_group
+from shoal.consumer.ledger import audit, read_ledger
+from shoal.consumer.natsauth import NatsSecurity
+from shoal.consumer.permissions import default_inbox_prefix, default_producer_inbox_prefix
+from shoal.consumer.producer import Outgoing, Producer
+from shoal.contracts.names import SEQ_HEADER, durable_name
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+P = 16
+API_PREFIX = "JS.SHOAL.API"
+FAST_ENV = {"SHOAL_LEASE_TTL": "5", "SHOAL_KEEPALIVE_INTERVAL": "1", "SHOAL_ACK_WAIT": "2"}
+USERS = [
+    NatsUser("admin", "admin-pw"),  # SHOAL, no permissions: the test's reads
+    NatsUser("team-admin", "team-admin-pw"),  # TEAM, no permissions: the imports alone
+    NatsUser("operator", "operator-pw"),
+    NatsUser("member", "member-pw"),
+    NatsUser("producer", "producer-pw"),
+    NatsUser("exporter", "exporter-pw"),
+]
+
+
+def accounts_config(config: GroupConfig) -> str:
+    """The printed block, passwords filled in, and one unrestricted user per account."""
+    result = CliRunner().invoke(
+        main,
+        [
+            "permissions",
+            "-g",
+            config.group,
+            "-n",
+            config.namespace,
+            "--ledger",
+            "--accounts",
+            "--member-user",
+            "member",
+            "--operator-user",
+            "operator",
+            "--producer-user",
+            "producer",
+            "--analytics-user",
+            "exporter",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    text = result.output
+    for role, user in [
+        ("MEMBER", "member"),
+        ("OPERATOR", "operator"),
+        ("PRODUCER", "producer"),
+        ("ANALYTICS", "exporter"),
+    ]:
+        text = text.replace(f"$SHOAL_{role}_PASSWORD", f'"{user}-pw"')
+    shoal, team = text.split("  TEAM {")
+    users = "    users = [\n"
+    shoal = shoal.replace(users, users + '      {user: "admin", password: "admin-pw"}\n', 1)
+    team = team.replace(users, users + '      {user: "team-admin", password: "team-admin-pw"}\n', 1)
+    return shoal + "  TEAM {" + team
+
+
+@dataclass
+class Setup:
+    server: NatsServer
+    security: NatsServerSecurity
+    config: GroupConfig
+
+    def client(self, user: str, inbox_prefix: str | None = None) -> NatsSecurity:
+        return NatsSecurity(
+            ca_file=str(self.security.ca_file),
+            cert_file=str(self.security.client_cert),
+            key_file=str(self.security.client_key),
+            user=user,
+            password=self.security.user(user).password,
+            inbox_prefix=inbox_prefix,
+        )
+
+
+@pytest.fixture
+def setup(tmp_path: Path, etcd_endpoint: str, group: str) -> Iterator[Setup]:
+    config = GroupConfig(
+        group=group,
+        namespace="test",
+        etcd_endpoints=etcd_endpoint,
+        partitions=P,
+        handler="shoal.consumer.handlers:ledger",
+        ledger=True,
+        ack_wait=2.0,
+        ensure_jetstream=False,
+    )
+    security = NatsServerSecurity.generate(tmp_path / "pki", USERS)
+    security = replace(security, accounts=accounts_config(config))
+    server = NatsServer(tmp_path / "nats", security=security)
+    try:
+        server.start()
+        yield Setup(server, security, config.model_copy(update={"nats_url": server.url}))
+    finally:
+        server.stop()
+
+
+def violations(server: NatsServer, user: str) -> list[str]:
+    text = server.log_path.read_text(errors="replace")
+    return [line for line in text.splitlines() if f'user:{user}"' in line and "Violation" in line]
+
+
+async def test_members_of_another_account_consume_and_hand_over(
+    setup: Setup, etcd: Etcd, tmp_path: Path
+) -> None:
+    c, url = setup.config, setup.server.url
+    op = await connect(url, name="operator", attempts=3, security=setup.client("operator"))
+    try:
+        await ensure_group(op.jetstream(), c)  # the streams and durables, in SHOAL
+    finally:
+        await op.close()
+
+    # The account boundary alone, without user permissions: TEAM reaches what SHOAL
+    # exports, under the prefix, and nothing else of SHOAL's JetStream.
+    team = await connect(url, name="team-admin", attempts=3, security=setup.client("team-admin"))
+    try:
+        team_js = team.jetstream(prefix=API_PREFIX, timeout=2)
+        info = await team_js.consumer_info(c.stream, durable_name(0))
+        assert info.config.durable_name == durable_name(0)
+        with pytest.raises(ServiceUnavailableError):
+            await team_js.stream_info(c.stream)  # STREAM.INFO is not exported
+        with pytest.raises(ServiceUnavailableError):
+            await team.jetstream(timeout=2).stream_info(c.stream)  # TEAM has no JetStream
+    finally:
+        await team.close()
+
+    producer_inbox = default_producer_inbox_prefix(c)
+    producer_nc = await connect(
+        url, name="producer", attempts=3, security=setup.client("producer", producer_inbox)
+    )
+    admin = await connect(url, name="admin", attempts=3, security=setup.client("admin"))
+    items = [
+        Outgoing(f"project-{i % 200}", b"x", f"acct-{i}", {SEQ_HEADER: str(i // 200)})
+        for i in range(3000)
+    ]
+    env = {
+        **FAST_ENV,
+        "SHOAL_ENSURE_JETSTREAM": "false",
+        "NATS_JS_API_PREFIX": API_PREFIX,
+        **setup.security.client_env("member", default_inbox_prefix(c)),
+    }
+    with Fleet(
+        tmp_path / "members",
+        nats_url=url,
+        etcd_endpoint=c.etcd_endpoints,
+        namespace=c.namespace,
+        group=c.group,
+        partitions=P,
+        env=env,
+    ) as fleet:
+        try:
+            for m in ("c-0", "c-1"):
+                fleet.start(m)
+            await wait_for_status(etcd, c.namespace, c.group, P, settled({"c-0", "c-1"}), 30)
+            producer = Producer(producer_nc.jetstream(), c.subject_prefix, P)
+
+            async def produce() -> None:
+                for start in range(0, len(items), 150):
+                    await producer.publish_many(items[start : start + 150])
+                    await asyncio.sleep(0.4)
+
+            production = asyncio.create_task(produce())
+            await asyncio.sleep(3)
+            fleet.term("c-0")  # a graceful leave mid-stream: c-1 takes everything
+            await wait_for_status(etcd, c.namespace, c.group, P, settled({"c-1"}), 30)
+            assert fleet.wait_exit("c-0", 30) == 0
+            await production
+
+            js = admin.jetstream()
+
+            async def counts() -> tuple[int, int]:
+                work = await js.stream_info(c.stream)
+                ledger = await js.stream_info(c.ledger_stream)
+                return work.state.messages, ledger.state.messages
+
+            await eventually_async(
+                counts,
+                60,
+                "the group to drain",
+                until=lambda n: n[0] == 0 and n[1] >= len(items),
+                interval=0.3,
+            )
+            records = await read_ledger(js, c.ledger_stream)
+            result = audit(records, [i.message_id for i in items])
+            logs = fleet.logs()
+            assert result.summary()["lost"] == 0, logs
+            assert result.summary()["duplicates"] == 0, logs
+            assert result.summary()["processed"] == len(items)
+            assert {r.member for r in records} == {"c-0", "c-1"}
+        finally:
+            await producer_nc.close()
+            await admin.close()
+    assert "permissions violation" not in logs.lower(), logs
+    for user in ("operator", "member", "producer"):
+        assert violations(setup.server, user) == [], violations(setup.server, user)
