@@ -104,6 +104,8 @@ class GroupConfig(BaseModel):
     # A dozing partition (alarm.py) still pulls once this often: a safety net, should an
     # alarm be missed. Shorter only to test what many sweeps do (fault suite, soak).
     doze_sweep: float = Field(60.0, ge=0.05)
+    # How often freed C-heap pages go back to the system (memory.py; 0: never).
+    malloc_trim_interval: float = Field(60.0, ge=0)
 
     lease_ttl: int = Field(10, ge=2)
     keepalive_interval: float = Field(3.0, gt=0)
@@ -287,6 +289,7 @@ ENV_FIELDS: dict[str, str] = {
     "NATS_JS_API_PREFIX": "nats_js_api_prefix",
     "SHOAL_NATS_RECONNECT_BUFFER": "nats_reconnect_buffer",
     "SHOAL_DOZE_SWEEP": "doze_sweep",
+    "SHOAL_MALLOC_TRIM_INTERVAL": "malloc_trim_interval",
     "ETCD_CA_FILE": "etcd_ca_file",
     "ETCD_CERT_FILE": "etcd_cert_file",
     "ETCD_KEY_FILE": "etcd_key_file",

@@ -28,6 +28,7 @@ from shoal.consumer.handlers import load_handler
 from shoal.consumer.jetstream import NatsHealth, connect, ensure_group, partition_lag
 from shoal.consumer.kube import GroupObject
 from shoal.consumer.membership import Membership
+from shoal.consumer.memory import trim_forever
 from shoal.consumer.metrics import Metrics
 from shoal.consumer.natsauth import NatsClosed, NatsRefusal, refusal
 from shoal.consumer.problems import RefusalReporter
@@ -247,6 +248,7 @@ class ConsumerProcess:
             asyncio.create_task(self.leader.run(), name="leader"),
             asyncio.create_task(self.worker.run(), name="worker"),
             asyncio.create_task(self._lag_loop(), name="lag"),
+            asyncio.create_task(trim_forever(self.config.malloc_trim_interval), name="trim"),
             asyncio.create_task(self._publish_generations(), name="assignment-log"),
             asyncio.create_task(self.exhausted.run(), name="exhausted-messages"),
             asyncio.create_task(self.nats_health.run(), name="nats-health"),
