@@ -22,6 +22,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -72,9 +73,9 @@ class RssWatch:
             self.sample()
             await asyncio.sleep(every)
 
-    def growth(self) -> dict[str, dict[str, float]]:
+    def growth(self) -> dict[str, dict[str, Any]]:
         """Per process still alive at the end (member id and pid): start, end, growth."""
-        out: dict[str, dict[str, float]] = {}
+        out: dict[str, dict[str, Any]] = {}
         for pid, (member_id, began) in self.started.items():
             member = self.g.fleet.members[member_id]
             if member.pid != pid or not member.alive():
