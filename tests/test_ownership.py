@@ -217,3 +217,35 @@ async def test_a_partition_whose_claim_went_with_the_lease_waits_for_its_stoppin
     worker._reconcile()
     assert worker.ownership.stage(6) is Stage.CLAIMING and len(spawned) == 1
     spawned[0].close()
+
+
+class RefusingNats:
+    """A connection whose naks never reach JetStream (it went away mid hand-over)."""
+
+    async def publish(self, subject: str, payload: bytes) -> None:
+        raise ConnectionError("nats away")
+
+    async def request(self, subject: str, payload: bytes, timeout: float) -> None:
+        raise ConnectionError("nats away")
+
+
+class Msg:
+    reply = "$JS.ACK.s.d.1.7.7.0.0"
+
+
+async def test_a_give_back_whose_naks_failed_is_not_an_orderly_hand_over() -> None:
+    """What the runner held could not be given back: its release must write no hand-over
+    record (handback None), or the next owner would take the move for orderly and skip
+    waiting for those deliveries (takeover.py), running newer messages first."""
+    from shoal.consumer.dispatch import Held
+
+    worker = worker_with(target(6, ME), claim(6, ME, 30), revision=30)
+    worker.nc = RefusingNats()
+    runner = PartitionRunner(worker, 6, claim_revision=30, target_ts=None)
+    await runner._give_back([Held(Msg(), "p", 7, 1, time.monotonic())])
+    assert runner.handback is None
+    # Nothing to give back: orderly, with the credits it was handed.
+    runner = PartitionRunner(worker, 6, claim_revision=30, target_ts=None)
+    runner.credits = {9: 1}
+    await runner._give_back([])
+    assert runner.handback == {9: 1}

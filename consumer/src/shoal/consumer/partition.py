@@ -162,7 +162,10 @@ class PartitionRunner:
         # the hand-over record when we start; what we give back, with its new credits,
         # when we stop (`handback`, written with the claim's deletion: Worker.runner_done).
         self.credits: dict[int, int] = {}
-        self.handback: dict[int, int] = {}
+        # None: what we held could not be given back (NATS away, the naks failed), so the
+        # hand-over is not orderly: the release writes no record, and the next owner
+        # waits for our deliveries (takeover.py) instead of taking it for orderly.
+        self.handback: dict[int, int] | None = {}
         self.gave_up_a_request = False  # a pull taken for lost (RequestWatch)
         # Taken over with earlier deliveries outstanding: what arrives waits here until
         # they are back (takeover.py); None otherwise, and once it has opened.
@@ -766,19 +769,24 @@ class PartitionRunner:
         a message's attempts (JetStream counts each nak as a delivery)."""
         w = self.worker
         # Credits we were handed and never used (messages not delivered to us) still hold.
-        self.handback = dict(self.credits)
-        if not unstarted or not w.nats_reachable():
+        handback = dict(self.credits)
+        self.handback = handback
+        if not unstarted:
+            return
+        if not w.nats_reachable():
             # Without NATS a nak request would wait out its timeout on a dead connection;
             # unacked, the messages are redelivered after ack_wait anyway (and those
             # deliveries count as attempts: nothing is noted for them).
+            self.handback = None
             return
         for held in unstarted:
-            self.handback[held.seq] = held.credit + 1 - held.failures
-        await self._flush_naks(unstarted)
+            handback[held.seq] = held.credit + 1 - held.failures
+        if not await self._flush_naks(unstarted):
+            self.handback = None
         self.projects.clear()
         self._late.clear()
 
-    async def _flush_naks(self, naks: list[Held]) -> None:
+    async def _flush_naks(self, naks: list[Held]) -> bool:
         """Nak in order; the last one as a request, answered once JetStream applied it.
 
         JetStream applies acks asynchronously, in the order they arrive: a plain nak can
@@ -786,7 +794,7 @@ class PartitionRunner:
         newer messages first. The answer to the last nak means all of them are applied.
         """
         if not naks:
-            return
+            return True
         nc = self.worker.nc
         try:
             for held in naks[:-1]:
@@ -794,6 +802,8 @@ class PartitionRunner:
             await nc.request(naks[-1].msg.reply, b"-NAK", timeout=5)
         except Exception:
             log.debug("Giving back messages of partition %d failed", self.partition, exc_info=True)
+            return False
+        return True
 
     async def _recreate_durable(self) -> bool:
         """Recreate this partition's durable, unless JetStream objects are not ours to
