@@ -296,6 +296,7 @@ def test_every_variable_is_one_the_consumer_knows() -> None:
         "SHOAL_MAX_BUFFERED",
         "SHOAL_NATS_RECONNECT_BUFFER",  # nats-py's default unless spec.env sets it
         "SHOAL_DOZE_SWEEP",
+        "SHOAL_MALLOC_TRIM_INTERVAL",  # once a minute unless spec.env sets it
         # Only for members in another account than the streams' (spec.env sets it;
         # `shoal-consumer permissions --accounts`): the default needs no variable.
         "NATS_JS_API_PREFIX",
