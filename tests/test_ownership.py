@@ -249,3 +249,36 @@ async def test_a_give_back_whose_naks_failed_is_not_an_orderly_hand_over() -> No
     runner.credits = {9: 1}
     await runner._give_back([])
     assert runner.handback == {9: 1}
+
+
+async def test_a_runner_resumed_under_a_claim_that_outlived_a_fence_is_no_fresh_claim() -> None:
+    """Fenced for a moment, our claim survived: the new runner must not take the last
+    (orderly) hand-over record for its own start, since the fenced runner before it left
+    what it held to JetStream's redelivery; it waits for those deliveries (takeover.py).
+    The view saw the partition's last deletion write a record (an orderly move to us)."""
+    worker = worker_with(target(6, ME), revision=20)
+    worker.view._apply_events(
+        [DeleteEvent(CONFIG.keys.claim(6), 21), FakePut(CONFIG.keys.handback(6), b"{}", 21)], 21
+    )
+    worker.view._apply_events([FakePut(CONFIG.keys.claim(6), ME.encode(), 22, LEASE)], 22)
+    assert worker.view.handed_over_cleanly(6)
+    started: list[tuple[int, bool]] = []
+
+    def start(p: int, revision: int, ts: float | None, *, fresh_claim: bool = True) -> None:
+        started.append((p, fresh_claim))
+
+    worker._start = start  # type: ignore[method-assign]
+    worker._reconcile()  # ours already, no runner: resumed after a fence
+    assert started == [(6, False)]
+
+
+class FakePut:
+    def __init__(self, key: str, value: bytes, revision: int, lease: int = 0) -> None:
+        self.key, self.value, self.lease = key.encode(), value, lease
+        self.create_revision = self.mod_revision = revision
+
+
+class DeleteEvent:  # the view tells deletions by their class name
+    def __init__(self, key: str, revision: int) -> None:
+        self.key, self.value, self.lease = key.encode(), b"", 0
+        self.create_revision, self.mod_revision = 0, revision

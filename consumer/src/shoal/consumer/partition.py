@@ -125,11 +125,20 @@ class PartitionRunner:
     """
 
     def __init__(
-        self, worker: Worker, partition: int, claim_revision: int, target_ts: float | None
+        self,
+        worker: Worker,
+        partition: int,
+        claim_revision: int,
+        target_ts: float | None,
+        *,
+        fresh_claim: bool = False,
     ):
         self.worker = worker
         self.partition = partition
         self.claim_revision = claim_revision
+        # Whether we created claim_revision just now (else: a runner of ours ran under it
+        # before and was fenced): only then can the last hand-over tell us it was orderly.
+        self.fresh_claim = fresh_claim
         self.target_ts = target_ts
         self.phase = Phase.CONSUMING
         self.stopping = False  # STOPPING or later: no new pull, nothing new starts
@@ -312,10 +321,10 @@ class PartitionRunner:
         api = w.config.nats_js_api_prefix
         api_subject = f"{api}.CONSUMER.MSG.NEXT.{w.config.stream}.{durable_name(self.partition)}"
         try:
-            if w.config.order_after_failure == "Strict" and not w.view.handed_over_cleanly(
-                self.partition
-            ):
-                # Not given back in order: the durable may have deliveries outstanding.
+            orderly = self.fresh_claim and w.view.handed_over_cleanly(self.partition)
+            if w.config.order_after_failure == "Strict" and not orderly:
+                # Not given back in order (or resumed after a fence of ours): the durable
+                # may have deliveries outstanding.
                 await self._gate_earlier_deliveries()
             backoff = MISSING_DURABLE_BACKOFF
             silent = 0  # pulls in a row that nobody answered (503)

@@ -730,7 +730,9 @@ class Worker:
                             # messages beside them. went_idle() pokes us when they end.
                             continue
                         ownership.move(p, Stage.FREE)
-                    self._start(p, claim.create_revision, None)
+                    # Not a fresh claim: the runner before this one (fenced) left what it
+                    # held to JetStream's redelivery, so the new one must wait for it.
+                    self._start(p, claim.create_revision, None, fresh_claim=False)
             elif not want and current is not None and not current.stopping:
                 log.debug("Releasing partition %d", p)
                 # (Leaving, the target is still us: no new owner to name yet.)
@@ -833,8 +835,10 @@ class Worker:
         if self.ownership.stage(p) is Stage.CLAIMING:
             self.ownership.move(p, Stage.FREE)
 
-    def _start(self, p: int, claim_revision: int, target_ts: float | None) -> None:
-        runner = PartitionRunner(self, p, claim_revision, target_ts)
+    def _start(
+        self, p: int, claim_revision: int, target_ts: float | None, *, fresh_claim: bool = True
+    ) -> None:
+        runner = PartitionRunner(self, p, claim_revision, target_ts, fresh_claim=fresh_claim)
         if not self.ownership.move(p, Stage.CONSUMING, runner=runner):
             return  # a bug of ours, logged: a runner nobody lists must not run
         runner.task = asyncio.create_task(runner.run(), name=f"partition-{p}")
