@@ -98,7 +98,7 @@ async def test_after_a_brief_fence_the_partition_waits_for_its_cancelled_handler
     fenced.inflight = 1  # a cancelled handler, still stopping
     assert worker.ownership.move(4, Stage.HANDLERS_STOPPING, runner=fenced)
     started: list[Any] = []
-    worker._start = lambda p, *_: started.append(p)  # type: ignore[method-assign]
+    worker._start = lambda p, *_, **__: started.append(p)  # type: ignore[method-assign]
     worker._reconcile()
     assert started == []
     assert 4 not in worker.runners
