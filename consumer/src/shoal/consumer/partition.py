@@ -689,11 +689,12 @@ class PartitionRunner:
             if now - asked < 0.5:
                 continue
             asked = now
+            held = len(gate.held)
             try:
                 info = await w.js.consumer_info(w.config.stream, durable, timeout=1.0)
             except Exception:
                 continue
-            if self.gate is gate and gate.nobody_else_holds(int(info.num_ack_pending or 0)):
+            if self.gate is gate and gate.nobody_else_holds(int(info.num_ack_pending or 0), held):
                 self._let_in("none left elsewhere")
 
     def _let_in(self, how: str) -> None:
