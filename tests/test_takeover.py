@@ -63,3 +63,38 @@ def test_keeping_held_messages_alive_is_due_once_per_period() -> None:
     due = gate.due_keeping(now + 1.0, 1.0)
     assert [w.seq for w in due] == [11]
     assert gate.due_keeping(now + 1.5, 1.0) == []
+
+
+def test_an_orderly_hand_over_waits_for_exactly_what_it_gave_back() -> None:
+    """The redelivery queue serves naks in the order they arrived, so what was given back
+    may come in any order, and other earlier sequences may come between."""
+    assert Gate.for_given_back([], ack_wait=5.0) is None
+    gate = Gate.for_given_back([40, 12, 25], ack_wait=5.0)
+    assert gate is not None
+    gate.hold("a", 40, 2)
+    gate.hold("b", 30, 2)  # earlier, not given back in this hand-over: does not count
+    gate.hold("c", 25, 2)
+    assert not gate.complete()
+    gate.hold("d", 12, 3)
+    assert gate.complete()
+    assert [w.seq for w in gate.release()] == [12, 25, 30, 40]
+
+
+def test_a_closed_gate_may_pull_what_it_waits_for_but_not_without_bound() -> None:
+    """What it still waits for may be pulled beyond the member's budget (a member busy
+    with a backlog has none left), while the gate holds at most twice that many."""
+    gate = Gate.for_given_back(range(100, 120), ack_wait=5.0)
+    assert gate is not None
+    assert gate.wanted() == 20
+    for seq in range(100, 108):
+        gate.hold(seq, seq, 2)
+    assert gate.wanted() == 12
+    unclean = Gate.for_durable(10, 500, ack_wait=5.0)
+    assert unclean is not None
+    assert unclean.wanted() == 10
+    for seq in range(501, 516):  # newer messages arrive while the earlier run out ack_wait
+        unclean.hold(seq, seq, 1)
+    assert unclean.wanted() == 5
+    for seq in range(516, 521):
+        unclean.hold(seq, seq, 1)
+    assert unclean.wanted() == 0  # 20 held: no more beyond the budget

@@ -17,6 +17,7 @@ still run their ack_wait on the server:
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -103,3 +104,66 @@ async def test_the_next_owner_of_a_dead_members_partition_keeps_project_order(
     else:
         # Newer messages ran before the dead member's, which came back after ack_wait.
         assert result.out_of_order, "Fast: expected the earlier deliveries to come back late"
+
+
+async def test_a_backlog_given_back_twice_runs_in_stream_order(
+    make_fleet: Callable[..., Fleet], etcd: Etcd, js: Any, make_config: Any
+) -> None:
+    """Planned moves only. m-0 holds a backlog of one partition's projects and leaves: it
+    gives back what it holds, in stream order. m-1 is slow (each message takes it 100 ms)
+    and pulls only part of that at a time (a partition's first pulls hold 64), so most of
+    it is still on the durable's redelivery queue when m-1 gives its own part back in
+    turn. JetStream redelivers naks in the order they arrived: m-1's lower sequences
+    queue behind m-0's higher ones. The next owner, m-2, must still run each project in
+    stream order (takeover.py's gate for an orderly hand-over); before, it ran the rest
+    of m-0's part first, then m-1's: inversions on planned moves alone."""
+    config = make_config(
+        handler=HANDLER, partitions=PARTITIONS, lease_ttl=LEASE_TTL, keepalive_interval=1.0
+    )
+    await ensure_group(js, config)
+    fleet = make_fleet(handler=HANDLER, partitions=PARTITIONS)
+    base = {**config_env(config, SETTINGS), "SHOAL_KEEPALIVE_INTERVAL": "1.0"}
+    fleet.start("m-0", **base, SHOAL_MAX_CONCURRENCY="64")
+    fleet.start("m-1", **base, SHOAL_MAX_CONCURRENCY="1")
+    status = await wait_for_status(
+        etcd, config.namespace, config.group, PARTITIONS, settled({"m-0", "m-1"}), 30
+    )
+    moved = min(p for p, m in status.owners.items() if m == "m-0")
+    projects = [
+        f"again-{i}" for i in range(200) if partition_for(f"again-{i}", PARTITIONS) == moved
+    ]
+    messages = [
+        Outgoing(project, b"wait-on:m-1:100", f"{project}-{i}", {SEQ_HEADER: str(i)})
+        for i in range(1000)
+        for project in projects[:20]
+    ]
+    await Producer(js, config.subject_prefix, PARTITIONS).publish_many(messages)
+    ids = {m.message_id for m in messages}
+
+    async def recorded() -> set[str]:
+        return {r.message_id for r in await read_ledger(js, config.ledger_stream)} & ids
+
+    async def ledger_length() -> int:  # (reading the whole ledger would take too long)
+        return int((await js.stream_info(config.ledger_stream)).state.messages)
+
+    await eventually_async(
+        ledger_length, 30, "m-0 to start on the backlog", until=lambda n: n >= 300, interval=0.05
+    )
+    fleet.term("m-0")
+    await wait_for_status(etcd, config.namespace, config.group, PARTITIONS, settled({"m-1"}), 30)
+    fleet.start("m-2", **base, SHOAL_MAX_CONCURRENCY="64")
+    status = await wait_for_status(
+        etcd, config.namespace, config.group, PARTITIONS, settled({"m-1", "m-2"}), 30
+    )
+    if status.owners[moved] == "m-1":
+        fleet.term("m-1")  # the join moved another partition: m-1 leaves instead
+    await eventually_async(
+        recorded, 90, "every message to be processed", until=lambda s: s == ids, interval=0.5
+    )
+    records = [r for r in await read_ledger(js, config.ledger_stream) if r.message_id in ids]
+    result = audit(records, ids)
+    by_member = Counter(r.member for r in records)
+    print(f"processed by {dict(by_member)}; {len(result.out_of_order)} inversions")
+    assert set(by_member) == {"m-0", "m-1", "m-2"}, by_member  # the backlog did move twice
+    assert not result.lost
+    assert result.out_of_order == [], result.out_of_order

@@ -7,7 +7,8 @@ raises PermanentError (dead-lettered at once), ``hang`` never returns, ``hang-on
 never returns on that member only (a pod whose downstream connection is wedged),
 ``fail-runs:<n>`` fails the first n times it actually runs, whichever member runs it
 (counted in files under $SHOAL_TEST_STATE_DIR: attempts, not JetStream's deliveries),
-``cancelled`` raises CancelledError although nobody cancelled the handler,
+``wait-on:<member>:<ms>`` awaits that long on that member only (a slow pod), ``cancelled``
+raises CancelledError although nobody cancelled the handler,
 ``deaf-on:<member>`` never returns on that member and ignores being cancelled (a handler
 stuck in code that swallows CancelledError: only ending the process stops it).
 
@@ -101,6 +102,10 @@ async def scripted_ledger(msg: Message) -> None:
         raise PermanentError(f"{msg.message_id} can never succeed")
     elif command == "hang" or (command == "hang-on" and arg == msg.context.member_id):
         await asyncio.Event().wait()
+    elif command == "wait-on":
+        member, _, ms = arg.partition(":")
+        if member == msg.context.member_id:
+            await asyncio.sleep(float(ms) / 1000)
     elif command == "deaf-on" and arg == msg.context.member_id:
         while True:
             try:

@@ -310,6 +310,9 @@ class PartitionRunner:
         w = self.worker
         batch = self._cap
         room = min(self._want, batch - self.buffered, w.budget() - w.buffered - w.reserved)
+        if self.gate is not None:
+            # What a closed gate waits for comes only with pulls (takeover.py).
+            return max(room, self.gate.wanted())
         if self.buffered and room < max(1, min(self._want, batch) // 2):
             return 0
         return room
@@ -321,8 +324,11 @@ class PartitionRunner:
         api = w.config.nats_js_api_prefix
         api_subject = f"{api}.CONSUMER.MSG.NEXT.{w.config.stream}.{durable_name(self.partition)}"
         try:
-            orderly = self.fresh_claim and w.view.handed_over_cleanly(self.partition)
-            if w.config.order_after_failure == "Strict" and not orderly:
+            if self.fresh_claim and w.view.handed_over_cleanly(self.partition):
+                # Given back in order, but queued for redelivery in the order of the naks
+                # (takeover.py): hold what arrives until every given-back message has.
+                self._gate_given_back()
+            elif w.config.order_after_failure == "Strict":
                 # Not given back in order (or resumed after a fence of ours): the durable
                 # may have deliveries outstanding.
                 await self._gate_earlier_deliveries()
@@ -640,6 +646,20 @@ class PartitionRunner:
         return None
 
     # -- taking over ----------------------------------------------------------------------
+
+    def _gate_given_back(self) -> None:
+        """Before the first pull after an orderly hand-over: hold what arrives until the
+        messages it gave back (its record's sequences, our credits) are all here."""
+        w = self.worker
+        self.gate = Gate.for_given_back(self.credits, w.config.ack_wait)
+        if self.gate is not None:
+            log.debug(
+                "Partition %d: %d message(s) given back to us; holding what arrives until "
+                "they are all here",
+                self.partition,
+                self.gate.outstanding,
+            )
+            w.spawn(self._watch_gate(self.gate))
 
     async def _gate_earlier_deliveries(self) -> None:
         """Before the first pull: if the durable has deliveries outstanding (an earlier

@@ -22,16 +22,25 @@ order: each project's earlier message first. The gate opens when
   (the earlier owner stopped renewing its deliveries when it was fenced or died, before
   its claim could be taken), so this bound is for a durable that says something odd.
 
-An orderly hand-over costs nothing: the giver wrote its hand-over record in the same etcd
-transaction that deleted its claim, and the next owner's view, having seen both at one
-revision (GroupView.handed_over_cleanly), skips the gate: what was given back is first in
-line anyway. Anything else (a crash, a fence, a lost lease, a view that started later)
-costs one consumer-info request, and the wait if something is outstanding.
+An orderly hand-over costs next to nothing: the giver wrote its hand-over record in the
+same etcd transaction that deleted its claim, and the next owner's view, having seen both
+at one revision (GroupView.handed_over_cleanly), knows exactly what was given back: the
+record's sequences. Those are on the durable's redelivery queue, which a pull serves
+before anything new, but in the order the naks arrived, not in stream order: when an
+owner gives back its messages while some given back to it are still queued (it had no
+room to pull them all), its lower sequences queue behind those, and the next owner would
+run a project's later message first (the fault suite's maxDeliver-2 scenario: 19-35
+inversions, three moves of a held backlog). So the next owner holds what arrives until
+every recorded sequence is back (`Gate.for_given_back`, whatever orderAfterFailure says:
+planned moves always kept order), which its first pulls bring. Anything else (a crash, a
+fence, a lost lease, a view that started later) costs one consumer-info request, and the
+wait if something is outstanding.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +68,9 @@ class Gate:
     deadline: float  # monotonic
     started: float = field(default_factory=time.monotonic)
     held: list[Waiting] = field(default_factory=list)
+    # The sequences it waits for, when known (an orderly hand-over's record); otherwise
+    # every sequence up to `upto` counts.
+    expected: frozenset[int] | None = None
     _earlier: set[int] = field(default_factory=set)
 
     @classmethod
@@ -70,15 +82,38 @@ class Gate:
         now = time.monotonic()
         return cls(num_ack_pending, delivered_seq, now + ack_wait + MARGIN_SECONDS, now)
 
+    @classmethod
+    def for_given_back(cls, seqs: Iterable[int], ack_wait: float) -> Gate | None:
+        """A gate for an orderly hand-over that gave `seqs` back (None if none): it
+        opens once each has arrived (or, as any gate, once nobody else holds one)."""
+        expected = frozenset(seqs)
+        if not expected:
+            return None
+        now = time.monotonic()
+        return cls(
+            len(expected), max(expected), now + ack_wait + MARGIN_SECONDS, now, expected=expected
+        )
+
     def hold(self, msg: Any, seq: int, delivered: int) -> None:
         self.held.append(Waiting(msg, seq, delivered, time.monotonic()))
-        if seq <= self.upto:
+        expected = self.expected
+        if (seq in expected) if expected is not None else seq <= self.upto:
             self._earlier.add(seq)
 
     @property
     def came_back(self) -> int:
         """How many of the outstanding messages have arrived (distinct sequences)."""
         return len(self._earlier)
+
+    def wanted(self) -> int:
+        """How many messages its partition may pull beyond the member's budget: those not
+        back yet, as long as it holds at most twice as many as it waits for (newer ones
+        arrive first while the earlier owner's run out their ack_wait). A member busy with
+        a backlog has its budget full: bound by it, the gate could not pull what it waits
+        for, and opened at its deadline without it (the maxDeliver-2 scenario: 8 of 20
+        given-back messages in after 3 s, the rest later, behind newer ones)."""
+        missing = self.outstanding - self.came_back
+        return max(0, min(missing, 2 * self.outstanding - len(self.held)))
 
     def complete(self) -> bool:
         return self.came_back >= self.outstanding
