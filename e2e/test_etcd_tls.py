@@ -29,7 +29,16 @@ import yaml
 from etcd3 import etcdrpc
 from etcd3.etcdrpc import auth_pb2
 
-from harness.kubetest import condition, create_namespace, get_json, operator_process, wait_until
+from harness.kubetest import (
+    apply_secret,
+    condition,
+    get_json,
+    group_degraded,
+    group_ready,
+    namespace_pods,
+    operator_watching,
+    wait_until,
+)
 from harness.localkube.pki import Pki, ensure_pki, ensure_serving_cert
 from harness.localkube.plane import LocalKube
 from harness.servers import EtcdServer, EtcdTLS
@@ -130,40 +139,9 @@ def tls_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsEtcd]:
 def operator(
     localkube: LocalKube, tls_etcd: TlsEtcd, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Path]:
-    plane = localkube
     log_path = tmp_path_factory.mktemp("etcd-tls-operator") / "operator.log"
-    with operator_process(plane, [NS, NS_LATE], log_path):
-        for ns in (NS, NS_LATE):
-            create_namespace(plane, ns)
-        try:
-            yield log_path
-        finally:
-            # Whatever happened: the groups go while the operator still runs (finalizers),
-            # then the namespaces, so no consumer pod outlives this file.
-            for ns in (NS, NS_LATE):
-                plane.kubectl("delete", "cg", "--all", "-n", ns, "--timeout=90s", check=False)
-                plane.kubectl("delete", "namespace", ns, "--wait=false", check=False)
-            wait_until(
-                lambda: not _pods(plane, NS) and not _pods(plane, NS_LATE),
-                90,
-                "this file's pods to be gone",
-            )
-
-
-def _pods(plane: LocalKube, ns: str) -> list[Any]:
-    found = plane.kubectl("get", "pods", "-n", ns, "-o", "json", check=False)
-    return list(json.loads(found.stdout)["items"]) if found.returncode == 0 else []
-
-
-def create_secret(
-    plane: LocalKube, ns: str, name: str, files: dict[str, Path], **extra: str
-) -> None:
-    args = [f"--from-file={key}={path}" for key, path in files.items()]
-    args += [f"--from-literal={key}={value}" for key, value in extra.items()]
-    manifest = plane.kubectl(
-        "create", "secret", "generic", name, "-n", ns, *args, "--dry-run=client", "-o", "yaml"
-    ).stdout
-    plane.kubectl("apply", "-f", "-", input_text=manifest)
+    with operator_watching(localkube, [NS, NS_LATE], log_path):
+        yield log_path
 
 
 def group(ns: str, name: str, replicas: int, etcd: dict[str, str]) -> str:
@@ -172,16 +150,6 @@ def group(ns: str, name: str, replicas: int, etcd: dict[str, str]) -> str:
     manifest["spec"]["replicas"] = replicas
     manifest["spec"]["etcd"] = etcd
     return json.dumps(manifest)
-
-
-def ready(plane: LocalKube, ns: str, name: str) -> dict[str, Any] | None:
-    cg = get_json(plane, "cg", name, "-n", ns)
-    return cg if condition(cg, "Ready").get("status") == "True" else None
-
-
-def degraded(plane: LocalKube, ns: str, name: str) -> dict[str, Any]:
-    found = condition(get_json(plane, "cg", name, "-n", ns), "Degraded")
-    return found if found.get("status") == "True" else {}
 
 
 def warnings(plane: LocalKube, ns: str, reason: str) -> str:
@@ -218,7 +186,7 @@ def test_a_group_on_tls_etcd_runs_and_its_finalizer_clears_it(
     localkube: LocalKube, tls_etcd: TlsEtcd, operator: Path
 ) -> None:
     plane, name = localkube, "orders"
-    create_secret(plane, NS, "etcd-client", tls_etcd.files(), username=USER, password=PASSWORD)
+    apply_secret(plane, NS, "etcd-client", tls_etcd.files(), username=USER, password=PASSWORD)
     started = time.monotonic()
     plane.kubectl(
         "apply",
@@ -226,7 +194,7 @@ def test_a_group_on_tls_etcd_runs_and_its_finalizer_clears_it(
         "-",
         input_text=group(NS, name, 2, {"endpoints": tls_etcd.endpoint, "tlsSecret": "etcd-client"}),
     )
-    cg = wait_until(lambda: ready(plane, NS, name), 90, "the group to become Ready")
+    cg = wait_until(lambda: group_ready(plane, NS, name), 90, "the group to become Ready")
     print(f"Ready on TLS etcd in {time.monotonic() - started:.1f} s")
     status = cg["status"]
     assert status["leader"].startswith(f"{name}-consumer-")
@@ -236,7 +204,9 @@ def test_a_group_on_tls_etcd_runs_and_its_finalizer_clears_it(
     # The members registered in the TLS etcd, and not in the plane's plain one.
     seen = tls_status(tls_etcd, NS, name)
     assert sorted(seen.members) == sorted(
-        p["metadata"]["name"] for p in _pods(plane, NS) if p["metadata"]["name"].startswith(name)
+        p["metadata"]["name"]
+        for p in namespace_pods(plane, NS)
+        if p["metadata"]["name"].startswith(name)
     )
     assert seen.leader == status["leader"] and not seen.unowned
     prefix = Keys(NS, name).prefix
@@ -251,8 +221,8 @@ def test_a_group_on_tls_etcd_runs_and_its_finalizer_clears_it(
     assert env["ETCD_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "etcd-client"
 
     # A rotated Secret rolls the pods (they read their certificates at start).
-    before = {p["metadata"]["name"] for p in _pods(plane, NS)}
-    create_secret(
+    before = {p["metadata"]["name"] for p in namespace_pods(plane, NS)}
+    apply_secret(
         plane, NS, "etcd-client", tls_etcd.files(), username=USER, password=PASSWORD, rotated="1"
     )
     version = get_json(plane, "secret", "etcd-client", "-n", NS)["metadata"]["resourceVersion"]
@@ -260,8 +230,8 @@ def test_a_group_on_tls_etcd_runs_and_its_finalizer_clears_it(
     def rolled() -> Any:
         dep = get_json(plane, "deployment", f"{name}-consumer", "-n", NS)
         annotations = dep["spec"]["template"]["metadata"].get("annotations") or {}
-        pods = {p["metadata"]["name"] for p in _pods(plane, NS)}
-        cg = ready(plane, NS, name)
+        pods = {p["metadata"]["name"] for p in namespace_pods(plane, NS)}
+        cg = group_ready(plane, NS, name)
         fresh = pods and not pods & before and len(pods) == 2
         settled = cg and cg["status"]["members"] == 2  # the old members have left
         return annotations.get(ETCD_SECRET_VERSION) == version and fresh and settled
@@ -270,7 +240,7 @@ def test_a_group_on_tls_etcd_runs_and_its_finalizer_clears_it(
     assert "EtcdSecretRotated" in plane.kubectl("describe", "cg", name, "-n", NS).stdout
 
     plane.kubectl("delete", "cg", name, "-n", NS, "--timeout=120s")
-    assert not [p for p in _pods(plane, NS) if p["metadata"]["name"].startswith(name)]
+    assert not [p for p in namespace_pods(plane, NS) if p["metadata"]["name"].startswith(name)]
     assert keys_under(tls_etcd.client(), prefix) == {}
 
 
@@ -281,7 +251,7 @@ def test_a_missing_then_invalid_secret_degrades_until_it_is_fixed(
     spec = {"endpoints": tls_etcd.endpoint, "tlsSecret": "etcd-late"}
     plane.kubectl("apply", "-f", "-", input_text=group(NS_LATE, name, 1, spec))
 
-    missing = wait_until(lambda: degraded(plane, NS_LATE, name), 60, "EtcdSecretMissing")
+    missing = wait_until(lambda: group_degraded(plane, NS_LATE, name), 60, "EtcdSecretMissing")
     assert missing["reason"] == "EtcdSecretMissing", missing
     assert missing["message"] == f"Secret {NS_LATE}/etcd-late (spec.etcd.tlsSecret) not found"
     wait_until(
@@ -299,9 +269,11 @@ def test_a_missing_then_invalid_secret_degrades_until_it_is_fixed(
 
     # A Secret without the client certificate: invalid, and it says what is missing.
     files = tls_etcd.files()
-    create_secret(plane, NS_LATE, "etcd-late", {"ca.crt": files["ca.crt"]})
+    apply_secret(plane, NS_LATE, "etcd-late", {"ca.crt": files["ca.crt"]})
     invalid = wait_until(
-        lambda: (d := degraded(plane, NS_LATE, name)).get("reason") == "EtcdSecretInvalid" and d,
+        lambda: (
+            (d := group_degraded(plane, NS_LATE, name)).get("reason") == "EtcdSecretInvalid" and d
+        ),
         60,
         "EtcdSecretInvalid",
     )
@@ -314,10 +286,10 @@ def test_a_missing_then_invalid_secret_degrades_until_it_is_fixed(
 
     # Fixed (certificate only, no password: etcd takes the certificate's CN as the user).
     started = time.monotonic()
-    create_secret(plane, NS_LATE, "etcd-late", files)
-    wait_until(lambda: ready(plane, NS_LATE, name), 120, "the group to recover")
+    apply_secret(plane, NS_LATE, "etcd-late", files)
+    wait_until(lambda: group_ready(plane, NS_LATE, name), 120, "the group to recover")
     print(f"recovered {time.monotonic() - started:.1f} s after the Secret was fixed")
-    assert degraded(plane, NS_LATE, name) == {}
+    assert group_degraded(plane, NS_LATE, name) == {}
     assert len(tls_status(tls_etcd, NS_LATE, name).members) == 1
 
     plane.kubectl("delete", "cg", name, "-n", NS_LATE, "--timeout=120s")

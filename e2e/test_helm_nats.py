@@ -24,11 +24,10 @@ import nats
 import pytest
 import yaml
 
-from harness.kubetest import get_json, wait_until
+from harness.kubetest import apply_secret, get_json, wait_until
 from harness.localkube.plane import LocalKube
 from harness.securenats import NatsUser, SecureNats, secure_nats_server
 from harness.servers import free_port
-from shoal.consumer.natsauth import NatsSecurity
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
@@ -44,11 +43,8 @@ PARTITIONS = 8
 def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureNats]:
     users = [NatsUser(name, password) for name, password in PASSWORDS.items()]
     server = secure_nats_server(tmp_path_factory.mktemp("helm-nats"), users)
-    server.server.start()
-    try:
+    with server.server:
         yield server
-    finally:
-        server.server.stop()
 
 
 def kubectl(plane: LocalKube, *args: str, check: bool = True) -> str:
@@ -68,12 +64,6 @@ def helm(plane: LocalKube, *args: str, check: bool = True) -> None:
         raise AssertionError(f"helm {' '.join(args)}: {result.stdout}\n{result.stderr}")
 
 
-def create_secret(plane: LocalKube, ns: str, name: str, *args: str) -> None:
-    create = ("create", "secret", "generic", name, "-n", ns, *args)
-    manifest = kubectl(plane, *create, "--dry-run=client", "-o", "yaml")
-    plane.kubectl("apply", "-f", "-", input_text=manifest)
-
-
 def ensure_namespace(plane: LocalKube, name: str) -> None:
     if plane.kubectl("get", "namespace", name, check=False).returncode != 0:
         plane.kubectl("create", "namespace", name)
@@ -85,14 +75,7 @@ def ensure_namespace(plane: LocalKube, name: str) -> None:
 
 
 def durables(secure: SecureNats, stream: str) -> list[str]:
-    files = secure.tls_files()
-    admin = NatsSecurity(
-        ca_file=str(files["ca.crt"]),
-        cert_file=str(files["tls.crt"]),
-        key_file=str(files["tls.key"]),
-        user=ADMIN,
-        password=PASSWORDS[ADMIN],
-    )
+    admin = secure.client(ADMIN)
 
     async def go() -> list[str]:
         nc = await nats.connect(secure.url, **admin.connect_options())
@@ -132,19 +115,9 @@ def test_the_operator_reaches_tls_nats_with_its_chart_credentials(
     for ns in (RELEASE_NS, DEMO_NS):
         ensure_namespace(plane, ns)
     try:
-        files = secure.tls_files()
-        create_secret(
-            plane,
-            RELEASE_NS,
-            "operator-nats-tls",
-            *(f"--from-file={key}={path}" for key, path in files.items()),
-        )
-        create_secret(
-            plane,
-            RELEASE_NS,
-            "operator-nats",
-            f"--from-literal=user={OPERATOR}",
-            f"--from-literal=password={PASSWORDS[OPERATOR]}",
+        apply_secret(plane, RELEASE_NS, "operator-nats-tls", secure.tls_files())
+        apply_secret(
+            plane, RELEASE_NS, "operator-nats", user=OPERATOR, password=PASSWORDS[OPERATOR]
         )
         # The CRD as the other suites apply it; this release leaves it alone, and the
         # consumer-pod policy to test_helm.py.

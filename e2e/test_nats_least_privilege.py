@@ -18,7 +18,6 @@ reach them as env from a Secret of their own (spec.env).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import secrets
 import time
@@ -32,13 +31,12 @@ import pytest
 import yaml
 
 from harness.fleet import wait_for_status
-from harness.kubetest import condition, create_namespace, get_json, operator_process, wait_until
+from harness.kubetest import apply_secret, condition, get_json, operator_watching, wait_until
 from harness.localkube.plane import LocalKube
 from harness.securenats import NatsUser, SecureNats, secure_nats_server
 from harness.waiting import eventually_async
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.ledger import audit, read_ledger
-from shoal.consumer.natsauth import NatsSecurity
 from shoal.consumer.permissions import member_permissions, operator_permissions
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.contracts.names import SEQ_HEADER, ledger_stream_name
@@ -79,48 +77,18 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureNats]:
         NatsUser(ADMIN, PASSWORDS[ADMIN]),  # the test's producer and audit
     ]
     server = secure_nats_server(tmp_path_factory.mktemp("nats-least"), users)
-    server.server.start()
-    try:
+    with server.server:
         yield server
-    finally:
-        server.server.stop()
 
 
 @pytest.fixture(scope="module")
 def operator(
     localkube: LocalKube, secure: SecureNats, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Path]:
-    plane = localkube
-    files = secure.tls_files()
-    own = {
-        "NATS_URL": secure.url,
-        "NATS_CA_FILE": str(files["ca.crt"]),
-        "NATS_CERT_FILE": str(files["tls.crt"]),
-        "NATS_KEY_FILE": str(files["tls.key"]),
-        "NATS_USER": OPERATOR,
-        "NATS_PASSWORD": PASSWORDS[OPERATOR],
-    }
+    own = {"NATS_URL": secure.url, **secure.security.client_env(OPERATOR)}
     log_path = tmp_path_factory.mktemp("nats-least-operator") / "operator.log"
-    with operator_process(plane, [NS], log_path, extra_env=own):
-        create_namespace(plane, NS)
-        try:
-            yield log_path
-        finally:
-            plane.kubectl("delete", "cg", "--all", "-n", NS, "--timeout=90s", check=False)
-            plane.kubectl("delete", "namespace", NS, "--wait=false", check=False)
-            wait_until(lambda: not _pods(plane), 90, "this file's pods to be gone")
-
-
-def _pods(plane: LocalKube) -> list[Any]:
-    found = plane.kubectl("get", "pods", "-n", NS, "-o", "json", check=False)
-    return list(json.loads(found.stdout)["items"]) if found.returncode == 0 else []
-
-
-def create_secret(plane: LocalKube, name: str, *args: str) -> None:
-    manifest = plane.kubectl(
-        "create", "secret", "generic", name, "-n", NS, *args, "--dry-run=client", "-o", "yaml"
-    ).stdout
-    plane.kubectl("apply", "-f", "-", input_text=manifest)
+    with operator_watching(localkube, [NS], log_path, extra_env=own):
+        yield log_path
 
 
 def manifest(secure: SecureNats) -> str:
@@ -136,21 +104,10 @@ def manifest(secure: SecureNats) -> str:
     return json.dumps(group)
 
 
-def admin_security(secure: SecureNats) -> NatsSecurity:
-    files = secure.tls_files()
-    return NatsSecurity(
-        ca_file=str(files["ca.crt"]),
-        cert_file=str(files["tls.crt"]),
-        key_file=str(files["tls.key"]),
-        user=ADMIN,
-        password=PASSWORDS[ADMIN],
-    )
-
-
 async def scale_while_producing(plane: LocalKube, secure: SecureNats) -> dict[str, int]:
     etcd = Etcd(plane.state.etcd_endpoint)
     await etcd.connect(attempts=5)
-    nc = await nats.connect(secure.url, **admin_security(secure).connect_options())
+    nc = await nats.connect(secure.url, **secure.client(ADMIN).connect_options())
     try:
         js = nc.jetstream()
 
@@ -186,15 +143,9 @@ async def scale_while_producing(plane: LocalKube, secure: SecureNats) -> dict[st
         etcd.close()
 
 
-def violations(secure: SecureNats) -> list[str]:
-    log = secure.server.log_path.read_text()
-    return [line for line in log.splitlines() if "Violation" in line]
-
-
 async def member_asks_for_stream_info(secure: SecureNats) -> str | None:
     """What refusing the member's STREAM.INFO looks like to it (None: it was answered)."""
-    member = dataclasses.replace(admin_security(secure), user=MEMBER, password=PASSWORDS[MEMBER])
-    nc = await nats.connect(secure.url, **member.connect_options())
+    nc = await nats.connect(secure.url, **secure.client(MEMBER).connect_options())
     try:
         await nc.request(f"{API}.STREAM.INFO.{STREAM}", b"", timeout=2)
     except nats.errors.TimeoutError as exc:  # the server drops it (and logs it)
@@ -209,13 +160,8 @@ def test_least_privilege_tls_and_passwords_scaled_3_5_2_with_nothing_lost(
 ) -> None:
     plane = localkube
     files = secure.tls_files()
-    create_secret(plane, "nats-tls", *(f"--from-file={k}={p}" for k, p in files.items()))
-    create_secret(
-        plane,
-        "nats-member",
-        f"--from-literal=user={MEMBER}",
-        f"--from-literal=password={PASSWORDS[MEMBER]}",
-    )
+    apply_secret(plane, NS, "nats-tls", files)
+    apply_secret(plane, NS, "nats-member", user=MEMBER, password=PASSWORDS[MEMBER])
     started = time.monotonic()
     plane.kubectl("apply", "-f", "-", input_text=manifest(secure))
     wait_until(
@@ -231,10 +177,10 @@ def test_least_privilege_tls_and_passwords_scaled_3_5_2_with_nothing_lost(
     assert summary["duplicates"] == 0
 
     # Nobody stepped outside their allow list: the server logs every refused subject...
-    assert violations(secure) == []
+    assert secure.server.violations() == []
     # ...as it does now for a member asking for the stream's info (the operator's).
     refused = asyncio.run(member_asks_for_stream_info(secure))
     assert refused is not None, "the member read the stream's info"
-    logged = wait_until(lambda: violations(secure), 10, "the server to log the violation")
+    logged = wait_until(lambda: secure.server.violations(), 10, "the server to log the violation")
     assert any(f"user:{MEMBER}" in line and f"STREAM.INFO.{STREAM}" in line for line in logged)
     plane.kubectl("delete", "cg", NAME, "-n", NS, "--timeout=120s")

@@ -26,11 +26,19 @@ import nats
 import pytest
 import yaml
 
-from harness.kubetest import condition, create_namespace, get_json, operator_process, wait_until
+from harness.kubetest import (
+    apply_secret,
+    condition,
+    get_json,
+    group_degraded,
+    group_ready,
+    namespace_pods,
+    operator_watching,
+    wait_until,
+)
 from harness.localkube.plane import LocalKube
 from harness.natssecurity import NatsServerSecurity
 from harness.securenats import NatsUser, SecureNats, secure_nats_server
-from shoal.consumer.natsauth import NatsSecurity
 from shoal.operator.builders import NATS_TLS_SECRET_VERSION
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
@@ -46,51 +54,17 @@ PARTITIONS = 16
 def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureNats]:
     users = [NatsUser(USER, PASSWORD), NatsUser(ADMIN, ADMIN_PASSWORD)]
     server = secure_nats_server(tmp_path_factory.mktemp("nats-tls"), users)
-    server.server.start()
-    try:
+    with server.server:
         yield server
-    finally:
-        server.server.stop()
 
 
 @pytest.fixture(scope="module")
 def operator(
     localkube: LocalKube, secure: SecureNats, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Path]:
-    plane = localkube
     log_path = tmp_path_factory.mktemp("nats-tls-operator") / "operator.log"
-    with operator_process(plane, [NS, NS_LATE], log_path):
-        for ns in (NS, NS_LATE):
-            create_namespace(plane, ns)
-        try:
-            yield log_path
-        finally:
-            # Whatever happened: the groups go while the operator still runs (finalizers),
-            # then the namespaces, so no consumer pod outlives this file.
-            for ns in (NS, NS_LATE):
-                plane.kubectl("delete", "cg", "--all", "-n", ns, "--timeout=90s", check=False)
-                plane.kubectl("delete", "namespace", ns, "--wait=false", check=False)
-            wait_until(
-                lambda: not _pods(plane, NS) and not _pods(plane, NS_LATE),
-                90,
-                "this file's pods to be gone",
-            )
-
-
-def _pods(plane: LocalKube, ns: str) -> list[Any]:
-    found = plane.kubectl("get", "pods", "-n", ns, "-o", "json", check=False)
-    return list(json.loads(found.stdout)["items"]) if found.returncode == 0 else []
-
-
-def create_secret(
-    plane: LocalKube, ns: str, name: str, files: dict[str, Path] | None = None, **extra: str
-) -> None:
-    args = [f"--from-file={key}={path}" for key, path in (files or {}).items()]
-    args += [f"--from-literal={key}={value}" for key, value in extra.items()]
-    manifest = plane.kubectl(
-        "create", "secret", "generic", name, "-n", ns, *args, "--dry-run=client", "-o", "yaml"
-    ).stdout
-    plane.kubectl("apply", "-f", "-", input_text=manifest)
+    with operator_watching(localkube, [NS, NS_LATE], log_path):
+        yield log_path
 
 
 def group(ns: str, name: str, replicas: int, nats_spec: dict[str, Any]) -> str:
@@ -102,26 +76,9 @@ def group(ns: str, name: str, replicas: int, nats_spec: dict[str, Any]) -> str:
     return json.dumps(manifest)
 
 
-def ready(plane: LocalKube, ns: str, name: str) -> dict[str, Any] | None:
-    cg = get_json(plane, "cg", name, "-n", ns)
-    return cg if condition(cg, "Ready").get("status") == "True" else None
-
-
-def degraded(plane: LocalKube, ns: str, name: str) -> dict[str, Any]:
-    found = condition(get_json(plane, "cg", name, "-n", ns), "Degraded")
-    return found if found.get("status") == "True" else {}
-
-
 def durables(secure: SecureNats, stream: str) -> list[str]:
     """The stream's durables, read as the admin user (TLS, client certificate, password)."""
-    files = secure.tls_files()
-    security = NatsSecurity(
-        ca_file=str(files["ca.crt"]),
-        cert_file=str(files["tls.crt"]),
-        key_file=str(files["tls.key"]),
-        user=ADMIN,
-        password=ADMIN_PASSWORD,
-    )
+    security = secure.client(ADMIN)
 
     async def go() -> list[str]:
         nc = await nats.connect(secure.url, **security.connect_options())
@@ -138,12 +95,12 @@ def test_a_group_on_tls_nats_with_a_password_runs_and_rolls_on_rotation(
     localkube: LocalKube, secure: SecureNats, operator: Path
 ) -> None:
     plane, name = localkube, "orders"
-    create_secret(plane, NS, "nats-tls", secure.tls_files())
-    create_secret(plane, NS, "nats-auth", user=USER, password=PASSWORD)
+    apply_secret(plane, NS, "nats-tls", secure.tls_files())
+    apply_secret(plane, NS, "nats-auth", user=USER, password=PASSWORD)
     started = time.monotonic()
     spec = {"url": secure.url, "tlsSecret": "nats-tls", "credentialsSecret": "nats-auth"}
     plane.kubectl("apply", "-f", "-", input_text=group(NS, name, 2, spec))
-    cg = wait_until(lambda: ready(plane, NS, name), 120, "the group to become Ready")
+    cg = wait_until(lambda: group_ready(plane, NS, name), 120, "the group to become Ready")
     print(f"Ready on TLS + password NATS in {time.monotonic() - started:.1f} s")
     assert cg["status"]["members"] == 2
     assert condition(cg, "Degraded")["status"] == "False"
@@ -166,8 +123,8 @@ def test_a_group_on_tls_nats_with_a_password_runs_and_rolls_on_rotation(
     assert PASSWORD not in json.dumps(template)
 
     # A rotated TLS Secret rolls the pods, one at a time (maxUnavailable 0, maxSurge 1).
-    before = {p["metadata"]["name"] for p in _pods(plane, NS)}
-    create_secret(plane, NS, "nats-tls", secure.tls_files(), rotated="1")
+    before = {p["metadata"]["name"] for p in namespace_pods(plane, NS)}
+    apply_secret(plane, NS, "nats-tls", secure.tls_files(), rotated="1")
     version = get_json(plane, "secret", "nats-tls", "-n", NS)["metadata"]["resourceVersion"]
     most_at_once = 0
 
@@ -175,12 +132,12 @@ def test_a_group_on_tls_nats_with_a_password_runs_and_rolls_on_rotation(
         nonlocal most_at_once
         dep = get_json(plane, "deployment", f"{name}-consumer", "-n", NS)
         annotations = dep["spec"]["template"]["metadata"].get("annotations") or {}
-        listed = _pods(plane, NS)
+        listed = namespace_pods(plane, NS)
         pods = {p["metadata"]["name"] for p in listed}
         # Pods draining (terminating) are not counted by the Deployment either.
         running = [p for p in listed if not p["metadata"].get("deletionTimestamp")]
         most_at_once = max(most_at_once, len(running))
-        cg = ready(plane, NS, name)
+        cg = group_ready(plane, NS, name)
         fresh = pods and not pods & before and len(pods) == 2
         settled = cg and cg["status"]["members"] == 2  # the old members have left
         return annotations.get(NATS_TLS_SECRET_VERSION) == version and fresh and settled
@@ -190,18 +147,18 @@ def test_a_group_on_tls_nats_with_a_password_runs_and_rolls_on_rotation(
     assert "NatsSecretRotated" in plane.kubectl("describe", "cg", name, "-n", NS).stdout
 
     plane.kubectl("delete", "cg", name, "-n", NS, "--timeout=120s")
-    assert not [p for p in _pods(plane, NS) if p["metadata"]["name"].startswith(name)]
+    assert not [p for p in namespace_pods(plane, NS) if p["metadata"]["name"].startswith(name)]
 
 
 def test_a_missing_secret_a_wrong_password_and_ca_degrade_until_fixed(
     localkube: LocalKube, secure: SecureNats, operator: Path, tmp_path: Path
 ) -> None:
     plane, name = localkube, "late"
-    create_secret(plane, NS_LATE, "nats-tls", secure.tls_files())
+    apply_secret(plane, NS_LATE, "nats-tls", secure.tls_files())
     spec = {"url": secure.url, "tlsSecret": "nats-tls", "credentialsSecret": "nats-late"}
     plane.kubectl("apply", "-f", "-", input_text=group(NS_LATE, name, 1, spec))
 
-    missing = wait_until(lambda: degraded(plane, NS_LATE, name), 60, "NatsSecretMissing")
+    missing = wait_until(lambda: group_degraded(plane, NS_LATE, name), 60, "NatsSecretMissing")
     assert missing["reason"] == "NatsSecretMissing", missing
     assert missing["message"] == (
         f"Secret {NS_LATE}/nats-late (spec.nats.credentialsSecret) not found"
@@ -215,9 +172,9 @@ def test_a_missing_secret_a_wrong_password_and_ca_degrade_until_fixed(
     )
 
     # A wrong password: NATS refuses it, and the group says so, naming the Secret.
-    create_secret(plane, NS_LATE, "nats-late", user=USER, password="not-" + PASSWORD)
+    apply_secret(plane, NS_LATE, "nats-late", user=USER, password="not-" + PASSWORD)
     refused = wait_until(
-        lambda: (d := degraded(plane, NS_LATE, name)).get("reason") == "NatsAuthFailed" and d,
+        lambda: (d := group_degraded(plane, NS_LATE, name)).get("reason") == "NatsAuthFailed" and d,
         90,
         "NatsAuthFailed",
     )
@@ -227,11 +184,11 @@ def test_a_missing_secret_a_wrong_password_and_ca_degrade_until_fixed(
     assert "not-" + PASSWORD not in described
 
     # The right password, but a CA that did not sign the server's certificate.
-    create_secret(plane, NS_LATE, "nats-late", user=USER, password=PASSWORD)
+    apply_secret(plane, NS_LATE, "nats-late", user=USER, password=PASSWORD)
     other = NatsServerSecurity.generate(tmp_path / "other-ca", [])
-    create_secret(plane, NS_LATE, "nats-tls", {**secure.tls_files(), "ca.crt": other.ca_file})
+    apply_secret(plane, NS_LATE, "nats-tls", {**secure.tls_files(), "ca.crt": other.ca_file})
     untrusted = wait_until(
-        lambda: (d := degraded(plane, NS_LATE, name)).get("reason") == "NatsTLSFailed" and d,
+        lambda: (d := group_degraded(plane, NS_LATE, name)).get("reason") == "NatsTLSFailed" and d,
         90,
         "NatsTLSFailed",
     )
@@ -240,8 +197,8 @@ def test_a_missing_secret_a_wrong_password_and_ca_degrade_until_fixed(
 
     # Fixed: the group recovers by itself (retry with backoff).
     started = time.monotonic()
-    create_secret(plane, NS_LATE, "nats-tls", secure.tls_files())
-    wait_until(lambda: ready(plane, NS_LATE, name), 150, "the group to recover")
+    apply_secret(plane, NS_LATE, "nats-tls", secure.tls_files())
+    wait_until(lambda: group_ready(plane, NS_LATE, name), 150, "the group to recover")
     print(f"recovered {time.monotonic() - started:.1f} s after the Secret was fixed")
-    assert degraded(plane, NS_LATE, name) == {}
+    assert group_degraded(plane, NS_LATE, name) == {}
     plane.kubectl("delete", "cg", name, "-n", NS_LATE, "--timeout=120s")

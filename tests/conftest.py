@@ -16,6 +16,7 @@ from typing import Any
 import nats
 import pytest
 
+from harness.fakesecrets import FakeSecrets
 from harness.fleet import Fleet
 from harness.servers import EtcdServer, NatsServer
 from shoal.consumer.config import GroupConfig
@@ -82,6 +83,12 @@ async def js(nats_url: str) -> AsyncIterator[Any]:
     nc = await nats.connect(nats_url)
     yield nc.jetstream()
     await nc.close()
+
+
+@pytest.fixture
+def secrets() -> FakeSecrets:
+    """Secrets for the operator's Secret readers, from a dict (harness.fakesecrets)."""
+    return FakeSecrets()
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 from pydantic import ValidationError
 
+from harness.natssecurity import subject_matches
 from harness.servers import NatsServer
 from shoal.consumer.accounts import Export, default_api_prefix, group_exports
 from shoal.consumer.cli import main
@@ -21,17 +22,6 @@ from shoal.consumer.config import GroupConfig, config_from_env
 from shoal.consumer.permissions import default_inbox_prefix, member_permissions
 
 PREFIX = "JS.SHOAL.API"
-
-
-def matches(pattern: str, subject: str) -> bool:
-    """NATS subject matching: `*` one token, `>` one or more trailing tokens."""
-    p, s = pattern.split("."), subject.split(".")
-    for i, token in enumerate(p):
-        if token == ">":
-            return len(s) > i
-        if i >= len(s) or (token != "*" and token != s[i]):
-            return False
-    return len(p) == len(s)
 
 
 def config(group: str, **changes: object) -> GroupConfig:
@@ -95,7 +85,7 @@ def test_nothing_of_another_group_or_of_jetstream_at_large_is_exported() -> None
         "shoal.shop.payments.0",
         "shoal.shop.payments.dlq.0",
     ]:
-        assert not any(matches(e.subject, subject) for e in exports), subject
+        assert not any(subject_matches(e.subject, subject) for e in exports), subject
 
 
 def test_the_cli_prints_accounts_nats_server_accepts(tmp_path: Path) -> None:

@@ -7,13 +7,12 @@ real TLS etcd with those files is in test_etcd_tls.py.
 
 from __future__ import annotations
 
-import base64
-import stat
 from pathlib import Path
 
 import pytest
 from kubernetes.client.rest import ApiException
 
+from harness.fakesecrets import FakeSecrets, b64, file_mode
 from shoal.operator.etcdsecret import (
     SECRET_FORBIDDEN,
     SECRET_INVALID,
@@ -33,42 +32,13 @@ KEY = b"-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----\n"
 PASSWORD = "secret-password-17"
 
 
-def b64(value: bytes | str) -> str:
-    raw = value.encode() if isinstance(value, str) else value
-    return base64.b64encode(raw).decode()
-
-
 def tls_data(**extra: str) -> dict[str, str]:
     return {"ca.crt": b64(CA), "tls.crt": b64(CERT), "tls.key": b64(KEY), **extra}
-
-
-class FakeSecrets:
-    """read_secret over a dict (namespace, name) -> SecretData; an ApiException to raise."""
-
-    def __init__(self) -> None:
-        self.secrets: dict[tuple[str, str], SecretData] = {}
-        self.error: ApiException | None = None
-        self.reads = 0
-
-    async def read_secret(self, namespace: str, name: str) -> SecretData | None:
-        self.reads += 1
-        if self.error is not None:
-            raise self.error
-        return self.secrets.get((namespace, name))
-
-
-@pytest.fixture
-def secrets() -> FakeSecrets:
-    return FakeSecrets()
 
 
 @pytest.fixture
 def clients(secrets: FakeSecrets, tmp_path: Path) -> EtcdClients:
     return EtcdClients(secrets, tmp_path / "etcd-secrets")
-
-
-def mode(path: Path) -> int:
-    return stat.S_IMODE(path.stat().st_mode)
 
 
 # -- checking ----------------------------------------------------------------------------------
@@ -122,8 +92,8 @@ async def test_files_are_private_and_hold_the_secret(
 
 
 def check_private_files(root: Path, files: SecretFiles) -> None:
-    assert mode(root) == 0o700
-    assert mode(files.directory) == 0o700
+    assert file_mode(root) == 0o700
+    assert file_mode(files.directory) == 0o700
     assert files.directory.parent == root
     options = files.options()
     for path, content in (
@@ -134,7 +104,7 @@ def check_private_files(root: Path, files: SecretFiles) -> None:
         assert path is not None
         assert Path(path).parent == files.directory
         assert Path(path).read_bytes() == content
-        assert mode(Path(path)) == 0o600
+        assert file_mode(Path(path)) == 0o600
     assert (options["username"], options["password"]) == ("shoal", PASSWORD)
     # Credentials stay in memory: only the three PEM files are written.
     assert sorted(p.name for p in files.directory.iterdir()) == ["ca.crt", "tls.crt", "tls.key"]
@@ -221,7 +191,7 @@ async def test_close_removes_every_file(clients: EtcdClients, secrets: FakeSecre
 def test_the_default_directory_is_private_and_temporary(secrets: FakeSecrets) -> None:
     clients = EtcdClients(secrets)
     try:
-        assert mode(clients.root) == 0o700
+        assert file_mode(clients.root) == 0o700
         assert clients.root.name.startswith("shoal-operator-etcd-")
     finally:
         clients.close()

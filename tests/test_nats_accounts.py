@@ -23,13 +23,12 @@ from nats.js.errors import ServiceUnavailableError
 
 from harness.fleet import Fleet, settled, wait_for_status
 from harness.natssecurity import NatsServerSecurity, NatsUser
+from harness.securegroup import drain_and_audit, operator_made_config, produce_paced
 from harness.servers import NatsServer
-from harness.waiting import eventually_async
 from shoal.consumer.cli import main
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.jetstream import connect, ensure_group
-from shoal.consumer.ledger import audit, read_ledger
 from shoal.consumer.natsauth import NatsSecurity
 from shoal.consumer.permissions import default_inbox_prefix, default_producer_inbox_prefix
 from shoal.consumer.producer import Outgoing, Producer
@@ -95,28 +94,12 @@ class Setup:
     config: GroupConfig
 
     def client(self, user: str, inbox_prefix: str | None = None) -> NatsSecurity:
-        return NatsSecurity(
-            ca_file=str(self.security.ca_file),
-            cert_file=str(self.security.client_cert),
-            key_file=str(self.security.client_key),
-            user=user,
-            password=self.security.user(user).password,
-            inbox_prefix=inbox_prefix,
-        )
+        return self.security.client(user, inbox_prefix)
 
 
 @pytest.fixture
 def setup(tmp_path: Path, etcd_endpoint: str, group: str) -> Iterator[Setup]:
-    config = GroupConfig(
-        group=group,
-        namespace="test",
-        etcd_endpoints=etcd_endpoint,
-        partitions=P,
-        handler="shoal.consumer.handlers:ledger",
-        ledger=True,
-        ack_wait=2.0,
-        ensure_jetstream=False,
-    )
+    config = operator_made_config(group, etcd_endpoint, P)
     security = NatsServerSecurity.generate(tmp_path / "pki", USERS)
     security = replace(security, accounts=accounts_config(config))
     server = NatsServer(tmp_path / "nats", security=security)
@@ -125,11 +108,6 @@ def setup(tmp_path: Path, etcd_endpoint: str, group: str) -> Iterator[Setup]:
         yield Setup(server, security, config.model_copy(update={"nats_url": server.url}))
     finally:
         server.stop()
-
-
-def violations(server: NatsServer, user: str) -> list[str]:
-    text = server.log_path.read_text(errors="replace")
-    return [line for line in text.splitlines() if f'user:{user}"' in line and "Violation" in line]
 
 
 async def test_members_of_another_account_consume_and_hand_over(
@@ -171,57 +149,27 @@ async def test_members_of_another_account_consume_and_hand_over(
         "NATS_JS_API_PREFIX": API_PREFIX,
         **setup.security.client_env("member", default_inbox_prefix(c)),
     }
-    with Fleet(
-        tmp_path / "members",
-        nats_url=url,
-        etcd_endpoint=c.etcd_endpoints,
-        namespace=c.namespace,
-        group=c.group,
-        partitions=P,
-        env=env,
-    ) as fleet:
+    with Fleet.for_config(tmp_path / "members", c, env) as fleet:
         try:
             for m in ("c-0", "c-1"):
                 fleet.start(m)
             await wait_for_status(etcd, c.namespace, c.group, P, settled({"c-0", "c-1"}), 30)
             producer = Producer(producer_nc.jetstream(), c.subject_prefix, P)
-
-            async def produce() -> None:
-                for start in range(0, len(items), 150):
-                    await producer.publish_many(items[start : start + 150])
-                    await asyncio.sleep(0.4)
-
-            production = asyncio.create_task(produce())
+            production = asyncio.create_task(produce_paced(producer, items))
             await asyncio.sleep(3)
             fleet.term("c-0")  # a graceful leave mid-stream: c-1 takes everything
             await wait_for_status(etcd, c.namespace, c.group, P, settled({"c-1"}), 30)
             assert fleet.wait_exit("c-0", 30) == 0
             await production
 
+            ids = [i.message_id for i in items]
             js = admin.jetstream()
-
-            async def counts() -> tuple[int, int]:
-                work = await js.stream_info(c.stream)
-                ledger = await js.stream_info(c.ledger_stream)
-                return work.state.messages, ledger.state.messages
-
-            await eventually_async(
-                counts,
-                60,
-                "the group to drain",
-                until=lambda n: n[0] == 0 and n[1] >= len(items),
-                interval=0.3,
-            )
-            records = await read_ledger(js, c.ledger_stream)
-            result = audit(records, [i.message_id for i in items])
+            records = await drain_and_audit(js, c, ids, "the group to drain", fleet.logs)
             logs = fleet.logs()
-            assert result.summary()["lost"] == 0, logs
-            assert result.summary()["duplicates"] == 0, logs
-            assert result.summary()["processed"] == len(items)
             assert {r.member for r in records} == {"c-0", "c-1"}
         finally:
             await producer_nc.close()
             await admin.close()
     assert "permissions violation" not in logs.lower(), logs
     for user in ("operator", "member", "producer"):
-        assert violations(setup.server, user) == [], violations(setup.server, user)
+        assert setup.server.violations(user) == [], setup.server.violations(user)

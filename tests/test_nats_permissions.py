@@ -22,12 +22,12 @@ import pytest
 
 from harness.fleet import Fleet, settled, wait_for_status
 from harness.natssecurity import NatsServerSecurity, NatsUser
+from harness.securegroup import drain_and_audit, operator_made_config, produce_paced
 from harness.servers import NatsServer
 from harness.waiting import eventually_async
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.jetstream import connect, ensure_group
-from shoal.consumer.ledger import audit, read_ledger
 from shoal.consumer.natsauth import NatsSecurity
 from shoal.consumer.permissions import (
     Permissions,
@@ -54,21 +54,6 @@ TTL = 5
 FAST_ENV = {"SHOAL_LEASE_TTL": str(TTL), "SHOAL_KEEPALIVE_INTERVAL": "1", "SHOAL_ACK_WAIT": "2"}
 
 
-def group_config(group: str, etcd_endpoint: str, url: str) -> GroupConfig:
-    # As under the operator: it makes the streams and durables, the members do not.
-    return GroupConfig(
-        group=group,
-        namespace="test",
-        nats_url=url,
-        etcd_endpoints=etcd_endpoint,
-        partitions=P,
-        handler="shoal.consumer.handlers:ledger",
-        ledger=True,
-        ack_wait=2.0,
-        ensure_jetstream=False,
-    )
-
-
 def union(*perms: Permissions) -> Permissions:
     return Permissions(
         tuple(dict.fromkeys(s for p in perms for s in p.publish)),
@@ -84,14 +69,7 @@ class Setup:
     b: GroupConfig
 
     def client(self, user: str, inbox_prefix: str | None = None) -> NatsSecurity:
-        return NatsSecurity(
-            ca_file=str(self.security.ca_file),
-            cert_file=str(self.security.client_cert),
-            key_file=str(self.security.client_key),
-            user=user,
-            password=self.security.user(user).password,
-            inbox_prefix=inbox_prefix,
-        )
+        return self.security.client(user, inbox_prefix)
 
     def member_env(self, config: GroupConfig, user: str) -> dict[str, str]:
         return {
@@ -103,8 +81,9 @@ class Setup:
 
 @pytest.fixture
 def setup(tmp_path: Path, etcd_endpoint: str, group: str) -> Iterator[Setup]:
-    a = group_config(f"{group}a", etcd_endpoint, "")
-    b = group_config(f"{group}b", etcd_endpoint, "")
+    # As under the operator: it makes the streams and durables, the members do not.
+    a = operator_made_config(f"{group}a", etcd_endpoint, P)
+    b = operator_made_config(f"{group}b", etcd_endpoint, P)
     users = [
         NatsUser("admin", "admin-pw"),  # the test's own reads: no permissions set
         NatsUser(
@@ -136,12 +115,6 @@ def _lists(perms: Permissions) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return perms.publish, perms.subscribe
 
 
-def violations(server: NatsServer, user: str) -> list[str]:
-    """The server's log lines about `user` breaking its permissions."""
-    text = server.log_path.read_text(errors="replace")
-    return [line for line in text.splitlines() if f'user:{user}"' in line and "Violation" in line]
-
-
 async def test_a_group_runs_with_exactly_its_permissions(
     setup: Setup, etcd: Etcd, tmp_path: Path
 ) -> None:
@@ -164,28 +137,14 @@ async def test_a_group_runs_with_exactly_its_permissions(
         Outgoing(f"project-{i % 300}", b"x", f"perm-{i}", {SEQ_HEADER: str(i // 300)})
         for i in range(3000)
     ]
-    with Fleet(
-        tmp_path / "members",
-        nats_url=url,
-        etcd_endpoint=a.etcd_endpoints,
-        namespace=a.namespace,
-        group=a.group,
-        partitions=P,
-        env=setup.member_env(a, "member-a"),
-    ) as fleet:
+    with Fleet.for_config(tmp_path / "members", a, setup.member_env(a, "member-a")) as fleet:
         try:
             for m in ("c-0", "c-1"):
                 fleet.start(m)
             await wait_for_status(etcd, a.namespace, a.group, P, settled({"c-0", "c-1"}), 30)
 
             producer = Producer(producer_nc.jetstream(), a.subject_prefix, P)
-
-            async def produce() -> None:
-                for start in range(0, len(items), 150):
-                    await producer.publish_many(items[start : start + 150])
-                    await asyncio.sleep(0.4)
-
-            production = asyncio.create_task(produce())
+            production = asyncio.create_task(produce_paced(producer, items))
             await asyncio.sleep(2)
             fleet.start("c-2")  # a join mid-stream
             members = {"c-0", "c-1", "c-2"}
@@ -196,25 +155,9 @@ async def test_a_group_runs_with_exactly_its_permissions(
             assert fleet.wait_exit("c-0", 30) == 0
             await production
 
+            ids = [i.message_id for i in items]
             js = admin.jetstream()
-
-            async def counts() -> tuple[int, int]:
-                work = await js.stream_info(a.stream)
-                ledger = await js.stream_info(a.ledger_stream)
-                return work.state.messages, ledger.state.messages
-
-            await eventually_async(
-                counts,
-                60,
-                "group A to drain",
-                until=lambda c: c[0] == 0 and c[1] >= len(items),
-                interval=0.3,
-            )
-            records = await read_ledger(js, a.ledger_stream)
-            result = audit(records, [i.message_id for i in items])
-            assert result.summary()["lost"] == 0, fleet.logs()
-            assert result.summary()["duplicates"] == 0, fleet.logs()
-            assert result.summary()["processed"] == len(items)
+            records = await drain_and_audit(js, a, ids, "group A to drain", fleet.logs)
             assert {r.member for r in records} == {"c-0", "c-1", "c-2"}
             # Exactly enough: nobody was refused anything along the way.
             logs = fleet.logs()
@@ -223,7 +166,7 @@ async def test_a_group_runs_with_exactly_its_permissions(
             await admin.close()
     assert "permissions violation" not in logs.lower(), logs
     for user in ("operator", "member-a", "producer"):
-        assert violations(setup.server, user) == [], violations(setup.server, user)
+        assert setup.server.violations(user) == [], setup.server.violations(user)
 
 
 async def test_a_member_of_group_b_cannot_read_group_a(setup: Setup) -> None:
@@ -304,7 +247,7 @@ async def test_a_member_of_group_b_cannot_read_group_a(setup: Setup) -> None:
         assert info.state.messages == 20
     finally:
         await admin.close()
-    assert violations(setup.server, "member-b"), "the server logged no violation"
+    assert setup.server.violations("member-b"), "the server logged no violation"
 
 
 async def test_the_export_runs_with_exactly_its_permissions(setup: Setup, tmp_path: Path) -> None:
@@ -331,4 +274,4 @@ async def test_the_export_runs_with_exactly_its_permissions(setup: Setup, tmp_pa
         connect_attempts=2,
     )
     assert result.messages == 5
-    assert violations(setup.server, "exporter") == []
+    assert setup.server.violations("exporter") == []

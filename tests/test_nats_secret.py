@@ -9,9 +9,7 @@ and with consumer pods: e2e/test_nats_tls.py.
 
 from __future__ import annotations
 
-import base64
 import secrets as random_secrets
-import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +18,7 @@ from typing import Any
 import pytest
 from kubernetes.client.rest import ApiException
 
+from harness.fakesecrets import FakeSecrets, b64, file_mode
 from harness.localkube.pki import ensure_pki
 from harness.securenats import NatsUser, SecureNats, secure_nats_server
 from shoal.consumer.jetstream import connect
@@ -56,31 +55,8 @@ PASSWORD = "nats-password-4711"
 USER, OPERATOR = "orders", "shoal-operator"
 
 
-def b64(value: bytes | str) -> str:
-    raw = value.encode() if isinstance(value, str) else value
-    return base64.b64encode(raw).decode()
-
-
 def tls_data(**extra: str) -> dict[str, str]:
     return {"ca.crt": b64(CA), "tls.crt": b64(CERT), "tls.key": b64(KEY), **extra}
-
-
-class FakeSecrets:
-    """read_secret over a dict (namespace, name) -> SecretData; an ApiException to raise."""
-
-    def __init__(self) -> None:
-        self.secrets: dict[tuple[str, str], SecretData] = {}
-        self.error: ApiException | None = None
-
-    async def read_secret(self, namespace: str, name: str) -> SecretData | None:
-        if self.error is not None:
-            raise self.error
-        return self.secrets.get((namespace, name))
-
-
-@pytest.fixture
-def secrets() -> FakeSecrets:
-    return FakeSecrets()
 
 
 @pytest.fixture
@@ -92,10 +68,6 @@ async def clients(secrets: FakeSecrets, tmp_path: Path) -> Any:
 
 def read(path: str) -> bytes:
     return Path(path).read_bytes()
-
-
-def mode(path: Path) -> int:
-    return stat.S_IMODE(path.stat().st_mode)
 
 
 # -- checking ----------------------------------------------------------------------------------
@@ -173,7 +145,7 @@ async def test_files_are_private_and_the_password_stays_in_memory(
     )
     group = await clients.group("prod", NatsSpec(tls_secret="tls", credentials_secret="auth"))
     security = group.security
-    assert mode(clients.root) == 0o700
+    assert file_mode(clients.root) == 0o700
     for path, content in (
         (security.ca_file, CA),
         (security.cert_file, CERT),
@@ -181,7 +153,7 @@ async def test_files_are_private_and_the_password_stays_in_memory(
     ):
         assert path is not None
         assert read(path) == content
-        assert mode(Path(path)) == 0o600 and mode(Path(path).parent) == 0o700
+        assert file_mode(Path(path)) == 0o600 and file_mode(Path(path).parent) == 0o700
         assert Path(path).parent.parent == clients.root
     assert (security.user, security.password) == (USER, PASSWORD)
     assert security.creds_file is None
@@ -306,7 +278,7 @@ def test_the_default_directory_is_private_and_temporary(secrets: FakeSecrets) ->
     import asyncio
 
     nats = NatsClients(secrets, NatsSecurity())
-    assert mode(nats.root) == 0o700 and nats.root.name.startswith("shoal-operator-nats-")
+    assert file_mode(nats.root) == 0o700 and nats.root.name.startswith("shoal-operator-nats-")
     asyncio.run(nats.close())
     assert not nats.root.exists()
 
@@ -320,11 +292,8 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureNats]:
         tmp_path_factory.mktemp("secure-nats"),
         [NatsUser(USER, PASSWORD), NatsUser(OPERATOR, random_secrets.token_hex(8))],
     )
-    nats.server.start()
-    try:
+    with nats.server:
         yield nats
-    finally:
-        nats.server.stop()
 
 
 def tls_secret(secure: SecureNats) -> SecretData:

@@ -48,14 +48,13 @@ class Secured:
 
     def client(self, **changes: str | None) -> NatsSecurity:
         """A member's settings that work, with `changes` applied."""
-        good = NatsSecurity(
-            ca_file=str(self.security.ca_file),
-            cert_file=str(self.security.client_cert),
-            key_file=str(self.security.client_key),
-            user="member",
-            password=PASSWORD,
-        )
-        return dataclasses.replace(good, **changes)
+        return dataclasses.replace(self.security.client("member"), **changes)
+
+    def env_but_password(self) -> dict[str, str]:
+        """A member's working NATS_* settings but NATS_PASSWORD: the test adds one."""
+        env = self.security.client_env("member")
+        del env["NATS_PASSWORD"]
+        return env
 
 
 @pytest.fixture(scope="module")
@@ -171,23 +170,11 @@ def test_a_member_whose_login_is_dropped_exits_with_one_line(
     security = NatsServerSecurity.generate(tmp_path / "pki", [NatsUser("member", PASSWORD)])
     server = NatsServer(tmp_path / "nats", security=security)
     ready_file = tmp_path / "ready.json"
-    client = NatsSecurity(
-        ca_file=str(security.ca_file),
-        cert_file=str(security.client_cert),
-        key_file=str(security.client_key),
-        user="member",
-        password=PASSWORD,
-    )
+    client = security.client("member")
     try:
         server.start()
-        with Fleet(
-            tmp_path / "members",
-            nats_url=server.url,
-            etcd_endpoint=etcd_endpoint,
-            namespace="test",
-            group=group,
-            partitions=8,
-            env=member_env(client, ready_file),
+        with member_fleet(
+            tmp_path, server.url, etcd_endpoint, group, member_env(client, ready_file)
         ) as fleet:
             member = fleet.start("m-0")
             eventually(
@@ -210,6 +197,21 @@ def test_a_member_whose_login_is_dropped_exits_with_one_line(
     assert "Traceback" not in text, text
 
 
+def member_fleet(
+    tmp_path: Path, nats_url: str, etcd_endpoint: str, group: str, env: dict[str, str]
+) -> Fleet:
+    """A member process of `group` (8 partitions) per `start`, with these NATS settings."""
+    return Fleet(
+        tmp_path / "members",
+        nats_url=nats_url,
+        etcd_endpoint=etcd_endpoint,
+        namespace="test",
+        group=group,
+        partitions=8,
+        env=env,
+    )
+
+
 def member_env(settings: NatsSecurity, ready_file: Path) -> dict[str, str]:
     env = {
         "NATS_CA_FILE": settings.ca_file or "",
@@ -228,15 +230,8 @@ def test_a_refused_member_logs_one_line_and_is_not_ready(
 ) -> None:
     settings, reason, says = refused_settings(secured)[case]
     ready_file = tmp_path / "ready.json"
-    with Fleet(
-        tmp_path / "members",
-        nats_url=secured.server.url,
-        etcd_endpoint=etcd_endpoint,
-        namespace="test",
-        group=group,
-        partitions=8,
-        env=member_env(settings, ready_file),
-    ) as fleet:
+    env = member_env(settings, ready_file)
+    with member_fleet(tmp_path, secured.server.url, etcd_endpoint, group, env) as fleet:
         member = fleet.start("m-0")
         message = eventually(
             lambda: readiness.check(str(ready_file))[1],
@@ -264,15 +259,8 @@ def test_unusable_settings_stop_the_member_at_once(
     secured: Secured, etcd_endpoint: str, tmp_path: Path, group: str
 ) -> None:
     settings = secured.client(key_file=None)  # a certificate without its key
-    with Fleet(
-        tmp_path / "members",
-        nats_url=secured.server.url,
-        etcd_endpoint=etcd_endpoint,
-        namespace="test",
-        group=group,
-        partitions=8,
-        env=member_env(settings, tmp_path / "ready.json"),
-    ) as fleet:
+    env = member_env(settings, tmp_path / "ready.json")
+    with member_fleet(tmp_path, secured.server.url, etcd_endpoint, group, env) as fleet:
         member = fleet.start("m-0")
         assert fleet.wait_exit("m-0", 20) == 1
         text = member.log_text()
@@ -281,13 +269,7 @@ def test_unusable_settings_stop_the_member_at_once(
 
 
 def test_produce_takes_the_same_settings(secured: Secured) -> None:
-    good = secured.client()
-    env = {
-        "NATS_CA_FILE": good.ca_file,
-        "NATS_CERT_FILE": good.cert_file,
-        "NATS_KEY_FILE": good.key_file,
-        "NATS_USER": "member",
-    }
+    env = secured.env_but_password()
     args = ["produce", "-g", "sec", "--nats", secured.server.url, "-m", "0"]
     ok = CliRunner().invoke(main, args, env={**env, "NATS_PASSWORD": PASSWORD})
     assert ok.exit_code == 0, ok.output
@@ -300,13 +282,7 @@ def test_produce_takes_the_same_settings(secured: Secured) -> None:
 def test_the_export_takes_the_same_settings(secured: Secured, tmp_path: Path) -> None:
     from shoal.analytics.cli import main as analytics
 
-    good = secured.client()
-    env = {
-        "NATS_CA_FILE": good.ca_file,
-        "NATS_CERT_FILE": good.cert_file,
-        "NATS_KEY_FILE": good.key_file,
-        "NATS_USER": "member",
-    }
+    env = secured.env_but_password()
     args = ["export", "-g", "nosuch", "--nats-url", secured.server.url, "-o", str(tmp_path)]
     # Connected (TLS and password accepted); the group has no log stream.
     ok = CliRunner().invoke(analytics, args, env={**env, "NATS_PASSWORD": PASSWORD})

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from harness.natssecurity import subject_matches
 from harness.servers import NatsServer
 from shoal.consumer.cli import main
 from shoal.consumer.config import GroupConfig
@@ -21,17 +22,6 @@ from shoal.consumer.permissions import (
     operator_permissions,
     producer_permissions,
 )
-
-
-def matches(pattern: str, subject: str) -> bool:
-    """NATS subject matching: `*` one token, `>` one or more trailing tokens."""
-    p, s = pattern.split("."), subject.split(".")
-    for i, token in enumerate(p):
-        if token == ">":
-            return len(s) > i
-        if i >= len(s) or (token != "*" and token != s[i]):
-            return False
-    return len(p) == len(s)
 
 
 def config(group: str, **changes: object) -> GroupConfig:
@@ -64,9 +54,9 @@ def test_a_member_may_use_its_own_group_only() -> None:
         ],
     }
     for subject in own["publish"]:
-        assert any(matches(p, subject) for p in mine.publish), subject
+        assert any(subject_matches(p, subject) for p in mine.publish), subject
     for subject in own["subscribe"]:
-        assert any(matches(p, subject) for p in mine.subscribe), subject
+        assert any(subject_matches(p, subject) for p in mine.subscribe), subject
     # The same things of the other group, or of JetStream at large, are not allowed.
     theirs = member_permissions(b, default_inbox_prefix(b))
     for subject in [
@@ -77,18 +67,18 @@ def test_a_member_may_use_its_own_group_only() -> None:
         "$JS.API.STREAM.LIST",
         "shoal.shop.orders.7",  # a member never publishes work
     ]:
-        assert not any(matches(p, subject) for p in mine.publish), subject
+        assert not any(subject_matches(p, subject) for p in mine.publish), subject
     for subject in theirs.subscribe:
         concrete = subject.replace(">", "x").replace("*", "p1")
-        assert not any(matches(p, concrete) for p in mine.subscribe), subject
-    assert not any(matches(p, "_INBOX.abc.1") for p in mine.subscribe)
+        assert not any(subject_matches(p, concrete) for p in mine.subscribe), subject
+    assert not any(subject_matches(p, "_INBOX.abc.1") for p in mine.subscribe)
     # No user's inbox permission covers another's replies: the operator's _INBOX.> is
     # no prefix of the members' or the producers'.
     op, producer = operator_permissions(a), producer_permissions(a, "_SHOAL_PRODUCER.shop.orders")
     member_reply = default_inbox_prefix(a) + ".abc.1"
     producer_reply = "_SHOAL_PRODUCER.shop.orders.abc.1"
-    assert not any(matches(p, member_reply) for p in op.subscribe + producer.subscribe)
-    assert not any(matches(p, producer_reply) for p in op.subscribe + mine.subscribe)
+    assert not any(subject_matches(p, member_reply) for p in op.subscribe + producer.subscribe)
+    assert not any(subject_matches(p, producer_reply) for p in op.subscribe + mine.subscribe)
 
 
 def test_standalone_members_and_the_operator_manage_the_streams() -> None:

@@ -31,7 +31,7 @@ from harness.natssecurity import NatsServerSecurity, NatsUser
 from harness.servers import NatsServer
 from harness.waiting import eventually, eventually_async
 from shoal.consumer.etcd import Etcd
-from shoal.consumer.natsauth import NatsRefusal, NatsSecurity
+from shoal.consumer.natsauth import NatsRefusal
 from shoal.consumer.problems import RefusalReporter
 from shoal.consumer.status import status_from_view
 from shoal.consumer.view import GroupView
@@ -116,19 +116,20 @@ def secured(tmp_path: Path) -> Iterator[tuple[NatsServer, NatsServerSecurity]]:
         server.stop()
 
 
-def member_env(security: NatsServerSecurity, password: str) -> dict[str, str]:
-    client = NatsSecurity(
-        ca_file=str(security.ca_file),
-        cert_file=str(security.client_cert),
-        key_file=str(security.client_key),
+def refused_fleet(
+    secured: tuple[NatsServer, NatsServerSecurity], etcd_endpoint: str, tmp_path: Path, group: str
+) -> Fleet:
+    """Members of `group` on the secured server, with a password it refuses ("wrong")."""
+    server, security = secured
+    return Fleet(
+        tmp_path / "members",
+        nats_url=server.url,
+        etcd_endpoint=etcd_endpoint,
+        namespace="test",
+        group=group,
+        partitions=8,
+        env={**security.client_env("member"), "NATS_PASSWORD": "wrong"},
     )
-    return {
-        "NATS_CA_FILE": client.ca_file or "",
-        "NATS_CERT_FILE": client.cert_file or "",
-        "NATS_KEY_FILE": client.key_file or "",
-        "NATS_USER": "member",
-        "NATS_PASSWORD": password,
-    }
 
 
 def status(etcd_endpoint: str, group: str, *extra: str) -> str:
@@ -148,15 +149,7 @@ def test_a_refused_member_shows_in_status_until_nats_accepts_it(
     group: str,
 ) -> None:
     server, security = secured
-    with Fleet(
-        tmp_path / "members",
-        nats_url=server.url,
-        etcd_endpoint=etcd_endpoint,
-        namespace="test",
-        group=group,
-        partitions=8,
-        env=member_env(security, "wrong"),
-    ) as fleet:
+    with refused_fleet(secured, etcd_endpoint, tmp_path, group) as fleet:
         member = fleet.start("m-0")
         text = eventually(
             lambda: status(etcd_endpoint, group),
@@ -197,16 +190,7 @@ def test_a_refused_member_that_stops_takes_its_refusal_with_it(
     tmp_path: Path,
     group: str,
 ) -> None:
-    server, security = secured
-    with Fleet(
-        tmp_path / "members",
-        nats_url=server.url,
-        etcd_endpoint=etcd_endpoint,
-        namespace="test",
-        group=group,
-        partitions=8,
-        env=member_env(security, "wrong"),
-    ) as fleet:
+    with refused_fleet(secured, etcd_endpoint, tmp_path, group) as fleet:
         fleet.start("m-0")
         eventually(
             lambda: json.loads(status(etcd_endpoint, group, "--json"))["problems"],

@@ -19,13 +19,14 @@ import pytest
 
 from harness.fleet import Fleet, settled, wait_for_status
 from harness.waiting import eventually_async
-from shoal.consumer.config import config_env
+from shoal.consumer.config import GroupConfig, config_env
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.ledger import read_ledger
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.consumer.progress import WEDGED_AFTER_STALLS
 from shoal.consumer.ready import check, check_live
+from shoal.consumer.status import GroupStatus
 from shoal.contracts.names import SEQ_HEADER, partition_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -34,6 +35,41 @@ HANDLER = "harness.handlers:scripted_ledger"
 PARTITIONS = 4
 STALL_AFTER = 5
 SETTINGS = ("handler", "partitions", "ledger", "handler_timeout", "stall_after")
+MEMBERS = ("m-0", "m-1")
+
+
+async def start_two_members(
+    make_fleet: Callable[..., Fleet],
+    etcd: Etcd,
+    js: Any,
+    config: GroupConfig,
+    ready: dict[str, Path] | None = None,
+) -> tuple[Fleet, GroupStatus]:
+    """The group's streams, then m-0 and m-1 (each writing its readiness to `ready[m]`, if
+    given), once they hold every partition between them."""
+    await ensure_group(js, config)
+    fleet = make_fleet(handler=HANDLER, partitions=PARTITIONS)
+    for member in MEMBERS:
+        probe = {"SHOAL_READY_FILE": str(ready[member])} if ready else {}
+        fleet.start(member, **config_env(config, SETTINGS), **probe)
+    status = await wait_for_status(
+        etcd, config.namespace, config.group, PARTITIONS, settled(set(MEMBERS)), 30
+    )
+    return fleet, status
+
+
+def project_in(partition: int, prefix: str) -> str:
+    """The first project `<prefix>-<i>` whose messages go to `partition`."""
+    return next(
+        f"{prefix}-{i}"
+        for i in range(1000)
+        if partition_for(f"{prefix}-{i}", PARTITIONS) == partition
+    )
+
+
+async def processed(js: Any, config: GroupConfig, ids: set[str | None]) -> set[str]:
+    """Which of `ids` the ledger shows processed."""
+    return {r.message_id for r in await read_ledger(js, config.ledger_stream)} & ids
 
 
 async def test_a_stalled_partition_is_moved_and_consumed_elsewhere(
@@ -42,18 +78,10 @@ async def test_a_stalled_partition_is_moved_and_consumed_elsewhere(
     config = make_config(
         handler=HANDLER, partitions=PARTITIONS, handler_timeout=0, stall_after=STALL_AFTER
     )
-    await ensure_group(js, config)
-    fleet = make_fleet(handler=HANDLER, partitions=PARTITIONS)
-    ready = {m: tmp_path / f"{m}.ready" for m in ("m-0", "m-1")}
-    for member in ("m-0", "m-1"):
-        fleet.start(member, **config_env(config, SETTINGS), SHOAL_READY_FILE=str(ready[member]))
-    status = await wait_for_status(
-        etcd, config.namespace, config.group, PARTITIONS, settled({"m-0", "m-1"}), 30
-    )
+    ready = {m: tmp_path / f"{m}.ready" for m in MEMBERS}
+    fleet, status = await start_two_members(make_fleet, etcd, js, config, ready)
     victim = min(p for p, m in status.owners.items() if m == "m-0")
-    project = next(
-        f"wedged-{i}" for i in range(1000) if partition_for(f"wedged-{i}", PARTITIONS) == victim
-    )
+    project = project_in(victim, "wedged")
     # More than the partition may hold (64 at first): its buffer fills behind the hang.
     items = [
         Outgoing(project, b"hang-on:m-0", f"{project}-{i}", {SEQ_HEADER: str(i)})
@@ -85,11 +113,8 @@ async def test_a_stalled_partition_is_moved_and_consumed_elsewhere(
     )
     ids = {i.message_id for i in items}
 
-    async def done() -> set[str]:
-        return {r.message_id for r in await read_ledger(js, config.ledger_stream)} & ids
-
     await eventually_async(
-        done,
+        lambda: processed(js, config, ids),
         STALL_AFTER + 30,
         "the stalled partition's messages to be processed by m-1",
         until=lambda got: got == ids,
@@ -135,22 +160,15 @@ async def test_a_long_handler_within_its_timeout_is_no_stall(
     config = make_config(
         handler=HANDLER, partitions=PARTITIONS, handler_timeout=60, stall_after=STALL_AFTER
     )
-    await ensure_group(js, config)
-    fleet = make_fleet(handler=HANDLER, partitions=PARTITIONS)
-    for member in ("m-0", "m-1"):
-        fleet.start(member, **config_env(config, SETTINGS))
-    status = await wait_for_status(
-        etcd, config.namespace, config.group, PARTITIONS, settled({"m-0", "m-1"}), 30
-    )
+    fleet, status = await start_two_members(make_fleet, etcd, js, config)
     items = [Outgoing("long", b"wait:9000", "long-0", {})]
     items += [Outgoing("long", b"ok", f"long-{i}", {}) for i in range(1, 100)]
     await Producer(js, config.subject_prefix, PARTITIONS).publish_many(items)
     ids = {i.message_id for i in items}
 
-    async def done() -> set[str]:
-        return {r.message_id for r in await read_ledger(js, config.ledger_stream)} & ids
-
-    await eventually_async(done, 40, "every message", until=lambda got: got == ids)
+    await eventually_async(
+        lambda: processed(js, config, ids), 40, "every message", until=lambda got: got == ids
+    )
     owner = status.owners[partition_for("long", PARTITIONS)]
     records = [r for r in await read_ledger(js, config.ledger_stream) if r.message_id in ids]
     assert {r.member for r in records} == {owner}
@@ -170,18 +188,10 @@ async def test_a_handler_deaf_to_cancellation_keeps_its_partition_reported_until
     config = make_config(
         handler=HANDLER, partitions=PARTITIONS, handler_timeout=0, stall_after=STALL_AFTER
     )
-    await ensure_group(js, config)
-    fleet = make_fleet(handler=HANDLER, partitions=PARTITIONS)
-    ready = {m: tmp_path / f"{m}.ready" for m in ("m-0", "m-1")}
-    for member in ("m-0", "m-1"):
-        fleet.start(member, **config_env(config, SETTINGS), SHOAL_READY_FILE=str(ready[member]))
-    status = await wait_for_status(
-        etcd, config.namespace, config.group, PARTITIONS, settled({"m-0", "m-1"}), 30
-    )
+    ready = {m: tmp_path / f"{m}.ready" for m in MEMBERS}
+    fleet, status = await start_two_members(make_fleet, etcd, js, config, ready)
     victim = min(p for p, m in status.owners.items() if m == "m-0")
-    project = next(
-        f"deaf-{i}" for i in range(1000) if partition_for(f"deaf-{i}", PARTITIONS) == victim
-    )
+    project = project_in(victim, "deaf")
     items = [Outgoing(project, b"deaf-on:m-0", f"{project}-0", {SEQ_HEADER: "0"})]
     items += [
         Outgoing(project, b"ok", f"{project}-{i}", {SEQ_HEADER: str(i)}) for i in range(1, 150)
@@ -216,11 +226,11 @@ async def test_a_handler_deaf_to_cancellation_keeps_its_partition_reported_until
     fleet.term("m-0")
     ids = {i.message_id for i in items[1:]}
 
-    async def done() -> set[str]:
-        return {r.message_id for r in await read_ledger(js, config.ledger_stream)} & ids
-
     await eventually_async(
-        done, 45, "m-1 to process the partition's messages", until=lambda got: got == ids
+        lambda: processed(js, config, ids),
+        45,
+        "m-1 to process the partition's messages",
+        until=lambda got: got == ids,
     )
 
 

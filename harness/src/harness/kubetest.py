@@ -104,6 +104,68 @@ def operator_process(
             process.wait()
 
 
+@contextlib.contextmanager
+def operator_watching(
+    plane: LocalKube,
+    namespaces: Sequence[str],
+    log_path: Path,
+    extra_env: Mapping[str, str] | None = None,
+) -> Iterator[Path]:
+    """`operator_process` watching `namespaces`, which are created first; yields its log.
+
+    On the way out, whatever happened: the groups go while the operator still runs (their
+    finalizers need it), then the namespaces, and no pod of theirs may outlive the suite.
+    """
+    with operator_process(plane, namespaces, log_path, extra_env):
+        for ns in namespaces:
+            create_namespace(plane, ns)
+        try:
+            yield log_path
+        finally:
+            for ns in namespaces:
+                plane.kubectl("delete", "cg", "--all", "-n", ns, "--timeout=90s", check=False)
+                plane.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+            wait_until(
+                lambda: not any(namespace_pods(plane, ns) for ns in namespaces),
+                90,
+                "this file's pods to be gone",
+            )
+
+
+def namespace_pods(plane: LocalKube, namespace: str) -> list[Any]:
+    """The namespace's pods ([] if it cannot be listed, e.g. the namespace is gone)."""
+    found = plane.kubectl("get", "pods", "-n", namespace, "-o", "json", check=False)
+    return list(json.loads(found.stdout)["items"]) if found.returncode == 0 else []
+
+
+def apply_secret(
+    plane: LocalKube,
+    namespace: str,
+    name: str,
+    files: Mapping[str, Path] | None = None,
+    **literals: str,
+) -> None:
+    """Create or replace a generic Secret: a key per file (key -> path) and per literal.
+    Applied, not created, so that a test can rotate it in place."""
+    args = [f"--from-file={key}={path}" for key, path in (files or {}).items()]
+    args += [f"--from-literal={key}={value}" for key, value in literals.items()]
+    create = ("create", "secret", "generic", name, "-n", namespace, *args)
+    manifest = plane.kubectl(*create, "--dry-run=client", "-o", "yaml").stdout
+    plane.kubectl("apply", "-f", "-", input_text=manifest)
+
+
+def group_ready(plane: LocalKube, namespace: str, name: str) -> dict[str, Any] | None:
+    """The ConsumerGroup if its Ready condition is True, else None (for `wait_until`)."""
+    cg = get_json(plane, "cg", name, "-n", namespace)
+    return cg if condition(cg, "Ready").get("status") == "True" else None
+
+
+def group_degraded(plane: LocalKube, namespace: str, name: str) -> dict[str, Any]:
+    """The ConsumerGroup's Degraded condition if it is True, else {}."""
+    found = condition(get_json(plane, "cg", name, "-n", namespace), "Degraded")
+    return found if found.get("status") == "True" else {}
+
+
 def adopt_crd_for_helm(plane: LocalKube, release: str, namespace: str) -> None:
     """Let a Helm release take over the ConsumerGroup CRD if it already exists.
 

@@ -37,12 +37,25 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from harness.localkube.pki import Pki, ensure_pki, ensure_serving_cert
+from shoal.consumer.natsauth import NatsSecurity
 
-__all__ = ["NatsServerSecurity", "NatsUser", "issue_client_cert"]
+__all__ = ["NatsServerSecurity", "NatsUser", "issue_client_cert", "subject_matches"]
 
 #: The account every user of a secured server belongs to (JetStream enabled).
 ACCOUNT = "SHOAL"
 CLIENT_CERT = "nats-client"
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: `*` one token, `>` one or more trailing tokens. The tests'
+    own reading of an allow list, independent of the code that writes the lists."""
+    p, s = pattern.split("."), subject.split(".")
+    for i, token in enumerate(p):
+        if token == ">":
+            return len(s) > i
+        if i >= len(s) or (token != "*" and token != s[i]):
+            return False
+    return len(p) == len(s)
 
 
 @dataclass(frozen=True)
@@ -130,6 +143,18 @@ class NatsServerSecurity:
         if inbox_prefix:
             env["NATS_INBOX_PREFIX"] = inbox_prefix
         return env
+
+    def client(self, user: str, inbox_prefix: str | None = None) -> NatsSecurity:
+        """The settings a test's own client needs to reach this server as `user` (the
+        same files and password as `client_env`, as shoal.consumer.natsauth takes them)."""
+        return NatsSecurity(
+            ca_file=str(self.ca_file),
+            cert_file=str(self.client_cert),
+            key_file=str(self.client_key),
+            user=user,
+            password=self.user(user).password,
+            inbox_prefix=inbox_prefix,
+        )
 
     def config_text(self) -> str:
         """The config file's tls and accounts blocks (NATS config accepts JSON values)."""

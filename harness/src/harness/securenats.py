@@ -4,6 +4,7 @@ certificates as a spec.nats.tlsSecret's keys, its users' passwords by name.
     nats = secure_nats_server(tmp_path, [NatsUser("orders", "pw")])
     nats.server.start()       # tls { verify: true }, users with passwords
     nats.tls_files()          # {"ca.crt": ..., "tls.crt": ..., "tls.key": ...}
+    nats.client("orders")     # NatsSecurity for the test's own connections as a user
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from harness.natssecurity import NatsServerSecurity, NatsUser
 from harness.servers import NatsServer
+from shoal.consumer.natsauth import NatsSecurity
 
 __all__ = ["NatsUser", "SecureNats", "secure_nats_server"]
 
@@ -37,6 +39,10 @@ class SecureNats:
 
     def password(self, user: str) -> str:
         return self.security.user(user).password
+
+    def client(self, user: str) -> NatsSecurity:
+        """A test's own client settings as `user` (these certificates, its password)."""
+        return self.security.client(user)
 
 
 def secure_nats_server(workdir: Path, users: Sequence[NatsUser]) -> SecureNats:

@@ -528,6 +528,13 @@ class NatsServer(ServerProcess):
             + security.config_text()
         )
 
+    def violations(self, user: str | None = None) -> list[str]:
+        """The server's log lines that say "Violation" (e.g. a permissions violation) and
+        name `user` (None: any user)."""
+        text = self.log_path.read_text(errors="replace")
+        about = f'user:{user}"' if user is not None else ""
+        return [line for line in text.splitlines() if about in line and "Violation" in line]
+
     def reload(self, security: NatsServerSecurity) -> None:
         """Give the running secured server new users, passwords, permissions or
         certificates, as an operator would: rewrite its config file and send SIGHUP.

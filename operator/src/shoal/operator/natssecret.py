@@ -36,7 +36,7 @@ import tempfile
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kubernetes.client.rest import ApiException
 
@@ -223,6 +223,20 @@ class GroupNats:
 
 Connector = Callable[..., Awaitable[Any]]
 SecretKey = tuple[str, str]  # namespace, name
+_Files = TypeVar("_Files", TlsFiles, CredentialFiles)
+
+
+def _still_good(secret: Any, cached: _Files | None, stale_ok: bool, where: str) -> _Files | None:
+    """The cached files, if they serve for `secret` (None: the Secret is gone): they are its
+    version, or it is gone and the caller makes do (`stale_ok`: e.g. for a deletion). None:
+    write its version. One place for tls_files and credential_files, so they agree."""
+    if secret is None:
+        if stale_ok and cached is not None:
+            return cached
+        raise _missing(f"{where} not found")
+    if cached is not None and cached.version == secret.resource_version:
+        return cached
+    return None
 
 
 class NatsClients:
@@ -270,12 +284,9 @@ class NatsClients:
         secret = await self._read(namespace, name, TLS_FIELD)
         async with self._lock(("tls", key)):
             cached = self._tls.get(key)
-            if secret is None:
-                if stale_ok and cached is not None:
-                    return cached
-                raise _missing(f"{_where(namespace, name, TLS_FIELD)} not found")
-            if cached is not None and cached.version == secret.resource_version:
-                return cached
+            still = _still_good(secret, cached, stale_ok, _where(namespace, name, TLS_FIELD))
+            if still is not None:
+                return still
             decoded = decode_tls(namespace, name, secret.data)
             directory = self._directory(namespace, name)
             for file_key, content in decoded.items():
@@ -303,12 +314,10 @@ class NatsClients:
         secret = await self._read(namespace, name, CREDENTIALS_FIELD)
         async with self._lock(("credentials", key)):
             cached = self._credentials.get(key)
-            if secret is None:
-                if stale_ok and cached is not None:
-                    return cached
-                raise _missing(f"{_where(namespace, name, CREDENTIALS_FIELD)} not found")
-            if cached is not None and cached.version == secret.resource_version:
-                return cached
+            where = _where(namespace, name, CREDENTIALS_FIELD)
+            still = _still_good(secret, cached, stale_ok, where)
+            if still is not None:
+                return still
             form, decoded = decode_credentials(namespace, name, secret.data)
             directory = self._directory(namespace, name)
             if form == "creds":
@@ -326,7 +335,6 @@ class NatsClients:
             self._credentials[key] = files
             if cached is not None:
                 await self._forget(key, cached.version, cached.directory)
-            where = _where(namespace, name, CREDENTIALS_FIELD)
             log.info("Using %s version %s (%s)", where, files.version, form)
             return files
 
