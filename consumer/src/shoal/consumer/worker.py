@@ -922,7 +922,8 @@ class Worker:
         if handback is None:
             return await self.etcd.delete_if_created_at(claim, claim_revision)
         # Written even when empty: the next owner reads its revision as the sign of an
-        # orderly hand-over (GroupView.handed_over_cleanly), with nothing to wait for.
+        # orderly hand-over (GroupView.handed_over_cleanly), and waits for exactly the
+        # sequences it lists (takeover.Gate.for_given_back): none when empty.
         value = json.dumps({str(seq): c for seq, c in sorted(handback.items())}).encode()
         return await self.etcd.release_claim(
             claim, claim_revision, self.config.keys.handback(p), value
