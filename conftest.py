@@ -9,6 +9,12 @@ from __future__ import annotations
 
 import pytest
 
+from shoal.logs import quiet_known_noise
+
+# What the commands install through setup_logging (no Shoal module does it on import):
+# without it, each closed etcd client's watcher thread ends in a traceback.
+quiet_known_noise()
+
 # Fixtures that start real servers (tests/conftest.py, e2e/conftest.py); any fixture that
 # depends on one of them pulls it into the test's closure, so that is caught too.
 SERVER_FIXTURES = frozenset({"etcd_server", "nats_server", "localkube"})

@@ -39,6 +39,7 @@ from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.ledger import audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.contracts.names import SEQ_HEADER
+from shoal.logs import quiet_known_noise
 
 BENCH = "datapath"
 NAMESPACE = "bench"
@@ -243,6 +244,7 @@ async def run(args: argparse.Namespace, root: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_known_noise()
     args = parse_args(argv)
     return run_bench("shoal-bench-datapath-", args.keep, args.strict, lambda root: run(args, root))
 

@@ -77,6 +77,7 @@ from shoal.consumer.ledger import LedgerRecord, audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.consumer.status import read_status
 from shoal.contracts.names import SEQ_HEADER, partition_for
+from shoal.logs import quiet_known_noise
 
 BENCH = "handover"
 NAMESPACE = "bench"
@@ -563,6 +564,7 @@ async def measure(
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_known_noise()
     args = parse_args(argv)
     return run_bench("shoal-bench-handover-", args.keep, args.strict, lambda root: run(args, root))
 

@@ -83,6 +83,7 @@ from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.consumer.status import read_status
 from shoal.contracts.names import durable_name
+from shoal.logs import quiet_known_noise
 
 BENCH = "throughput"
 NAMESPACE = "bench"
@@ -736,6 +737,7 @@ async def run(args: argparse.Namespace, root: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_known_noise()
     args = parse_args(argv)
     return run_bench(
         "shoal-bench-throughput-", args.keep, args.strict, lambda root: run(args, root)

@@ -30,6 +30,7 @@ from shoal.consumer.ledger import audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.consumer.status import GroupStatus, read_status
 from shoal.contracts.names import SEQ_HEADER
+from shoal.logs import quiet_known_noise
 
 NAMESPACE, GROUP = "demo", "orders"
 
@@ -219,6 +220,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    quiet_known_noise()
     if args.workdir:
         args.workdir.mkdir(parents=True, exist_ok=True)
         sys.exit(asyncio.run(demo(args, args.workdir)))

@@ -90,25 +90,8 @@ NOSPACE_LOG_INTERVAL = 300.0
 _WRITES = frozenset({"put", "transaction", "lease"})
 
 
-_previous_excepthook = threading.excepthook
-
-
-def _quiet_closed_watchers(args: threading.ExceptHookArgs) -> None:
-    # etcd3's watcher thread has no stop: closing the client makes its blocked stream
-    # raise "Cannot invoke RPC: Channel closed!" there, a traceback at every clean exit.
-    thread = args.thread
-    if (
-        thread is not None
-        and thread.name.startswith("etcd3_watch_")
-        and isinstance(args.exc_value, ValueError)
-        and "Channel closed" in str(args.exc_value)
-    ):
-        log.debug("etcd watcher thread ended with the closed client")
-        return
-    _previous_excepthook(args)
-
-
-threading.excepthook = _quiet_closed_watchers
+# (etcd3's watcher thread's traceback at a clean exit is quieted by
+# shoal.logs.quiet_known_noise, which the commands install: no import-time side effect.)
 
 # gRPC's own reconnect backoff grows to 120 s: after a minute-long etcd outage a member
 # went on failing every call, without trying, for 10-15 s after etcd was back. Capped at

@@ -90,16 +90,8 @@ class _Callbacks:
         log.info("Reconnected to NATS")
 
 
-class _EofWarning(logging.Filter):
-    """asyncio warns "returning true from eof_received() has no effect when using ssl"
-    each time a nats-py TLS connection ends (its protocol is a StreamReaderProtocol):
-    noise that would follow every refused attempt and every close."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("returning true from eof_received()")
-
-
-logging.getLogger("asyncio").addFilter(_EofWarning())
+# (asyncio's warning at the end of each TLS connection is quieted by
+# shoal.logs.quiet_known_noise, which the commands install: no import-time side effect.)
 
 
 async def connect(
