@@ -80,6 +80,7 @@ servers:
 lint: venv
 	$(PYM) ruff check .
 	$(PYM) ruff format --check .
+	$(PY) scripts/check_imports.py
 
 # The source folders and the files to check are in pyproject.toml ([tool.mypy]).
 typecheck: venv
