@@ -40,8 +40,6 @@ KNOWN: frozenset[tuple[str, str]] = frozenset(
         ("shoal.operator.etcdsecret", "shoal.consumer.etcd"),
         ("shoal.operator.kube", "shoal.consumer.kube"),
         ("shoal.operator.natssecret", "shoal.consumer.natsauth"),
-        ("shoal.operator.observe", "shoal.consumer.autoscaler"),
-        ("shoal.operator.reconciler", "shoal.consumer.autoscaler"),
         ("shoal.operator.reconciler", "shoal.consumer.config"),
         ("shoal.operator.reconciler", "shoal.consumer.etcd"),
         ("shoal.operator.reconciler", "shoal.consumer.handlers"),

@@ -22,7 +22,6 @@ from shoal.consumer.autoscaler import (
     VICTIM_COST,
     Autoscaler,
     ScaleFailed,
-    ScaleRecord,
     choose_victim,
     deletion_costs,
     event_message,
@@ -42,11 +41,25 @@ from shoal.consumer.cpu import (
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.scaler import Decision
 from shoal.consumer.view import Claim, GroupView, Target
+from shoal.contracts.values import ScaleRecord
 from shoal.operator.builders import consumer_env, cpu_millicores
 from shoal.operator.observe import last_scale
 from shoal.operator.settings import OperatorSettings
 
 # -- hand-over detection ------------------------------------------------------------------
+
+
+def scale_record(
+    time: float, before: int, after: int, reason: str, dry_run: bool, epoch: int
+) -> ScaleRecord:
+    return ScaleRecord(
+        time=time,
+        from_replicas=before,
+        to_replicas=after,
+        reason=reason,
+        dry_run=dry_run,
+        epoch=epoch,
+    )
 
 
 def _targets(owners: dict[int, str]) -> dict[int, Target]:
@@ -114,7 +127,7 @@ def test_deletion_costs_rank_victim_lowest_and_leader_highest() -> None:
 
 
 def test_scale_record_round_trips_and_garbage_is_none() -> None:
-    record = ScaleRecord(1.5, 2, 3, "lag 9000", False, 7)
+    record = scale_record(1.5, 2, 3, "lag 9000", False, 7)
     assert ScaleRecord.parse(record.to_json()) == record
     for garbage in (b"", b"{", b"[]", b'{"time": "x", "from": 1, "to": 2, "reason": ""}', b"{}"):
         assert ScaleRecord.parse(garbage) is None
@@ -124,7 +137,7 @@ def test_a_new_leader_keeps_the_cooldown_by_its_own_clock() -> None:
     # The record's time is another host's wall clock: an hour behind or ahead, it does
     # not matter; the cooldown runs from when this process saw the record.
     for written_by_other_clock in (100.0, 5000.0 - 3600, 5000.0 + 3600):
-        record = ScaleRecord(written_by_other_clock, 4, 3, "idle", False, 1)
+        record = scale_record(written_by_other_clock, 4, 3, "idle", False, 1)
         state = resume_state(record, seen_ago=30.0, now=5000.0)
         assert state.last_action_time == 4970.0 and state.last_action_direction == "down"
     assert resume_state(None, 0.0, 5000.0).last_action_time is None
@@ -149,7 +162,7 @@ def test_event_message_names_change_reason_and_signals() -> None:
 
 def test_last_scale_credits_a_fresh_matching_record() -> None:
     now = time.time()
-    value, ours = last_scale(2, 3, ScaleRecord(now - 1, 2, 3, "cpu 95%", False, 1), now)
+    value, ours = last_scale(2, 3, scale_record(now - 1, 2, 3, "cpu 95%", False, 1), now)
     assert ours and value["reason"] == "autoscaler: cpu 95%"
     assert (value["from"], value["to"]) == (2, 3)
 
@@ -158,15 +171,15 @@ def test_last_scale_credits_a_fresh_matching_record() -> None:
     "record",
     [
         None,
-        ScaleRecord(0.0, 2, 3, "old", False, 1),  # too old
-        ScaleRecord(-1.0, 3, 4, "other change", False, 1),  # another change
-        ScaleRecord(-1.0, 2, 3, "dry", True, 1),  # a dry run changes nothing
+        scale_record(0.0, 2, 3, "old", False, 1),  # too old
+        scale_record(-1.0, 3, 4, "other change", False, 1),  # another change
+        scale_record(-1.0, 2, 3, "dry", True, 1),  # a dry run changes nothing
     ],
 )
 def test_last_scale_otherwise_says_spec_changed(record: ScaleRecord | None) -> None:
     now = time.time()
     if record is not None and record.time < 0:
-        record = ScaleRecord(now - 1, *list(record.__dict__.values())[1:])
+        record = record.model_copy(update={"time": now - 1})
     value, ours = last_scale(2, 3, record, now)
     assert not ours and value["reason"] == "spec.replicas changed"
 
@@ -366,7 +379,7 @@ async def test_the_cooldown_survives_a_leader_change_whatever_the_clocks(
     config = GroupConfig(namespace=namespace, group=group, partitions=8, member_id="lead")
     hot = _stats(10_000)
     epoch = await _group(etcd, config, {"lead": hot, "x": hot})
-    written = ScaleRecord(time.time() + skew, 1, 2, "lag", False, epoch - 1)
+    written = scale_record(time.time() + skew, 1, 2, "lag", False, epoch - 1)
     await etcd.put(config.keys.scale, written.to_json())
     view = GroupView(etcd, config.keys, config.partitions)
     watcher = asyncio.create_task(view.run())

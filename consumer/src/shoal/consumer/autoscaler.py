@@ -32,12 +32,10 @@ decides again, after the backoff.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from shoal.consumer.config import GroupConfig
@@ -45,6 +43,7 @@ from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd
 from shoal.consumer.scaler import Action, Decision, Policy, ScalerState, decide, without_action
 from shoal.consumer.view import Claim, GroupView, Target
 from shoal.contracts.spec import parse_spec
+from shoal.contracts.values import ScaleRecord
 
 log = logging.getLogger(__name__)
 
@@ -141,46 +140,6 @@ def event_message(decision: Decision, current: int) -> str:
     )
     prefix = "dry run: would scale" if decision.dry_run else "Scaled"
     return f"{prefix} {current} -> {decision.replicas}: {decision.reason} [{signals}]"
-
-
-@dataclass(frozen=True)
-class ScaleRecord:
-    """The last action, as kept in etcd (``<prefix>scale``)."""
-
-    time: float
-    from_replicas: int
-    to_replicas: int
-    reason: str
-    dry_run: bool
-    epoch: int
-
-    def to_json(self) -> bytes:
-        return json.dumps(
-            {
-                "time": self.time,
-                "from": self.from_replicas,
-                "to": self.to_replicas,
-                "reason": self.reason,
-                "dryRun": self.dry_run,
-                "epoch": self.epoch,
-            }
-        ).encode()
-
-    @classmethod
-    def parse(cls, raw: bytes) -> ScaleRecord | None:
-        """The record, or None for anything else (garbage in etcd is ignored)."""
-        try:
-            data = json.loads(raw)
-            return cls(
-                time=float(data["time"]),
-                from_replicas=int(data["from"]),
-                to_replicas=int(data["to"]),
-                reason=str(data["reason"]),
-                dry_run=bool(data.get("dryRun", False)),
-                epoch=int(data.get("epoch", 0)),
-            )
-        except (ValueError, TypeError, KeyError):
-            return None
 
 
 def resume_state(record: ScaleRecord | None, seen_ago: float, now: float) -> ScalerState:

@@ -14,7 +14,6 @@ delete the leader key so a successor takes over at once instead of after the TTL
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -28,6 +27,7 @@ from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd
 from shoal.consumer.membership import Membership
 from shoal.consumer.view import GroupView
 from shoal.consumer.view import Leader as LeaderKey
+from shoal.contracts.values import TargetValue
 
 log = logging.getLogger(__name__)
 
@@ -447,9 +447,9 @@ class Leader:
         generation = max((t.generation for t in targets.values()), default=0) + 1
         now = time.time()
         items = {
-            self.config.keys.partition(p): json.dumps(
-                {"owner": owner, "generation": generation, "epoch": self.epoch, "ts": now}
-            ).encode()
+            self.config.keys.partition(p): TargetValue(
+                owner=owner, generation=generation, epoch=self.epoch, ts=now
+            ).to_json()
             for p, owner in changes.items()
         }
         try:

@@ -19,6 +19,7 @@ from shoal.consumer.backoff import Backoff, QuietLog
 from shoal.consumer.etcd import KV, TRANSIENT_ERRORS, Etcd, Watch, describe
 from shoal.consumer.problems import MemberProblem
 from shoal.contracts.names import Keys
+from shoal.contracts.values import TargetValue, ValueRefused
 
 log = logging.getLogger(__name__)
 
@@ -181,23 +182,13 @@ class GroupView:
             if p is None:
                 self._garbage(kv, "has a key that is not a partition number")
                 continue
-            data = self._json(kv)
-            if data is None:
-                continue
-            owner, generation, epoch = data.get("owner"), data.get("generation"), data.get("epoch")
-            ts = data.get("ts")
-            if not isinstance(owner, str) or not owner:
-                self._garbage(kv, "has no owner")
-                continue
-            if not isinstance(generation, int) or not isinstance(epoch, int):
-                self._garbage(kv, "has no integer generation and epoch")
+            try:
+                value = TargetValue.parse(kv.value)
+            except ValueRefused as exc:
+                self._garbage(kv, f"is not a target ({exc})")
                 continue
             result[p] = Target(
-                owner,
-                generation,
-                epoch,
-                float(ts) if isinstance(ts, int | float) else None,
-                kv.mod_revision,
+                value.owner, value.generation, value.epoch, value.ts, kv.mod_revision
             )
         return result
 

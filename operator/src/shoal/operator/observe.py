@@ -13,8 +13,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.consumer.autoscaler import ScaleRecord
 from shoal.contracts.names import format_time
+from shoal.contracts.values import ScaleRecord
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,6 @@ from typing import Any
 
 import kopf
 
-from shoal.consumer.autoscaler import ScaleRecord
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd, EtcdUnavailable, describe
 from shoal.consumer.handlers import HandlerError, load_handler
@@ -47,6 +46,7 @@ from shoal.contracts.names import (
     format_time,
 )
 from shoal.contracts.spec import ConsumerGroupSpec, NatsSpec, SpecError, parse_spec
+from shoal.contracts.values import ScaleRecord
 from shoal.operator import observe
 from shoal.operator.builders import (
     NatsPodSecrets,
