@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from shoal.consumer.assignor import assign, min_moves, moved, skew
+from shoal.assignor import assign, min_moves, moved, skew
 
 
 def member_ids(n: int) -> list[str]:

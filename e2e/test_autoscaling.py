@@ -19,7 +19,7 @@ import pytest
 from harness import autoscale
 from harness.kubetest import create_namespace, operator_process
 from harness.localkube.plane import LocalKube
-from shoal.consumer.assignor import min_moves
+from shoal.assignor import min_moves
 from shoal.consumer.autoscaler import LEADER_COST
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]

@@ -22,7 +22,7 @@ from harness.kubetest import condition, create_namespace, get_json, operator_pro
 from harness.localkube.plane import LocalKube
 from harness.servers import free_port
 from harness.waiting import eventually_async
-from shoal.consumer.assignor import min_moves, moved
+from shoal.assignor import min_moves, moved
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.ledger import audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer

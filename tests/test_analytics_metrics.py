@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from shoal import assignor
 from shoal.analytics import metrics
 from shoal.analytics.export import group_log_stream, parse_since
 from shoal.analytics.generate import HistorySpec, corrupt, history, write_history
 from shoal.analytics.ingest import parse_file
 from shoal.analytics.layout import PartWriter, input_files, is_hidden, relative_name
-from shoal.consumer import assignor
 from shoal.contracts.events import AssignmentEvent, EventError, parse_event
 
 

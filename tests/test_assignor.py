@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shoal.consumer.assignor import (
+from shoal.assignor import (
     assign,
     default_max_moves,
     member_loads,

@@ -18,7 +18,7 @@ import pytest
 
 from harness.fleet import Fleet, settled, wait_for_status
 from harness.waiting import eventually_async
-from shoal.consumer.assignor import min_moves, moved
+from shoal.assignor import min_moves, moved
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.jetstream import ensure_group

@@ -54,8 +54,8 @@ def test_each_rule_names_the_file_the_line_and_the_rule(tmp_path: Path) -> None:
     problems = rules.check(root, frozenset())
     assert problems == [
         "common/src/shoal/contracts/names.py:2: shoal.contracts.names imports "
-        "shoal.consumer.worker: shoal.contracts and shoal.logs import nothing of Shoal but "
-        "the contracts",
+        "shoal.consumer.worker: the contracts and the modules beside them import nothing of "
+        "Shoal but the contracts",
         "consumer/src/shoal/consumer/worker.py:1: shoal.consumer.worker imports "
         "harness.fleet.Fleet: "
         "product code never imports the test harness",

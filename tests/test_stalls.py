@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import random
 
-from shoal.consumer.assignor import assign, owner_counts, relieve_stalls
+from shoal.assignor import assign, owner_counts, relieve_stalls
 from shoal.consumer.progress import Change, Progress
 
 

@@ -22,7 +22,7 @@ import nats
 from harness.fleet import Fleet, settled, wait_for_status
 from harness.servers import EtcdServer, NatsServer
 from harness.waiting import WaitTimeout, eventually_async
-from shoal.consumer.assignor import moved
+from shoal.assignor import moved
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.jetstream import ensure_group

@@ -3,7 +3,7 @@
 A history starts with a few members and then, one generation per step, members join,
 leave gracefully, crash, scale in steps of several, are replaced (one leaves and one joins
 in the same generation), the leader fails over, or (sticky only) the leader rebalances
-measured load. Every assignment comes from :func:`shoal.consumer.assignor.assign` with the
+measured load. Every assignment comes from :func:`shoal.assignor.assign` with the
 history's strategy, so sticky histories move the minimum and modulo ones do not. Events
 carry partition loads (a drifting log-normal rate per partition) and hand-over times
 (tens of milliseconds for planned moves, seconds for crashes). Optionally the group empties
@@ -21,7 +21,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from shoal.analytics.layout import PartWriter, part_prefix
-from shoal.consumer.assignor import assign, moved
+from shoal.assignor import assign, moved
 from shoal.contracts.events import AssignmentEvent
 
 __all__ = [

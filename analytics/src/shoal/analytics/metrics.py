@@ -4,7 +4,7 @@ Both report engines follow these definitions: the pandas oracle calls them direc
 Spark job expresses the same arithmetic as DataFrame operations (see ``spark_job``), and the
 tests check that the two agree and that :func:`min_moves` agrees with brute force. The
 assignor's own definitions are used, not copies: :func:`min_moves` is
-:func:`shoal.consumer.assignor.min_moves` over the event's partitions, and
+:func:`shoal.assignor.min_moves` over the event's partitions, and
 :func:`owner_counts` is the assignor's.
 
 Definitions (``previous`` is the previous generation's assignment in the log, ``None`` for a
@@ -30,8 +30,8 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from shoal.consumer import assignor
-from shoal.consumer.assignor import owner_counts
+from shoal import assignor
+from shoal.assignor import owner_counts
 
 __all__ = [
     "CountStats",
@@ -50,7 +50,7 @@ def min_moves(
 ) -> int:
     """The fewest moves a balanced assignment of ``members`` over ``partitions`` needs.
 
-    The assignor's definition (:func:`shoal.consumer.assignor.min_moves`), over the
+    The assignor's definition (:func:`shoal.assignor.min_moves`), over the
     partitions the event lists: they are numbered 0..P-1 for the assignor in their order.
     A group's first generation, no members or no partitions need 0.
     """

@@ -153,7 +153,7 @@ class AssignmentEvent(BaseModel):
         """Build (and validate) an event from the runtime's own types.
 
         ``ts`` is Unix seconds (``time.time()``) or an aware datetime; ``moved`` holds
-        ``(partition, from, to)`` tuples as :func:`shoal.consumer.assignor.moved` returns
+        ``(partition, from, to)`` tuples as :func:`shoal.assignor.moved` returns
         them. Raises :class:`pydantic.ValidationError` on a value the schema refuses.
         """
         when = ts if isinstance(ts, datetime) else datetime.fromtimestamp(ts, UTC)

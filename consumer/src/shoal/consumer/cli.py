@@ -12,8 +12,8 @@ from typing import Any
 import click
 from pydantic import ValidationError
 
+from shoal.assignor import assign, min_moves, moved, owner_counts, skew
 from shoal.consumer import ready as readiness
-from shoal.consumer.assignor import assign, min_moves, moved, owner_counts, skew
 from shoal.consumer.config import (
     config_from_env,
     etcd_options_from_env,

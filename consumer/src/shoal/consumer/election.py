@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.consumer.assignor import assign, moved, relieve_stalls
+from shoal.assignor import assign, moved, relieve_stalls
 from shoal.consumer.backoff import QuietLog
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd

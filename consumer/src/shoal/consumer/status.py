@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.consumer.assignor import owner_counts, skew
+from shoal.assignor import owner_counts, skew
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.problems import MemberProblem
 from shoal.consumer.view import GroupView
