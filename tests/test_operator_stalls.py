@@ -15,6 +15,7 @@ only Kubernetes is a fake (the Deployment's status, and kopf's Events recorded).
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -32,7 +33,7 @@ from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.contracts.names import SEQ_HEADER, Keys, partition_for
 from shoal.operator import reconciler
-from shoal.operator.state import group_state
+from shoal.operator.state import OperatorMemo
 
 Event = tuple[str, str, str]  # type, reason, message
 
@@ -61,21 +62,21 @@ class FakeKube:
 @pytest.fixture
 async def memo(
     monkeypatch: pytest.MonkeyPatch, etcd_endpoint: str, nats_url: str
-) -> AsyncIterator[kopf.Memo]:
+) -> AsyncIterator[OperatorMemo]:
     """A group's memo as the real startup handler fills it: real etcd and NATS clients on
     the session's servers, a fake Kubernetes client."""
     monkeypatch.setattr(reconciler, "api_client", lambda: object())
     monkeypatch.setattr(reconciler, "Kube", lambda api: FakeKube())
     monkeypatch.setenv("NATS_URL", nats_url)
     monkeypatch.setenv("ETCD_ENDPOINTS", etcd_endpoint)
-    operator_memo = kopf.Memo()
+    operator_memo = OperatorMemo()
     await reconciler.startup(settings=kopf.OperatorSettings(), memo=operator_memo)
-    yield kopf.Memo(operator_memo)  # the group's own memo: a shallow copy, as kopf makes
+    yield copy.copy(operator_memo)  # the group's own memo, as kopf makes it
     await reconciler.cleanup_clients(memo=operator_memo)
 
 
 async def observe(
-    memo: kopf.Memo, namespace: str, group: str, spec: dict[str, Any], status: dict[str, Any]
+    memo: OperatorMemo, namespace: str, group: str, spec: dict[str, Any], status: dict[str, Any]
 ) -> dict[str, Any]:
     """One run of the status timer; the status after its patch (None deletes a field)."""
     patch = kopf.Patch()
@@ -105,7 +106,7 @@ async def test_member_reports_become_status_and_one_event_per_episode(
     etcd: Etcd,
     js: Any,
     make_config: Any,
-    memo: kopf.Memo,
+    memo: OperatorMemo,
     events: list[Event],
     namespace: str,
     group: str,
@@ -208,14 +209,14 @@ async def test_member_reports_become_status_and_one_event_per_episode(
     assert [e[:2] for e in stall_events(events)[5:]] == [("Normal", "PartitionStallEnded")] * 2
     assert condition(status, "Progressing")["reason"] != "PartitionsStalled"
     assert condition(status, "Degraded")["reason"] == "AsExpected"
-    assert group_state(memo).stalled == frozenset()
+    assert memo.group.stalled == frozenset()
 
 
 async def test_a_stall_shorter_than_the_timers_period_is_still_told(
     etcd: Etcd,
     js: Any,
     make_config: Any,
-    memo: kopf.Memo,
+    memo: OperatorMemo,
     events: list[Event],
     namespace: str,
     group: str,
@@ -255,7 +256,7 @@ async def test_a_stall_shorter_than_the_timers_period_is_still_told(
         status = await observe(memo, namespace, group, spec, status)
     assert len(stall_events(events)) == 4
     # Deleting the group stops its watch.
-    watch = group_state(memo).stall_watch
+    watch = memo.group.stall_watch
     assert watch is not None and watch.watch is not None
     await watch.stop()
     assert watch.watch is None
@@ -274,7 +275,7 @@ async def test_a_real_stall_shows_in_status_and_events(
     etcd: Etcd,
     js: Any,
     make_config: Any,
-    memo: kopf.Memo,
+    memo: OperatorMemo,
     events: list[Event],
     tmp_path: Path,
 ) -> None:
@@ -352,7 +353,7 @@ async def test_a_restarted_operator_does_not_announce_an_ongoing_stall_again(
     etcd: Etcd,
     js: Any,
     make_config: Any,
-    memo: kopf.Memo,
+    memo: OperatorMemo,
     events: list[Event],
     namespace: str,
     group: str,
@@ -385,7 +386,7 @@ async def test_a_restarted_operator_does_not_announce_an_ongoing_stall_again(
         )
     ]
     # Garbage in the old status is ignored, not a crash.
-    group_state(memo).stalled = None
+    memo.group.stalled = None
     await observe(memo, namespace, group, spec, {"stalledPartitions": [{"partition": "x"}, 7]})
     assert [e[1] for e in stall_events(events)] == ["PartitionStallEnded", "PartitionStalled"]
 
@@ -394,7 +395,7 @@ async def test_a_member_nats_refuses_makes_the_group_degraded(
     etcd: Etcd,
     js: Any,
     make_config: Any,
-    memo: kopf.Memo,
+    memo: OperatorMemo,
     events: list[Event],
     namespace: str,
     group: str,
@@ -429,7 +430,7 @@ async def test_a_member_nats_refuses_makes_the_group_degraded(
     status = await observe(memo, namespace, group, spec, status)
     ignored = [r for r in caplog.records if "Ignored etcd key" in r.getMessage()]
     assert len(ignored) == 2, ignored  # c-2 and c-3, once each: not at every observation
-    group_state(memo).refused = None
+    memo.group.refused = None
     status = await observe(memo, namespace, group, spec, status)
     assert len(refusal_events(events)) == 1
 

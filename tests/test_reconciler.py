@@ -43,7 +43,7 @@ from shoal.operator.reconciler import (
     nats_secrets,
 )
 from shoal.operator.settings import OperatorSettings
-from shoal.operator.state import MEMO_KEY, GroupState, group_state
+from shoal.operator.state import GroupState, OperatorMemo
 
 NAMESPACE = "prod"
 GOOD = "shoal.consumer.handlers:noop"
@@ -184,23 +184,22 @@ def world(monkeypatch: pytest.MonkeyPatch) -> World:
 
 
 @pytest.fixture
-async def operator_memo(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[kopf.Memo]:
+async def operator_memo(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[OperatorMemo]:
     """The operator's memo as the real startup handler fills it (with a fake Kube), and
     the real cleanup handler at the end."""
     monkeypatch.setattr(reconciler, "api_client", lambda: object())
     monkeypatch.setattr(reconciler, "Kube", lambda api: FakeKube())
     monkeypatch.setenv("NATS_URL", NATS_URL)
-    memo = kopf.Memo()
+    memo = OperatorMemo()
     await reconciler.startup(settings=kopf.OperatorSettings(), memo=memo)
     yield memo
     await reconciler.cleanup_clients(memo=memo)
 
 
-def resource_memo(operator_memo: kopf.Memo) -> kopf.Memo:
+def resource_memo(operator_memo: OperatorMemo) -> OperatorMemo:
     """A group's memo, made as kopf makes it (kopf._core.reactor.inventory): copy.copy of
     the operator's memo, i.e. a shallow copy."""
-    memo: kopf.Memo = copy.copy(operator_memo)
-    return memo
+    return copy.copy(operator_memo)
 
 
 def body(name: str, uid: str | None = None) -> kopf.Body:
@@ -214,7 +213,7 @@ def body(name: str, uid: str | None = None) -> kopf.Body:
 
 
 async def reconcile(
-    memo: kopf.Memo,
+    memo: OperatorMemo,
     name: str,
     spec: dict[str, Any],
     *,
@@ -242,7 +241,7 @@ async def reconcile(
     return patch
 
 
-async def observe(memo: kopf.Memo, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+async def observe(memo: OperatorMemo, name: str, spec: dict[str, Any]) -> dict[str, Any]:
     """Call the status timer as kopf would; the status it wrote."""
     patch = kopf.Patch()
     await reconciler.observe_group(
@@ -265,14 +264,14 @@ def degraded_of(patch: kopf.Patch) -> dict[str, Any]:
 # -- per-group state ---------------------------------------------------------------------------
 
 
-async def test_two_groups_do_not_share_state(world: World, operator_memo: kopf.Memo) -> None:
+async def test_two_groups_do_not_share_state(world: World, operator_memo: OperatorMemo) -> None:
     memo_a, memo_b = resource_memo(operator_memo), resource_memo(operator_memo)
 
     with pytest.raises(kopf.TemporaryError):
         await reconcile(memo_a, "alpha", {"replicas": 1, "handler": BAD})
     await reconcile(memo_b, "beta", {"replicas": 1, "handler": GOOD})
 
-    a, b = group_state(memo_a), group_state(memo_b)
+    a, b = memo_a.group, memo_b.group
     assert a is not b
     assert a.problem is not None and a.problem[0] == "HandlerInvalid"
     assert not a.applied  # nothing was applied for a group that cannot work
@@ -280,7 +279,7 @@ async def test_two_groups_do_not_share_state(world: World, operator_memo: kopf.M
         problem=None, applied=True, secret_version=None, nats_secrets=NatsPodSecrets()
     )
     # Nothing per group landed where every group's memo is copied from.
-    assert MEMO_KEY not in operator_memo
+    assert operator_memo.group == GroupState()
     # The status timer of each group reports its own problem only.
     st_a = await observe(memo_a, "alpha", {"replicas": 1, "handler": BAD})
     st_b = await observe(memo_b, "beta", {"replicas": 1, "handler": GOOD})
@@ -289,12 +288,12 @@ async def test_two_groups_do_not_share_state(world: World, operator_memo: kopf.M
 
 
 async def test_groups_share_the_operator_wide_things(
-    world: World, operator_memo: kopf.Memo
+    world: World, operator_memo: OperatorMemo
 ) -> None:
     memo_a, memo_b = resource_memo(operator_memo), resource_memo(operator_memo)
     await reconcile(memo_a, "alpha", {"replicas": 1, "handler": GOOD})
     for key in ("settings", "kube", "etcd", "nats"):
-        assert memo_a[key] is memo_b[key] is operator_memo[key], key
+        assert getattr(memo_a, key) is getattr(memo_b, key) is getattr(operator_memo, key), key
     # The NATS connection alpha made is the one beta gets.
     assert len(operator_memo.nats) == 1
     await reconcile(memo_b, "beta", {"replicas": 1, "handler": GOOD})
@@ -302,13 +301,14 @@ async def test_groups_share_the_operator_wide_things(
     assert world.ensured == [f"shoal_{NAMESPACE}_alpha", f"shoal_{NAMESPACE}_beta"]
 
 
-def test_group_state_is_created_once_per_memo() -> None:
-    memo = kopf.Memo()
-    state = group_state(memo)
-    assert state == GroupState() and group_state(memo) is state
-    memo[MEMO_KEY] = "not a state"
-    with pytest.raises(TypeError):
-        group_state(memo)
+def test_each_copy_of_the_memo_has_a_fresh_group_state_and_the_shared_clients() -> None:
+    memo = OperatorMemo()
+    memo.kube = FakeKube()  # type: ignore[assignment]
+    memo.group.applied = True
+    copied = copy.copy(memo)
+    assert copied.group == GroupState() and copied.group is not memo.group
+    assert copied.kube is memo.kube
+    assert copied.has("kube") and not copied.has("nats")
 
 
 def degraded_reason(st: dict[str, Any]) -> str:
@@ -395,22 +395,24 @@ def config_of(name: str = "orders") -> Any:
 
 
 @pytest.fixture
-async def nats_memo(tmp_path: Path) -> AsyncIterator[kopf.Memo]:
+async def nats_memo(tmp_path: Path) -> AsyncIterator[OperatorMemo]:
     """A memo with the operator's NATS connections (Secrets from a FakeKube)."""
     kube = FakeKube()
-    memo = kopf.Memo(kube=kube, nats=NatsClients(kube, NatsSecurity(), tmp_path / "nats"))
+    memo = OperatorMemo()
+    memo.kube = kube  # type: ignore[assignment]
+    memo.nats = NatsClients(kube, NatsSecurity(), tmp_path / "nats")
     yield memo
     await memo.nats.close()
 
 
-async def test_jetstream_ensured(world: World, nats_memo: kopf.Memo) -> None:
+async def test_jetstream_ensured(world: World, nats_memo: OperatorMemo) -> None:
     memo = nats_memo
     await ensure_jetstream(memo, config_of(), retry=0)
     assert world.ensured == [f"shoal_{NAMESPACE}_orders"]
 
 
 async def test_a_stream_conflict_is_retried_after_a_minute(
-    world: World, nats_memo: kopf.Memo
+    world: World, nats_memo: OperatorMemo
 ) -> None:
     world.stream_error = StreamConfigConflict("stream shoal_prod_orders: retention differs")
     with pytest.raises(GroupProblem) as caught:
@@ -427,7 +429,7 @@ async def test_a_stream_conflict_is_retried_after_a_minute(
     ("retry", "delay"), [(0, 5), (1, 10), (2, 20), (5, 160), (6, 300), (10, 300)]
 )
 async def test_unreachable_nats_is_nats_unavailable_with_backoff(
-    world: World, nats_memo: kopf.Memo, retry: int, delay: int
+    world: World, nats_memo: OperatorMemo, retry: int, delay: int
 ) -> None:
     world.nats_error = OSError("connection refused")
     memo = nats_memo
@@ -443,7 +445,7 @@ async def test_unreachable_nats_is_nats_unavailable_with_backoff(
 # -- reconcile: the one place that reports problems --------------------------------------------
 
 
-async def test_a_reconciled_group(world: World, operator_memo: kopf.Memo) -> None:
+async def test_a_reconciled_group(world: World, operator_memo: OperatorMemo) -> None:
     memo = resource_memo(operator_memo)
     patch = await reconcile(memo, "orders", {"replicas": 2, "handler": GOOD})
     assert patch["status"] == {"selector": selector_string("orders")}
@@ -520,7 +522,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 async def test_each_problem_degrades_warns_and_retries(
-    case: Case, world: World, operator_memo: kopf.Memo
+    case: Case, world: World, operator_memo: OperatorMemo
 ) -> None:
     memo = resource_memo(operator_memo)
     world.stream_error, world.nats_error = case.stream_error, case.nats_error
@@ -554,14 +556,14 @@ async def test_each_problem_degrades_warns_and_retries(
     assert caught.value.delay == case.delay
     assert str(caught.value) == message
     assert isinstance(caught.value.__cause__, GroupProblem)
-    state = group_state(memo)
+    state = memo.group
     assert state.problem == (case.reason, message)
     assert state.applied is case.applied
     assert bool(operator_memo.kube.applied) is case.applied
 
 
 async def test_a_problem_stands_until_a_reconcile_succeeds(
-    world: World, operator_memo: kopf.Memo
+    world: World, operator_memo: OperatorMemo
 ) -> None:
     memo = resource_memo(operator_memo)
     spec = {"replicas": 1, "handler": GOOD}
@@ -573,14 +575,14 @@ async def test_a_problem_stands_until_a_reconcile_succeeds(
 
     world.stream_error = None
     await reconcile(memo, "orders", spec, retry=1)
-    assert group_state(memo).problem is None
+    assert memo.group.problem is None
     assert degraded_reason(await observe(memo, "orders", spec)) == "AsExpected"
     assert world.reasons("Warning") == ["StreamConfigConflict"]
     assert world.reasons("Normal") == ["Reconciled"]
 
 
 async def test_other_errors_are_kopfs_to_retry(
-    world: World, operator_memo: kopf.Memo, monkeypatch: pytest.MonkeyPatch
+    world: World, operator_memo: OperatorMemo, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async def refuse(obj: dict[str, Any]) -> None:
         raise RuntimeError("API server said no")
@@ -589,14 +591,14 @@ async def test_other_errors_are_kopfs_to_retry(
     memo = resource_memo(operator_memo)
     with pytest.raises(RuntimeError, match="API server said no"):
         await reconcile(memo, "orders", {"replicas": 1, "handler": GOOD})
-    assert group_state(memo).problem is None
+    assert memo.group.problem is None
     assert world.events == []
 
 
 # -- step 4: a change of replicas --------------------------------------------------------------
 
 
-async def test_a_replicas_change_is_recorded(world: World, operator_memo: kopf.Memo) -> None:
+async def test_a_replicas_change_is_recorded(world: World, operator_memo: OperatorMemo) -> None:
     memo = resource_memo(operator_memo)
     spec = {"replicas": 5, "handler": GOOD}
     patch = await reconcile(memo, "orders", spec, old={"spec": {"replicas": 3}})
@@ -605,7 +607,9 @@ async def test_a_replicas_change_is_recorded(world: World, operator_memo: kopf.M
     assert world.events[0] == ("Normal", "Scaled", "Replicas 3 -> 5")
 
 
-async def test_an_unchanged_replicas_is_not_a_scale(world: World, operator_memo: kopf.Memo) -> None:
+async def test_an_unchanged_replicas_is_not_a_scale(
+    world: World, operator_memo: OperatorMemo
+) -> None:
     memo = resource_memo(operator_memo)
     spec = {"replicas": 3, "handler": GOOD}
     patch = await reconcile(memo, "orders", spec, old={"spec": {"replicas": 3}})
@@ -617,7 +621,7 @@ async def test_an_unchanged_replicas_is_not_a_scale(world: World, operator_memo:
 
 
 async def test_a_rotated_secret_rolls_only_its_own_group(
-    world: World, operator_memo: kopf.Memo
+    world: World, operator_memo: OperatorMemo
 ) -> None:
     kube: FakeKube = operator_memo.kube
     for name in ("alpha", "beta"):
@@ -629,7 +633,7 @@ async def test_a_rotated_secret_rolls_only_its_own_group(
     }
     for name, memo in memos.items():
         await reconcile(memo, name, specs[name])
-        assert group_state(memo).secret_version == "1"
+        assert memo.group.secret_version == "1"
 
     # alpha's Secret is rotated; the operator reads it (as its etcd client does).
     kube.secrets[(NAMESPACE, "alpha-etcd")] = SecretData("2", TLS_DATA)
@@ -641,12 +645,12 @@ async def test_a_rotated_secret_rolls_only_its_own_group(
 
     assert [obj["metadata"]["name"] for obj in kube.applied] == ["alpha-consumer"]
     assert world.reasons("Normal") == ["EtcdSecretRotated"]
-    assert group_state(memos["alpha"]).secret_version == "2"
-    assert group_state(memos["beta"]).secret_version == "1"
+    assert memos["alpha"].group.secret_version == "2"
+    assert memos["beta"].group.secret_version == "1"
 
 
 async def test_the_timer_leaves_a_group_not_yet_reconciled_alone(
-    world: World, operator_memo: kopf.Memo
+    world: World, operator_memo: OperatorMemo
 ) -> None:
     kube: FakeKube = operator_memo.kube
     kube.secrets[(NAMESPACE, "alpha-etcd")] = SecretData("1", TLS_DATA)
@@ -658,7 +662,7 @@ async def test_the_timer_leaves_a_group_not_yet_reconciled_alone(
     assert degraded_reason(st) == "AsExpected"
     # Nothing applied or remembered about Secrets; what it saw of stalls and of members
     # NATS refuses it may keep.
-    assert dataclasses.replace(group_state(memo), stalled=None, refused=None) == GroupState()
+    assert dataclasses.replace(memo.group, stalled=None, refused=None) == GroupState()
 
 
 def test_a_group_stored_at_zero_with_autoscaling_can_still_be_deleted() -> None:
@@ -677,7 +681,7 @@ def test_a_group_stored_at_zero_with_autoscaling_can_still_be_deleted() -> None:
 
 
 async def test_the_pods_follow_the_nats_secrets_and_the_operator_reads_them(
-    world: World, operator_memo: kopf.Memo, monkeypatch: pytest.MonkeyPatch
+    world: World, operator_memo: OperatorMemo, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     kube: FakeKube = operator_memo.kube
     kube.secrets[(NAMESPACE, "nats-tls")] = SecretData("5", NATS_TLS_DATA)
@@ -712,12 +716,12 @@ async def test_the_pods_follow_the_nats_secrets_and_the_operator_reads_them(
     assert security.user == "orders" and security.password == "wrong-password"
     assert security.ca_file is not None
     assert security.ca_file.startswith(str(operator_memo.nats.root))
-    assert group_state(memo).nats_secrets == NatsPodSecrets(
+    assert memo.group.nats_secrets == NatsPodSecrets(
         credentials="user", client_certificate=False, tls_version="5", credentials_version="6"
     )
 
 
-async def test_nats_secrets_step(operator_memo: kopf.Memo) -> None:
+async def test_nats_secrets_step(operator_memo: OperatorMemo) -> None:
     clients: NatsClients = operator_memo.nats
     assert await nats_secrets(clients, NAMESPACE, SPEC, retry=0) == NatsPodSecrets()
     spec = {**SPEC, "nats": {"credentialsSecret": "nats-auth"}}
@@ -729,7 +733,7 @@ async def test_nats_secrets_step(operator_memo: kopf.Memo) -> None:
     )
 
 
-async def test_a_refused_login_shows_in_status(world: World, operator_memo: kopf.Memo) -> None:
+async def test_a_refused_login_shows_in_status(world: World, operator_memo: OperatorMemo) -> None:
     operator_memo.kube.secrets[(NAMESPACE, "auth")] = SecretData("1", AUTH_DATA)
     world.nats_error = refused("nats: 'Authorization Violation'")
     st = await observe(
@@ -744,7 +748,7 @@ async def test_a_refused_login_shows_in_status(world: World, operator_memo: kopf
 
 
 async def test_a_rotated_nats_secret_rolls_only_its_own_group(
-    world: World, operator_memo: kopf.Memo
+    world: World, operator_memo: OperatorMemo
 ) -> None:
     kube: FakeKube = operator_memo.kube
     for name in ("alpha", "beta"):
@@ -768,7 +772,7 @@ async def test_a_rotated_nats_secret_rolls_only_its_own_group(
     assert annotations == {NATS_TLS_SECRET_VERSION: "2"}
     assert world.reasons("Normal") == ["NatsSecretRotated"]
     assert "alpha-nats (version 2)" in world.events[0][2]
-    state = group_state(memos["alpha"]).nats_secrets
+    state = memos["alpha"].group.nats_secrets
     assert state is not None and state.tls_version == "2"
     # Observed again: nothing more to roll.
     kube.applied.clear()
@@ -777,7 +781,7 @@ async def test_a_rotated_nats_secret_rolls_only_its_own_group(
 
 
 async def test_a_rotated_nats_secret_that_is_refused_rolls_nothing(
-    world: World, operator_memo: kopf.Memo
+    world: World, operator_memo: OperatorMemo
 ) -> None:
     kube: FakeKube = operator_memo.kube
     kube.secrets[(NAMESPACE, "auth")] = SecretData("1", AUTH_DATA)
@@ -792,7 +796,7 @@ async def test_a_rotated_nats_secret_that_is_refused_rolls_nothing(
     assert kube.applied == []  # new pods could not log in either: the old ones stay
 
 
-async def delete(memo: kopf.Memo, name: str, spec: dict[str, Any], retry: int = 0) -> None:
+async def delete(memo: OperatorMemo, name: str, spec: dict[str, Any], retry: int = 0) -> None:
     """Call the deletion handler as kopf would."""
     await reconciler.delete(
         name=name,
@@ -808,7 +812,7 @@ async def delete(memo: kopf.Memo, name: str, spec: dict[str, Any], retry: int = 
 
 
 async def test_deleting_uses_the_nats_secret_read_before_if_it_is_gone(
-    world: World, operator_memo: kopf.Memo
+    world: World, operator_memo: OperatorMemo
 ) -> None:
     """Deleting a namespace removes the Secret before the group's finalizer runs."""
     FakeJetStream.deleted = []
@@ -828,7 +832,7 @@ async def test_deleting_uses_the_nats_secret_read_before_if_it_is_gone(
 
 
 async def test_deleting_with_a_nats_secret_never_seen_keeps_the_streams_at_last(
-    world: World, operator_memo: kopf.Memo
+    world: World, operator_memo: OperatorMemo
 ) -> None:
     FakeJetStream.deleted = []
     memo = resource_memo(operator_memo)

@@ -38,6 +38,7 @@ def main(namespaces: tuple[str, ...], liveness: str, log_level: str) -> None:
     setup_logging(log_level, quiet=["aiohttp.access"])
     # Importing registers the handlers with kopf.
     import shoal.operator.reconciler  # noqa: F401
+    from shoal.operator.state import OperatorMemo
 
     spaces = [n for item in namespaces for n in item.split(",") if n]
     os.environ.setdefault("SHOAL_WATCH_NAMESPACES", ",".join(spaces))
@@ -47,6 +48,7 @@ def main(namespaces: tuple[str, ...], liveness: str, log_level: str) -> None:
         clusterwide=not spaces,
         namespaces=spaces,
         liveness_endpoint=liveness,
+        memo=OperatorMemo(),
     )
 
 

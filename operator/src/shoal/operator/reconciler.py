@@ -61,7 +61,7 @@ from shoal.operator.kube import Kube, api_client
 from shoal.operator.natssecret import NatsClients, NatsSecretProblem
 from shoal.operator.settings import OperatorSettings, settings_from_env
 from shoal.operator.stallwatch import StallWatch
-from shoal.operator.state import group_state
+from shoal.operator.state import OperatorMemo
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def handler_problem(spec: Any, settings: OperatorSettings) -> str | None:
 
 
 @kopf.on.startup()
-async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
+async def startup(settings: kopf.OperatorSettings, memo: OperatorMemo, **_: Any) -> None:
     settings.persistence.finalizer = FINALIZER
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 60
@@ -141,10 +141,10 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
 
 
 @kopf.on.cleanup()
-async def cleanup_clients(memo: Any, **_: Any) -> None:
-    if memo.get("etcd") is not None:
+async def cleanup_clients(memo: OperatorMemo, **_: Any) -> None:
+    if memo.has("etcd"):
         memo.etcd.close()  # and removes the Secrets' files
-    if memo.get("nats") is not None:
+    if memo.has("nats"):
         await memo.nats.close()  # and removes the Secrets' files
 
 
@@ -165,7 +165,7 @@ class GroupProblem(Exception):
 
 
 async def _nats(
-    memo: Any,
+    memo: OperatorMemo,
     config: GroupConfig,
     spec: NatsSpec,
     attempts: int,
@@ -231,7 +231,7 @@ async def nats_secrets(
 
 
 async def report_scale(
-    memo: Any,
+    memo: OperatorMemo,
     config: GroupConfig,
     spec: Any,
     old: Any,
@@ -271,7 +271,7 @@ async def apply_children(
 
 
 async def ensure_jetstream(
-    memo: Any, config: GroupConfig, retry: int, nats: NatsSpec | None = None
+    memo: OperatorMemo, config: GroupConfig, retry: int, nats: NatsSpec | None = None
 ) -> None:
     """The group's streams and one durable per partition, through a connection with the
     group's NATS Secrets (`nats`, the spec's section) if it names them.
@@ -305,7 +305,7 @@ async def reconcile(
     meta: kopf.Meta,
     status: kopf.Status,
     body: kopf.Body,
-    memo: Any,
+    memo: OperatorMemo,
     patch: kopf.Patch,
     retry: int,
     old: Any = None,
@@ -319,7 +319,7 @@ async def reconcile(
     """
     namespace = namespace or "default"  # ConsumerGroups are namespaced
     settings: OperatorSettings = memo.settings
-    state = group_state(memo)
+    state = memo.group
     patch.status["selector"] = selector_string(name)
     try:
         # 0. The spec, parsed once. The API server's schema normally refuses what the
@@ -372,7 +372,7 @@ async def reconcile(
 
 
 async def _roll_on_rotation(
-    memo: Any,
+    memo: OperatorMemo,
     name: str,
     namespace: str,
     spec: kopf.Spec,
@@ -385,7 +385,7 @@ async def _roll_on_rotation(
     with it, which rolls the pods (they read their certificates and credentials only at
     start). Only versions this process has used successfully just now (`etcd_ok`,
     `nats_ok`): rolling onto a Secret that fails would leave every new pod unready."""
-    state = group_state(memo)
+    state = memo.group
     if not state.applied:
         return  # not reconciled by this process yet: the resume handler applies it
     model = spec_model(spec)
@@ -426,7 +426,7 @@ def etcd_secret_name(spec: Any) -> str | None:
 
 
 async def _etcd(
-    memo: Any,
+    memo: OperatorMemo,
     endpoints: str,
     namespace: str | None = None,
     secret: str | None = None,
@@ -442,7 +442,9 @@ async def _etcd(
     return await clients.get(endpoints, namespace, secret, stale_ok=stale_ok)
 
 
-async def _scale_record(memo: Any, config: GroupConfig, secret: str | None) -> ScaleRecord | None:
+async def _scale_record(
+    memo: OperatorMemo, config: GroupConfig, secret: str | None
+) -> ScaleRecord | None:
     """The autoscaler's last decision, if etcd can tell (a best effort: status only)."""
     try:
         etcd = await _etcd(memo, config.etcd_endpoints, config.namespace, secret)
@@ -462,7 +464,7 @@ async def observe_group(
     meta: kopf.Meta,
     status: kopf.Status,
     body: kopf.Body,
-    memo: Any,
+    memo: OperatorMemo,
     patch: kopf.Patch,
     **_: Any,
 ) -> None:
@@ -480,7 +482,7 @@ async def observe_group(
     try:
         etcd = await _etcd(memo, config.etcd_endpoints, namespace, etcd_secret_name(model))
         group, revision = await _read_group(
-            etcd, namespace, name, config.partitions, group_state(memo).garbage_logged
+            etcd, namespace, name, config.partitions, memo.group.garbage_logged
         )
         members = {m: group.counts.get(m, 0) for m in group.members}
         leader, generation_seen = group.leader, group.generation
@@ -500,7 +502,7 @@ async def observe_group(
         problem = ("EtcdUnavailable", f"etcd at {config.etcd_endpoints} unavailable: {exc}")
     etcd_ok = problem is None
     # A problem the last reconcile found (a handler, a stream change) stands until fixed.
-    problem = problem or group_state(memo).problem
+    problem = problem or memo.group.problem
     lag: int | None = None
     nats_ok = False
     try:
@@ -565,13 +567,13 @@ async def _read_group(
 
 
 async def _stalls_between(
-    memo: Any, etcd: Etcd, keys: Keys, partitions: int, revision: int
+    memo: OperatorMemo, etcd: Etcd, keys: Keys, partitions: int, revision: int
 ) -> set[tuple[int, str]]:
     """The stalls members reported since the last observation, up to `revision` (the
     listing just read), from the group's StallWatch; started here at the first
     observation, and again after it failed or the etcd client changed (a rotated
     Secret), from `revision` on."""
-    state = group_state(memo)
+    state = memo.group
     watch = state.stall_watch
     if watch is not None and not watch.failed and watch.etcd is etcd:
         return watch.take(revision)
@@ -590,7 +592,7 @@ async def _stalls_between(
 
 def _report_stalls(
     body: kopf.Body,
-    memo: Any,
+    memo: OperatorMemo,
     status: Any,
     stalled: tuple[tuple[int, str], ...],
     between: set[tuple[int, str]],
@@ -603,7 +605,7 @@ def _report_stalls(
     (`between`). Called only when etcd was read, so an etcd outage ends no episode (and
     does not repeat the Warning once etcd is back). A new operator process takes the
     episodes going on from the `status` the last one wrote."""
-    state = group_state(memo)
+    state = memo.group
     known = state.stalled if state.stalled is not None else observe.stalls_in_status(status)
     started, ended = observe.stall_changes(known, stalled, between)
     for member, partitions in started.items():
@@ -622,13 +624,13 @@ def _report_stalls(
 
 
 def _report_refusals(
-    body: kopf.Body, memo: Any, status: Any, refused: tuple[tuple[str, str, str], ...]
+    body: kopf.Body, memo: OperatorMemo, status: Any, refused: tuple[tuple[str, str, str], ...]
 ) -> None:
     """A Warning Event (reason NatsAuthFailed / NatsTLSFailed) when a member starts
     reporting that NATS refuses it, a Normal NatsRefusalEnded when it stops: once per
     episode, not per observation. Like _report_stalls, called only when etcd was read,
     and a new operator process takes the episodes going on from the `status`."""
-    state = group_state(memo)
+    state = memo.group
     known = state.refused if state.refused is not None else observe.refusals_in_status(status)
     messages = {(m, reason): message for m, reason, message in refused}
     started, ended = observe.refusal_changes(known, messages)
@@ -649,11 +651,11 @@ def _report_refusals(
 
 
 async def _no_space(
-    etcd: Etcd, body: kopf.Body, memo: Any, endpoints: str
+    etcd: Etcd, body: kopf.Body, memo: OperatorMemo, endpoints: str
 ) -> tuple[str, str] | None:
     """EtcdNoSpace while the group's etcd has its NOSPACE alarm raised (a Warning Event
     when it is raised, a Normal one when it is cleared; nothing in between)."""
-    state = group_state(memo)
+    state = memo.group
     message = (
         f"etcd at {endpoints} has its NOSPACE alarm raised and refuses writes: members "
         "consume the partitions they hold, but none can join, claim or move a partition "
@@ -686,7 +688,7 @@ DELETE_SECRET_RETRIES = 5
 
 
 def _etcd_unreachable_on_delete(
-    memo: Any,
+    memo: OperatorMemo,
     body: kopf.Body,
     status: kopf.Status,
     patch: kopf.Patch,
@@ -704,7 +706,7 @@ def _etcd_unreachable_on_delete(
     everything gone, so the finalizer keeps waiting for etcd (one more Event says so, and
     how to give up by hand), retrying every 30 s. Either way no Event per retry.
     """
-    state = group_state(memo)
+    state = memo.group
     timeout = float(memo.settings.delete_etcd_timeout_seconds)
     if state.delete_etcd_failing_since is None:
         state.delete_etcd_failing_since = time.monotonic()
@@ -753,7 +755,7 @@ async def delete(
     name: str,
     namespace: str | None,
     spec: kopf.Spec,
-    memo: Any,
+    memo: OperatorMemo,
     body: kopf.Body,
     status: kopf.Status,
     patch: kopf.Patch,
@@ -765,9 +767,9 @@ async def delete(
     settings: OperatorSettings = memo.settings
     # The group's own state needs no clearing (kopf drops its memo with the object), but
     # its etcd watch would outlive it.
-    watch = group_state(memo).stall_watch
+    watch = memo.group.stall_watch
     if watch is not None:
-        group_state(memo).stall_watch = None
+        memo.group.stall_watch = None
         await watch.stop()
     model = deletable_spec(spec)
     config = group_config(name, namespace, model, settings)

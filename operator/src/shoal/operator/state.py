@@ -1,27 +1,25 @@
-"""What the operator remembers about one ConsumerGroup between handler calls.
+"""What the operator remembers between handler calls: its memo, typed.
 
 kopf gives every resource object its own memo, made with copy.copy of the operator's memo
-(the one the startup handler fills): a shallow copy, so whatever mutable object the
-operator's memo holds is shared by every group. That is right for the operator-wide
-things (settings, the Kubernetes client, etcd clients, NATS connections) and wrong for a
-group's own state, which therefore lives in a GroupState that group_state creates on the
-group's memo, the first time a handler of that group asks for it. kopf drops a resource's
-memo when the object is deleted, and a new object of the same name gets a new one.
+(`OperatorMemo`, given to kopf.run, filled by the startup handler). The operator-wide
+things (settings, the Kubernetes client, etcd clients, NATS connections) are shared by
+every group; each group's own state (`GroupState`) is not: OperatorMemo.__copy__ gives
+each copy a fresh one. kopf drops a resource's memo when the object is deleted, and a new
+object of the same name gets a new one.
 
 The state lives only in this process: after a restart the resume handler rebuilds it.
 """
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from shoal.operator.builders import NatsPodSecrets
+from shoal.operator.etcdsecret import EtcdClients
+from shoal.operator.kube import Kube
+from shoal.operator.natssecret import NatsClients
+from shoal.operator.settings import OperatorSettings
 from shoal.operator.stallwatch import StallWatch
-
-# The key in a resource's memo; never set on the operator's memo (every group would share it).
-MEMO_KEY = "shoal_group_state"
 
 
 @dataclass
@@ -64,11 +62,26 @@ class GroupState:
     stall_watch: StallWatch | None = None
 
 
-def group_state(memo: MutableMapping[str, Any]) -> GroupState:
-    """The group's state in its own (per-resource) memo, created on first use."""
-    state = memo.get(MEMO_KEY)
-    if state is None:
-        state = memo[MEMO_KEY] = GroupState()
-    if not isinstance(state, GroupState):
-        raise TypeError(f"memo[{MEMO_KEY!r}] holds a {type(state).__name__}, not a GroupState")
-    return state
+class OperatorMemo:
+    """The operator's memo and, copied, each group's (see the module docstring).
+
+    The shared attributes are set by the startup handler (reconciler.startup), before kopf
+    calls any handler of a group; `group` is the group's own state."""
+
+    settings: OperatorSettings
+    kube: Kube
+    etcd: EtcdClients
+    nats: NatsClients
+
+    def __init__(self) -> None:
+        self.group = GroupState()
+
+    def __copy__(self) -> OperatorMemo:
+        clone = object.__new__(OperatorMemo)
+        clone.__dict__.update(self.__dict__)
+        clone.group = GroupState()
+        return clone
+
+    def has(self, name: str) -> bool:
+        """Whether the startup handler set `name` (the cleanup handler asks)."""
+        return name in self.__dict__
