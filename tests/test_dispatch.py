@@ -1,4 +1,4 @@
-"""The dispatcher (dispatch.py) alone: how many workers a burst of ready projects wakes.
+"""The dispatcher (dispatch.py) alone: how many lanes a burst of ready projects wakes.
 
 The ordering, retry and hand-over guarantees are proven against a real server in
 test_ordering.py and the hand-over tests; these check the scheduling in between."""
@@ -61,18 +61,18 @@ async def test_awaiting_handlers_of_a_burst_all_run_at_once() -> None:
     dispatcher.start()
     source = Partition()
     try:
-        await asyncio.sleep(0)  # the workers are idle
+        await asyncio.sleep(0)  # the lanes are idle
         burst(dispatcher, source, projects=80)
         for _ in range(20):
             await asyncio.sleep(0)
-        assert most == 50, "every worker takes a project of the burst"
+        assert most == 50, "every lane takes a project of the burst"
         release.set()
         await run_until(source, 80)
     finally:
         await dispatcher.stop()
 
 
-async def test_handlers_that_never_await_leave_the_other_workers_asleep() -> None:
+async def test_handlers_that_never_await_leave_the_other_lanes_asleep() -> None:
     async def execute(source: Any, held: Held) -> Outcome | float:
         return SETTLED
 
@@ -99,7 +99,7 @@ async def test_handlers_that_never_await_leave_the_other_workers_asleep() -> Non
                 dispatcher.submit(source, Held(None, f"p{p}", seq, 1, 0.0))
             await asyncio.sleep(0)
         await run_until(source, 400)
-        # A handful per read: one worker woken runs them all. Waking a worker per ready
+        # A handful per read: one lane woken runs them all. Waking a lane per ready
         # project took more than 40 per read, and all but one found nothing to run.
         assert callbacks <= 10 * 5
     finally:

@@ -13,7 +13,7 @@ import pytest
 
 from harness.waiting import eventually_async
 from shoal.consumer.config import GroupConfig
-from shoal.consumer.election import GenerationRecord, Leader
+from shoal.consumer.election import Election, GenerationRecord
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.view import GroupView
 
@@ -92,7 +92,8 @@ async def test_a_write_retry_that_finds_nothing_to_change_clears_the_failure(
         async with watching(etcd, config) as view:
             for member in ("a", "b"):
                 await etcd.put(config.keys.member(member), b"{}")
-            leader = Leader(etcd, view, SafeMembership(lease), config, on_generation=on_generation)  # type: ignore[arg-type]
+            membership = SafeMembership(lease)
+            leader = Election(etcd, view, membership, config, on_generation=on_generation)  # type: ignore[arg-type]
             task = asyncio.create_task(leader.run())
             try:
                 # The first write "failed"; its retry (1 s later) finds the targets
@@ -128,7 +129,7 @@ async def test_leading_stops_waiting_when_the_new_leader_key_vanished(
             assert epoch is not None
             await etcd.delete(config.keys.leader)
             await caught_up(view, epoch + 1)
-            leader = Leader(etcd, view, SafeMembership(lease), config)  # type: ignore[arg-type]
+            leader = Election(etcd, view, SafeMembership(lease), config)  # type: ignore[arg-type]
             leader.epoch = epoch
             await asyncio.wait_for(leader._lead(), 5)
             assert not leader.is_leader
@@ -159,7 +160,7 @@ async def test_leading_stops_waiting_for_a_view_that_does_not_catch_up(
             epoch = await etcd.create_returning_revision(config.keys.leader, b"a", lease)
             assert epoch is not None
             await caught_up(live, epoch)
-            leader = Leader(etcd, frozen, SafeMembership(lease), config)  # type: ignore[arg-type]
+            leader = Election(etcd, frozen, SafeMembership(lease), config)  # type: ignore[arg-type]
             leader.epoch = epoch
             await asyncio.wait_for(leader._lead(), 10)
             assert not leader.is_leader

@@ -6,16 +6,16 @@ from __future__ import annotations
 from typing import Any
 
 from shoal.consumer.config import GroupConfig
-from shoal.consumer.election import LEAVE_DEBOUNCE, Leader
+from shoal.consumer.election import LEAVE_DEBOUNCE, Election
 from shoal.consumer.view import GroupView
 
 CONFIG = GroupConfig(group="g", namespace="ns", member_id="a", partitions=8, debounce=0.5)
 
 
-def leader() -> Leader:
+def leader() -> Election:
     view = GroupView(None, CONFIG.keys, CONFIG.partitions)  # type: ignore[arg-type]
     membership: Any = None
-    return Leader(None, view, membership, CONFIG)  # type: ignore[arg-type]
+    return Election(None, view, membership, CONFIG)  # type: ignore[arg-type]
 
 
 def test_departures_only_get_the_short_debounce() -> None:

@@ -30,6 +30,7 @@ from shoal.operator.builders import (
     NATS_CREDENTIALS_SECRET_VERSION,
     NATS_TLS_SECRET_VERSION,
     NatsPodSecrets,
+    pod_config,
     selector_string,
 )
 from shoal.operator.etcdsecret import EtcdClients, SecretData
@@ -39,7 +40,6 @@ from shoal.operator.reconciler import (
     check_handler,
     ensure_jetstream,
     etcd_secret_version,
-    group_config,
     nats_secrets,
 )
 from shoal.operator.settings import OperatorSettings
@@ -391,7 +391,7 @@ async def test_an_invalid_etcd_secret_is_a_problem(clients: tuple[EtcdClients, F
 
 
 def config_of(name: str = "orders") -> Any:
-    return group_config(name, NAMESPACE, {"replicas": 1, "handler": GOOD}, SETTINGS)
+    return pod_config(name, NAMESPACE, {"replicas": 1, "handler": GOOD}, SETTINGS)
 
 
 @pytest.fixture

@@ -163,7 +163,7 @@ async def test_a_handler_raising_cancelled_error_itself_is_a_failure(
 ) -> None:
     """A handler that raises CancelledError although nobody cancelled it (a task of its
     own cancelled under it) fails like any other: retried, then dead-lettered, its
-    project goes on. Let through, it ended the dispatcher worker that ran it, for good,
+    project goes on. Let through, it ended the dispatch lane that ran it, for good,
     and its project stalled. With max_concurrency 1 the member had no worker left."""
     config = make_config(
         handler=HANDLER, partitions=PARTITIONS, max_concurrency=1, max_deliver=2, backoff=(0.2,)

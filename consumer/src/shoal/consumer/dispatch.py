@@ -12,8 +12,8 @@ The pieces:
   back; `kept` is when JetStream last heard of it (delivery or in-progress ack).
 - `ProjectQueue`: the held messages of one project, in stream order.
 - `Dispatcher`: a ready queue of projects whose head may run now, and a fixed pool of
-  `max_concurrency` worker tasks taking projects from it. No task is created per message:
-  a worker runs a project's head, acks it, puts the project back at the end of the ready
+  `max_concurrency` lanes (tasks) taking projects from it. No task is created per message:
+  a lane runs a project's head, acks it, puts the project back at the end of the ready
   queue if it has more, and takes the next project.
 
 What running a message means (the handler, acks, dead letters, fencing) is the caller's
@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
-# A worker that ran this many messages without waiting (handlers that never await, e.g.
+# A lane that ran this many messages without waiting (handlers that never await, e.g.
 # a noop) lets the event loop run, so that reading from NATS and timers are not starved.
 YIELD_EVERY = 64
 # Emptied project queues kept for reuse: with fast handlers a project's queue empties, and
@@ -109,7 +109,7 @@ class ProjectQueue:
         self.project = project
         self.pending: deque[Held] = deque()
         self.scheduled = False  # in the ready queue, or waiting for a retry timer
-        self.running = False  # a worker runs its head now
+        self.running = False  # a lane runs its head now
 
 
 class Outcome(Enum):
@@ -133,8 +133,8 @@ class Dispatcher:
         self.max_concurrency = max_concurrency
         self._ready: deque[ProjectQueue] = deque()
         self._idle: deque[asyncio.Future[None]] = deque()
-        self._workers: list[asyncio.Task[None]] = []
-        # worker task -> the project whose head it runs now (for fencing, and the
+        self._lanes: list[asyncio.Task[None]] = []
+        # lane (task) -> the project whose head it runs now (for fencing, and the
         # handler timeout's sweep: running_heads)
         self._running: dict[asyncio.Task[None], ProjectQueue] = {}
         self._cancelling: set[asyncio.Task[None]] = set()
@@ -143,16 +143,16 @@ class Dispatcher:
         self.running = 0
 
     def start(self) -> None:
-        self._workers = [
-            asyncio.create_task(self._work(), name=f"dispatch-{i}")
+        self._lanes = [
+            asyncio.create_task(self._lane(), name=f"dispatch-{i}")
             for i in range(self.max_concurrency)
         ]
 
     async def stop(self) -> None:
-        for task in self._workers:
+        for task in self._lanes:
             task.cancel()
-        await asyncio.gather(*self._workers, return_exceptions=True)
-        self._workers = []
+        await asyncio.gather(*self._lanes, return_exceptions=True)
+        self._lanes = []
 
     def submit(self, source: Source, held: Held) -> None:
         """Queue a fetched message behind the earlier ones of its project."""
@@ -177,16 +177,16 @@ class Dispatcher:
             asyncio.get_running_loop().call_soon(self._wake_idle, None)
 
     def _wake_idle(self, asker: asyncio.Task[None] | None) -> None:
-        """Wake idle workers for the ready projects, after the current turn of the event
-        loop: one for each if `asker`, a worker that took a project and left others
-        ready, is still in its handler (the handler awaits: the others need workers of
+        """Wake idle lanes for the ready projects, after the current turn of the event
+        loop: one for each if `asker`, a lane that took a project and left others
+        ready, is still in its handler (the handler awaits: the others need lanes of
         their own); otherwise one, if any project is still ready.
 
-        Not one per project as it becomes ready: a worker whose handler never awaits
+        Not one per project as it becomes ready: a lane whose handler never awaits
         runs on through the ready projects in the same turn, so a read of many
-        messages needs one worker woken, not one per message. (A worker woken per
+        messages needs one lane woken, not one per message. (A lane woken per
         project cost a future and a task step for 0.4-1 of every message read at once,
-        bench/hotpath.py, and nearly all of those workers found nothing left to run.)
+        bench/hotpath.py, and nearly all of those lanes found nothing left to run.)
         """
         self._waking = False
         ready = len(self._ready)
@@ -217,14 +217,14 @@ class Dispatcher:
         return cancelled
 
     def running_heads(self) -> list[tuple[asyncio.Task[None], Source, Held]]:
-        """(worker task, its source, the message) for every handler running now."""
+        """(lane task, its source, the message) for every handler running now."""
         return [
             (task, queue.source, queue.pending[0])
             for task, queue in self._running.items()
             if queue.pending
         ]
 
-    async def _work(self) -> None:
+    async def _lane(self) -> None:
         loop = asyncio.get_running_loop()
         me = asyncio.current_task()
         assert me is not None
@@ -244,7 +244,7 @@ class Dispatcher:
                 continue  # left for the hand-over, which gives unstarted messages back
             held = queue.pending[0]
             if ready and self._idle and not self._waking:
-                # Others are ready: if this handler awaits, they need workers of their own.
+                # Others are ready: if this handler awaits, they need lanes of their own.
                 self._waking = True
                 loop.call_soon(self._wake_idle, me)
             queue.running = True
@@ -259,12 +259,12 @@ class Dispatcher:
                     # handler was still cleaning up: swallowing this one would leave a
                     # task that never ends, and asyncio.run would wait for it forever.
                     raise
-                # Only our source was fenced: this handler is abandoned, the worker goes on.
+                # Only our source was fenced: this handler is abandoned, the lane goes on.
                 me.uncancel()
                 outcome = ABANDONED
             except Exception:
                 # execute() handles the handler's and the settling's errors; this is a
-                # bug of ours. Retry the message later rather than lose a worker, or
+                # bug of ours. Retry the message later rather than lose a lane, or
                 # leave its project stalled behind it (nothing would reschedule it,
                 # and in-progress acks would keep JetStream from redelivering it).
                 log.exception("Running a message of partition %d failed", source.partition)

@@ -25,8 +25,7 @@ from shoal.consumer.backoff import QuietLog
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd
 from shoal.consumer.membership import Membership
-from shoal.consumer.view import GroupView
-from shoal.consumer.view import Leader as LeaderKey
+from shoal.consumer.view import GroupView, LeaderKey
 from shoal.contracts.values import TargetValue
 
 log = logging.getLogger(__name__)
@@ -107,7 +106,7 @@ def classify(previous_members: set[str], members: set[str], had_owners: bool, fi
     return "rebalance"
 
 
-class Leader:
+class Election:
     def __init__(
         self,
         etcd: Etcd,

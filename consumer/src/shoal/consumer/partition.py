@@ -558,7 +558,7 @@ class PartitionRunner:
         if self.inflight:
             return f"{self.inflight} running handler(s), {self.buffered} message(s) held"
         if self.buffered:
-            return f"a dispatcher worker for {self.buffered} held message(s)"
+            return f"a dispatch lane for {self.buffered} held message(s)"
         room = w.budget() - w.buffered - w.reserved
         return (
             f"room to pull (the member's pull budget has {room}; {w.buffered} held, "

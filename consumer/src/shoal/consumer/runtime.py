@@ -22,7 +22,7 @@ from shoal.consumer.autoscaler import Autoscaler
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.cpu import CpuMeter
 from shoal.consumer.deadletter import ExhaustedMessages
-from shoal.consumer.election import GenerationRecord, Leader
+from shoal.consumer.election import Election, GenerationRecord
 from shoal.consumer.etcd import Etcd
 from shoal.consumer.handlers import load_handler
 from shoal.consumer.jetstream import NatsHealth, connect, ensure_group, partition_lag
@@ -59,7 +59,7 @@ class ConsumerProcess:
         self.metrics.watch_fencing(
             lambda: self.membership.incarnation > 0 and not self.membership.safe()
         )
-        self.leader = Leader(
+        self.leader = Election(
             self.etcd, self.view, self.membership, config, on_generation=self._record_generation
         )
         self.leader.on_leadership(lambda value: self.metrics.is_leader.set(1 if value else 0))

@@ -52,7 +52,7 @@ class Claim:
 
 
 @dataclass(frozen=True)
-class Leader:
+class LeaderKey:
     member: str
     epoch: int  # the leader key's create_revision: a fencing token
 
@@ -151,7 +151,7 @@ class GroupView:
             result[key[len(prefix) :]] = problem
         return result
 
-    def leader(self) -> Leader | None:
+    def leader(self) -> LeaderKey | None:
         kv = self.kvs.get(self.keys.leader)
         if kv is None:
             return None
@@ -160,7 +160,7 @@ class GroupView:
         except UnicodeDecodeError:
             self._garbage(kv, "is not UTF-8")
             return None
-        return Leader(member, kv.create_revision)
+        return LeaderKey(member, kv.create_revision)
 
     def _partition_of(self, key: str, prefix: str) -> int | None:
         tail = key[len(prefix) :]

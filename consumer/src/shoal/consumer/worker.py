@@ -230,7 +230,7 @@ class Worker:
                 if not task.cancelling():
                     # Nobody cancelled us: the handler raised it itself (a task of its own
                     # cancelled under it, say). A failure like any other; let through, it
-                    # ended a dispatcher worker for good, and its project with it.
+                    # ended a dispatch lane for good, and its project with it.
                     failure: BaseException = exc
                 elif not held.timed_out:
                     raise  # a fence, or the process stopping

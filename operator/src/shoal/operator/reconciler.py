@@ -96,11 +96,6 @@ def deletable_spec(spec: Any) -> ConsumerGroupSpec:
         return spec_model({**dict(spec), "autoscaling": {**autoscaling, "enabled": False}})
 
 
-def group_config(name: str, namespace: str, spec: Any, settings: OperatorSettings) -> GroupConfig:
-    """The consumers' configuration, as the pods get it (builders.pod_config)."""
-    return pod_config(name, namespace, spec_model(spec), settings)
-
-
 def handler_problem(spec: Any, settings: OperatorSettings) -> str | None:
     """An unknown handler, when the pods run the operator's own image (we can check it)."""
     model = spec_model(spec)
@@ -336,7 +331,7 @@ async def reconcile(
         #    And the NATS Secrets, for the same reason (and the pods' mounts follow them).
         nats = await nats_secrets(memo.nats, namespace, model, retry)
         # 3. The consumers' configuration.
-        config = group_config(name, namespace, model, settings)
+        config = pod_config(name, namespace, model, settings)
         # 4. A change of spec.replicas: status.lastScale and who made it.
         await report_scale(memo, config, model, old, etcd_secret_name(model), patch, body)
         # 5. The children (Deployment, RBAC, PDB); the status timer compares later
@@ -471,7 +466,7 @@ async def observe_group(
     namespace = namespace or "default"  # ConsumerGroups are namespaced
     settings: OperatorSettings = memo.settings
     model = spec_model(spec)
-    config = group_config(name, namespace, model, settings)
+    config = pod_config(name, namespace, model, settings)
     dep = await memo.kube.deployment_status(namespace, resource_names(name)["deployment"])
     problem: tuple[str, str] | None = None
     members: dict[str, int] = {}
@@ -772,7 +767,7 @@ async def delete(
         memo.group.stall_watch = None
         await watch.stop()
     model = deletable_spec(spec)
-    config = group_config(name, namespace, model, settings)
+    config = pod_config(name, namespace, model, settings)
     # The consumers must be gone first: garbage collection would remove them only after
     # this finalizer, and a live leader would write the assignment straight back.
     remaining = await memo.kube.remove_consumers(
