@@ -70,8 +70,8 @@ from harness.bench import (
 )
 from harness.fleet import Fleet, settled, wait_for_status
 from harness.servers import EtcdServer, NatsServer
+from shoal.clients.etcd import Etcd
 from shoal.consumer.config import GroupConfig
-from shoal.consumer.etcd import Etcd
 from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.ledger import LedgerRecord, audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer

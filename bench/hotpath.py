@@ -25,10 +25,10 @@ from types import SimpleNamespace
 from typing import Any
 
 from harness.bench import emit
+from shoal.clients.natsclient import DirectClient
 from shoal.consumer import handlers
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.metrics import Metrics
-from shoal.consumer.natsclient import DirectClient
 from shoal.consumer.ownership import Stage
 from shoal.consumer.partition import PartitionRunner
 from shoal.consumer.worker import Worker

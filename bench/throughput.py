@@ -9,7 +9,7 @@ Method (both sides read THE SAME messages of THE SAME stream, in the same run):
   nats-py's public API (one subscription for every pull's replies, a bare ``+ACK`` per
   message, the next pull sent from the callback; ``--plain-batch`` messages per pull).
   The member reads through its own leaner path inside nats-py's client
-  (``shoal.consumer.natsclient``: its parser, no ``Msg``, lazy headers); the ratio is
+  (``shoal.clients.natsclient``: its parser, no ``Msg``, lazy headers); the ratio is
   what Shoal costs against a consumer written with nats-py (docs/data-path.md).
 * Before each side, a backlog (default 50,000 messages over 1,000 projects) is published
   while no reader runs, so each side starts from all of it: ONE shoal member process that
@@ -77,8 +77,8 @@ from harness.fleet import Fleet, Member, settled, wait_for_status
 from harness.localkube.tools import natscli_path
 from harness.servers import EtcdServer, NatsServer, free_port
 from harness.waiting import eventually_async
+from shoal.clients.etcd import Etcd
 from shoal.consumer.config import GroupConfig
-from shoal.consumer.etcd import Etcd
 from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.consumer.status import read_status

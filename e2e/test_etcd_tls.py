@@ -42,7 +42,7 @@ from harness.kubetest import (
 from harness.localkube.pki import Pki, ensure_pki, ensure_serving_cert
 from harness.localkube.plane import LocalKube
 from harness.servers import EtcdServer, EtcdTLS
-from shoal.consumer.etcd import Etcd
+from shoal.clients.etcd import Etcd
 from shoal.consumer.status import GroupStatus, read_status
 from shoal.contracts.names import Keys
 from shoal.operator.builders import ETCD_SECRET_VERSION

@@ -35,7 +35,7 @@ from harness.kubetest import apply_secret, condition, get_json, operator_watchin
 from harness.localkube.plane import LocalKube
 from harness.securenats import NatsUser, SecureNats, secure_nats_server
 from harness.waiting import eventually_async
-from shoal.consumer.etcd import Etcd
+from shoal.clients.etcd import Etcd
 from shoal.consumer.ledger import audit, read_ledger
 from shoal.consumer.permissions import member_permissions, operator_permissions
 from shoal.consumer.producer import Outgoing, Producer

@@ -23,7 +23,7 @@ from harness.localkube.plane import LocalKube
 from harness.servers import free_port
 from harness.waiting import eventually_async
 from shoal.assignor import min_moves, moved
-from shoal.consumer.etcd import Etcd
+from shoal.clients.etcd import Etcd
 from shoal.consumer.ledger import audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.contracts.names import (

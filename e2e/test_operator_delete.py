@@ -21,7 +21,7 @@ from harness.faults import QuotaEtcdServer
 from harness.kubetest import condition, create_namespace, get_json, operator_process, wait_until
 from harness.localkube.plane import LocalKube
 from harness.servers import EtcdServer
-from shoal.consumer.etcd import Etcd, EtcdNoSpace
+from shoal.clients.etcd import Etcd, EtcdNoSpace
 from shoal.contracts.names import FINALIZER, Keys
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

@@ -18,7 +18,7 @@ import pytest
 from harness.audit import longest_gap, resumed_after
 from harness.faults import FENCE_AFTER, TTL, EtcdCluster, FaultGroup, freeze, thaw
 from harness.servers import EtcdServer
-from shoal.consumer.etcd import TRANSIENT_ERRORS
+from shoal.clients.etcd import TRANSIENT_ERRORS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.timeout(240)]
 

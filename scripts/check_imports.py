@@ -5,6 +5,8 @@ The rules (issue 28), from the bottom up:
 
 - `shoal.contracts`, `shoal.assignor` and `shoal.logs` import nothing of Shoal but
   `shoal.contracts`;
+- `shoal.clients` (etcd, NATS, Kubernetes) imports nothing of Shoal but the contracts and
+  itself;
 - product code (`shoal.*`) never imports the test harness (`harness`);
 - `shoal.operator` and `shoal.analytics` never import `shoal.consumer`.
 
@@ -33,25 +35,16 @@ BOTTOM = frozenset({"shoal.assignor", "shoal.logs"})
 KNOWN: frozenset[tuple[str, str]] = frozenset(
     {
         ("shoal.analytics.cli", "shoal.consumer.config"),
-        ("shoal.analytics.export", "shoal.consumer.jetstream"),
-        ("shoal.analytics.export", "shoal.consumer.natsauth"),
         ("shoal.operator.builders", "shoal.consumer.config"),
         ("shoal.operator.builders", "shoal.consumer.cpu"),
         ("shoal.operator.builders", "shoal.consumer.permissions"),
         ("shoal.operator.etcdsecret", "shoal.consumer.config"),
-        ("shoal.operator.etcdsecret", "shoal.consumer.etcd"),
-        ("shoal.operator.kube", "shoal.consumer.kube"),
-        ("shoal.operator.natssecret", "shoal.consumer.natsauth"),
         ("shoal.operator.reconciler", "shoal.consumer.config"),
-        ("shoal.operator.reconciler", "shoal.consumer.etcd"),
         ("shoal.operator.reconciler", "shoal.consumer.handlers"),
         ("shoal.operator.reconciler", "shoal.consumer.jetstream"),
-        ("shoal.operator.reconciler", "shoal.consumer.natsauth"),
         ("shoal.operator.reconciler", "shoal.consumer.status"),
         ("shoal.operator.reconciler", "shoal.consumer.view"),
         ("shoal.operator.settings", "shoal.consumer.config"),
-        ("shoal.operator.settings", "shoal.consumer.natsauth"),
-        ("shoal.operator.stallwatch", "shoal.consumer.etcd"),
     }
 )
 
@@ -98,6 +91,12 @@ def broken_rule(importer: str, name: str) -> str | None:
         within(name, "shoal") and not within(name, "shoal.contracts")
     ):
         return "the contracts and the modules beside them import nothing of Shoal but the contracts"
+    if within(importer, "shoal.clients") and (
+        within(name, "shoal")
+        and not within(name, "shoal.contracts")
+        and not within(name, "shoal.clients")
+    ):
+        return "the clients import nothing of Shoal but the contracts and themselves"
     if (within(importer, "shoal.operator") or within(importer, "shoal.analytics")) and within(
         name, "shoal.consumer"
     ):

@@ -19,8 +19,8 @@ import pytest
 from harness.fakesecrets import FakeSecrets
 from harness.fleet import Fleet
 from harness.servers import EtcdServer, NatsServer
+from shoal.clients.etcd import Etcd
 from shoal.consumer.config import GroupConfig
-from shoal.consumer.etcd import Etcd
 
 
 @pytest.fixture(scope="session")

@@ -12,9 +12,9 @@ from pydantic import ValidationError
 from harness.fleet import Fleet, settled, wait_for_events, wait_for_status
 from harness.waiting import eventually_async
 from shoal.assignor import assign
+from shoal.clients.etcd import Etcd
 from shoal.consumer.config import GroupConfig, config_from_env
 from shoal.consumer.election import loads_from_stats, max_member_load
-from shoal.consumer.etcd import Etcd
 from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.producer import Producer
 from shoal.consumer.status import read_status

@@ -17,6 +17,7 @@ import etcd3
 import pytest
 from kubernetes.client import ApiException
 
+from shoal.clients.etcd import Etcd
 from shoal.consumer.autoscaler import (
     LEADER_COST,
     VICTIM_COST,
@@ -38,7 +39,6 @@ from shoal.consumer.cpu import (
     parse_cpu_max,
     parse_millicores,
 )
-from shoal.consumer.etcd import Etcd
 from shoal.consumer.scaler import Decision
 from shoal.consumer.view import Claim, GroupView, Target
 from shoal.contracts.values import ScaleRecord

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from shoal.consumer import backoff
-from shoal.consumer.backoff import Backoff, QuietLog
+from shoal.clients import backoff
+from shoal.clients.backoff import Backoff, QuietLog
 
 
 def test_backoff_doubles_up_to_its_cap_with_jitter_and_resets() -> None:

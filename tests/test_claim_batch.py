@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from shoal.consumer.etcd import Etcd
+from shoal.clients.etcd import Etcd
 from shoal.consumer.worker import CLAIM_BATCH
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]

@@ -16,8 +16,8 @@ import pytest
 
 from harness.fleet import Fleet, settled, wait_for_status
 from harness.waiting import eventually_async
+from shoal.clients.etcd import Etcd
 from shoal.consumer.config import GroupConfig, config_env
-from shoal.consumer.etcd import Etcd
 from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.ledger import audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer

@@ -12,9 +12,9 @@ import etcd3
 import pytest
 
 from harness.waiting import eventually_async
+from shoal.clients.etcd import Etcd
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.election import Election, GenerationRecord
-from shoal.consumer.etcd import Etcd
 from shoal.consumer.view import GroupView
 
 pytestmark = pytest.mark.timeout(60)

@@ -23,9 +23,7 @@ from etcd3.etcdrpc import auth_pb2
 from harness.localkube.pki import Pki, ensure_pki, ensure_serving_cert
 from harness.proxy import TcpProxy
 from harness.servers import EtcdServer, EtcdTLS
-from shoal.consumer.cli import main
-from shoal.consumer.config import config_from_env
-from shoal.consumer.etcd import (
+from shoal.clients.etcd import (
     TRANSIENT_ERRORS,
     Etcd,
     EtcdAuthError,
@@ -33,6 +31,8 @@ from shoal.consumer.etcd import (
     EtcdUnavailable,
     check_security,
 )
+from shoal.consumer.cli import main
+from shoal.consumer.config import config_from_env
 from shoal.operator.etcdsecret import EtcdClients, EtcdSecretProblem, SecretData
 
 pytestmark = pytest.mark.timeout(120)

@@ -19,8 +19,8 @@ import pytest
 from harness.fleet import Fleet, settled, wait_for_status
 from harness.waiting import eventually_async
 from shoal.assignor import min_moves, moved
+from shoal.clients.etcd import Etcd
 from shoal.consumer.config import GroupConfig
-from shoal.consumer.etcd import Etcd
 from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.ledger import LedgerRecord, audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer

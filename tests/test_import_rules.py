@@ -49,10 +49,16 @@ def test_each_rule_names_the_file_the_line_and_the_rule(tmp_path: Path) -> None:
                 "def later():\n    from ..consumer.etcd import Etcd\n"
             ),
             "analytics/src/shoal/analytics/report.py": "import shoal.consumer.worker\n",
+            "common/src/shoal/clients/etcd.py": (
+                "from shoal.clients import backoff\nfrom shoal.consumer.config import X\n"
+            ),
         },
     )
     problems = rules.check(root, frozenset())
     assert problems == [
+        "common/src/shoal/clients/etcd.py:2: shoal.clients.etcd imports "
+        "shoal.consumer.config.X: the clients import nothing of Shoal but the contracts "
+        "and themselves",
         "common/src/shoal/contracts/names.py:2: shoal.contracts.names imports "
         "shoal.consumer.worker: the contracts and the modules beside them import nothing of "
         "Shoal but the contracts",

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from shoal.clients.etcd import Etcd
 from shoal.consumer.config import GroupConfig
-from shoal.consumer.etcd import Etcd
 from shoal.consumer.membership import Membership
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]

@@ -25,11 +25,12 @@ from harness.fleet import Fleet, settled, wait_for_status
 from harness.natssecurity import NatsServerSecurity, NatsUser
 from harness.securegroup import drain_and_audit, operator_made_config, produce_paced
 from harness.servers import NatsServer
+from shoal.clients.etcd import Etcd
+from shoal.clients.nats import connect
+from shoal.clients.natsauth import NatsSecurity
 from shoal.consumer.cli import main
 from shoal.consumer.config import GroupConfig
-from shoal.consumer.etcd import Etcd
-from shoal.consumer.jetstream import connect, ensure_group
-from shoal.consumer.natsauth import NatsSecurity
+from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.permissions import default_inbox_prefix, default_producer_inbox_prefix
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.contracts.names import SEQ_HEADER, durable_name

@@ -25,10 +25,11 @@ from harness.natssecurity import NatsServerSecurity, NatsUser
 from harness.securegroup import drain_and_audit, operator_made_config, produce_paced
 from harness.servers import NatsServer
 from harness.waiting import eventually_async
+from shoal.clients.etcd import Etcd
+from shoal.clients.nats import connect
+from shoal.clients.natsauth import NatsSecurity
 from shoal.consumer.config import GroupConfig
-from shoal.consumer.etcd import Etcd
-from shoal.consumer.jetstream import connect, ensure_group
-from shoal.consumer.natsauth import NatsSecurity
+from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.permissions import (
     Permissions,
     default_exporter_inbox_prefix,

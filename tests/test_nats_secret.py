@@ -21,8 +21,8 @@ from kubernetes.client.rest import ApiException
 from harness.fakesecrets import FakeSecrets, b64, file_mode
 from harness.localkube.pki import ensure_pki
 from harness.securenats import NatsUser, SecureNats, secure_nats_server
-from shoal.consumer.jetstream import connect
-from shoal.consumer.natsauth import NatsSecurity
+from shoal.clients.nats import connect
+from shoal.clients.natsauth import NatsSecurity
 from shoal.contracts.spec import NatsSpec
 from shoal.operator.builders import NatsPodSecrets
 from shoal.operator.etcdsecret import SecretData

@@ -24,15 +24,15 @@ from harness.localkube.pki import ensure_pki
 from harness.natssecurity import NatsServerSecurity, NatsUser, issue_client_cert
 from harness.servers import NatsServer
 from harness.waiting import eventually
-from shoal.consumer import ready as readiness
-from shoal.consumer.cli import main
-from shoal.consumer.jetstream import HEALTH_SUBJECT, connect
-from shoal.consumer.natsauth import (
+from shoal.clients.nats import HEALTH_SUBJECT, connect
+from shoal.clients.natsauth import (
     NatsConfigError,
     NatsRefused,
     NatsSecurity,
     refusal,
 )
+from shoal.consumer import ready as readiness
+from shoal.consumer.cli import main
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 

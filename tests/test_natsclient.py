@@ -21,7 +21,7 @@ from nats.protocol.parser import Parser
 
 from harness.servers import NatsServer
 from harness.waiting import eventually_async
-from shoal.consumer.natsclient import (
+from shoal.clients.natsclient import (
     Delivery,
     DirectClient,
     FastParser,

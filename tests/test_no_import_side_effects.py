@@ -1,7 +1,7 @@
 """Importing Shoal changes nothing process-wide; `quiet_known_noise` does, when asked.
 
-Importing shoal.consumer.etcd once replaced threading.excepthook for the whole process,
-and shoal.consumer.jetstream added a filter to asyncio's logger (issue 28): whoever
+Importing the etcd client once replaced threading.excepthook for the whole process, and
+the NATS connection's module added a filter to asyncio's logger (issue 28): whoever
 imported them for one function got both. Now the commands install them through
 setup_logging, and tests and benchmarks call quiet_known_noise themselves.
 """
@@ -18,7 +18,8 @@ from typing import Any
 from shoal.logs import quiet_known_noise
 
 PRODUCT_MODULES = [
-    "shoal.consumer.etcd",
+    "shoal.clients.etcd",
+    "shoal.clients.nats",
     "shoal.consumer.jetstream",
     "shoal.consumer.worker",
     "shoal.consumer.runtime",

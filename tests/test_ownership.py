@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from shoal.clients.etcd import KV
 from shoal.consumer.config import GroupConfig
-from shoal.consumer.etcd import KV
 from shoal.consumer.metrics import Metrics
 from shoal.consumer.ownership import _NEXT, Ownership, Stage
 from shoal.consumer.partition import PartitionRunner

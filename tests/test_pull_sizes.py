@@ -20,8 +20,8 @@ import pytest
 
 from harness.fleet import Fleet, settled, wait_for_status
 from harness.waiting import eventually_async
+from shoal.clients.etcd import Etcd
 from shoal.consumer.config import GroupConfig, config_env
-from shoal.consumer.etcd import Etcd
 from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.partition import IDLE_BATCH, PULL_FLOOR
 from shoal.consumer.producer import Outgoing, Producer

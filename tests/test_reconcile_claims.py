@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from shoal.clients.etcd import KV
 from shoal.consumer.config import GroupConfig
-from shoal.consumer.etcd import KV
 from shoal.consumer.metrics import Metrics
 from shoal.consumer.ownership import Stage
 from shoal.consumer.partition import PartitionRunner

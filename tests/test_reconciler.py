@@ -22,8 +22,8 @@ import pytest
 from nats import errors as nats_errors
 
 from harness.localkube.pki import ensure_pki
+from shoal.clients.natsauth import NatsSecurity
 from shoal.consumer.jetstream import StreamConfigConflict
-from shoal.consumer.natsauth import NatsSecurity
 from shoal.contracts.spec import SpecError
 from shoal.operator import reconciler
 from shoal.operator.builders import (
@@ -476,7 +476,7 @@ class Case:
 
 
 def refused(message: str) -> Exception:
-    """What shoal.consumer.jetstream.connect raises when NATS refuses the login."""
+    """What shoal.clients.nats.connect raises when NATS refuses the login."""
     error = ConnectionError(f"NATS at {NATS_URL} unreachable after 2 attempts")
     error.__cause__ = nats_errors.Error(message)
     return error

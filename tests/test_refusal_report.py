@@ -30,8 +30,8 @@ from harness.fleet import Fleet
 from harness.natssecurity import NatsServerSecurity, NatsUser
 from harness.servers import NatsServer
 from harness.waiting import eventually, eventually_async
-from shoal.consumer.etcd import Etcd
-from shoal.consumer.natsauth import NatsRefusal
+from shoal.clients.etcd import Etcd
+from shoal.clients.natsauth import NatsRefusal
 from shoal.consumer.problems import RefusalReporter
 from shoal.consumer.status import status_from_view
 from shoal.consumer.view import GroupView

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
+from shoal.clients.etcd import Etcd, EtcdAuthError
 from shoal.consumer.config import GroupConfig
-from shoal.consumer.etcd import Etcd, EtcdAuthError
 from shoal.consumer.metrics import Metrics
 from shoal.consumer.ownership import Stage
 from shoal.consumer.partition import PartitionRunner

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
+from shoal.clients.etcd import Etcd
 from shoal.consumer.config import GroupConfig
-from shoal.consumer.etcd import Etcd
 
 pytestmark = pytest.mark.e2e
 

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from shoal.consumer.etcd import KV
+from shoal.clients.etcd import KV
 from shoal.consumer.view import Claim, GroupView
 from shoal.contracts.names import Keys
 

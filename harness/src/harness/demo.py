@@ -23,8 +23,8 @@ from harness.fleet import Fleet, settled, wait_for_status
 from harness.servers import EtcdServer, NatsServer
 from harness.waiting import WaitTimeout, eventually_async
 from shoal.assignor import moved
+from shoal.clients.etcd import Etcd
 from shoal.consumer.config import GroupConfig
-from shoal.consumer.etcd import Etcd
 from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.ledger import audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer

@@ -50,8 +50,8 @@ from harness.servers import (
     ServerProcess,
     _http_get,
 )
+from shoal.clients.etcd import TRANSIENT_ERRORS, Etcd
 from shoal.consumer.config import GroupConfig
-from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd
 from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.ledger import LedgerRecord, read_ledger
 from shoal.consumer.status import GroupStatus, read_status

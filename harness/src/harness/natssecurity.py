@@ -37,7 +37,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from harness.localkube.pki import Pki, ensure_pki, ensure_serving_cert
-from shoal.consumer.natsauth import NatsSecurity
+from shoal.clients.natsauth import NatsSecurity
 
 __all__ = ["NatsServerSecurity", "NatsUser", "issue_client_cert", "subject_matches"]
 
@@ -146,7 +146,7 @@ class NatsServerSecurity:
 
     def client(self, user: str, inbox_prefix: str | None = None) -> NatsSecurity:
         """The settings a test's own client needs to reach this server as `user` (the
-        same files and password as `client_env`, as shoal.consumer.natsauth takes them)."""
+        same files and password as `client_env`, as shoal.clients.natsauth takes them)."""
         return NatsSecurity(
             ca_file=str(self.ca_file),
             cert_file=str(self.client_cert),

@@ -8,7 +8,7 @@ the next request for that durable goes out from the same callback. No per-partit
 loop, no per-message task, no metadata parsing.
 
 ``--client lean`` runs the same reader on the member's own client path
-(``shoal.consumer.natsclient``: its parser, no ``Msg``, each message handled as it is
+(``shoal.clients.natsclient``: its parser, no ``Msg``, each message handled as it is
 read, acks and pulls appended to the client's outgoing buffer without a coroutine): not
 plain nats-py any more, but what a bare reader costs on the path the member uses, as a
 second reference.
@@ -31,7 +31,7 @@ from typing import Any
 
 import nats
 
-from shoal.consumer.natsclient import Delivery, DirectClient
+from shoal.clients.natsclient import Delivery, DirectClient
 
 
 class Plain:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from harness.natssecurity import NatsServerSecurity, NatsUser
 from harness.servers import NatsServer
-from shoal.consumer.natsauth import NatsSecurity
+from shoal.clients.natsauth import NatsSecurity
 
 __all__ = ["NatsUser", "SecureNats", "secure_nats_server"]
 

@@ -29,7 +29,7 @@ from shoal.contracts.events import AssignmentEvent, EventError, parse_event
 from shoal.contracts.names import default_stream_name, log_stream_name
 
 if TYPE_CHECKING:  # nats-py only where the export runs (lazily, below)
-    from shoal.consumer.natsauth import NatsSecurity
+    from shoal.clients.natsauth import NatsSecurity
 
 __all__ = ["ExportError", "ExportResult", "export_log", "group_log_stream", "parse_since"]
 
@@ -182,8 +182,8 @@ async def export_log(
     from nats.js import api
     from nats.js.errors import NotFoundError
 
-    from shoal.consumer.jetstream import connect
-    from shoal.consumer.natsauth import NatsConfigError, NatsSecurity
+    from shoal.clients.nats import connect
+    from shoal.clients.natsauth import NatsConfigError, NatsSecurity
 
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")

@@ -38,8 +38,8 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+from shoal.clients.etcd import TRANSIENT_ERRORS, Etcd
 from shoal.consumer.config import GroupConfig
-from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd
 from shoal.consumer.scaler import Action, Decision, Policy, ScalerState, decide, without_action
 from shoal.consumer.view import Claim, GroupView, Target
 from shoal.contracts.spec import parse_spec

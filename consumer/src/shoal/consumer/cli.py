@@ -13,15 +13,15 @@ import click
 from pydantic import ValidationError
 
 from shoal.assignor import assign, min_moves, moved, owner_counts, skew
+from shoal.clients.etcd import Etcd, EtcdAuthError, EtcdConfigError
+from shoal.clients.natsauth import NatsClosed, NatsConfigError
 from shoal.consumer import ready as readiness
 from shoal.consumer.config import (
     config_from_env,
     etcd_options_from_env,
     nats_security_from_env,
 )
-from shoal.consumer.etcd import Etcd, EtcdAuthError, EtcdConfigError
 from shoal.consumer.handlers import HandlerError
-from shoal.consumer.natsauth import NatsClosed, NatsConfigError
 from shoal.contracts.names import (
     DEFAULT_PARTITIONS,
     SEQ_HEADER,
@@ -253,7 +253,7 @@ def produce(
     run_id: str | None,
 ) -> None:
     """Publish test traffic: M messages over K project ids, each with a per-project seq."""
-    from shoal.consumer.jetstream import connect
+    from shoal.clients.nats import connect
     from shoal.consumer.producer import Outgoing, Producer
 
     prefix = subject_prefix or default_subject_prefix(namespace, group)

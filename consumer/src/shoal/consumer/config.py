@@ -17,7 +17,7 @@ from typing import Any, Literal, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from shoal.consumer.natsauth import NatsSecurity
+from shoal.clients.natsauth import NatsSecurity
 from shoal.contracts.names import (
     Keys,
     check_subject_prefix,
@@ -121,7 +121,7 @@ class GroupConfig(BaseModel):
     # NATS credentials: a credentials file (the operator mounts the group's credentials
     # secret), or a user and password, or an nkey seed file; and TLS with a private CA
     # and a client certificate (spec.nats.tlsSecret). Checked when connecting
-    # (shoal.consumer.natsauth), not here, for the same reason as etcd's below.
+    # (shoal.clients.natsauth), not here, for the same reason as etcd's below.
     nats_creds_file: str | None = None
     nats_user: str | None = None
     nats_password: SecretStr | None = None
@@ -143,7 +143,7 @@ class GroupConfig(BaseModel):
     nats_reconnect_buffer: int = Field(2 * 1024 * 1024, ge=1024)
     # etcd over TLS (CA, client certificate and key files: the operator mounts the group's
     # spec.etcd.tlsSecret) and etcd authentication. Files are checked when the etcd client
-    # is made (shoal.consumer.etcd.check_security), not here: the operator builds this
+    # is made (shoal.clients.etcd.check_security), not here: the operator builds this
     # config too, where the pods' paths do not exist.
     etcd_ca_file: str | None = None
     etcd_cert_file: str | None = None
@@ -217,7 +217,7 @@ class GroupConfig(BaseModel):
         return log_stream_name(self.stream)
 
     def etcd_options(self) -> EtcdOptions:
-        """TLS and credentials, as keyword arguments of shoal.consumer.etcd.Etcd."""
+        """TLS and credentials, as keyword arguments of shoal.clients.etcd.Etcd."""
         password = self.etcd_password.get_secret_value() if self.etcd_password else None
         return EtcdOptions(
             ca_file=self.etcd_ca_file,
@@ -228,7 +228,7 @@ class GroupConfig(BaseModel):
         )
 
     def nats_security(self) -> NatsSecurity:
-        """TLS and credentials for shoal.consumer.jetstream.connect."""
+        """TLS and credentials for shoal.clients.nats.connect."""
         password = self.nats_password.get_secret_value() if self.nats_password else None
         return NatsSecurity(
             ca_file=self.nats_ca_file,

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.assignor import assign, moved, relieve_stalls
-from shoal.consumer.backoff import QuietLog
+from shoal.clients.backoff import QuietLog
+from shoal.clients.etcd import TRANSIENT_ERRORS, Etcd
 from shoal.consumer.config import GroupConfig
-from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd
 from shoal.consumer.membership import Membership
 from shoal.consumer.view import GroupView, LeaderKey
 from shoal.contracts.values import TargetValue

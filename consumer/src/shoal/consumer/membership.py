@@ -18,9 +18,9 @@ from typing import Any
 
 import grpc
 
-from shoal.consumer.backoff import Backoff, QuietLog
+from shoal.clients.backoff import Backoff, QuietLog
+from shoal.clients.etcd import TRANSIENT_ERRORS, Etcd
 from shoal.consumer.config import GroupConfig
-from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd
 
 log = logging.getLogger(__name__)
 

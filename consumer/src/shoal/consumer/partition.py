@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 from nats.js.errors import NotFoundError
 
+from shoal.clients.natsclient import Delivery
 from shoal.consumer.alarm import Alarm
 from shoal.consumer.dispatch import Held, ProjectQueue
 from shoal.consumer.handlers import Fenced
 from shoal.consumer.holding import PARTITION_HOLD_SECONDS, HoldBudget
 from shoal.consumer.jetstream import consumer_config
-from shoal.consumer.natsclient import Delivery
 from shoal.consumer.progress import Progress
 from shoal.consumer.pull import PullRequest, RequestWatch
 from shoal.consumer.takeover import Gate, describe

@@ -23,9 +23,9 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from shoal.clients.nats import HEALTH_SUBJECT
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.deadletter import ADVISORY
-from shoal.consumer.jetstream import HEALTH_SUBJECT
 from shoal.contracts.names import (
     assignments_subject,
     dlq_subjects,
@@ -84,7 +84,7 @@ def member_permissions(
         *dlq_subjects(prefix),
         # The leader's assignment log (runtime.py).
         assignments_subject(prefix),
-        # The reachability round trip (jetstream.NatsHealth): answered "no responders".
+        # The reachability round trip (shoal.clients.nats.NatsHealth): answered "no responders".
         HEALTH_SUBJECT,
     ]
     if config.ledger:

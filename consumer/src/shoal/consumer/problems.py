@@ -20,9 +20,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from shoal.consumer.backoff import QuietLog
-from shoal.consumer.etcd import Etcd, describe
-from shoal.consumer.natsauth import NatsRefusal
+from shoal.clients.backoff import QuietLog
+from shoal.clients.etcd import Etcd, describe
+from shoal.clients.natsauth import NatsRefusal
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.assignor import owner_counts, skew
-from shoal.consumer.etcd import Etcd
+from shoal.clients.etcd import Etcd
 from shoal.consumer.problems import MemberProblem
 from shoal.consumer.view import GroupView
 from shoal.contracts.names import Keys

@@ -15,8 +15,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from shoal.consumer.backoff import Backoff, QuietLog
-from shoal.consumer.etcd import KV, TRANSIENT_ERRORS, Etcd, Watch, describe
+from shoal.clients.backoff import Backoff, QuietLog
+from shoal.clients.etcd import KV, TRANSIENT_ERRORS, Etcd, Watch, describe
 from shoal.consumer.problems import MemberProblem
 from shoal.contracts.names import Keys
 from shoal.contracts.values import TargetValue, ValueRefused

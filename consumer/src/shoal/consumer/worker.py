@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from shoal.clients.etcd import TRANSIENT_ERRORS, Etcd
+from shoal.clients.natsclient import Delivery, DirectClient
 from shoal.consumer.config import GroupConfig
 from shoal.consumer.deadletter import dead_letter_headers
 from shoal.consumer.dispatch import (
@@ -41,7 +43,6 @@ from shoal.consumer.dispatch import (
     Held,
     Outcome,
 )
-from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd
 from shoal.consumer.handlers import (
     DeliveredMessage,
     Fenced,
@@ -55,7 +56,6 @@ from shoal.consumer.handover_log import HandOverLog, ranges
 from shoal.consumer.holding import HoldBudget
 from shoal.consumer.membership import Membership
 from shoal.consumer.metrics import Metrics
-from shoal.consumer.natsclient import Delivery, DirectClient
 from shoal.consumer.ownership import Ownership, Slot, Stage
 from shoal.consumer.partition import IDLE_BATCH, PartitionRunner, ack_fields
 from shoal.consumer.progress import WEDGED_AFTER_STALLS, Change
@@ -122,7 +122,7 @@ class Worker:
         nats_reachable: Callable[[], bool] | None = None,
     ) -> None:
         self.config = config
-        # False while NATS does not answer (jetstream.NatsHealth): the leader then moves
+        # False while NATS does not answer (shoal.clients.nats.NatsHealth): the leader then moves
         # our partitions away, and releasing them must not wait on NATS round trips.
         self.nats_reachable: Callable[[], bool] = nats_reachable or (lambda: True)
         self.etcd = etcd
@@ -538,7 +538,7 @@ class Worker:
 
     async def run(self) -> None:
         if not isinstance(self.nc, DirectClient):
-            raise TypeError("a Worker reads through shoal.consumer.natsclient.DirectClient")
+            raise TypeError("a Worker reads through shoal.clients.natsclient.DirectClient")
         await self.view.synced.wait()
         self._inbox_prefix = self.nc.new_inbox()
         # No callback: the direct path hands every message over as it is read.

@@ -31,8 +31,8 @@ from typing import Protocol
 
 from kubernetes.client.rest import ApiException
 
+from shoal.clients.etcd import Etcd
 from shoal.consumer.config import EtcdOptions
-from shoal.consumer.etcd import Etcd
 from shoal.operator.builders import ETCD_AUTH_KEYS, ETCD_CA_KEY, ETCD_CERT_KEY, ETCD_KEY_KEY
 
 log = logging.getLogger(__name__)

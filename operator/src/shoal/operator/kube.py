@@ -9,7 +9,7 @@ from typing import Any
 from kubernetes import client, dynamic
 from kubernetes.client.rest import ApiException
 
-from shoal.consumer.kube import api_client
+from shoal.clients.kube import api_client
 from shoal.operator.etcdsecret import SecretData
 
 __all__ = ["Kube", "api_client"]

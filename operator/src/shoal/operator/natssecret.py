@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 
 from kubernetes.client.rest import ApiException
 
-from shoal.consumer.natsauth import NatsSecurity, refusal
+from shoal.clients.natsauth import NatsSecurity, refusal
 from shoal.contracts.spec import NatsSpec
 from shoal.operator.builders import (
     NATS_CA_KEY,

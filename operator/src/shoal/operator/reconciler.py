@@ -30,11 +30,12 @@ from typing import Any
 
 import kopf
 
+from shoal.clients.etcd import TRANSIENT_ERRORS, Etcd, EtcdUnavailable, describe
+from shoal.clients.nats import connect
+from shoal.clients.natsauth import NatsConfigError
 from shoal.consumer.config import GroupConfig
-from shoal.consumer.etcd import TRANSIENT_ERRORS, Etcd, EtcdUnavailable, describe
 from shoal.consumer.handlers import HandlerError, load_handler
-from shoal.consumer.jetstream import StreamConfigConflict, connect, ensure_group
-from shoal.consumer.natsauth import NatsConfigError
+from shoal.consumer.jetstream import StreamConfigConflict, ensure_group
 from shoal.consumer.status import GroupStatus, status_from_view
 from shoal.consumer.view import GroupView
 from shoal.contracts.names import (

@@ -20,7 +20,7 @@ import logging
 import threading
 from typing import Any
 
-from shoal.consumer.etcd import Etcd, Watch
+from shoal.clients.etcd import Etcd, Watch
 from shoal.operator.observe import stalled_partitions
 
 log = logging.getLogger(__name__)

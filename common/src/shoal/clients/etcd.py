@@ -38,7 +38,7 @@ import grpc
 from etcd3 import etcdrpc
 from etcd3.client import Transactions
 
-from shoal.consumer.backoff import QuietLog
+from shoal.clients.backoff import QuietLog
 
 log = logging.getLogger(__name__)
 

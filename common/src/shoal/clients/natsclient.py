@@ -273,7 +273,7 @@ class DirectClient(Client):
 
     def __init__(self) -> None:
         super().__init__()
-        # Set once the connection is closed for good (shoal.consumer.jetstream.connect
+        # Set once the connection is closed for good (shoal.clients.nats.connect
         # sets it from its closed callback; the member's runtime waits on it).
         self.closed_event = asyncio.Event()
         self._ps = FastParser(self)

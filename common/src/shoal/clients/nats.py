@@ -1,0 +1,234 @@
+"""The NATS connection every Shoal process makes: retried with backoff, each refusal one
+log line naming its reason (natsauth.py), and a reachability check (`NatsHealth`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import nats
+from nats.errors import NoRespondersError
+
+from shoal.clients.backoff import QuietLog
+from shoal.clients.natsauth import (
+    NatsRefusal,
+    NatsRefused,
+    NatsSecurity,
+    diagnose_tls,
+    maybe_tls_refusal,
+    refusal,
+)
+from shoal.clients.natsclient import DirectClient
+
+log = logging.getLogger(__name__)
+
+
+class _Callbacks:
+    """One-line logs for a connection's events instead of nats-py's tracebacks."""
+
+    def __init__(
+        self, on_refusal: Callable[[NatsRefusal | None], None] | None, closed: asyncio.Event
+    ) -> None:
+        self.nc: Any = None
+        self.on_refusal = on_refusal
+        self.closed_event = closed
+        # nats-py tries to reconnect every reconnect_time_wait while NATS is away, and
+        # reports each failure: one line per 10 s is enough.
+        self._errors = QuietLog(log)
+
+    def _closing(self) -> bool:
+        return self.nc is not None and (self.nc.is_closed or self.nc.is_draining)
+
+    async def error(self, exc: Exception) -> None:
+        if self._closing():
+            return
+        why = refusal(exc)
+        if why is not None:
+            # E.g. the password was changed on the server while we were connected.
+            if self.on_refusal is not None:
+                self.on_refusal(why)
+            self._errors.failed(logging.ERROR, "%s (reconnecting)", why)
+        else:
+            self._errors.failed(logging.WARNING, "NATS connection error: %r", exc)
+
+    async def disconnected(self) -> None:
+        if not self._closing():
+            log.warning("Disconnected from NATS; reconnecting")
+
+    async def closed(self) -> None:
+        self.closed_event.set()
+
+    async def reconnected(self) -> None:
+        self._errors.recovered()
+        if self.on_refusal is not None:
+            self.on_refusal(None)
+        log.info("Reconnected to NATS")
+
+
+# (asyncio's warning at the end of each TLS connection is quieted by
+# shoal.logs.quiet_known_noise, which the commands install: no import-time side effect.)
+
+
+async def connect(
+    url: str,
+    *,
+    name: str,
+    attempts: int | None = None,
+    security: NatsSecurity | None = None,
+    reconnect_buffer: int | None = None,
+    on_refusal: Callable[[NatsRefusal | None], None] | None = None,
+) -> Any:
+    """Connect to NATS, retrying with capped backoff and saying why each attempt failed.
+
+    With reconnects enabled nats-py never fails a first connect (it retries on its own,
+    every reconnect_time_wait, without backoff or a word to us), so each attempt is made
+    with reconnects off; once one succeeds the returned connection reconnects forever.
+
+    Settings that cannot work (a missing file, a certificate without its key) raise
+    NatsConfigError before any attempt. A server that refuses us (credentials, TLS) is
+    logged as one line naming the reason (NatsAuthFailed, NatsTLSFailed), repeated at
+    most every 10 s, and reported to `on_refusal` (None once connected): a member keeps
+    retrying, since someone may fix the server or the secret; a caller with `attempts`
+    (CLI, operator) gets NatsRefused at once, since retrying cannot help it.
+    """
+    security = security or NatsSecurity()
+    security.check()
+    auth = security.connect_options()
+    delay = 0.2
+    attempt = 0
+    refused = QuietLog(log)
+    while True:
+        attempt += 1
+        try:
+            # max_reconnect_attempts=1: nats-py only gives up on a server when it is > 0.
+            probe = await nats.connect(
+                url,
+                **auth,
+                name=name,
+                connect_timeout=2,
+                allow_reconnect=False,
+                max_reconnect_attempts=1,
+                reconnect_time_wait=0.1,
+                error_cb=_quiet,
+            )
+            await probe.close()
+            # The member reads its pull replies through the direct path (natsclient).
+            nc = DirectClient()
+            # closed_event: set once nats-py closed it for good (runtime waits on it).
+            callbacks = _Callbacks(on_refusal, nc.closed_event)
+            options: dict[str, Any] = {
+                **auth,
+                "name": name,
+                "connect_timeout": 2,
+                "max_reconnect_attempts": -1,
+                "reconnect_time_wait": 0.5,
+                "allow_reconnect": True,
+                # A leaving member drains its connection last; nats-py's default (30 s)
+                # would outlast a pod's grace period if a subscription never empties.
+                "drain_timeout": 5,
+                **({"pending_size": reconnect_buffer} if reconnect_buffer else {}),
+                "error_cb": callbacks.error,
+                "disconnected_cb": callbacks.disconnected,
+                "reconnected_cb": callbacks.reconnected,
+                "closed_cb": callbacks.closed,
+            }
+            await nc.connect(url, **options)
+            callbacks.nc = nc
+            if on_refusal is not None:
+                on_refusal(None)
+            refused.recovered()
+            if attempt > 1:
+                log.info("Connected to NATS at %s after %d attempts", url, attempt)
+            return nc
+        except Exception as exc:  # nats-py raises several unrelated types here
+            why = refusal(exc)
+            if why is None and maybe_tls_refusal(exc, url, security):
+                why = await diagnose_tls(url, security)
+            if why is not None:
+                if attempts is not None:
+                    raise NatsRefused(why) from None
+                if on_refusal is not None:
+                    on_refusal(why)
+                refused.failed(logging.ERROR, "%s (NATS at %s); retrying", why, url)
+            else:
+                if attempts is not None and attempt >= attempts:
+                    raise ConnectionError(
+                        f"NATS at {url} unreachable after {attempt} attempts: {exc!r}"
+                    ) from exc
+                log.warning("NATS at %s unreachable (%r); retrying in %.1f s", url, exc, delay)
+            await asyncio.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, 10.0)
+
+
+async def _quiet(exc: Exception) -> None:
+    pass
+
+
+# Nobody subscribes here: the server itself answers "no responders" at once.
+HEALTH_SUBJECT = "_SHOAL.HEALTH"
+
+
+class NatsHealth:
+    """Whether this member can reach JetStream, from a round trip every `interval`.
+
+    nats-py alone cannot tell: on a silent network (a partition, a blackhole) it keeps
+    the connection "connected" until ping_interval x max_outstanding_pings (4 minutes by
+    default), buffering publishes and letting every request time out. A member that can
+    reach etcd but not NATS must give its partitions up (DESIGN "Faults"), so it has to
+    know within seconds: `reachable()` turns false once round trips have been failing for
+    `grace` seconds.
+    """
+
+    def __init__(self, nc: Any, *, interval: float = 1.0, grace: float = 3.0) -> None:
+        self.nc = nc
+        self.interval = interval
+        self.grace = grace
+        # When the round trips started failing (None: the last one succeeded). Counted
+        # from failures, not from the last success, so that a process that merely got
+        # no CPU for a while (its probes did not run) is not taken for one cut off.
+        self._failing_since: float | None = None
+
+    def reachable(self) -> bool:
+        since = self._failing_since
+        return since is None or time.monotonic() - since < self.grace
+
+    async def run(self) -> None:
+        was = True
+        while True:
+            started = time.monotonic()
+            try:
+                # A request nobody answers but the server ("no responders"), not
+                # nc.flush(): a late answer to a timed-out request is just dropped.
+                # (nats-py 2.x crashes its read loop on a PONG for a flush that timed
+                # out, leaving a connection that writes but never reads again.) Not a
+                # JetStream API request: in a cluster, JetStream stops answering while
+                # its meta leader is re-elected, and every member would give all its
+                # partitions up for nothing. A JetStream that does not serve a partition
+                # shows in that partition's pulls instead.
+                try:
+                    await self.nc.request(HEALTH_SUBJECT, b"", timeout=self.interval)
+                except NoRespondersError:
+                    pass  # the server answered: reachable
+                self._failing_since = None
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # nats-py raises several unrelated types here
+                log.debug("NATS round trip failed: %r", exc)
+                if self._failing_since is None:
+                    self._failing_since = started
+            now = self.reachable()
+            if now != was:
+                was = now
+                if now:
+                    log.info("NATS reachable again")
+                else:
+                    log.warning(
+                        "NATS unreachable for %.0f s: giving this member's partitions up",
+                        self.grace,
+                    )
+            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
