@@ -34,11 +34,11 @@ from harness.fleet import Fleet, settled, wait_for_status
 from harness.servers import EtcdServer, NatsServer
 from harness.waiting import eventually_async
 from shoal.clients.etcd import Etcd
-from shoal.consumer.config import GroupConfig, config_env
-from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.ledger import audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.contracts.names import SEQ_HEADER
+from shoal.group.config import GroupConfig, config_env
+from shoal.group.jetstream import ensure_group
 from shoal.logs import quiet_known_noise
 
 BENCH = "datapath"

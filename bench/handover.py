@@ -71,12 +71,12 @@ from harness.bench import (
 from harness.fleet import Fleet, settled, wait_for_status
 from harness.servers import EtcdServer, NatsServer
 from shoal.clients.etcd import Etcd
-from shoal.consumer.config import GroupConfig
-from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.ledger import LedgerRecord, audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer
-from shoal.consumer.status import read_status
 from shoal.contracts.names import SEQ_HEADER, partition_for
+from shoal.group.config import GroupConfig
+from shoal.group.jetstream import ensure_group
+from shoal.group.status import read_status
 from shoal.logs import quiet_known_noise
 
 BENCH = "handover"

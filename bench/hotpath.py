@@ -27,12 +27,12 @@ from typing import Any
 from harness.bench import emit
 from shoal.clients.natsclient import DirectClient
 from shoal.consumer import handlers
-from shoal.consumer.config import GroupConfig
 from shoal.consumer.metrics import Metrics
 from shoal.consumer.ownership import Stage
 from shoal.consumer.partition import PartitionRunner
 from shoal.consumer.worker import Worker
 from shoal.contracts.names import MSG_ID_HEADER, PROJECT_HEADER, durable_name, partition_for
+from shoal.group.config import GroupConfig
 
 PARTITIONS = 128
 PROJECTS = 1_000

@@ -78,11 +78,11 @@ from harness.localkube.tools import natscli_path
 from harness.servers import EtcdServer, NatsServer, free_port
 from harness.waiting import eventually_async
 from shoal.clients.etcd import Etcd
-from shoal.consumer.config import GroupConfig
-from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.producer import Outgoing, Producer
-from shoal.consumer.status import read_status
 from shoal.contracts.names import durable_name
+from shoal.group.config import GroupConfig
+from shoal.group.jetstream import ensure_group
+from shoal.group.status import read_status
 from shoal.logs import quiet_known_noise
 
 BENCH = "throughput"

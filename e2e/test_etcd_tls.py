@@ -43,8 +43,8 @@ from harness.localkube.pki import Pki, ensure_pki, ensure_serving_cert
 from harness.localkube.plane import LocalKube
 from harness.servers import EtcdServer, EtcdTLS
 from shoal.clients.etcd import Etcd
-from shoal.consumer.status import GroupStatus, read_status
 from shoal.contracts.names import Keys
+from shoal.group.status import GroupStatus, read_status
 from shoal.operator.builders import ETCD_SECRET_VERSION
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]

@@ -18,7 +18,6 @@ import pytest
 from harness.audit import resumed_after
 from harness.faults import FaultGroup
 from harness.servers import NatsServer
-from shoal.consumer.jetstream import ensure_group
 from shoal.contracts.names import (
     MSG_ID_HEADER,
     PROJECT_HEADER,
@@ -26,6 +25,7 @@ from shoal.contracts.names import (
     partition_for,
     partition_subject,
 )
+from shoal.group.jetstream import ensure_group
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.timeout(240)]
 

@@ -21,8 +21,8 @@ import pytest
 from harness.audit import longest_gap, resumed_after
 from harness.faults import FaultGroup
 from harness.servers import NatsServer
-from shoal.consumer.jetstream import ensure_group
 from shoal.contracts.names import DEAD_LETTER_REASON_HEADER, PROJECT_HEADER
+from shoal.group.jetstream import ensure_group
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.timeout(240)]
 
@@ -163,7 +163,7 @@ async def test_dead_letter_stream_deleted_while_messages_go_to_it(
     """Under load, the group's dead-letter stream is deleted; then five projects (on five
     partitions) each send a `permanent` message (PermanentError: dead-lettered at once)
     followed by two ordinary ones. Their dead-letter publishes fail for 15 s; then the
-    stream is recreated (shoal.consumer.jetstream.ensure_group, as the operator does).
+    stream is recreated (shoal.group.jetstream.ensure_group, as the operator does).
 
     Bound: while the stream is gone those projects' later messages wait (order); once it
     is back, the five dead letters arrive and the projects continue within 15 s (the

@@ -20,7 +20,7 @@ from harness.fakesecrets import FakeSecrets
 from harness.fleet import Fleet
 from harness.servers import EtcdServer, NatsServer
 from shoal.clients.etcd import Etcd
-from shoal.consumer.config import GroupConfig
+from shoal.group.config import GroupConfig
 
 
 @pytest.fixture(scope="session")

@@ -18,8 +18,8 @@ from harness.natssecurity import subject_matches
 from harness.servers import NatsServer
 from shoal.consumer.accounts import Export, default_api_prefix, group_exports
 from shoal.consumer.cli import main
-from shoal.consumer.config import GroupConfig, config_from_env
 from shoal.consumer.permissions import default_inbox_prefix, member_permissions
+from shoal.group.config import GroupConfig, config_from_env
 
 PREFIX = "JS.SHOAL.API"
 

@@ -23,8 +23,8 @@ import pytest
 
 from harness.fleet import Fleet, settled, wait_for_events, wait_for_status
 from shoal.clients.etcd import Etcd
-from shoal.consumer.config import GroupConfig
-from shoal.consumer.jetstream import ensure_group
+from shoal.group.config import GroupConfig
+from shoal.group.jetstream import ensure_group
 
 pytestmark = [pytest.mark.e2e, pytest.mark.spark, pytest.mark.timeout(420)]
 

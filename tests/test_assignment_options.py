@@ -13,12 +13,12 @@ from harness.fleet import Fleet, settled, wait_for_events, wait_for_status
 from harness.waiting import eventually_async
 from shoal.assignor import assign
 from shoal.clients.etcd import Etcd
-from shoal.consumer.config import GroupConfig, config_from_env
 from shoal.consumer.election import loads_from_stats, max_member_load
-from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.producer import Producer
-from shoal.consumer.status import read_status
 from shoal.contracts.names import partition_for
+from shoal.group.config import GroupConfig, config_from_env
+from shoal.group.jetstream import ensure_group
+from shoal.group.status import read_status
 from shoal.operator.builders import consumer_env
 from shoal.operator.settings import OperatorSettings
 

@@ -30,7 +30,6 @@ from shoal.consumer.autoscaler import (
     resume_state,
     retry_delay,
 )
-from shoal.consumer.config import GroupConfig
 from shoal.consumer.cpu import (
     CpuMeter,
     ceiling_cores,
@@ -40,8 +39,9 @@ from shoal.consumer.cpu import (
     parse_millicores,
 )
 from shoal.consumer.scaler import Decision
-from shoal.consumer.view import Claim, GroupView, Target
 from shoal.contracts.values import ScaleRecord
+from shoal.group.config import GroupConfig
+from shoal.group.view import Claim, GroupView, Target
 from shoal.operator.builders import consumer_env, cpu_millicores
 from shoal.operator.observe import last_scale
 from shoal.operator.settings import OperatorSettings

@@ -19,8 +19,6 @@ from harness.fleet import Fleet, settled, wait_for_status
 from harness.servers import free_port
 from harness.waiting import eventually_async
 from shoal.clients.etcd import Etcd
-from shoal.consumer.config import GroupConfig
-from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.ledger import read_ledger
 from shoal.consumer.producer import Producer
 from shoal.contracts.names import (
@@ -31,6 +29,8 @@ from shoal.contracts.names import (
     partition_for,
     partition_subject,
 )
+from shoal.group.config import GroupConfig
+from shoal.group.jetstream import ensure_group
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 

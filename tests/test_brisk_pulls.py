@@ -25,13 +25,13 @@ import pytest
 from harness.fleet import Fleet, settled, wait_for_status
 from harness.waiting import eventually_async
 from shoal.clients.etcd import KV, Etcd
-from shoal.consumer.config import GroupConfig, config_env
-from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.metrics import Metrics
 from shoal.consumer.producer import Outgoing, Producer
-from shoal.consumer.view import GroupView
 from shoal.consumer.worker import BRISK_EXPIRES, BRISK_FOR, Worker
 from shoal.contracts.names import SEQ_HEADER, partition_for
+from shoal.group.config import GroupConfig, config_env
+from shoal.group.jetstream import ensure_group
+from shoal.group.view import GroupView
 
 CONFIG = GroupConfig(group="g", namespace="ns", member_id="m-0", partitions=4)
 

@@ -18,9 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from shoal.consumer.config import ENV_FIELDS, GroupConfig, config_from_env
 from shoal.consumer.permissions import member_permissions
 from shoal.contracts.names import GROUP_LABEL, default_stream_name, default_subject_prefix
+from shoal.group.config import ENV_FIELDS, GroupConfig, config_from_env
 from shoal.operator.builders import (
     ETCD_SECRET_VERSION,
     NATS_CREDENTIALS_SECRET_VERSION,

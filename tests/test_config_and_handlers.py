@@ -14,7 +14,6 @@ from click.testing import CliRunner
 from pydantic import ValidationError
 
 from shoal.consumer.cli import main
-from shoal.consumer.config import GroupConfig, config_from_env
 from shoal.consumer.handlers import (
     HandlerContext,
     HandlerError,
@@ -25,6 +24,7 @@ from shoal.consumer.handlers import (
     noop,
     simulated_work,
 )
+from shoal.group.config import GroupConfig, config_from_env
 
 
 def test_defaults_derive_names_from_namespace_and_group() -> None:

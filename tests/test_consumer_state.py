@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 from harness.servers import NatsServer
-from shoal.consumer.config import GroupConfig
-from shoal.consumer.jetstream import ensure_group
 from shoal.contracts.names import durable_name
+from shoal.group.config import GroupConfig
+from shoal.group.jetstream import ensure_group
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 

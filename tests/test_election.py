@@ -13,9 +13,9 @@ import pytest
 
 from harness.waiting import eventually_async
 from shoal.clients.etcd import Etcd
-from shoal.consumer.config import GroupConfig
 from shoal.consumer.election import Election, GenerationRecord
-from shoal.consumer.view import GroupView
+from shoal.group.config import GroupConfig
+from shoal.group.view import GroupView
 
 pytestmark = pytest.mark.timeout(60)
 

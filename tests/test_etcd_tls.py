@@ -32,7 +32,7 @@ from shoal.clients.etcd import (
     check_security,
 )
 from shoal.consumer.cli import main
-from shoal.consumer.config import config_from_env
+from shoal.group.config import config_from_env
 from shoal.operator.etcdsecret import EtcdClients, EtcdSecretProblem, SecretData
 
 pytestmark = pytest.mark.timeout(120)

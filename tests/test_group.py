@@ -20,12 +20,12 @@ from harness.fleet import Fleet, settled, wait_for_status
 from harness.waiting import eventually_async
 from shoal.assignor import min_moves, moved
 from shoal.clients.etcd import Etcd
-from shoal.consumer.config import GroupConfig
-from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.ledger import LedgerRecord, audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer
-from shoal.consumer.status import GroupStatus
 from shoal.contracts.names import SEQ_HEADER
+from shoal.group.config import GroupConfig
+from shoal.group.jetstream import ensure_group
+from shoal.group.status import GroupStatus
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 

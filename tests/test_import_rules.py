@@ -100,3 +100,21 @@ def test_a_forbidden_import_fails_the_command(tmp_path: Path) -> None:
     assert done.returncode == 1
     assert "shoal.contracts.spec imports shoal.consumer.config" in done.stderr
     assert "import rule violation(s)" in done.stderr
+
+
+def test_the_operator_and_analytics_load_no_consumer_module() -> None:
+    """Issue 28's check, as a newcomer would run it: `python -X importtime -m
+    shoal.operator --help` (and importing every handler of the operator, and analytics'
+    commands) loads nothing of shoal.consumer."""
+    runs = [
+        ["-m", "shoal.operator", "--help"],
+        ["-c", "import shoal.operator.reconciler, shoal.operator.cli"],
+        ["-c", "import shoal.analytics.cli, shoal.analytics.export, shoal.analytics.generate"],
+    ]
+    for args in runs:
+        done = subprocess.run(
+            [sys.executable, "-X", "importtime", *args], capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        loaded = [line for line in done.stderr.splitlines() if "shoal.consumer" in line]
+        assert loaded == [], (args, loaded)

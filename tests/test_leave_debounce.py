@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from shoal.consumer.config import GroupConfig
 from shoal.consumer.election import LEAVE_DEBOUNCE, Election
-from shoal.consumer.view import GroupView
+from shoal.group.config import GroupConfig
+from shoal.group.view import GroupView
 
 CONFIG = GroupConfig(group="g", namespace="ns", member_id="a", partitions=8, debounce=0.5)
 

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from shoal.clients.etcd import Etcd
-from shoal.consumer.config import GroupConfig
 from shoal.consumer.membership import Membership
+from shoal.group.config import GroupConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 

@@ -29,11 +29,11 @@ from shoal.clients.etcd import Etcd
 from shoal.clients.nats import connect
 from shoal.clients.natsauth import NatsSecurity
 from shoal.consumer.cli import main
-from shoal.consumer.config import GroupConfig
-from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.permissions import default_inbox_prefix, default_producer_inbox_prefix
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.contracts.names import SEQ_HEADER, durable_name
+from shoal.group.config import GroupConfig
+from shoal.group.jetstream import ensure_group
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 

@@ -28,8 +28,6 @@ from harness.waiting import eventually_async
 from shoal.clients.etcd import Etcd
 from shoal.clients.nats import connect
 from shoal.clients.natsauth import NatsSecurity
-from shoal.consumer.config import GroupConfig
-from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.permissions import (
     Permissions,
     default_exporter_inbox_prefix,
@@ -46,6 +44,8 @@ from shoal.contracts.names import (
     durable_name,
     partition_subject,
 )
+from shoal.group.config import GroupConfig
+from shoal.group.jetstream import ensure_group
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 

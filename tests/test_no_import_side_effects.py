@@ -20,7 +20,7 @@ from shoal.logs import quiet_known_noise
 PRODUCT_MODULES = [
     "shoal.clients.etcd",
     "shoal.clients.nats",
-    "shoal.consumer.jetstream",
+    "shoal.group.jetstream",
     "shoal.consumer.worker",
     "shoal.consumer.runtime",
     "shoal.operator.reconciler",

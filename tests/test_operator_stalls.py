@@ -28,10 +28,10 @@ import pytest
 from harness.fleet import Fleet, settled, wait_for_status
 from harness.waiting import eventually_async
 from shoal.clients.etcd import Etcd
-from shoal.consumer.config import config_env
-from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.contracts.names import SEQ_HEADER, Keys, partition_for
+from shoal.group.config import config_env
+from shoal.group.jetstream import ensure_group
 from shoal.operator import reconciler
 from shoal.operator.state import OperatorMemo
 

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 
 from shoal.clients.etcd import KV
-from shoal.consumer.config import GroupConfig
 from shoal.consumer.metrics import Metrics
 from shoal.consumer.ownership import _NEXT, Ownership, Stage
 from shoal.consumer.partition import PartitionRunner
-from shoal.consumer.view import GroupView
 from shoal.consumer.worker import Worker
+from shoal.group.config import GroupConfig
+from shoal.group.view import GroupView
 
 RUNNER: Any = object()  # the record only keeps it
 

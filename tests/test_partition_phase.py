@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from shoal.consumer.config import GroupConfig
 from shoal.consumer.metrics import Metrics
 from shoal.consumer.partition import PartitionRunner, Phase
 from shoal.consumer.worker import Worker
+from shoal.group.config import GroupConfig
 
 CONFIG = GroupConfig(group="g", namespace="ns", member_id="m-0", partitions=4)
 

@@ -15,13 +15,13 @@ from click.testing import CliRunner
 from harness.natssecurity import subject_matches
 from harness.servers import NatsServer
 from shoal.consumer.cli import main
-from shoal.consumer.config import GroupConfig
 from shoal.consumer.permissions import (
     default_inbox_prefix,
     member_permissions,
     operator_permissions,
     producer_permissions,
 )
+from shoal.group.config import GroupConfig
 
 
 def config(group: str, **changes: object) -> GroupConfig:

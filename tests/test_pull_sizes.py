@@ -21,11 +21,11 @@ import pytest
 from harness.fleet import Fleet, settled, wait_for_status
 from harness.waiting import eventually_async
 from shoal.clients.etcd import Etcd
-from shoal.consumer.config import GroupConfig, config_env
-from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.partition import IDLE_BATCH, PULL_FLOOR
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.contracts.names import SEQ_HEADER, durable_name, partition_for
+from shoal.group.config import GroupConfig, config_env
+from shoal.group.jetstream import ensure_group
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 

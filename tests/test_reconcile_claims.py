@@ -14,12 +14,12 @@ import json
 from typing import Any
 
 from shoal.clients.etcd import KV
-from shoal.consumer.config import GroupConfig
 from shoal.consumer.metrics import Metrics
 from shoal.consumer.ownership import Stage
 from shoal.consumer.partition import PartitionRunner
-from shoal.consumer.view import GroupView
 from shoal.consumer.worker import Worker
+from shoal.group.config import GroupConfig
+from shoal.group.view import GroupView
 
 ME = "m-0"
 LEASE = 77

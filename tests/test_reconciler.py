@@ -23,8 +23,8 @@ from nats import errors as nats_errors
 
 from harness.localkube.pki import ensure_pki
 from shoal.clients.natsauth import NatsSecurity
-from shoal.consumer.jetstream import StreamConfigConflict
 from shoal.contracts.spec import SpecError
+from shoal.group.jetstream import StreamConfigConflict
 from shoal.operator import reconciler
 from shoal.operator.builders import (
     NATS_CREDENTIALS_SECRET_VERSION,

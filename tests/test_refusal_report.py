@@ -32,10 +32,10 @@ from harness.servers import NatsServer
 from harness.waiting import eventually, eventually_async
 from shoal.clients.etcd import Etcd
 from shoal.clients.natsauth import NatsRefusal
-from shoal.consumer.problems import RefusalReporter
-from shoal.consumer.status import status_from_view
-from shoal.consumer.view import GroupView
 from shoal.contracts.names import Keys
+from shoal.group.problems import RefusalReporter
+from shoal.group.status import status_from_view
+from shoal.group.view import GroupView
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 

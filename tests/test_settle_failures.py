@@ -13,8 +13,6 @@ import pytest
 from harness.fleet import Fleet, settled, wait_for_status
 from harness.waiting import eventually_async
 from shoal.clients.etcd import Etcd
-from shoal.consumer.config import config_env
-from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.ledger import read_ledger
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.contracts.names import (
@@ -23,6 +21,8 @@ from shoal.contracts.names import (
     dlq_subjects,
     partition_for,
 )
+from shoal.group.config import config_env
+from shoal.group.jetstream import ensure_group
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import yaml
 
-from shoal.consumer.config import GroupConfig, group_config
 from shoal.consumer.scaler import Policy
 from shoal.contracts.spec import (
     AutoscalingSpec,
@@ -24,6 +23,7 @@ from shoal.contracts.spec import (
     StreamSpec,
     parse_spec,
 )
+from shoal.group.config import GroupConfig, group_config
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD = ROOT / "crds" / "consumergroup.yaml"

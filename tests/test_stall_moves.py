@@ -20,14 +20,14 @@ import pytest
 from harness.fleet import Fleet, settled, wait_for_status
 from harness.waiting import eventually_async
 from shoal.clients.etcd import Etcd
-from shoal.consumer.config import GroupConfig, config_env
-from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.ledger import read_ledger
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.consumer.progress import WEDGED_AFTER_STALLS
 from shoal.consumer.ready import check, check_live
-from shoal.consumer.status import GroupStatus
 from shoal.contracts.names import SEQ_HEADER, partition_for
+from shoal.group.config import GroupConfig, config_env
+from shoal.group.jetstream import ensure_group
+from shoal.group.status import GroupStatus
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 

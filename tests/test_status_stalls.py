@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from shoal.clients.etcd import Etcd
-from shoal.consumer.config import GroupConfig
+from shoal.group.config import GroupConfig
 
 pytestmark = pytest.mark.e2e
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from shoal.clients.etcd import KV
-from shoal.consumer.view import Claim, GroupView
 from shoal.contracts.names import Keys
+from shoal.group.view import Claim, GroupView
 
 KEYS = Keys("ns", "g")
 

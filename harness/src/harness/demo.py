@@ -24,12 +24,12 @@ from harness.servers import EtcdServer, NatsServer
 from harness.waiting import WaitTimeout, eventually_async
 from shoal.assignor import moved
 from shoal.clients.etcd import Etcd
-from shoal.consumer.config import GroupConfig
-from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.ledger import audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer
-from shoal.consumer.status import GroupStatus, read_status
 from shoal.contracts.names import SEQ_HEADER
+from shoal.group.config import GroupConfig
+from shoal.group.jetstream import ensure_group
+from shoal.group.status import GroupStatus, read_status
 from shoal.logs import quiet_known_noise
 
 NAMESPACE, GROUP = "demo", "orders"

@@ -51,10 +51,7 @@ from harness.servers import (
     _http_get,
 )
 from shoal.clients.etcd import TRANSIENT_ERRORS, Etcd
-from shoal.consumer.config import GroupConfig
-from shoal.consumer.jetstream import ensure_group
 from shoal.consumer.ledger import LedgerRecord, read_ledger
-from shoal.consumer.status import GroupStatus, read_status
 from shoal.contracts.names import (
     MSG_ID_HEADER,
     PROJECT_HEADER,
@@ -63,6 +60,9 @@ from shoal.contracts.names import (
     partition_subject,
     stream_subjects,
 )
+from shoal.group.config import GroupConfig
+from shoal.group.jetstream import ensure_group
+from shoal.group.status import GroupStatus, read_status
 
 __all__ = [
     "EtcdCluster",

@@ -23,8 +23,8 @@ from typing import Any, Self
 from harness.children import spawn
 from harness.waiting import eventually_async
 from shoal.clients.etcd import Etcd
-from shoal.consumer.config import GroupConfig
-from shoal.consumer.status import GroupStatus, read_status
+from shoal.group.config import GroupConfig
+from shoal.group.status import GroupStatus, read_status
 
 log = logging.getLogger(__name__)
 

@@ -132,7 +132,7 @@ class NatsServerSecurity:
 
     def client_env(self, user: str, inbox_prefix: str | None = None) -> dict[str, str]:
         """The NATS_* environment a Shoal member (or produce, or the export) needs to
-        reach this server as `user` (shoal.consumer.config: NATS_CA_FILE ...)."""
+        reach this server as `user` (shoal.group.config: NATS_CA_FILE ...)."""
         env = {
             "NATS_CA_FILE": str(self.ca_file),
             "NATS_CERT_FILE": str(self.client_cert),

@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from harness.waiting import eventually_async
-from shoal.consumer.config import GroupConfig
 from shoal.consumer.ledger import LedgerRecord, audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer
+from shoal.group.config import GroupConfig
 
 __all__ = ["drain_and_audit", "operator_made_config", "produce_paced"]
 

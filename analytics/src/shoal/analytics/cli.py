@@ -113,7 +113,7 @@ def export(
     Prints one JSON line: the stream, how many messages, their sequence range and the files.
     """
     from shoal.analytics.export import ExportError, export_log, parse_since
-    from shoal.consumer.config import nats_security_from_env
+    from shoal.group.config import nats_security_from_env
 
     try:
         start = parse_since(since) if since else None

@@ -90,6 +90,16 @@ def ledger_subjects(prefix: str) -> list[str]:
 # -- streams -------------------------------------------------------------------------------
 
 
+def member_inbox_prefix(namespace: str, group: str) -> str:
+    """The members' reply prefix: the group's own (Kubernetes names have no dots), and
+    under no other prefix, so that no other user's inbox permission covers it."""
+    return f"_SHOAL_INBOX.{namespace}.{group}"
+
+
+def producer_inbox_prefix(namespace: str, group: str) -> str:
+    return f"_SHOAL_PRODUCER.{namespace}.{group}"
+
+
 def default_stream_name(namespace: str, group: str) -> str:
     """JetStream stream names may not contain ".", "*", ">", whitespace or path separators."""
     raw = f"shoal_{namespace}_{group}"
@@ -185,6 +195,10 @@ NATS_TLS_SECRET_VERSION_ANNOTATION = f"{API_GROUP}/nats-tls-secret-version"
 NATS_CREDENTIALS_SECRET_VERSION_ANNOTATION = f"{API_GROUP}/nats-credentials-secret-version"
 # Which pod a ReplicaSet removes first on a scale-down (lowest cost goes first).
 DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
+
+# The pod's CPU limit, in millicores, as the operator tells the members (shoal.consumer.cpu
+# reads it: the share of the limit a member reports as its cpu).
+CPU_LIMIT_ENV = "SHOAL_CPU_LIMIT_MILLICORES"
 
 # Status and Event times: RFC 3339 in UTC, whole seconds (as Kubernetes writes them).
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"

@@ -7,7 +7,7 @@ Fields use the CRD's camelCase names on the wire (``ackWaitSeconds``) and snake_
 Python.
 
 Everything that depends on the spec derives from this model: the operator's builders and
-the consumer pods' environment (through :class:`shoal.consumer.config.GroupConfig`), and
+the consumer pods' environment (through :class:`shoal.group.config.GroupConfig`), and
 the autoscaler's policy (:meth:`shoal.consumer.scaler.Policy.from_spec`).
 """
 

@@ -31,7 +31,6 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shoal.consumer.config import GroupConfig
 from shoal.consumer.deadletter import ADVISORY
 from shoal.consumer.permissions import API, User, management_subjects, user_lines
 from shoal.contracts.names import (
@@ -40,6 +39,7 @@ from shoal.contracts.names import (
     ledger_subjects,
     stream_subjects,
 )
+from shoal.group.config import GroupConfig
 
 DEFAULT_JS_ACCOUNT = "SHOAL"
 DEFAULT_MEMBER_ACCOUNT = "TEAM"

@@ -39,11 +39,11 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from shoal.clients.etcd import TRANSIENT_ERRORS, Etcd
-from shoal.consumer.config import GroupConfig
 from shoal.consumer.scaler import Action, Decision, Policy, ScalerState, decide, without_action
-from shoal.consumer.view import Claim, GroupView, Target
 from shoal.contracts.spec import parse_spec
 from shoal.contracts.values import ScaleRecord
+from shoal.group.config import GroupConfig
+from shoal.group.view import Claim, GroupView, Target
 
 log = logging.getLogger(__name__)
 

@@ -16,17 +16,17 @@ from shoal.assignor import assign, min_moves, moved, owner_counts, skew
 from shoal.clients.etcd import Etcd, EtcdAuthError, EtcdConfigError
 from shoal.clients.natsauth import NatsClosed, NatsConfigError
 from shoal.consumer import ready as readiness
-from shoal.consumer.config import (
-    config_from_env,
-    etcd_options_from_env,
-    nats_security_from_env,
-)
 from shoal.consumer.handlers import HandlerError
 from shoal.contracts.names import (
     DEFAULT_PARTITIONS,
     SEQ_HEADER,
     default_subject_prefix,
     format_time,
+)
+from shoal.group.config import (
+    config_from_env,
+    etcd_options_from_env,
+    nats_security_from_env,
 )
 from shoal.logs import log_level_option, setup_logging
 
@@ -420,7 +420,7 @@ def permissions(
     """
     from shoal.consumer import accounts
     from shoal.consumer import permissions as perms
-    from shoal.consumer.config import GroupConfig
+    from shoal.group.config import GroupConfig
 
     try:
         config = GroupConfig.model_validate(
@@ -488,7 +488,7 @@ def status(group: str, namespace: str, etcd_endpoints: str, partitions: int, as_
     etcd TLS and authentication: ETCD_CA_FILE, ETCD_CERT_FILE, ETCD_KEY_FILE, ETCD_USERNAME,
     ETCD_PASSWORD (see `run --help`).
     """
-    from shoal.consumer.status import read_status
+    from shoal.group.status import read_status
 
     async def go() -> Any:
         etcd = Etcd(etcd_endpoints, **etcd_options_from_env(os.environ))

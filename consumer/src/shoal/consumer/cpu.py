@@ -20,10 +20,12 @@ import os
 import time
 from pathlib import Path
 
+from shoal.contracts.names import CPU_LIMIT_ENV
+
 log = logging.getLogger(__name__)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-LIMIT_ENV = "SHOAL_CPU_LIMIT_MILLICORES"
+LIMIT_ENV = CPU_LIMIT_ENV  # set by the operator (contracts.names)
 #: What one Python process can use at most (see the module docstring).
 PROCESS_CEILING_CORES = 1.0
 

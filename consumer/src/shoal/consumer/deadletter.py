@@ -20,7 +20,6 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from shoal.consumer.config import GroupConfig
 from shoal.contracts.names import (
     DEAD_LETTER_REASON_HEADER,
     MEMBER_HEADER,
@@ -28,6 +27,7 @@ from shoal.contracts.names import (
     ORIGINAL_SUBJECT_HEADER,
     dlq_subject,
 )
+from shoal.group.config import GroupConfig
 
 log = logging.getLogger(__name__)
 

@@ -23,10 +23,10 @@ from typing import Any
 from shoal.assignor import assign, moved, relieve_stalls
 from shoal.clients.backoff import QuietLog
 from shoal.clients.etcd import TRANSIENT_ERRORS, Etcd
-from shoal.consumer.config import GroupConfig
 from shoal.consumer.membership import Membership
-from shoal.consumer.view import GroupView, LeaderKey
 from shoal.contracts.values import TargetValue
+from shoal.group.config import GroupConfig
+from shoal.group.view import GroupView, LeaderKey
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import grpc
 
 from shoal.clients.backoff import Backoff, QuietLog
 from shoal.clients.etcd import TRANSIENT_ERRORS, Etcd
-from shoal.consumer.config import GroupConfig
+from shoal.group.config import GroupConfig
 
 log = logging.getLogger(__name__)
 

@@ -32,11 +32,11 @@ from shoal.consumer.alarm import Alarm
 from shoal.consumer.dispatch import Held, ProjectQueue
 from shoal.consumer.handlers import Fenced
 from shoal.consumer.holding import PARTITION_HOLD_SECONDS, HoldBudget
-from shoal.consumer.jetstream import consumer_config
 from shoal.consumer.progress import Progress
 from shoal.consumer.pull import PullRequest, RequestWatch
 from shoal.consumer.takeover import Gate, describe
 from shoal.contracts.names import PROJECT_HEADER, durable_name, partition_for, partition_subject
+from shoal.group.jetstream import consumer_config
 
 if TYPE_CHECKING:
     from shoal.consumer.worker import Worker

@@ -24,14 +24,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shoal.clients.nats import HEALTH_SUBJECT
-from shoal.consumer.config import GroupConfig
 from shoal.consumer.deadletter import ADVISORY
 from shoal.contracts.names import (
     assignments_subject,
     dlq_subjects,
     ledger_subjects,
+    member_inbox_prefix,
+    producer_inbox_prefix,
     stream_subjects,
 )
+from shoal.group.config import GroupConfig
 
 API = "$JS.API"
 
@@ -45,13 +47,12 @@ class Permissions:
 
 
 def default_inbox_prefix(config: GroupConfig) -> str:
-    """The members' reply prefix: the group's own (Kubernetes names have no dots), and
-    under no other prefix, so that no other user's inbox permission covers it."""
-    return f"_SHOAL_INBOX.{config.namespace}.{config.group}"
+    """The members' reply prefix (contracts.names.member_inbox_prefix)."""
+    return member_inbox_prefix(config.namespace, config.group)
 
 
 def default_producer_inbox_prefix(config: GroupConfig) -> str:
-    return f"_SHOAL_PRODUCER.{config.namespace}.{config.group}"
+    return producer_inbox_prefix(config.namespace, config.group)
 
 
 def _streams(config: GroupConfig) -> list[str]:

@@ -23,21 +23,21 @@ from shoal.clients.kube import GroupObject
 from shoal.clients.nats import NatsHealth, connect
 from shoal.clients.natsauth import NatsClosed, NatsRefusal, refusal
 from shoal.consumer.autoscaler import Autoscaler
-from shoal.consumer.config import GroupConfig
 from shoal.consumer.cpu import CpuMeter
 from shoal.consumer.deadletter import ExhaustedMessages
 from shoal.consumer.election import Election, GenerationRecord
 from shoal.consumer.handlers import load_handler
-from shoal.consumer.jetstream import ensure_group, partition_lag
 from shoal.consumer.membership import Membership
 from shoal.consumer.memory import trim_forever
 from shoal.consumer.metrics import Metrics
-from shoal.consumer.problems import RefusalReporter
 from shoal.consumer.ready import HealthFile, MemberState
-from shoal.consumer.view import GroupView
 from shoal.consumer.worker import Worker
 from shoal.contracts.events import AssignmentEvent
 from shoal.contracts.names import assignments_subject
+from shoal.group.config import GroupConfig
+from shoal.group.jetstream import ensure_group, partition_lag
+from shoal.group.problems import RefusalReporter
+from shoal.group.view import GroupView
 
 log = logging.getLogger(__name__)
 

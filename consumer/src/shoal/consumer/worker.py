@@ -29,7 +29,6 @@ from typing import Any
 
 from shoal.clients.etcd import TRANSIENT_ERRORS, Etcd
 from shoal.clients.natsclient import Delivery, DirectClient
-from shoal.consumer.config import GroupConfig
 from shoal.consumer.deadletter import dead_letter_headers
 from shoal.consumer.dispatch import (
     ABANDONED,
@@ -60,13 +59,14 @@ from shoal.consumer.ownership import Ownership, Slot, Stage
 from shoal.consumer.partition import IDLE_BATCH, PartitionRunner, ack_fields
 from shoal.consumer.progress import WEDGED_AFTER_STALLS, Change
 from shoal.consumer.pull import AnswerClock
-from shoal.consumer.view import GroupView
 from shoal.contracts.names import (
     MSG_ID_HEADER,
     dlq_subject,
     durable_name,
     partition_for,
 )
+from shoal.group.config import GroupConfig
+from shoal.group.view import GroupView
 
 log = logging.getLogger(__name__)
 

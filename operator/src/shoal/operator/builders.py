@@ -6,7 +6,7 @@ objects, no ownerReferences (the handlers adopt children with kopf.adopt). Missi
 optional fields take the model's defaults, which are the CRD's.
 
 The pods' configuration is derived once (:func:`pod_config`, a GroupConfig) and rendered
-into their environment (shoal.consumer.config.config_env), so the operator and its pods
+into their environment (shoal.group.config.config_env), so the operator and its pods
 read the same values. A spec the consumer could never run with (a group name that is not
 a NATS subject token, an invalid subject prefix, no handler) is a ValueError here, before
 any pod crash-loops on it; the handlers turn it into kopf.PermanentError.
@@ -20,20 +20,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypedDict
 
-from shoal.consumer.config import ENV_VARS, GroupConfig, config_env, group_config
-from shoal.consumer.cpu import LIMIT_ENV as CPU_LIMIT_ENV
-from shoal.consumer.permissions import default_inbox_prefix
 from shoal.contracts.names import (
     API_GROUP,
     CONSUMER_APP_NAME,
+    CPU_LIMIT_ENV,
     ETCD_SECRET_VERSION_ANNOTATION,
     GROUP_LABEL,
     NATS_CREDENTIALS_SECRET_VERSION_ANNOTATION,
     NATS_TLS_SECRET_VERSION_ANNOTATION,
     PLURAL,
     check_token,
+    member_inbox_prefix,
 )
 from shoal.contracts.spec import ConsumerGroupSpec, parse_spec
+from shoal.group.config import ENV_VARS, GroupConfig, config_env, group_config
 from shoal.operator.settings import OperatorSettings
 
 Obj = dict[str, Any]
@@ -256,7 +256,8 @@ def pod_config(
     # Replies under the group's own prefix, not nats-py's _INBOX shared by every client,
     # so that a NATS server can allow each group's members their own replies only
     # (shoal.consumer.permissions; `shoal-consumer permissions` prints the same prefix).
-    return config.model_copy(update={"nats_inbox_prefix": default_inbox_prefix(config)})
+    inbox = member_inbox_prefix(config.namespace, config.group)
+    return config.model_copy(update={"nats_inbox_prefix": inbox})
 
 
 def _env(name: str, value: str) -> Obj:
@@ -283,7 +284,7 @@ def consumer_env(
     settings: OperatorSettings,
     nats: NatsPodSecrets | None = None,
 ) -> list[Obj]:
-    """The consumer container's env: what shoal.consumer.config.config_from_env reads."""
+    """The consumer container's env: what shoal.group.config.config_from_env reads."""
     model = parse_spec(spec)
     nats = nats or NatsPodSecrets()
     config = pod_config(name, namespace, model, settings, nats=nats)

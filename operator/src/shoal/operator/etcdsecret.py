@@ -32,7 +32,7 @@ from typing import Protocol
 from kubernetes.client.rest import ApiException
 
 from shoal.clients.etcd import Etcd
-from shoal.consumer.config import EtcdOptions
+from shoal.group.config import EtcdOptions
 from shoal.operator.builders import ETCD_AUTH_KEYS, ETCD_CA_KEY, ETCD_CERT_KEY, ETCD_KEY_KEY
 
 log = logging.getLogger(__name__)

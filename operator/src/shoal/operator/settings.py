@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from shoal.clients.natsauth import NatsSecurity
-from shoal.consumer.config import GroupConfig
+from shoal.group.config import GroupConfig
 
 _CONSUMER_DRAIN_TIMEOUT = int(GroupConfig.model_fields["drain_timeout"].default)
 

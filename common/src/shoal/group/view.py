@@ -17,9 +17,9 @@ from typing import Any
 
 from shoal.clients.backoff import Backoff, QuietLog
 from shoal.clients.etcd import KV, TRANSIENT_ERRORS, Etcd, Watch, describe
-from shoal.consumer.problems import MemberProblem
 from shoal.contracts.names import Keys
 from shoal.contracts.values import TargetValue, ValueRefused
+from shoal.group.problems import MemberProblem
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,6 @@ from typing import Any
 from nats.js import api
 from nats.js.errors import APIError, BadRequestError, NotFoundError
 
-from shoal.consumer.config import GroupConfig
 from shoal.contracts.names import (
     assignments_subject,
     dlq_subjects,
@@ -22,6 +21,7 @@ from shoal.contracts.names import (
     partition_subject,
     stream_subjects,
 )
+from shoal.group.config import GroupConfig
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ from typing import Any
 
 from shoal.assignor import owner_counts, skew
 from shoal.clients.etcd import Etcd
-from shoal.consumer.problems import MemberProblem
-from shoal.consumer.view import GroupView
 from shoal.contracts.names import Keys
+from shoal.group.problems import MemberProblem
+from shoal.group.view import GroupView
 
 
 @dataclass
