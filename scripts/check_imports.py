@@ -35,13 +35,7 @@ SOURCE_ROOTS = ("common/src", "consumer/src", "operator/src", "analytics/src")
 BOTTOM = frozenset({"shoal.assignor", "shoal.logs"})
 
 # (importing module, imported module) pairs that break the operator/analytics rule today.
-KNOWN: frozenset[tuple[str, str]] = frozenset(
-    {
-        # On purpose, inside handler_problem only: checking a handler imports its module,
-        # which imports the handler API anyway.
-        ("shoal.operator.reconciler", "shoal.consumer.handlers"),
-    }
-)
+KNOWN: frozenset[tuple[str, str]] = frozenset()
 
 
 def modules(root: Path) -> Iterator[tuple[str, Path]]:

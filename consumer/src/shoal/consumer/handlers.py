@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
-import inspect
 import json
 import os
 import time
@@ -22,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from shoal.contracts.names import MSG_ID_HEADER, SEQ_HEADER, ledger_subject
+from shoal.group.handlerref import HandlerError as HandlerError  # re-exported: the API
+from shoal.group.handlerref import import_handler
 
 
 class PermanentError(Exception):
@@ -35,10 +35,6 @@ class HandlerTimeout(Exception):
 
 class Fenced(RuntimeError):
     """This member may no longer own the partition (its lease may have expired)."""
-
-
-class HandlerError(RuntimeError):
-    """The handler named in the configuration cannot be used."""
 
 
 @dataclass
@@ -193,22 +189,9 @@ Handler = Callable[[Message], Awaitable[None]]
 
 
 def load_handler(spec: str) -> Handler:
-    """Import `module:function`; every failure is one HandlerError line saying what is wrong."""
-    module_name, sep, func_name = spec.partition(":")
-    if not sep or not module_name or not func_name:
-        raise HandlerError(f"handler {spec!r} must look like 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise HandlerError(
-            f"handler {spec!r}: cannot import module {module_name!r}: {exc}"
-        ) from exc
-    func = getattr(module, func_name, None)
-    if func is None:
-        raise HandlerError(f"handler {spec!r}: module {module_name!r} has no {func_name!r}")
-    if not inspect.iscoroutinefunction(func):
-        raise HandlerError(f"handler {spec!r} must be an 'async def' function taking one message")
-    handler: Handler = func
+    """Import `module:function` (shoal.group.handlerref: the operator checks specs with the
+    same code); every failure is one HandlerError line saying what is wrong."""
+    handler: Handler = import_handler(spec)
     return handler
 
 

@@ -44,6 +44,7 @@ from shoal.contracts.names import (
 from shoal.contracts.spec import ConsumerGroupSpec, NatsSpec, SpecError, parse_spec
 from shoal.contracts.values import ScaleRecord
 from shoal.group.config import GroupConfig
+from shoal.group.handlerref import HandlerError, import_handler
 from shoal.group.jetstream import StreamConfigConflict, ensure_group
 from shoal.group.status import GroupStatus, status_from_view
 from shoal.group.view import GroupView
@@ -101,13 +102,8 @@ def handler_problem(spec: Any, settings: OperatorSettings) -> str | None:
     model = spec_model(spec)
     if model.image and model.image != settings.default_image:
         return None  # a custom image may carry handlers the operator cannot import
-    # Here only: checking a handler imports its module, and every handler module imports
-    # the handler API (shoal.consumer.handlers). Nothing else of the operator loads the
-    # consumer (scripts/check_imports.py lists this import as the one left on purpose).
-    from shoal.consumer.handlers import HandlerError, load_handler
-
     try:
-        load_handler(model.handler)
+        import_handler(model.handler)
     except HandlerError as exc:
         return str(exc)
     return None
