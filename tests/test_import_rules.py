@@ -118,3 +118,14 @@ def test_the_operator_and_analytics_load_no_consumer_module() -> None:
         assert done.returncode == 0, done.stderr[-2000:]
         loaded = [line for line in done.stderr.splitlines() if "shoal.consumer" in line]
         assert loaded == [], (args, loaded)
+
+
+def test_the_documented_import_paths_still_work() -> None:
+    """DESIGN.md's public paths keep a re-export when the code moves."""
+    from shoal import assignor
+    from shoal.consumer.assignor import assign
+    from shoal.consumer.partitioning import partition_for
+
+    assert assign is assignor.assign
+    assert assign(4, ["a", "b"]) == {0: "a", 1: "a", 2: "b", 3: "b"}
+    assert 0 <= partition_for("project-1") < 128

@@ -42,7 +42,7 @@ checkpoint blocks and fails the job, where a persisted frame would be recomputed
 report is cheap to rerun.)
 
 The measurements behind these choices, what paid and what did not, session by session:
-``docs/analytics.md``.
+the analytics report entries of ``docs/journal/``.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ All this leans on private parts of nats-py 2.16: ``Client._process_msg`` (overri
 parser's state; its tests also read ``_resp_map``. ``tests/test_natsclient.py`` checks
 them against nats-py itself (the same parser calls for random wires cut anywhere, the
 same headers for odd header blocks) and the direct path against a real nats-server, so a
-nats-py upgrade that moves them fails there first. (docs/data-path.md has the measurements.)
+nats-py upgrade that moves them fails there first. (docs/journal/ has the measurements.)
 """
 
 from __future__ import annotations
