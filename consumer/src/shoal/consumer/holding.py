@@ -26,8 +26,9 @@ from __future__ import annotations
 # rate. With a noop handler one member's 128 partitions settle some 500 messages a second
 # each, hold up to fetch_batch (256) and pull about half of it at a time (a plain reader
 # pulls 256); with a 20 ms handler and 1,000 projects, some 100 each, and they keep the
-# floor (64). Half a second, not a second: at a second the I/O-bound partitions would hold 128 or more each, and the
-# first to pull would take the member's budget from the others.
+# floor (64). Half a second, not a second: at a second the I/O-bound partitions would
+# hold 128 or more each, and the first to pull would take the member's budget from the
+# others.
 PARTITION_HOLD_SECONDS = 0.5
 
 
