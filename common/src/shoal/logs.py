@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import click
 
@@ -48,7 +48,7 @@ class _QuietClosedWatchers:
     makes its blocked stream raise "Cannot invoke RPC: Channel closed!" there, a
     traceback at every clean exit. Everything else goes to the hook it replaced."""
 
-    def __init__(self, previous: object) -> None:
+    def __init__(self, previous: Callable[[threading.ExceptHookArgs], object]) -> None:
         self.previous = previous
 
     def __call__(self, args: threading.ExceptHookArgs) -> None:
@@ -61,7 +61,7 @@ class _QuietClosedWatchers:
         ):
             logging.getLogger(__name__).debug("etcd watcher thread ended with the closed client")
             return
-        self.previous(args)  # type: ignore[operator]
+        self.previous(args)
 
 
 def quiet_known_noise() -> None:
