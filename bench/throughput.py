@@ -603,13 +603,13 @@ class Bench:
         status = await read_status(self.etcd, NAMESPACE, GROUP, c.partitions)
         per_member: dict[str, dict[str, Any]] = {}
         for member in (member_a, member_b):
-            stats = status.members.get(member.member_id, {})
+            stats = status.members.get(member.member_id)
             proc = proc_status(member.pid)
             per_member[member.member_id] = {
                 "partitions": status.counts.get(member.member_id),
                 "vm_rss_mb": proc.get("VmRSS"),
                 "vm_hwm_mb": proc.get("VmHWM"),
-                "stats_rss_mb": stats.get("rss_mb"),
+                "stats_rss_mb": stats.rss_mb if stats is not None else None,
             }
         note(f"rss: {per_member}")
         worst = max(float(m["vm_rss_mb"] or 0) for m in per_member.values())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from shoal.clients.etcd import Etcd
 from shoal.consumer.election import loads_from_stats, max_member_load
 from shoal.consumer.producer import Producer
 from shoal.contracts.names import partition_for
+from shoal.contracts.values import MemberStats
 from shoal.group.config import GroupConfig, config_from_env
 from shoal.group.jetstream import ensure_group
 from shoal.group.status import read_status
@@ -49,7 +51,8 @@ def test_loads_come_from_member_stats_and_garbage_is_skipped() -> None:
         "c": {"cpu": 3},
         "d": {"partition_rates": [1, 2]},
     }
-    assert loads_from_stats(stats) == {0: 12.5, 1: 2.0, 5: 0.5}
+    parsed = {m: MemberStats.parse(json.dumps(raw).encode()) for m, raw in stats.items()}
+    assert loads_from_stats(parsed) == {0: 12.5, 1: 2.0, 5: 0.5}
 
 
 def test_load_aware_assignment_lowers_the_busiest_member() -> None:

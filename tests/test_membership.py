@@ -11,6 +11,7 @@ import pytest
 
 from shoal.clients.etcd import Etcd
 from shoal.consumer.membership import Membership
+from shoal.contracts.values import MemberStats
 from shoal.group.config import GroupConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
@@ -53,7 +54,7 @@ async def test_a_stats_put_in_flight_never_recreates_the_key_after_leave(
     key = config.keys.member(config.member_id)
     client = SlowWrites(config.etcd_endpoints, key)
     await client.connect(attempts=10)
-    membership = Membership(client, config, lambda: {"ts": time.time()})
+    membership = Membership(client, config, lambda: MemberStats(ts=time.time()))
     runner: asyncio.Task[None] | None = None
     try:
         await membership.join()
@@ -82,7 +83,7 @@ async def test_a_member_key_deleted_under_a_live_member_comes_back(
 ) -> None:
     config = make_config(member_id="m-back", lease_ttl=5, keepalive_interval=0.3)
     key = config.keys.member(config.member_id)
-    membership = Membership(etcd, config, lambda: {"ts": time.time()})
+    membership = Membership(etcd, config, lambda: MemberStats(ts=time.time()))
     runner: asyncio.Task[None] | None = None
     try:
         await membership.join()
@@ -113,7 +114,7 @@ async def test_leaving_with_a_lease_that_expired_already_is_a_clean_exit(
     It raised etcd's NOT_FOUND, and the pod exited 1 after a clean hand-over (seen in
     the fault suite's rolling restart on a busy host)."""
     config = make_config(member_id="m-expired", lease_ttl=3, keepalive_interval=0.5, fence_margin=1)
-    membership = Membership(etcd, config, lambda: {"ts": time.time()})
+    membership = Membership(etcd, config, lambda: MemberStats(ts=time.time()))
     await membership.join()
     lease = membership.lease_id
     await etcd.revoke_lease(lease)  # gone, as an expiry would leave it

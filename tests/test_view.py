@@ -4,11 +4,15 @@ every change (pure: the view is fed a listing and watch events by hand)."""
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
+
 from shoal.clients.etcd import KV
 from shoal.contracts.names import Keys
+from shoal.contracts.values import MemberStats
 from shoal.group.view import Claim, GroupView
 
 KEYS = Keys("ns", "g")
@@ -54,6 +58,24 @@ def test_member_ids_are_the_member_keys_whatever_their_values() -> None:
     assert set(view.members()) == {"a"}  # members() needs stats it can read
 
 
+def test_a_member_with_a_broken_stats_field_stays_a_member_and_is_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    broken = {"cpu": "high", "ts": 5.0, "lag": 0, "active_projects": 1, "stalled": [2]}
+    view = view_of(kv(KEYS.member("a"), broken, revision=3))
+    with caplog.at_level(logging.WARNING, logger="shoal.group.view"):
+        first, again = view.members(), view.members()
+    # Still eligible for partitions, its stalls still count; the autoscaler skips it.
+    assert set(first) == {"a"} and first["a"].stalled == (2,)
+    assert first["a"].scaling_problem() == "cpu 'high': Input should be a valid number"
+    assert again["a"] is first["a"]  # parsed once per revision
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 1 and "cpu 'high'" in logged[0], logged
+    # Gone with its key.
+    view._apply_events([DeleteEvent(KEYS.member("a").encode(), 4)], 4)
+    assert view.members() == {} and view._stats == {}
+
+
 def test_targets_and_claims_follow_watch_events_and_relists() -> None:
     view = view_of(kv(KEYS.partition(0), target("a")), kv(KEYS.claim(0), b"a", lease=5))
     assert view.owners() == {0: "a"}
@@ -91,7 +113,7 @@ def test_a_change_parses_again_only_what_it_touched() -> None:
     stats = json.dumps({"owned": [0]}).encode()
     view._apply_events([PutEvent(KEYS.member("a").encode(), stats, 1, 11, 0)], 11)
     assert view._targets is targets and view._claims is claims
-    assert view.members() == {"a": {"owned": [0]}}
+    assert view.members() == {"a": MemberStats(owned=(0,))}
 
     # A target: the claims stay parsed; the targets are read again.
     moved = json.dumps(target("b", 2)).encode()

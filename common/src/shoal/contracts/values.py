@@ -3,7 +3,11 @@
 - :class:`TargetValue`, ``partitions/<p>``: who should own the partition, written by the
   leader (election.py), read by every member's view and by the operator;
 - :class:`ScaleRecord`, ``scale``: the autoscaler's last action, written by the leader's
-  autoscaler, read by the next leader (its cooldown) and by the operator (Events, status).
+  autoscaler, read by the next leader (its cooldown) and by the operator (Events, status);
+- :class:`MemberStats`, ``members/<member>``: what a member reports about itself every
+  stats interval, written by the member (runtime.py with worker.py's part), read by the
+  leader (eligibility, loads, stalls, the autoscaler), ``shoal-consumer status`` and the
+  operator (stalled partitions).
 
 Each parses what today's and earlier writers wrote (tests/test_contract_values.py keeps
 values written by the code before these models), ignores keys it does not know (a newer
@@ -13,12 +17,28 @@ key" log line: garbage in etcd is logged and ignored, never fatal.
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Annotated
+from collections.abc import Mapping
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    Strict,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+    field_validator,
+)
 
-__all__ = ["ScaleRecord", "TargetValue", "ValueRefused"]
+__all__ = ["MAX_CPU_PERCENT", "MemberStats", "ScaleRecord", "TargetValue", "ValueRefused"]
+
+# A member's cpu is a percent of its CPU limit; above this (100 cores' worth over a
+# one-core limit) the reading is a broken clock, not load.
+MAX_CPU_PERCENT = 10_000.0
 
 
 class ValueRefused(ValueError):
@@ -80,3 +100,145 @@ class ScaleRecord(BaseModel):
             return cls.model_validate_json(raw)
         except ValidationError:
             return None
+
+
+# Strict: JSON true is no number and "5" no count; NaN and infinities are no measurement.
+_Count = Annotated[int, Strict(), Field(ge=0)]
+_Amount = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)]
+
+
+def _partition_numbers(raw: object) -> list[int]:
+    """The entries of a list that are partition numbers (true is an int to Python, but no
+    partition); anything else is dropped: the readers check the range for their group."""
+    if not isinstance(raw, list | tuple):
+        return []
+    return [p for p in raw if isinstance(p, int) and not isinstance(p, bool) and p >= 0]
+
+
+class MemberStats(BaseModel):
+    """``members/<member>``: a member's report about itself.
+
+    The readers need different parts, and one bad field must not cost a member the
+    others: a member whose cpu reading is broken still reports its stalls and its NATS
+    reachability, and still owns partitions (owning needs only the key). So
+    :meth:`parse` refuses only a value that is not a JSON object; a field that breaks its
+    rule is left at its default and its reason kept in :attr:`problems` (logged by the
+    view, and the autoscaler ignores a member whose scaling fields have one).
+
+    The autoscaler's fields: ``cpu`` (percent of the member's CPU limit, 0..10,000),
+    ``ts`` (the writer's wall clock, positive epoch seconds), ``active_projects`` and
+    ``lag`` (counts): required for scaling (absent reads as 0, and the autoscaler
+    ignores the member); ``rate`` (settled
+    messages per second), ``owned`` (partitions it runs), ``inflight`` (handlers
+    running). The leader's: ``nats_ok`` (false: it cannot reach NATS, give it nothing),
+    ``partition_rates`` (messages per second per owned partition: the loads of a
+    load-aware assignment), ``stalled`` (partitions with work and no progress: move
+    them). Informative: ``buffered``, ``rss_mb``, ``pid``. Unknown keys are ignored (a
+    newer writer may add some); entries of ``stalled`` and ``partition_rates`` that are
+    no partition numbers or rates are dropped one by one, as the readers did before
+    this model.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    # (Absent reads as 0 here; scaling_problem() tells absent from zero: model_fields_set.)
+    cpu: Annotated[float, Strict(), Field(ge=0, le=MAX_CPU_PERCENT, allow_inf_nan=False)] = 0.0
+    ts: Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)] = 0.0
+    active_projects: _Count = 0
+    lag: _Count = 0
+    rate: _Amount = 0.0
+    owned: tuple[_Count, ...] = ()
+    inflight: _Count = 0
+    buffered: _Count = 0
+    nats_ok: StrictBool = True
+    partition_rates: dict[int, float] = Field(default_factory=dict)
+    stalled: tuple[int, ...] = ()
+    rss_mb: _Amount | None = None
+    pid: _Count | None = None
+
+    _problems: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @field_validator("owned", mode="before")
+    @classmethod
+    def _owned_is_a_list(cls, raw: object) -> object:
+        # A string is a sequence too; "0,1" is no list of partitions.
+        if not isinstance(raw, list | tuple):
+            raise ValueError("is not a list of partitions")
+        return raw
+
+    @field_validator("owned", mode="after")
+    @classmethod
+    def _owned_as_a_set(cls, owned: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(sorted(set(owned)))
+
+    @field_validator("stalled", mode="before")
+    @classmethod
+    def _stalled_partitions(cls, raw: object) -> list[int]:
+        return _partition_numbers(raw)
+
+    @field_validator("partition_rates", mode="before")
+    @classmethod
+    def _rates(cls, raw: object) -> dict[int, float]:
+        if not isinstance(raw, Mapping):
+            return {}
+        rates: dict[int, float] = {}
+        for key, value in raw.items():
+            if isinstance(key, bool) or not str(key).isdigit():
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            if math.isfinite(value) and value >= 0:
+                rates[int(key)] = float(value)
+        return rates
+
+    @property
+    def problems(self) -> Mapping[str, str]:
+        """field -> why its value was not used (it reads as its default)."""
+        return self._problems
+
+    def scaling_problem(self) -> str | None:
+        """Why the autoscaler cannot use these stats, or None when it can."""
+        for key in ("cpu", "ts", "active_projects", "lag", "rate", "owned", "inflight"):
+            if key in self._problems:
+                return self._problems[key]
+        for key in ("cpu", "ts", "active_projects", "lag"):
+            if key not in self.model_fields_set:
+                return f"no {key!r}"
+        return None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The stats as JSON types (absent informative fields are left out)."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+    def to_json(self) -> bytes:
+        """The member key's value (sorted keys)."""
+        return json.dumps(self.as_dict(), sort_keys=True).encode()
+
+    @classmethod
+    def parse(cls, raw: bytes | str | Mapping[str, Any]) -> MemberStats:
+        """The stats in `raw` (the key's bytes, or its decoded JSON); ValueRefused when it
+        is not a JSON object. Fields that break their rule read as their default, and
+        :attr:`problems` says why."""
+        if isinstance(raw, bytes | str):
+            try:
+                raw = json.loads(raw)
+            except (ValueError, UnicodeDecodeError):
+                raise ValueRefused("is not JSON") from None
+        if not isinstance(raw, Mapping):
+            raise ValueRefused(f"is not a JSON object ({type(raw).__name__})")
+        data = dict(raw)
+        problems: dict[str, str] = {}
+        while True:
+            try:
+                stats = cls.model_validate(data)
+                break
+            except ValidationError as exc:
+                # Drop each field that broke its rule and try again: every field has a
+                # default, so this ends (at the latest with an empty value).
+                for error in exc.errors():
+                    field = str(error["loc"][0]) if error["loc"] else ""
+                    if field not in data:
+                        raise ValueRefused(_why(exc)) from None
+                    problems.setdefault(field, f"{field} {data.pop(field)!r}: {error['msg']}")
+        stats._problems = problems
+        return stats

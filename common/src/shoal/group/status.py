@@ -9,6 +9,7 @@ from typing import Any
 from shoal.assignor import owner_counts, skew
 from shoal.clients.etcd import Etcd
 from shoal.contracts.names import Keys
+from shoal.contracts.values import MemberStats
 from shoal.group.problems import MemberProblem
 from shoal.group.view import GroupView
 
@@ -18,7 +19,7 @@ class GroupStatus:
     namespace: str
     group: str
     partitions: int
-    members: dict[str, dict[str, Any]]
+    members: dict[str, MemberStats]
     leader: str | None
     epoch: int | None
     generation: int
@@ -41,7 +42,7 @@ class GroupStatus:
             "leader": self.leader,
             "epoch": self.epoch,
             "generation": self.generation,
-            "members": self.members,
+            "members": {m: s.as_dict() for m, s in self.members.items()},
             "counts": self.counts,
             "skew": self.skew,
             "unowned": self.unowned,
@@ -86,15 +87,12 @@ def status_from_view(view: GroupView, namespace: str, group: str) -> GroupStatus
     )
 
 
-def stalled_by_partition(members: dict[str, dict[str, Any]], partitions: int) -> dict[int, str]:
-    """Partition -> the member reporting it stalled, from the members' stats (anything
-    that is not a list of partition numbers is ignored)."""
+def stalled_by_partition(members: dict[str, MemberStats], partitions: int) -> dict[int, str]:
+    """Partition -> the member reporting it stalled, from the members' stats (partition
+    numbers outside the group are ignored)."""
     stalled: dict[int, str] = {}
     for member, stats in sorted(members.items()):
-        reported = stats.get("stalled")
-        if not isinstance(reported, list):
-            continue
-        for p in reported:
-            if isinstance(p, int) and not isinstance(p, bool) and 0 <= p < partitions:
+        for p in stats.stalled:
+            if p < partitions:
                 stalled[p] = member
     return stalled

@@ -18,7 +18,7 @@ from typing import Any
 from shoal.clients.backoff import Backoff, QuietLog
 from shoal.clients.etcd import KV, TRANSIENT_ERRORS, Etcd, Watch, describe
 from shoal.contracts.names import Keys
-from shoal.contracts.values import TargetValue, ValueRefused
+from shoal.contracts.values import MemberStats, TargetValue, ValueRefused
 from shoal.group.problems import MemberProblem
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,9 @@ class GroupView:
         # time was most of what an idle member did.
         self._targets: dict[int, Target] | None = None
         self._claims: dict[int, Claim] | None = None
+        # member key -> (its mod_revision, its stats): members() runs every round of the
+        # leader and the autoscaler, and a key changes once per stats interval.
+        self._stats: dict[str, tuple[int, MemberStats]] = {}
         # claims/<p> -> the revision its last deletion was seen at (handed_over_cleanly).
         self._claim_deleted: dict[str, int] = {}
 
@@ -115,16 +118,36 @@ class GroupView:
             self._garbage_logged.add(marker)
             log.warning("Ignored etcd key %s: value %r %s", kv.key, kv.value[:80], why)
 
-    def members(self) -> dict[str, dict[str, Any]]:
-        """Live members and their stats; keys whose value is not a JSON object are ignored."""
-        result: dict[str, dict[str, Any]] = {}
+    def members(self) -> dict[str, MemberStats]:
+        """Live members and their stats. A key whose value is not a JSON object is
+        ignored; a field that breaks its rule reads as its default (MemberStats), and
+        both are logged once."""
+        result: dict[str, MemberStats] = {}
+        prefix = self.keys.members
         for key, kv in self.kvs.items():
-            if key.startswith(self.keys.members):
-                member = key[len(self.keys.members) :]
-                stats = self._json(kv)
-                if member and stats is not None:
-                    result[member] = stats
+            if key.startswith(prefix) and key != prefix:
+                stats = self._member_stats(key, kv)
+                if stats is not None:
+                    result[key[len(prefix) :]] = stats
+        for key in [k for k in self._stats if k not in self.kvs]:
+            del self._stats[key]
         return result
+
+    def _member_stats(self, key: str, kv: KV) -> MemberStats | None:
+        cached = self._stats.get(key)
+        if cached is not None and cached[0] == kv.mod_revision:
+            return cached[1]
+        try:
+            stats = MemberStats.parse(kv.value)
+        except ValueRefused as exc:
+            self._garbage(kv, str(exc))
+            return None
+        if stats.problems:
+            self._garbage(
+                kv, "has fields that break their rule: " + "; ".join(stats.problems.values())
+            )
+        self._stats[key] = (kv.mod_revision, stats)
+        return stats
 
     def member_ids(self) -> frozenset[str]:
         """Who has a member key (without parsing the stats in it)."""

@@ -475,6 +475,10 @@ def permissions(
     click.echo(block, nl=False)
 
 
+def _or_dash(value: object) -> object:
+    return "-" if value is None else value
+
+
 @main.command()
 @_group
 @_namespace
@@ -514,8 +518,8 @@ def status(group: str, namespace: str, etcd_endpoints: str, partitions: int, as_
         stats = st.members[member]
         owned = st.counts.get(member, 0)
         click.echo(
-            f"  {member:<30} owns {owned:>4}  rate {stats.get('rate', '-'):>8}  "
-            f"lag {stats.get('lag', '-'):>6}  cpu {stats.get('cpu', '-')}"
+            f"  {member:<30} owns {owned:>4}  rate {_or_dash(stats.rate):>8}  "
+            f"lag {_or_dash(stats.lag):>6}  cpu {_or_dash(stats.cpu)}"
         )
     if st.unowned:
         click.echo(f"  unowned partitions: {len(st.unowned)}")

@@ -18,13 +18,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from shoal.assignor import assign, moved, relieve_stalls
 from shoal.clients.backoff import QuietLog
 from shoal.clients.etcd import TRANSIENT_ERRORS, Etcd
 from shoal.consumer.membership import Membership
-from shoal.contracts.values import TargetValue
+from shoal.contracts.values import MemberStats, TargetValue
 from shoal.group.config import GroupConfig
 from shoal.group.view import GroupView, LeaderKey
 
@@ -65,24 +64,16 @@ class GenerationRecord:
 OnGeneration = Callable[[GenerationRecord], Awaitable[None]]
 
 
-def loads_from_stats(stats: Mapping[str, Mapping[str, Any]]) -> dict[int, float]:
+def loads_from_stats(stats: Mapping[str, MemberStats]) -> dict[int, float]:
     """Messages per second of every partition, from the rates the members report.
 
-    A partition two members report (during a hand-over) takes the larger rate; garbage
-    entries are skipped (a member's stats are its own business, not a reason to stop).
+    A partition two members report (during a hand-over) takes the larger rate (garbage
+    entries never get here: MemberStats drops them).
     """
     loads: dict[int, float] = {}
     for data in stats.values():
-        rates = data.get("partition_rates") if isinstance(data, Mapping) else None
-        if not isinstance(rates, Mapping):
-            continue
-        for key, value in rates.items():
-            if not str(key).isdigit() or isinstance(value, bool):
-                continue
-            if not isinstance(value, int | float) or not value >= 0:
-                continue
-            p = int(key)
-            loads[p] = max(loads.get(p, 0.0), float(value))
+        for p, rate in data.partition_rates.items():
+            loads[p] = max(loads.get(p, 0.0), rate)
     return loads
 
 
@@ -177,7 +168,7 @@ class Election:
                 del self._nats_ok_since[member]
         cut: set[str] = set()
         for member, data in stats.items():
-            if data.get("nats_ok", True) is False:
+            if not data.nats_ok:
                 cut.add(member)
                 self._nats_ok_since[member] = None
             elif self._nats_ok_since.get(member) is None:
@@ -406,10 +397,9 @@ class Election:
         owners = self.view.owners()
         reports: dict[str, list[int]] = {}
         for member, data in self.view.members().items():
-            stalled = data.get("stalled")
-            if member not in members or not isinstance(stalled, list):
+            if member not in members:
                 continue
-            mine = [p for p in stalled if isinstance(p, int) and owners.get(p) == member]
+            mine = [p for p in data.stalled if owners.get(p) == member]
             if mine:
                 reports[member] = mine
         return reports

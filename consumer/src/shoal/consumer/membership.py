@@ -10,16 +10,15 @@ frozen (SIGSTOP, a long GC pause) and no keep-alive loop got to run.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 import grpc
 
 from shoal.clients.backoff import Backoff, QuietLog
 from shoal.clients.etcd import TRANSIENT_ERRORS, Etcd
+from shoal.contracts.values import MemberStats
 from shoal.group.config import GroupConfig
 
 log = logging.getLogger(__name__)
@@ -34,9 +33,7 @@ KEEPALIVE_RETRY_MAX = 5.0
 
 
 class Membership:
-    def __init__(
-        self, etcd: Etcd, config: GroupConfig, stats: Callable[[], dict[str, Any]]
-    ) -> None:
+    def __init__(self, etcd: Etcd, config: GroupConfig, stats: Callable[[], MemberStats]) -> None:
         self.etcd = etcd
         self.config = config
         self.key = config.keys.member(config.member_id)
@@ -64,7 +61,7 @@ class Membership:
         return time.monotonic() - self._renewed_at < self._fence_after
 
     def _value(self) -> bytes:
-        return json.dumps(self._stats(), sort_keys=True).encode()
+        return self._stats().to_json()
 
     async def join(self) -> None:
         """Grant a lease and register; retried with backoff until it works."""

@@ -34,6 +34,7 @@ from shoal.consumer.ready import HealthFile, MemberState
 from shoal.consumer.worker import Worker
 from shoal.contracts.events import AssignmentEvent
 from shoal.contracts.names import assignments_subject
+from shoal.contracts.values import MemberStats
 from shoal.group.config import GroupConfig
 from shoal.group.jetstream import ensure_group, partition_lag
 from shoal.group.problems import RefusalReporter
@@ -55,6 +56,7 @@ class ConsumerProcess:
         self.view = GroupView(self.etcd, config.keys, config.partitions)
         self.cpu = CpuMeter()
         self.lag = 0
+        self._stats_problems_logged: set[str] = set()
         self.membership = Membership(self.etcd, config, self._stats)
         # shoal_fenced: joined once, and now unable to prove the lease.
         self.metrics.watch_fencing(
@@ -116,8 +118,8 @@ class ConsumerProcess:
         self.nats_refusal = why
         self.refusals.report(why)
 
-    def _stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = {
+    def _stats(self) -> MemberStats:
+        fields: dict[str, Any] = {
             "cpu": self.cpu.read(),
             "rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
             "lag": self.lag,
@@ -127,7 +129,14 @@ class ConsumerProcess:
             "nats_ok": self.nats_health is None or self.nats_health.reachable(),
         }
         if self.worker is not None:
-            stats.update(self.worker.stats())
+            fields.update(self.worker.stats())
+        # Parsed, not constructed: a broken reading (a clock step, say) must cost this
+        # member that field, not its stats and with them its lease's keep-alive loop.
+        stats = MemberStats.parse(fields)
+        for problem in stats.problems.values():
+            if problem not in self._stats_problems_logged:
+                self._stats_problems_logged.add(problem)
+                log.warning("Left a broken field out of this member's stats: %s", problem)
         return stats
 
     async def _record_generation(self, record: GenerationRecord) -> None:

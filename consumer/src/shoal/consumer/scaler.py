@@ -58,13 +58,13 @@ real run would (one action per cooldown, not one per interval).
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from shoal.contracts.names import format_time
 from shoal.contracts.spec import AutoscalingSpec, ConsumerGroupSpec, parse_spec
+from shoal.contracts.values import MAX_CPU_PERCENT, MemberStats, ValueRefused
 
 __all__ = [
     "DEFAULT_MAX_STEP_UP",
@@ -92,8 +92,6 @@ DEFAULT_MAX_STEP_UP = 4
 DEFAULT_SCALE_DOWN_WINDOW_SECONDS = 300.0
 #: Stats older than this many intervals (by their ``ts``) count as missing.
 STALE_INTERVALS = 3
-#: CPU above this (percent of the limit) is not a reading but garbage.
-MAX_CPU_PERCENT = 10_000.0
 
 
 # -- policy -------------------------------------------------------------------------------
@@ -191,74 +189,27 @@ class Policy:
 # -- member stats -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class MemberStats:
-    """One member's validated stats (what it wrote to its member key in etcd)."""
-
-    cpu: float
-    active_projects: int
-    lag: int
-    rate: float
-    owned: tuple[int, ...]
-    inflight: int
-    ts: float
+def parse_stats(raw: Mapping[str, Any] | MemberStats) -> MemberStats | None:
+    """One member's stats if the autoscaler can use them, else None (the rules are
+    MemberStats'; scaling needs ``cpu``, ``ts``, ``active_projects`` and ``lag``, and none
+    of its fields broken)."""
+    problem, stats = _scaling_stats(raw)
+    return stats if problem is None else None
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, int):
-        return True  # ints are finite (math.isfinite would overflow on huge ones)
-    return isinstance(value, float) and math.isfinite(value)
-
-
-def _stats_problem(raw: object) -> str | None:
-    """Why ``raw`` is not usable member stats, or None when it is."""
-    if not isinstance(raw, Mapping):
-        return f"not a mapping ({type(raw).__name__})"
-    for key in ("cpu", "ts", "active_projects", "lag"):
-        if key not in raw:
-            return f"no {key!r}"
-    cpu, ts = raw["cpu"], raw["ts"]
-    if not _is_number(cpu) or not 0 <= cpu <= MAX_CPU_PERCENT:
-        return f"cpu {cpu!r} is not a percent in [0, {MAX_CPU_PERCENT:g}]"
-    if not _is_number(ts) or ts <= 0:
-        return f"ts {ts!r} is not a positive epoch time"
-    for key in ("active_projects", "lag", "inflight"):
-        if key in raw and (not _is_int(raw[key]) or raw[key] < 0):
-            return f"{key} {raw[key]!r} is not a non-negative integer"
-    if "rate" in raw and (not _is_number(raw["rate"]) or raw["rate"] < 0):
-        return f"rate {raw['rate']!r} is not a non-negative number"
-    owned = raw.get("owned", [])
-    if not isinstance(owned, list | tuple) or not all(_is_int(p) and p >= 0 for p in owned):
-        return f"owned {owned!r} is not a list of partitions"
-    return None
-
-
-def parse_stats(raw: Mapping[str, Any]) -> MemberStats | None:
-    """Validate one member's stats; None for garbage.
-
-    Required: ``cpu`` (number, 0..10000 percent of the member's limit), ``ts`` (positive
-    epoch seconds), ``active_projects`` and ``lag`` (non-negative ints). Optional, with
-    defaults: ``rate`` (non-negative number, 0.0), ``owned`` (list of non-negative ints,
-    empty), ``inflight`` (non-negative int, 0). Booleans are not numbers here; NaN and
-    infinities are garbage; unknown keys are ignored.
-    """
-    if _stats_problem(raw) is not None:
-        return None
-    return MemberStats(
-        cpu=float(raw["cpu"]),
-        active_projects=raw["active_projects"],
-        lag=raw["lag"],
-        rate=float(raw.get("rate", 0.0)),
-        owned=tuple(sorted(set(raw.get("owned", ())))),
-        inflight=raw.get("inflight", 0),
-        ts=float(raw["ts"]),
-    )
+def _scaling_stats(raw: object) -> tuple[str | None, MemberStats | None]:
+    """(why the autoscaler cannot use `raw`, or None; the stats, when it can)."""
+    if isinstance(raw, MemberStats):
+        stats = raw
+    elif not isinstance(raw, Mapping):
+        return f"not a mapping ({type(raw).__name__})", None
+    else:
+        try:
+            stats = MemberStats.parse(raw)
+        except ValueRefused as exc:
+            return str(exc), None
+    problem = stats.scaling_problem()
+    return problem, (stats if problem is None else None)
 
 
 # -- decision and state -------------------------------------------------------------------
@@ -309,7 +260,7 @@ def _utc(t: float) -> str:
 
 
 def _collect(
-    stats: Mapping[str, Mapping[str, Any] | None], policy: Policy, now: float
+    stats: Mapping[str, MemberStats | Mapping[str, Any] | None], policy: Policy, now: float
 ) -> tuple[dict[str, MemberStats], dict[str, str]]:
     reports: dict[str, MemberStats] = {}
     ignored: dict[str, str] = {}
@@ -318,8 +269,7 @@ def _collect(
         if raw is None:
             ignored[member] = "no stats"
             continue
-        problem = _stats_problem(raw)
-        parsed = None if problem is not None else parse_stats(raw)
+        problem, parsed = _scaling_stats(raw)
         if parsed is None:
             ignored[member] = f"garbage stats: {problem}"
             continue
@@ -474,7 +424,7 @@ def _agreed_since(history: tuple[tuple[float, int | None], ...], current: int) -
 
 
 def decide(
-    stats: Mapping[str, Mapping[str, Any] | None],
+    stats: Mapping[str, MemberStats | Mapping[str, Any] | None],
     current: int,
     policy: Policy,
     now: float,

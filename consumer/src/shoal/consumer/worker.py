@@ -432,6 +432,8 @@ class Worker:
     # -- stats for the member key -----------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
+        """This worker's fields of the member's stats (MemberStats: the member adds its
+        own, and writes them to its member key)."""
         now = time.monotonic()
         for project, seen in list(self._projects.items()):
             if now - seen > ACTIVE_PROJECT_WINDOW:

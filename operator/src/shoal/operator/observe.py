@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.contracts.names import format_time
-from shoal.contracts.values import ScaleRecord
+from shoal.contracts.values import MemberStats, ScaleRecord
 
 
 @dataclass(frozen=True)
@@ -70,24 +70,16 @@ def rebalancing(o: Observed) -> bool:
 
 
 def stalled_partitions(
-    members: Mapping[str, Mapping[str, Any]], partitions: int
+    members: Mapping[str, MemberStats], partitions: int
 ) -> tuple[tuple[int, str], ...]:
     """(partition, member) for every partition a member's stats report stalled, sorted.
 
-    The stats are whatever etcd holds (shoal.consumer.progress decides what is stalled, the
-    member writes the list with its stats): a "stalled" that is not a list, and entries
-    that are not partition numbers of this group, are skipped, so that a member of another
-    version or a hand-edited key cannot take the group's status down with it.
+    The member decides what is stalled (shoal.consumer.progress) and writes the list with
+    its stats; MemberStats drops entries that are no partition numbers, and numbers
+    beyond this group's partitions are skipped here, so that a member of another version
+    or a hand-edited key cannot take the group's status down with it.
     """
-    found: set[tuple[int, str]] = set()
-    for member, stats in members.items():
-        reported = stats.get("stalled") if isinstance(stats, Mapping) else None
-        if not isinstance(reported, list):
-            continue
-        for p in reported:
-            # bool is an int to Python, but true is no partition number.
-            if isinstance(p, int) and not isinstance(p, bool) and 0 <= p < partitions:
-                found.add((p, member))
+    found = {(p, m) for m, stats in members.items() for p in stats.stalled if p < partitions}
     return tuple(sorted(found))
 
 

@@ -15,12 +15,12 @@ reported in between is lost then: the status still shows what is stalled now).
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from typing import Any
 
 from shoal.clients.etcd import Etcd, Watch
+from shoal.contracts.values import MemberStats, ValueRefused
 from shoal.operator.observe import stalled_partitions
 
 log = logging.getLogger(__name__)
@@ -58,9 +58,9 @@ class StallWatch:
                 continue
             member = event.key.decode(errors="replace")[len(self.prefix) :]
             try:
-                stats = json.loads(event.value)
-            except (ValueError, UnicodeDecodeError):
-                continue  # garbage: stalled_partitions would skip it too
+                stats = MemberStats.parse(event.value)
+            except ValueRefused:
+                continue  # garbage: the timer's listing logs it (GroupView)
             revision = int(event.mod_revision)
             with self._lock:
                 for stall in stalled_partitions({member: stats}, self.partitions):
