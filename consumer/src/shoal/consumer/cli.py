@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import sys
 import time
 from typing import Any
 
@@ -218,7 +219,7 @@ def ready(ready_file: str, live: bool) -> None:
     type=click.IntRange(1),
     default=1000,
     show_default=True,
-    help="Number of distinct project ids (project-0 .. project-K-1).",
+    help="Number of distinct project ids (project-0 .. project-K-1) of test traffic.",
 )
 @click.option(
     "--messages",
@@ -226,7 +227,7 @@ def ready(ready_file: str, live: bool) -> None:
     type=click.IntRange(0),
     default=10000,
     show_default=True,
-    help="Total messages, spread round-robin over the projects.",
+    help="Total messages of test traffic, spread round-robin over the projects.",
 )
 @click.option(
     "--rate",
@@ -241,7 +242,23 @@ def ready(ready_file: str, live: bool) -> None:
     help="Subject prefix (default shoal.<namespace>.<group>).",
 )
 @click.option("--run-id", default=None, help="Prefix of message ids (default: current time).")
+@click.option(
+    "--stdin",
+    "from_stdin",
+    is_flag=True,
+    help="Publish the lines of standard input, `project_id<TAB>data` each, instead of "
+    "test traffic (see above).",
+)
+@click.option(
+    "--window",
+    type=click.IntRange(1),
+    default=512,
+    show_default=True,
+    help="Publishes awaiting JetStream's acknowledgement at most.",
+)
+@click.pass_context
 def produce(
+    ctx: click.Context,
     group: str,
     namespace: str,
     nats_url: str,
@@ -251,13 +268,69 @@ def produce(
     rate: float,
     subject_prefix: str | None,
     run_id: str | None,
+    from_stdin: bool,
+    window: int,
 ) -> None:
-    """Publish test traffic: M messages over K project ids, each with a per-project seq."""
+    """Publish test traffic (M messages over K project ids), or with --stdin the
+    lines of standard input.
+
+    Test traffic: message i goes to project-(i mod K), each with a per-project seq.
+
+    With --stdin, one message a line, `project_id<TAB>data`: the data is the rest of the
+    line after the first TAB (TABs included), sent as its bytes (UTF-8 text stays UTF-8),
+    without the line end (LF or CRLF); empty lines are skipped. Each message goes to its
+    project's partition, subject <prefix>.<partition>, with the headers of test traffic:
+
+    \b
+      Shoal-Project-Id  the project id
+      Nats-Msg-Id       RUN-PROJECT-N (RUN: --run-id; the same input published again
+                        with the same --run-id is dropped by JetStream as duplicates
+                        while its duplicate window lasts)
+      Shoal-Seq         N, the project's count of lines before this one
+
+    At most --window publishes await JetStream's acknowledgement; a project's messages
+    enter the stream in the order of their lines (a publish retried after a failed
+    acknowledgement keeps its message id but may land after later ones). A line without
+    a TAB, or whose project id is empty, not UTF-8, or starts or ends with whitespace
+    (NATS headers would drop it), ends the run with an error naming the line, once
+    every line before it is acknowledged. The count and the seconds go to standard
+    error as JSON.
+
+    \b
+    Example:
+      printf 'order-42\\t{"total": 12}\\n' | shoal-consumer produce -g orders --stdin
+    """
     from shoal.clients.nats import connect
-    from shoal.consumer.producer import Outgoing, Producer
+    from shoal.consumer.producer import LineError, Outgoing, Producer, parse_line, read_lines
 
     prefix = subject_prefix or default_subject_prefix(namespace, group)
     run_tag = run_id or str(int(time.time() * 1000))
+    if from_stdin:
+        for name in ("projects", "messages"):
+            if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT:
+                raise click.UsageError(f"--{name} makes no sense with --stdin")
+    failure: list[LineError] = []
+
+    async def stdin_items() -> Any:
+        """The messages of standard input; at a bad line, remember it and end."""
+        seqs: dict[str, int] = {}
+        started = time.monotonic()
+        sent = 0
+        try:
+            async for number, line in read_lines(sys.stdin.buffer):
+                parsed = parse_line(line, number)
+                if parsed is None:
+                    continue
+                project, data = parsed
+                seq = seqs[project] = seqs.get(project, -1) + 1
+                if rate > 0:
+                    ahead = sent / rate - (time.monotonic() - started)
+                    if ahead > 0:
+                        await asyncio.sleep(ahead)
+                sent += 1
+                yield Outgoing(project, data, f"{run_tag}-{project}-{seq}", {SEQ_HEADER: str(seq)})
+        except LineError as exc:
+            failure.append(exc)
 
     async def go() -> None:
         nc = await connect(
@@ -283,18 +356,17 @@ def produce(
                     {SEQ_HEADER: str(seq)},
                 )
 
-        count = await producer.publish_many(items())
+        count = await producer.publish_many(stdin_items() if from_stdin else items(), window=window)
         elapsed = time.monotonic() - started
         await nc.drain()
-        click.echo(
-            json.dumps(
-                {
-                    "published": count,
-                    "seconds": round(elapsed, 3),
-                    "per_second": round(count / elapsed, 1) if elapsed else None,
-                }
-            )
-        )
+        summary = {
+            "published": count,
+            "seconds": round(elapsed, 3),
+            "per_second": round(count / elapsed, 1) if elapsed else None,
+        }
+        click.echo(json.dumps(summary), err=from_stdin)
+        if failure:
+            raise click.ClickException(f"stdin {failure[0]}; the lines before it are published")
 
     try:
         asyncio.run(go())

@@ -3,6 +3,10 @@
 No registration hand-shake (the seed's REG_RESP/CLOSE/DATA subjects): a project's
 partition is a pure function of its id. Every message carries a message id so that a
 retried publish is de-duplicated by JetStream instead of processed twice.
+
+`shoal-consumer produce --stdin` publishes `project_id<TAB>data` lines with the same
+Producer (parse_line, read_lines), so that shell scripts and tools in any language
+publish correctly without a client library.
 """
 
 from __future__ import annotations
@@ -10,9 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterable, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 from shoal.contracts.names import (
     DEFAULT_PARTITIONS,
@@ -23,6 +27,71 @@ from shoal.contracts.names import (
 )
 
 log = logging.getLogger(__name__)
+
+# What `shoal-consumer produce --stdin` reads, one message a line.
+LINE_FORMAT = "project_id<TAB>data"
+
+
+class LineError(ValueError):
+    """A line of `produce --stdin` input that is not a message; says which line."""
+
+    def __init__(self, number: int, problem: str) -> None:
+        super().__init__(f"line {number}: {problem}")
+        self.number = number
+
+
+def header_problem(project_id: str) -> str | None:
+    """Why `project_id` cannot travel in the Shoal-Project-Id header, or None.
+
+    NATS clients (nats-py and nats.go alike) trim header values and turn CR and LF into
+    spaces, so the member would read another id than the one the partition was computed
+    from, and dead-letter the message.
+    """
+    if not project_id:
+        return "the project id is empty"
+    if project_id != project_id.strip():
+        return "the project id starts or ends with whitespace, which NATS headers drop"
+    if "\r" in project_id or "\n" in project_id:
+        return "the project id contains CR or LF, which NATS headers cannot carry"
+    return None
+
+
+def parse_line(line: bytes, number: int) -> tuple[str, bytes] | None:
+    """One `project_id<TAB>data` line (its end of line removed) -> (project id, data);
+    None for an empty line. The data is the rest of the line, as bytes (TABs included)."""
+    if not line:
+        return None
+    head, tab, data = line.partition(b"\t")
+    if not tab:
+        raise LineError(number, f"no TAB: expected {LINE_FORMAT}")
+    try:
+        project_id = head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise LineError(number, f"the project id is not UTF-8 ({exc.reason})") from None
+    problem = header_problem(project_id)
+    if problem:
+        raise LineError(number, problem)
+    return project_id, data
+
+
+async def read_lines(stream: IO[bytes], chunk: int = 1 << 16) -> AsyncIterator[tuple[int, bytes]]:
+    """(line number from 1, line without its LF or CRLF) of a binary stream, read in a
+    thread, so that publishing and acknowledgements go on while the input is slow (read1
+    returns what is there, up to `chunk`, where read would wait to fill it)."""
+    read: Callable[[int], bytes] = getattr(stream, "read1", stream.read)
+    number = 0
+    rest = b""
+    while True:
+        data = await asyncio.to_thread(read, chunk)
+        if not data:
+            break
+        lines = (rest + data).split(b"\n")
+        rest = lines.pop()
+        for line in lines:
+            number += 1
+            yield number, line.removesuffix(b"\r")
+    if rest:
+        yield number + 1, rest.removesuffix(b"\r")
 
 
 @dataclass(frozen=True)
@@ -40,7 +109,10 @@ class Producer:
         self.partitions = partitions
 
     def _prepare(self, item: Outgoing) -> tuple[str, dict[str, str]]:
-        partition = partition_for(item.project_id, self.partitions)
+        partition = partition_for(item.project_id, self.partitions)  # a non-empty str
+        problem = header_problem(item.project_id)
+        if problem:  # it would reach the member as another id and be dead-lettered
+            raise ValueError(f"{problem}: {item.project_id!r}")
         headers = dict(item.headers or {})
         headers[PROJECT_HEADER] = item.project_id
         headers[MSG_ID_HEADER] = item.message_id or uuid.uuid4().hex

@@ -1,0 +1,79 @@
+// Command handler is a Shoal HTTP handler in Go: the member POSTs each message's data to
+// /messages and acks it when the answer is 2xx (a 4xx other than 408 and 429
+// dead-letters it; 408, 429 and 5xx are retried). Messages of one project come one at
+// a time, in order; different projects come concurrently.
+//
+//	handler -listen 127.0.0.1:8080 -delay 20ms
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"io"
+	"log"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+)
+
+func main() {
+	listen := flag.String("listen", "127.0.0.1:8080", "address to listen on")
+	delay := flag.Duration("delay", 0, "time each message takes (e.g. 20ms)")
+	verbose := flag.Bool("v", false, "log every message")
+	flag.Parse()
+
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusOK)
+	})
+	mux.HandleFunc("POST /messages", func(w http.ResponseWriter, r *http.Request) {
+		data, err := io.ReadAll(r.Body)
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		project := r.Header.Get("Shoal-Project-Id")
+		if project == "" { // a 4xx: Shoal dead-letters the message at once
+			http.Error(w, "no Shoal-Project-Id header", http.StatusBadRequest)
+			return
+		}
+		select {
+		case <-time.After(*delay): // the work this handler would do with data
+		case <-r.Context().Done(): // the member gave up (timeout, fenced): it retries
+			return
+		}
+		if *verbose {
+			log.Printf("project %s partition %s message %s delivery %s stream seq %s: %d bytes",
+				project, r.Header.Get("Shoal-Partition"), r.Header.Get("Shoal-Message-Id"),
+				r.Header.Get("Shoal-Delivery-Count"), r.Header.Get("Shoal-Stream-Sequence"), len(data))
+		}
+		w.WriteHeader(http.StatusOK)
+	})
+
+	ln, err := net.Listen("tcp", *listen)
+	if err != nil {
+		log.Fatal(err)
+	}
+	log.Printf("listening on %s", ln.Addr())
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	go func() {
+		if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+			log.Fatal(err)
+		}
+	}()
+
+	// On SIGTERM or SIGINT, answer the requests already open, then exit.
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
+	defer stop()
+	<-ctx.Done()
+	shutdown, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := srv.Shutdown(shutdown); err != nil {
+		log.Fatal(err)
+	}
+	log.Print("stopped")
+}
