@@ -6,7 +6,8 @@
 #                   as the local plane's kubelet runs it (SHOAL_KUBELET_IMAGE=shoal:dev
 #                   make cluster-up / make demo: pods from the image, not the venv)
 #   make lint       ruff check + ruff format --check
-#   make typecheck  mypy --strict on the shoal packages and the harness
+#   make typecheck  mypy --strict on the shoal packages, the harness and the tests (tests/,
+#                   e2e/, faults/, bench/)
 #   make faults     the fault suite (faults/): one fault per scenario on a real group under
 #                   load; one JSON line of figures per scenario in .tmp/faults/<time>.jsonl
 #   make soak       long runs, not in CI (faults/soak/, marker soak): a group of 3 under a

@@ -32,7 +32,7 @@ def edge(edge_dir: Path) -> Computed:
 
 def rows(frame: pd.DataFrame, group: str) -> list[dict[str, Any]]:
     picked = frame[frame["group"] == group]
-    return [dict(r) for r in picked.to_dict("records")]
+    return [{str(k): v for k, v in r.items()} for r in picked.to_dict("records")]
 
 
 def column(computed: Computed, group: str, name: str) -> list[Any]:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 
-from shoal.clients import backoff
 from shoal.clients.backoff import Backoff, QuietLog
 
 
@@ -23,7 +23,7 @@ def test_quiet_log_says_a_repeated_failure_once_per_period(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     now = [100.0]
-    monkeypatch.setattr(backoff.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])  # the clock QuietLog reads
     quiet = QuietLog(logging.getLogger("test.quiet"), every=10.0)
     with caplog.at_level(logging.WARNING, logger="test.quiet"):
         for _ in range(25):  # 25 failures, one every 0.5 s: 12.5 s

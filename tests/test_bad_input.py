@@ -191,7 +191,7 @@ async def test_metrics_endpoint(fleet: Fleet, etcd: Etcd, group: str, namespace:
     await wait_for_status(etcd, namespace, group, 16, settled({"c-0"}), 30)
 
     async def metrics() -> str:
-        body = await asyncio.to_thread(
+        body: bytes = await asyncio.to_thread(
             lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read()
         )
         return body.decode()

@@ -85,7 +85,9 @@ def test_children_die_with_their_parent_even_by_sigkill(tmp_path: Path) -> None:
                 raise AssertionError(f"the parent exited ({parent.returncode}): {log[-3000:]}")
             return json.loads(pids_file.read_text()) if pids_file.exists() else None
 
-        pids = eventually(started, 60, "the parent to start its children", interval=0.1)
+        found = eventually(started, 60, "the parent to start its children", interval=0.1)
+        assert found is not None  # eventually returns only a truthy value
+        pids = found
         # The pool threads that started the servers are gone: the servers are not (a
         # server's pid is None once it has exited).
         assert None not in pids["dies"], pids

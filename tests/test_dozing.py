@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from harness.audit import message_ids
 from harness.fleet import Fleet, settled, wait_for_status
 from harness.waiting import eventually_async
 from shoal.clients.etcd import Etcd
@@ -105,7 +106,7 @@ async def test_an_idle_group_stops_pulling_and_wakes_when_a_message_comes(
         done = await eventually_async(
             records, 30, "every partition to consume", until=lambda rs: len(rs) >= PARTITIONS
         )
-        assert audit(done, [i.message_id for i in items]).summary()["lost"] == 0
+        assert audit(done, message_ids(items)).summary()["lost"] == 0
         assert sorted(r.partition for r in done) == list(range(PARTITIONS))
         # The alarm woke each one at once (a missed alarm waits for the 60 s sweep).
         slowest = max(r.started for r in done) - published_at

@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypedDict
 
 import etcd3
 import pytest
@@ -56,7 +57,15 @@ def tls_etcd(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[Etc
         server.stop()
 
 
-def tls_options(pki: Pki) -> dict[str, str]:
+class TlsOptions(TypedDict, total=False):
+    """Etcd's TLS keyword arguments."""
+
+    ca_file: str
+    cert_file: str
+    key_file: str
+
+
+def tls_options(pki: Pki) -> TlsOptions:
     cert, key = pki.client(CLIENT)
     return {"ca_file": str(pki.ca_cert), "cert_file": str(cert), "key_file": str(key)}
 
@@ -81,7 +90,7 @@ async def test_connects_with_the_client_certificate(tls_etcd: EtcdServer, pki: P
 async def test_fails_clearly_without_the_certificate(
     tls_etcd: EtcdServer, pki: Pki, without: str
 ) -> None:
-    options = {"ca_file": str(pki.ca_cert)} if without == "client certificate" else {}
+    options: TlsOptions = {"ca_file": str(pki.ca_cert)} if without == "client certificate" else {}
     etcd = Etcd(tls_etcd.endpoint, **options)
     try:
         with pytest.raises(EtcdUnavailable) as info:

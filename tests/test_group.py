@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from harness.audit import message_ids
 from harness.fleet import Fleet, settled, wait_for_status
 from harness.waiting import eventually_async
 from shoal.assignor import min_moves, moved
@@ -189,7 +190,7 @@ async def test_join_and_graceful_leave_while_producing(
         before={"c-0"},
         after={"c-1", "c-2", "c-3"},
     )
-    result = audit(records, [i.message_id for i in items])
+    result = audit(records, message_ids(items))
     assert result.summary() == {
         "expected": 20_000,
         "processed": 20_000,
@@ -226,7 +227,7 @@ async def test_kill_9_loses_nothing_and_resumes_within_ttl(
     assert_mid_stream(
         records, "kill -9 of c-1", killed_wall, victim_partitions, {"c-1"}, {"c-0", "c-2"}
     )
-    result = audit(records, [i.message_id for i in items])
+    result = audit(records, message_ids(items))
     assert result.lost == []
     assert result.out_of_order == []
     # Only messages the killed member had handled but not acked come back a second time.
@@ -309,7 +310,7 @@ async def test_frozen_member_fences_itself(
     assert_mid_stream(
         records, "SIGSTOP of c-1", stopped_at, frozen_partitions, {"c-1"}, {"c-0", "c-2"}
     )
-    result = audit(records, [i.message_id for i in items])
+    result = audit(records, message_ids(items))
     assert result.lost == []
     assert result.overlaps == [], result.overlaps[:5]
     log = fleet.members["c-1"].log_text()

@@ -21,6 +21,7 @@ import pytest
 from click.testing import CliRunner
 from nats.js.errors import ServiceUnavailableError
 
+from harness.audit import message_ids
 from harness.fleet import Fleet, settled, wait_for_status
 from harness.natssecurity import NatsServerSecurity, NatsUser
 from harness.securegroup import drain_and_audit, operator_made_config, produce_paced
@@ -163,7 +164,7 @@ async def test_members_of_another_account_consume_and_hand_over(
             assert fleet.wait_exit("c-0", 30) == 0
             await production
 
-            ids = [i.message_id for i in items]
+            ids = message_ids(items)
             js = admin.jetstream()
             records = await drain_and_audit(js, c, ids, "the group to drain", fleet.logs)
             logs = fleet.logs()

@@ -20,6 +20,7 @@ from typing import Any
 import nats
 import pytest
 
+from harness.audit import message_ids
 from harness.fleet import Fleet, settled, wait_for_status
 from harness.natssecurity import NatsServerSecurity, NatsUser
 from harness.securegroup import drain_and_audit, operator_made_config, produce_paced
@@ -156,7 +157,7 @@ async def test_a_group_runs_with_exactly_its_permissions(
             assert fleet.wait_exit("c-0", 30) == 0
             await production
 
-            ids = [i.message_id for i in items]
+            ids = message_ids(items)
             js = admin.jetstream()
             records = await drain_and_audit(js, a, ids, "group A to drain", fleet.logs)
             assert {r.member for r in records} == {"c-0", "c-1", "c-2"}

@@ -350,7 +350,8 @@ async def test_requests_refused_while_the_reconnect_buffer_is_full_leave_nothing
             server.url,
             pending_size=4096,
             max_reconnect_attempts=-1,
-            reconnect_time_wait=0.2,
+            # nats-py annotates it int, but it is seconds, slept and compared as a float.
+            reconnect_time_wait=0.2,  # type: ignore[arg-type]
             connect_timeout=1,
         )
         js = nc.jetstream()

@@ -18,9 +18,9 @@ from __future__ import annotations
 import copy
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import kopf
 import pytest
@@ -54,6 +54,13 @@ def events(monkeypatch: pytest.MonkeyPatch) -> list[Event]:
     return found
 
 
+async def call_handler(handler: object, **kwargs: Any) -> Any:
+    """Call a kopf handler with only the kwargs it reads. kopf's decorators type a handler
+    as kopf's callback protocol, which requires every kwarg kopf passes (logger, runtime,
+    ...) and Spec/Meta/Status rather than the dicts these tests give."""
+    return await cast(Callable[..., Awaitable[Any]], handler)(**kwargs)
+
+
 class FakeKube:
     async def deployment_status(self, namespace: str, name: str) -> dict[str, int]:
         return {"replicas": 2, "ready": 2}
@@ -70,9 +77,9 @@ async def memo(
     monkeypatch.setenv("NATS_URL", nats_url)
     monkeypatch.setenv("ETCD_ENDPOINTS", etcd_endpoint)
     operator_memo = OperatorMemo()
-    await reconciler.startup(settings=kopf.OperatorSettings(), memo=operator_memo)
+    await call_handler(reconciler.startup, settings=kopf.OperatorSettings(), memo=operator_memo)
     yield copy.copy(operator_memo)  # the group's own memo, as kopf makes it
-    await reconciler.cleanup_clients(memo=operator_memo)
+    await call_handler(reconciler.cleanup_clients, memo=operator_memo)
 
 
 async def observe(
@@ -80,7 +87,8 @@ async def observe(
 ) -> dict[str, Any]:
     """One run of the status timer; the status after its patch (None deletes a field)."""
     patch = kopf.Patch()
-    await reconciler.observe_group(
+    await call_handler(
+        reconciler.observe_group,
         name=group,
         namespace=namespace,
         spec=spec,

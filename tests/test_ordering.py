@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from harness.audit import message_ids
 from harness.fleet import Fleet, settled, wait_for_status
 from harness.waiting import eventually_async
 from shoal.clients.etcd import Etcd
@@ -100,7 +101,7 @@ async def test_projects_run_concurrently_each_in_stream_order(
     items = [message(f"p{p}", i, b"wait:20") for i in range(15) for p in range(120)]
     records = await run_group(fleet, etcd, js, config, items)
 
-    result = audit(records, [i.message_id for i in items])
+    result = audit(records, message_ids(items))
     assert result.summary() == {
         "expected": 1800,
         "processed": 1800,
@@ -138,7 +139,7 @@ async def test_poison_message_blocks_only_its_project(
 
     # Only the poison is missing from the ledger: it is in the dead-letter stream, after
     # max_deliver attempts, and the rest of its project followed it, in order.
-    result = audit(records, [i.message_id for i in items])
+    result = audit(records, message_ids(items))
     assert result.lost == [f"{poisoned}-1"]
     assert result.summary()["duplicates"] == result.summary()["out_of_order"] == 0
     dlq = await dead_letters(js, config)
@@ -168,7 +169,7 @@ async def test_failed_message_is_retried_before_its_project_goes_on(
     ]
     records = await run_group(fleet, etcd, js, config, items)
 
-    result = audit(records, [i.message_id for i in items])
+    result = audit(records, message_ids(items))
     assert result.summary() == {
         "expected": 240,
         "processed": 240,
@@ -199,7 +200,7 @@ async def test_nak_and_continue_lets_later_messages_overtake(
     items = [message("p0", 0, b"fail:1")] + [message("p0", i, b"wait:1") for i in range(1, 5)]
     records = await run_group(fleet, etcd, js, config, items)
 
-    result = audit(records, [i.message_id for i in items])
+    result = audit(records, message_ids(items))
     assert result.summary()["lost"] == result.summary()["duplicates"] == 0
     order = [r.message_id for r in sorted(records, key=lambda r: r.started)]
     assert order[-1] == "p0-0", order

@@ -264,7 +264,9 @@ async def test_a_runner_resumed_under_a_claim_that_outlived_a_fence_is_no_fresh_
     assert worker.view.handed_over_cleanly(6)
     started: list[tuple[int, bool]] = []
 
-    def start(p: int, revision: int, ts: float | None, *, fresh_claim: bool = True) -> None:
+    def start(
+        p: int, claim_revision: int, target_ts: float | None, *, fresh_claim: bool = True
+    ) -> None:
         started.append((p, fresh_claim))
 
     worker._start = start  # type: ignore[method-assign]

@@ -12,10 +12,10 @@ import base64
 import copy
 import dataclasses
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import kopf
 import pytest
@@ -34,6 +34,7 @@ from shoal.operator.builders import (
     selector_string,
 )
 from shoal.operator.etcdsecret import EtcdClients, SecretData
+from shoal.operator.kube import Kube
 from shoal.operator.natssecret import NatsClients
 from shoal.operator.reconciler import (
     GroupProblem,
@@ -71,11 +72,21 @@ def _real_ca() -> bytes:
 NATS_TLS_DATA = {"ca.crt": b64(_real_ca())}
 
 
+async def call_handler(handler: object, **kwargs: Any) -> Any:
+    """Call a kopf handler with only the kwargs it reads. kopf's decorators type a handler
+    as kopf's callback protocol, which requires every kwarg kopf passes (logger, runtime,
+    ...) and Spec/Meta/Status rather than the dicts these tests give."""
+    return await cast(Callable[..., Awaitable[Any]], handler)(**kwargs)
+
+
 # -- fakes -------------------------------------------------------------------------------------
 
 
-class FakeKube:
-    """The operator's Kube: applies recorded, Secrets from a dict, one Deployment status."""
+class FakeKube(Kube):
+    """The operator's Kube: applies recorded, Secrets from a dict, one Deployment status.
+
+    A subclass, so that it goes where a Kube goes and mypy checks its methods against
+    Kube's; it talks to no API server (Kube.__init__ is not called)."""
 
     def __init__(self) -> None:
         self.applied: list[dict[str, Any]] = []
@@ -95,6 +106,13 @@ class FakeKube:
 
     def kinds(self) -> list[str]:
         return [obj["kind"] for obj in self.applied]
+
+
+def fake_kube(memo: OperatorMemo) -> FakeKube:
+    """The memo's Kube: the FakeKube the operator_memo fixture had startup install."""
+    kube = memo.kube
+    assert isinstance(kube, FakeKube), kube
+    return kube
 
 
 @dataclass
@@ -191,9 +209,9 @@ async def operator_memo(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Operat
     monkeypatch.setattr(reconciler, "Kube", lambda api: FakeKube())
     monkeypatch.setenv("NATS_URL", NATS_URL)
     memo = OperatorMemo()
-    await reconciler.startup(settings=kopf.OperatorSettings(), memo=memo)
+    await call_handler(reconciler.startup, settings=kopf.OperatorSettings(), memo=memo)
     yield memo
-    await reconciler.cleanup_clients(memo=memo)
+    await call_handler(reconciler.cleanup_clients, memo=memo)
 
 
 def resource_memo(operator_memo: OperatorMemo) -> OperatorMemo:
@@ -226,7 +244,8 @@ async def reconcile(
     """Call the reconcile handler as kopf would; the patch it made (pass one to see it
     when the handler raises)."""
     patch = kopf.Patch() if patch is None else patch
-    await reconciler.reconcile(
+    await call_handler(
+        reconciler.reconcile,
         name=name,
         namespace=NAMESPACE,
         spec=spec,
@@ -244,7 +263,8 @@ async def reconcile(
 async def observe(memo: OperatorMemo, name: str, spec: dict[str, Any]) -> dict[str, Any]:
     """Call the status timer as kopf would; the status it wrote."""
     patch = kopf.Patch()
-    await reconciler.observe_group(
+    await call_handler(
+        reconciler.observe_group,
         name=name,
         namespace=NAMESPACE,
         spec=spec,
@@ -303,7 +323,7 @@ async def test_groups_share_the_operator_wide_things(
 
 def test_each_copy_of_the_memo_has_a_fresh_group_state_and_the_shared_clients() -> None:
     memo = OperatorMemo()
-    memo.kube = FakeKube()  # type: ignore[assignment]
+    memo.kube = FakeKube()
     memo.group.applied = True
     copied = copy.copy(memo)
     assert copied.group == GroupState() and copied.group is not memo.group
@@ -399,7 +419,7 @@ async def nats_memo(tmp_path: Path) -> AsyncIterator[OperatorMemo]:
     """A memo with the operator's NATS connections (Secrets from a FakeKube)."""
     kube = FakeKube()
     memo = OperatorMemo()
-    memo.kube = kube  # type: ignore[assignment]
+    memo.kube = kube
     memo.nats = NatsClients(kube, NatsSecurity(), tmp_path / "nats")
     yield memo
     await memo.nats.close()
@@ -449,7 +469,7 @@ async def test_a_reconciled_group(world: World, operator_memo: OperatorMemo) -> 
     memo = resource_memo(operator_memo)
     patch = await reconcile(memo, "orders", {"replicas": 2, "handler": GOOD})
     assert patch["status"] == {"selector": selector_string("orders")}
-    kinds = operator_memo.kube.kinds()
+    kinds = fake_kube(operator_memo).kinds()
     assert set(kinds) == {
         "Deployment",
         "ServiceAccount",
@@ -457,7 +477,7 @@ async def test_a_reconciled_group(world: World, operator_memo: OperatorMemo) -> 
         "RoleBinding",
         "PodDisruptionBudget",
     }
-    for obj in operator_memo.kube.applied:  # adopted: deleting the group deletes them
+    for obj in fake_kube(operator_memo).applied:  # adopted: deleting the group deletes them
         assert obj["metadata"]["ownerReferences"][0]["uid"] == "uid-orders"
     assert world.reasons("Warning") == []
     assert world.reasons("Normal") == ["Reconciled"]
@@ -527,7 +547,7 @@ async def test_each_problem_degrades_warns_and_retries(
     memo = resource_memo(operator_memo)
     world.stream_error, world.nats_error = case.stream_error, case.nats_error
     for secret, data in case.secrets.items():
-        operator_memo.kube.secrets[(NAMESPACE, secret)] = SecretData("1", data)
+        fake_kube(operator_memo).secrets[(NAMESPACE, secret)] = SecretData("1", data)
     ready = {
         "type": "Ready",
         "status": "True",
@@ -559,7 +579,7 @@ async def test_each_problem_degrades_warns_and_retries(
     state = memo.group
     assert state.problem == (case.reason, message)
     assert state.applied is case.applied
-    assert bool(operator_memo.kube.applied) is case.applied
+    assert bool(fake_kube(operator_memo).applied) is case.applied
 
 
 async def test_a_problem_stands_until_a_reconcile_succeeds(
@@ -623,7 +643,7 @@ async def test_an_unchanged_replicas_is_not_a_scale(
 async def test_a_rotated_secret_rolls_only_its_own_group(
     world: World, operator_memo: OperatorMemo
 ) -> None:
-    kube: FakeKube = operator_memo.kube
+    kube = fake_kube(operator_memo)
     for name in ("alpha", "beta"):
         kube.secrets[(NAMESPACE, f"{name}-etcd")] = SecretData("1", TLS_DATA)
     memos = {name: resource_memo(operator_memo) for name in ("alpha", "beta")}
@@ -652,7 +672,7 @@ async def test_a_rotated_secret_rolls_only_its_own_group(
 async def test_the_timer_leaves_a_group_not_yet_reconciled_alone(
     world: World, operator_memo: OperatorMemo
 ) -> None:
-    kube: FakeKube = operator_memo.kube
+    kube = fake_kube(operator_memo)
     kube.secrets[(NAMESPACE, "alpha-etcd")] = SecretData("1", TLS_DATA)
     await operator_memo.etcd.files(NAMESPACE, "alpha-etcd")
     memo = resource_memo(operator_memo)
@@ -683,7 +703,7 @@ def test_a_group_stored_at_zero_with_autoscaling_can_still_be_deleted() -> None:
 async def test_the_pods_follow_the_nats_secrets_and_the_operator_reads_them(
     world: World, operator_memo: OperatorMemo, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    kube: FakeKube = operator_memo.kube
+    kube = fake_kube(operator_memo)
     kube.secrets[(NAMESPACE, "nats-tls")] = SecretData("5", NATS_TLS_DATA)
     kube.secrets[(NAMESPACE, "nats-auth")] = SecretData("6", AUTH_DATA)
     used: list[NatsSecurity] = []
@@ -734,7 +754,7 @@ async def test_nats_secrets_step(operator_memo: OperatorMemo) -> None:
 
 
 async def test_a_refused_login_shows_in_status(world: World, operator_memo: OperatorMemo) -> None:
-    operator_memo.kube.secrets[(NAMESPACE, "auth")] = SecretData("1", AUTH_DATA)
+    fake_kube(operator_memo).secrets[(NAMESPACE, "auth")] = SecretData("1", AUTH_DATA)
     world.nats_error = refused("nats: 'Authorization Violation'")
     st = await observe(
         resource_memo(operator_memo),
@@ -750,7 +770,7 @@ async def test_a_refused_login_shows_in_status(world: World, operator_memo: Oper
 async def test_a_rotated_nats_secret_rolls_only_its_own_group(
     world: World, operator_memo: OperatorMemo
 ) -> None:
-    kube: FakeKube = operator_memo.kube
+    kube = fake_kube(operator_memo)
     for name in ("alpha", "beta"):
         kube.secrets[(NAMESPACE, f"{name}-nats")] = SecretData("1", NATS_TLS_DATA)
     memos = {name: resource_memo(operator_memo) for name in ("alpha", "beta")}
@@ -783,7 +803,7 @@ async def test_a_rotated_nats_secret_rolls_only_its_own_group(
 async def test_a_rotated_nats_secret_that_is_refused_rolls_nothing(
     world: World, operator_memo: OperatorMemo
 ) -> None:
-    kube: FakeKube = operator_memo.kube
+    kube = fake_kube(operator_memo)
     kube.secrets[(NAMESPACE, "auth")] = SecretData("1", AUTH_DATA)
     memo = resource_memo(operator_memo)
     spec = {"replicas": 1, "handler": GOOD, "nats": {"credentialsSecret": "auth"}}
@@ -798,7 +818,8 @@ async def test_a_rotated_nats_secret_that_is_refused_rolls_nothing(
 
 async def delete(memo: OperatorMemo, name: str, spec: dict[str, Any], retry: int = 0) -> None:
     """Call the deletion handler as kopf would."""
-    await reconciler.delete(
+    await call_handler(
+        reconciler.delete,
         name=name,
         namespace=NAMESPACE,
         spec=spec,
@@ -816,7 +837,7 @@ async def test_deleting_uses_the_nats_secret_read_before_if_it_is_gone(
 ) -> None:
     """Deleting a namespace removes the Secret before the group's finalizer runs."""
     FakeJetStream.deleted = []
-    kube: FakeKube = operator_memo.kube
+    kube = fake_kube(operator_memo)
     kube.secrets[(NAMESPACE, "auth")] = SecretData("1", AUTH_DATA)
     memo = resource_memo(operator_memo)
     spec = {

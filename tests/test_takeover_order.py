@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from harness.audit import message_ids
 from harness.fleet import Fleet, settled, wait_for_status
 from harness.waiting import eventually_async
 from shoal.clients.etcd import Etcd
@@ -71,7 +72,7 @@ async def test_the_next_owner_of_a_dead_members_partition_keeps_project_order(
     producer = Producer(js, config.subject_prefix, PARTITIONS)
     first = [message(i) for i in range(30)]
     await producer.publish_many(first)
-    ids = {i.message_id for i in first}
+    ids = set(message_ids(first))
 
     async def recorded() -> set[str]:
         return {r.message_id for r in await read_ledger(js, config.ledger_stream)} & ids
@@ -82,7 +83,7 @@ async def test_the_next_owner_of_a_dead_members_partition_keeps_project_order(
     killed = time.monotonic()
     later = [message(i) for i in range(30, 50)]
     await producer.publish_many(later)
-    ids |= {i.message_id for i in later}
+    ids |= set(message_ids(later))
     await eventually_async(
         recorded, 60, "m-1 to process every message", until=lambda s: s == ids, interval=0.5
     )
@@ -138,7 +139,7 @@ async def test_a_backlog_given_back_twice_runs_in_stream_order(
         for project in projects[:20]
     ]
     await Producer(js, config.subject_prefix, PARTITIONS).publish_many(messages)
-    ids = {m.message_id for m in messages}
+    ids = set(message_ids(messages))
 
     async def recorded() -> set[str]:
         return {r.message_id for r in await read_ledger(js, config.ledger_stream)} & ids

@@ -5,18 +5,21 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import pytest
 
 from harness.waiting import MAX_SHOWN, WaitTimeout, eventually, eventually_async
 
+T = TypeVar("T")
 
-def counter(values: list[object]) -> tuple[Callable[[], object], list[int]]:
+
+def counter(values: list[T]) -> tuple[Callable[[], T], list[int]]:
     """A check that returns `values` one per call (the last one forever), and its calls."""
     calls = [0]
-    it: Iterator[object] = itertools.chain(values, itertools.repeat(values[-1]))
+    it: Iterator[T] = itertools.chain(values, itertools.repeat(values[-1]))
 
-    def check() -> object:
+    def check() -> T:
         calls[0] += 1
         return next(it)
 
@@ -24,7 +27,8 @@ def counter(values: list[object]) -> tuple[Callable[[], object], list[int]]:
 
 
 def test_returns_the_first_truthy_value() -> None:
-    check, calls = counter([None, 0, [], {"ready": True}])
+    falsy_then_truthy: list[object] = [None, 0, [], {"ready": True}]
+    check, calls = counter(falsy_then_truthy)
     assert eventually(check, 5, "readiness", interval=0.001) == {"ready": True}
     assert calls == [4]
 

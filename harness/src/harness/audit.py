@@ -16,11 +16,13 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 from shoal.consumer.ledger import LedgerRecord, audit
+from shoal.consumer.producer import Outgoing
 
 __all__ = [
     "FaultAudit",
     "audit_faults",
     "longest_gap",
+    "message_ids",
     "resumed_after",
 ]
 
@@ -55,6 +57,16 @@ class FaultAudit:
             "longest_gap_partition": self.longest_gap_partition,
             "max_latency_s": round(self.max_latency_s, 2),
         }
+
+
+def message_ids(items: Iterable[Outgoing]) -> list[str]:
+    """The message ids of what was published, to audit the ledger against. Each item must
+    carry its own id: without one the producer makes one up, which no audit can know."""
+    ids = [item.message_id for item in items]
+    known = [i for i in ids if i is not None]
+    if len(known) < len(ids):
+        raise ValueError(f"{len(ids) - len(known)} of {len(ids)} messages have no message_id")
+    return known
 
 
 def longest_gap(
