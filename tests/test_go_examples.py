@@ -89,7 +89,8 @@ async def test_a_shoal_member_consumes_what_the_go_producer_publishes(
     config = make_config(partitions=PARTITIONS)
     await ensure_group(js, config)
     count, projects = 900, 60
-    command = [binaries["producer"], "-url", config.nats_url, "-prefix", config.subject_prefix]
+    command = [str(binaries["producer"]), "-url", config.nats_url]
+    command += ["-prefix", config.subject_prefix]
     command += ["-partitions", str(PARTITIONS), "-count", str(count)]
     command += ["-projects", str(projects), "-run-id", "go1"]
     result = await asyncio.to_thread(
@@ -135,9 +136,9 @@ async def test_a_shoal_member_consumes_what_the_go_producer_publishes(
         "overlaps": 0,
     }
     assert all(r.partition == partition_for(r.project_id, PARTITIONS) for r in records)
-    seqs = [r.seq for r in records if r.project_id == "project-7"]
-    assert None not in seqs  # the Go producer numbers every message (Shoal-Seq)
-    assert sorted(s for s in seqs if s is not None) == list(range(15))
+    numbered = [r.seq for r in records if r.project_id == "project-7"]
+    assert None not in numbered  # the Go producer numbers every message (Shoal-Seq)
+    assert sorted(n for n in numbered if n is not None) == list(range(15))
 
 
 def _request(
