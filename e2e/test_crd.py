@@ -184,6 +184,18 @@ def test_invalid_groups_are_refused_with_readable_messages(crd: LocalKube, names
     assert "should match" in message
     message = refused(crd, group("no-handler", namespace, handler=None))
     assert "spec.handler: Required value" in message
+    # An HTTP handler: a well-formed URL is accepted, a malformed one refused in words.
+    url = group("url", namespace, handler="http://127.0.0.1:8080/messages")
+    url["spec"]["handlerReadyPath"] = "/healthz"
+    apply(crd, url)
+    crd.kubectl("delete", "cg", "url", "-n", namespace)
+    message = refused(crd, group("bad-url", namespace, handler="http:/127.0.0.1:8080/messages"))
+    assert (
+        "handler must look like 'package.module:function' or be an http:// or https:// URL"
+        in " ".join(message.split())
+    ), message
+    message = refused(crd, group("bad-ready", namespace, handlerReadyPath="healthz"))
+    assert "spec.handlerReadyPath" in message
     message = refused(crd, group("retention", namespace, nats={"stream": {"retention": "forever"}}))
     assert "spec.nats.stream.retention" in message
     assert '"workqueue", "limits", "interest"' in message

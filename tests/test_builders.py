@@ -68,6 +68,7 @@ def full_spec() -> dict[str, Any]:
         "image": "registry.example/shoal:1.2.3",
         "imagePullPolicy": "Always",
         "handler": HANDLER,
+        "handlerReadyPath": "/healthz",
         "env": [{"name": "USER_VAR", "value": "x"}],
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}},
         "nats": {

@@ -133,7 +133,7 @@ def test_camel_case_in_snake_case_out() -> None:
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ({}, "spec.handler is required ('package.module:function')"),
+        ({}, "spec.handler is required ('package.module:function' or an http(s) URL)"),
         ({"handler": "nocolon"}, "spec.handler"),
         ({"handler": "a:b", "autoscaling": {"enabled": "yes"}}, "spec.autoscaling.enabled"),
         ({"handler": "a:b", "autoscaling": {"cpuThreshold": "90"}}, "cpuThreshold"),

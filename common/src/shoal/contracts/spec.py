@@ -40,7 +40,23 @@ __all__ = [
     "parse_spec",
 ]
 
-HANDLER_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$"
+# A handler is a Python function in the image, `package.module:function`, or a service
+# that speaks HTTP, `http(s)://host[:port][/path]` (shoal.consumer.httphandler): a host
+# name or an IPv4 address or a bracketed IPv6 one, no user info, no fragment. The CRD has
+# the same pattern, and a CEL rule saying it in words (crds/consumergroup.yaml).
+PYTHON_HANDLER_PATTERN = r"[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*"
+URL_HANDLER_PATTERN = (
+    r"https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?)(:[0-9]{1,5})?"
+    r"(/[^\s#]*)?"
+)
+HANDLER_PATTERN = f"^({PYTHON_HANDLER_PATTERN}|{URL_HANDLER_PATTERN})$"
+HANDLER_MAX_LENGTH = 2048
+HANDLER_WORDS = (
+    "must look like 'package.module:function' or be an http:// or https:// URL of a "
+    "host, an optional port and a path, e.g. 'http://127.0.0.1:8080/messages'"
+)
+# spec.handlerReadyPath: a path on the HTTP handler's host, or empty (none).
+READY_PATH_PATTERN = r"^(/[^\s#]*)?$"
 
 
 def _integral(value: object) -> object:
@@ -185,7 +201,10 @@ class ConsumerGroupSpec(_Section):
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
     # Required, with no default: the noop handler would ack, and so delete, every message
     # of a work-queue stream.
-    handler: str = Field(pattern=HANDLER_PATTERN)
+    handler: str = Field(pattern=HANDLER_PATTERN, max_length=HANDLER_MAX_LENGTH)
+    # With an HTTP handler: a path on its host (`/healthz`) that must answer 2xx before
+    # a member joins the group (shoal.consumer.httphandler); empty: none.
+    handler_ready_path: str = Field("", pattern=READY_PATH_PATTERN)
     env: list[dict[str, Any]] = Field(default_factory=list)
     resources: dict[str, Any] = Field(default_factory=dict)
     # Where and how the consumer pods run: copied into the pod template as written (the
@@ -229,8 +248,11 @@ class SpecError(ValueError):
 
 # Where pydantic's wording does not say what to write instead.
 _FRIENDLIER = {
-    ("spec.handler", "missing"): "is required ('package.module:function')",
-    ("spec.handler", "string_pattern_mismatch"): "must look like 'package.module:function'",
+    ("spec.handler", "missing"): "is required ('package.module:function' or an http(s) URL)",
+    ("spec.handler", "string_pattern_mismatch"): HANDLER_WORDS,
+    ("spec.handlerReadyPath", "string_pattern_mismatch"): (
+        "must be a path on the handler's host, starting with '/' (e.g. '/healthz')"
+    ),
     ("spec.minReplicas", "greater_than_equal"): (
         "must be at least 1: a group scaled to 0 has no member, so no leader, and nothing "
         "would ever scale it up again"

@@ -29,12 +29,14 @@ from shoal.contracts.names import (
     log_stream_name,
 )
 from shoal.contracts.spec import (
+    READY_PATH_PATTERN,
     AssignmentSpec,
     ConsumerGroupSpec,
     ConsumerSpec,
     StreamSpec,
     parse_spec,
 )
+from shoal.group.handlerref import check_url_handler, is_url_handler
 
 _STREAM = StreamSpec()
 _CONSUMER = ConsumerSpec()
@@ -77,6 +79,9 @@ class GroupConfig(BaseModel):
     ledger: bool = _STREAM.ledger
 
     handler: str = "shoal.consumer.handlers:noop"
+    # With an HTTP handler: a path on its host that must answer 2xx before the member
+    # joins the group (spec.handlerReadyPath; shoal.consumer.httphandler).
+    handler_ready_path: str | None = Field(None, pattern=READY_PATH_PATTERN)
     ack_wait: float = Field(_CONSUMER.ack_wait_seconds, gt=0)
     max_ack_pending: int = Field(_CONSUMER.max_ack_pending, ge=1)
     max_deliver: int = Field(_CONSUMER.max_deliver, ge=1)
@@ -177,9 +182,14 @@ class GroupConfig(BaseModel):
     @field_validator("handler")
     @classmethod
     def _handler_spec(cls, value: str) -> str:
+        if is_url_handler(value):
+            check_url_handler(value)
+            return value
         module, sep, func = value.partition(":")
         if not sep or not module or not func:
-            raise ValueError(f"handler {value!r} must look like 'package.module:function'")
+            raise ValueError(
+                f"handler {value!r} must look like 'package.module:function' or be an http(s) URL"
+            )
         return value
 
     @model_validator(mode="after")
@@ -260,6 +270,7 @@ ENV_FIELDS: dict[str, str] = {
     "SHOAL_RETENTION": "retention",
     "SHOAL_STORAGE": "storage",
     "SHOAL_HANDLER": "handler",
+    "SHOAL_HANDLER_READY_PATH": "handler_ready_path",
     "SHOAL_ACK_WAIT": "ack_wait",
     "SHOAL_MAX_ACK_PENDING": "max_ack_pending",
     "SHOAL_MAX_DELIVER": "max_deliver",
@@ -395,6 +406,7 @@ def group_config(
         storage=stream.storage,
         ledger=stream.ledger,
         handler=model.handler,
+        handler_ready_path=model.handler_ready_path or None,
         ack_wait=consumer.ack_wait_seconds,
         max_ack_pending=consumer.max_ack_pending,
         max_deliver=consumer.max_deliver,

@@ -97,7 +97,14 @@ def main(log_level: str) -> None:
     envvar="SHOAL_HANDLER",
     default="shoal.consumer.handlers:noop",
     show_default=True,
-    help="Message handler, 'module:function' (async def f(msg)).",
+    help="Message handler: 'module:function' (async def f(msg)), or an http(s):// URL "
+    "each message is POSTed to (see the README's HTTP handlers).",
+)
+@click.option(
+    "--handler-ready-path",
+    envvar="SHOAL_HANDLER_READY_PATH",
+    default=None,
+    help="With an HTTP handler: join the group only once GET <its host><path> answers 2xx.",
 )
 @click.option(
     "--member-id",
@@ -126,6 +133,7 @@ def run(
     etcd_endpoints: str,
     partitions: int,
     handler: str,
+    handler_ready_path: str | None,
     member_id: str | None,
     metrics_port: int | None,
     lease_ttl: int | None,
@@ -163,6 +171,7 @@ def run(
             etcd_endpoints=etcd_endpoints,
             partitions=partitions,
             handler=handler,
+            handler_ready_path=handler_ready_path,
             member_id=member_id,
             metrics_port=metrics_port,
             lease_ttl=lease_ttl,

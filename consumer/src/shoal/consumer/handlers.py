@@ -2,8 +2,13 @@
 
 A handler is `async def handle(msg: Message) -> None`. Returning acks the message;
 raising retries it after a backoff, before any later message of its project (at most
-max_deliver attempts, then it goes to the dead-letter subject); raising `PermanentError`
-dead-letters it at once. A member runs up to maxConcurrency messages of different
+max_deliver attempts, then it goes to the dead-letter subject); raising `RetryAfter(s)`
+does the same, waiting at least `s` seconds (at most MAX_RETRY_AFTER); raising
+`PermanentError` dead-letters it at once.
+
+A handler may also be a URL, `http(s)://host[:port][/path]`: `load_handler` then returns
+an `HttpHandler` (shoal.consumer.httphandler), which POSTs each message there and turns
+the answer into the same outcomes. A member runs up to maxConcurrency messages of different
 projects at once, so a handler must not assume it runs alone. Delivery is at-least-once,
 so handlers should be idempotent (key side effects on `msg.message_id`).
 """
@@ -21,11 +26,27 @@ from typing import Any, Protocol
 
 from shoal.contracts.names import MSG_ID_HEADER, SEQ_HEADER, ledger_subject
 from shoal.group.handlerref import HandlerError as HandlerError  # re-exported: the API
-from shoal.group.handlerref import import_handler
+from shoal.group.handlerref import import_handler, is_url_handler
 
 
 class PermanentError(Exception):
     """Raised by a handler for a message that can never succeed: dead-letter it now."""
+
+
+# The longest a RetryAfter holds its message (and its project's later ones): a service
+# asking for an hour (Retry-After: 3600) is still retried after 5 minutes.
+MAX_RETRY_AFTER = 300.0
+
+
+class RetryAfter(Exception):
+    """Raised by a handler: a failed attempt like any other (retried in place, dead-
+    lettered after maxDeliver), retried after `delay` seconds when that is longer than
+    the backoff's delay (capped at MAX_RETRY_AFTER). The HTTP handler raises it for a
+    Retry-After header."""
+
+    def __init__(self, delay: float, message: str = "") -> None:
+        super().__init__(message or f"retry after {delay:g} s")
+        self.delay = min(max(0.0, delay), MAX_RETRY_AFTER)
 
 
 class HandlerTimeout(Exception):
@@ -188,9 +209,18 @@ class DeliveredMessage(Message):
 Handler = Callable[[Message], Awaitable[None]]
 
 
-def load_handler(spec: str) -> Handler:
+def load_handler(spec: str, *, timeout: float = 0.0, connections: int = 100) -> Handler:
     """Import `module:function` (shoal.group.handlerref: the operator checks specs with the
-    same code); every failure is one HandlerError line saying what is wrong."""
+    same code); every failure is one HandlerError line saying what is wrong.
+
+    For a URL, the member's HTTP handler (shoal.consumer.httphandler): `timeout` is how
+    long a request may take (handlerTimeoutSeconds; 0: no limit), `connections` the most
+    it keeps open (at least maxConcurrency, so no message waits for one)."""
+    if is_url_handler(spec):
+        # Here, not at the top: the module imports this one (Message, the errors).
+        from shoal.consumer.httphandler import HttpHandler
+
+        return HttpHandler(spec, timeout=timeout, connections=connections)
     handler: Handler = import_handler(spec)
     return handler
 

@@ -27,6 +27,7 @@ from shoal.consumer.cpu import CpuMeter
 from shoal.consumer.deadletter import ExhaustedMessages
 from shoal.consumer.election import Election, GenerationRecord
 from shoal.consumer.handlers import load_handler
+from shoal.consumer.httphandler import HttpHandler
 from shoal.consumer.membership import Membership
 from shoal.consumer.memory import trim_forever
 from shoal.consumer.metrics import Metrics
@@ -50,7 +51,9 @@ class ConsumerProcess:
     def __init__(self, config: GroupConfig) -> None:
         self.config = config
         # An unknown handler stops start-up here, before any connection is made.
-        self.handler = load_handler(config.handler)
+        self.handler = load_handler(
+            config.handler, timeout=config.handler_timeout, connections=config.max_concurrency
+        )
         self.metrics = Metrics()
         self.etcd = Etcd(config.etcd_endpoints, **config.etcd_options())
         self.view = GroupView(self.etcd, config.keys, config.partitions)
@@ -250,6 +253,16 @@ class ConsumerProcess:
         self.exhausted = ExhaustedMessages(c, self.nc, self.js, self.leader)
         self._tasks.append(asyncio.create_task(self.view.run(), name="view"))
         await self.view.synced.wait()
+        if c.handler_ready_path:
+            # Not a member before the service beside us answers (spec.handlerReadyPath).
+            if isinstance(self.handler, HttpHandler):
+                await self.handler.wait_ready(c.handler_ready_path)
+            else:
+                log.warning(
+                    "handlerReadyPath %s ignored: the handler %s is not an HTTP handler",
+                    c.handler_ready_path,
+                    c.handler,
+                )
         await self.membership.join()
         if self.health is not None:
             self.health.write()  # ready at once, not up to a second later
@@ -376,6 +389,9 @@ class ConsumerProcess:
             except TimeoutError:
                 log.info("Some assignment-log events were not written before leaving")
         await self.leader.resign()
+        # Every handler has finished or been cancelled by now (drain): an HTTP handler's
+        # open requests with them. Its connections can go.
+        await self.close_handler()
         for task in self._tasks:
             task.cancel()
         # Bounded: a task that does not stop must not keep the process from exiting.
@@ -392,6 +408,14 @@ class ConsumerProcess:
         self.etcd.close()
         await self._stop_health()
         log.info("Stopped%s", "" if drained else " (some partitions were not released in time)")
+
+    async def close_handler(self) -> None:
+        """Close what the handler holds open (an HTTP handler's connections)."""
+        if isinstance(self.handler, HttpHandler):
+            try:
+                await self.handler.aclose()
+            except Exception:
+                log.debug("Closing the HTTP handler's session failed", exc_info=True)
 
     async def _wait_reassigned(self, timeout: float) -> None:
         """As leader, stay until none of our partitions is still assigned to us."""
@@ -420,6 +444,7 @@ async def run_consumer(config: GroupConfig) -> None:
         stop.cancel()
         log.info("Stopped before start-up completed")
         # A member NATS refused stops here: its refusal goes from etcd with it.
+        await process.close_handler()  # (one waiting for its handler to be ready, too)
         await process.refusals.close()
         process.etcd.close()
         await process._stop_health()

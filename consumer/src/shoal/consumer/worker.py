@@ -50,6 +50,7 @@ from shoal.consumer.handlers import (
     HandlerTimeout,
     Message,
     PermanentError,
+    RetryAfter,
 )
 from shoal.consumer.handover_log import HandOverLog, ranges
 from shoal.consumer.holding import HoldBudget
@@ -306,6 +307,8 @@ class Worker:
             held.verdict = (DEAD_LETTER, f"failed {attempts} times, last: {exc!r}")
             return None
         delay = self.retry_delay(attempts)
+        if isinstance(exc, RetryAfter) and exc.delay > delay:
+            delay = exc.delay  # the handler (an HTTP Retry-After) asks for longer
         self.tally.retry += 1
         if self.config.retry_policy == "NakAndContinue":
             # The old behaviour, chosen explicitly: JetStream redelivers it after the

@@ -120,6 +120,7 @@ POD_FIELDS = (
     "storage",
     "ledger",
     "handler",
+    "handler_ready_path",
     "ack_wait",
     "max_ack_pending",
     "max_deliver",

@@ -44,7 +44,7 @@ from shoal.contracts.names import (
 from shoal.contracts.spec import ConsumerGroupSpec, NatsSpec, SpecError, parse_spec
 from shoal.contracts.values import ScaleRecord
 from shoal.group.config import GroupConfig
-from shoal.group.handlerref import HandlerError, import_handler
+from shoal.group.handlerref import HandlerError, import_handler, is_url_handler
 from shoal.group.jetstream import StreamConfigConflict, ensure_group
 from shoal.group.status import GroupStatus, status_from_view
 from shoal.group.view import GroupView
@@ -102,6 +102,8 @@ def handler_problem(spec: Any, settings: OperatorSettings) -> str | None:
     model = spec_model(spec)
     if model.image and model.image != settings.default_image:
         return None  # a custom image may carry handlers the operator cannot import
+    if is_url_handler(model.handler):
+        return None  # a service, reached at run time: nothing to import
     try:
         import_handler(model.handler)
     except HandlerError as exc:

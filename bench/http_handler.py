@@ -1,0 +1,360 @@
+"""HTTP handlers against in-process handlers: throughput, member CPU, and an audited run.
+
+Figures (one JSON line each; same run, same nats-server and etcd):
+
+* ``one_member_noop_msgs_per_s`` and ``one_member_http_msgs_per_s``, and their
+  ``http_to_inprocess_ratio`` (issue 26's target: >= 0.5 with the Go handler): ONE member
+  (128 partitions), a backlog (default 50,000 messages over 1,000 projects) published
+  before it starts, timed from the moment it owns every partition to the stream being
+  empty (work-queue retention deletes what is acked), as ``datapath.py`` does. In-process:
+  ``shoal.consumer.handlers:noop``. HTTP: the member POSTs to a service that answers 200
+  at once, in a process of its own. ``--rounds`` rounds, the two sides alternating which
+  goes first; a side's rate is its messages over its timed seconds.
+* ``member_cpu_ms_per_msg_noop`` and ``member_cpu_ms_per_msg_http`` (and their ratio):
+  the member process's CPU (/proc) over the same timed windows, per message. The
+  service's own CPU per message is reported beside it (``service_cpu_ms_per_msg``).
+* ``four_members_http_20ms_msgs_per_s``: 4 members, each with its own service (as a
+  sidecar would be) that waits 20 ms per message, 30,000 messages over 1,000 projects,
+  timed as above (target >= 12,000, as for Python handlers in ``datapath.py``). The
+  services record what they received (``harness.httpservice -record``), and the records
+  are audited as the ledger is (``shoal.consumer.ledger.audit``): lost, duplicates,
+  out of order, overlaps must all be 0. (The service cannot write Shoal's ledger; what
+  it saw is the better proof anyway: it is what the team's service would see.)
+
+The service: ``SERVICE`` names the command that starts one. Today it is
+``harness.httpservice`` (Python, aiohttp); the Go handler of examples/go/ takes the same
+flags (``-listen``, ``-delay``; ``GET /healthz``): ``--go-binary PATH`` runs it instead
+(``go_service``). The Go one records nothing, so its audited figure only checks that the
+stream drained with no dead letter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nats
+
+from harness.bench import cpu_seconds, emit, log_problems, note, run_bench
+from harness.children import spawn
+from harness.fleet import Fleet, Member, settled, wait_for_status
+from harness.servers import EtcdServer, NatsServer, free_port
+from harness.waiting import eventually_async
+from shoal.clients.etcd import Etcd
+from shoal.consumer.ledger import LedgerRecord, audit
+from shoal.consumer.producer import Outgoing, Producer
+from shoal.group.config import GroupConfig, config_env
+from shoal.group.jetstream import ensure_group
+from shoal.logs import quiet_known_noise
+
+BENCH = "http_handler"
+NAMESPACE = "bench"
+NOOP = "shoal.consumer.handlers:noop"
+# (port, delay in ms, where to record or None, name) -> the command line of one service.
+ServiceCommand = Callable[[int, float, "Path | None", str], list[str]]
+_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def python_service(port: int, delay_ms: float, record: Path | None, name: str) -> list[str]:
+    """harness.httpservice: aiohttp, in a process of its own; records when asked."""
+    args = [sys.executable, "-m", "harness.httpservice", "-listen", f"127.0.0.1:{port}"]
+    args += ["-delay", f"{delay_ms:g}ms", "-name", name]
+    return args + (["-record", str(record)] if record is not None else [])
+
+
+def go_service(binary: str) -> ServiceCommand:
+    """The Go handler of examples/go/ (same flags; it records nothing)."""
+
+    def command(port: int, delay_ms: float, record: Path | None, name: str) -> list[str]:
+        return [binary, "-listen", f"127.0.0.1:{port}", "-delay", f"{delay_ms:g}ms"]
+
+    return command
+
+
+# The one place that picks the service (main() swaps in go_service for --go-binary).
+SERVICE: ServiceCommand = python_service
+
+
+@dataclass
+class RunningService:
+    port: int
+    process: Any
+    record: Path | None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/messages"
+
+
+def start_service(root: Path, name: str, delay_ms: float, *, record: bool) -> RunningService:
+    port = free_port()
+    path = root / f"{name}.records.jsonl" if record else None
+    log = (root / f"{name}.service.log").open("ab")
+    process = spawn(SERVICE(port, delay_ms, path, name), stdout=log, stderr=log)
+    service = RunningService(port, process, path)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with _HTTP.open(f"http://127.0.0.1:{port}/healthz", timeout=2) as answer:
+                if answer.status == 200:
+                    return service
+        except OSError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"service {name} did not come up (see {log.name})")
+        time.sleep(0.05)
+
+
+def stop_service(service: RunningService) -> list[LedgerRecord]:
+    """SIGTERM it; what it recorded (nothing for a service that does not record)."""
+    if service.process.poll() is None:
+        service.process.send_signal(signal.SIGTERM)
+    service.process.wait(30)
+    if service.record is None or not service.record.exists():
+        return []
+    return [LedgerRecord.parse(line.encode()) for line in service.record.read_text().splitlines()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="One member with an HTTP handler against the same member in-process "
+        "(msg/s, CPU per message), and 4 members with a 20 ms HTTP handler, audited.",
+    )
+    parser.add_argument("--messages", type=int, default=50_000, help="per one-member round")
+    parser.add_argument("--projects", type=int, default=1_000)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--io-messages", type=int, default=30_000)
+    parser.add_argument("--io-members", type=int, default=4)
+    parser.add_argument("--delay-ms", type=float, default=20.0)
+    parser.add_argument("--timeout", type=float, default=180.0, help="per drain, seconds")
+    parser.add_argument("--only", choices=("one", "io"))
+    parser.add_argument("--go-binary", help="the Go handler of examples/go/ as the service")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    return parser.parse_args(argv)
+
+
+@dataclass
+class Side:
+    messages: int = 0
+    seconds: float = 0.0
+    member_cpu: float = 0.0
+    service_cpu: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return self.messages / self.seconds if self.seconds else 0.0
+
+    def per_msg_ms(self, cpu: float) -> float:
+        return 1000 * cpu / self.messages if self.messages else 0.0
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, root: Path, nats_url: str, etcd: str) -> None:
+        self.args = args
+        self.root = root
+        self.nats_url = nats_url
+        self.etcd_endpoint = etcd
+        self.log_problems = 0
+
+    def config(self, group: str, handler: str) -> GroupConfig:
+        return GroupConfig(
+            namespace=NAMESPACE,
+            group=group,
+            nats_url=self.nats_url,
+            etcd_endpoints=self.etcd_endpoint,
+            handler=handler,
+            ledger=False,
+        )
+
+    async def drain(
+        self,
+        js: Any,
+        etcd: Etcd,
+        group: str,
+        handler: str,
+        members: int,
+        messages: int,
+        env: Callable[[str], dict[str, str]],
+    ) -> tuple[int, float, dict[str, float], list[str]]:
+        """Publish a backlog, start the members, time the drain from settled to empty.
+        (timed messages, seconds, CPU seconds per member over that window, message ids)"""
+        a = self.args
+        config = self.config(group, handler)
+        await ensure_group(js, config)
+        items = [
+            Outgoing(f"project-{i % a.projects}", b"x", f"{group}-{i}") for i in range(messages)
+        ]
+        await Producer(js, config.subject_prefix, config.partitions).publish_many(items)
+        ids = [str(i.message_id) for i in items]
+        names = [f"m-{i}" for i in range(members)]
+        with Fleet.for_config(self.root / group, config) as fleet:
+            started: dict[str, Member] = {}
+            for name in names:
+                started[name] = fleet.start(name, **env(name), **config_env(config, ("ledger",)))
+            await wait_for_status(
+                etcd, NAMESPACE, group, config.partitions, settled(set(names)), 60, interval=0.05
+            )
+            t0 = time.monotonic()
+            cpu0 = {n: cpu_seconds(m.pid) for n, m in started.items()}
+            backlog = int((await js.stream_info(config.stream)).state.messages)
+
+            async def left() -> int:
+                return int((await js.stream_info(config.stream)).state.messages)
+
+            await eventually_async(
+                left, a.timeout, f"{group} to drain", until=lambda n: n == 0, interval=0.05
+            )
+            seconds = time.monotonic() - t0
+            cpu = {n: cpu_seconds(m.pid) - cpu0[n] for n, m in started.items()}
+            dead = int((await js.stream_info(config.dlq_stream)).state.messages)
+        problems = log_problems((self.root / group).glob("*.log"))
+        self.log_problems += problems["error"] + problems["traceback"]
+        note(f"{group}: {backlog} in {seconds:.2f} s = {backlog / seconds:.0f} msg/s, {dead} dead")
+        if dead:
+            raise RuntimeError(f"{group}: {dead} dead letters")
+        return backlog, seconds, cpu, ids
+
+    async def one_member(self, js: Any, etcd: Etcd) -> None:
+        a = self.args
+        sides = {"noop": Side(), "http": Side()}
+        for r in range(a.rounds):
+            order = ("noop", "http") if r % 2 == 0 else ("http", "noop")
+            for kind in order:
+                group = f"one-{kind}-{r}"
+                if kind == "noop":
+                    n, s, cpu, _ = await self.drain(
+                        js, etcd, group, NOOP, 1, a.messages, lambda _: {}
+                    )
+                    service_cpu = 0.0
+                else:
+                    service = start_service(self.root, f"{group}-svc", 0, record=False)
+                    try:
+                        c0 = cpu_seconds(service.process.pid)
+                        n, s, cpu, _ = await self.drain(
+                            js, etcd, group, service.url, 1, a.messages, lambda _: {}
+                        )
+                        # (Over the whole run, start-up included: an upper bound.)
+                        service_cpu = cpu_seconds(service.process.pid) - c0
+                    finally:
+                        stop_service(service)
+                side = sides[kind]
+                side.messages += n
+                side.seconds += s
+                side.member_cpu += sum(cpu.values())
+                side.service_cpu += service_cpu
+        noop, http = sides["noop"], sides["http"]
+        ratio = http.rate / noop.rate if noop.rate else 0.0
+        common = {"messages_per_round": a.messages, "rounds": a.rounds, "partitions": 128}
+        kind = "go" if a.go_binary else "python-aiohttp"
+        emit(BENCH, "one_member_noop_msgs_per_s", noop.rate, **common)
+        emit(BENCH, "one_member_http_msgs_per_s", http.rate, service=kind, **common)
+        emit(
+            BENCH,
+            "http_to_inprocess_ratio",
+            ratio,
+            target=">= 0.5 (with the Go handler)",
+            ok=ratio >= 0.5,
+            service=kind,
+        )
+        cpu_noop = noop.per_msg_ms(noop.member_cpu)
+        cpu_http = http.per_msg_ms(http.member_cpu)
+        emit(BENCH, "member_cpu_ms_per_msg_noop", cpu_noop)
+        emit(
+            BENCH,
+            "member_cpu_ms_per_msg_http",
+            cpu_http,
+            ratio_to_noop=cpu_http / cpu_noop if cpu_noop else None,
+            service_cpu_ms_per_msg=http.per_msg_ms(http.service_cpu),
+            service=kind,
+        )
+
+    async def io(self, js: Any, etcd: Etcd) -> None:
+        a = self.args
+        group = "io-http"
+        record = not a.go_binary
+        services = {
+            f"m-{i}": start_service(self.root, f"{group}-svc-{i}", a.delay_ms, record=record)
+            for i in range(a.io_members)
+        }
+        try:
+            n, s, cpu, ids = await self.drain(
+                js,
+                etcd,
+                group,
+                next(iter(services.values())).url,  # each member's own below
+                a.io_members,
+                a.io_messages,
+                lambda name: {"SHOAL_HANDLER": services[name].url},
+            )
+        finally:
+            records = [r for svc in services.values() for r in stop_service(svc)]
+        rate = n / s
+        extra: dict[str, Any] = {
+            "members": a.io_members,
+            "handler_ms": a.delay_ms,
+            "messages": a.io_messages,
+            "projects": a.projects,
+            "timed_messages": n,
+            "member_cpu_pct": {m: round(100 * c / s, 1) for m, c in cpu.items()},
+            "service": "go" if a.go_binary else "python-aiohttp",
+        }
+        clean = True
+        if record:
+            # Every message the services answered 200, in the order they got them.
+            records.sort(key=lambda r: r.started)
+            result = audit(records, ids).summary()
+            extra["audit"] = result
+            clean = result["lost"] == result["duplicates"] == 0 and (
+                result["out_of_order"] == result["overlaps"] == 0
+            )
+            note(f"{group}: audit {result}")
+        emit(
+            BENCH,
+            "four_members_http_20ms_msgs_per_s",
+            rate,
+            target=">= 12000",
+            ok=rate >= 12000 and clean,
+            audit_clean=clean,
+            **extra,
+        )
+
+
+async def run(args: argparse.Namespace, root: Path) -> None:
+    with NatsServer(root / "nats") as nats_server, EtcdServer(root / "etcd") as etcd_server:
+        bench = Bench(args, root, nats_server.url, etcd_server.endpoint)
+        etcd = Etcd(etcd_server.endpoint)
+        await etcd.connect(attempts=10)
+        nc = await nats.connect(nats_server.url)
+        js = nc.jetstream()
+        try:
+            if args.only != "io":
+                await bench.one_member(js, etcd)
+            if args.only != "one":
+                await bench.io(js, etcd)
+            emit(BENCH, "member_log_problems", bench.log_problems, target="0")
+        finally:
+            await nc.close()
+            etcd.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    global SERVICE
+    quiet_known_noise()
+    args = parse_args(argv)
+    if args.go_binary:
+        SERVICE = go_service(args.go_binary)
+    note(f"service: {json.dumps(SERVICE(0, args.delay_ms, None, 'x'))}")
+    return run_bench("shoal-bench-http-", args.keep, args.strict, lambda root: run(args, root))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

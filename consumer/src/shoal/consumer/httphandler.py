@@ -1,0 +1,330 @@
+"""HTTP handlers: the member POSTs each message to a service, whose answer settles it.
+
+A group whose `spec.handler` is a URL (`http://127.0.0.1:8080/messages`, or `https://`)
+runs no code of its own in the member: for every message the member POSTs the message's
+data to that URL, with its headers:
+
+- `Shoal-Project-Id`, `Shoal-Partition`, `Shoal-Message-Id` (`Nats-Msg-Id`, else
+  `seq-<stream sequence>`), `Shoal-Delivery-Count` (the attempt, counting from 1, as
+  `msg.delivery_count`), `Shoal-Stream-Sequence`;
+- the message's own NATS headers, as they are, except those HTTP keeps for itself:
+  hop-by-hop and framing headers (`Connection`, `Content-Length`, `Expect`, `Host`,
+  `Keep-Alive`, `Proxy-Authorization`, `Proxy-Connection`, `TE`, `Trailer`,
+  `Transfer-Encoding`, `Upgrade`) are left out, and the five above always win;
+- `Content-Type: application/octet-stream`, unless the message carries a Content-Type.
+
+The answer decides, and everything else is as for a Python handler (one project's
+messages one after another, in stream order; up to maxConcurrency requests in flight
+over different projects; retries in place; hand-over; fencing):
+
+    answer                          what the member does
+    ------------------------------  ---------------------------------------------------
+    2xx                             acks the message
+    4xx other than 408 and 429      a permanent failure: dead-lettered at once; the
+                                    reason header holds the status and the first 200
+                                    bytes of the body
+    408, 429, 5xx, any other        a failed attempt: retried in place after the
+    status (redirects are not       backoff, or after Retry-After (seconds or an HTTP
+    followed)                       date) when that is longer, at most 300 s
+                                    (handlers.MAX_RETRY_AFTER); dead-lettered after
+                                    maxDeliver attempts
+    no answer within                a failed attempt, as above (the request is closed)
+    handlerTimeoutSeconds
+    connection refused or reset,    a failed attempt, as above
+    name not found, TLS refused
+
+A request still open when the member is fenced or a partition is stopped is cancelled
+with its handler's task: its connection is closed and the answer, if one comes, is never
+read. Delivery is at-least-once, so the service should be idempotent (key its side
+effects on `Shoal-Message-Id`): a message whose answer was lost is sent again. A
+connection the service closed while idle (a keep-alive race) is tried once more at once
+on a new connection, within the same attempt.
+
+One `aiohttp.ClientSession` per member, created in the running loop at the first message,
+keeps connections alive and pooled (at most maxConcurrency of them, so no message waits
+for one; idle ones are closed after KEEPALIVE seconds, before common servers' own idle
+timeouts, e.g. Node.js' 5 s); `aclose()` closes it when the member stops, after its
+open requests have finished or been cancelled (runtime.ConsumerProcess.shutdown).
+
+`spec.handlerReadyPath` (`/healthz`): before joining the group the member GETs
+`<scheme>://<host:port><path>` until it answers 2xx (`wait_ready`), saying why it waits
+once, then every 30 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import logging
+import os
+import re
+import time
+from collections.abc import Mapping
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from shoal.consumer.handlers import HandlerTimeout, Message, PermanentError, RetryAfter
+from shoal.group.handlerref import check_url_handler
+
+__all__ = [
+    "BODY_BYTES",
+    "SKIPPED_HEADERS",
+    "HttpHandler",
+    "HttpStatusError",
+    "HttpUnavailable",
+    "classify",
+    "parse_retry_after",
+    "request_headers",
+]
+
+log = logging.getLogger(__name__)
+
+# How much of a refusing answer's body goes into the reason (dead-letter header, logs).
+BODY_BYTES = 200
+# Idle pooled connections are closed after this long (aiohttp's default is 15 s, longer
+# than some servers keep an idle connection: a request sent on one they just closed fails).
+KEEPALIVE = 4.0
+# A ready probe's request gives up after this long (then it is tried again).
+READY_PROBE_TIMEOUT = 5.0
+READY_LOG_EVERY = 30.0
+
+ACK = "ack"
+PERMANENT = "permanent"
+RETRY = "retry"
+
+# Hop-by-hop and framing headers (RFC 9110 7.6.1, 6.4; RFC 9112), which belong to one
+# HTTP connection and not to the message: a NATS header of that name is not sent.
+SKIPPED_HEADERS = frozenset(
+    {
+        "connection",
+        "content-length",
+        "expect",
+        "host",
+        "keep-alive",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+PROJECT_HEADER = "Shoal-Project-Id"
+PARTITION_HEADER = "Shoal-Partition"
+MESSAGE_ID_HEADER = "Shoal-Message-Id"
+DELIVERY_COUNT_HEADER = "Shoal-Delivery-Count"
+STREAM_SEQUENCE_HEADER = "Shoal-Stream-Sequence"
+_OURS = frozenset(
+    h.lower()
+    for h in (
+        PROJECT_HEADER,
+        PARTITION_HEADER,
+        MESSAGE_ID_HEADER,
+        DELIVERY_COUNT_HEADER,
+        STREAM_SEQUENCE_HEADER,
+    )
+)
+_LEFT_OUT = SKIPPED_HEADERS | _OURS
+OCTET_STREAM = "application/octet-stream"
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
+
+
+class HttpStatusError(Exception):
+    """The service answered with a status that asks for a retry (408, 429, 5xx, ...)."""
+
+
+class HttpUnavailable(Exception):
+    """The service could not be reached, or dropped the request: retried."""
+
+
+def classify(status: int) -> str:
+    """ACK for 2xx, PERMANENT for 4xx but 408 and 429, RETRY for everything else."""
+    if 200 <= status < 300:
+        return ACK
+    if 400 <= status < 500 and status not in (408, 429):
+        return PERMANENT
+    return RETRY
+
+
+def parse_retry_after(value: str, now: float | None = None) -> float | None:
+    """Seconds to wait from a Retry-After value: delay-seconds or an HTTP date (RFC 9110
+    10.2.3); None if it is neither. A date in the past is 0."""
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:  # HTTP dates are GMT
+        return None
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
+def request_headers(msg: Message) -> dict[str, str]:
+    """The HTTP headers a message is POSTed with (module docstring)."""
+    headers = {
+        PROJECT_HEADER: msg.project_id,
+        PARTITION_HEADER: str(msg.partition),
+        MESSAGE_ID_HEADER: msg.message_id,
+        DELIVERY_COUNT_HEADER: str(msg.delivery_count),
+        STREAM_SEQUENCE_HEADER: str(msg.stream_sequence),
+    }
+    typed = False
+    own: Mapping[str, str] = msg.headers
+    for name, value in own.items():
+        lowered = name.lower()
+        if lowered in _LEFT_OUT:
+            continue
+        if lowered == "content-type":
+            typed = True
+        headers[name] = value
+    if not typed:
+        headers["Content-Type"] = OCTET_STREAM
+    return headers
+
+
+def _snippet(body: bytes) -> str:
+    """The first bytes of a body as one line of text (a NATS header holds no newline)."""
+    text = body[:BODY_BYTES].decode("utf-8", errors="replace")
+    return " ".join(_CONTROL.sub(" ", text).split())
+
+
+async def _first_bytes(resp: aiohttp.ClientResponse) -> bytes:
+    body = b""
+    try:
+        while len(body) < BODY_BYTES:
+            chunk = await resp.content.read(BODY_BYTES - len(body))
+            if not chunk:
+                break
+            body += chunk
+    except (aiohttp.ClientError, TimeoutError):
+        pass  # what came is enough to say why
+    return body
+
+
+class HttpHandler:
+    """A handler that POSTs each message to `url` (module docstring)."""
+
+    def __init__(self, url: str, *, timeout: float = 0.0, connections: int = 100) -> None:
+        self.url = check_url_handler(url)
+        parts = urlsplit(url)
+        self.origin = f"{parts.scheme}://{parts.netloc}"
+        self.timeout = timeout  # handlerTimeoutSeconds; 0: none
+        self.connections = max(1, connections)
+        self._session: aiohttp.ClientSession | None = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"HttpHandler({self.url!r})"
+
+    def session(self) -> aiohttp.ClientSession:
+        """The member's one session, made at first use, inside the running loop."""
+        session = self._session
+        if session is None:
+            if self._closed:
+                raise RuntimeError("the HTTP handler's session is closed (the member stopped)")
+            connector = aiohttp.TCPConnector(
+                limit=self.connections, limit_per_host=0, keepalive_timeout=KEEPALIVE
+            )
+            session = self._session = aiohttp.ClientSession(
+                connector=connector,
+                timeout=aiohttp.ClientTimeout(total=self.timeout or None),
+                auto_decompress=False,
+            )
+        return session
+
+    async def __call__(self, msg: Message) -> None:
+        session = self._session or self.session()
+        headers = request_headers(msg)
+        for tries in (1, 2):
+            try:
+                async with session.post(
+                    self.url, data=msg.data, headers=headers, allow_redirects=False
+                ) as resp:
+                    status = resp.status
+                    if 200 <= status < 300:
+                        # Read to the end, so the connection goes back to the pool.
+                        await resp.read()
+                        return
+                    self._refused(status, resp.reason, await _first_bytes(resp), resp.headers)
+            except TimeoutError:
+                raise HandlerTimeout(
+                    f"POST {self.url}: no answer within {self.timeout:g} s (handlerTimeoutSeconds)"
+                ) from None
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                # A pooled connection the service closed while it was idle: once more,
+                # on a new one. (A refused connection is retried with the backoff.)
+                if tries == 1 and not isinstance(exc, aiohttp.ClientConnectorError):
+                    continue
+                raise HttpUnavailable(f"POST {self.url}: {_describe(exc)}") from None
+            except aiohttp.ClientError as exc:
+                raise HttpUnavailable(f"POST {self.url}: {_describe(exc)}") from None
+
+    def _refused(
+        self, status: int, reason: str | None, body: bytes, headers: Mapping[str, str]
+    ) -> None:
+        """Raise what a non-2xx answer means (module docstring's table)."""
+        what = f"POST {self.url} answered {status}{f' {reason}' if reason else ''}"
+        snippet = _snippet(body)
+        if snippet:
+            what = f"{what}: {snippet}"
+        if classify(status) == PERMANENT:
+            raise PermanentError(what)
+        retry_after = headers.get("Retry-After")
+        if retry_after is not None:
+            delay = parse_retry_after(retry_after)
+            if delay is not None:
+                raise RetryAfter(delay, f"{what} (Retry-After: {retry_after.strip()})")
+        raise HttpStatusError(what)
+
+    async def wait_ready(self, path: str, *, log_every: float = READY_LOG_EVERY) -> float:
+        """Return once GET <origin><path> answers 2xx (seconds waited), polling with a
+        short backoff; why it waits is logged once, then every `log_every` seconds."""
+        url = self.origin + path
+        start = time.monotonic()
+        logged: float | None = None
+        delay = 0.05
+        timeout = aiohttp.ClientTimeout(total=READY_PROBE_TIMEOUT)
+        while True:
+            try:
+                async with self.session().get(url, timeout=timeout, allow_redirects=False) as r:
+                    if 200 <= r.status < 300:
+                        await r.read()
+                        waited = time.monotonic() - start
+                        if logged is not None:
+                            log.info("Handler ready (GET %s) after %.1f s", url, waited)
+                        return waited
+                    why = f"answered {r.status}{f' {r.reason}' if r.reason else ''}"
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                why = _describe(exc)
+            now = time.monotonic()
+            if logged is None or now - logged >= log_every:
+                log.info(
+                    "Not joining the group yet: the handler is not ready (GET %s: %s, "
+                    "for %.0f s); asking again",
+                    url,
+                    why,
+                    now - start,
+                )
+                logged = now
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    async def aclose(self) -> None:
+        """Close the session and its connections (the member is stopping)."""
+        self._closed = True
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "no answer in time"
+    if isinstance(exc, aiohttp.ClientConnectorError) and exc.os_error.errno:
+        # "Connection refused", rather than asyncio's "Connect call failed (...)".
+        return f"cannot connect to {exc.host}:{exc.port}: {os.strerror(exc.os_error.errno)}"
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"

@@ -1,0 +1,559 @@
+"""HTTP handlers (shoal.consumer.httphandler): the status-code table and the retry rules.
+
+The full-stack tests run a real nats-server, a real etcd, a real member process whose
+handler is a URL, and a real aiohttp web server in the test's own event loop, which
+answers each message as its data scripts it and records what it received.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import re
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import pytest
+from aiohttp import web
+
+from harness.fleet import Fleet, settled, wait_for_status
+from harness.servers import free_port
+from harness.waiting import eventually_async
+from shoal.clients.etcd import Etcd
+from shoal.consumer.handlers import (
+    MAX_RETRY_AFTER,
+    HandlerContext,
+    HandlerTimeout,
+    Message,
+    PermanentError,
+    RetryAfter,
+    load_handler,
+)
+from shoal.consumer.httphandler import (
+    ACK,
+    PERMANENT,
+    RETRY,
+    HttpHandler,
+    HttpStatusError,
+    HttpUnavailable,
+    classify,
+    parse_retry_after,
+    request_headers,
+)
+from shoal.consumer.producer import Outgoing, Producer
+from shoal.contracts.names import DEAD_LETTER_REASON_HEADER, dlq_subjects, partition_for
+from shoal.contracts.spec import SpecError, parse_spec
+from shoal.group.config import GroupConfig, config_env, group_config
+from shoal.group.handlerref import HandlerError, check_url_handler, import_handler
+from shoal.group.jetstream import ensure_group
+from shoal.group.status import read_status
+
+T = TypeVar("T")
+
+
+async def poll(
+    check: Callable[[], T], timeout: float, what: str, *, until: Callable[[T], object] = bool
+) -> T:
+    """harness.waiting.eventually_async for a plain check (the service runs in this loop,
+    so the test must not block it)."""
+
+    async def value() -> T:
+        return check()
+
+    return await eventually_async(value, timeout, what, until=until)
+
+
+# -- units ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("status", "outcome"),
+    [
+        (200, ACK),
+        (201, ACK),
+        (204, ACK),
+        (299, ACK),
+        (400, PERMANENT),
+        (401, PERMANENT),
+        (404, PERMANENT),
+        (409, PERMANENT),
+        (413, PERMANENT),
+        (422, PERMANENT),
+        (499, PERMANENT),
+        (408, RETRY),
+        (429, RETRY),
+        (500, RETRY),
+        (502, RETRY),
+        (503, RETRY),
+        (504, RETRY),
+        (301, RETRY),  # redirects are not followed: a failed attempt
+        (304, RETRY),
+        (100, RETRY),
+    ],
+)
+def test_status_classification(status: int, outcome: str) -> None:
+    assert classify(status) == outcome
+
+
+def test_retry_after_seconds_and_http_dates() -> None:
+    now = 1_700_000_000.0
+    assert parse_retry_after("5", now) == 5.0
+    assert parse_retry_after(" 120 ", now) == 120.0
+    assert parse_retry_after("0", now) == 0.0
+    later = email.utils.formatdate(now + 30, usegmt=True)  # Tue, 14 Nov 2023 22:13:50 GMT
+    assert parse_retry_after(later, now) == pytest.approx(30.0)
+    earlier = email.utils.formatdate(now - 30, usegmt=True)
+    assert parse_retry_after(earlier, now) == 0.0
+    for bad in ("", "soon", "-1", "1.5", "Tue, 99 Foo 2023 25:61:00 GMT", "Tue, 14 Nov 2023"):
+        assert parse_retry_after(bad, now) is None, bad
+
+
+def test_retry_after_is_capped() -> None:
+    assert RetryAfter(3600).delay == MAX_RETRY_AFTER == 300.0
+    assert RetryAfter(-3).delay == 0.0
+    assert RetryAfter(2.5).delay == 2.5
+    assert "retry after 2.5 s" in repr(RetryAfter(2.5))
+
+
+def _message(headers: dict[str, str], data: bytes = b"x") -> Message:
+    context = HandlerContext("m-0", "shoal.test.g", None)
+    return Message("proj-1", 7, data, headers, 42, 3, "shoal.test.g.7", context)
+
+
+def test_request_headers() -> None:
+    own = {
+        "Nats-Msg-Id": "id-1",
+        "Shoal-Project-Id": "proj-1",
+        "X-Trace": "abc",
+        "Content-Length": "999",
+        "Host": "evil",
+        "connection": "close",
+        "Transfer-Encoding": "chunked",
+        "Keep-Alive": "1",
+        "Upgrade": "h2c",
+        "Expect": "100-continue",
+        "Shoal-Partition": "99",  # ours win
+    }
+    headers = request_headers(_message(own))
+    assert headers == {
+        "Shoal-Project-Id": "proj-1",
+        "Shoal-Partition": "7",
+        "Shoal-Message-Id": "id-1",
+        "Shoal-Delivery-Count": "3",
+        "Shoal-Stream-Sequence": "42",
+        "Nats-Msg-Id": "id-1",
+        "X-Trace": "abc",
+        "Content-Type": "application/octet-stream",
+    }
+    typed = request_headers(_message({"content-type": "application/json"}))
+    assert typed["content-type"] == "application/json" and "Content-Type" not in typed
+    assert request_headers(_message({}))["Shoal-Message-Id"] == "seq-42"
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:8080/messages",
+        "https://orders.prod.svc.cluster.local/v1/messages?x=1",
+        "http://localhost",
+        "http://[::1]:9000/m",
+    ],
+)
+def test_url_handlers_are_accepted(url: str) -> None:
+    assert parse_spec({"handler": url}).handler == url
+    assert GroupConfig(group="g", handler=url).handler == url
+    assert isinstance(load_handler(url), HttpHandler)
+    assert check_url_handler(url) == url
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http:/127.0.0.1/messages",
+        "http://",
+        "http://user:pw@host/messages",
+        "http://host:port/messages",
+        "http://host/with space",
+        "http://host/#fragment",
+        "ftp://host/messages",
+        "http://-host/",
+    ],
+)
+def test_malformed_urls_are_refused_readably(url: str) -> None:
+    with pytest.raises(SpecError, match=re.escape("spec.handler must look like")) as refused:
+        parse_spec({"handler": url})
+    assert "http:// or https:// URL" in str(refused.value)
+    if url.startswith("http"):
+        with pytest.raises(HandlerError, match="must look like"):
+            check_url_handler(url)
+
+
+def test_a_port_beyond_65535_is_refused_by_the_member() -> None:
+    with pytest.raises(HandlerError, match="out of range"):
+        check_url_handler("http://127.0.0.1:70000/m")
+
+
+def test_url_handlers_are_not_imported() -> None:
+    """The operator imports Python handlers to check them; a URL is a service, and the
+    check is skipped (shoal.operator.reconciler.handler_problem)."""
+    from shoal.operator.reconciler import handler_problem
+    from shoal.operator.settings import settings_from_env
+
+    settings = settings_from_env({})
+    assert handler_problem({"handler": "http://127.0.0.1:1/m"}, settings) is None
+    assert handler_problem({"handler": "no.such.module:f"}, settings)
+    with pytest.raises(HandlerError, match="is a URL"):
+        import_handler("http://127.0.0.1:1/m")
+
+
+def test_the_ready_path_reaches_the_pod_env() -> None:
+    spec = {"handler": "http://127.0.0.1:8080/m", "handlerReadyPath": "/healthz"}
+    config = group_config("ns", "g", spec, nats_url="nats://n:4222", etcd_endpoints="e:2379")
+    assert config.handler_ready_path == "/healthz"
+    assert config_env(config, ("handler_ready_path",)) == {"SHOAL_HANDLER_READY_PATH": "/healthz"}
+    plain = group_config(
+        "ns", "g", {"handler": "a:b"}, nats_url="nats://n:4222", etcd_endpoints="e:2379"
+    )
+    assert config_env(plain, ("handler_ready_path",)) == {}
+    with pytest.raises(SpecError, match=r"spec\.handlerReadyPath must be a path"):
+        parse_spec({"handler": "a:b", "handlerReadyPath": "healthz"})
+
+
+def test_the_operator_puts_the_ready_path_in_the_pod_env() -> None:
+    from shoal.operator.builders import POD_FIELDS
+
+    assert "handler_ready_path" in POD_FIELDS
+
+
+# -- a scripted HTTP service ------------------------------------------------------------
+
+
+@dataclass
+class Received:
+    data: bytes
+    headers: dict[str, str]
+    at: float
+    status: int = 0
+
+
+@dataclass
+class Service:
+    """An aiohttp app in this loop: each POST is answered as its data says."""
+
+    port: int
+    received: list[Received] = field(default_factory=list)
+    ready: bool = True
+    runner: web.AppRunner | None = None
+    aborted: list[str] = field(default_factory=list)
+
+    def attempts(self, message_id: str) -> list[Received]:
+        return [r for r in self.received if r.headers.get("Shoal-Message-Id") == message_id]
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        data = await request.read()
+        got = Received(data, dict(request.headers), time.time())
+        self.received.append(got)
+        attempt = len(self.attempts(got.headers.get("Shoal-Message-Id", "")))
+        verb, _, arg = data.decode().partition(":")
+        status, headers, body = 200, {}, b""
+        if verb == "status":  # status:<code>[:<body>]
+            code, _, text = arg.partition(":")
+            status, body = int(code), text.encode()
+        elif verb == "retry-after" and attempt == 1:  # retry-after:<seconds>, once
+            status, headers = 503, {"Retry-After": arg}
+        elif verb == "sleep" and attempt == 1:  # sleep:<seconds>, once
+            try:
+                await asyncio.sleep(float(arg))
+            finally:
+                if request.transport is None or request.transport.is_closing():
+                    self.aborted.append(got.headers["Shoal-Message-Id"])
+        got.status = status
+        return web.Response(status=status, headers=headers, body=body)
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.ready else 503)
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/messages", self.handle)
+        app.router.add_get("/healthz", self.healthz)
+        self.runner = web.AppRunner(app, handle_signals=False)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/messages"
+
+
+@pytest.fixture
+async def service() -> AsyncIterator[Service]:
+    service = Service(free_port())
+    yield service
+    await service.stop()
+
+
+# -- cancelling a request closes it -----------------------------------------------------
+
+
+async def test_a_cancelled_request_is_closed_and_its_answer_ignored(service: Service) -> None:
+    """A fence cancels the handler's task: the request's connection is closed (the
+    service sees it), nothing is returned, and the session goes on serving."""
+    await service.start()
+    handler = HttpHandler(service.url, timeout=30, connections=4)
+    try:
+        task = asyncio.create_task(handler(_message({"Nats-Msg-Id": "slow"}, b"sleep:1")))
+        await poll(lambda: len(service.received), 5, "the request", until=bool)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await poll(lambda: service.aborted, 5, "the service to see it", until=bool)
+        assert service.aborted == ["slow"]
+        await handler(_message({"Nats-Msg-Id": "next"}, b"ok"))
+        with pytest.raises(PermanentError, match="answered 400 Bad Request: nope"):
+            await handler(_message({"Nats-Msg-Id": "bad"}, b"status:400:nope"))
+        with pytest.raises(HttpStatusError, match="answered 500"):
+            await handler(_message({"Nats-Msg-Id": "err"}, b"status:500"))
+        with pytest.raises(RetryAfter) as asked:
+            await handler(_message({"Nats-Msg-Id": "ra"}, b"retry-after:7"))
+        assert asked.value.delay == 7.0
+    finally:
+        await handler.aclose()
+    with pytest.raises(RuntimeError, match="closed"):
+        await handler(_message({"Nats-Msg-Id": "late"}, b"ok"))
+
+
+async def test_the_request_timeout_and_a_refused_connection(service: Service) -> None:
+    handler = HttpHandler(service.url, timeout=0.3)
+    try:
+        with pytest.raises(
+            HttpUnavailable, match=r"cannot connect to 127\.0\.0\.1:[0-9]+: Connection refused"
+        ):
+            await handler(_message({}, b"ok"))
+        await service.start()
+        started = time.monotonic()
+        with pytest.raises(HandlerTimeout, match=r"no answer within 0\.3 s"):
+            await handler(_message({}, b"sleep:2"))
+        assert time.monotonic() - started < 1.5
+    finally:
+        await handler.aclose()
+
+
+# -- a member on real servers -----------------------------------------------------------
+
+PARTITIONS = 4
+SETTINGS = (
+    "handler",
+    "partitions",
+    "ledger",
+    "max_deliver",
+    "backoff",
+    "handler_timeout",
+    "handler_ready_path",
+)
+
+
+async def dead_letters(js: Any, config: GroupConfig, count: int) -> list[Any]:
+    sub = await js.pull_subscribe(dlq_subjects(config.subject_prefix)[0], stream=config.dlq_stream)
+    try:
+        letters: list[Any] = []
+        deadline = time.monotonic() + 30
+        while len(letters) < count and time.monotonic() < deadline:
+            try:
+                letters += await sub.fetch(count - len(letters), timeout=2)
+            except TimeoutError:
+                pass
+        return letters
+    finally:
+        await sub.unsubscribe()
+
+
+def same_partition(base: str, count: int) -> list[str]:
+    """`count` project ids on `base`'s partition (so they share a runner)."""
+    target = partition_for(base, PARTITIONS)
+    names = [base]
+    i = 0
+    while len(names) < count:
+        name = f"{base}-{i}"
+        i += 1
+        if partition_for(name, PARTITIONS) == target:
+            names.append(name)
+    return names
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+async def test_the_status_table_on_real_servers(
+    service: Service,
+    make_fleet: Callable[..., Fleet],
+    make_config: Callable[..., GroupConfig],
+    etcd: Etcd,
+    js: Any,
+) -> None:
+    """One member, its handler the test's service:
+    - 2xx acks, with the Shoal headers and the message's own;
+    - 400 is dead-lettered at once, its status and body in the reason;
+    - 503 with Retry-After: 2 is retried no sooner than 2 s later, and the project's next
+      message waits for it (in order), while other projects go on;
+    - 500 every time: retried, then dead-lettered after maxDeliver (3);
+    - a request that sleeps past handlerTimeoutSeconds (1.5 s) is a failed attempt,
+      and the retry succeeds."""
+    await service.start()
+    config = make_config(
+        handler=service.url,
+        partitions=PARTITIONS,
+        ledger=False,
+        max_deliver=3,
+        backoff=(0.3,),
+        handler_timeout=1.5,
+    )
+    await ensure_group(js, config)
+    fleet = make_fleet(handler=service.url, partitions=PARTITIONS, ledger=False)
+    fleet.start("m-0", **config_env(config, SETTINGS))
+    await wait_for_status(etcd, config.namespace, config.group, PARTITIONS, settled({"m-0"}), 30)
+
+    waiting, other = same_partition("waits", 2)
+    items = [
+        Outgoing("ok", b"ok", "ok-0", {"X-Trace": "t-1", "Content-Type": "text/plain"}),
+        Outgoing("bad", b"status:400:no such order\r\nat all", "bad-0"),
+        Outgoing(waiting, b"retry-after:2", "waits-0"),
+        Outgoing(waiting, b"ok", "waits-1"),
+        Outgoing("broken", b"status:500:down", "broken-0"),
+        Outgoing("slow", b"sleep:4", "slow-0"),
+        *[Outgoing(other, b"ok", f"other-{i}") for i in range(5)],
+    ]
+    await Producer(js, config.subject_prefix, PARTITIONS).publish_many(items)
+
+    def settled_ids() -> set[str]:
+        return {
+            r.headers["Shoal-Message-Id"]
+            for r in service.received
+            if r.status == 200 and "Shoal-Message-Id" in r.headers
+        }
+
+    wanted = {"ok-0", "waits-0", "waits-1", "slow-0", *(f"other-{i}" for i in range(5))}
+    await poll(settled_ids, 60, "the messages to be acked", until=wanted.__le__)
+    letters = await dead_letters(js, config, 2)
+    by_data = {m.data: m.headers[DEAD_LETTER_REASON_HEADER] for m in letters}
+    assert len(letters) == 2, by_data
+
+    # 2xx: acked; what arrived.
+    (ok,) = service.attempts("ok-0")
+    assert ok.data == b"ok"
+    h = ok.headers
+    assert h["Shoal-Project-Id"] == "ok"
+    assert h["Shoal-Partition"] == str(partition_for("ok", PARTITIONS))
+    assert h["Shoal-Message-Id"] == h["Nats-Msg-Id"] == "ok-0"
+    assert h["Shoal-Delivery-Count"] == "1"
+    assert int(h["Shoal-Stream-Sequence"]) >= 1
+    assert h["X-Trace"] == "t-1" and h["Content-Type"] == "text/plain"
+
+    # 400: dead-lettered at once, status and body (on one line) in the reason.
+    assert len(service.attempts("bad-0")) == 1
+    reason = by_data[b"status:400:no such order\r\nat all"]
+    assert reason.startswith("permanent error: POST "), reason
+    assert "answered 400 Bad Request: no such order at all" in reason, reason
+
+    # 503 + Retry-After 2: not before 2 s, and its project's next message after it.
+    first, second = service.attempts("waits-0")
+    assert (first.status, second.status) == (503, 200)
+    assert second.at - first.at >= 2.0, second.at - first.at
+    assert second.headers["Shoal-Delivery-Count"] == "2"
+    (later,) = service.attempts("waits-1")
+    assert later.at >= second.at
+    # ... while the other project of the same partition went on.
+    others = [r for r in service.received if r.headers.get("Shoal-Project-Id") == other]
+    assert len(others) == 5 and all(r.at < second.at for r in others)
+
+    # 500 until maxDeliver (3), then dead-lettered.
+    broken = service.attempts("broken-0")
+    assert [r.status for r in broken] == [500, 500, 500]
+    assert [r.headers["Shoal-Delivery-Count"] for r in broken] == ["1", "2", "3"]
+    reason = by_data[b"status:500:down"]
+    assert "failed 3 times" in reason and "answered 500 Internal Server Error: down" in reason
+
+    # A request past handlerTimeoutSeconds: a failed attempt, then the retry succeeds.
+    slow = service.attempts("slow-0")
+    assert [r.headers["Shoal-Delivery-Count"] for r in slow] == ["1", "2"]
+    assert slow[1].at - slow[0].at >= 1.5
+    await poll(lambda: service.aborted, 10, "the slow request closed", until=bool)
+    log = fleet.members["m-0"].log_text()
+    assert "no answer within 1.5 s (handlerTimeoutSeconds)" in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+async def test_a_refused_connection_is_retried(
+    service: Service,
+    make_fleet: Callable[..., Fleet],
+    make_config: Callable[..., GroupConfig],
+    etcd: Etcd,
+    js: Any,
+) -> None:
+    """The service is not up yet: each POST is refused, a failed attempt retried with
+    the backoff; once it is up, the messages arrive, in order."""
+    config = make_config(
+        handler=service.url, partitions=PARTITIONS, ledger=False, max_deliver=50, backoff=(0.3,)
+    )
+    await ensure_group(js, config)
+    fleet = make_fleet(handler=service.url, partitions=PARTITIONS, ledger=False)
+    fleet.start("m-0", **config_env(config, SETTINGS))
+    await wait_for_status(etcd, config.namespace, config.group, PARTITIONS, settled({"m-0"}), 30)
+    items = [Outgoing("p", b"ok", f"p-{i}") for i in range(3)]
+    await Producer(js, config.subject_prefix, PARTITIONS).publish_many(items)
+    await poll(
+        fleet.members["m-0"].log_text,
+        20,
+        "a refused attempt",
+        until=lambda t: "Connection refused" in t,
+    )
+    await service.start()
+    await poll(
+        lambda: [r.headers["Shoal-Message-Id"] for r in service.received],
+        30,
+        "the messages",
+        until=lambda ids: ids == ["p-0", "p-1", "p-2"],
+    )
+    assert int(service.received[0].headers["Shoal-Delivery-Count"]) >= 2
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+async def test_the_member_joins_once_the_handler_is_ready(
+    service: Service,
+    make_fleet: Callable[..., Fleet],
+    make_config: Callable[..., GroupConfig],
+    etcd: Etcd,
+    js: Any,
+) -> None:
+    """handlerReadyPath: while nothing listens, then while it answers 503, the member
+    does not register in etcd, and says why; once it answers 200, it joins."""
+    config = make_config(
+        handler=service.url, partitions=PARTITIONS, ledger=False, handler_ready_path="/healthz"
+    )
+    await ensure_group(js, config)
+    fleet = make_fleet(handler=service.url, partitions=PARTITIONS, ledger=False)
+    member = fleet.start("m-0", **config_env(config, SETTINGS))
+    await poll(
+        member.log_text, 20, "the member to say why it waits", until=lambda t: "Not joining" in t
+    )
+    assert "Connection refused" in member.log_text()
+    service.ready = False
+    await service.start()
+    await asyncio.sleep(2)
+    status = await read_status(etcd, config.namespace, config.group, PARTITIONS)
+    assert status.members == {}, status.as_dict()
+    assert member.alive()
+    service.ready = True
+    joined = time.monotonic()
+    await wait_for_status(etcd, config.namespace, config.group, PARTITIONS, settled({"m-0"}), 30)
+    assert time.monotonic() - joined < 10
+    assert "Handler ready (GET" in member.log_text()
