@@ -3,11 +3,15 @@
 // dead-letters it; 408, 429 and 5xx are retried). Messages of one project come one at
 // a time, in order; different projects come concurrently.
 //
-//	handler -listen 127.0.0.1:8080 -delay 20ms
+//	handler -listen 127.0.0.1:8080 -delay 20ms [-record received.jsonl -name m-0]
+//
+// With -record it writes, when it stops, one JSON line per message it answered 200:
+// what an audit needs to prove nothing was lost, duplicated or reordered.
 package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"io"
@@ -16,21 +20,48 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"strconv"
+	"sync"
 	"syscall"
 	"time"
 )
+
+// received is one answered message, as -record writes it.
+type received struct {
+	ProjectID      string  `json:"project_id"`
+	MessageID      string  `json:"message_id"`
+	Partition      int     `json:"partition"`
+	Member         string  `json:"member"`
+	DeliveryCount  int     `json:"delivery_count"`
+	StreamSequence int     `json:"stream_sequence"`
+	Started        float64 `json:"started"`
+	Finished       float64 `json:"finished"`
+}
+
+func seconds(t time.Time) float64 { return float64(t.UnixNano()) / 1e9 }
+
+func header(r *http.Request, name string) int {
+	n, _ := strconv.Atoi(r.Header.Get(name))
+	return n
+}
 
 func main() {
 	listen := flag.String("listen", "127.0.0.1:8080", "address to listen on")
 	delay := flag.Duration("delay", 0, "time each message takes (e.g. 20ms)")
 	verbose := flag.Bool("v", false, "log every message")
+	record := flag.String("record", "", "write what was received to this file on exit")
+	name := flag.String("name", "", "the member this handler serves (in -record's lines)")
 	flag.Parse()
+
+	var mu sync.Mutex
+	var answered []received
 
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
 		w.WriteHeader(http.StatusOK)
 	})
 	mux.HandleFunc("POST /messages", func(w http.ResponseWriter, r *http.Request) {
+		started := time.Now()
 		data, err := io.ReadAll(r.Body)
 		if err != nil {
 			http.Error(w, err.Error(), http.StatusBadRequest)
@@ -50,6 +81,17 @@ func main() {
 			log.Printf("project %s partition %s message %s delivery %s stream seq %s: %d bytes",
 				project, r.Header.Get("Shoal-Partition"), r.Header.Get("Shoal-Message-Id"),
 				r.Header.Get("Shoal-Delivery-Count"), r.Header.Get("Shoal-Stream-Sequence"), len(data))
+		}
+		if *record != "" {
+			mu.Lock()
+			answered = append(answered, received{
+				ProjectID: project, MessageID: r.Header.Get("Shoal-Message-Id"),
+				Partition: header(r, "Shoal-Partition"), Member: *name,
+				DeliveryCount:  header(r, "Shoal-Delivery-Count"),
+				StreamSequence: header(r, "Shoal-Stream-Sequence"),
+				Started:        seconds(started), Finished: seconds(time.Now()),
+			})
+			mu.Unlock()
 		}
 		w.WriteHeader(http.StatusOK)
 	})
@@ -75,5 +117,30 @@ func main() {
 	if err := srv.Shutdown(shutdown); err != nil {
 		log.Fatal(err)
 	}
+	if *record != "" {
+		if err := writeRecord(*record, answered); err != nil {
+			log.Fatal(err)
+		}
+	}
 	log.Print("stopped")
+}
+
+// writeRecord writes the lines to a temporary file and renames it: a reader never sees
+// half a record.
+func writeRecord(path string, lines []received) error {
+	f, err := os.Create(path + ".tmp")
+	if err != nil {
+		return err
+	}
+	enc := json.NewEncoder(f)
+	for _, line := range lines {
+		if err := enc.Encode(line); err != nil {
+			f.Close()
+			return err
+		}
+	}
+	if err := f.Close(); err != nil {
+		return err
+	}
+	return os.Rename(path+".tmp", path)
 }
