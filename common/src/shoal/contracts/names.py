@@ -187,6 +187,8 @@ FINALIZER = f"{API_GROUP}/cleanup"
 # Labels of every consumer pod (the Deployment's selector uses both).
 GROUP_LABEL = f"{API_GROUP}/group"
 CONSUMER_APP_NAME = "shoal-consumer"
+# The member's own container in a consumer pod: spec.containers may not take its name.
+CONSUMER_CONTAINER_NAME = "consumer"
 # Pod-template annotation: the etcd tlsSecret version the pods were started with.
 ETCD_SECRET_VERSION_ANNOTATION = f"{API_GROUP}/etcd-secret-version"
 # The same for spec.nats.tlsSecret and spec.nats.credentialsSecret: members read their NATS

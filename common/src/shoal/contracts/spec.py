@@ -13,6 +13,7 @@ the autoscaler's policy (:meth:`shoal.consumer.scaler.Policy.from_spec`).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -22,11 +23,12 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    field_validator,
     model_validator,
 )
 from pydantic.alias_generators import to_camel
 
-from shoal.contracts.names import DEFAULT_PARTITIONS
+from shoal.contracts.names import CONSUMER_CONTAINER_NAME, DEFAULT_PARTITIONS
 
 __all__ = [
     "AssignmentSpec",
@@ -57,6 +59,10 @@ HANDLER_WORDS = (
 )
 # spec.handlerReadyPath: a path on the HTTP handler's host, or empty (none).
 READY_PATH_PATTERN = r"^(/[^\s#]*)?$"
+# spec.containers: at most this many (the CRD's maxItems; it also bounds its CEL rules).
+MAX_CONTAINERS = 16
+# A container name, as Kubernetes requires it (a DNS-1123 label).
+CONTAINER_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
 
 def _integral(value: object) -> object:
@@ -216,6 +222,11 @@ class ConsumerGroupSpec(_Section):
     affinity: dict[str, Any] = Field(default_factory=dict)
     topology_spread_constraints: list[dict[str, Any]] = Field(default_factory=list)
     priority_class_name: str = ""  # empty: the cluster's default priority
+    # The team's own containers (e.g. the service a URL handler calls), run in each
+    # member pod as native sidecars, in this order, before the member: see
+    # shoal.operator.builders.sidecars. Written as in a Pod spec; the API server
+    # validates all but what _sidecars checks (the CRD checks the same).
+    containers: list[dict[str, Any]] = Field(default_factory=list, max_length=MAX_CONTAINERS)
     nats: NatsSpec = NatsSpec()
     etcd: EtcdSpec = EtcdSpec()
     autoscaling: AutoscalingSpec = AutoscalingSpec()
@@ -236,10 +247,51 @@ class ConsumerGroupSpec(_Section):
             raise ValueError(REPLICAS_WITH_AUTOSCALING)
         return self
 
+    @field_validator("containers")
+    @classmethod
+    def _sidecars(cls, containers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return check_containers(containers)
+
     def cpu_limit(self) -> object:
         """The consumer container's ``resources.limits.cpu`` as written (or None)."""
         limits = self.resources.get("limits")
         return limits.get("cpu") if isinstance(limits, Mapping) else None
+
+
+def check_containers(containers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """spec.containers' own rules (the CRD's, worded alike): each has a name and an
+    image, no name is Shoal's own container's, and no name repeats. ValueError."""
+    seen: set[str] = set()
+    for index, container in enumerate(containers):
+        name = container.get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"containers[{index}] needs a name")
+        if len(name) > 63 or not re.match(CONTAINER_NAME_PATTERN, name):
+            raise ValueError(
+                f"containers[{index}].name {name!r} must be a DNS-1123 label (lowercase "
+                "letters, digits and '-', at most 63 characters)"
+            )
+        image = container.get("image")
+        if not isinstance(image, str) or not image:
+            raise ValueError(f"containers[{index}] ({name}) needs an image")
+        if container.get("restartPolicy", "Always") != "Always":
+            raise ValueError(
+                f"containers[{index}] ({name}): restartPolicy can only be Always (each runs "
+                "as a native sidecar, restarted whenever it exits)"
+            )
+        if name == CONSUMER_CONTAINER_NAME:
+            raise ValueError(CONTAINER_NAME_TAKEN)
+        if name in seen:
+            raise ValueError(f"{DUPLICATE_CONTAINERS}: {name!r} appears twice")
+        seen.add(name)
+    return containers
+
+
+CONTAINER_NAME_TAKEN = (
+    f"containers must not be named '{CONSUMER_CONTAINER_NAME}': that is the name of "
+    "Shoal's own container in the member pod"
+)
+DUPLICATE_CONTAINERS = "containers must have unique names"
 
 
 class SpecError(ValueError):

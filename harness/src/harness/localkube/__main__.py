@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from harness.localkube.image import parse_stand_ins
 from harness.localkube.plane import LocalKube, State, alive
 from harness.localkube.tools import ToolMissing
 
@@ -31,10 +32,24 @@ def main() -> None:
         help="run shoal:dev pods from this image (`make image`; as root), not the venv "
         "(default: $SHOAL_KUBELET_IMAGE)",
     )
+    parser.add_argument(
+        "--local-image",
+        action="append",
+        default=[item for item in [os.environ.get("SHOAL_KUBELET_LOCAL_IMAGES")] if item],
+        metavar="IMAGE=PATH",
+        help="a local executable standing in for IMAGE where it cannot run from an image "
+        "(no --image, or buildah lacks it); repeatable or comma-separated "
+        "(default: $SHOAL_KUBELET_LOCAL_IMAGES)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     # `up` returns with the plane running: its processes outlive this one.
-    plane = LocalKube(args.root, image=args.image, outlive=True)
+    plane = LocalKube(
+        args.root,
+        image=args.image,
+        local_images=parse_stand_ins(args.local_image),
+        outlive=True,
+    )
     if args.command == "up":
         started = time.monotonic()
         try:

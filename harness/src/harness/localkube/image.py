@@ -4,8 +4,11 @@
 (`buildah from --pull-never`), mounts it (`buildah mount`) and reads the image's config
 (USER, ENV, WORKDIR, ENTRYPOINT, CMD). The mount is only ever a read-only lower layer:
 each container gets its own throwaway overlay over it (sandbox.py). `close()` removes
-the working container; its name is recorded in `<state_dir>/image-container`, so that
-`remove_recorded` (the plane's `down`) can remove it after a kubelet that was killed.
+the working container. The kubelet mounts each image it runs once (one ImageRoot per
+image): every working container's name is recorded, one per line, in
+`<state_dir>/image-container`, so that `remove_recorded` (the kubelet's start, the
+plane's `down`) can remove them after a kubelet that was killed. An image buildah does
+not have locally is ImageNotPresent: nothing is ever pulled.
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ RECORD = "image-container"
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 # The host files every container sees read-only (networking is the host's).
 HOST_FILES = ("/etc/resolv.conf", "/etc/hosts")
+
+
+class ImageNotPresent(RuntimeError):
+    """buildah has no such image on this machine (and nothing is pulled)."""
 
 
 class RunAsError(ValueError):
@@ -74,20 +81,46 @@ def buildah(*args: str) -> str:
     return result.stdout
 
 
-def remove_recorded(state_dir: Path) -> None:
-    """Remove the working container a kubelet recorded (and did not remove itself)."""
+def remove_recorded(state_dir: Path, only: str | None = None) -> None:
+    """Remove the working containers a kubelet recorded (and did not remove itself);
+    `only`: just that one (and its line)."""
     record = state_dir / RECORD
     if not record.exists():
         return
-    name = record.read_text().strip()
-    if name:
+    names = [line.strip() for line in record.read_text().splitlines() if line.strip()]
+    for name in names:
+        if only is not None and name != only:
+            continue
         # `rm` unmounts first; a container already gone is not an error here.
         result = subprocess.run(
             ["buildah", "rm", name], capture_output=True, text=True, timeout=120, check=False
         )
         if result.returncode == 0:
             log.info("Removed the image's working container %s", name)
-    record.unlink(missing_ok=True)
+    left = [name for name in names if only is not None and name != only]
+    if left:
+        record.write_text("".join(f"{name}\n" for name in left))
+    else:
+        record.unlink(missing_ok=True)
+
+
+def _record(state_dir: Path, container: str) -> None:
+    with (state_dir / RECORD).open("a") as record:
+        record.write(f"{container}\n")
+
+
+def parse_stand_ins(items: list[str]) -> dict[str, Path]:
+    """`IMAGE=PATH` items (--local-image, SHOAL_KUBELET_LOCAL_IMAGES) as image -> path."""
+    stand_ins: dict[str, Path] = {}
+    for item in items:
+        for part in item.split(","):
+            image, sep, path = part.strip().rpartition("=")
+            if not part.strip():
+                continue
+            if not sep or not image or not path:
+                raise ValueError(f"--local-image wants IMAGE=PATH, got {part!r}")
+            stand_ins[image] = Path(path).resolve()
+    return stand_ins
 
 
 def sandbox_command() -> list[str]:
@@ -108,20 +141,24 @@ class ImageRoot:
         self.config = ImageConfig()
 
     def open(self) -> None:
+        """Mount the image (ImageNotPresent: buildah does not have it). The kubelet
+        removes what an earlier, killed kubelet left (remove_recorded) before the first."""
         if os.geteuid() != 0:
             # Mount namespaces, chroot and setuid, and buildah's storage.
             raise RuntimeError("the kubelet's image runtime needs root")
-        remove_recorded(self.state_dir)
-        self.config = ImageConfig.from_inspect(
-            json.loads(buildah("inspect", "--type", "image", self.image))
-        )
+        try:
+            inspected = buildah("inspect", "--type", "image", self.image)
+        except RuntimeError as exc:
+            raise ImageNotPresent(f"buildah has no image {self.image!r}: {exc}") from None
+        self.config = ImageConfig.from_inspect(json.loads(inspected))
         self.container = buildah("from", "--pull-never", "--quiet", self.image).strip()
-        (self.state_dir / RECORD).write_text(self.container)
+        _record(self.state_dir, self.container)
         self.path = Path(buildah("mount", self.container).strip())
         log.info("Image %s mounted at %s (container %s)", self.image, self.path, self.container)
 
     def close(self) -> None:
-        remove_recorded(self.state_dir)
+        if self.container:
+            remove_recorded(self.state_dir, only=self.container)
 
     # -- what a container runs ----------------------------------------------------------
 

@@ -10,8 +10,37 @@ probes) and restarts; restarts crashed containers per restartPolicy with backoff
 deletion sends SIGTERM, then SIGKILL after the grace period. Logs go to
 `<root>/logs/pods/<namespace>_<pod>_<container>.log` and are served to `kubectl logs`.
 
-Only the image `shoal:dev` runs (it is this checkout's installation); any other image
-leaves the container waiting with reason ErrImageNotLocal and a message saying so.
+Init containers and native sidecars, as the real kubelet runs them (pkg/kubelet/
+kuberuntime computeInitContainerActions, terminationOrdering; pkg/kubelet/prober; status
+generate.go): init containers run one at a time, in order; a regular one runs to
+completion (a failure is retried with backoff, or fails the pod under restartPolicy
+Never); a sidecar (an init container with restartPolicy Always) is started and the next
+container starts once it has started (its startupProbe succeeded; without one, once it
+runs), and it is restarted with backoff whenever it exits, whatever the pod's
+restartPolicy. The main containers start once every init container is done or started;
+regular init containers never run again after that. A startupProbe holds back readiness
+and liveness probes until it succeeds; failureThreshold failures in a row kill the
+container (SIGKILL here, not the kubelet's graceful kill), which then restarts. The pod is
+Pending and not Initialized until then; it is Ready when its main containers and its
+sidecars are; initContainerStatuses are reported. On deletion every container is sent
+SIGTERM at once, except sidecars: each waits (within the grace period) for the main
+containers and the next sidecar to exit, so they stop last, in reverse order, with what is
+left of the grace period (at least 2 s) before SIGKILL. A pod whose main containers have
+all exited for good (restartPolicy Never or OnFailure), or whose init container failed,
+stops its sidecars the same way and restarts nothing. Not done: lifecycle hooks
+(postStart, preStop), container-level restartPolicy rules on regular containers, and a
+grace period of 0 kills everything at once without any order.
+
+Images. In the venv runtime only `shoal:dev` runs (it is this checkout's installation);
+an image given a local stand-in (`--local-image IMAGE=PATH`, `SHOAL_KUBELET_LOCAL_IMAGES`
+for the plane) runs as a host process of that executable (the container's args after
+it, or its command with a command[0] named like the stand-in replaced by it), and its log
+starts with a line saying so; any other image leaves the container waiting with reason
+ErrImageNotLocal and a message saying what would run it. In the image runtime (below),
+shoal:dev runs from the image given, and any other image from its own root filesystem if
+`buildah images` has it (mounted on first use, once per image, kept until shutdown); an
+image buildah lacks falls back to its stand-in if it has one (and says so), else waits
+with reason ErrImageNeverPull (nothing is pulled; asked again every few seconds).
 
 Secret volumes are written, before the pod's containers start, into a private per-pod
 directory (`<root>/kubelet/pods/<uid>/volumes/<volume>`: directories 0700, files 0600,
@@ -54,8 +83,12 @@ does and this does not: no network namespace (pods share the host's loopback and
 ports), no PID, UTS or IPC namespace (pods see every host process and the host name), no
 user namespace, no cgroups (resources.limits and requests are not enforced), no seccomp
 or AppArmor profile and no capability bounding beyond what leaving uid 0 drops, no image
-pulls (the one image given, for every shoal:dev pod), and what a container writes on a
-writable root goes to a tmpfs that is gone at its restart.
+pulls (the one image given for every shoal:dev pod, other images only as buildah already
+has them), and what a container writes on a writable root goes to a tmpfs that is gone
+at its restart. Each container gets its own image's ENV, USER, WORKDIR and
+ENTRYPOINT/CMD; the pod's Secret files and token belong to its first container's user,
+so a container of another image running as another uid cannot read them (unless fsGroup
+is set).
 """
 
 from __future__ import annotations
@@ -86,7 +119,14 @@ from kubernetes.client.rest import ApiException
 
 from harness.children import spawn
 from harness.localkube import image as image_runtime
-from harness.localkube.image import SERVICE_ACCOUNT_DIR, Identity, ImageRoot, RunAsError
+from harness.localkube.image import (
+    SERVICE_ACCOUNT_DIR,
+    Identity,
+    ImageNotPresent,
+    ImageRoot,
+    RunAsError,
+    parse_stand_ins,
+)
 from harness.waiting import WaitTimeout, eventually
 
 log = logging.getLogger("localkube.kubelet")
@@ -95,6 +135,9 @@ LOCAL_IMAGES = {"shoal:dev", "docker.io/library/shoal:dev", "localhost/shoal:dev
 POD_IP = "127.0.0.1"
 STATUS_PERIOD = 0.5
 MAX_BACKOFF = 30.0
+# A sidecar's shortest time between SIGTERM and SIGKILL (the kubelet's
+# minimumGracePeriodInSeconds).
+MIN_GRACE = 2.0
 
 
 def now() -> str:
@@ -119,6 +162,13 @@ class ContainerState:
     liveness_next: float = 0.0
     liveness_failures: int = 0
     env: dict[str, str] = field(default_factory=dict)  # as resolved at the last start
+    # An init container ("init"), a native sidecar (an init container with restartPolicy
+    # Always: "sidecar") or one of spec.containers ("main").
+    kind: str = "main"
+    # Its startupProbe succeeded (or it has none and is running): kubectl's "started".
+    started: bool = False
+    startup_next: float = 0.0
+    startup_failures: int = 0
     # Image runtime: how exec probes enter the running container (sandbox.py's spec).
     enter: dict[str, Any] | None = None
 
@@ -140,6 +190,14 @@ class PodRunner:
     broken: bool = False
     # terminate() has stopped every process.
     stopped: bool = False
+    # Every init container has run (the regular ones to completion, the sidecars have
+    # started): the main containers may start. Never reset (podHasInitialized).
+    initialized: bool = False
+    # A regular init container failed under restartPolicy Never: the pod has failed.
+    init_failed: bool = False
+    # The pod has finished (init failed, or every main container exited for good): its
+    # sidecars have been stopped and nothing restarts any more.
+    finished: bool = False
 
     @property
     def key(self) -> str:
@@ -150,33 +208,112 @@ class PodRunner:
     def start(self) -> None:
         threading.Thread(target=self._run, name=f"pod-{self.key}", daemon=True).start()
 
+    def _specs(self) -> list[tuple[str, Any]]:
+        """(kind, spec) of every container, init containers first, in the pod's order."""
+        specs = [
+            ("sidecar" if is_sidecar(spec) else "init", spec)
+            for spec in self.pod.spec.init_containers or []
+        ]
+        return specs + [("main", spec) for spec in self.pod.spec.containers]
+
+    def _new_state(self, kind: str, spec: Any) -> ContainerState:
+        return ContainerState(spec, self._log_path(spec.name), kind=kind)
+
+    def _of_kind(self, *kinds: str) -> list[ContainerState]:
+        return [s for s in self.containers.values() if s.kind in kinds]
+
     def _run(self) -> None:
         try:
             self.env = self.kubelet.pod_env(self.pod)
         except Exception as exc:
             log.warning("Pod %s: cannot prepare its environment: %s", self.key, exc)
             self.broken = True
-            for spec in self.pod.spec.containers:
-                self.containers[spec.name] = ContainerState(
-                    spec,
-                    self._log_path(spec.name),
-                    waiting=("CreateContainerConfigError", str(exc)[:300]),
-                )
+            for kind, spec in self._specs():
+                state = self._new_state(kind, spec)
+                state.waiting = ("CreateContainerConfigError", str(exc)[:300])
+                self.containers[spec.name] = state
             self.report()
             self.env = {}
-        for spec in self.pod.spec.containers:
-            self.containers.setdefault(spec.name, ContainerState(spec, self._log_path(spec.name)))
+        for kind, spec in self._specs():
+            self.containers.setdefault(spec.name, self._new_state(kind, spec))
         while not self.deleting:
             if self.volumes is None and not self.broken:
                 self._mount()
-            if self.volumes is not None:
-                for state in self.containers.values():
-                    self._supervise(state)
+            if self.volumes is not None and not self.finished:
+                self._sync()
             self.report()
             time.sleep(STATUS_PERIOD)
         self.done.set()
         if self.stopped:
             self.kubelet.remove_pod_dir(self.pod)
+
+    # -- what runs when (the real kubelet's computeInitContainerActions) -------------------
+
+    def _sync(self) -> None:
+        """Init containers one after another, then the main containers; a pod that has
+        finished stops its sidecars."""
+        if self._sync_init():
+            for state in self._of_kind("main"):
+                self._supervise(state)
+        if self._finishing():
+            self._finish()
+
+    def _sync_init(self) -> bool:
+        """Advance the init containers; True once the pod is initialized.
+
+        In order: a regular init container runs to completion (restarted with backoff
+        when it fails, unless restartPolicy is Never: then the pod fails) before the next
+        one starts; a sidecar is started, kept running (restarted with backoff whenever
+        it exits, whatever the pod's restartPolicy) and probed, and the next container
+        starts once it has started (its startupProbe succeeded; without one, once it
+        runs). After initialization regular init containers never run again; sidecars
+        are kept running."""
+        for state in self._of_kind("init", "sidecar"):
+            if state.kind == "sidecar":
+                self._supervise(state)
+                if not self.initialized and not self._has_started(state):
+                    return False
+                continue
+            if self.initialized or _completed(state):
+                continue
+            self._supervise(state)
+            if _completed(state):
+                continue
+            if state.terminated is not None and not self._should_restart(state):
+                self.init_failed = True
+            return False
+        if not self.initialized:
+            log.info("Pod %s initialized: starting its containers", self.key)
+        self.initialized = True
+        return True
+
+    def _has_started(self, state: ContainerState) -> bool:
+        return state.started and state.process is not None and state.process.poll() is None
+
+    def _finishing(self) -> bool:
+        """The pod will run nothing more: an init container failed for good, or every
+        main container has exited and will not be restarted (restartPolicy Never or
+        OnFailure). Its sidecars must not keep it alive."""
+        if self.init_failed:
+            return True
+        mains = self._of_kind("main")
+        return (
+            self.initialized
+            and bool(mains)
+            and all(
+                s.process is None and s.terminated is not None and not self._should_restart(s)
+                for s in mains
+            )
+        )
+
+    def _finish(self) -> None:
+        """Stop what still runs (sidecars after the main containers, in reverse order),
+        as a deletion would, and restart nothing any more."""
+        grace = float(self.pod.spec.termination_grace_period_seconds or 30)
+        log.info("Pod %s has finished: stopping its sidecars", self.key)
+        self.finished = True
+        for state, code in self._stop(grace):
+            self._exited(state, code)
 
     def _mount(self) -> None:
         """Set up the pod's volumes (retried every few seconds while a Secret is missing)."""
@@ -205,15 +342,13 @@ class PodRunner:
     def _supervise(self, state: ContainerState) -> None:
         if self.broken:
             return
-        image = state.spec.image or ""
-        if image not in LOCAL_IMAGES:
-            state.waiting = (
-                "ErrImageNotLocal",
-                f"image {image!r} is not available in the local plane: "
-                "only shoal:dev (this checkout's installation, or the image the kubelet "
-                "was given) runs here",
-            )
-            return
+        if state.process is None:
+            refused = self.kubelet.refuse_image(state.spec.image or "")
+            if refused is not None:
+                if state.waiting != refused:
+                    log.warning("Pod %s container %s: %s", self.key, state.spec.name, refused[1])
+                state.waiting = refused
+                return
         process = state.process
         if process is not None:
             code = process.poll()
@@ -227,7 +362,17 @@ class PodRunner:
             self._start_container(state)
 
     def _should_restart(self, state: ContainerState) -> bool:
+        """Whether an exited container starts again: a sidecar always (unless the pod
+        has finished), a regular init container only after a failure and not under
+        restartPolicy Never, a main container per restartPolicy."""
+        if self.finished:
+            return False
         policy = self.pod.spec.restart_policy or "Always"
+        if state.kind == "sidecar":
+            return True
+        if state.kind == "init":
+            failed = state.terminated is not None and state.terminated["exitCode"] != 0
+            return failed and policy != "Never"
         if policy == "Always":
             return True
         if policy == "OnFailure":
@@ -237,6 +382,9 @@ class PodRunner:
     def _command(self, spec: Any, env: dict[str, str]) -> list[str]:
         # Kubernetes expands only $(VAR), from the container's own environment; $VAR and
         # the kubelet's environment never reach a command.
+        stand_in = self.kubelet.stand_ins.get(spec.image or "")
+        if stand_in is not None:
+            return _stand_in_command(stand_in, spec, env)
         command = [_expand(c, env) for c in list(spec.command or []) + list(spec.args or [])]
         if not command:
             raise FileNotFoundError("the container has no command (shoal:dev has no entrypoint)")
@@ -252,9 +400,11 @@ class PodRunner:
 
     def _start_container(self, state: ContainerState) -> None:
         spec = state.spec
-        env = dict(self.env)
+        # The image's ENV (image runtime), then the pod's, then the container's own.
+        base = {**self.kubelet.image_env(spec), **self.env}
+        env = dict(base)
         try:
-            env.update(self.kubelet.container_env(self.pod, spec, self.env))
+            env.update(self.kubelet.container_env(self.pod, spec, base))
             identity = self.kubelet.identity(self.pod, spec)
         except (ConfigError, RunAsError, ApiException) as exc:
             message = f"API error: {exc.reason}" if isinstance(exc, ApiException) else str(exc)
@@ -296,7 +446,11 @@ class PodRunner:
         state.waiting = None
         state.started_at = now()
         state.ready = spec.readiness_probe is None
+        state.started = spec.startup_probe is None
         state.probe_successes = state.probe_failures = state.liveness_failures = 0
+        state.startup_failures = 0
+        startup_delay = getattr(spec.startup_probe, "initial_delay_seconds", 0) or 0
+        state.startup_next = time.monotonic() + startup_delay
         delay = getattr(spec.readiness_probe, "initial_delay_seconds", 0) or 0
         state.probe_next = time.monotonic() + delay
         live_delay = getattr(spec.liveness_probe, "initial_delay_seconds", 0) or 0
@@ -315,6 +469,16 @@ class PodRunner:
         env = {key: _rewrite_path(value, moved) for key, value in env.items()}
         state.env = env
         command = [_rewrite_path(arg, moved) for arg in self._command(state.spec, env)]
+        stand_in = self.kubelet.stand_ins.get(state.spec.image or "")
+        if stand_in is not None:
+            note = (
+                f"localkube: image {state.spec.image!r} is not run from an image here "
+                f"({self.kubelet.runtime_note()}): the container runs its local stand-in "
+                f"{stand_in} (--local-image) as a host process\n"
+            )
+            log.info("Pod %s container %s: %s", self.key, state.spec.name, note.strip())
+            out.write(note.encode())
+            out.flush()
         state.process = spawn(
             command,
             stdin=subprocess.DEVNULL,
@@ -330,9 +494,9 @@ class PodRunner:
         self, state: ContainerState, env: dict[str, str], identity: Identity, out: Any
     ) -> list[str]:
         """Chrooted into the image, as the pod's user, volumes at their mountPaths."""
-        image = self.kubelet.image
-        assert image is not None
         spec = state.spec
+        image = self.kubelet.image_for(spec)
+        assert image is not None
         state.env = env
         command = [_expand(c, env) for c in image.command(spec)]
         if not command:
@@ -374,8 +538,16 @@ class PodRunner:
     # -- probes ----------------------------------------------------------------------------
 
     def _probe(self, state: ContainerState) -> None:
+        """Startup probe first; readiness and liveness only once it has succeeded (as
+        the real prober does). Regular init containers have no probes."""
         spec = state.spec
         t = time.monotonic()
+        if state.kind == "init":
+            return
+        if not state.started:
+            self._startup_probe(state, t)
+            if not state.started:
+                return
         probe = spec.readiness_probe
         if probe is not None and t >= state.probe_next:
             state.probe_next = t + (probe.period_seconds or 10)
@@ -404,6 +576,30 @@ class PodRunner:
                     )
                     _signal_group(state.process.pid, signal.SIGKILL)
 
+    def _startup_probe(self, state: ContainerState, t: float) -> None:
+        """Until it succeeds once: then the container has started. failureThreshold
+        failures in a row kill it (restarted like any exit, with backoff)."""
+        probe = state.spec.startup_probe
+        if t < state.startup_next or state.process is None:
+            return
+        state.startup_next = t + (probe.period_seconds or 10)
+        if self._run_probe(state, probe):
+            state.started = True
+            log.info("Pod %s container %s has started", self.key, state.spec.name)
+            # Readiness and liveness begin now (their initial delay counts from the start).
+            state.probe_next = max(state.probe_next, t)
+            state.liveness_next = max(state.liveness_next, t)
+            return
+        state.startup_failures += 1
+        if state.startup_failures >= (probe.failure_threshold or 3):
+            log.info(
+                "Pod %s container %s failed its startup probe: restarting",
+                self.key,
+                state.spec.name,
+            )
+            state.startup_failures = 0
+            _signal_group(state.process.pid, signal.SIGKILL)
+
     def _run_probe(self, state: ContainerState, probe: Any) -> bool:
         inside = None
         if state.enter is not None and state.process is not None:
@@ -415,12 +611,15 @@ class PodRunner:
 
     def _container_status(self, state: ContainerState) -> dict[str, Any]:
         running = state.process is not None and state.process.poll() is None
+        # A regular init container is ready once it has completed (what the pod's
+        # Initialized condition reads); the others when running, started and ready.
+        ready = _completed(state) if state.kind == "init" else running and state.ready
         status: dict[str, Any] = {
             "name": state.spec.name,
             "image": state.spec.image or "",
             "imageID": "",
-            "ready": bool(running and state.ready),
-            "started": running,
+            "ready": bool(ready and (state.kind == "init" or state.started)),
+            "started": bool(running and state.started),
             "restartCount": state.restarts,
         }
         if running:
@@ -428,7 +627,11 @@ class PodRunner:
             status["containerID"] = f"process://{state.process.pid}"  # type: ignore[union-attr]
         elif state.waiting is not None:
             status["state"] = {"waiting": {"reason": state.waiting[0], "message": state.waiting[1]}}
-        elif state.terminated is not None and self._should_restart(state):
+        elif (
+            state.terminated is not None
+            and self._should_restart(state)
+            and (state.kind != "init" or not self.initialized)
+        ):
             status["state"] = {
                 "waiting": {
                     "reason": "CrashLoopBackOff"
@@ -441,6 +644,9 @@ class PodRunner:
             status["lastState"] = {"terminated": state.terminated}
         elif state.terminated is not None:
             status["state"] = {"terminated": state.terminated}
+        elif not self.initialized and self.volumes is not None and state.kind != "init":
+            # Waiting for the init containers before it (the kubelet's reason).
+            status["state"] = {"waiting": {"reason": "PodInitializing"}}
         else:
             status["state"] = {"waiting": {"reason": "ContainerCreating"}}
         if "lastState" not in status and state.last_terminated is not None:
@@ -448,6 +654,12 @@ class PodRunner:
         return status
 
     def _phase(self, statuses: list[dict[str, Any]]) -> str:
+        """statuses: the main containers'. Pending until initialized (kubelet's
+        getPhase), Failed when an init container failed under restartPolicy Never."""
+        if self.init_failed:
+            return "Failed"
+        if not self.initialized:
+            return "Pending"
         states = [s["state"] for s in statuses]
         if any("running" in s for s in states):
             return "Running"
@@ -459,10 +671,19 @@ class PodRunner:
         return "Pending"
 
     def report(self) -> None:
-        statuses = [self._container_status(s) for s in self.containers.values()]
-        ready = bool(statuses) and all(s["ready"] for s in statuses)
+        statuses = [self._container_status(s) for s in self._of_kind("main")]
+        init_statuses = [self._container_status(s) for s in self._of_kind("init", "sidecar")]
+        sidecars = [
+            status
+            for status, state in zip(init_statuses, self._of_kind("init", "sidecar"), strict=True)
+            if state.kind == "sidecar"
+        ]
+        # The pod is ready when its main containers and its sidecars are (the real
+        # kubelet's GenerateContainersReadyCondition).
+        ready = bool(statuses) and all(s["ready"] for s in statuses + sidecars)
         phase = self._phase(statuses)
         cond = "True" if ready else "False"
+        initialized = "True" if self.initialized else "False"
         status: dict[str, Any] = {
             "phase": phase,
             "hostIP": POD_IP,
@@ -472,12 +693,14 @@ class PodRunner:
             "startTime": self.started_at,
             "conditions": [
                 {"type": "PodScheduled", "status": "True"},
-                {"type": "Initialized", "status": "True"},
+                {"type": "Initialized", "status": initialized},
                 {"type": "ContainersReady", "status": cond},
                 {"type": "Ready", "status": cond},
             ],
             "containerStatuses": statuses,
         }
+        if init_statuses:
+            status["initContainerStatuses"] = init_statuses
         if status == _without_stamps(self.last_status):
             return
         # lastTransitionTime only when a condition changes.
@@ -504,24 +727,11 @@ class PodRunner:
     # -- stop ------------------------------------------------------------------------------
 
     def terminate(self, grace: float) -> None:
-        """SIGTERM every container, SIGKILL after grace seconds; returns when all are gone."""
+        """Stop every container (_stop: sidecars after the main containers, in reverse
+        order); returns when all are gone."""
         self.deleting = True
         self.done.wait(5)
-        processes = [
-            s.process
-            for s in self.containers.values()
-            if s.process is not None and s.process.poll() is None
-        ]
-        for process in processes:
-            _signal_group(process.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for process in processes:
-            try:
-                process.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.info("Pod %s: a container ignored SIGTERM for %.0f s: killing", self.key, grace)
-                _signal_group(process.pid, signal.SIGKILL)
-                process.wait()
+        self._stop(grace)
         for name in self.containers:
             self.kubelet.forget_pid(self.pod, name)
         # Its directory goes once its processes are gone and its loop has ended (whichever
@@ -529,6 +739,107 @@ class PodRunner:
         self.stopped = True
         if self.done.is_set():
             self.kubelet.remove_pod_dir(self.pod)
+
+    def _stop(self, grace: float) -> list[tuple[ContainerState, int]]:
+        """Stop the running containers as the real kubelet does (killContainersWith-
+        SyncResult and terminationOrdering): every container at once, each with the
+        pod's grace period, except that a sidecar first waits, within that period, for
+        every main container and every later sidecar to exit, and then gets what is left
+        of it, at least 2 s (minimumGracePeriodInSeconds). SIGTERM, then SIGKILL when its
+        time is up. grace 0 (a forced deletion): SIGTERM and SIGKILL at once, no order.
+        Returns (state, exit status) of what it stopped."""
+        running = {
+            name: state
+            for name, state in self.containers.items()
+            if state.process is not None and state.process.poll() is None
+        }
+        prereqs = termination_prereqs(self._specs(), set(running))
+        exited = {name: threading.Event() for name in running}
+        codes: dict[str, int] = {}
+        start = time.monotonic()
+
+        def stop(name: str) -> None:
+            process = running[name].process
+            assert process is not None
+            try:
+                allowed = grace
+                if grace > 0 and prereqs[name]:
+                    for before in prereqs[name]:
+                        exited[before].wait(max(0.0, start + grace - time.monotonic()))
+                    # Whole seconds, as the kubelet counts them, and never under 2 s.
+                    allowed = max(grace - int(time.monotonic() - start), MIN_GRACE)
+                _signal_group(process.pid, signal.SIGTERM)
+                try:
+                    codes[name] = process.wait(allowed)
+                except subprocess.TimeoutExpired:
+                    if grace > 0:
+                        log.info(
+                            "Pod %s container %s ignored SIGTERM for %.0f s: killing",
+                            self.key,
+                            name,
+                            allowed,
+                        )
+                    _signal_group(process.pid, signal.SIGKILL)
+                    codes[name] = process.wait()
+            finally:
+                exited[name].set()
+
+        threads = [
+            threading.Thread(target=stop, args=(name,), name=f"stop-{self.key}-{name}")
+            for name in running
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return [(running[name], codes[name]) for name in running if name in codes]
+
+
+def _stand_in_command(stand_in: Path, spec: Any, env: dict[str, str]) -> list[str]:
+    """The host command of a container whose image has a local stand-in: the stand-in
+    plus the container's args when it has no command (the image's ENTRYPOINT); else its
+    command, with a command[0] named like the stand-in (`/handler`, `handler`) being it."""
+    command = [_expand(c, env) for c in list(spec.command or [])]
+    args = [_expand(c, env) for c in list(spec.args or [])]
+    if not command or Path(command[0]).name == stand_in.name:
+        command = [str(stand_in), *command[1:]]
+    elif "/" not in command[0]:
+        command[0] = shutil.which(command[0], path=env.get("PATH")) or command[0]
+    if not os.access(command[0], os.X_OK):
+        raise FileNotFoundError(f"{command[0]}: no such executable (image {spec.image})")
+    return command + args
+
+
+def is_sidecar(spec: Any) -> bool:
+    """A native sidecar: an init container with restartPolicy Always."""
+    return getattr(spec, "restart_policy", None) == "Always"
+
+
+def termination_prereqs(specs: list[tuple[str, Any]], running: set[str]) -> dict[str, list[str]]:
+    """For each running container, the running ones it must wait for before it is sent
+    SIGTERM (the real kubelet's newTerminationOrdering): a sidecar waits for every main
+    container and for the next sidecar in the list (which waits for the one after it,
+    and so on: sidecars stop in reverse order); everything else waits for nothing.
+    specs: (kind, spec) as PodRunner._specs gives them."""
+    mains = [spec.name for kind, spec in specs if kind == "main" and spec.name in running]
+    prereqs: dict[str, list[str]] = {name: [] for name in running}
+    later: str | None = None
+    for kind, spec in reversed(specs):
+        if kind != "sidecar":
+            continue
+        if spec.name in running:
+            prereqs[spec.name] = mains + ([later] if later in running else [])
+        # As in the kubelet, a sidecar that is not running (its channel closed at once)
+        # breaks the chain: the one before it waits only for the main containers.
+        later = spec.name
+    return prereqs
+
+
+def _completed(state: ContainerState) -> bool:
+    """It ran to completion (exit status 0) and is not running again."""
+    return (
+        state.process is None and state.terminated is not None and state.terminated["exitCode"] == 0
+    )
 
 
 class VolumeError(RuntimeError):
@@ -599,7 +910,13 @@ def _expand(value: str, env: dict[str, str]) -> str:
 
 class ProcessKubelet:
     def __init__(
-        self, kubeconfig: Path, root: Path, node: str, venv_bin: Path, image: str | None = None
+        self,
+        kubeconfig: Path,
+        root: Path,
+        node: str,
+        venv_bin: Path,
+        image: str | None = None,
+        stand_ins: dict[str, Path] | None = None,
     ) -> None:
         self.kubeconfig = kubeconfig
         self.root = root
@@ -619,8 +936,87 @@ class ProcessKubelet:
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.log_port = 0
-        # Image runtime: containers run from this image's root filesystem (open() mounts it).
+        # Image runtime: shoal:dev containers run from this image's root filesystem
+        # (open() mounts it); other images from their own, mounted on first use.
         self.image = ImageRoot(image, self.state_dir) if image else None
+        self.images: dict[str, ImageRoot] = {}
+        self.images_lock = threading.Lock()
+        # Image -> when to ask buildah again whether it has it now.
+        self.missing: dict[str, float] = {}
+        # Image -> a local executable standing in for it (--local-image).
+        self.stand_ins = dict(stand_ins or {})
+
+    # -- images ---------------------------------------------------------------------------
+
+    def runtime_note(self) -> str:
+        if self.image is None:
+            return "the kubelet runs the venv runtime, not --image (which needs root and buildah)"
+        return "buildah has no such image on this machine"
+
+    def refuse_image(self, image: str) -> tuple[str, str] | None:
+        """Why a container of `image` cannot start here, as (reason, message); None: it
+        can (shoal:dev; in the image runtime, any image buildah has; a stand-in)."""
+        if image in LOCAL_IMAGES:
+            return None
+        if self.image is None:
+            if image in self.stand_ins:
+                return None
+            return (
+                "ErrImageNotLocal",
+                f"image {image!r} is not available in the local plane: the venv runtime runs "
+                "only shoal:dev (this checkout's installation); run the kubelet with --image "
+                "(as root) to run images buildah has, or give it a local stand-in with "
+                f"--local-image {image}=PATH",
+            )
+        try:
+            self.open_image(image)
+            return None
+        except ImageNotPresent:
+            if image in self.stand_ins:
+                return None
+            return (
+                "ErrImageNeverPull",
+                f'Container image "{image}" is not present with pull policy of Never: the '
+                "local plane pulls nothing, and `buildah images` has no such image here "
+                "(build it with buildah, or give a local stand-in with --local-image)",
+            )
+
+    def open_image(self, image: str) -> ImageRoot:
+        """The mounted image (image runtime), mounted once and kept until shutdown;
+        ImageNotPresent (asked again at most every few seconds) if buildah lacks it."""
+        assert self.image is not None
+        if image in LOCAL_IMAGES:
+            return self.image
+        with self.images_lock:
+            root = self.images.get(image)
+            if root is not None:
+                return root
+            if time.monotonic() < self.missing.get(image, 0.0):
+                raise ImageNotPresent(image)
+            root = ImageRoot(image, self.state_dir)
+            try:
+                root.open()
+            except ImageNotPresent:
+                self.missing[image] = time.monotonic() + 5.0
+                raise
+            self.images[image] = root
+            return root
+
+    def image_for(self, spec: Any) -> ImageRoot | None:
+        """The image a container runs from; None: it runs as a host process (the venv
+        runtime, or a stand-in for an image buildah does not have)."""
+        if self.image is None:
+            return None
+        image = spec.image or ""
+        if image in LOCAL_IMAGES:
+            return self.image
+        with self.images_lock:
+            return self.images.get(image)
+
+    def image_env(self, spec: Any) -> dict[str, str]:
+        """The ENV of the container's image (image runtime); empty for host processes."""
+        root = self.image_for(spec)
+        return dict(root.config.env) if root is not None else {}
 
     # -- paths and processes ------------------------------------------------------------
 
@@ -646,13 +1042,15 @@ class ProcessKubelet:
 
     def identity(self, pod: Any, spec: Any) -> Identity | None:
         """Who the container runs as (image runtime); None: as the kubelet's processes."""
-        return None if self.image is None else self.image.identity(pod, spec)
+        root = self.image_for(spec)
+        return None if root is None else root.identity(pod, spec)
 
     def _owner(self, pod: Any) -> tuple[int, int]:
         """Who owns the pod's secret files and token in the image runtime: the first
         container's user, and the pod's fsGroup if it has one (else that user's group)."""
         assert self.image is not None
-        identity = self.image.identity(pod, pod.spec.containers[0], check=False)
+        first = pod.spec.containers[0]
+        identity = (self.image_for(first) or self.image).identity(pod, first, check=False)
         fs_group = getattr(pod.spec.security_context, "fs_group", None)
         return identity.uid, identity.gid if fs_group is None else int(fs_group)
 
@@ -760,8 +1158,8 @@ class ProcessKubelet:
         the image runtime), a kubeconfig."""
         if self.image is not None:
             self._write_service_account(pod)
+            # The image's ENV comes per container (image_env): images differ.
             return {
-                **self.image.config.env,
                 "HOSTNAME": pod.metadata.name,
                 "KUBECONFIG": f"{SERVICE_ACCOUNT_DIR}/kubeconfig",
             }
@@ -1191,6 +1589,8 @@ class ProcessKubelet:
             threads.append(thread)
         for thread in threads:
             thread.join()
+        for root in self.images.values():
+            root.close()
         if self.image is not None:
             self.image.close()
 
@@ -1243,14 +1643,32 @@ def main() -> None:
     )
     parser.add_argument(
         "--image",
-        help="run shoal:dev pods from this image's root filesystem (buildah; needs root)",
+        help="run shoal:dev pods from this image's root filesystem, and other images from "
+        "their own where buildah has them (needs root)",
+    )
+    parser.add_argument(
+        "--local-image",
+        action="append",
+        default=[],
+        metavar="IMAGE=PATH",
+        help="run containers of IMAGE as host processes of the executable PATH where IMAGE "
+        "cannot run from an image (no --image, or buildah lacks it); repeatable",
     )
     args = parser.parse_args()
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    kubelet = ProcessKubelet(args.kubeconfig, args.root, args.node, args.venv_bin, args.image)
+    kubelet = ProcessKubelet(
+        args.kubeconfig,
+        args.root,
+        args.node,
+        args.venv_bin,
+        args.image,
+        parse_stand_ins(args.local_image),
+    )
     if kubelet.image is not None:
+        # What a killed kubelet left mounted, then the image for shoal:dev.
+        image_runtime.remove_recorded(kubelet.state_dir)
         kubelet.image.open()
     pki = args.root / "pki"
     kubelet.serve_logs(pki / "apiserver.crt", pki / "apiserver.key")

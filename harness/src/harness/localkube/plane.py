@@ -196,16 +196,21 @@ class LocalKube:
         tools: KubeTools | None = None,
         venv_bin: Path | None = None,
         image: str | None = None,
+        local_images: dict[str, Path] | None = None,
         outlive: bool = False,
     ) -> None:
         """`image`: the kubelet runs shoal:dev pods from this image's root filesystem
-        (chroot, the pod's uid; needs root and buildah), not as processes of `venv_bin`.
+        (chroot, the pod's uid; needs root and buildah), not as processes of `venv_bin`,
+        and other images from their own where buildah has them.
+        `local_images`: image -> a local executable that stands in for it where it cannot
+        run from an image (no `image`, or buildah lacks it): the kubelet says so.
         `outlive`: the plane's processes outlive this one (else they die with it)."""
         self.root = Path(root).resolve()
         self.outlive = outlive
         self.tools = tools
         self.venv_bin = venv_bin or Path(sys.executable).parent
         self.image = image
+        self.local_images = dict(local_images or {})
         self.state = State()
         self._servers: list[Any] = []
 
@@ -417,6 +422,7 @@ class LocalKube:
                 "--venv-bin",
                 str(self.venv_bin),
                 *(["--image", self.image] if self.image else []),
+                *(f"--local-image={image}={path}" for image, path in self.local_images.items()),
             ],
             env,
         )

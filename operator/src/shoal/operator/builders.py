@@ -23,6 +23,7 @@ from typing import Any, Literal, TypedDict
 from shoal.contracts.names import (
     API_GROUP,
     CONSUMER_APP_NAME,
+    CONSUMER_CONTAINER_NAME,
     CPU_LIMIT_ENV,
     ETCD_SECRET_VERSION_ANNOTATION,
     GROUP_LABEL,
@@ -39,7 +40,7 @@ from shoal.operator.settings import OperatorSettings
 Obj = dict[str, Any]
 Spec = Mapping[str, Any] | ConsumerGroupSpec
 
-CONTAINER_NAME = "consumer"
+CONTAINER_NAME = CONSUMER_CONTAINER_NAME
 COMMAND = ["shoal-consumer", "run"]
 # The probes: standard-library-only checks (shoal.consumer.ready) of the state file the
 # member rewrites every second, cheap enough to run every 2 s.
@@ -433,6 +434,25 @@ def _container(
     }
 
 
+def sidecars(spec: ConsumerGroupSpec) -> Obj:
+    """spec.containers as the pod's native sidecars: init containers with restartPolicy
+    Always, in the order listed. Kubernetes starts them one after another before the
+    member's container (each once it has started: its startupProbe succeeded, or it is
+    running if it has none), restarts them whenever they exit, and stops them after the
+    member, in reverse order, within the pod's grace period; the pod is Ready only when
+    their readiness probes pass too. Copied as written otherwise (the API server
+    validates them in the pod template). Empty when there are none, so that the applied
+    pod template equals the stored one."""
+    if not spec.containers:
+        return {}
+    containers = []
+    for container in spec.containers:
+        rendered = copy.deepcopy(container)
+        rendered["restartPolicy"] = "Always"
+        containers.append(rendered)
+    return {"initContainers": containers}
+
+
 def _placement(name: str, spec: ConsumerGroupSpec) -> Obj:
     """The pod spec's scheduling fields the group sets (unset ones are left out, so the
     applied object equals the stored one and server-side apply sees no change)."""
@@ -490,6 +510,7 @@ def build_deployment(
         # RuntimeDefault seccomp: with the container's context this meets the
         # "restricted" Pod Security Standard.
         "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+        **sidecars(model),
         "containers": [_container(name, namespace, model, settings, nats)],
         "volumes": volumes,
         **_placement(name, model),
