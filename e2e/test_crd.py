@@ -1,4 +1,7 @@
-"""The ConsumerGroup CRD on a real API server: defaults, printer columns, scale, CEL rules."""
+"""The ConsumerGroup CRD on a real API server: defaults, printer columns, scale, CEL rules,
+and spec.containers (refused with readable messages when they cannot run; the Deployment
+the operator builds from good ones passes the API server's own Pod validation, as native
+sidecars, in a server-side dry run)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ import yaml
 
 from harness.kubetest import get_json, wait_until
 from harness.localkube.plane import LocalKube
+from shoal.operator.builders import build_deployment
+from shoal.operator.settings import OperatorSettings
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -25,9 +30,9 @@ HANDLER = "shoal.consumer.handlers:ledger"
 
 
 def apply(
-    plane: LocalKube, manifest: dict[str, Any], *, check: bool = True
+    plane: LocalKube, manifest: dict[str, Any], *args: str, check: bool = True
 ) -> subprocess.CompletedProcess[str]:
-    return plane.kubectl("apply", "-f", "-", check=check, input_text=json.dumps(manifest))
+    return plane.kubectl("apply", *args, "-f", "-", check=check, input_text=json.dumps(manifest))
 
 
 def group(name: str, namespace: str, **spec: Any) -> dict[str, Any]:
@@ -246,3 +251,104 @@ def test_partitions_are_immutable(crd: LocalKube, namespace: str) -> None:
     # Leaving partitions out defaults it to 128: also a change, also refused.
     message = refused(crd, group("fixed", namespace))
     assert "partitions is immutable" in message
+
+
+# -- spec.containers: the team's services, as native sidecars ----------------------------
+
+SERVICE_CONTAINER = {
+    "name": "orders-api",
+    "image": "registry.example/orders-api:1.4",
+    "args": ["--listen", ":8080"],
+    "ports": [{"name": "http", "containerPort": 8080}],
+    "env": [{"name": "LOG_LEVEL", "value": "info"}],
+    "resources": {"limits": {"memory": "128Mi"}},
+    "startupProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 1},
+    "readinessProbe": {"httpGet": {"path": "/ready", "port": 8080}},
+    "securityContext": {"runAsNonRoot": True, "allowPrivilegeEscalation": False},
+}
+
+
+def with_containers(name: str, namespace: str, containers: Any) -> dict[str, Any]:
+    return group(name, namespace, containers=containers)
+
+
+def words(message: str) -> str:
+    """A refusal's message on one line (kubectl wraps long ones)."""
+    return " ".join(message.split())
+
+
+def test_bad_containers_are_refused_with_readable_messages(crd: LocalKube, namespace: str) -> None:
+    message = words(refused(crd, with_containers("no-name", namespace, [{"image": "x:1"}])))
+    assert "spec.containers[0].name: Required value" in message
+    message = words(refused(crd, with_containers("no-image", namespace, [{"name": "api"}])))
+    assert "spec.containers[0].image: Required value" in message
+    message = words(
+        refused(crd, with_containers("empty-image", namespace, [{"name": "api", "image": ""}]))
+    )
+    assert "spec.containers[0].image" in message
+    message = words(
+        refused(crd, with_containers("ours", namespace, [{"name": "consumer", "image": "x:1"}]))
+    )
+    assert "containers must not be named 'consumer': that is the name of Shoal's own" in message
+    twice = [{"name": "api", "image": "x:1"}, {"name": "cache", "image": "y"}]
+    twice.append({"name": "api", "image": "x:2"})
+    message = words(refused(crd, with_containers("twice", namespace, twice)))
+    assert "spec.containers: Invalid value" in message
+    assert "containers must have unique names" in message
+    message = words(
+        refused(crd, with_containers("upper", namespace, [{"name": "API", "image": "x:1"}]))
+    )
+    assert "spec.containers[0].name" in message and "should match" in message
+    message = words(
+        refused(
+            crd,
+            with_containers(
+                "never", namespace, [{"name": "api", "image": "x", "restartPolicy": "Never"}]
+            ),
+        )
+    )
+    assert "spec.containers[0].restartPolicy: Unsupported value" in message
+    message = words(
+        refused(
+            crd,
+            with_containers(
+                "many", namespace, [{"name": f"c{i}", "image": "x"} for i in range(17)]
+            ),
+        )
+    )
+    assert "spec.containers: Too many" in message
+    assert get_json(crd, "cg", "-n", namespace)["items"] == []
+
+
+def test_a_good_group_keeps_every_container_field(crd: LocalKube, namespace: str) -> None:
+    apply(
+        crd,
+        with_containers(
+            "served", namespace, [SERVICE_CONTAINER, {"name": "agent", "image": "a:2"}]
+        ),
+    )
+    stored = get_json(crd, "cg", "served", "-n", namespace)["spec"]["containers"]
+    # Unknown fields are kept (the item preserves them), nothing is defaulted.
+    assert stored == [SERVICE_CONTAINER, {"name": "agent", "image": "a:2"}]
+
+
+def test_the_built_deployment_is_a_valid_pod_template_with_native_sidecars(
+    crd: LocalKube, namespace: str
+) -> None:
+    spec = {
+        "handler": "shoal.consumer.handlers:ledger",
+        "containers": [SERVICE_CONTAINER, {"name": "agent", "image": "a:2"}],
+    }
+    deployment = build_deployment("served", namespace, spec, OperatorSettings())
+    result = apply(crd, deployment, "--dry-run=server", "-o", "json")
+    template = json.loads(result.stdout)["spec"]["template"]["spec"]
+    init = template["initContainers"]
+    assert [c["name"] for c in init] == ["orders-api", "agent"]
+    assert [c["restartPolicy"] for c in init] == ["Always", "Always"]
+    # Probes on sidecars are allowed (startupProbe only on restartable init containers).
+    assert init[0]["startupProbe"]["httpGet"]["path"] == "/healthz"
+    # And Kubernetes itself refuses a startupProbe on an init container that is not a
+    # sidecar: the restartPolicy the builder sets is what makes these valid.
+    del deployment["spec"]["template"]["spec"]["initContainers"][0]["restartPolicy"]
+    result = apply(crd, deployment, "--dry-run=server", check=False)
+    assert result.returncode != 0 and "startupProbe" in result.stderr, result.stderr

@@ -1,7 +1,7 @@
 """spec.containers: the team's containers in the member pod, as native sidecars.
 
 The model's checks (shoal.contracts.spec.check_containers), the CRD's rules that say the
-same (e2e/test_crd_containers.py proves the API server applies them), and the builder
+same (e2e/test_crd.py proves the API server applies them), and the builder
 (shoal.operator.builders.sidecars), without any cluster.
 """
 
