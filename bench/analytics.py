@@ -37,6 +37,27 @@ Figures (one JSON line each on stdout; progress on stderr while it runs):
   machine skews every figure.
 * ``churn_ratio``: moves / minimum per strategy, from the report (sticky ~1, modulo ~3).
 
+The command as users run it (issue 30): a fresh process ``python -m shoal.analytics
+report``, wall time from its start to its exit, with the command's own defaults (driver
+memory included; only ``--master``, the first one, is given):
+
+* ``generate_command_s``: ``shoal-analytics generate`` writing logs of the same size
+  (``--groups`` per strategy, generations split evenly), one process; lines, files, MB.
+* ``command_report_s``: the command on the bench's logs (``logs: bench``) and on those
+  ``generate`` wrote (``logs: generate``), with ``--engine spark`` (``--master``) and
+  ``--engine pandas``; ``phases``: where its time went, as it says (summary.json's
+  ``timing``); ``exit_s``: the wall time after its last phase (the interpreter's exit);
+  ``in_session_s`` (bench logs): the same report's in-session figure above, and
+  ``over_in_session``: the command's time / that.
+* ``command_spark_over_pandas``: pandas time / Spark time through the command, per kind of
+  logs. Target (issue 30): at least 1 (Spark no slower) at 10M rows and beyond.
+
+``--command-logs`` chooses the logs (``both``, ``bench``, ``generate``, ``none``);
+``--command-driver-memory`` gives the command a driver memory (default: the command's
+own, 2g, where the in-session reports have ``--driver-memory``, 4g: at 10M rows the
+report's checkpoints, some 1.3 GB estimated from 197 MB at 1.5M, exceed a 2g driver's
+storage memory, about 0.96 GB, and spill to disk).
+
 Run: ``python bench/analytics.py`` (``make bench`` runs it with the others). ``--rows``
 smaller for a quick look; ``--keep`` keeps the logs and both reports.
 """
@@ -44,9 +65,12 @@ smaller for a quick look; ``--keep`` keeps the logs and both reports.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import resource
+import subprocess
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
@@ -96,6 +120,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="leave out the first master's second report on the same session (spark_report_warm_s)",
     )
     parser.add_argument("--skip-pandas", action="store_true", help="Spark only")
+    parser.add_argument(
+        "--command-logs",
+        choices=["both", "bench", "generate", "none"],
+        default="both",
+        help="run the report command (a fresh process, as users do) on the bench's logs, "
+        "on logs written by `shoal-analytics generate`, on both or on none",
+    )
+    parser.add_argument(
+        "--command-driver-memory",
+        help="--driver-memory for the report command (default: none given, the command's own)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--strict", action="store_true", help="exit 1 if a target is missed")
     args = parser.parse_args(argv)
@@ -126,17 +161,144 @@ def generate(args: argparse.Namespace, logs: Path) -> int:
             group, count, seconds = future.result()
             lines += count
             note(f"generate: {group} {count} generations in {seconds:.1f} s ({done}/{len(specs)})")
-    size = sum(p.stat().st_size for p in logs.rglob("*.jsonl"))
+    files = list(logs.rglob("*.jsonl"))
     emit(
         BENCH,
         "generate_s",
         time.monotonic() - started,
         rows=generations * args.partitions,
         lines=lines,
-        mb=size / 1e6,
+        files=len(files),
+        mb=sum(p.stat().st_size for p in files) / 1e6,
         groups=len(specs),
     )
     return int(generations * args.partitions)
+
+
+def _command(*args: str) -> list[str]:
+    """``shoal-analytics`` as a fresh process of this Python (``python -m``)."""
+    return [sys.executable, "-m", "shoal.analytics", *args]
+
+
+def generate_with_command(args: argparse.Namespace, logs: Path) -> int:
+    """Logs of about ``--rows`` rows written by ``shoal-analytics generate``, as a user
+    writes them; returns the rows."""
+    strategies = 2
+    per_group = math.ceil(math.ceil(args.rows / args.partitions) / (strategies * args.groups))
+    rows = int(per_group * strategies * args.groups * args.partitions)
+    note(f"shoal-analytics generate: {args.groups} groups per strategy x {per_group} generations")
+    started = time.monotonic()
+    done = subprocess.run(
+        _command(
+            "generate",
+            *("--out", str(logs), "--groups", str(args.groups)),
+            *("--generations", str(per_group), "--partitions", str(args.partitions)),
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        check=True,
+    )
+    wall = time.monotonic() - started
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    files = list(logs.rglob("*.jsonl"))
+    emit(
+        BENCH,
+        "generate_command_s",
+        wall,
+        rows=rows,
+        lines=said["lines"],
+        files=len(files),
+        mb=sum(p.stat().st_size for p in files) / 1e6,
+        groups=said["groups"],
+    )
+    return rows
+
+
+def command_report(
+    args: argparse.Namespace,
+    engine: str,
+    logs: Path,
+    out: Path,
+    rows: int,
+    kind: str,
+    in_session: float | None,
+) -> float:
+    """``shoal-analytics report`` on ``logs`` in a fresh process (its progress on this
+    stderr): the wall time from its start to its exit, beside the phases it reports."""
+    master = args.master[0]
+    memory = args.command_driver_memory
+    chosen = ["--master", master] if engine == "spark" else ["--engine", "pandas"]
+    if engine == "spark" and memory:
+        chosen += ["--driver-memory", memory]
+    note(f"command: shoal-analytics report --engine {engine} on the {kind} logs")
+    started = time.monotonic()
+    done = subprocess.run(
+        _command("report", "--input", str(logs), "--out", str(out), *chosen),
+        stdout=subprocess.PIPE,
+        text=True,
+        check=False,
+    )
+    wall = time.monotonic() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"shoal-analytics report --engine {engine} exited {done.returncode}")
+    timing = json.loads((out / "summary.json").read_text())["timing"]
+    emit(
+        BENCH,
+        "command_report_s",
+        wall,
+        engine=engine,
+        **(
+            {"master": master, "driver_memory": memory or "the command's default"}
+            if engine == "spark"
+            else {}
+        ),
+        logs=kind,
+        rows=rows,
+        rows_per_s=rows / wall,
+        exit_s=wall - timing["total_s"],
+        phases={phase["name"]: phase["s"] for phase in timing["phases"]},
+        **(
+            {"in_session_s": in_session, "over_in_session": wall / in_session} if in_session else {}
+        ),
+    )
+    return wall
+
+
+def commands(args: argparse.Namespace, root: Path, rows: int, in_session: dict[str, float]) -> None:
+    """The report command with each engine on the logs ``--command-logs`` names."""
+    kinds: list[tuple[str, Path, int]] = []
+    if args.command_logs in ("both", "bench"):
+        kinds.append(("bench", root / "logs", rows))
+    if args.command_logs in ("both", "generate"):
+        generated = root / "generated"
+        kinds.append(("generate", generated, generate_with_command(args, generated)))
+    engines = ["spark"] if args.skip_pandas else ["spark", "pandas"]
+    for kind, logs, count in kinds:
+        walls = {
+            engine: command_report(
+                args,
+                engine,
+                logs,
+                root / f"command-{kind}-{engine}",
+                count,
+                kind,
+                in_session.get(engine) if kind == "bench" else None,
+            )
+            for engine in engines
+        }
+        if "pandas" in walls:
+            ratio = walls["pandas"] / walls["spark"]
+            big = count >= 10_000_000
+            emit(
+                BENCH,
+                "command_spark_over_pandas",
+                ratio,
+                rows=count,
+                logs=kind,
+                master=args.master[0],
+                **({"target": 1.0, "ok": ratio >= 1.0} if big else {}),
+            )
 
 
 def _figures(summary: dict[str, Any]) -> dict[str, Any]:
@@ -286,6 +448,7 @@ def run(args: argparse.Namespace, root: Path) -> None:
         for i, master in enumerate(args.master)
     ]
     walls = {master: done.wall for master, done in zip(args.master, runs, strict=True)}
+    in_session = {"spark": walls[args.master[0]]}
     from_spark, warm_s = runs[0].summary, runs[0].warm_s
     first = args.master[0]
     for strategy, figures in from_spark["by_strategy"].items():
@@ -317,6 +480,7 @@ def run(args: argparse.Namespace, root: Path) -> None:
         started = time.monotonic()
         from_pandas = run_report(str(logs), root / "pandas", engine="pandas", progress=note)
         wall = time.monotonic() - started
+        in_session["pandas"] = wall
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         emit(BENCH, "pandas_report_s", wall, rows=rows, rows_per_s=rows / wall, peak_rss_mb=peak_mb)
         ratio = wall / walls[first]
@@ -343,6 +507,8 @@ def run(args: argparse.Namespace, root: Path) -> None:
             from_spark["input_stats"] == from_pandas["input_stats"]
         )
         emit(BENCH, "engines_agree", int(same), ok=same, spark=_figures(from_spark))
+    if args.command_logs != "none":
+        commands(args, root, rows, in_session)
     _load("load_after")
 
 

@@ -8,6 +8,10 @@ SHOAL_ETCD and SHOAL_NATS_SERVER).
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -19,6 +23,7 @@ import pytest
 from harness.fakesecrets import FakeSecrets
 from harness.fleet import Fleet
 from harness.servers import EtcdServer, NatsServer
+from shoal.analytics.timing import HEADER
 from shoal.clients.etcd import Etcd
 from shoal.group.config import GroupConfig
 
@@ -135,3 +140,54 @@ def make_fleet(
     yield make
     for fleet in reversed(fleets):
         fleet.close()
+
+
+def _report_in_a_process(*args: str) -> tuple[float, str]:
+    """``shoal-analytics report`` as users run it: (its wall time, its stderr)."""
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "shoal.analytics", "report", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    wall = time.monotonic() - started
+    assert done.returncode == 0, done.stderr[-4000:]
+    return wall, done.stderr
+
+
+def _assert_timing_block(stderr: str, summary: dict[str, Any], wall: float) -> list[str]:
+    """The block at the end of stderr lists summary.json's phases, which start at the
+    process's start and add up to no more than the wall time measured outside; returns
+    the phases' names."""
+    timing = summary["timing"]
+    names = [phase["name"] for phase in timing["phases"]]
+    lines = stderr.splitlines()
+    at = next(i for i, line in enumerate(lines) if HEADER in line)
+    block = lines[at + 1 : at + 2 + sum(1 + len(p.get("steps", [])) for p in timing["phases"])]
+    said = [line.removeprefix("report:").strip().rsplit(maxsplit=1) for line in block]
+    listed = [name for name, _ in said]
+    assert [n for n in listed if n in names] == names and listed[-1] == "total", block
+    assert names[0].startswith("start:") and names[1].startswith("import the report")
+    assert all(phase["s"] >= 0 for phase in timing["phases"])
+    assert timing["total_s"] == pytest.approx(sum(p["s"] for p in timing["phases"]), abs=0.01)
+    assert float(said[-1][1]) == pytest.approx(timing["total_s"], abs=0.06)
+    # /proc's start time has a 10 ms resolution; the wall time outside includes the fork.
+    assert timing["total_s"] <= wall + 0.02
+    return names
+
+
+@pytest.fixture
+def timed_report() -> Callable[..., tuple[list[str], dict[str, Any]]]:
+    """``timed_report(*args)`` runs ``shoal-analytics report *args`` in a fresh process
+    (``--out``/``-o`` among the args), checks the timing block it ends with against its
+    summary.json and the wall time, and returns (the phases' names, summary.json)."""
+
+    def run(*args: str) -> tuple[list[str], dict[str, Any]]:
+        wall, stderr = _report_in_a_process(*args)
+        flag = next(i for i, arg in enumerate(args) if arg in ("-o", "--out"))
+        summary = json.loads((Path(args[flag + 1]) / "summary.json").read_text())
+        return _assert_timing_block(stderr, summary, wall), summary
+
+    return run

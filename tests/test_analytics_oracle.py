@@ -4,7 +4,7 @@ numbers worked out by hand; and the report's files (summary.json, tables, report
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -220,6 +220,24 @@ def test_cli_generate_then_report_and_empty_input(tmp_path: Path) -> None:
         cli, ["report", "--input", str(tmp_path / "nope"), "--out", str(tmp_path / "x")]
     )
     assert missing.exit_code == 1 and "does not exist" in missing.output
+
+
+def test_the_command_says_where_its_time_went(
+    tmp_path: Path, timed_report: Callable[..., tuple[list[str], dict[str, Any]]]
+) -> None:
+    logs = tmp_path / "logs"
+    runner = CliRunner()
+    done = runner.invoke(cli, ["generate", "--out", str(logs), "--groups", "1"])
+    assert done.exit_code == 0, done.output
+    names, _ = timed_report("--engine", "pandas", "-i", str(logs), "-o", str(tmp_path / "out"))
+    assert names[2:] == [
+        "read, parse and compute (one pass)",
+        "normalize the tables",
+        "write tables (parquet)",
+        "the plots' data",
+        "small tables as CSV",
+        "plots and report.html",
+    ]
 
 
 def test_help_describes_every_command() -> None:

@@ -11,7 +11,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -255,6 +255,30 @@ def test_missing_java_is_one_clear_line(tmp_path: Path) -> None:
         "Error: no Java runtime: the report runs on Spark, which needs Java 17+ (install e.g. "
         "openjdk-17-jre-headless, or set JAVA_HOME)"
     ]
+
+
+def test_the_command_says_where_its_time_went(
+    logs: Path, tmp_path: Path, timed_report: Callable[..., tuple[list[str], dict[str, Any]]]
+) -> None:
+    """The Spark report through the command (its own JVM): the block names the JVM's start
+    and stop, the checkpoints and the steps after them."""
+    out = tmp_path / "out"
+    args = ("--master", "local[1]", "--driver-memory", "1g", "-i", str(logs), "-o", str(out))
+    names, summary = timed_report(*args)
+    assert names[2:] == [
+        "Spark session (the JVM's start)",
+        "read, parse and checkpoint",
+        "steps after the checkpoints (3 threads)",
+        "stop Spark (the JVM's exit)",
+        "small tables as CSV",
+        "plots and report.html",
+    ]
+    phases = {phase["name"]: phase for phase in summary["timing"]["phases"]}
+    kept = [step["name"] for step in phases["read, parse and checkpoint"]["steps"]]
+    assert kept[0] == "parsed lines, events beside their predecessors"
+    assert kept[-1] == "driver: listing and planning"
+    steps = {step["name"] for step in phases["steps after the checkpoints (3 threads)"]["steps"]}
+    assert {"write ownership", "collect generations", "collect groups"} <= steps
 
 
 def _tricky_lines() -> str:

@@ -193,15 +193,21 @@ def report(
     """Skew and churn report of assignment logs (PySpark, local[*] by default).
 
     Prints summary.json's headline as one JSON line on stdout; the full report is in OUT.
+    At the end, on stderr, where the time went from the process's start on (also in
+    summary.json, "timing").
     """
     from shoal.analytics.session import JavaMissing
+    from shoal.analytics.timing import Timeline
 
+    timeline = Timeline(from_process_start=True)
+    timeline.mark("start: Python, the command's imports")
     try:
         from shoal.analytics.report import run_report
     except ImportError as exc:
         raise click.ClickException(
             f"{exc}: the report needs the analytics extra (pip install 'shoal[analytics]')"
         ) from None
+    timeline.mark("import the report (pandas, pyarrow)")
     conf: dict[str, str] = {}
     for item in confs:
         key, sep, value = item.partition("=")
@@ -219,6 +225,7 @@ def report(
             driver_memory=driver_memory,
             conf=conf,
             progress=_progress,
+            timeline=timeline,
         )
     except JavaMissing as exc:
         raise click.ClickException(str(exc)) from None

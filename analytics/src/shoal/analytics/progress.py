@@ -1,10 +1,10 @@
-"""Progress of a long report on the console: Spark's stages while they run, then the wall
-time of every step.
+"""Progress of a long report on the console: Spark's stages while they run, and the wall
+time of every step (said at the end, in the report's timing block).
 
 :class:`StageProgress` polls ``SparkContext.statusTracker()`` from a daemon thread (the
 driver's own view of the running stages; it works on any master, spark-submit included)
 and says a line when a stage's completed tasks change, at most every ``interval`` seconds.
-:class:`Steps` times the report's steps and prints them as a table at the end.
+:class:`Steps` times the report's steps for :class:`shoal.analytics.timing.Timeline`.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class StageProgress:
 
 
 class Steps:
-    """Wall time per named step; :meth:`table` lists them with the total."""
+    """Wall time per named step, in the order the steps ended (steps run at once overlap)."""
 
     def __init__(self) -> None:
         self.times: list[tuple[str, float]] = []
@@ -89,13 +89,3 @@ class Steps:
             yield
         finally:
             self.times.append((name, time.monotonic() - started))
-
-    def table(self, wall: float | None = None) -> list[str]:
-        """The steps in the order they ended, and their sum; steps run at once overlap,
-        so ``wall`` (the time from the first step's start) is listed too if given."""
-        rows = [*self.times, ("total", sum(seconds for _, seconds in self.times))]
-        if wall is not None:
-            rows.append(("wall (steps may overlap)", wall))
-        width = max(len(name) for name, _ in rows)
-        lines = [f"  {name:<{width}}  {seconds:7.1f} s" for name, seconds in rows]
-        return ["wall time per step:", *lines]

@@ -34,6 +34,7 @@ from shoal.analytics.tables import (
     ReportData,
     normalize,
 )
+from shoal.analytics.timing import Timeline
 from shoal.contracts.events import format_ts
 
 if TYPE_CHECKING:
@@ -116,19 +117,22 @@ def _write_parquet(frame: pd.DataFrame, out: Path, name: str) -> None:
     frame.to_parquet(folder / "part-00000.parquet", index=False)
 
 
-def _pandas_data(input_path: Path, out: Path, progress: Progress) -> ReportData:
+def _pandas_data(input_path: Path, out: Path, progress: Progress, timeline: Timeline) -> ReportData:
     from shoal.analytics.oracle import compute_path
 
     computed = compute_path(input_path, progress)
+    timeline.mark("read, parse and compute (one pass)")
     tables = {name: normalize(frame, name) for name, frame in computed.tables.items()}
+    timeline.mark("normalize the tables")
     for name, frame in tables.items():
         _write_parquet(frame, out, name)
+    timeline.mark("write tables (parquet)")
     selection = _heatmap_selection(tables["generations"])
     heatmap = tables["member_counts"].merge(selection, on=["namespace", "group", "generation"])
     handover = computed.handover
     if len(handover) > HANDOVER_SAMPLE:
         handover = handover.sample(HANDOVER_SAMPLE, random_state=1)
-    return ReportData(
+    data = ReportData(
         tables={n: f for n, f in tables.items() if n not in BIG_TABLES},
         stats=computed.stats,
         heatmap=heatmap,
@@ -136,6 +140,8 @@ def _pandas_data(input_path: Path, out: Path, progress: Progress) -> ReportData:
         member_totals=_member_totals(tables["member_churn"]),
         engine="pandas",
     )
+    timeline.mark("the plots' data")
+    return data
 
 
 def _spark_data(
@@ -143,6 +149,7 @@ def _spark_data(
     out: Path,
     progress: Progress,
     spark: SparkSession,
+    timeline: Timeline,
 ) -> ReportData:
     from pyspark.sql import functions as F
 
@@ -158,8 +165,12 @@ def _spark_data(
         progress(f"spark: {what} ({time.monotonic() - started:.1f} s)")
 
     with StageProgress(spark.sparkContext, progress):
-        with steps.step("read, parse and checkpoint"):
-            report = compute(spark, input_path, progress)
+        report = compute(spark, input_path, progress)
+        read = timeline.mark("read, parse and checkpoint", report.kept_s)
+        # What the checkpoints' jobs leave: listing the files, planning, Python.
+        timeline.phases[-1].steps.append(
+            ("driver: listing and planning", read - sum(s for _, s in report.kept_s))
+        )
         small: dict[str, pd.DataFrame] = {}
         got: dict[str, Any] = {}
 
@@ -256,8 +267,7 @@ def _spark_data(
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
             report.unpersist()
-    for line in steps.table(wall=time.monotonic() - started):
-        progress(f"spark: {line}")
+    timeline.mark(f"steps after the checkpoints ({STEP_THREADS} threads)", steps.times)
     stats, heatmap, handover, totals = (
         got["stats"],
         got["heatmap"],
@@ -331,36 +341,50 @@ def run_report(
     conf: Mapping[str, str] | None = None,
     progress: Progress | None = None,
     spark: SparkSession | None = None,
+    timeline: Timeline | None = None,
 ) -> dict[str, Any]:
     """Compute the report of the logs below ``input_path`` into ``out``; returns the summary.
 
     The Spark engine uses ``spark`` if given (and leaves it running), else starts a session
     (``master``, ``driver_memory``, ``conf``) and stops it, JVM included, when done.
+
+    Where the time went is said at the end (one block, :mod:`shoal.analytics.timing`) and
+    is summary.json's ``timing``: the phases of ``timeline`` if given (the command's, which
+    starts at the process's start), else from this call on.
     """
     from shoal.analytics.html_report import write_html
 
     say: Progress = progress or (lambda message: log.info("%s", message))
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
+    timeline = timeline or Timeline()
     started = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
     if engine == "pandas":
-        data = _pandas_data(Path(input_path), out, say)
+        data = _pandas_data(Path(input_path), out, say, timeline)
     elif spark is not None:
-        data = _spark_data(input_path, out, say, spark)
+        data = _spark_data(input_path, out, say, spark, timeline)
     else:
         from shoal.analytics.session import spark_session, stop_spark
 
         session = spark_session(master, driver_memory=driver_memory, conf=conf)
+        timeline.mark("Spark session (the JVM's start)")
         say(f"spark: session up, master {session.sparkContext.master}")
         try:
-            data = _spark_data(input_path, out, say, session)
+            data = _spark_data(input_path, out, say, session, timeline)
         finally:
             stop_spark(session)
+        timeline.mark("stop Spark (the JVM's exit)")
     for name, frame in data.tables.items():
         frame.to_csv(out / "tables" / f"{name}.csv", index=False)
+    timeline.mark("small tables as CSV")
     summary = build_summary(data, input_path=input_path, elapsed_s=time.monotonic() - started)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     write_html(data, summary, out)
+    timeline.mark("plots and report.html")
+    # Written last, so that it holds the timing of everything before.
+    summary["timing"] = timeline.as_dict()
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    for line in timeline.lines():
+        say(f"report: {line}")
     say(f"report: {summary['message']} -> {os.path.join(out, 'report.html')}")
     return summary

@@ -52,7 +52,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from shoal.analytics.cli import main as cli
@@ -133,6 +133,8 @@ class SparkReport:
     cached: list[DataFrame]
     # The groups table over a given stints frame (the ownership table once written).
     groups_of: Callable[[DataFrame], DataFrame]
+    # Wall time of each checkpoint, in the order taken.
+    kept_s: list[tuple[str, float]] = field(default_factory=list)
 
     def written(self, name: str, frame: DataFrame) -> None:
         """``frame`` reads table ``name`` back from where it was written. The stints are
@@ -160,6 +162,7 @@ class _Keeper:
     def __init__(self, progress: Progress | None) -> None:
         self.progress = progress
         self.cached: list[DataFrame] = []
+        self.times: list[tuple[str, float]] = []
 
     def __call__(self, frame: DataFrame, name: str) -> DataFrame:
         from pyspark import StorageLevel
@@ -174,8 +177,9 @@ class _Keeper:
         finally:
             sc.setJobDescription(None)  # type: ignore[arg-type]
         self.cached.append(kept)
+        self.times.append((name, time.monotonic() - started))
         if self.progress is not None:
-            self.progress(f"spark: kept {name} ({time.monotonic() - started:.1f} s)")
+            self.progress(f"spark: kept {name} ({self.times[-1][1]:.1f} s)")
         return kept
 
 
@@ -764,7 +768,7 @@ def compute(spark: SparkSession, input_path: str, progress: Progress | None = No
     def groups_of(stints: DataFrame) -> DataFrame:
         return _groups(generations, member_counts, stints, sorted_handover)
 
-    return SparkReport(tables, files, paired, handover, keep.cached, groups_of)
+    return SparkReport(tables, files, paired, handover, keep.cached, groups_of, keep.times)
 
 
 def input_stats(report: SparkReport) -> dict[str, int]:
