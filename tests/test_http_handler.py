@@ -42,8 +42,14 @@ from shoal.consumer.httphandler import (
     parse_retry_after,
     request_headers,
 )
+from shoal.consumer.ledger import LedgerRecord, audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer
-from shoal.contracts.names import DEAD_LETTER_REASON_HEADER, dlq_subjects, partition_for
+from shoal.contracts.names import (
+    DEAD_LETTER_REASON_HEADER,
+    SEQ_HEADER,
+    dlq_subjects,
+    partition_for,
+)
 from shoal.contracts.spec import SpecError, parse_spec
 from shoal.group.config import GroupConfig, config_env, group_config
 from shoal.group.handlerref import HandlerError, check_url_handler, import_handler
@@ -557,3 +563,70 @@ async def test_the_member_joins_once_the_handler_is_ready(
     await wait_for_status(etcd, config.namespace, config.group, PARTITIONS, settled({"m-0"}), 30)
     assert time.monotonic() - joined < 10
     assert "Handler ready (GET" in member.log_text()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+async def test_the_member_writes_the_ledger_for_a_url_handler(
+    service: Service,
+    make_fleet: Callable[..., Fleet],
+    make_config: Callable[..., GroupConfig],
+    etcd: Etcd,
+    js: Any,
+) -> None:
+    """With the group's ledger on, the member records each message its service answered
+    2xx, with the built-in ledger handler's record, before it acks it: the audit of a
+    group whose handler is a service in any language. A 503 answered once is recorded
+    once, at its second attempt; a 400 (dead-lettered) is not recorded at all."""
+    await service.start()
+    config = make_config(
+        handler=service.url, partitions=PARTITIONS, ledger=True, max_deliver=3, backoff=(0.2,)
+    )
+    await ensure_group(js, config)
+    fleet = make_fleet(handler=service.url, partitions=PARTITIONS, ledger=True)
+    fleet.start("m-0", **config_env(config, SETTINGS))
+    await wait_for_status(etcd, config.namespace, config.group, PARTITIONS, settled({"m-0"}), 30)
+
+    items = [
+        Outgoing(f"project-{i % 20}", b"ok", f"led-{i}", {SEQ_HEADER: str(i // 20)})
+        for i in range(200)
+    ]
+    items[7] = Outgoing("project-7", b"retry-after:0", "led-7", {SEQ_HEADER: "0"})
+    refused = Outgoing("refused", b"status:400:no", "refused-0")
+    started = time.time()
+    await Producer(js, config.subject_prefix, PARTITIONS).publish_many([*items, refused])
+    await poll(
+        lambda: {r.headers["Shoal-Message-Id"] for r in service.received if r.status == 200},
+        60,
+        "every message answered 200",
+        until=lambda ids: len(ids) == len(items),
+    )
+    assert len(await dead_letters(js, config, 1)) == 1
+
+    async def records() -> list[LedgerRecord]:
+        return await read_ledger(js, config.ledger_stream)
+
+    ledger = await eventually_async(
+        records, 20, "the ledger", until=lambda r: len(r) >= len(items), interval=0.2
+    )
+    assert audit(ledger, [i.message_id or "" for i in items]).summary() == {
+        "expected": len(items),
+        "processed": len(items),
+        "lost": 0,
+        "duplicates": 0,
+        "out_of_order": 0,
+        "overlaps": 0,
+    }
+    assert "refused-0" not in {r.message_id for r in ledger}
+    # The record is the built-in ledger handler's (handlers.ledger_record), its times
+    # those of the request that was answered 2xx.
+    (retried,) = [r for r in ledger if r.message_id == "led-7"]
+    assert (retried.project_id, retried.partition, retried.member) == (
+        "project-7",
+        partition_for("project-7", PARTITIONS),
+        "m-0",
+    )
+    assert retried.delivery_count == 2 and retried.seq == 0
+    (second,) = [r for r in service.attempts("led-7") if r.status == 200]
+    assert started <= retried.started <= second.at <= retried.finished
+    assert "Traceback" not in fleet.members["m-0"].log_text()

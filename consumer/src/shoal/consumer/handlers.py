@@ -209,18 +209,23 @@ class DeliveredMessage(Message):
 Handler = Callable[[Message], Awaitable[None]]
 
 
-def load_handler(spec: str, *, timeout: float = 0.0, connections: int = 100) -> Handler:
+def load_handler(
+    spec: str, *, timeout: float = 0.0, connections: int = 100, ledger: bool = False
+) -> Handler:
     """Import `module:function` (shoal.group.handlerref: the operator checks specs with the
     same code); every failure is one HandlerError line saying what is wrong.
 
     For a URL, the member's HTTP handler (shoal.consumer.httphandler): `timeout` is how
     long a request may take (handlerTimeoutSeconds; 0: no limit), `connections` the most
-    it keeps open (at least maxConcurrency, so no message waits for one)."""
+    it keeps open (at least maxConcurrency, so no message waits for one), `ledger` (the
+    group's ledger is on): record each message the service answered 2xx in the ledger
+    (`record_in_ledger`), which a service of its own cannot write. A Python handler is
+    returned as it is (`:ledger` records for itself)."""
     if is_url_handler(spec):
         # Here, not at the top: the module imports this one (Message, the errors).
         from shoal.consumer.httphandler import HttpHandler
 
-        return HttpHandler(spec, timeout=timeout, connections=connections)
+        return HttpHandler(spec, timeout=timeout, connections=connections, ledger=ledger)
     handler: Handler = import_handler(spec)
     return handler
 
@@ -271,15 +276,15 @@ async def noop(msg: Message) -> None:
 
 
 async def ledger(msg: Message) -> None:
-    """Record that this member processed this message, to `<prefix>.ledger.<p>`.
-
-    The record is published (and acknowledged by JetStream) before the message is acked,
-    so every acked message has at least one ledger entry: the ledger proves no loss, and
-    counts duplicates and order. It deliberately carries no Nats-Msg-Id, so JetStream's
-    de-duplication cannot hide a duplicate.
-    """
+    """Record that this member processed this message, to `<prefix>.ledger.<p>`
+    (`record_in_ledger`), after the simulated work (SHOAL_HANDLER_DELAY_MS, ..._CPU_MS)."""
     started = time.time()
     await _simulated_work()
+    await record_in_ledger(msg, started)
+
+
+def ledger_record(msg: Message, started: float) -> bytes:
+    """The ledger's record of `msg`, processed by this member from `started` to now."""
     record = {
         "project_id": msg.project_id,
         "message_id": msg.message_id,
@@ -291,11 +296,23 @@ async def ledger(msg: Message) -> None:
         "started": started,
         "finished": time.time(),
     }
+    return json.dumps(record, separators=(",", ":")).encode()
+
+
+async def record_in_ledger(msg: Message, started: float) -> None:
+    """Record that this member processed `msg` (from `started`, a time.time()), to
+    `<prefix>.ledger.<p>`: the built-in `ledger` handler does it for itself, and the member
+    for an HTTP handler whose group has the ledger on, once the service answered 2xx.
+
+    The record is published (and acknowledged by JetStream) before the message is acked,
+    so every acked message has at least one ledger entry: the ledger proves no loss, and
+    counts duplicates and order. It deliberately carries no Nats-Msg-Id, so JetStream's
+    de-duplication cannot hide a duplicate. A member that may have lost the partition
+    (fenced) records nothing (Fenced), as it acks nothing.
+    """
+    record = ledger_record(msg, started)
     msg.ensure_owned()
-    await msg.context.js.publish(
-        ledger_subject(msg.context.subject_prefix, msg.partition),
-        json.dumps(record, separators=(",", ":")).encode(),
-    )
+    await msg.context.js.publish(ledger_subject(msg.context.subject_prefix, msg.partition), record)
 
 
 async def fail(msg: Message) -> None:

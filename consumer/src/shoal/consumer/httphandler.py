@@ -47,6 +47,11 @@ for one; idle ones are closed after KEEPALIVE seconds, before common servers' ow
 timeouts, e.g. Node.js' 5 s); `aclose()` closes it when the member stops, after its
 open requests have finished or been cancelled (runtime.ConsumerProcess.shutdown).
 
+With the group's ledger on (`spec.nats.stream.ledger`, SHOAL_LEDGER), the member records
+each message the service answered 2xx to `<prefix>.ledger.<p>` before it acks it, with the
+record the built-in `ledger` handler writes (handlers.record_in_ledger): a service in
+another language cannot write Shoal's ledger, and the audit needs it.
+
 `spec.handlerReadyPath` (`/healthz`): before joining the group the member GETs
 `<scheme>://<host:port><path>` until it answers 2xx (`wait_ready`), saying why it waits
 once, then every 30 s.
@@ -62,7 +67,13 @@ import time
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
-from shoal.consumer.handlers import HandlerTimeout, Message, PermanentError, RetryAfter
+from shoal.consumer.handlers import (
+    HandlerTimeout,
+    Message,
+    PermanentError,
+    RetryAfter,
+    record_in_ledger,
+)
 from shoal.consumer.httpclient import Answer, HttpClient
 from shoal.group.handlerref import check_url_handler
 
@@ -193,13 +204,17 @@ def _snippet(body: bytes) -> str:
 class HttpHandler:
     """A handler that POSTs each message to `url` (module docstring)."""
 
-    def __init__(self, url: str, *, timeout: float = 0.0, connections: int = 100) -> None:
+    def __init__(
+        self, url: str, *, timeout: float = 0.0, connections: int = 100, ledger: bool = False
+    ) -> None:
         self.url = check_url_handler(url)
         parts = urlsplit(url)
         self.origin = f"{parts.scheme}://{parts.netloc}"
         self.target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         self.timeout = timeout  # handlerTimeoutSeconds; 0: none
         self.connections = max(1, connections)
+        # The group's ledger is on: record each message answered 2xx, before its ack.
+        self.ledger = ledger
         self._client: HttpClient | None = None
         self._closed = False
 
@@ -219,6 +234,7 @@ class HttpHandler:
 
     async def __call__(self, msg: Message) -> None:
         client = self._client or self.client()
+        started = time.time() if self.ledger else 0.0
         try:
             answer = await client.request(
                 "POST", self.target, request_headers(msg), msg.data, timeout=self.timeout or None
@@ -231,6 +247,8 @@ class HttpHandler:
             raise HttpUnavailable(f"POST {self.url}: {exc}") from None
         if not 200 <= answer.status < 300:
             self._refused(answer)
+        if self.ledger:
+            await record_in_ledger(msg, started)
 
     def _refused(self, answer: Answer) -> None:
         """Raise what a non-2xx answer means (module docstring's table)."""

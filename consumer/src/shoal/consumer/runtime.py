@@ -52,7 +52,10 @@ class ConsumerProcess:
         self.config = config
         # An unknown handler stops start-up here, before any connection is made.
         self.handler = load_handler(
-            config.handler, timeout=config.handler_timeout, connections=config.max_concurrency
+            config.handler,
+            timeout=config.handler_timeout,
+            connections=config.max_concurrency,
+            ledger=config.ledger,
         )
         self.metrics = Metrics()
         self.etcd = Etcd(config.etcd_endpoints, **config.etcd_options())

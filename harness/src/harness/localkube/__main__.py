@@ -41,6 +41,13 @@ def main() -> None:
         "(no --image, or buildah lacks it); repeatable or comma-separated "
         "(default: $SHOAL_KUBELET_LOCAL_IMAGES)",
     )
+    parser.add_argument(
+        "--pod-network",
+        action="store_true",
+        default=os.environ.get("SHOAL_KUBELET_POD_NETWORK", "") not in ("", "0", "false"),
+        help="each pod in a network namespace of its own, with the API server's, NATS' and "
+        "etcd's ports forwarded into it (needs --image; default: $SHOAL_KUBELET_POD_NETWORK)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     # `up` returns with the plane running: its processes outlive this one.
@@ -49,6 +56,7 @@ def main() -> None:
         image=args.image,
         local_images=parse_stand_ins(args.local_image),
         outlive=True,
+        pod_network=args.pod_network and args.command == "up",
     )
     if args.command == "up":
         started = time.monotonic()

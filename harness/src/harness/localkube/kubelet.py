@@ -79,22 +79,34 @@ false, and execs the command on the image's PATH with the image's ENV (then the 
 in the image's WORKDIR; an empty command means the image's ENTRYPOINT/CMD. Exec probes
 enter the container's mount namespace and root as its user. Secret files and the token
 stay 0600, owned by the pod's user (its fsGroup if set). What a real container runtime
-does and this does not: no network namespace (pods share the host's loopback and
-ports), no PID, UTS or IPC namespace (pods see every host process and the host name), no
-user namespace, no cgroups (resources.limits and requests are not enforced), no seccomp
-or AppArmor profile and no capability bounding beyond what leaving uid 0 drops, no image
-pulls (the one image given for every shoal:dev pod, other images only as buildah already
-has them), and what a container writes on a writable root goes to a tmpfs that is gone
-at its restart. Each container gets its own image's ENV, USER, WORKDIR and
-ENTRYPOINT/CMD; the pod's Secret files and token belong to its first container's user,
-so a container of another image running as another uid cannot read them (unless fsGroup
-is set).
+does and this does not: no network namespace unless --pod-network (below; else pods
+share the host's loopback and ports), no PID, UTS or IPC namespace (pods see every host
+process and the host name), no user namespace, no cgroups (resources.limits and requests
+are not enforced), no seccomp or AppArmor profile and no capability bounding beyond what
+leaving uid 0 drops, no image pulls (the one image given for every shoal:dev pod, other
+images only as buildah already has them), and what a container writes on a writable root
+goes to a tmpfs that is gone at its restart. Each container gets its own image's ENV,
+USER, WORKDIR and ENTRYPOINT/CMD; the pod's Secret files and token belong to its first
+container's user, so a container of another image running as another uid cannot read
+them (unless fsGroup is set).
+
+Pod networks (`--pod-network`, image runtime only; `--forward-port PORT` for each port of
+the host's loopback pods must reach: the plane passes the API server's, NATS' and
+etcd's). Before a pod's first container the kubelet starts podnet.py, which makes a new
+network namespace, brings its loopback up, forwards 127.0.0.1:PORT inside to the host's
+and holds the namespace until the pod is stopped (after its last container: the pause
+container). Every container of the pod joins it (sandbox.py), so a pod has a loopback of
+its own and two pods can both listen on 127.0.0.1:8080; HTTP and TCP probes connect from
+a thread that joined it, exec probes enter it. Nothing else: no interface but lo, no
+route out, no pod-to-pod traffic, podIP stays 127.0.0.1. A namespace that cannot be made
+leaves the pod's containers waiting with FailedCreatePodSandBox.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import ctypes
 import datetime
 import http.server
 import logging
@@ -105,6 +117,7 @@ import signal
 import socket
 import ssl
 import subprocess
+import sys
 import threading
 import time
 import urllib.parse
@@ -130,9 +143,12 @@ from harness.localkube.image import (
 from harness.waiting import WaitTimeout, eventually
 
 log = logging.getLogger("localkube.kubelet")
+_libc = ctypes.CDLL(None, use_errno=True)
 
 LOCAL_IMAGES = {"shoal:dev", "docker.io/library/shoal:dev", "localhost/shoal:dev"}
 POD_IP = "127.0.0.1"
+PODNET = Path(__file__).resolve().parent / "podnet.py"
+CLONE_NEWNET = 0x40000000
 STATUS_PERIOD = 0.5
 MAX_BACKOFF = 30.0
 # A sidecar's shortest time between SIGTERM and SIGKILL (the kubelet's
@@ -198,6 +214,8 @@ class PodRunner:
     # The pod has finished (init failed, or every main container exited for good): its
     # sidecars have been stopped and nothing restarts any more.
     finished: bool = False
+    # --pod-network: the process holding the pod's network namespace (podnet.py).
+    netns: subprocess.Popen[bytes] | None = None
 
     @property
     def key(self) -> str:
@@ -236,6 +254,8 @@ class PodRunner:
             self.env = {}
         for kind, spec in self._specs():
             self.containers.setdefault(spec.name, self._new_state(kind, spec))
+        if self.kubelet.pod_network is not None and not self.broken:
+            self._start_network()
         while not self.deleting:
             if self.volumes is None and not self.broken:
                 self._mount()
@@ -314,6 +334,22 @@ class PodRunner:
         self.finished = True
         for state, code in self._stop(grace):
             self._exited(state, code)
+
+    def _start_network(self) -> None:
+        """The pod's network namespace (--pod-network), before any of its containers; a
+        pod whose namespace cannot be made runs nothing (FailedCreatePodSandBox)."""
+        try:
+            self.netns = self.kubelet.start_pod_network(self.key)
+        except (OSError, RuntimeError) as exc:
+            message = f"cannot make the pod's network namespace: {exc}"
+            log.warning("Pod %s: %s", self.key, message)
+            self.broken = True
+            for state in self.containers.values():
+                state.waiting = ("FailedCreatePodSandBox", message[:300])
+
+    def netns_path(self) -> str | None:
+        """/proc/<pid>/ns/net of the pod's network namespace; None: the host's."""
+        return f"/proc/{self.netns.pid}/ns/net" if self.netns is not None else None
 
     def _mount(self) -> None:
         """Set up the pod's volumes (retried every few seconds while a Secret is missing)."""
@@ -511,6 +547,7 @@ class PodRunner:
             env=env,
             command=command,
         )
+        run_spec["netns"] = self.netns_path()
         state.enter = image.enter_spec(identity, spec, env)
         state.process = image_runtime.start(run_spec, out)
         return command
@@ -605,7 +642,7 @@ class PodRunner:
         if state.enter is not None and state.process is not None:
             inside = (state.process.pid, state.enter)
         cwd = self.kubelet.pod_dir(self.pod)
-        return self.kubelet.run_probe(probe, state.spec, state.env, cwd, inside)
+        return self.kubelet.run_probe(probe, state.spec, state.env, cwd, inside, self.netns_path())
 
     # -- status ----------------------------------------------------------------------------
 
@@ -734,6 +771,13 @@ class PodRunner:
         self._stop(grace)
         for name in self.containers:
             self.kubelet.forget_pid(self.pod, name)
+        if self.netns is not None:  # after every container: the pause container goes last
+            self.netns.terminate()
+            try:
+                self.netns.wait(5)
+            except subprocess.TimeoutExpired:
+                self.netns.kill()
+                self.netns.wait()
         # Its directory goes once its processes are gone and its loop has ended (whichever
         # of the two comes last removes it): nothing will use it again.
         self.stopped = True
@@ -781,6 +825,7 @@ class PodRunner:
                         )
                     _signal_group(process.pid, signal.SIGKILL)
                     codes[name] = process.wait()
+                log.info("Pod %s container %s stopped (exit %d)", self.key, name, codes[name])
             finally:
                 exited[name].set()
 
@@ -793,6 +838,32 @@ class PodRunner:
         for thread in threads:
             thread.join()
         return [(running[name], codes[name]) for name in running if name in codes]
+
+
+def in_network_namespace(path: str, call: Any) -> Any:
+    """`call()` in a thread of its own that joined the network namespace at `path` (a
+    thread's namespace is its own; the thread ends with it). Its exception is raised."""
+    result: list[Any] = []
+
+    def run() -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                if _libc.setns(fd, CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), f"setns {path}")
+            finally:
+                os.close(fd)
+            result.append((True, call()))
+        except BaseException as exc:
+            result.append((False, exc))
+
+    thread = threading.Thread(target=run, name="netns-probe", daemon=True)
+    thread.start()
+    thread.join()
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value
 
 
 def _stand_in_command(stand_in: Path, spec: Any, env: dict[str, str]) -> list[str]:
@@ -917,6 +988,7 @@ class ProcessKubelet:
         venv_bin: Path,
         image: str | None = None,
         stand_ins: dict[str, Path] | None = None,
+        pod_network: list[int] | None = None,
     ) -> None:
         self.kubeconfig = kubeconfig
         self.root = root
@@ -945,6 +1017,33 @@ class ProcessKubelet:
         self.missing: dict[str, float] = {}
         # Image -> a local executable standing in for it (--local-image).
         self.stand_ins = dict(stand_ins or {})
+        # --pod-network: each pod in a network namespace of its own, the host's loopback
+        # ports listed here forwarded into it (podnet.py); None: pods share the host's.
+        self.pod_network = list(pod_network) if pod_network is not None else None
+        if self.pod_network is not None and self.image is None:
+            raise ValueError("--pod-network needs the image runtime (--image, as root)")
+
+    def start_pod_network(self, key: str) -> subprocess.Popen[bytes]:
+        """The process holding a pod's network namespace, once it says it is ready."""
+        assert self.pod_network is not None
+        with (self.log_dir / f"podnet_{key.replace('/', '_')}.log").open("ab") as err:
+            process = spawn(
+                [sys.executable, "-I", "-S", str(PODNET), *map(str, self.pod_network)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                env={},
+                cwd="/",
+                start_new_session=True,
+            )
+        assert process.stdout is not None
+        line = process.stdout.readline()  # "ready", or nothing if it died (its log says)
+        if line.strip() != b"ready":
+            process.kill()
+            process.wait()
+            raise RuntimeError(f"podnet.py exited with {process.returncode}; see its log")
+        log.info("Pod %s: network namespace held by pid %d", key, process.pid)
+        return process
 
     # -- images ---------------------------------------------------------------------------
 
@@ -1366,10 +1465,14 @@ class ProcessKubelet:
         env: dict[str, str],
         cwd: Path,
         inside: tuple[int, dict[str, Any]] | None = None,
+        netns: str | None = None,
     ) -> bool:
         """`inside`: (pid, sandbox spec) of a container of the image runtime, whose exec
-        probes run in its mount namespace and root, as its user."""
+        probes run in its mount namespace and root, as its user. `netns`: the pod's
+        network namespace (--pod-network), where HTTP and TCP probes connect."""
         timeout = probe.timeout_seconds or 1
+        if netns is not None and probe._exec is None:
+            return bool(in_network_namespace(netns, lambda: self.run_probe(probe, spec, env, cwd)))
         try:
             if probe._exec is not None and inside is not None:
                 command = list(probe._exec.command or [])
@@ -1654,7 +1757,23 @@ def main() -> None:
         help="run containers of IMAGE as host processes of the executable PATH where IMAGE "
         "cannot run from an image (no --image, or buildah lacks it); repeatable",
     )
+    parser.add_argument(
+        "--pod-network",
+        action="store_true",
+        help="run each pod in a network namespace of its own (image runtime, root), with "
+        "the --forward-port ports of the host's loopback forwarded into it",
+    )
+    parser.add_argument(
+        "--forward-port",
+        action="append",
+        type=int,
+        default=[],
+        metavar="PORT",
+        help="with --pod-network: 127.0.0.1:PORT inside each pod reaches the host's; repeatable",
+    )
     args = parser.parse_args()
+    if args.pod_network and not args.image:
+        parser.error("--pod-network needs --image (the image runtime, as root)")
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -1665,6 +1784,7 @@ def main() -> None:
         args.venv_bin,
         args.image,
         parse_stand_ins(args.local_image),
+        args.forward_port if args.pod_network else None,
     )
     if kubelet.image is not None:
         # What a killed kubelet left mounted, then the image for shoal:dev.

@@ -26,6 +26,7 @@ import ssl
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -198,19 +199,26 @@ class LocalKube:
         image: str | None = None,
         local_images: dict[str, Path] | None = None,
         outlive: bool = False,
+        pod_network: bool = False,
     ) -> None:
         """`image`: the kubelet runs shoal:dev pods from this image's root filesystem
         (chroot, the pod's uid; needs root and buildah), not as processes of `venv_bin`,
         and other images from their own where buildah has them.
         `local_images`: image -> a local executable that stands in for it where it cannot
         run from an image (no `image`, or buildah lacks it): the kubelet says so.
-        `outlive`: the plane's processes outlive this one (else they die with it)."""
+        `outlive`: the plane's processes outlive this one (else they die with it).
+        `pod_network`: each pod gets a network namespace of its own (its own loopback, so
+        pods may listen on the same port), into which the API server's, NATS' and etcd's
+        ports are forwarded (the kubelet's --pod-network; needs `image`)."""
         self.root = Path(root).resolve()
         self.outlive = outlive
         self.tools = tools
         self.venv_bin = venv_bin or Path(sys.executable).parent
         self.image = image
         self.local_images = dict(local_images or {})
+        if pod_network and not image:
+            raise ValueError("pod_network needs image= (the kubelet's image runtime, as root)")
+        self.pod_network = pod_network
         self.state = State()
         self._servers: list[Any] = []
 
@@ -251,8 +259,9 @@ class LocalKube:
             self._start_apiserver(tools, pki)
             self._write_kubeconfigs(pki)
             self._start_controller_manager(tools, pki)
-            self._start_kubelet()
+            # The group servers first: the kubelet forwards their ports into pods' networks.
             self._start_group_servers()
+            self._start_kubelet()
             self._wait_for_node()
         except BaseException:
             self.state.save(self.state_path)
@@ -423,9 +432,16 @@ class LocalKube:
                 str(self.venv_bin),
                 *(["--image", self.image] if self.image else []),
                 *(f"--local-image={image}={path}" for image, path in self.local_images.items()),
+                *(self._forwarded() if self.pod_network else []),
             ],
             env,
         )
+
+    def _forwarded(self) -> list[str]:
+        """--pod-network and the ports pods reach on the host: API server, NATS, etcd."""
+        urls = [self.state.apiserver_url, self.state.nats_url, f"//{self.state.etcd_endpoint}"]
+        ports = [urllib.parse.urlsplit(url).port for url in urls]
+        return ["--pod-network", *(f"--forward-port={port}" for port in ports if port)]
 
     def _start_group_servers(self) -> None:
         nats = NatsServer(self.root / "nats")

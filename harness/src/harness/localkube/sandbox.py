@@ -14,8 +14,11 @@ minimal /dev, /sys read-only, the bind mounts the spec lists, the root remounted
 read-only if asked, then the pod's uid/gid/groups, no_new_privs if asked, and exec.
 Everything it mounts lives in that namespace and goes when its last process exits.
 
-`enter`: join the mount namespace and root of the running container `pid`, take the
-same identity and exec: what exec probes (and tests) use.
+`enter`: join the mount namespace, root and network namespace of the running container
+`pid`, take the same identity and exec: what exec probes (and tests) use.
+
+`netns` (the kubelet's --pod-network): the path of the pod's network namespace, which
+`run` joins first, so every container of a pod shares one loopback (podnet.py).
 
 Bind sources are opened (O_PATH) before the chroot and mounted through /proc/self/fd
 after it, so that mountpoints are resolved inside the image (where /var/run is a symlink
@@ -32,6 +35,7 @@ import sys
 from typing import Any
 
 CLONE_NEWNS = 0x00020000
+CLONE_NEWNET = 0x40000000
 MS_RDONLY = 0x1
 MS_NOSUID = 0x2
 MS_NODEV = 0x4
@@ -183,7 +187,19 @@ def _exec(spec: dict[str, Any]) -> None:
         os._exit(NOT_FOUND)
 
 
+def _join_network(path: str | None) -> None:
+    """The pod's network namespace (the kubelet's --pod-network: podnet.py holds it)."""
+    if not path:
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _check(_libc.setns(fd, CLONE_NEWNET), f"setns into the pod's network {path}")
+    finally:
+        os.close(fd)
+
+
 def run(spec: dict[str, Any]) -> None:
+    _join_network(spec.get("netns"))
     _check(_libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     root = _overlay_root(spec["rootfs"], spec["staging"])
@@ -204,6 +220,8 @@ def run(spec: dict[str, Any]) -> None:
 
 def enter(spec: dict[str, Any]) -> None:
     pid = int(spec["pid"])
+    # Its network too (the pod's own with --pod-network; else the host's, as ours).
+    _join_network(f"/proc/{pid}/ns/net")
     namespace = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY)
     root = os.open(f"/proc/{pid}/root", os.O_RDONLY | os.O_DIRECTORY)
     _check(_libc.setns(namespace, CLONE_NEWNS), f"setns into pid {pid}")
