@@ -13,6 +13,8 @@ Figures (one JSON line each; same run, same nats-server and etcd):
 * ``member_cpu_ms_per_msg_noop`` and ``member_cpu_ms_per_msg_http`` (and their ratio):
   the member process's CPU (/proc) over the same timed windows, per message. The
   service's own CPU per message is reported beside it (``service_cpu_ms_per_msg``).
+* ``four_members_inprocess_20ms_msgs_per_s``: the baseline of the next one, the same
+  drain with the in-process ``noop`` handler waiting as long (SHOAL_HANDLER_DELAY_MS).
 * ``four_members_http_20ms_msgs_per_s``: 4 members, each with its own service (as a
   sidecar would be) that waits 20 ms per message, 30,000 messages over 1,000 projects,
   timed as above (target >= 12,000, as for Python handlers in ``datapath.py``). The
@@ -287,6 +289,23 @@ class Bench:
 
     async def io(self, js: Any, etcd: Etcd) -> None:
         a = self.args
+        # The baseline: the same drain with the in-process handler waiting as long
+        # (SHOAL_HANDLER_DELAY_MS), so what the HTTP side loses is the HTTP path's alone
+        # and not a cold start's (both start on the backlog: issue 29's ramp).
+        delay = {"SHOAL_HANDLER_DELAY_MS": f"{a.delay_ms:g}"}
+        n, s, cpu, _ = await self.drain(
+            js, etcd, "io-noop", NOOP, a.io_members, a.io_messages, lambda name: delay
+        )
+        inprocess = n / s
+        emit(
+            BENCH,
+            "four_members_inprocess_20ms_msgs_per_s",
+            inprocess,
+            members=a.io_members,
+            handler_ms=a.delay_ms,
+            messages=a.io_messages,
+            member_cpu_pct={m: round(100 * c / s, 1) for m, c in cpu.items()},
+        )
         group = "io-http"
         record = True
         services = {
@@ -314,6 +333,8 @@ class Bench:
             "timed_messages": n,
             "member_cpu_pct": {m: round(100 * c / s, 1) for m, c in cpu.items()},
             "service": "python-aiohttp" if a.python_service else "go",
+            "inprocess_msgs_per_s": round(inprocess, 1),
+            "ratio_to_inprocess": round(rate / inprocess, 3) if inprocess else None,
         }
         clean = True
         if record:
