@@ -349,6 +349,14 @@ def test_skew_is_left_out_while_rebalancing_and_the_condition_says_why() -> None
     assert status(observed(), [], T0)["skew"] == 1
 
 
+def test_status_carries_the_dead_letter_count_when_known() -> None:
+    assert status(observed(dead_letters=12), [], T0)["deadLetters"] == 12
+    assert status(observed(dead_letters=0), [], T0)["deadLetters"] == 0
+    # Unknown (NATS away): left out, so the status keeps the count it had.
+    assert "deadLetters" not in status(observed(dead_letters=None), [], T0)
+    assert "deadLetters" not in status(observed(), [], T0)
+
+
 def test_status_without_members_or_lag() -> None:
     o = observed(spec_replicas=0, replicas=0, ready_replicas=0, members={}, leader=None, lag=None)
     st = status(o, [], T0)

@@ -11,6 +11,7 @@ only Kubernetes is a fake (the Deployment's status, and kopf's Events recorded).
 3. A member NATS refuses (its problems/ key, written by hand, garbage beside it): Degraded
    with its reason naming the member, one Warning per episode, across an operator restart.
    (tests/test_refusal_report.py has real refused members write and remove the key.)
+4. status.deadLetters: the messages in the group's dead-letter stream, at every tick.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from harness.fleet import Fleet, settled, wait_for_status
 from harness.waiting import eventually_async
 from shoal.clients.etcd import Etcd
 from shoal.consumer.producer import Outgoing, Producer
-from shoal.contracts.names import SEQ_HEADER, Keys, partition_for
+from shoal.contracts.names import SEQ_HEADER, Keys, dlq_subject, partition_for
 from shoal.group.config import config_env
 from shoal.group.jetstream import ensure_group
 from shoal.operator import reconciler
@@ -467,3 +468,21 @@ async def test_a_member_nats_refuses_makes_the_group_degraded(
 
 def refusal_events(events: list[Event]) -> list[Event]:
     return [e for e in events if e[1].startswith("Nats")]
+
+
+async def test_the_dead_letter_count_is_in_status(
+    js: Any, make_config: Any, memo: OperatorMemo, namespace: str, group: str
+) -> None:
+    """One STREAM.INFO of the group's dead-letter stream per tick: `kubectl describe cg`
+    shows it (Dead Letters), `kubectl get cg -o wide` too (DLQ)."""
+    spec = {"handler": "shoal.consumer.handlers:noop", "partitions": 4, "maxReplicas": 4}
+    config = make_config(partitions=4)
+    await ensure_group(js, config)
+    status = await observe(memo, namespace, group, spec, {})
+    assert status["deadLetters"] == 0
+    for p in (0, 1, 1):
+        await js.publish(dlq_subject(config.subject_prefix, p), b"x")
+    status = await observe(memo, namespace, group, spec, status)
+    assert status["deadLetters"] == 3
+    await js.purge_stream(config.dlq_stream)
+    assert (await observe(memo, namespace, group, spec, status))["deadLetters"] == 0

@@ -7,6 +7,8 @@ raises PermanentError (dead-lettered at once), ``hang`` never returns, ``hang-on
 never returns on that member only (a pod whose downstream connection is wedged),
 ``fail-runs:<n>`` fails the first n times it actually runs, whichever member runs it
 (counted in files under $SHOAL_TEST_STATE_DIR: attempts, not JetStream's deliveries),
+``permanent-runs:<n>`` raises PermanentError the first n times it runs, counted alike (a
+message dead-lettered at once that succeeds once redriven),
 ``wait-on:<member>:<ms>`` awaits that long on that member only (a slow pod), ``cancelled``
 raises CancelledError although nobody cancelled the handler,
 ``deaf-on:<member>`` never returns on that member and ignores being cancelled (a handler
@@ -116,5 +118,7 @@ async def scripted_ledger(msg: Message) -> None:
         raise asyncio.CancelledError()  # as a task of its own cancelled under it would
     elif command == "fail-runs" and _count_run(msg.message_id) <= int(arg):
         raise ScriptedFailure(f"run {_count_run(msg.message_id, add=False)} of {msg.message_id}")
+    elif command == "permanent-runs" and _count_run(msg.message_id) <= int(arg):
+        raise PermanentError(f"run {_count_run(msg.message_id, add=False)} of {msg.message_id}")
     msg.ensure_owned()
     await _record(msg, started)

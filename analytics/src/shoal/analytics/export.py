@@ -16,28 +16,27 @@ typed, so they are counted, logged and left out.
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from datetime import UTC, date, datetime, timedelta
+from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from shoal.analytics.layout import PartWriter, part_prefix
 from shoal.contracts.events import AssignmentEvent, EventError, parse_event
-from shoal.contracts.names import default_stream_name, log_stream_name
+from shoal.contracts.names import default_stream_name, log_stream_name, parse_since
 
 if TYPE_CHECKING:  # nats-py only where the export runs (lazily, below)
     from shoal.clients.natsauth import NatsSecurity
 
+# parse_since: the export's --since, re-exported (its home is the contracts: `shoal-consumer
+# dlq` reads its --since too).
 __all__ = ["ExportError", "ExportResult", "export_log", "group_log_stream", "parse_since"]
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("jsonl", "parquet")
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
 class ExportError(RuntimeError):
@@ -47,23 +46,6 @@ class ExportError(RuntimeError):
 def group_log_stream(namespace: str, group: str, stream: str | None = None) -> str:
     """The assignment log stream of a group (its stream's name unless given)."""
     return log_stream_name(stream or default_stream_name(namespace, group))
-
-
-def parse_since(text: str, now: datetime | None = None) -> datetime:
-    """``--since``: an RFC 3339 time or date (UTC unless it says otherwise) or a duration
-    back from now (``90s``, ``15m``, ``24h``, ``7d``, ``2w``)."""
-    match = _DURATION.match(text)
-    if match:
-        seconds = float(match.group(1)) * _UNITS[match.group(2)]
-        return (now or datetime.now(UTC)) - timedelta(seconds=seconds)
-    try:
-        value = datetime.fromisoformat(text.strip().replace("z", "Z"))
-    except ValueError:
-        raise ValueError(
-            f"--since {text!r}: expected an RFC 3339 time (2026-11-21T10:00:00Z), a date "
-            "(2026-11-21) or a duration (30m, 24h, 7d)"
-        ) from None
-    return value.astimezone(UTC) if value.tzinfo else value.replace(tzinfo=UTC)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import re
 import time
+from datetime import UTC, datetime, timedelta
 
 # -- partitions ----------------------------------------------------------------------------
 
@@ -58,6 +59,13 @@ def check_subject_prefix(prefix: str) -> str:
 
 def partition_subject(prefix: str, partition: int) -> str:
     return f"{prefix}.{partition}"
+
+
+def subject_partition(subject: str, prefix: str) -> int | None:
+    """The partition of a subject `<prefix>.<p>` (a partition's, or with `<prefix>.dlq`
+    a dead letter's), or None for any other subject."""
+    head, _, tail = subject.rpartition(".")
+    return int(tail) if head == prefix and tail.isdigit() and tail.isascii() else None
 
 
 def stream_subjects(prefix: str) -> list[str]:
@@ -129,6 +137,12 @@ MSG_ID_HEADER = "Nats-Msg-Id"  # JetStream's de-duplication id
 DEAD_LETTER_REASON_HEADER = "Shoal-Dead-Letter-Reason"
 ORIGINAL_SUBJECT_HEADER = "Shoal-Original-Subject"
 MEMBER_HEADER = "Shoal-Member"
+# A dead letter keeps the original's Nats-Msg-Id here (its own Nats-Msg-Id is dropped: the
+# dead-letter stream keeps every copy), and a redriven message carries it on, so that its
+# handler sees the id it was published with (shoal.consumer.handlers.Message.message_id).
+ORIGINAL_MSG_ID_HEADER = "Shoal-Original-Msg-Id"
+# On a message redriven from the dead letters: its sequence in the dead-letter stream.
+REDRIVEN_FROM_HEADER = "Shoal-Redriven-From"
 
 # -- etcd ----------------------------------------------------------------------------------
 
@@ -209,3 +223,25 @@ TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 def format_time(t: float | None = None) -> str:
     """A Unix time (now when None) in TIME_FORMAT."""
     return time.strftime(TIME_FORMAT, time.gmtime(time.time() if t is None else t))
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_since(text: str, now: datetime | None = None) -> datetime:
+    """A command's ``--since``: an RFC 3339 time or date (UTC unless it says otherwise) or
+    a duration back from now (``90s``, ``15m``, ``24h``, ``7d``, ``2w``). ValueError, with
+    what it expected, for anything else."""
+    match = _DURATION.match(text)
+    if match:
+        seconds = float(match.group(1)) * _UNITS[match.group(2)]
+        return (now or datetime.now(UTC)) - timedelta(seconds=seconds)
+    try:
+        value = datetime.fromisoformat(text.strip().replace("z", "Z"))
+    except ValueError:
+        raise ValueError(
+            f"--since {text!r}: expected an RFC 3339 time (2026-11-21T10:00:00Z), a date "
+            "(2026-11-21) or a duration (30m, 24h, 7d)"
+        ) from None
+    return value.astimezone(UTC) if value.tzinfo else value.replace(tzinfo=UTC)

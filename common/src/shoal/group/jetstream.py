@@ -7,6 +7,7 @@ later the operator) may call `ensure_group` at start.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Any
 
@@ -161,6 +162,36 @@ def _settings_differ(current: api.ConsumerConfig, wanted: api.ConsumerConfig) ->
         current.max_deliver != wanted.max_deliver
         or current.max_ack_pending != wanted.max_ack_pending
     )
+
+
+class MessageDeleteError(RuntimeError):
+    """JetStream refused to delete a message; `code` is its error code (10037: no such
+    message)."""
+
+    NO_MESSAGE = 10037
+
+    def __init__(self, description: str, code: int | None) -> None:
+        super().__init__(description)
+        self.code = code
+
+
+async def delete_message(
+    nc: Any, api_prefix: str, stream: str, seq: int, *, timeout: float = 5
+) -> None:
+    """Delete message `seq` of `stream` without erasing it (nats-py's delete_msg always
+    erases); MessageDeleteError if JetStream refuses.
+
+    Erasing overwrites the message on disk, which nobody here needs, and nats-server
+    2.12.15 can crash in that path (a nil pointer in fileStore.removeMsg, seen when the
+    leader's sweep deleted messages of a work-queue stream that were being acked at the
+    same time: shoal.consumer.deadletter).
+    """
+    request = json.dumps({"seq": seq, "no_erase": True}).encode()
+    reply = await nc.request(f"{api_prefix}.STREAM.MSG.DELETE.{stream}", request, timeout=timeout)
+    answer = json.loads(reply.data)
+    error = answer.get("error")
+    if error:
+        raise MessageDeleteError(str(error.get("description", error)), error.get("err_code"))
 
 
 async def partition_lag(js: Any, config: GroupConfig, partition: int) -> int:

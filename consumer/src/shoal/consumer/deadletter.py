@@ -24,10 +24,13 @@ from shoal.contracts.names import (
     DEAD_LETTER_REASON_HEADER,
     MEMBER_HEADER,
     MSG_ID_HEADER,
+    ORIGINAL_MSG_ID_HEADER,
     ORIGINAL_SUBJECT_HEADER,
     dlq_subject,
+    subject_partition,
 )
 from shoal.group.config import GroupConfig
+from shoal.group.jetstream import delete_message
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +39,13 @@ def dead_letter_headers(
     headers: Mapping[str, str] | None, subject: str, reason: str, member: str
 ) -> dict[str, str]:
     """A dead letter's headers: the original's, without its de-duplication id (the
-    dead-letter stream must keep every copy), plus why, from where and by whom."""
+    dead-letter stream must keep every copy), which it keeps as Shoal-Original-Msg-Id
+    (a message dead-lettered again after a redrive keeps the first one), plus why, from
+    where and by whom."""
     out = dict(headers or {})
-    out.pop(MSG_ID_HEADER, None)
+    msg_id = out.pop(MSG_ID_HEADER, None)
+    if msg_id and not out.get(ORIGINAL_MSG_ID_HEADER):
+        out[ORIGINAL_MSG_ID_HEADER] = msg_id
     out[DEAD_LETTER_REASON_HEADER] = reason[:500]
     out[ORIGINAL_SUBJECT_HEADER] = subject
     out[MEMBER_HEADER] = member
@@ -62,12 +69,6 @@ def parse_advisory(data: bytes) -> tuple[int, int] | None:
     if not isinstance(seq, int) or seq < 1 or not isinstance(deliveries, int):
         return None
     return seq, deliveries
-
-
-def partition_of(subject: str, prefix: str) -> int | None:
-    """The partition of a stream subject `<prefix>.<p>`, or None."""
-    head, _, tail = subject.rpartition(".")
-    return int(tail) if head == prefix and tail.isdigit() else None
 
 
 class ExhaustedMessages:
@@ -118,7 +119,7 @@ class ExhaustedMessages:
             original = await self.js.get_msg(stream, seq)
         except Exception:
             return  # acknowledged after all (work-queue streams delete acked messages)
-        partition = partition_of(original.subject, self.config.subject_prefix)
+        partition = subject_partition(original.subject, self.config.subject_prefix)
         if partition is None:
             log.warning(
                 "Message %d of %s is on unexpected subject %s", seq, stream, original.subject
@@ -145,16 +146,4 @@ class ExhaustedMessages:
         log.warning("Dead-lettered message %d of partition %d: %s", seq, partition, reason)
 
     async def _delete(self, stream: str, seq: int) -> None:
-        """Delete the original without erasing it (nats-py's delete_msg always erases).
-
-        Erasing overwrites the message on disk, which a dead-letter does not need, and
-        nats-server 2.12.15 can crash in that path (a nil pointer in fileStore.removeMsg,
-        seen when the sweep deleted messages of a work-queue stream that were being acked
-        at the same time).
-        """
-        request = json.dumps({"seq": seq, "no_erase": True}).encode()
-        api = self.config.nats_js_api_prefix
-        reply = await self.nc.request(f"{api}.STREAM.MSG.DELETE.{stream}", request, timeout=5)
-        answer = json.loads(reply.data)
-        if "error" in answer:
-            raise RuntimeError(answer["error"].get("description", answer["error"]))
+        await delete_message(self.nc, self.config.nats_js_api_prefix, stream, seq)

@@ -24,7 +24,12 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from shoal.contracts.names import MSG_ID_HEADER, SEQ_HEADER, ledger_subject
+from shoal.contracts.names import (
+    MSG_ID_HEADER,
+    ORIGINAL_MSG_ID_HEADER,
+    SEQ_HEADER,
+    ledger_subject,
+)
 from shoal.group.handlerref import HandlerError as HandlerError  # re-exported: the API
 from shoal.group.handlerref import import_handler, is_url_handler
 
@@ -67,6 +72,16 @@ class HandlerContext:
     js: Any  # nats.js.JetStreamContext
     # True while this member's lease is certainly alive (see membership.Membership.safe).
     safe: Callable[[], bool] = lambda: True
+
+
+def message_id_of(headers: Mapping[str, str] | None, stream_sequence: int) -> str:
+    """A message's id: the one it was published with (Nats-Msg-Id), or, on a message
+    redriven from the dead letters (`shoal-consumer dlq redrive`), the original's
+    (Shoal-Original-Msg-Id: its own Nats-Msg-Id is the redrive's), so that side effects
+    keyed on it stay keyed alike; its stream sequence if it has neither."""
+    headers = headers or {}
+    value = headers.get(ORIGINAL_MSG_ID_HEADER) or headers.get(MSG_ID_HEADER)
+    return str(value) if value else f"seq-{stream_sequence}"
 
 
 class Message:
@@ -154,7 +169,7 @@ class Message:
 
     @property
     def message_id(self) -> str:
-        return self.headers.get(MSG_ID_HEADER, f"seq-{self.stream_sequence}")
+        return message_id_of(self.headers, self.stream_sequence)
 
     def ensure_owned(self) -> None:
         """Raise Fenced if this member may have lost the partition.

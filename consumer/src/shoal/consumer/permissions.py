@@ -126,10 +126,12 @@ def management_subjects(config: GroupConfig, api: str = API) -> list[str]:
 
 def operator_permissions(config: GroupConfig, inbox_prefix: str = "_INBOX") -> Permissions:
     """What the operator does for this group: ensure_group, the stream's info for the
-    status (its message count is the work-queue lag), and deleting the streams with the
-    group (deletionPolicy Delete). For many groups: the union, one entry set per group."""
+    status (its message count is the work-queue lag) and the dead-letter stream's (its
+    count is status.deadLetters), and deleting the streams with the group
+    (deletionPolicy Delete). For many groups: the union, one entry set per group."""
     publish = management_subjects(config)
     publish.append(f"{API}.STREAM.INFO.{config.stream}")  # reconciler: the status's lag
+    publish.append(f"{API}.STREAM.INFO.{config.dlq_stream}")  # status.deadLetters
     publish += [f"{API}.STREAM.DELETE.{stream}" for stream in _streams(config)]
     if not config.ledger:
         # The group is deleted with its ledger stream, if one was ever made.

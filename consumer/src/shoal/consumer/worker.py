@@ -51,6 +51,7 @@ from shoal.consumer.handlers import (
     Message,
     PermanentError,
     RetryAfter,
+    message_id_of,
 )
 from shoal.consumer.handover_log import HandOverLog, ranges
 from shoal.consumer.holding import HoldBudget
@@ -61,7 +62,6 @@ from shoal.consumer.partition import IDLE_BATCH, PartitionRunner, ack_fields
 from shoal.consumer.progress import WEDGED_AFTER_STALLS, Change
 from shoal.consumer.pull import AnswerClock
 from shoal.contracts.names import (
-    MSG_ID_HEADER,
     dlq_subject,
     durable_name,
     partition_for,
@@ -100,12 +100,11 @@ def _log_etcd_error(exc: Exception, message: str, partition: int) -> None:
 
 
 def message_id(held: Held) -> str:
-    """The message's id (Nats-Msg-Id), for logs; its stream sequence if it has none."""
+    """The message's id as its handler sees it (handlers.message_id_of), for logs."""
     try:
-        value = held.msg.headers.get(MSG_ID_HEADER) if held.msg.headers else None
+        return message_id_of(held.msg.headers, held.seq)
     except Exception:
-        value = None
-    return str(value) if value else f"seq-{held.seq}"
+        return f"seq-{held.seq}"
 
 
 class Worker:

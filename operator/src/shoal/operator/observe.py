@@ -40,6 +40,9 @@ class Observed:
     # (member, reason, message) for each member NATS refuses (Keys.problems), sorted.
     refused: tuple[tuple[str, str, str], ...] = ()
     selector: str = ""
+    # Messages in the group's dead-letter stream (`shoal-consumer dlq list`); None when
+    # NATS could not tell (the status keeps what it said before).
+    dead_letters: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -369,6 +372,8 @@ def status(o: Observed, old_conditions: Sequence[Mapping[str, Any]], now: str) -
     }
     if o.lag is not None:
         result["lag"] = o.lag
+    if o.dead_letters is not None:
+        result["deadLetters"] = o.dead_letters
     result.update(o.extra)
     return result
 

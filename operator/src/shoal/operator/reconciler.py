@@ -44,6 +44,7 @@ from shoal.contracts.names import (
 from shoal.contracts.spec import ConsumerGroupSpec, NatsSpec, SpecError, parse_spec
 from shoal.contracts.values import ScaleRecord
 from shoal.group.config import GroupConfig
+from shoal.group.deadletters import dead_letter_count
 from shoal.group.handlerref import HandlerError, import_handler, is_url_handler
 from shoal.group.jetstream import StreamConfigConflict, ensure_group
 from shoal.group.status import GroupStatus, status_from_view
@@ -502,12 +503,15 @@ async def observe_group(
     # A problem the last reconcile found (a handler, a stream change) stands until fixed.
     problem = problem or memo.group.problem
     lag: int | None = None
+    dead_letters: int | None = None
     nats_ok = False
     try:
         nc = await _nats(memo, config, model.nats, attempts=1)
         nats_ok = True
-        info = await nc.jetstream().stream_info(config.stream)
+        js = nc.jetstream()
+        info = await js.stream_info(config.stream)
         lag = int(info.state.messages) if config.retention == "workqueue" else None
+        dead_letters = await _dead_letters(js, config)
     except NatsSecretProblem as exc:
         problem = problem or (exc.reason, exc.message)
     except Exception as exc:
@@ -534,6 +538,7 @@ async def observe_group(
         refused=refused,
         stall_after=model.stall_after_seconds,
         lag=lag,
+        dead_letters=dead_letters,
         problem=problem,
         selector=selector_string(name),
     )
@@ -548,6 +553,16 @@ async def observe_group(
         )
     for key, value in new.items():
         patch.status[key] = value
+
+
+async def _dead_letters(js: Any, config: GroupConfig) -> int | None:
+    """status.deadLetters: one STREAM.INFO of the group's dead-letter stream per tick (a
+    best effort: status only; None leaves the last value standing)."""
+    try:
+        return await dead_letter_count(js, config)
+    except Exception as exc:
+        log.debug("Dead-letter count of %s unavailable: %r", config.dlq_stream, exc)
+        return None
 
 
 async def _read_group(
