@@ -195,8 +195,13 @@ def test_each_reason(
     degraded_: tuple[str, str],
 ) -> None:
     found = conditions(observed(**changes))
-    assert [c["type"] for c in found] == ["Ready", "Progressing", "Degraded"]
-    assert summary(found) == {"Ready": ready, "Progressing": progressing, "Degraded": degraded_}
+    assert [c["type"] for c in found] == ["Ready", "Progressing", "Degraded", "Paused"]
+    assert summary(found) == {
+        "Ready": ready,
+        "Progressing": progressing,
+        "Degraded": degraded_,
+        "Paused": ("False", "Running"),
+    }
 
 
 def test_every_condition_carries_the_observed_generation_and_a_message() -> None:
@@ -277,7 +282,7 @@ def test_degraded_sets_only_the_degraded_condition() -> None:
     old = stamp(conditions(observed()), [], T0)
     found = degraded(old, "HandlerInvalid", "cannot import x", 8, T1)
     c = by_type(found)
-    assert [x["type"] for x in found] == ["Ready", "Progressing", "Degraded"]
+    assert [x["type"] for x in found] == ["Ready", "Progressing", "Paused", "Degraded"]
     assert c["Degraded"] == {
         "type": "Degraded",
         "status": "True",
@@ -286,8 +291,10 @@ def test_degraded_sets_only_the_degraded_condition() -> None:
         "observedGeneration": 8,
         "lastTransitionTime": T1,  # False -> True
     }
-    # Ready and Progressing stay as the status timer wrote them, times included.
-    assert [c["Ready"], c["Progressing"]] == [x for x in old if x["type"] != "Degraded"]
+    # The others stay as the status timer wrote them, times included.
+    assert [c["Ready"], c["Progressing"], c["Paused"]] == [
+        x for x in old if x["type"] != "Degraded"
+    ]
 
 
 def test_degraded_again_for_another_reason_keeps_the_transition_time() -> None:

@@ -169,6 +169,11 @@ class Keys:
         # never joined (it connects to NATS first) still says why. Not under members/:
         # the leader must not give partitions to it.
         self.problems = self.prefix + "problems/"
+        # The group is paused while this key exists (shoal.contracts.values.PauseRecord:
+        # who paused it, when, why). Written by the operator from spec.paused, or by
+        # `shoal-consumer pause` for groups run without it; bound to nothing, so a pause
+        # outlives every member and leader. Members read it before they pull.
+        self.paused = self.prefix + "paused"
 
     def problem(self, member_id: str) -> str:
         return self.problems + member_id

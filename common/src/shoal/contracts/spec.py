@@ -235,6 +235,10 @@ class ConsumerGroupSpec(_Section):
     # A partition with work (messages pending or held) and no progress (no pull answered,
     # no message settled) for this long is stalled: reported, and moved by the leader.
     stall_after_seconds: Int = Field(60, ge=5)
+    # Every member finishes what it is running, acks it, gives back what it holds and
+    # pulls nothing, keeping its partitions; false resumes. Reaches the members through
+    # etcd (the operator writes Keys.paused), never through the pods: no restart.
+    paused: bool = False
 
     @model_validator(mode="after")
     def _bounds(self) -> ConsumerGroupSpec:

@@ -4,6 +4,8 @@
   leader (election.py), read by every member's view and by the operator;
 - :class:`ScaleRecord`, ``scale``: the autoscaler's last action, written by the leader's
   autoscaler, read by the next leader (its cooldown) and by the operator (Events, status);
+- :class:`PauseRecord`, ``paused``: who paused the group, when and why, written by the
+  operator (spec.paused) or ``shoal-consumer pause``, read by every member's view;
 - :class:`MemberStats`, ``members/<member>``: what a member reports about itself every
   stats interval, written by the member (runtime.py with worker.py's part), read by the
   leader (eligibility, loads, stalls, the autoscaler), ``shoal-consumer status`` and the
@@ -34,7 +36,16 @@ from pydantic import (
     field_validator,
 )
 
-__all__ = ["MAX_CPU_PERCENT", "MemberStats", "ScaleRecord", "TargetValue", "ValueRefused"]
+from shoal.contracts.names import format_time
+
+__all__ = [
+    "MAX_CPU_PERCENT",
+    "MemberStats",
+    "PauseRecord",
+    "ScaleRecord",
+    "TargetValue",
+    "ValueRefused",
+]
 
 # A member's cpu is a percent of its CPU limit; above this (100 cores' worth over a
 # one-core limit) the reading is a broken clock, not load.
@@ -100,6 +111,52 @@ class ScaleRecord(BaseModel):
             return cls.model_validate_json(raw)
         except ValidationError:
             return None
+
+
+class PauseRecord(BaseModel):
+    """``paused``: the group is paused while the key exists; its value says by whom
+    (``by``: the Kubernetes field manager that set spec.paused, or the user of
+    ``shoal-consumer pause``), when (``time``, the writer's wall clock) and through what
+    (``source``: ``spec.paused`` or ``cli``), with an optional ``reason``.
+
+    The key's existence is what pauses: a value that does not parse still pauses the
+    group (the members log it and read it as :meth:`unknown`)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    by: str = ""
+    time: float = 0.0
+    source: str = ""
+    reason: str = ""
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def unknown(cls) -> PauseRecord:
+        return cls(by="(unreadable pause record)")
+
+    @classmethod
+    def parse(cls, raw: bytes) -> PauseRecord:
+        """The record; ValueRefused says why the bytes are none (the group is paused
+        all the same)."""
+        try:
+            value = cls.model_validate_json(raw)
+        except ValidationError as exc:
+            raise ValueRefused(_why(exc)) from None
+        if not math.isfinite(value.time):
+            return value.model_copy(update={"time": 0.0})
+        return value
+
+    def describe(self) -> str:
+        """`by <who> at <when> (<source>): <reason>`, for logs and the CLI."""
+        when = format_time(self.time) if self.time > 0 else "an unknown time"
+        text = f"by {self.by or 'someone'} at {when}"
+        if self.source:
+            text += f" ({self.source})"
+        if self.reason:
+            text += f": {self.reason}"
+        return text
 
 
 # Strict: JSON true is no number and "5" no count; NaN and infinities are no measurement.

@@ -9,7 +9,7 @@ from typing import Any
 from shoal.assignor import owner_counts, skew
 from shoal.clients.etcd import Etcd
 from shoal.contracts.names import Keys
-from shoal.contracts.values import MemberStats
+from shoal.contracts.values import MemberStats, PauseRecord
 from shoal.group.problems import MemberProblem
 from shoal.group.view import GroupView
 
@@ -33,6 +33,8 @@ class GroupStatus:
     stalled: dict[int, str] = field(default_factory=dict)
     # Members that report NATS refusing them (Keys.problems), by member.
     problems: dict[str, MemberProblem] = field(default_factory=dict)
+    # Who paused the group (Keys.paused); None while it runs.
+    paused: PauseRecord | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -53,6 +55,7 @@ class GroupStatus:
                 m: {"reason": p.reason, "message": p.message, "since": p.since}
                 for m, p in sorted(self.problems.items())
             },
+            "paused": None if self.paused is None else self.paused.model_dump(),
         }
 
 
@@ -84,6 +87,7 @@ def status_from_view(view: GroupView, namespace: str, group: str) -> GroupStatus
         unclaimed=[p for p in range(view.partitions) if p not in claims],
         stalled=stalled_by_partition(members, view.partitions),
         problems=view.problems(),
+        paused=view.paused(),
     )
 
 

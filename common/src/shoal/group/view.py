@@ -18,7 +18,7 @@ from typing import Any
 from shoal.clients.backoff import Backoff, QuietLog
 from shoal.clients.etcd import KV, TRANSIENT_ERRORS, Etcd, Watch, describe
 from shoal.contracts.names import Keys
-from shoal.contracts.values import MemberStats, TargetValue, ValueRefused
+from shoal.contracts.values import MemberStats, PauseRecord, TargetValue, ValueRefused
 from shoal.group.problems import MemberProblem
 
 log = logging.getLogger(__name__)
@@ -173,6 +173,18 @@ class GroupView:
                 continue
             result[key[len(prefix) :]] = problem
         return result
+
+    def paused(self) -> PauseRecord | None:
+        """Who paused the group (Keys.paused), or None while it runs. The key's presence
+        is what pauses: an unreadable value is logged once and still pauses."""
+        kv = self.kvs.get(self.keys.paused)
+        if kv is None:
+            return None
+        try:
+            return PauseRecord.parse(kv.value)
+        except ValueRefused as exc:
+            self._garbage(kv, f"is not a pause record ({exc}); the group is paused all the same")
+            return PauseRecord.unknown()
 
     def leader(self) -> LeaderKey | None:
         kv = self.kvs.get(self.keys.leader)

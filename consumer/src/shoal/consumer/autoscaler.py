@@ -16,6 +16,9 @@ Every ``spec.autoscaling.intervalSeconds`` the leader
      posts a ``ScaledUp``/``ScaledDown`` Event with the signal values. A dry run records
      and reports (``WouldScaleUp``/``WouldScaleDown``) but changes nothing.
 
+While the group is paused (spec.paused, or its `paused` key) the leader decides nothing
+(:func:`paused_reason`): nothing is processed, so lag and CPU say nothing about the load.
+
 Every round, autoscaling on or off, the leader also keeps the members' pod-deletion-cost
 current (its own highest, the others their partition counts), so a scale-down by anyone
 spares the leader. API errors back off (the next evaluation, then doubling, up to 5
@@ -41,7 +44,7 @@ from typing import Any, Protocol
 from shoal.clients.etcd import TRANSIENT_ERRORS, Etcd
 from shoal.consumer.scaler import Action, Decision, Policy, ScalerState, decide, without_action
 from shoal.contracts.spec import parse_spec
-from shoal.contracts.values import ScaleRecord
+from shoal.contracts.values import PauseRecord, ScaleRecord
 from shoal.group.config import GroupConfig
 from shoal.group.view import Claim, GroupView, Target
 
@@ -159,6 +162,17 @@ def resume_state(record: ScaleRecord | None, seen_ago: float, now: float) -> Sca
     return ScalerState(last_action_time=now - max(0.0, seen_ago), last_action_direction=direction)
 
 
+def paused_reason(spec_paused: bool, record: PauseRecord | None) -> str | None:
+    """Why the autoscaler does nothing this round, if the group is paused: by its
+    `paused` key (the operator's, or `shoal-consumer pause`'s), or by spec.paused before
+    the operator has written the key. None while it runs."""
+    if record is not None:
+        return f"paused {record.describe()}: no scaling until the group resumes"
+    if spec_paused:
+        return "paused (spec.paused): no scaling until the group resumes"
+    return None
+
+
 # -- the loop -----------------------------------------------------------------------------
 
 
@@ -228,6 +242,16 @@ class Autoscaler:
         policy = Policy.from_spec(spec)
         if not policy.enabled:
             self.state = None
+            return policy.interval_seconds
+        held = paused_reason(spec.paused, self.view.paused())
+        if held is not None:
+            # A paused group processes nothing by design: its lag grows and its CPU falls,
+            # and a decision drawn from them would be wrong both ways. The windows start
+            # again after the resume (from etcd's record, so a cooldown still holds).
+            self.state = None
+            if held != self.last_reason:
+                log.info("Autoscaler: %d replicas; %s", spec.replicas, held)
+                self.last_reason = held
             return policy.interval_seconds
         self._observe_record()
         if self.state is None:

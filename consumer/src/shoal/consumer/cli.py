@@ -1,11 +1,14 @@
-"""`shoal-consumer`: run a member, produce test traffic, plan an assignment, show status."""
+"""`shoal-consumer`: run a member, produce test traffic, plan an assignment, show status,
+pause and resume a group."""
 
 from __future__ import annotations
 
 import asyncio
+import getpass
 import json
 import logging
 import os
+import socket
 import sys
 import time
 from typing import Any
@@ -600,6 +603,8 @@ def status(group: str, namespace: str, etcd_endpoints: str, partitions: int, as_
             f"  {member:<30} owns {owned:>4}  rate {_or_dash(stats.rate):>8}  "
             f"lag {_or_dash(stats.lag):>6}  cpu {_or_dash(stats.cpu)}"
         )
+    if st.paused is not None:
+        click.echo(f"  paused {st.paused.describe()}")
     if st.unowned:
         click.echo(f"  unowned partitions: {len(st.unowned)}")
     if st.stalled:
@@ -1063,3 +1068,82 @@ def dlq_purge(
 
     purged = _with_jetstream(config, work)
     click.echo(f"{_where(config)}: purged {purged:,} dead letters{which}")
+
+
+def _pauser() -> str:
+    """Who runs `shoal-consumer pause` (user@host), for the pause record."""
+    try:
+        user = getpass.getuser()
+    except Exception:
+        user = "someone"
+    return f"{user}@{socket.gethostname()}"
+
+
+async def _with_etcd(etcd_endpoints: str, work: Any) -> Any:
+    etcd = Etcd(etcd_endpoints, **etcd_options_from_env(os.environ))
+    try:
+        await etcd.connect(attempts=3)
+        return await work(etcd)
+    finally:
+        etcd.close()
+
+
+@main.command()
+@_group
+@_namespace
+@_etcd
+@click.option("--reason", default="", help="Why, for the record (shown by members and status).")
+def pause(group: str, namespace: str, etcd_endpoints: str, reason: str) -> None:
+    """Pause a group: every member finishes the handlers it is running, acks them,
+    gives back what it fetched and did not start, and pulls nothing more. Members keep
+    their partitions (nothing moves); members that join or restart join paused; the
+    autoscaler does nothing. `resume` undoes it.
+
+    Writes the group's `paused` key in etcd, as the operator does from spec.paused: for
+    a group the operator runs, set spec.paused instead (the operator would undo this).
+    etcd TLS and authentication: as for `status`.
+    """
+    from shoal.contracts.names import Keys
+    from shoal.contracts.values import PauseRecord
+    from shoal.group.pause import pause_group
+
+    keys = Keys(namespace, group)
+    record = PauseRecord(by=_pauser(), time=time.time(), source="cli", reason=reason)
+    try:
+        before = asyncio.run(_with_etcd(etcd_endpoints, lambda e: pause_group(e, keys, record)))
+    except Exception as exc:
+        raise click.ClickException(f"could not pause {namespace}/{group}: {exc}") from None
+    if before is not None:
+        click.echo(
+            f"Group {namespace}/{group} is paused already ({before.describe()}); left as it is"
+        )
+        return
+    click.echo(
+        f"Paused group {namespace}/{group} {record.describe()} (etcd key {keys.paused}): "
+        "members finish what they run and pull nothing more; "
+        f"`shoal-consumer resume --group {group} --namespace {namespace}` resumes it"
+    )
+
+
+@main.command()
+@_group
+@_namespace
+@_etcd
+def resume(group: str, namespace: str, etcd_endpoints: str) -> None:
+    """Resume a paused group: its members pull again at once (deletes its `paused` key).
+    For a group the operator runs, set spec.paused to false instead."""
+    from shoal.contracts.names import Keys
+    from shoal.group.pause import resume_group
+
+    keys = Keys(namespace, group)
+    try:
+        record = asyncio.run(_with_etcd(etcd_endpoints, lambda e: resume_group(e, keys)))
+    except Exception as exc:
+        raise click.ClickException(f"could not resume {namespace}/{group}: {exc}") from None
+    if record is None:
+        click.echo(f"Group {namespace}/{group} is not paused: nothing to do")
+        return
+    since = f", {time.time() - record.time:.0f} s after the pause" if record.time > 0 else ""
+    click.echo(
+        f"Resumed group {namespace}/{group} (paused {record.describe()}{since}): members pull again"
+    )

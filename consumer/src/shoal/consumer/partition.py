@@ -9,6 +9,13 @@ the running handlers finish and ack, what was fetched but not started goes back 
 JetStream in stream order, and the last nak is a request, so that all are applied before
 the worker deletes the claim.
 
+When the group is paused (Keys.paused, Worker.set_paused) the runner keeps its claim
+and does the first half of that at the top of its pull loop: no new pull, nothing new
+starts, the running handlers finish and ack, and what was fetched and not started is
+given back (see `_pause` for why given back rather than kept alive). Resumed, it pulls
+again, holding what arrives until everything it gave back is there (as a new owner
+does after a hand-over), so per-project order holds across the pause.
+
 Pulling uses raw JetStream pull requests rather than nats-py's fetch(): every request is
 read until the server ends it (batch complete, or a 404/408/409 status), so when the
 partition is let go no pull request of ours is still open on the server. An open request
@@ -100,6 +107,10 @@ class Phase(Enum):
 
     CONSUMING = "consuming"  # pulling, or waiting for room to pull
     DOZING = "dozing"  # nothing outstanding: no pull open, the alarm armed (alarm.py)
+    # The group is paused: no new pull, nothing new starts; the open pull and the running
+    # handlers end, then what was fetched and not started is given back (_pause).
+    PAUSING = "pausing"
+    PAUSED = "paused"  # holds nothing, pulls nothing; keeps its claim, so resuming is instant
     STOPPING = "stopping"  # told to let go: no new pull; the open one and handlers end
     GIVING_BACK = "giving back"  # naking what was fetched and not started, in order
     FENCED = "fenced"  # stopped at once: handlers cancelled, nothing given back
@@ -108,20 +119,25 @@ class Phase(Enum):
 
 # Every move a runner may make; any other is a bug of ours, logged and refused.
 _NEXT: dict[Phase, frozenset[Phase]] = {
-    Phase.CONSUMING: frozenset({Phase.DOZING, Phase.STOPPING, Phase.FENCED}),
-    Phase.DOZING: frozenset({Phase.CONSUMING, Phase.STOPPING, Phase.FENCED}),
+    Phase.CONSUMING: frozenset({Phase.DOZING, Phase.PAUSING, Phase.STOPPING, Phase.FENCED}),
+    Phase.DOZING: frozenset({Phase.CONSUMING, Phase.PAUSING, Phase.STOPPING, Phase.FENCED}),
+    Phase.PAUSING: frozenset({Phase.PAUSED, Phase.STOPPING, Phase.FENCED}),
+    Phase.PAUSED: frozenset({Phase.CONSUMING, Phase.STOPPING, Phase.FENCED}),
     Phase.STOPPING: frozenset({Phase.GIVING_BACK, Phase.FENCED, Phase.RELEASED}),
     Phase.GIVING_BACK: frozenset({Phase.FENCED, Phase.RELEASED}),
     Phase.FENCED: frozenset({Phase.RELEASED}),
     Phase.RELEASED: frozenset(),
 }
+# The phases of letting the partition go (PartitionRunner.letting_go).
+_LETTING_GO = frozenset({Phase.STOPPING, Phase.GIVING_BACK, Phase.FENCED, Phase.RELEASED})
 
 
 class PartitionRunner:
     """Pulls one partition's durable into the dispatcher, and lets it go when told.
 
     Its life is `phase` (Phase), changed in one place (`_enter`), each change logged at
-    debug level; `stopping`, `fenced` and `dozing` are read on the hot path and follow it.
+    debug level; `stopping`, `fenced` and `dozing` are read on the hot path and follow it,
+    and `letting_go` by the worker.
     """
 
     def __init__(
@@ -141,7 +157,10 @@ class PartitionRunner:
         self.fresh_claim = fresh_claim
         self.target_ts = target_ts
         self.phase = Phase.CONSUMING
-        self.stopping = False  # STOPPING or later: no new pull, nothing new starts
+        # No new pull, nothing new starts: letting go (STOPPING or later), or paused
+        # (PAUSING, PAUSED). Read by the dispatcher and deliver(), as it always was.
+        self.stopping = False
+        self.letting_go = False  # STOPPING or later: the worker's "is it stopping?"
         self.fenced = False  # FENCED (and then RELEASED)
         self.first_message_seen = False
         self.stop_requested_at = 0.0
@@ -182,6 +201,12 @@ class PartitionRunner:
         self.dozing = False  # DOZING
         self.roused = False
         self.alarm = Alarm(worker.nc, partition_subject(worker.config.subject_prefix, partition))
+        # Paused (_pause): the sequences given back, to wait for on resuming; whether the
+        # durable must be asked instead (a takeover's gate was closed at the pause, or a
+        # give-back failed); what could not be given back yet (NATS away), retried.
+        self._resume_wait: set[int] = set()
+        self._resume_ask_durable = False
+        self._unreturned: list[Held] = []
 
     # -- dispatch.Source ----------------------------------------------------------------
 
@@ -241,11 +266,12 @@ class PartitionRunner:
         self.phase = phase
         self.dozing = phase is Phase.DOZING
         self.stopping = phase not in (Phase.CONSUMING, Phase.DOZING)
+        self.letting_go = phase in _LETTING_GO
         self.fenced = self.fenced or phase is Phase.FENCED
         return True
 
     def stop(self) -> None:
-        if self.stopping:
+        if self.letting_go:
             return
         self._enter(Phase.STOPPING)
         self.stop_requested_at = time.monotonic()
@@ -258,7 +284,7 @@ class PartitionRunner:
         stalled: whatever its handlers wait on may never come. (A fence gives nothing back,
         so its messages return only after ack_wait, behind newer ones of their projects.)
         Handlers that ignore the cancel for ABORT_GRACE make it a fence after all."""
-        if self.stopping:
+        if self.letting_go:
             return
         self.stop()
         self.abort_by = time.monotonic() + ABORT_GRACE
@@ -268,6 +294,18 @@ class PartitionRunner:
             self.partition,
             cancelled,
         )
+
+    def pause(self) -> None:
+        """The group is paused (Worker.set_paused): nothing new starts from now on, and
+        the pull loop does the rest (_pause) once its open pull has ended."""
+        if self.phase is Phase.CONSUMING or self.phase is Phase.DOZING:
+            self._enter(Phase.PAUSING)
+            self._wake()
+
+    def resume(self) -> None:
+        """The group runs again: a paused runner pulls at once (_pause reads the worker's
+        flag; one still pausing finishes its give-back first)."""
+        self._wake()
 
     def released(self) -> None:
         """Its claim is deleted, or left to the lease (Worker.runner_done)."""
@@ -335,7 +373,10 @@ class PartitionRunner:
             backoff = MISSING_DURABLE_BACKOFF
             silent = 0  # pulls in a row that nobody answered (503)
             empty = 0  # pulls in a row that ended with nothing (404/408)
-            while not self.stopping:
+            while not self.letting_go:
+                if self.phase is Phase.PAUSING:
+                    await self._pause()
+                    continue
                 # A partition that settles fast holds more, so that its pulls bring more
                 # each: every pull costs the server about as much as a message or two,
                 # and a noop member's 32-message pulls cost it a microsecond per message
@@ -424,7 +465,7 @@ class PartitionRunner:
         except Fenced:
             pass
         except Exception:
-            if not self.stopping:
+            if not self.letting_go:
                 log.exception("Partition %d consumer failed; releasing it", self.partition)
                 self.stop()
                 await asyncio.sleep(1.0)  # no tight loop while e.g. NATS is away
@@ -541,14 +582,24 @@ class PartitionRunner:
 
     def has_work(self) -> bool:
         """Messages held, or pending in the durable as last read (not while dozing: a
-        partition dozes only once nothing is outstanding)."""
-        return not self.dozing and (self.buffered > 0 or self.server_lag > 0)
+        partition dozes only once nothing is outstanding). Paused, it has none by
+        design: it holds nothing, and what waits on the server waits for the resume, so
+        the stall check must not count it (PAUSING still does: its handlers run)."""
+        return (
+            not self.dozing
+            and self.phase is not Phase.PAUSED
+            and (self.buffered > 0 or self.server_lag > 0)
+        )
 
     def waiting_on(self) -> str:
         """What the partition is waiting for, in words (for the stall's log line)."""
         w = self.worker
         if self.fenced:
             return "nothing: it is fenced"
+        if self.phase is Phase.PAUSING:
+            return f"the pause ({self.inflight} handler(s) still running)"
+        if self.phase is Phase.PAUSED:
+            return "nothing: the group is paused"
         if self.stopping:
             return f"its hand-over ({self.inflight} handler(s) still running)"
         if w.unsent_pulls:
@@ -775,13 +826,7 @@ class PartitionRunner:
             await asyncio.sleep(0.02)
         drained_at = time.monotonic()
         self._enter(Phase.GIVING_BACK)
-        unstarted = [held for queue in self.projects.values() for held in queue.pending]
-        for msg in self._late:
-            _, seq, delivered = ack_fields(msg.reply)
-            late = Held(msg, "", seq, delivered, drained_at)
-            late.credit = self.credits.pop(seq, 0)
-            unstarted.append(late)
-        unstarted.sort(key=lambda held: held.seq)
+        unstarted = self._unstarted(drained_at)
         await self._give_back(unstarted)
         log.debug(
             "Partition %d: handlers done %.0f ms after the stop, %d given back in %.0f ms",
@@ -790,6 +835,128 @@ class PartitionRunner:
             len(unstarted),
             1000 * (time.monotonic() - drained_at),
         )
+
+    def _unstarted(self, now: float) -> list[Held]:
+        """What was fetched and not started, in stream order: held in the projects'
+        queues, arrived after the stop or the pause (_late), or left over from a pause's
+        give-back that failed (_unreturned). Taken from those (the queues stay listed
+        until the give-back, which clears them)."""
+        unstarted = [held for queue in self.projects.values() for held in queue.pending]
+        for msg in self._late:
+            _, seq, delivered = ack_fields(msg.reply)
+            late = Held(msg, "", seq, delivered, now)
+            late.credit = self.credits.pop(seq, 0)
+            unstarted.append(late)
+        self._late.clear()
+        unstarted.extend(self._unreturned)
+        self._unreturned = []
+        unstarted.sort(key=lambda held: held.seq)
+        return unstarted
+
+    # -- pausing --------------------------------------------------------------------------
+
+    async def _pause(self) -> None:
+        """The group is paused: finish what runs, give back what waits, pull nothing
+        until it resumes (or the partition is let go, or fenced). The claim stays ours.
+
+        What was fetched and not started is given back (naked in stream order, the
+        last nak a request), not kept alive with in-progress acks:
+
+        - a pause may last hours: kept, those messages would be renewed every quarter
+          of ack_wait all along, and a member that dies or is fenced meanwhile would
+          leave them to come back only after ack_wait, each such delivery counted as
+          an attempt toward maxDeliver, with its successor (orderAfterFailure Strict)
+          waiting for them; given back, a paused member holds nothing, its buffer is
+          free, and a restart or a move during the pause has nothing outstanding;
+        - a pause nak costs no attempt: as in a hand-over, the runner notes each one
+          in its credits (dispatch.Held.credit), which go into the hand-over record
+          (Keys.handbacks) if the partition moves while paused, so maxDeliver counts
+          only handler runs (a member killed while paused loses those notes: one
+          delivery counted too many, as keeping them alive would cost after a crash);
+        - order after the resume holds: the runner holds what arrives until every
+          sequence it gave back is there, then runs them in stream order
+          (takeover.Gate.for_given_back, as after a hand-over).
+
+        The price is one more delivery of those messages on resuming (a pull's worth).
+        """
+        w = self.worker
+        started = time.monotonic()
+        gate = self.gate
+        if gate is not None:
+            # Taken over moments ago and still waiting for earlier deliveries: wait for
+            # them again after the resume (what the gate held is given back below).
+            missing = gate.missing()
+            if missing is None:
+                self._resume_ask_durable = True
+            else:
+                self._resume_wait.update(missing)
+            self._close_gate()
+        if self.alarm.armed:
+            await self.alarm.disarm()
+        while self.inflight and not self.letting_go:
+            await self.sleep_until_woken(1.0)
+        if self.letting_go:
+            return  # let go meanwhile: its hand-over gives back everything, in order
+        given = await self._give_back_paused()
+        self._enter(Phase.PAUSED)
+        log.debug(
+            "Partition %d paused %.0f ms after the pause reached it; %d given back",
+            self.partition,
+            1000 * (time.monotonic() - started),
+            given,
+        )
+        while w.paused and not self.letting_go:
+            await self.sleep_until_woken(1.0)
+            if (self._late or self._unreturned) and not self.letting_go:
+                # A late message of a request taken for lost, or naks that failed.
+                await self._give_back_paused()
+        if self.letting_go:
+            return
+        await self._resume()
+
+    async def _give_back_paused(self) -> int:
+        """Give back what the paused runner holds (see _pause); how many went back.
+        What cannot be given back now (NATS away) is kept in _unreturned and tried again."""
+        w = self.worker
+        unstarted = self._unstarted(time.monotonic())
+        for queue in self.projects.values():
+            # (Cleared, not only forgotten: a retry timer still set on one of them must
+            # find nothing to run when it fires after the resume: dispatch._retry_due.)
+            queue.pending.clear()
+        self.projects.clear()
+        w.buffered -= self.buffered
+        self.buffered = 0
+        if w.starved:
+            w.wake_starved()
+        if not unstarted:
+            return 0
+        if not w.nats_reachable() or not await self._flush_naks(unstarted):
+            self._unreturned = unstarted
+            return 0
+        for held in unstarted:
+            self.credits[held.seq] = held.credit + 1 - held.failures
+            self._resume_wait.add(held.seq)
+        return len(unstarted)
+
+    async def _resume(self) -> None:
+        """Pull again; what arrives waits until what the pause gave back is all there."""
+        w = self.worker
+        self._enter(Phase.CONSUMING)
+        wait, self._resume_wait = self._resume_wait, set()
+        ask_durable, self._resume_ask_durable = self._resume_ask_durable, False
+        if self._unreturned:
+            # Never given back (NATS was away throughout): unacked and no longer kept
+            # alive, they come back after ack_wait.
+            self._unreturned = []
+            ask_durable = True
+        self._want = IDLE_BATCH
+        if ask_durable and w.config.order_after_failure == "Strict":
+            # The durable's count covers what we gave back too (naked, it is pending).
+            await self._gate_earlier_deliveries()
+            return
+        self.gate = Gate.for_given_back(wait, w.config.ack_wait)
+        if self.gate is not None:
+            w.spawn(self._watch_gate(self.gate))
 
     async def _give_back(self, unstarted: list[Held]) -> None:
         """Return fetched but unstarted messages to JetStream, in stream order, for the

@@ -115,6 +115,13 @@ class Gate:
         missing = self.outstanding - self.came_back
         return max(0, min(missing, 2 * self.outstanding - len(self.held)))
 
+    def missing(self) -> frozenset[int] | None:
+        """The expected sequences not arrived yet; None for a gate that counts (one read
+        from the durable, which knows no sequences)."""
+        if self.expected is None:
+            return None
+        return self.expected - self._earlier
+
     def complete(self) -> bool:
         return self.came_back >= self.outstanding
 

@@ -16,6 +16,12 @@ runners it has, claims and starts partitions, stops and releases them, and holds
 member's budget: at most `max_buffered` messages over all partitions. Where each partition
 is in that life on this member (claiming, consuming, releasing, released, handlers still
 stopping after a fence, or free) is one record per partition (ownership.py).
+
+While the group is paused (the `paused` key, read through the view before anything is
+claimed) every runner finishes what runs, gives back what waits and pulls nothing, and
+keeps its claim (partition.PartitionRunner._pause); the worker goes on reconciling, so
+a partition the leader moves meanwhile is handed over as usual, and one claimed during
+the pause starts paused.
 """
 
 from __future__ import annotations
@@ -153,6 +159,9 @@ class Worker:
         # One INFO line per hand-over batch (nothing reads it to decide what to do).
         self.handovers = HandOverLog()
         self.leaving = False
+        # The group is paused (Keys.paused): set from the view before each reconcile, so
+        # before any partition of a paused group is claimed (set_paused).
+        self.paused = False
         self._incarnation = 0
         self._projects: dict[str, float] = {}
         self._partition_of: dict[str, int] = {}
@@ -558,6 +567,7 @@ class Worker:
             member_changed = self.membership.changed
             self._wake.clear()
             self._notice_members()
+            self.set_paused()
             self._reconcile()
             self.check_connection()
             self.check_stalls()
@@ -571,6 +581,29 @@ class Worker:
             finally:
                 for waiter in waiters:
                     waiter.cancel()
+
+    def set_paused(self) -> None:
+        """Follow the group's `paused` key (GroupView.paused): pause every runner when it
+        appears, resume them when it goes. Runners started later follow `paused` (_start)."""
+        record = self.view.paused()
+        paused = record is not None
+        if paused == self.paused:
+            return
+        self.paused = paused
+        runners = list(self.runners.values())
+        if record is not None:
+            for runner in runners:
+                runner.pause()
+            log.info(
+                "Group paused %s: %d partition(s) finish what runs, give back what waits "
+                "and pull nothing; claims kept",
+                record.describe(),
+                len(runners),
+            )
+        else:
+            for runner in runners:
+                runner.resume()
+            log.info("Group resumed: %d partition(s) pull again", len(runners))
 
     def _notice_members(self) -> None:
         """A member joined or left: partitions are about to move. Pull briskly until
@@ -701,7 +734,7 @@ class Worker:
             under_way = stage is Stage.CLAIMING or stage is Stage.RELEASING
             if (
                 current is not None
-                and not current.stopping
+                and not current.letting_go
                 and self.view.revision >= current.claim_revision
                 and (claim is None or claim.create_revision != current.claim_revision)
             ):
@@ -737,7 +770,7 @@ class Worker:
                     # Not a fresh claim: the runner before this one (fenced) left what it
                     # held to JetStream's redelivery, so the new one must wait for it.
                     self._start(p, claim.create_revision, None, fresh_claim=False)
-            elif not want and current is not None and not current.stopping:
+            elif not want and current is not None and not current.letting_go:
                 log.debug("Releasing partition %d", p)
                 # (Leaving, the target is still us: no new owner to name yet.)
                 new_owner = target.owner if target is not None and target.owner != me else ""
@@ -845,6 +878,8 @@ class Worker:
         runner = PartitionRunner(self, p, claim_revision, target_ts, fresh_claim=fresh_claim)
         if not self.ownership.move(p, Stage.CONSUMING, runner=runner):
             return  # a bug of ours, logged: a runner nobody lists must not run
+        if self.paused:
+            runner.pause()  # before its first pull
         runner.task = asyncio.create_task(runner.run(), name=f"partition-{p}")
         self.metrics.partitions_owned.set(len(self.runners))
         log.debug("Consuming partition %d", p)

@@ -8,13 +8,15 @@ that moves only when the condition's status does.
 
 from __future__ import annotations
 
+import calendar
 import re
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.contracts.names import format_time
-from shoal.contracts.values import MemberStats, ScaleRecord
+from shoal.contracts.names import TIME_FORMAT, format_time
+from shoal.contracts.values import MemberStats, PauseRecord, ScaleRecord
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,8 @@ class Observed:
     # Messages in the group's dead-letter stream (`shoal-consumer dlq list`); None when
     # NATS could not tell (the status keeps what it said before).
     dead_letters: int | None = None
+    # spec.paused: who paused the group and when (its pause record); None while it runs.
+    paused: PauseRecord | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -284,6 +288,13 @@ def conditions(o: Observed) -> list[dict[str, Any]]:
         progressing = _condition(
             "Progressing", False, "PartitionsStalled", stalled_message(o), o.generation
         )
+    elif o.paused is not None:
+        # What `kubectl get cg` shows while paused (the Status column): nothing progresses,
+        # by request. (A stall comes first: a paused partition never reports one, so a
+        # stall is news.)
+        progressing = _condition(
+            "Progressing", False, "Paused", paused_message(o.paused), o.generation
+        )
     elif rebalancing(o):
         progressing = _condition(
             "Progressing",
@@ -306,7 +317,11 @@ def conditions(o: Observed) -> list[dict[str, Any]]:
             f"for {o.spec_replicas} replicas",
             o.generation,
         )
-    return [ready, progressing, degraded]
+    if o.paused is not None:
+        paused = _condition("Paused", True, "SpecPaused", paused_message(o.paused), o.generation)
+    else:
+        paused = _condition("Paused", False, "Running", "The group is not paused", o.generation)
+    return [ready, progressing, degraded, paused]
 
 
 def stamp(
@@ -408,3 +423,63 @@ def last_scale(
         "reason": reason,
     }
     return value, ours
+
+
+# -- pause and resume ------------------------------------------------------------------------
+
+
+def parse_time(value: object) -> float | None:
+    """A Kubernetes time (RFC 3339, UTC, whole seconds) as a Unix time; None otherwise."""
+    if not isinstance(value, str):
+        return None
+    try:
+        return float(calendar.timegm(time.strptime(value, TIME_FORMAT)))
+    except ValueError:
+        return None
+
+
+def pause_manager(managed_fields: object) -> tuple[str, float | None] | None:
+    """Who last set spec.paused, and when: of the metadata.managedFields entries whose
+    fieldsV1 holds f:spec/f:paused, the manager of the most recent (kubectl patch
+    records "kubectl-patch", kubectl apply "kubectl-client-side-apply" or "kubectl",
+    an operator or a controller its own name). None if no entry holds the field."""
+    best: tuple[float, int, str] | None = None
+    for index, entry in enumerate(managed_fields if isinstance(managed_fields, list) else ()):
+        if not isinstance(entry, Mapping):
+            continue
+        fields = entry.get("fieldsV1")
+        spec = fields.get("f:spec") if isinstance(fields, Mapping) else None
+        if not isinstance(spec, Mapping) or "f:paused" not in spec:
+            continue
+        manager = entry.get("manager")
+        when = parse_time(entry.get("time"))
+        # Entries without a time rank first; ties go to the later entry.
+        key = (when if when is not None else float("-inf"), index, str(manager or "unknown"))
+        if best is None or key[:2] > best[:2]:
+            best = key
+    if best is None:
+        return None
+    when = best[0] if best[0] != float("-inf") else None
+    return best[2], when
+
+
+def pause_record(managed_fields: object, now: float) -> PauseRecord:
+    """The pause record the operator writes for spec.paused: its manager and time."""
+    who = pause_manager(managed_fields)
+    by, when = who if who is not None else ("unknown", None)
+    return PauseRecord(by=by, time=when if when is not None else now, source="spec.paused")
+
+
+def paused_message(record: PauseRecord) -> str:
+    """The Paused condition's (and Event's) message."""
+    return (
+        f"Paused {record.describe()}: members finished what they were running and pull "
+        "nothing; partitions stay where they are; the autoscaler waits. Resume with "
+        "spec.paused: false"
+    )
+
+
+def resumed_message(by: str, record: PauseRecord, now: float) -> str:
+    """The Resumed Event's message: who resumed, and how long the pause lasted."""
+    lasted = f" after {now - record.time:.0f} s" if record.time > 0 else ""
+    return f"Resumed by {by}{lasted} (paused {record.describe()}): members pull again"

@@ -7,6 +7,11 @@ Observation (a timer): read the Deployment, etcd and JetStream into status, with
 Event for each new assignment generation, each change of replicas, each stall episode
 (a watch on the members' keys catches stalls shorter than the timer's period) and each
 member NATS refuses (its problems/ key: Degraded with NatsAuthFailed / NatsTLSFailed).
+Pause (spec.paused): the operator writes the group's `paused` etcd key (who, from the
+managed fields of the change, and when), which the members watch: no pod restarts.
+Reconcile writes or deletes it at once, the status timer keeps it following the spec;
+the Paused condition, the Status column (Progressing: Paused) and Paused/Resumed Events
+say so.
 Deletion: a finalizer clears the group's etcd prefix; the stream goes only with
 deletionPolicy Delete. A spec that passes the schema but cannot work (unreachable NATS,
 an unknown handler, a missing or unusable spec.etcd.tlsSecret or NATS Secret, NATS
@@ -42,11 +47,12 @@ from shoal.contracts.names import (
     format_time,
 )
 from shoal.contracts.spec import ConsumerGroupSpec, NatsSpec, SpecError, parse_spec
-from shoal.contracts.values import ScaleRecord
+from shoal.contracts.values import PauseRecord, ScaleRecord
 from shoal.group.config import GroupConfig
 from shoal.group.deadletters import dead_letter_count
 from shoal.group.handlerref import HandlerError, import_handler, is_url_handler
 from shoal.group.jetstream import StreamConfigConflict, ensure_group
+from shoal.group.pause import pause_group, resume_group
 from shoal.group.status import GroupStatus, status_from_view
 from shoal.group.view import GroupView
 from shoal.operator import observe
@@ -336,6 +342,9 @@ async def reconcile(
         nats = await nats_secrets(memo.nats, namespace, model, retry)
         # 3. The consumers' configuration.
         config = pod_config(name, namespace, model, settings)
+        # 3b. spec.paused reaches the members through etcd (never the pods' env, which
+        #     would restart them); best effort here, the status timer follows it up.
+        await follow_pause(memo, config, model, meta, body)
         # 4. A change of spec.replicas: status.lastScale and who made it.
         await report_scale(memo, config, model, old, etcd_secret_name(model), patch, body)
         # 5. The children (Deployment, RBAC, PDB); the status timer compares later
@@ -420,6 +429,50 @@ async def _roll_on_rotation(
         kopf.info(body, reason=reason, message=f"{what} changed: rolling the consumer pods")
 
 
+async def follow_pause(
+    memo: OperatorMemo,
+    config: GroupConfig,
+    model: ConsumerGroupSpec,
+    meta: Any,
+    body: kopf.Body,
+    current: PauseRecord | bool | None = False,
+) -> PauseRecord | None:
+    """Make the group's `paused` key say what spec.paused says; post a Paused or
+    Resumed Event when this call changed it. `current`: the record etcd holds, if the
+    caller has just read it (None: not paused), so that nothing is written when the key
+    is as it should be; False: not known. Returns the record in force (None: running).
+    etcd errors are logged, never raised: the status timer tries again."""
+    if current is not False and (current is not None) == model.paused:
+        return current if isinstance(current, PauseRecord) else None
+    managed = meta.get("managedFields") if hasattr(meta, "get") else None
+    try:
+        etcd = await _etcd(memo, config.etcd_endpoints, config.namespace, etcd_secret_name(model))
+        if model.paused:
+            record = observe.pause_record(managed, time.time())
+            existing = await pause_group(etcd, config.keys, record)
+            if existing is not None:
+                return existing
+            log.info("Paused group %s/%s %s", config.namespace, config.group, record.describe())
+            kopf.info(body, reason="Paused", message=observe.paused_message(record))
+            return record
+        removed = await resume_group(etcd, config.keys)
+    except Exception as exc:
+        log.warning(
+            "Could not make %s/%s %s (etcd: %r); retrying with the status timer",
+            config.namespace,
+            config.group,
+            "paused" if model.paused else "resumed",
+            exc,
+        )
+        return None
+    if removed is not None:
+        who = observe.pause_manager(managed)
+        message = observe.resumed_message(who[0] if who else "unknown", removed, time.time())
+        log.info("Group %s/%s: %s", config.namespace, config.group, message)
+        kopf.info(body, reason="Resumed", message=message)
+    return None
+
+
 def etcd_secret_name(spec: Any) -> str | None:
     return spec_model(spec).etcd.tls_secret or None
 
@@ -478,11 +531,13 @@ async def observe_group(
     moving = 0
     stalled: tuple[tuple[int, str], ...] = ()
     refused: tuple[tuple[str, str, str], ...] = ()
+    paused: PauseRecord | None = None
     try:
         etcd = await _etcd(memo, config.etcd_endpoints, namespace, etcd_secret_name(model))
         group, revision = await _read_group(
             etcd, namespace, name, config.partitions, memo.group.garbage_logged
         )
+        paused = await follow_pause(memo, config, model, meta, body, group.paused)
         members = {m: group.counts.get(m, 0) for m in group.members}
         leader, generation_seen = group.leader, group.generation
         unowned, unclaimed = len(group.unowned), len(group.unclaimed)
@@ -541,6 +596,10 @@ async def observe_group(
         dead_letters=dead_letters,
         problem=problem,
         selector=selector_string(name),
+        # Paused by the spec: who and when as etcd has it, else as the managed fields say.
+        paused=(paused or observe.pause_record(meta.get("managedFields"), time.time()))
+        if model.paused
+        else None,
     )
     new = observe.status(observed, old.get("conditions", []), now())
     if generation_seen and generation_seen != old.get("assignmentGeneration"):

@@ -1,0 +1,47 @@
+"""Pausing a group: its `paused` key (Keys.paused), one writer's intent for every member.
+
+The group is paused while the key exists; its value (PauseRecord) says by whom, when,
+through what, and why. The operator writes it from spec.paused (and removes it when the
+spec says false); `shoal-consumer pause` and `resume` do the same for groups run without
+the operator. Members read it through their view (GroupView.paused) before they claim
+anything, so a member that joins a paused group joins paused, and a pause outlives every
+member and every leader: nothing but a resume removes the key.
+"""
+
+from __future__ import annotations
+
+from shoal.clients.etcd import Etcd
+from shoal.contracts.names import Keys
+from shoal.contracts.values import PauseRecord, ValueRefused
+
+__all__ = ["pause_group", "read_pause", "resume_group"]
+
+
+async def read_pause(etcd: Etcd, keys: Keys) -> PauseRecord | None:
+    """The group's pause record, or None while it runs (an unreadable value: unknown)."""
+    _, kvs = await etcd.get_prefix(keys.paused)
+    kv = kvs.get(keys.paused)
+    if kv is None:
+        return None
+    try:
+        return PauseRecord.parse(kv.value)
+    except ValueRefused:
+        return PauseRecord.unknown()
+
+
+async def pause_group(etcd: Etcd, keys: Keys, record: PauseRecord) -> PauseRecord | None:
+    """Pause the group with `record`, unless it is paused already: then nothing is
+    written and the record in place is returned (who paused it first stays on record)."""
+    if await etcd.create_returning_revision(keys.paused, record.to_json(), None) is not None:
+        return None
+    return await read_pause(etcd, keys) or record
+
+
+async def resume_group(etcd: Etcd, keys: Keys) -> PauseRecord | None:
+    """Resume the group: delete its pause key. Returns the record deleted (None: it was
+    not paused, nothing done)."""
+    record = await read_pause(etcd, keys)
+    if record is None:
+        return None
+    await etcd.delete(keys.paused)
+    return record
