@@ -308,3 +308,35 @@ def test_kubelet_state_is_per_node(plane: LocalKube) -> None:
     for node in plane.nodes:
         assert (plane.root / node.component / "pids").is_dir()
         assert Path(plane.logs / f"{node.component}.log").exists()
+
+
+def test_only_pods_that_mount_a_token_get_one(plane: LocalKube) -> None:
+    """The kubelet asks for a pod's token as its kube-api-access volume does; a pod with
+    automountServiceAccountToken false has none, so it gets no KUBECONFIG (NodeRestriction
+    would refuse the kubelet a token for an audience no volume of the pod names)."""
+    namespace = "tokens"
+    create_namespace(plane, namespace)
+    show = "import os; print('KUBECONFIG' in os.environ, flush=True); import time; time.sleep(60)"
+    pods = [
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {
+                "automountServiceAccountToken": automount,
+                "terminationGracePeriodSeconds": 1,
+                "containers": [
+                    {"name": "main", "image": "shoal:dev", "command": ["python", "-c", show]}
+                ],
+            },
+        }
+        for name, automount in (("with-token", True), ("without-token", False))
+    ]
+    apply(plane, *pods)
+
+    def said(name: str) -> str | None:
+        result = plane.kubectl("logs", "-n", namespace, name, check=False)
+        return result.stdout.strip() or None
+
+    assert wait_until(functools.partial(said, "with-token"), 30, "with-token's log") == "True"
+    assert wait_until(functools.partial(said, "without-token"), 30, "its log") == "False"
