@@ -100,16 +100,18 @@ image: venv tools
 	@$(servers_env) \
 	$(PYM) pytest -m image -s $(PYTEST_ARGS)
 
-# kube-apiserver, kube-controller-manager, kubectl, etcd 3.6, helm and the nats CLI, built
-# with Go once per machine into ~/.cache/shoal (the first build takes a while and says
-# how long; later runs build nothing).
+# kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, etcd 3.6, helm and the
+# nats CLI, built with Go once per machine into ~/.cache/shoal (the first build takes a
+# while and says how long; later runs build nothing).
 tools:
 	@harness/tools/build.sh >/dev/null
 
 # The local Kubernetes control plane (no containers): see harness/src/harness/localkube/plane.py.
+# NODES=3: three nodes (process kubelets) in zones zone-a, zone-b, zone-c.
+NODES ?= 1
 cluster-up: venv tools
 	@$(servers_env) \
-	$(PYM) harness.localkube up --root .localkube
+	$(PYM) harness.localkube up --root .localkube --nodes $(NODES)
 
 cluster-down: venv
 	@$(PYM) harness.localkube down --root .localkube

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the local control plane's tools once per version into the cache:
-#   ${XDG_CACHE_HOME:-~/.cache}/shoal/kube-<v>/{kube-apiserver,kube-controller-manager,kubectl}
+#   ${XDG_CACHE_HOME:-~/.cache}/shoal/kube-<v>/{kube-apiserver,kube-controller-manager,
+#                                                 kube-scheduler,kubectl}
 #   .../etcd-<v>/etcd  .../helm-<v>/helm  .../natscli-<v>/nats
 # Versions: versions.mk beside this script (the one place they are pinned). A second run
 # builds nothing. Prints the cache directories on stdout, progress on stderr.
@@ -44,7 +45,11 @@ build() {  # build <dest dir> <binary names...> -- <go command...>
         echo "build: building ${names[*]} failed (see above)" >&2
         rm -rf "$tmp"; exit 1
     fi
-    rm -rf "$dest"; mv "$tmp" "$dest"
+    # One binary at a time into place, so that a directory that already holds others
+    # (kube-scheduler joined kube-<v> later) keeps them and never shows a partial file.
+    mkdir -p "$dest"
+    for n in "${names[@]}"; do mv -f "$tmp/$n" "$dest/$n"; done
+    rm -rf "$tmp"
     echo "build: built ${names[*]} in $((SECONDS - start)) s" >&2
     echo "$dest"
 }
@@ -60,6 +65,10 @@ done
 kube="$cache/kube-$KUBE"
 build "$kube" kube-apiserver kube-controller-manager kubectl -- \
     sh -c "\"$go_bin\" build -ldflags \"$ldflags\" -o \"\$GOBIN/\" k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kubectl"
+# Its own step, so that a machine that built the three above before the scheduler joined
+# builds only the scheduler (from the same module, with Go's build cache).
+build "$kube" kube-scheduler -- \
+    sh -c "\"$go_bin\" build -ldflags \"$ldflags\" -o \"\$GOBIN/\" k8s.io/kubernetes/cmd/kube-scheduler"
 build "$cache/etcd-$ETCD" etcd -- sh -c "\"$go_bin\" build -o \"\$GOBIN/etcd\" ./etcd"
 build "$cache/helm-$HELM" helm -- "$go_bin" install "helm.sh/helm/v3/cmd/helm@$HELM"
 grep -q "github.com/nats-io/natscli $NATSCLI" "$here/natscli/go.mod" \

@@ -1,4 +1,5 @@
-"""`python -m harness.localkube up|down|status [--root .localkube]` (`make cluster-up`)."""
+"""`python -m harness.localkube up|down|status [--root .localkube] [--nodes N]`
+(`make cluster-up [NODES=3]`)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,21 @@ def main() -> None:
         help="each pod in a network namespace of its own, with the API server's, NATS' and "
         "etcd's ports forwarded into it (needs --image; default: $SHOAL_KUBELET_POD_NETWORK)",
     )
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=int(os.environ.get("SHOAL_LOCALKUBE_NODES") or 1),
+        help="how many nodes (process kubelets): 1 is `localkube`; more are localkube-a, "
+        "-b, ... in zones zone-a, zone-b, zone-c (default: $SHOAL_LOCALKUBE_NODES or 1)",
+    )
+    parser.add_argument(
+        "--node-monitor-grace",
+        type=float,
+        default=50.0,
+        metavar="SECONDS",
+        help="how long a node may be silent before it turns NotReady and is tainted "
+        "unreachable (kube-controller-manager's --node-monitor-grace-period; 50)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     # `up` returns with the plane running: its processes outlive this one.
@@ -57,6 +73,8 @@ def main() -> None:
         local_images=parse_stand_ins(args.local_image),
         outlive=True,
         pod_network=args.pod_network and args.command == "up",
+        nodes=args.nodes,
+        node_monitor_grace=args.node_monitor_grace,
     )
     if args.command == "up":
         started = time.monotonic()
@@ -66,8 +84,9 @@ def main() -> None:
             sys.exit(f"cluster-up: {exc}")
         except RuntimeError as exc:
             sys.exit(f"cluster-up: {exc}")
+        nodes = ", ".join(f"{node.name} ({node.zone})" for node in plane.nodes)
         print(
-            f"Local plane up in {time.monotonic() - started:.1f} s: "
+            f"Local plane up in {time.monotonic() - started:.1f} s, nodes {nodes}: "
             f"API {plane.state.apiserver_url}, NATS {plane.state.nats_url}, "
             f"etcd {plane.state.etcd_endpoint}"
         )

@@ -1,14 +1,28 @@
 """A process kubelet: runs the local plane's Pods as processes of this virtualenv, or, with
 `--image`, chrooted into that image's root filesystem as the pod's user.
 
-It registers one Node, binds unscheduled Pods to it (on a one-node plane it is the
-scheduler too), and for each container of a bound Pod starts `command + args` as a local
-process with the Pod's environment (downward-API fieldRefs, secret and config-map refs)
-and a kubeconfig holding a real token of the Pod's ServiceAccount (TokenRequest), so
-RBAC applies to what the process does. It reports phase, readiness (exec, HTTP and TCP
-probes) and restarts; restarts crashed containers per restartPolicy with backoff; on
-deletion sends SIGTERM, then SIGKILL after the grace period. Logs go to
-`<root>/logs/pods/<namespace>_<pod>_<container>.log` and are served to `kubectl logs`.
+It registers one Node (`--node`, labelled with `kubernetes.io/hostname` and, with
+`--zone`, `topology.kubernetes.io/zone`), keeps its Lease in kube-node-lease renewed
+(every quarter of `--lease-seconds`, as the real kubelet) and its status posted, and runs
+the Pods kube-scheduler bound to it (it watches only pods whose spec.nodeName is its
+node; it binds nothing). For each container of such a Pod it starts `command + args` as a
+local process with the Pod's environment (downward-API fieldRefs, secret and config-map
+refs) and a kubeconfig holding a real token of the Pod's ServiceAccount (TokenRequest,
+bound to the pod, for the API server's own audiences: what the pod's automounted
+kube-api-access volume asks for; a pod without one, automountServiceAccountToken false,
+gets no token and no KUBECONFIG, as from a real kubelet), so RBAC applies to what the
+process does. It reports phase, readiness (exec, HTTP and TCP probes) and restarts;
+restarts crashed containers per restartPolicy with backoff; on deletion sends SIGTERM,
+then SIGKILL after the grace period. Logs go to
+`<pod log dir>/<namespace>_<pod>_<container>.log` and are served to `kubectl logs` on the
+port the Node's status names (the API server proxies there).
+
+Its identity is a node's: a client certificate `system:node:<node>` in `system:nodes`,
+so the API server's Node authorizer and NodeRestriction admission decide what it may do,
+as for a real kubelet: its own Node, Lease and pods' status, the Secrets and ConfigMaps
+its pods name, tokens for its pods' service accounts. It needs nothing more (it reads
+Secrets and ConfigMaps only for pods bound to it, by name; a read made before the
+authorizer has seen the binding is refused and retried, like a missing Secret).
 
 Init containers and native sidecars, as the real kubelet runs them (pkg/kubelet/
 kuberuntime computeInitContainerActions, terminationOrdering; pkg/kubelet/prober; status
@@ -154,6 +168,16 @@ MAX_BACKOFF = 30.0
 # A sidecar's shortest time between SIGTERM and SIGKILL (the kubelet's
 # minimumGracePeriodInSeconds).
 MIN_GRACE = 2.0
+# The real kubelet's defaults: a Lease of 40 s renewed every 10 s, the status posted
+# every 10 s.
+LEASE_SECONDS = 40
+STATUS_PERIOD_NODE = 10.0
+ZONE_LABEL = "topology.kubernetes.io/zone"
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+# What the node offers the scheduler. Nothing enforces requests or limits here (pods are
+# plain processes), so this is not the machine's size: it is large enough that any test's
+# requests fit, while the scheduler still spreads, filters and places by it.
+CAPACITY = {"cpu": "32", "memory": "64Gi", "pods": "110"}
 
 
 def now() -> str:
@@ -881,6 +905,18 @@ def _stand_in_command(stand_in: Path, spec: Any, env: dict[str, str]) -> list[st
     return command + args
 
 
+def wants_token(pod: Any) -> bool:
+    """The pod has a projected service-account token for the API server's audiences (the
+    kube-api-access volume the ServiceAccount admission plugin adds unless
+    automountServiceAccountToken is false): only then does it get a token and kubeconfig."""
+    for volume in pod.spec.volumes or []:
+        for source in getattr(volume.projected, "sources", None) or []:
+            token = source.service_account_token
+            if token is not None and not token.audience:
+                return True
+    return False
+
+
 def is_sidecar(spec: Any) -> bool:
     """A native sidecar: an init container with restartPolicy Always."""
     return getattr(spec, "restart_policy", None) == "Always"
@@ -989,18 +1025,30 @@ class ProcessKubelet:
         image: str | None = None,
         stand_ins: dict[str, Path] | None = None,
         pod_network: list[int] | None = None,
+        *,
+        zone: str | None = None,
+        state_dir: Path | None = None,
+        log_dir: Path | None = None,
+        lease_seconds: int = LEASE_SECONDS,
     ) -> None:
         self.kubeconfig = kubeconfig
         self.root = root
         self.node = node
+        self.zone = zone
         self.venv_bin = venv_bin
-        self.state_dir = root / "kubelet"
-        self.log_dir = root / "logs" / "pods"
+        # Each node's own: pod directories, pid records, the image's working containers
+        # (state_dir) and container logs (log_dir), so that kubelets never share state.
+        self.state_dir = state_dir or root / "kubelet"
+        self.log_dir = log_dir or root / "logs" / "pods"
         self.pid_dir = self.state_dir / "pids"
         for d in (self.state_dir, self.log_dir, self.pid_dir):
             d.mkdir(parents=True, exist_ok=True)
+        # The real kubelet's nodeLeaseDurationSeconds; it renews every quarter of it.
+        self.lease_seconds = lease_seconds
+        self.node_uid: str | None = None
         self.api = config.new_client_from_config(str(kubeconfig))
         self.core = client.CoreV1Api(self.api)
+        self.coordination = client.CoordinationV1Api(self.api)
         raw = yaml.safe_load(kubeconfig.read_text())
         self.server = raw["clusters"][0]["cluster"]["server"]
         self.ca_file = raw["clusters"][0]["cluster"]["certificate-authority"]
@@ -1172,7 +1220,8 @@ class ProcessKubelet:
             tmp.chmod(0o1777)
             binds.append({"source": str(tmp), "target": "/tmp"})
         account = self.pod_dir(pod) / "serviceaccount"
-        binds.append({"source": str(account), "target": SERVICE_ACCOUNT_DIR, "read_only": True})
+        if account.is_dir():  # not for a pod that asked for no token
+            binds.append({"source": str(account), "target": SERVICE_ACCOUNT_DIR, "read_only": True})
         return binds
 
     def remove_pod_dir(self, pod: Any) -> None:
@@ -1255,7 +1304,10 @@ class ProcessKubelet:
     def pod_env(self, pod: Any) -> dict[str, str]:
         """What every container of the pod gets: PATH into the venv (the image's ENV in
         the image runtime), a kubeconfig."""
+        token = wants_token(pod)
         if self.image is not None:
+            if not token:
+                return {"HOSTNAME": pod.metadata.name}
             self._write_service_account(pod)
             # The image's ENV comes per container (image_env): images differ.
             return {
@@ -1270,7 +1322,8 @@ class ProcessKubelet:
         env["PATH"] = f"{self.venv_bin}:/usr/local/bin:/usr/bin:/bin"
         env["HOSTNAME"] = pod.metadata.name
         env["PYTHONUNBUFFERED"] = "1"
-        env["KUBECONFIG"] = str(self._pod_kubeconfig(pod))
+        if token:
+            env["KUBECONFIG"] = str(self._pod_kubeconfig(pod))
         return env
 
     def _pod_kubeconfig(self, pod: Any) -> Path:
@@ -1301,9 +1354,11 @@ class ProcessKubelet:
     def _pod_token(self, pod: Any) -> str:
         sa = pod.spec.service_account_name or "default"
         namespace = pod.metadata.namespace
+        # No audiences: the API server's own, what the pod's kube-api-access volume asks
+        # for. NodeRestriction lets a node request only the audiences its pods' volumes name.
         request = client.AuthenticationV1TokenRequest(
             spec=client.V1TokenRequestSpec(
-                audiences=["https://kubernetes.default.svc.cluster.local"],
+                audiences=[],
                 expiration_seconds=24 * 3600,
                 bound_object_ref=client.V1BoundObjectReference(
                     api_version="v1", kind="Pod", name=pod.metadata.name, uid=pod.metadata.uid
@@ -1318,8 +1373,10 @@ class ProcessKubelet:
                 ).status.token
                 return token
             except ApiException as exc:
-                if exc.status == 404:
-                    raise  # the service account may not exist yet (a controller creates it)
+                # 404: the service account may not exist yet (a controller creates it).
+                # 403: the Node authorizer has not seen the pod's binding yet.
+                if exc.status in (403, 404):
+                    raise
                 raise RuntimeError(
                     f"no token for service account {namespace}/{sa}: {exc.reason}"
                 ) from exc
@@ -1515,42 +1572,73 @@ class ProcessKubelet:
 
     # -- node ------------------------------------------------------------------------------
 
+    def labels(self) -> dict[str, str]:
+        labels = {
+            HOSTNAME_LABEL: self.node,
+            "kubernetes.io/os": "linux",
+            "kubernetes.io/arch": "amd64",
+        }
+        if self.zone:
+            labels[ZONE_LABEL] = self.zone
+        return labels
+
     def register_node(self) -> None:
+        """Create the Node (or take over the one of that name, with this kubelet's labels),
+        post its status and create its Lease."""
         node = {
             "apiVersion": "v1",
             "kind": "Node",
-            "metadata": {
-                "name": self.node,
-                "labels": {
-                    "kubernetes.io/hostname": self.node,
-                    "kubernetes.io/os": "linux",
-                    "kubernetes.io/arch": "amd64",
-                },
-            },
+            "metadata": {"name": self.node, "labels": self.labels()},
         }
         try:
-            self.core.create_node(node)
+            created = self.core.create_node(node)
         except ApiException as exc:
             if exc.status != 409:
                 raise
+            # NodeRestriction lets a node set these labels on itself.
+            created = self.core.patch_node(self.node, {"metadata": {"labels": self.labels()}})
+        self.node_uid = created.metadata.uid
         self.heartbeat()
-        log.info("Registered node %s", self.node)
+        self.renew_lease()
+        log.info("Registered node %s (zone %s)", self.node, self.zone or "none")
 
     def heartbeat(self) -> None:
+        """Post the node's status: Ready, no pressure, its address and log port."""
         stamp = now()
-        cpus = str(os.cpu_count() or 1)
+        previous: dict[str, Any] = {}
+        try:
+            current = self.core.read_node(self.node)
+            previous = {c.type: c for c in current.status.conditions or []}
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+        def condition(kind: str, status: str, reason: str, message: str) -> dict[str, Any]:
+            old = previous.get(kind)
+            # lastTransitionTime only when the status changes (the node lifecycle
+            # controller sets Unknown while the kubelet is silent).
+            since = old.last_transition_time if old is not None and old.status == status else None
+            return {
+                "type": kind,
+                "status": status,
+                "reason": reason,
+                "message": message,
+                "lastHeartbeatTime": stamp,
+                "lastTransitionTime": since.strftime("%Y-%m-%dT%H:%M:%SZ") if since else stamp,
+            }
+
         status = {
-            "capacity": {"cpu": cpus, "memory": "16Gi", "pods": "110"},
-            "allocatable": {"cpu": cpus, "memory": "16Gi", "pods": "110"},
+            "capacity": dict(CAPACITY),
+            "allocatable": dict(CAPACITY),
             "addresses": [
                 {"type": "InternalIP", "address": POD_IP},
                 {"type": "Hostname", "address": self.node},
             ],
             "daemonEndpoints": {"kubeletEndpoint": {"Port": self.log_port}},
             "nodeInfo": {
-                "machineID": "localkube",
-                "systemUUID": "localkube",
-                "bootID": "localkube",
+                "machineID": self.node,
+                "systemUUID": self.node,
+                "bootID": self.node,
                 "kernelVersion": os.uname().release,
                 "osImage": "local processes" if self.image is None else self.image.image,
                 "containerRuntimeVersion": "process://1" if self.image is None else "chroot://1",
@@ -1560,40 +1648,52 @@ class ProcessKubelet:
                 "architecture": "amd64",
             },
             "conditions": [
-                {
-                    "type": "Ready",
-                    "status": "True",
-                    "reason": "KubeletReady",
-                    "message": "process kubelet is posting ready status",
-                    "lastHeartbeatTime": stamp,
-                    "lastTransitionTime": stamp,
-                }
+                condition("MemoryPressure", "False", "KubeletHasSufficientMemory", "no pressure"),
+                condition("DiskPressure", "False", "KubeletHasNoDiskPressure", "no pressure"),
+                condition("PIDPressure", "False", "KubeletHasSufficientPID", "no pressure"),
+                condition(
+                    "Ready", "True", "KubeletReady", "process kubelet is posting ready status"
+                ),
             ],
         }
         self.core.patch_node_status(self.node, {"status": status})
 
+    def renew_lease(self) -> None:
+        """The node's Lease in kube-node-lease (what the node lifecycle controller watches
+        for life), created on first use and owned by the Node, as the real kubelet's."""
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        spec = {
+            "holderIdentity": self.node,
+            "leaseDurationSeconds": self.lease_seconds,
+            "renewTime": stamp,
+        }
+        try:
+            self.coordination.patch_namespaced_lease(self.node, "kube-node-lease", {"spec": spec})
+            return
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+        owner = {"apiVersion": "v1", "kind": "Node", "name": self.node, "uid": self.node_uid}
+        lease = {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {
+                "name": self.node,
+                "namespace": "kube-node-lease",
+                "ownerReferences": [owner] if self.node_uid else [],
+            },
+            "spec": spec,
+        }
+        try:
+            self.coordination.create_namespaced_lease("kube-node-lease", lease)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+
     # -- pods ------------------------------------------------------------------------------
 
-    def bind(self, pod: Any) -> None:
-        body = client.V1Binding(
-            metadata=client.V1ObjectMeta(name=pod.metadata.name),
-            target=client.V1ObjectReference(api_version="v1", kind="Node", name=self.node),
-        )
-        try:
-            # _preload_content=False: the client cannot deserialize the Status it returns.
-            self.core.create_namespaced_pod_binding(
-                pod.metadata.name, pod.metadata.namespace, body, _preload_content=False
-            )
-            log.info("Bound pod %s/%s to %s", pod.metadata.namespace, pod.metadata.name, self.node)
-        except ApiException as exc:
-            if exc.status not in (404, 409):
-                log.warning("Binding %s failed: %s", pod.metadata.name, exc.reason)
-
     def handle(self, pod: Any) -> None:
-        if pod.spec.node_name is None:
-            if not pod.metadata.deletion_timestamp:
-                self.bind(pod)
-            return
+        # kube-scheduler binds; the watch only shows this node's pods (a field selector).
         if pod.spec.node_name != self.node:
             return
         uid = pod.metadata.uid
@@ -1634,9 +1734,11 @@ class ProcessKubelet:
             self.pods.pop(pod.metadata.uid, None)
 
     def watch_pods(self) -> None:
+        """The pods bound to this node (spec.nodeName), as the real kubelet watches them."""
+        selector = f"spec.nodeName={self.node}"
         while not self.stopping.is_set():
             try:
-                listed = self.core.list_pod_for_all_namespaces()
+                listed = self.core.list_pod_for_all_namespaces(field_selector=selector)
                 seen = set()
                 for pod in listed.items:
                     seen.add(pod.metadata.uid)
@@ -1644,6 +1746,7 @@ class ProcessKubelet:
                 self._forget_vanished(seen)
                 stream = watch.Watch().stream(
                     self.core.list_pod_for_all_namespaces,
+                    field_selector=selector,
                     resource_version=listed.metadata.resource_version,
                     timeout_seconds=60,
                 )
@@ -1674,7 +1777,17 @@ class ProcessKubelet:
             self._vanished(uid)
 
     def heartbeats(self) -> None:
-        while not self.stopping.wait(10):
+        """Renew the Lease every quarter of its duration; post the status every 10 s."""
+        renew = self.lease_seconds / 4
+        next_status = time.monotonic() + STATUS_PERIOD_NODE
+        while not self.stopping.wait(renew):
+            try:
+                self.renew_lease()
+            except Exception as exc:
+                log.warning("Node lease renewal failed: %s", exc)
+            if time.monotonic() < next_status:
+                continue
+            next_status = time.monotonic() + STATUS_PERIOD_NODE
             try:
                 self.heartbeat()
             except Exception as exc:
@@ -1741,6 +1854,17 @@ def main() -> None:
     parser.add_argument("--kubeconfig", type=Path, required=True)
     parser.add_argument("--root", type=Path, required=True, help="the plane's directory")
     parser.add_argument("--node", default="localkube")
+    parser.add_argument("--zone", help="the node's topology.kubernetes.io/zone label")
+    parser.add_argument(
+        "--state-dir", type=Path, help="pod directories and pid records (<root>/kubelet)"
+    )
+    parser.add_argument("--pod-log-dir", type=Path, help="container logs (<root>/logs/pods)")
+    parser.add_argument(
+        "--lease-seconds",
+        type=int,
+        default=LEASE_SECONDS,
+        help="the node Lease's duration; renewed every quarter of it (40)",
+    )
     parser.add_argument(
         "--venv-bin", type=Path, required=True, help="bin directory of the virtualenv pods run in"
     )
@@ -1785,6 +1909,10 @@ def main() -> None:
         args.image,
         parse_stand_ins(args.local_image),
         args.forward_port if args.pod_network else None,
+        zone=args.zone,
+        state_dir=args.state_dir,
+        log_dir=args.pod_log_dir,
+        lease_seconds=args.lease_seconds,
     )
     if kubelet.image is not None:
         # What a killed kubelet left mounted, then the image for shoal:dev.

@@ -1,11 +1,18 @@
 """A real Kubernetes control plane on loopback, without containers.
 
-etcd, kube-apiserver (RBAC, service-account tokens, a self-signed serving certificate)
-and kube-controller-manager (deployments, replicasets, service accounts and their
-tokens, namespaces, garbage collection, disruption budgets) run as local processes; a
-process kubelet (harness.localkube.kubelet) registers a Node and runs Pods as processes
-of this project's virtualenv, or, with `image=`, chrooted into that image's root
-filesystem as the pod's user. A NATS server and a second etcd serve the consumer groups.
+etcd, kube-apiserver (Node and RBAC authorization, NodeRestriction, service-account
+tokens, a self-signed serving certificate), kube-controller-manager (deployments,
+replicasets, service accounts and their tokens, namespaces, garbage collection,
+disruption budgets, node lifecycle and taint-based eviction, pod GC) and kube-scheduler
+run as local processes; one process kubelet per node (harness.localkube.kubelet,
+`nodes=`: 1 by default, a Node named `localkube`; with more, `localkube-a`, `-b`, ... in
+zones `zone-a`, `zone-b`, `zone-c`, round robin) registers its Node and runs the Pods the
+scheduler bound to it as processes of this project's virtualenv, or, with `image=`,
+chrooted into that image's root filesystem as the pod's user. Each kubelet is a node to
+the API server (`system:node:<name>` in `system:nodes`), with its own state directory
+(`root/kubelet` or `root/kubelet-<letter>`), pod logs (`root/logs/pods[-<letter>]`) and
+log server port. A NATS server and a second etcd serve the consumer groups; every pod of
+every node shares the host's loopback (unless `pod_network`).
 
 `LocalKube(root).up()` starts everything and writes `root/env` (KUBECONFIG, PATH,
 NATS_URL, ETCD_ENDPOINTS) and `root/values.yaml` (Helm values for the chart);
@@ -25,6 +32,7 @@ import signal
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -44,10 +52,15 @@ from harness.waiting import WaitTimeout, eventually
 
 log = logging.getLogger(__name__)
 
-NODE_NAME = "localkube"
+NODE_NAME = "localkube"  # the single node's name (several: localkube-a, -b, ...)
+ZONES = ("zone-a", "zone-b", "zone-c")
+MAX_NODES = 9
 SERVICE_CIDR = "10.0.0.0/24"
 READY_TIMEOUT = 60.0
 STOP_TIMEOUT = 10.0
+# kube-controller-manager's default: how long a node may stay silent before the node
+# lifecycle controller marks it NotReady (Unknown) and taints it unreachable.
+NODE_MONITOR_GRACE = 50.0
 
 # Controllers the tests and the operator need (Kubernetes >= 1.28 names).
 CONTROLLERS = [
@@ -57,17 +70,58 @@ CONTROLLERS = [
     "serviceaccount-token-controller",
     "namespace-controller",
     "garbage-collector-controller",
+    # What PodDisruptionBudgets, and so `kubectl drain`'s evictions, read their state from.
     "disruption-controller",
+    # A silent node turns NotReady (Unknown) and is tainted unreachable; pods that do not
+    # tolerate the taint (their default tolerationSeconds: 300) are deleted.
+    "node-lifecycle-controller",
+    "taint-eviction-controller",
+    # Force-deletes pods of deleted nodes and terminated pods past the threshold.
+    "pod-garbage-collector-controller",
 ]
 
 CLIENTS = {
     "admin": "shoal-admin|system:masters",
     "controller-manager": "system:kube-controller-manager",
-    # The process kubelet binds pods, writes their status and requests tokens for their
-    # service accounts: in this single-node plane it acts as the scheduler too, so it gets
-    # cluster-admin rights rather than the node authorizer's narrower ones.
-    "kubelet": "system:node:localkube|system:masters",
+    "scheduler": "system:kube-scheduler",
 }
+
+
+@dataclass(frozen=True)
+class PlaneNode:
+    """A node of the plane: its Node's name and zone, and its kubelet's component name
+    (in state.json; its log `logs/<component>.log`, its state directory `<component>/`)."""
+
+    name: str
+    zone: str
+    component: str
+
+    @property
+    def client(self) -> str:
+        """Its client certificate's file name in pki/ (node-<name>.crt)."""
+        return f"node-{self.name}"
+
+    @property
+    def pod_logs(self) -> str:
+        """Its container logs' directory under logs/."""
+        return "pods" + self.component.removeprefix("kubelet")
+
+
+def plane_nodes(count: int) -> list[PlaneNode]:
+    """One node `localkube` in zone-a; several: localkube-a, -b, ... in zone-a, -b, -c, -a ..."""
+    if not 1 <= count <= MAX_NODES:
+        raise ValueError(f"nodes must be between 1 and {MAX_NODES}, not {count}")
+    if count == 1:
+        return [PlaneNode(NODE_NAME, ZONES[0], "kubelet")]
+    letters = "abcdefghi"
+    return [
+        PlaneNode(f"{NODE_NAME}-{letters[i]}", ZONES[i % len(ZONES)], f"kubelet-{letters[i]}")
+        for i in range(count)
+    ]
+
+
+def is_kubelet(component: str) -> bool:
+    return component == "kubelet" or component.startswith("kubelet-")
 
 
 class PortTaken(RuntimeError):
@@ -200,6 +254,8 @@ class LocalKube:
         local_images: dict[str, Path] | None = None,
         outlive: bool = False,
         pod_network: bool = False,
+        nodes: int = 1,
+        node_monitor_grace: float = NODE_MONITOR_GRACE,
     ) -> None:
         """`image`: the kubelet runs shoal:dev pods from this image's root filesystem
         (chroot, the pod's uid; needs root and buildah), not as processes of `venv_bin`,
@@ -209,7 +265,11 @@ class LocalKube:
         `outlive`: the plane's processes outlive this one (else they die with it).
         `pod_network`: each pod gets a network namespace of its own (its own loopback, so
         pods may listen on the same port), into which the API server's, NATS' and etcd's
-        ports are forwarded (the kubelet's --pod-network; needs `image`)."""
+        ports are forwarded (the kubelet's --pod-network; needs `image`).
+        `nodes`: how many nodes (process kubelets) the plane has (see plane_nodes).
+        `node_monitor_grace`: seconds a node may be silent before the node lifecycle
+        controller marks it NotReady and taints it; the kubelets renew their Leases every
+        quarter of min(40 s, this), as a real kubelet renews its 40 s Lease every 10 s."""
         self.root = Path(root).resolve()
         self.outlive = outlive
         self.tools = tools
@@ -219,6 +279,10 @@ class LocalKube:
         if pod_network and not image:
             raise ValueError("pod_network needs image= (the kubelet's image runtime, as root)")
         self.pod_network = pod_network
+        self.nodes = plane_nodes(nodes)
+        if node_monitor_grace < 4:
+            raise ValueError("node_monitor_grace must be at least 4 s")
+        self.node_monitor_grace = node_monitor_grace
         self.state = State()
         self._servers: list[Any] = []
 
@@ -253,16 +317,22 @@ class LocalKube:
         tools = self._tools()
         self.root.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
-        pki = ensure_pki(self.root / "pki", dict(CLIENTS))
+        clients: dict[str, str | None] = dict(CLIENTS)
+        for node in self.nodes:
+            # A node's identity: the Node authorizer and NodeRestriction key on it.
+            clients[node.client] = f"system:node:{node.name}|system:nodes"
+        pki = ensure_pki(self.root / "pki", clients)
         try:
             self._start_kube_etcd(tools)
             self._start_apiserver(tools, pki)
             self._write_kubeconfigs(pki)
             self._start_controller_manager(tools, pki)
+            self._start_scheduler(tools)
             # The group servers first: the kubelet forwards their ports into pods' networks.
             self._start_group_servers()
-            self._start_kubelet()
-            self._wait_for_node()
+            for node in self.nodes:
+                self._start_kubelet(node)
+            self._wait_for_nodes()
         except BaseException:
             self.state.save(self.state_path)
             self.down()
@@ -325,7 +395,11 @@ class LocalKube:
                 f"--tls-cert-file={pki.serving_cert}",
                 f"--tls-private-key-file={pki.serving_key}",
                 f"--client-ca-file={pki.ca_cert}",
-                "--authorization-mode=RBAC",
+                # The kubelets are nodes: the Node authorizer and NodeRestriction admission
+                # (beside the default admission plugins) limit each to its own Node, Lease,
+                # pods, and the Secrets, ConfigMaps and tokens those pods need.
+                "--authorization-mode=Node,RBAC",
+                "--enable-admission-plugins=NodeRestriction",
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
                 f"--service-account-key-file={pki.sa_pub}",
                 f"--service-account-signing-key-file={pki.sa_key}",
@@ -349,8 +423,14 @@ class LocalKube:
         context.load_cert_chain(str(cert), str(key))
         return context
 
-    def _wait_ready(self, url: str, pki: Pki, name: str) -> None:
-        context = self._ssl_context(pki)
+    def _wait_ready(self, url: str, pki: Pki, name: str, *, verify: bool = True) -> None:
+        """verify=False: a component serving its own self-signed certificate."""
+        if verify:
+            context = self._ssl_context(pki)
+        else:
+            context = ssl.create_default_context()
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
         opener = urllib.request.build_opener(
             urllib.request.HTTPSHandler(context=context), urllib.request.ProxyHandler({})
         )
@@ -385,7 +465,8 @@ class LocalKube:
         for client, path in (
             ("admin", self.kubeconfig_path),
             ("controller-manager", self.root / "controller-manager.kubeconfig"),
-            ("kubelet", self.root / "kubelet.kubeconfig"),
+            ("scheduler", self.root / "scheduler.kubeconfig"),
+            *((node.client, self._kubelet_kubeconfig(node)) for node in self.nodes),
         ):
             path.write_text(yaml.safe_dump(kubeconfig(url, pki, client)))
             path.chmod(0o600)
@@ -410,24 +491,76 @@ class LocalKube:
                 f"--secure-port={free_port()}",
                 "--concurrent-deployment-syncs=2",
                 "--concurrent-replicaset-syncs=2",
+                # Node lifecycle: a node whose Lease and status have not been renewed for
+                # the grace period turns NotReady (Unknown) and is tainted unreachable,
+                # checked every monitor period.
+                f"--node-monitor-grace-period={self.node_monitor_grace:g}s",
+                f"--node-monitor-period={self._node_monitor_period():g}s",
             ],
         )
 
-    def _start_kubelet(self) -> None:
+    def _node_monitor_period(self) -> float:
+        """How often the node lifecycle controller looks: its default 5 s, shorter for a
+        short grace period (a fifth of it, at least 1 s)."""
+        return max(1.0, min(5.0, round(self.node_monitor_grace / 5, 1)))
+
+    def _lease_seconds(self) -> int:
+        """The kubelets' Lease duration: the real 40 s, or the grace period if shorter
+        (renewed every quarter of it)."""
+        return int(min(40.0, self.node_monitor_grace))
+
+    def _start_scheduler(self, tools: KubeTools) -> None:
+        """kube-scheduler with its default profile (spreading, affinity, taints, fit),
+        as system:kube-scheduler; it binds every pod, the kubelets none."""
+        kubeconfig_path = self.root / "scheduler.kubeconfig"
+        port = free_port()
+        self._spawn(
+            "kube-scheduler",
+            [
+                str(tools.kube_scheduler),
+                f"--kubeconfig={kubeconfig_path}",
+                f"--authentication-kubeconfig={kubeconfig_path}",
+                f"--authorization-kubeconfig={kubeconfig_path}",
+                "--leader-elect=false",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={port}",
+                "--profiling=false",
+            ],
+        )
+        self.state.components[-1].port = port
+        self._wait_ready(
+            f"https://127.0.0.1:{port}/readyz",
+            Pki(self.root / "pki"),
+            "kube-scheduler",
+            verify=False,
+        )
+
+    def _kubelet_kubeconfig(self, node: PlaneNode) -> Path:
+        return self.root / f"{node.component}.kubeconfig"
+
+    def _start_kubelet(self, node: PlaneNode) -> None:
         env = dict(os.environ)
         env["PYTHONUNBUFFERED"] = "1"
         self._spawn(
-            "kubelet",
+            node.component,
             [
                 str(self.venv_bin / "python"),
                 "-m",
                 "harness.localkube.kubelet",
                 "--kubeconfig",
-                str(self.root / "kubelet.kubeconfig"),
+                str(self._kubelet_kubeconfig(node)),
                 "--root",
                 str(self.root),
                 "--node",
-                NODE_NAME,
+                node.name,
+                "--zone",
+                node.zone,
+                "--state-dir",
+                str(self.root / node.component),
+                "--pod-log-dir",
+                str(self.logs / node.pod_logs),
+                "--lease-seconds",
+                str(self._lease_seconds()),
                 "--venv-bin",
                 str(self.venv_bin),
                 *(["--image", self.image] if self.image else []),
@@ -453,33 +586,38 @@ class LocalKube:
         self.state.etcd_endpoint = etcd.endpoint
         self._record("etcd", etcd.detach(), None, str(etcd.log_path))
 
-    def _wait_for_node(self) -> None:
-        kubelet = next(c.pid for c in self.state.components if c.name == "kubelet")
+    def _wait_for_nodes(self) -> None:
+        """Every node Ready, and free of the not-ready taint the node lifecycle controller
+        puts on a node until it is (the scheduler places nothing there before)."""
+        kubelets = [c for c in self.state.components if is_kubelet(c.name)]
+        names = [node.name for node in self.nodes]
 
-        def node_ready() -> subprocess.CompletedProcess[str]:
-            if not alive(kubelet):
-                raise RuntimeError(f"the kubelet exited; see {self.logs}/kubelet.log")
-            return self.kubectl(
-                "get",
-                "node",
-                NODE_NAME,
-                "-o",
-                "jsonpath={.status.conditions[?(@.type=='Ready')].status}",
-                check=False,
-            )
+        def nodes_ready() -> dict[str, str]:
+            for kubelet in kubelets:
+                if not alive(kubelet.pid):
+                    raise RuntimeError(f"{kubelet.name} exited; see {self.logs}/{kubelet.name}.log")
+            result = self.kubectl("get", "nodes", "-o", "json", check=False)
+            if result.returncode != 0:
+                return {"error": result.stderr.strip()}
+            seen = {}
+            for node in json.loads(result.stdout)["items"]:
+                conditions = node.get("status", {}).get("conditions") or []
+                ready = next((c["status"] for c in conditions if c["type"] == "Ready"), "?")
+                taints = [t["key"] for t in node.get("spec", {}).get("taints") or []]
+                seen[node["metadata"]["name"]] = f"Ready={ready} taints={taints}"
+            return seen
 
         try:
             eventually(
-                node_ready,
+                nodes_ready,
                 READY_TIMEOUT,
-                f"node {NODE_NAME} to be Ready",
-                until=lambda result: result.stdout.strip() == "True",
+                f"nodes {', '.join(names)} to be Ready",
+                until=lambda seen: all(seen.get(n) == "Ready=True taints=[]" for n in names),
                 interval=0.3,
-                describe=lambda result: f"{result.stdout.strip()!r} {result.stderr.strip()!r}",
             )
         except WaitTimeout as exc:
             raise RuntimeError(
-                f"node {NODE_NAME} not Ready ({exc}); see {self.logs}/kubelet.log"
+                f"nodes not Ready ({exc}); see the kubelets' logs in {self.logs}"
             ) from exc
 
     def kubectl(
@@ -533,27 +671,39 @@ class LocalKube:
         return any(alive(c.pid) for c in state.components)
 
     def down(self) -> None:
-        """Stop every component in reverse start order (the kubelet first stops its pods)."""
+        """Stop every component in reverse start order (the kubelets first stop their pods)."""
         if not self.state_path.exists():
             return
         state = State.load(self.state_path)
-        # The kubelet first, while its pods can still reach NATS, etcd and the API server
-        # to leave their groups gracefully; then the rest in reverse start order.
-        order = sorted(reversed(state.components), key=lambda c: c.name != "kubelet")
-        for component in order:
-            # The kubelet needs time to stop its pods gracefully.
-            timeout = 40.0 if component.name == "kubelet" else STOP_TIMEOUT
-            started = time.monotonic()
-            stop_process_group(component.pid, timeout)
-            log.info("Stopped %s in %.1f s", component.name, time.monotonic() - started)
-        self._kill_leftover_pods()
-        # A kubelet killed before its shutdown leaves the image's working container.
-        remove_recorded(self.root / "kubelet")
+        # The kubelets first, at once, while their pods can still reach NATS, etcd and the
+        # API server to leave their groups gracefully; then the rest in reverse start order.
+        kubelets = [c for c in state.components if is_kubelet(c.name)]
+        threads = [
+            threading.Thread(target=self._stop_component, args=(c, 40.0), name=c.name)
+            for c in kubelets  # they need time to stop their pods gracefully
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for component in reversed(state.components):
+            if not is_kubelet(component.name):
+                self._stop_component(component, STOP_TIMEOUT)
+        for kubelet in kubelets:
+            self._kill_leftover_pods(self.root / kubelet.name)
+            # A kubelet killed before its shutdown leaves the image's working container.
+            remove_recorded(self.root / kubelet.name)
         self.state_path.unlink()
 
-    def _kill_leftover_pods(self) -> None:
-        """Pods whose kubelet died without stopping them are recorded in pids/."""
-        pids = self.root / "kubelet" / "pids"
+    @staticmethod
+    def _stop_component(component: Component, timeout: float) -> None:
+        started = time.monotonic()
+        stop_process_group(component.pid, timeout)
+        log.info("Stopped %s in %.1f s", component.name, time.monotonic() - started)
+
+    def _kill_leftover_pods(self, state_dir: Path) -> None:
+        """Pods whose kubelet died without stopping them are recorded in its pids/."""
+        pids = state_dir / "pids"
         if not pids.is_dir():
             return
         for pid_file in pids.glob("*.pid"):

@@ -35,6 +35,7 @@ class ToolMissing(RuntimeError):
 class KubeTools:
     kube_apiserver: Path
     kube_controller_manager: Path
+    kube_scheduler: Path
     kubectl: Path
     etcd: Path
     helm: Path
@@ -62,6 +63,7 @@ def find_tools() -> KubeTools:
     tools = KubeTools(
         kube_apiserver=kube / "kube-apiserver",
         kube_controller_manager=kube / "kube-controller-manager",
+        kube_scheduler=kube / "kube-scheduler",
         kubectl=kube / "kubectl",
         etcd=etcd / "etcd",
         helm=helm / "helm",
