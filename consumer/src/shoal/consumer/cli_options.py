@@ -1,0 +1,82 @@
+"""The options several `shoal-consumer` commands share (which group, where its servers
+are), and how a configuration error reads on the command line."""
+
+from __future__ import annotations
+
+import click
+from pydantic import ValidationError
+
+from shoal.contracts.names import DEFAULT_PARTITIONS
+
+__all__ = [
+    "etcd_option",
+    "group_option",
+    "namespace_option",
+    "nats_option",
+    "or_dash",
+    "partitions_option",
+    "stream_option",
+    "subject_prefix_option",
+    "validation_message",
+]
+
+group_option = click.option(
+    "--group",
+    "-g",
+    envvar="SHOAL_GROUP",
+    required=True,
+    help="Consumer group name [env SHOAL_GROUP].",
+)
+namespace_option = click.option(
+    "--namespace",
+    "-n",
+    envvar="SHOAL_NAMESPACE",
+    default="default",
+    show_default=True,
+    help="Namespace of the group [env SHOAL_NAMESPACE].",
+)
+nats_option = click.option(
+    "--nats",
+    "nats_url",
+    envvar="NATS_URL",
+    default="nats://127.0.0.1:4222",
+    show_default=True,
+    help="NATS server URL [env NATS_URL].",
+)
+etcd_option = click.option(
+    "--etcd",
+    "etcd_endpoints",
+    envvar="ETCD_ENDPOINTS",
+    default="127.0.0.1:2379",
+    show_default=True,
+    help="etcd endpoints, host:port[,host:port] [env ETCD_ENDPOINTS].",
+)
+partitions_option = click.option(
+    "--partitions",
+    "-p",
+    type=click.IntRange(1, 4096),
+    envvar="SHOAL_PARTITIONS",
+    default=DEFAULT_PARTITIONS,
+    show_default=True,
+    help="Number of partitions of the group.",
+)
+subject_prefix_option = click.option(
+    "--subject-prefix",
+    envvar="SHOAL_SUBJECT_PREFIX",
+    default=None,
+    help="Subject prefix (default shoal.<namespace>.<group>).",
+)
+stream_option = click.option(
+    "--stream", envvar="SHOAL_STREAM", default=None, help="Stream name, if not the default."
+)
+
+
+def validation_message(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(x) for x in err['loc']) or 'config'}: {err['msg']}" for err in exc.errors()
+    )
+
+
+def or_dash(value: object) -> object:
+    """A value for a table cell: "-" for none."""
+    return "-" if value is None else value
