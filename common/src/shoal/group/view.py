@@ -174,6 +174,10 @@ class GroupView:
             result[key[len(prefix) :]] = problem
         return result
 
+    def is_paused(self) -> bool:
+        """Whether the group is paused (the key's presence; nothing parsed)."""
+        return self.keys.paused in self.kvs
+
     def paused(self) -> PauseRecord | None:
         """Who paused the group (Keys.paused), or None while it runs. The key's presence
         is what pauses: an unreadable value is logged once and still pauses."""

@@ -585,12 +585,14 @@ class Worker:
     def set_paused(self) -> None:
         """Follow the group's `paused` key (GroupView.paused): pause every runner when it
         appears, resume them when it goes. Runners started later follow `paused` (_start)."""
-        record = self.view.paused()
-        paused = record is not None
+        # Every round of the worker's loop: the key's presence, and its record parsed
+        # only when that changes (for the log line).
+        paused = self.view.is_paused()
         if paused == self.paused:
             return
         self.paused = paused
         runners = list(self.runners.values())
+        record = self.view.paused()
         if record is not None:
             for runner in runners:
                 runner.pause()
