@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from shoal.assignor import assign, min_moves, moved, owner_counts, skew
 from shoal.clients.etcd import Etcd, EtcdAuthError, EtcdConfigError
 from shoal.clients.natsauth import NatsClosed, NatsConfigError
+from shoal.consumer import eventloop
 from shoal.consumer import ready as readiness
 from shoal.consumer.cli_options import (
     etcd_option,
@@ -102,6 +103,15 @@ main.add_command(dlq)
     default=None,
     help="Member lease TTL in seconds (default 10).",
 )
+@click.option(
+    "--event-loop",
+    envvar="SHOAL_EVENT_LOOP",
+    type=click.Choice(eventloop.CHOICES),
+    default=eventloop.DEFAULT,
+    show_default=True,
+    help="The event loop: uvloop (faster), or asyncio's own (for debugging) "
+    "[env SHOAL_EVENT_LOOP].",
+)
 def run(
     group: str,
     namespace: str,
@@ -113,6 +123,7 @@ def run(
     member_id: str | None,
     metrics_port: int | None,
     lease_ttl: int | None,
+    event_loop: str,
 ) -> None:
     """Run one member of a consumer group until SIGTERM (then leave gracefully).
 
@@ -155,7 +166,7 @@ def run(
     except ValidationError as exc:
         raise click.UsageError(validation_message(exc)) from None
     try:
-        asyncio.run(run_consumer(config))
+        eventloop.run(run_consumer(config), event_loop)
     except (HandlerError, EtcdConfigError, EtcdAuthError, NatsConfigError) as exc:
         raise click.ClickException(str(exc)) from None
     except NatsClosed:

@@ -30,6 +30,7 @@ import ssl
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import cast
 from urllib.parse import urlsplit
 
 __all__ = ["Answer", "ConnectFailed", "HttpClient", "ProtocolError", "Unanswered"]
@@ -84,8 +85,9 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol ------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # A stream transport (write, abort), though not always an asyncio.Transport
+        # instance: uvloop's are its own classes.
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         if self._waiter is None:
