@@ -14,6 +14,11 @@ raises CancelledError although nobody cancelled the handler,
 ``deaf-on:<member>`` never returns on that member and ignores being cancelled (a handler
 stuck in code that swallows CancelledError: only ending the process stops it).
 
+`stamped` is `noop` that also notes when each message finished (time.monotonic(), one
+clock for every process of the machine) and writes the times, as float64s, to
+$SHOAL_STAMPS_FILE when the member exits: bench/ramp.py reads from them what the
+member's handler saw, second by second, at the cost of a list append per message.
+
 `slow_ledger` is the `ledger` handler of shoal.consumer.handlers with two differences a
 scenario needs: a message whose data is ``sleep:<seconds>[:<cleanup>]`` takes that long
 (and, when cancelled, `cleanup` seconds more to stop), and the
@@ -25,21 +30,48 @@ since not every handler guards itself).
 
 from __future__ import annotations
 
+import array
 import asyncio
+import atexit
 import json
 import logging
 import os
 import time
 from pathlib import Path
 
-from shoal.consumer.handlers import Message, PermanentError
+from shoal.consumer.handlers import Message, PermanentError, noop
 from shoal.contracts.names import SEQ_HEADER, ledger_subject
 
-__all__ = ["SLEEP_PREFIX", "scripted_ledger", "slow_ledger"]
+__all__ = ["SLEEP_PREFIX", "scripted_ledger", "slow_ledger", "stamped"]
 
 log = logging.getLogger(__name__)
 
 SLEEP_PREFIX = b"sleep:"
+
+
+_STAMPS = array.array("d")
+
+
+def _write_stamps() -> None:
+    path = os.environ.get("SHOAL_STAMPS_FILE")
+    if path:
+        with open(path, "wb") as out:
+            _STAMPS.tofile(out)
+
+
+atexit.register(_write_stamps)
+
+
+async def stamped(msg: Message) -> None:
+    await noop(msg)
+    _STAMPS.append(time.monotonic())
+
+
+def read_stamps(path: Path) -> list[float]:
+    """The times a `stamped` member wrote, in order."""
+    stamps = array.array("d")
+    stamps.frombytes(path.read_bytes())
+    return sorted(stamps)
 
 
 async def slow_ledger(msg: Message) -> None:

@@ -108,7 +108,8 @@ class Producer:
         self.subject_prefix = subject_prefix
         self.partitions = partitions
 
-    def _prepare(self, item: Outgoing) -> tuple[str, dict[str, str]]:
+    def prepare(self, item: Outgoing) -> tuple[str, dict[str, str]]:
+        """The subject and headers `item` is published with (the partition contract)."""
         partition = partition_for(item.project_id, self.partitions)  # a non-empty str
         problem = header_problem(item.project_id)
         if problem:  # it would reach the member as another id and be dead-lettered
@@ -127,7 +128,7 @@ class Producer:
         headers: dict[str, str] | None = None,
     ) -> Any:
         """Publish one message and wait for JetStream's acknowledgement."""
-        subject, hdrs = self._prepare(Outgoing(project_id, data, message_id, headers))
+        subject, hdrs = self.prepare(Outgoing(project_id, data, message_id, headers))
         return await self.js.publish(subject, data, headers=hdrs)
 
     async def publish_many(
@@ -146,7 +147,7 @@ class Producer:
         count = 0
 
         async def one(item: Outgoing) -> None:
-            subject, hdrs = self._prepare(item)
+            subject, hdrs = self.prepare(item)
             for attempt in range(1, attempts + 1):
                 try:
                     await self.js.publish(subject, item.data, headers=hdrs)

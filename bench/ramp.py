@@ -1,0 +1,320 @@
+"""How fast a member reaches its pace: a cold start on a backlog, and a burst after quiet.
+
+Issue 29's ramp and burst targets, measured as a user meets them: member processes
+(128 partitions) whose handler is ``harness.handlers:stamped`` (the in-process ``noop``
+handler that also notes when it finished each message), on a stream with work-queue
+retention (the default). Two curves of each drain, both reported:
+
+* **handled**: what the handlers finished, from their stamps (time.monotonic(), one
+  clock for every process of the machine; written when the members exit). This is what
+  the team's code sees, and what the targets are measured on.
+* **acked**: what the server has applied: the stream's last sequence minus the messages
+  it still holds (acked messages leave a work-queue stream), read with STREAM.INFO every
+  ``--sample`` seconds, so nothing is asked of the members.
+
+On each curve (harness.rampcurve):
+
+* ``t0``, the first message: the first stamp, or the last sample that saw nothing acked;
+* its pace: the median of its rates over ``--bucket``-second windows from ``t0`` to the
+  drain's end (issue 29's definition; the fastest window, ``peak``, is reported beside);
+* ``first_second_ratio``: what was consumed in the first second after ``t0`` over the
+  pace (target >= 0.8), and over the drain's mean rate (``to_mean_rate``: a drain that
+  stops and goes has a median below what it mostly ran at, which would flatter the
+  ratio; the target holds only if both are met);
+* ``ramp_seconds``: from ``t0`` to the first window whose rate reaches 90 % of the pace
+  (target <= 0.5).
+
+Scenarios (``--rounds`` rounds each):
+
+* ``cold``: a backlog (default 100,000 messages over 1,000 projects) is published, then
+  one member starts; its start-up (connecting, leading, claiming) comes before ``t0`` and
+  is reported apart.
+* ``burst``: one member starts on an empty stream, settles, and idles ``--quiet`` seconds
+  (its partitions' pulls come back empty three times in a row and they doze: a core
+  subscription wakes them); then the burst is published without waiting for each
+  publish's ack (as many producers at once reach the server), in well under a second.
+* ``four_members_20ms``: four members whose handler waits 20 ms (SHOAL_HANDLER_DELAY_MS),
+  started together on a 30,000-message backlog over 1,000 projects, timed from the first
+  message to the last (target >= 12,000 msg/s).
+
+``--storage memory`` runs the same on memory streams (what the server's file store costs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nats
+
+from harness.bench import emit, log_problems, note, run_bench
+from harness.fleet import Fleet, settled, wait_for_status
+from harness.handlers import read_stamps
+from harness.rampcurve import Curve, ramp_of
+from harness.servers import EtcdServer, NatsServer
+from shoal.clients.etcd import Etcd
+from shoal.consumer.producer import Outgoing, Producer
+from shoal.group.config import GroupConfig, config_env
+from shoal.group.jetstream import ensure_group
+from shoal.logs import quiet_known_noise
+
+BENCH = "ramp"
+NAMESPACE = "bench"
+STAMPED = "harness.handlers:stamped"
+PAYLOAD = b"x" * 64
+
+
+@dataclass
+class Drain:
+    handled: Curve  # when the handlers finished each message (their stamps)
+    acked: Curve  # what the server had applied (the stream's count, sampled)
+    started: float  # when the members were started
+    publish_seconds: float
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, root: Path, nats_url: str, etcd: str) -> None:
+        self.args = args
+        self.root = root
+        self.nats_url = nats_url
+        self.etcd_endpoint = etcd
+        self.log_problems = 0
+
+    def config(self, group: str, handler: str) -> GroupConfig:
+        return GroupConfig(
+            namespace=NAMESPACE,
+            group=group,
+            nats_url=self.nats_url,
+            etcd_endpoints=self.etcd_endpoint,
+            handler=handler,
+            ledger=False,
+            storage=self.args.storage,
+        )
+
+    async def publish(self, js: Any, config: GroupConfig, count: int) -> float:
+        """Publish `count` messages over --projects projects; returns the seconds taken."""
+        items = [
+            Outgoing(f"project-{i % self.args.projects}", PAYLOAD, f"{config.group}-{i}")
+            for i in range(count)
+        ]
+        started = time.monotonic()
+        await Producer(js, config.subject_prefix, config.partitions).publish_many(items)
+        return time.monotonic() - started
+
+    async def flood(self, js: Any, config: GroupConfig, count: int) -> float:
+        """Publish `count` messages as a burst from many producers reaches the server: as
+        fast as the connection takes them, without waiting for each one's ack (one
+        flush at the end); the stream stores them all (watch() waits for every one)."""
+        producer = Producer(js, config.subject_prefix, config.partitions)
+        nc = js._nc
+        routed = [
+            producer.prepare(Outgoing(f"project-{i % self.args.projects}", b"", f"b-{i}"))
+            for i in range(count)
+        ]
+        started = time.monotonic()
+        for i, (subject, headers) in enumerate(routed):
+            await nc.publish(subject, PAYLOAD, headers=headers)
+            if i % 1000 == 999:
+                await nc.flush()  # stay well inside the client's pending buffer
+        await nc.flush()
+        return time.monotonic() - started
+
+    async def watch(self, js: Any, config: GroupConfig, total: int) -> Curve:
+        """Sample what was consumed until all `total` messages were (or --timeout)."""
+        curve = Curve(total)
+        deadline = time.monotonic() + self.args.timeout
+        while True:
+            state = (await js.stream_info(config.stream)).state
+            now = time.monotonic()
+            consumed = int(state.last_seq) - int(state.messages)
+            curve.add(now, consumed)
+            if consumed >= total:
+                return curve
+            if now > deadline:
+                raise RuntimeError(f"{config.group}: {total - consumed} left after the timeout")
+            await asyncio.sleep(self.args.sample)
+
+    async def drain(
+        self, js: Any, etcd: Etcd, group: str, members: int, *, burst: bool, delay_ms: float = 0
+    ) -> Drain:
+        """Run `members` stamped members over `count` messages: published before they
+        start (a cold start), or once they have settled and idled --quiet seconds (a
+        burst). Stopped once the stream is empty, so that they write their stamps."""
+        a = self.args
+        count = a.io_messages if members > 1 else a.messages
+        config = self.config(group, STAMPED)
+        await ensure_group(js, config)
+        publish_seconds = 0.0 if burst else await self.publish(js, config, count)
+        names = [f"m-{i}" for i in range(members)]
+        workdir = self.root / group
+        with Fleet.for_config(workdir, config) as fleet:
+            started = time.monotonic()
+            for name in names:
+                env = {"SHOAL_STAMPS_FILE": str(workdir / f"{name}.stamps")}
+                if delay_ms:
+                    env["SHOAL_HANDLER_DELAY_MS"] = f"{delay_ms:g}"
+                fleet.start(name, **env, **config_env(config, ("ledger", "storage")))
+            if burst:
+                await wait_for_status(
+                    etcd, NAMESPACE, group, config.partitions, settled(set(names)), 60
+                )
+                await asyncio.sleep(a.quiet)  # pulls come back empty: the partitions doze
+                watcher = asyncio.ensure_future(self.watch(js, config, count))
+                publish_seconds = await self.flood(js, config, count)
+                acked = await watcher
+            else:
+                acked = await self.watch(js, config, count)
+        problems = log_problems(workdir.glob("*.log"))
+        self.log_problems += problems["error"] + problems["traceback"]
+        stamps = sorted(t for name in names for t in read_stamps(workdir / f"{name}.stamps"))
+        if len(stamps) != count:
+            raise RuntimeError(f"{group}: the handlers saw {len(stamps)} of {count} messages")
+        return Drain(Curve.of_stamps(count, stamps), acked, started, publish_seconds)
+
+    async def ramps(self, js: Any, etcd: Etcd, kind: str) -> list[Drain]:
+        drains = []
+        for r in range(self.args.rounds):
+            drain = await self.drain(js, etcd, f"{kind}-{r}", 1, burst=kind == "burst")
+            handled = ramp_of(drain.handled, self.args.bucket)
+            acked = ramp_of(drain.acked, self.args.bucket)
+            before = (
+                f"published in {drain.publish_seconds:.2f} s"
+                if kind == "burst"
+                else f"start-up {drain.handled.t0 - drain.started:.2f} s"
+            )
+            note(
+                f"{kind}-{r}: {before}; handled: first second {handled.first_second_msgs:.0f}"
+                f" at a pace of {handled.pace:.0f} msg/s ({handled.first_second_ratio:.2f}),"
+                f" 90 % of it after {_fmt(handled.ramp_seconds)} s, all in "
+                f"{handled.drain_seconds:.2f} s; acked by the server: first second "
+                f"{acked.first_second_msgs:.0f}, pace {acked.pace:.0f} msg/s, all in "
+                f"{acked.drain_seconds:.2f} s"
+            )
+            drains.append(drain)
+        return drains
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def summary(name: str, drains: list[Drain], bucket: float, storage: str, **extra: Any) -> None:
+    """The handled curve decides (what the team's code saw); the acked one is beside it."""
+    handled = [ramp_of(d.handled, bucket) for d in drains]
+    acked = [ramp_of(d.acked, bucket) for d in drains]
+    first = statistics.fmean(r.first_second_ratio for r in handled)
+    to_mean = statistics.fmean(r.first_second_to_mean for r in handled)
+    ramp_values = [r.ramp_seconds for r in handled]
+    worst = None if None in ramp_values else max(v for v in ramp_values if v is not None)
+    emit(
+        BENCH,
+        f"{name}_first_second_ratio",
+        first,
+        target=">= 0.8 (against the median pace, and against the mean rate)",
+        ok=first >= 0.8 and to_mean >= 0.8,
+        rounds=[round(r.first_second_ratio, 3) for r in handled],
+        to_mean_rate=round(to_mean, 3),
+        mean_msgs_per_s=[round(r.mean_rate) for r in handled],
+        first_second_msgs=[round(r.first_second_msgs) for r in handled],
+        pace_msgs_per_s=[round(r.pace) for r in handled],
+        peak_msgs_per_s=[round(r.peak) for r in handled],
+        acked_first_second_ratio=[round(r.first_second_ratio, 3) for r in acked],
+        acked_pace_msgs_per_s=[round(r.pace) for r in acked],
+        acked_first_second_msgs=[round(r.first_second_msgs) for r in acked],
+        storage=storage,
+        **extra,
+    )
+    emit(
+        BENCH,
+        f"{name}_ramp_seconds",
+        worst,
+        target="<= 0.5 (the worst round)",
+        ok=worst is not None and worst <= 0.5,
+        rounds=ramp_values,
+        acked_rounds=[r.ramp_seconds for r in acked],
+    )
+
+
+async def run(args: argparse.Namespace, root: Path) -> None:
+    with NatsServer(root / "nats") as nats_server, EtcdServer(root / "etcd") as etcd_server:
+        bench = Bench(args, root, nats_server.url, etcd_server.endpoint)
+        etcd = Etcd(etcd_server.endpoint)
+        await etcd.connect(attempts=10)
+        nc = await nats.connect(nats_server.url)
+        js = nc.jetstream()
+        common = {"messages": args.messages, "projects": args.projects}
+        try:
+            if args.only in (None, "cold"):
+                drains = await bench.ramps(js, etcd, "cold")
+                summary("cold", drains, args.bucket, args.storage, **common)
+            if args.only in (None, "burst"):
+                drains = await bench.ramps(js, etcd, "burst")
+                summary(
+                    "burst",
+                    drains,
+                    args.bucket,
+                    args.storage,
+                    publish_seconds=[round(d.publish_seconds, 2) for d in drains],
+                    quiet_seconds=args.quiet,
+                    **common,
+                )
+            if args.only in (None, "four"):
+                drain = await bench.drain(
+                    js, etcd, "four-20ms", 4, burst=False, delay_ms=args.delay_ms
+                )
+                seconds = drain.handled.end - drain.handled.t0
+                rate = args.io_messages / seconds
+                note(f"four-20ms: {args.io_messages} in {seconds:.2f} s from the first message")
+                emit(
+                    BENCH,
+                    "four_members_20ms_cold_msgs_per_s",
+                    rate,
+                    target=">= 12000",
+                    ok=rate >= 12000,
+                    messages=args.io_messages,
+                    projects=args.projects,
+                    handler_ms=args.delay_ms,
+                    acked_msgs_per_s=args.io_messages / (drain.acked.end - drain.acked.t0),
+                )
+            emit(BENCH, "member_log_problems", bench.log_problems, target="0")
+        finally:
+            await nc.close()
+            etcd.close()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="A member's ramp: cold start on a backlog, burst after quiet (issue 29).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--messages", type=int, default=100_000, help="backlog / burst size")
+    parser.add_argument("--projects", type=int, default=1_000)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--sample", type=float, default=0.02, help="seconds between samples")
+    parser.add_argument("--bucket", type=float, default=0.25, help="pace window, seconds")
+    parser.add_argument("--quiet", type=float, default=5.0, help="idle seconds before a burst")
+    parser.add_argument("--io-messages", type=int, default=30_000)
+    parser.add_argument("--delay-ms", type=float, default=20.0)
+    parser.add_argument("--timeout", type=float, default=120.0, help="per drain, seconds")
+    parser.add_argument(
+        "--storage", choices=("file", "memory"), default="file", help="the stream's storage"
+    )
+    parser.add_argument("--only", choices=("cold", "burst", "four"))
+    parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    quiet_known_noise()
+    args = parse_args(argv)
+    return run_bench("shoal-bench-ramp-", args.keep, args.strict, lambda root: run(args, root))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
