@@ -59,6 +59,7 @@ from harness.rampcurve import Curve, ramp_of
 from harness.servers import EtcdServer, NatsServer
 from shoal.clients.etcd import Etcd
 from shoal.consumer.producer import Outgoing, Producer
+from shoal.contracts.names import durable_name
 from shoal.group.config import GroupConfig, config_env
 from shoal.group.jetstream import ensure_group
 from shoal.logs import quiet_known_noise
@@ -75,6 +76,9 @@ class Drain:
     acked: Curve  # what the server had applied (the stream's count, sampled)
     started: float  # when the members were started
     publish_seconds: float
+    # Deliveries beyond one per message: the server redelivered what it had not applied
+    # the ack of within ack_wait (the member acked those again: settled.py).
+    redelivered: int
 
 
 class Bench:
@@ -169,12 +173,16 @@ class Bench:
                 acked = await watcher
             else:
                 acked = await self.watch(js, config, count)
+        redelivered = -count
+        for p in range(config.partitions):
+            info = await js.consumer_info(config.stream, durable_name(p))
+            redelivered += info.delivered.consumer_seq
         problems = log_problems(workdir.glob("*.log"))
         self.log_problems += problems["error"] + problems["traceback"]
         stamps = sorted(t for name in names for t in read_stamps(workdir / f"{name}.stamps"))
         if len(stamps) != count:
             raise RuntimeError(f"{group}: the handlers saw {len(stamps)} of {count} messages")
-        return Drain(Curve.of_stamps(count, stamps), acked, started, publish_seconds)
+        return Drain(Curve.of_stamps(count, stamps), acked, started, publish_seconds, redelivered)
 
     async def ramps(self, js: Any, etcd: Etcd, kind: str) -> list[Drain]:
         drains = []
@@ -193,7 +201,7 @@ class Bench:
                 f" 90 % of it after {_fmt(handled.ramp_seconds)} s, all in "
                 f"{handled.drain_seconds:.2f} s; acked by the server: first second "
                 f"{acked.first_second_msgs:.0f}, pace {acked.pace:.0f} msg/s, all in "
-                f"{acked.drain_seconds:.2f} s"
+                f"{acked.drain_seconds:.2f} s; {drain.redelivered} redelivered"
             )
             drains.append(drain)
         return drains
@@ -226,6 +234,7 @@ def summary(name: str, drains: list[Drain], bucket: float, storage: str, **extra
         acked_first_second_ratio=[round(r.first_second_ratio, 3) for r in acked],
         acked_pace_msgs_per_s=[round(r.pace) for r in acked],
         acked_first_second_msgs=[round(r.first_second_msgs) for r in acked],
+        redelivered=[d.redelivered for d in drains],
         storage=storage,
         **extra,
     )

@@ -95,6 +95,12 @@ class Metrics:
             "Owned partitions with work and no progress for stallAfterSeconds",
             registry=r,
         )
+        self.redeliveries_resettled = Counter(
+            "shoal_redeliveries_resettled",
+            "Redelivered messages this member had settled already (the server applied the "
+            "ack late, or lost it): acked again, not handled again",
+            registry=r,
+        )
         self.is_leader = Gauge("shoal_is_leader", "1 while this member leads the group", registry=r)
         self.rebalances = Counter(
             "shoal_rebalances", "Assignment generations written by this member", registry=r

@@ -680,6 +680,9 @@ class PartitionRunner:
     def _accept(self, msg: Delivery, seq: int, delivered: int) -> str | None:
         """deliver()'s second half: check the message and hold it for the dispatcher."""
         w = self.worker
+        if delivered > 1 and seq in w.settled_seqs:
+            w.resettle(self, msg, seq)  # handled here already: its ack came late, or not
+            return None
         project = msg.header(PROJECT_HEADER_BYTES)
         if not project:
             return "missing Shoal-Project-Id header"

@@ -67,6 +67,7 @@ from shoal.consumer.ownership import Ownership, Slot, Stage
 from shoal.consumer.partition import IDLE_BATCH, PartitionRunner, ack_fields
 from shoal.consumer.progress import WEDGED_AFTER_STALLS, Change
 from shoal.consumer.pull import AnswerClock
+from shoal.consumer.settled import SettledRing
 from shoal.contracts.names import (
     dlq_subject,
     durable_name,
@@ -90,6 +91,8 @@ PARTITION_CACHE_SIZE = 100_000
 # --max-txn-ops, 128 by default).
 CLAIM_BATCH = 64
 ACK = b"+ACK"
+# At most one log line a minute about redeliveries of settled messages.
+RESETTLED_LOG_EVERY = 60.0
 # A verdict that could not be carried out (dispatch.Held.verdict) is tried again after
 # this long, doubling up to SETTLE_RETRY_MAX.
 SETTLE_RETRY_FIRST = 0.5
@@ -158,6 +161,11 @@ class Worker:
         self.unsent_pulls = 0
         # One INFO line per hand-over batch (nothing reads it to decide what to do).
         self.handovers = HandOverLog()
+        # What this member settled lately (settled.py): a redelivery of one of those is
+        # acked again instead of handled again.
+        self.settled_seqs = SettledRing()
+        self.resettled = 0  # such redeliveries, since the last log line about them
+        self.resettled_logged = 0.0
         self.leaving = False
         # The group is paused (Keys.paused): set from the view before each reconcile, so
         # before any partition of a paused group is claimed (set_paused).
@@ -268,6 +276,7 @@ class Worker:
                 # nowhere), and without a coroutine while a flush is queued (nearly
                 # always, under load): the hot path ends here.
                 if self.nc.queue_ack(held.msg.reply, ACK):
+                    self.settled_seqs.add(held.seq)
                     self.tally.ok += 1
                     # (Its delivery time: close enough for a 60 s window, no clock read.)
                     self._projects[held.project] = held.kept
@@ -389,6 +398,8 @@ class Worker:
                     delay,
                 )
             return delay
+        if kind is not NAKED:
+            self.settled_seqs.add(held.seq)
         if kind is ACKED:
             self.tally.ok += 1
             # (Its delivery time: close enough for a 60 s window, and no clock read.)
@@ -484,6 +495,31 @@ class Worker:
         await self.js.publish(
             dlq_subject(self.config.subject_prefix, partition), msg.data, headers=headers
         )
+
+    def resettle(self, runner: PartitionRunner, msg: Delivery, seq: int) -> None:
+        """A message this member settled came back (its ack applied late, or lost): ack
+        it again, without running its handler again (settled.py)."""
+        if not self.nc.queue_ack(msg.reply, ACK):
+            self._spawn(self._ack_again(msg.reply))
+        self.metrics.redeliveries_resettled.inc()
+        self.resettled += 1
+        now = time.monotonic()
+        if now - self.resettled_logged >= RESETTLED_LOG_EVERY:
+            log.warning(
+                "%d message(s) came back although this member had settled them (e.g. "
+                "message %d of partition %d): the server applied the acks late or lost "
+                "them; acked again, not handled again",
+                self.resettled,
+                seq,
+                runner.partition,
+            )
+            self.resettled, self.resettled_logged = 0, now
+
+    async def _ack_again(self, reply: str) -> None:
+        try:
+            await self.nc.publish_ack(reply, ACK)
+        except Exception as exc:  # it comes back after ack_wait, and is acked again then
+            log.debug("Could not ack a redelivered message again: %r", exc)
 
     def budget(self) -> int:
         """What the member may hold plus what its open pulls may bring (holding.py): about
