@@ -162,3 +162,53 @@ def test_an_orderly_hand_over_is_told_from_a_lost_claim() -> None:
     assert view.handed_over_cleanly(2)
     view.load(20, dict(view.kvs))
     assert not view.handed_over_cleanly(2)
+
+
+def stats_put(member: str, value: dict[str, Any] | bytes, create: int, mod: int) -> PutEvent:
+    data = value if isinstance(value, bytes) else json.dumps(value).encode()
+    return PutEvent(KEYS.member(member).encode(), data, create, mod, 0)
+
+
+def woke(view: GroupView, *events: PutEvent | DeleteEvent) -> bool:
+    """Apply the events as one watch response; whether they woke the view's readers."""
+    event = view.change_event()
+    view._apply_events(list(events), max(int(e.mod_revision) for e in events))
+    return event.is_set()
+
+
+def test_a_routine_stats_rewrite_is_stored_without_waking_anyone() -> None:
+    view = view_of(kv(KEYS.member("a"), {"lag": 0, "nats_ok": True}))
+    assert not woke(view, stats_put("a", {"lag": 5, "nats_ok": True, "cpu": 3.0}, 1, 11))
+    assert view.members()["a"].lag == 5
+    assert view.revision == 11
+    # Readers that wait for the next change still get it.
+    assert woke(view, put(KEYS.claim(0), b"a", 12))
+
+
+@pytest.mark.parametrize(
+    "new",
+    [
+        {"lag": 0, "nats_ok": False},  # cut from NATS: the leader gives it nothing
+        {"lag": 0, "nats_ok": True, "stalled": [3]},  # a stall: the leader moves it
+        b"not json",  # unreadable: acted on (and logged) as any change
+        b"[1, 2]",
+    ],
+)
+def test_a_stats_rewrite_that_changes_a_deciding_field_wakes_the_readers(
+    new: dict[str, Any] | bytes,
+) -> None:
+    view = view_of(kv(KEYS.member("a"), {"lag": 0, "nats_ok": True}))
+    assert woke(view, stats_put("a", new, 1, 11))
+
+
+def test_joins_leaves_and_re_registrations_wake_the_readers() -> None:
+    view = view_of(kv(KEYS.member("a"), {"lag": 0}))
+    assert woke(view, stats_put("b", {"lag": 0}, 11, 11))  # a join
+    assert woke(view, stats_put("a", {"lag": 0}, 12, 12))  # a's key made again
+    assert woke(view, DeleteEvent(KEYS.member("b").encode(), 13))  # a leave
+
+
+def test_a_batch_with_anything_but_routine_rewrites_wakes_the_readers() -> None:
+    view = view_of(kv(KEYS.member("a"), {"lag": 0}), kv(KEYS.member("b"), {"lag": 0}))
+    assert not woke(view, stats_put("a", {"lag": 1}, 1, 11), stats_put("b", {"lag": 2}, 1, 11))
+    assert woke(view, stats_put("a", {"lag": 3}, 1, 12), put(KEYS.partition(0), b"{}", 12))

@@ -299,7 +299,8 @@ class GroupView:
         self._event = asyncio.Event()
 
     def _apply_events(self, events: list[Any], revision: int) -> None:
-        targets, claims = self.keys.partitions, self.keys.claims
+        targets, claims, members = self.keys.partitions, self.keys.claims, self.keys.members
+        routine = True  # only members' routine stats rewrites (quiet_stats_update)
         for event in events:
             key = event.key.decode()
             # Parsed again at the next read only if they changed: members rewrite their
@@ -310,14 +311,24 @@ class GroupView:
                 self._claims = None
             if type(event).__name__ == "DeleteEvent":
                 self.kvs.pop(key, None)
+                routine = False
                 if key.startswith(claims):
                     self._claim_deleted[key] = int(event.mod_revision)
             else:
+                old = self.kvs.get(key)
+                if routine and not (
+                    key.startswith(members)
+                    and old is not None
+                    and old.create_revision == event.create_revision
+                    and quiet_stats_update(old.value, event.value)
+                ):
+                    routine = False
                 self.kvs[key] = KV(
                     key, event.value, event.create_revision, event.mod_revision, event.lease
                 )
         self.revision = max(self.revision, revision)
-        self._notify()
+        if not routine:
+            self._notify()
 
     def _on_watch(self, response: Any) -> None:
         # Runs on the watcher's thread: hand everything to the event loop.
@@ -389,3 +400,29 @@ class GroupView:
                 if watch is not None:
                     await self.etcd.cancel_watch(watch)
             await asyncio.sleep(backoff.next())
+
+
+# The fields of a member's stats that someone acts on as soon as they change: the
+# leader gives nothing to a member cut from NATS (election._eligible) and moves the
+# partitions a member reports stalled (election._stalled). The others (cpu, lag, rates,
+# buffered, ...) are read when they are needed: by the autoscaler, the load-aware check
+# and status, each on its own clock.
+DECIDING_STATS = ("nats_ok", "stalled")
+
+
+def quiet_stats_update(old: bytes, new: bytes) -> bool:
+    """Whether a member's stats rewrite changes nothing anyone acts on at once.
+
+    Every member rewrites its stats every keepalive interval (3 s), and every member
+    watches the whole group: a view that woke its readers for each of them (the worker's
+    reconcile round, the leader's) made an idle group cost each member CPU in proportion
+    to the group's size, the group as a whole in proportion to its square. Such a rewrite
+    is stored (members() reads it) without waking anyone; one that changes a deciding
+    field, or that cannot be read, wakes them as any other change does."""
+    try:
+        before, after = json.loads(old), json.loads(new)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    if not isinstance(before, dict) or not isinstance(after, dict):
+        return False
+    return all(before.get(field) == after.get(field) for field in DECIDING_STATS)
