@@ -591,14 +591,17 @@ def test_a_lost_node_moves_its_partitions_within_the_lease_then_kubernetes_follo
     whose leases expired within TTL seconds either way.
 
     The members tolerate the unreachable and not-ready taints for EVICT_AFTER seconds
-    (spec.tolerations; Kubernetes' default is 300 s), so the lost node's pods are evicted
-    and replaced while it is frozen; when it resumes, its kubelet stops them."""
+    (spec.nodeLossTolerationSeconds, 30 by default; Kubernetes' own default is 300 s), so
+    the lost node's pods are evicted and replaced while it is frozen; when it resumes,
+    its kubelet stops them."""
     name = "lost"
-    tolerations = [
-        {"key": key, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": EVICT_AFTER}
-        for key in (UNREACHABLE, NOT_READY)
-    ]
-    with running_group(plane, name, tolerations=tolerations):
+    with running_group(plane, name, nodeLossTolerationSeconds=EVICT_AFTER) as pods:
+        # The operator's tolerations, and so not the 300 s of DefaultTolerationSeconds.
+        for pod in pods:
+            by_key = {t.get("key"): t for t in pod["spec"]["tolerations"]}
+            for key in (UNREACHABLE, NOT_READY):
+                assert by_key[key]["tolerationSeconds"] == EVICT_AFTER, by_key
+                assert by_key[key]["effect"] == "NoExecute", by_key
         asyncio.run(lose_a_node(plane, name))
 
 
