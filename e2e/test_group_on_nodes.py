@@ -22,6 +22,7 @@ time to move a lost node's partitions, the audit) are printed; run with -s to se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -638,11 +639,11 @@ async def lose_a_node(plane: LocalKube, name: str) -> None:
         load.start()
         try:
             await asyncio.sleep(5)
-            os.kill(kubelet, signal.SIGSTOP)
-            for pid in members.values():
-                os.killpg(pid, signal.SIGSTOP)
-            t0, wall0 = time.monotonic(), time.time()
             try:
+                os.kill(kubelet, signal.SIGSTOP)
+                for pid in members.values():
+                    os.killpg(pid, signal.SIGSTOP)
+                t0, wall0 = time.monotonic(), time.time()
                 after_move = await c.status(name, moved, TTL + 30)
                 moved_s = time.monotonic() - t0
 
@@ -675,9 +676,12 @@ async def lose_a_node(plane: LocalKube, name: str) -> None:
                 offsets = {pod: len(member_log(plane, node, pod)) for pod in frozen}
                 await asyncio.sleep(max(0.0, FROZEN - (time.monotonic() - t0)))
             finally:
+                # Whatever happened, nothing stays frozen (a process may be gone already).
                 for pid in members.values():
-                    os.killpg(pid, signal.SIGCONT)
-                os.kill(kubelet, signal.SIGCONT)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pid, signal.SIGCONT)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(kubelet, signal.SIGCONT)
             wall_resumed = time.time()
             print(
                 f"{node} frozen {time.monotonic() - t0:.0f} s: its partitions moved after "
