@@ -99,6 +99,7 @@ def test_example_gets_defaults_columns_and_scales(crd: LocalKube) -> None:
         assert spec["partitions"] == 128
         assert (spec["minReplicas"], spec["maxReplicas"]) == (1, 10)
         assert spec["deletionPolicy"] == "Retain"
+        assert spec["nodeLossTolerationSeconds"] == 30
         # Nested defaults apply under parents that themselves default to {}.
         stream = spec["nats"]["stream"]
         assert stream == {

@@ -584,7 +584,8 @@ def test_placement_fields_reach_the_pod_spec() -> None:
     spec = placed_spec()
     pod = pod_spec(build_deployment(NAME, NAMESPACE, spec, SETTINGS))
     assert pod["nodeSelector"] == {"pool": "consumers"}
-    assert pod["tolerations"] == spec["tolerations"]
+    # The user's first, then the node-loss ones (the user's names neither taint).
+    assert pod["tolerations"] == spec["tolerations"] + NODE_LOSS_DEFAULTS
     assert pod["affinity"] == spec["affinity"]
     assert pod["priorityClassName"] == "shoal-consumers"
     by_zone, by_host = pod["topologySpreadConstraints"]
@@ -596,12 +597,73 @@ def test_placement_fields_reach_the_pod_spec() -> None:
     assert "labelSelector" not in spec["topologySpreadConstraints"][0]
 
 
+NODE_LOSS_DEFAULTS = [
+    {
+        "key": f"node.kubernetes.io/{taint}",
+        "operator": "Exists",
+        "effect": "NoExecute",
+        "tolerationSeconds": 30,
+    }
+    for taint in ("unreachable", "not-ready")
+]
+
+
+def test_member_pods_leave_a_lost_node_after_node_loss_toleration_seconds() -> None:
+    """Issue 25: without tolerations of its own a pod gets Kubernetes' 300 s for the
+    unreachable and not-ready taints (DefaultTolerationSeconds), five minutes of a lost
+    node's members counted as the group's while Shoal moved their partitions within the
+    lease TTL. The operator gives them spec.nodeLossTolerationSeconds (default 30)."""
+    pod = pod_spec(build_deployment(NAME, NAMESPACE, minimal_spec(), SETTINGS))
+    assert pod["tolerations"] == NODE_LOSS_DEFAULTS
+    spec = {**minimal_spec(), "nodeLossTolerationSeconds": 0}
+    pod = pod_spec(build_deployment(NAME, NAMESPACE, spec, SETTINGS))
+    assert [t["tolerationSeconds"] for t in pod["tolerations"]] == [0, 0]
+
+
+@pytest.mark.parametrize(
+    ("theirs", "ours_for"),
+    [
+        # Their own time for one taint: ours only for the other.
+        (
+            {
+                "key": "node.kubernetes.io/unreachable",
+                "effect": "NoExecute",
+                "tolerationSeconds": 600,
+            },
+            ["not-ready"],
+        ),
+        # No effect named: every effect, NoExecute included.
+        ({"key": "node.kubernetes.io/not-ready", "operator": "Exists"}, ["unreachable"]),
+        # Only NoSchedule: the eviction is still ours to time.
+        (
+            {"key": "node.kubernetes.io/unreachable", "effect": "NoSchedule"},
+            ["unreachable", "not-ready"],
+        ),
+        # Exists without a key tolerates every taint: nothing to add.
+        ({"operator": "Exists"}, []),
+        ({"operator": "Exists", "effect": "NoExecute"}, []),
+        # Some other key: both ours.
+        ({"key": "dedicated", "operator": "Exists"}, ["unreachable", "not-ready"]),
+    ],
+)
+def test_a_users_toleration_for_a_node_loss_taint_wins(
+    theirs: dict[str, Any], ours_for: list[str]
+) -> None:
+    spec = {**minimal_spec(), "tolerations": [theirs], "nodeLossTolerationSeconds": 7}
+    pod = pod_spec(build_deployment(NAME, NAMESPACE, spec, SETTINGS))
+    assert pod["tolerations"][0] == theirs
+    added = pod["tolerations"][1:]
+    assert [t["key"].removeprefix("node.kubernetes.io/") for t in added] == ours_for
+    assert all(t["tolerationSeconds"] == 7 and t["effect"] == "NoExecute" for t in added)
+
+
 def test_unset_placement_fields_are_left_out_of_the_pod_spec() -> None:
     deployment = build_deployment(NAME, NAMESPACE, minimal_spec(), SETTINGS)
     pod = pod_spec(deployment)
+    # Tolerations never are: the node-loss ones are always there.
+    assert pod["tolerations"] == NODE_LOSS_DEFAULTS
     for field in (
         "nodeSelector",
-        "tolerations",
         "affinity",
         "topologySpreadConstraints",
         "priorityClassName",

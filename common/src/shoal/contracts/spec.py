@@ -219,6 +219,13 @@ class ConsumerGroupSpec(_Section):
     pod_annotations: dict[str, str] = Field(default_factory=dict)
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    # How long a member pod stays bound to a node that is unreachable or not ready before
+    # Kubernetes evicts it and the Deployment replaces it elsewhere: NoExecute tolerations
+    # for node.kubernetes.io/unreachable and not-ready with this tolerationSeconds
+    # (Kubernetes' own default is 300 s). A lost member's partitions have moved within its
+    # lease TTL already; this only decides when the group gets its capacity back. A
+    # toleration for either taint in `tolerations` wins over it for that taint.
+    node_loss_toleration_seconds: Int = Field(30, ge=0)
     affinity: dict[str, Any] = Field(default_factory=dict)
     topology_spread_constraints: list[dict[str, Any]] = Field(default_factory=list)
     priority_class_name: str = ""  # empty: the cluster's default priority

@@ -453,14 +453,48 @@ def sidecars(spec: ConsumerGroupSpec) -> Obj:
     return {"initContainers": containers}
 
 
+# The taints the node lifecycle controller puts on a silent or failing node, whose
+# NoExecute effect evicts the pods that do not tolerate them (long enough).
+NODE_LOSS_TAINTS = ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
+
+
+def _tolerates_eviction(toleration: Obj, key: str) -> bool:
+    """Whether the user's toleration decides how long a pod stays on a node with `key`'s
+    NoExecute taint: it names that key (or, operator Exists without a key, every key) and
+    the NoExecute effect (or every effect)."""
+    keyed = toleration.get("key") == key or (
+        not toleration.get("key") and toleration.get("operator") == "Exists"
+    )
+    return keyed and toleration.get("effect") in (None, "", "NoExecute")
+
+
+def member_tolerations(spec: ConsumerGroupSpec) -> list[Obj]:
+    """The user's tolerations, then, for each node-loss taint none of them covers, one
+    for spec.nodeLossTolerationSeconds. Without ours, the DefaultTolerationSeconds
+    admission plugin would give every pod 300 s: five minutes of a lost node's members
+    counted as the group's while Shoal has long moved their work."""
+    tolerations = copy.deepcopy(spec.tolerations)
+    for key in NODE_LOSS_TAINTS:
+        if not any(_tolerates_eviction(t, key) for t in spec.tolerations):
+            tolerations.append(
+                {
+                    "key": key,
+                    "operator": "Exists",
+                    "effect": "NoExecute",
+                    "tolerationSeconds": spec.node_loss_toleration_seconds,
+                }
+            )
+    return tolerations
+
+
 def _placement(name: str, spec: ConsumerGroupSpec) -> Obj:
     """The pod spec's scheduling fields the group sets (unset ones are left out, so the
     applied object equals the stored one and server-side apply sees no change)."""
     placement: Obj = {}
     if spec.node_selector:
         placement["nodeSelector"] = dict(spec.node_selector)
-    if spec.tolerations:
-        placement["tolerations"] = copy.deepcopy(spec.tolerations)
+    # Never empty: the node-loss tolerations are always there (member_tolerations).
+    placement["tolerations"] = member_tolerations(spec)
     if spec.affinity:
         placement["affinity"] = copy.deepcopy(spec.affinity)
     if spec.topology_spread_constraints:
