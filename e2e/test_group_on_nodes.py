@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -766,15 +767,16 @@ def test_a_node_selector_naming_one_zone_puts_every_member_there(
         asyncio.run(steady_load_only(plane, name, {p["metadata"]["name"] for p in pods}))
 
 
-def test_an_unsatisfiable_affinity_leaves_the_members_pending(
+def test_an_unsatisfiable_affinity_leaves_the_members_pending_and_the_group_says_why(
     plane: LocalKube, operator: Path, timed: None
 ) -> None:
     """A required node affinity for a zone no node is in: the scheduler leaves every member
-    Pending (PodScheduled False, Unschedulable, with its reason) and the group is not
-    Ready. What the issue also asks, the ConsumerGroup saying why (a condition and an
-    Event naming the scheduler's reason), the operator does not do yet: it reads no pods,
-    so its Ready condition only counts them ("0 of 2 members ready"). Printed, not
-    asserted."""
+    Pending (PodScheduled False, Unschedulable, with its reason), and the ConsumerGroup
+    says why: its MembersSchedulable condition is False (reason Unschedulable) quoting the
+    scheduler, its Ready condition (MembersUnschedulable) too, and one Warning Event
+    MembersUnschedulable says it, all shown by `kubectl describe cg`. Then the affinity
+    names zone-a: the pods are placed, the condition turns True, and no second Warning
+    follows (the operator posts one per episode, not one per observation)."""
     name = "nowhere"
     affinity = {
         "nodeAffinity": {
@@ -786,6 +788,7 @@ def test_an_unsatisfiable_affinity_leaves_the_members_pending(
         }
     }
     body = manifest(name, replicas=2, affinity=affinity, topologySpreadConstraints=[])
+    started = time.monotonic()
     plane.kubectl("apply", "-f", "-", input_text=json.dumps(body))
     try:
 
@@ -805,14 +808,69 @@ def test_an_unsatisfiable_affinity_leaves_the_members_pending(
             message = condition(pod, "PodScheduled")["message"]
             assert "didn't match Pod's node affinity/selector" in message, message
         print(f"the scheduler says: {message}")
-        # A while later, still nowhere, and the group not Ready.
-        time.sleep(5)
-        assert pending() is not None
+
+        def refused() -> dict[str, Any] | None:
+            # Both pods: an observation between the scheduler's two refusals says "1 of 2".
+            found = condition(get_json(plane, "cg", name, "-n", NS), "MembersSchedulable")
+            both = found.get("message", "").startswith("2 of 2 ")
+            return found if found.get("status") == "False" and both else None
+
+        schedulable = wait_until(refused, 30, "MembersSchedulable False")
+        print(f"the group's MembersSchedulable condition after {time.monotonic() - started:.1f} s")
+        print(json.dumps(schedulable, indent=2))
+        assert schedulable["reason"] == "Unschedulable", schedulable
+        said = schedulable["message"]
+        assert said.startswith("2 of 2 member pods cannot be scheduled: 0/3 nodes are available")
+        assert "didn't match Pod's node affinity/selector" in said, said
         ready = condition(get_json(plane, "cg", name, "-n", NS), "Ready")
-        print(f"the group's Ready condition: {ready}")
-        assert ready.get("status") == "False", ready
+        print(f"the group's Ready condition: {json.dumps(ready, indent=2)}")
+        assert (ready["status"], ready["reason"]) == ("False", "MembersUnschedulable"), ready
+        assert ready["message"] == f"0 of 2 members ready; {said}", ready
+
+        (warning,) = wait_until(
+            lambda: group_events(plane, name, "MembersUnschedulable"), 30, "the Warning Event"
+        )
+        # Its words are those of the observation that began the episode (which may have
+        # seen one pod refused, before the scheduler had looked at the other).
+        assert warning["type"] == "Warning", warning
+        assert "member pods cannot be scheduled: 0/3 nodes" in warning["message"] or (
+            "member pod cannot be scheduled: 0/3 nodes" in warning["message"]
+        ), warning
+        assert "didn't match Pod's node affinity/selector" in warning["message"], warning
+        described = plane.kubectl("describe", "cg", name, "-n", NS).stdout
+        print(f"kubectl describe cg {name}:\n{described}")
+        conditions_part, events_part = described.split("\nEvents:", 1)
+        assert "Type:                  MembersSchedulable" in conditions_part, described
+        assert re.search(r"Warning\s+MembersUnschedulable\s", events_part), described
+
+        # A zone that exists: the Deployment replaces the pods, the scheduler places them.
+        fixed = json.loads(json.dumps(affinity).replace("zone-x", "zone-a"))
+        patch = {"spec": {"affinity": fixed}}
+        plane.kubectl("patch", "cg", name, "-n", NS, "--type=merge", "-p", json.dumps(patch))
+
+        def placed() -> dict[str, Any] | None:
+            found = condition(get_json(plane, "cg", name, "-n", NS), "MembersSchedulable")
+            return found if found.get("status") == "True" else None
+
+        schedulable = wait_until(placed, 90, "MembersSchedulable True")
+        print(f"after the patch: {json.dumps(schedulable, indent=2)}")
+        nodes = {p["spec"].get("nodeName") for p in member_pods(plane, name)}
+        assert nodes <= {"localkube-a", None}, nodes
+        # The operator observed the group at least once between the Warning and now (the
+        # condition changed): still exactly the one Warning.
+        again = group_events(plane, name, "MembersUnschedulable")
+        assert [e["message"] for e in again] == [warning["message"]], again
     finally:
         delete_group(plane, name)
+
+
+def group_events(plane: LocalKube, name: str, reason: str) -> list[dict[str, Any]]:
+    """The Events about ConsumerGroup `name` with that reason, as `kubectl get events` has
+    them. kopf posts each Event as an object of its own, so a repeat would be a second one
+    (or a count above 1, if the API server aggregated them)."""
+    selector = f"involvedObject.kind=ConsumerGroup,involvedObject.name={name},reason={reason}"
+    found = get_json(plane, "events", "-n", NS, "--field-selector", selector)["items"]
+    return [e for e in found for _ in range(int(e.get("count") or 1))]
 
 
 # -- a rolling update -----------------------------------------------------------------------

@@ -195,12 +195,20 @@ def test_each_reason(
     degraded_: tuple[str, str],
 ) -> None:
     found = conditions(observed(**changes))
-    assert [c["type"] for c in found] == ["Ready", "Progressing", "Degraded", "Paused"]
+    assert [c["type"] for c in found] == [
+        "Ready",
+        "Progressing",
+        "Degraded",
+        "Paused",
+        "MembersSchedulable",
+    ]
     assert summary(found) == {
         "Ready": ready,
         "Progressing": progressing,
         "Degraded": degraded_,
         "Paused": ("False", "Running"),
+        # No pod refused by the scheduler in any of these (tests/test_scheduling.py).
+        "MembersSchedulable": ("True", "Schedulable"),
     }
 
 
@@ -282,7 +290,13 @@ def test_degraded_sets_only_the_degraded_condition() -> None:
     old = stamp(conditions(observed()), [], T0)
     found = degraded(old, "HandlerInvalid", "cannot import x", 8, T1)
     c = by_type(found)
-    assert [x["type"] for x in found] == ["Ready", "Progressing", "Paused", "Degraded"]
+    assert [x["type"] for x in found] == [
+        "Ready",
+        "Progressing",
+        "Paused",
+        "MembersSchedulable",
+        "Degraded",
+    ]
     assert c["Degraded"] == {
         "type": "Degraded",
         "status": "True",
@@ -292,7 +306,7 @@ def test_degraded_sets_only_the_degraded_condition() -> None:
         "lastTransitionTime": T1,  # False -> True
     }
     # The others stay as the status timer wrote them, times included.
-    assert [c["Ready"], c["Progressing"], c["Paused"]] == [
+    assert [c["Ready"], c["Progressing"], c["Paused"], c["MembersSchedulable"]] == [
         x for x in old if x["type"] != "Degraded"
     ]
 

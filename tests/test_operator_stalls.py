@@ -66,6 +66,9 @@ class FakeKube:
     async def deployment_status(self, namespace: str, name: str) -> dict[str, int]:
         return {"replicas": 2, "ready": 2}
 
+    async def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        return []  # read when a spec asks for more than 2 replicas: none refused
+
 
 @pytest.fixture
 async def memo(

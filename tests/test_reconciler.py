@@ -101,6 +101,9 @@ class FakeKube(Kube):
     async def deployment_status(self, namespace: str, name: str) -> dict[str, int]:
         return {"replicas": 0, "ready": 0}
 
+    async def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        return []  # no pod yet, so none the scheduler refuses
+
     async def remove_consumers(self, namespace: str, deployment: str, selector: str) -> int:
         return 0  # the consumers are gone
 
@@ -680,9 +683,10 @@ async def test_the_timer_leaves_a_group_not_yet_reconciled_alone(
     st = await observe(memo, "alpha", spec)
     assert kube.applied == []  # the resume handler applies it
     assert degraded_reason(st) == "AsExpected"
-    # Nothing applied or remembered about Secrets; what it saw of stalls and of members
-    # NATS refuses it may keep.
-    assert dataclasses.replace(memo.group, stalled=None, refused=None) == GroupState()
+    # Nothing applied or remembered about Secrets; what it saw of stalls, of members NATS
+    # refuses and of pods the scheduler refuses it may keep.
+    kept = dataclasses.replace(memo.group, stalled=None, refused=None, unschedulable=None)
+    assert kept == GroupState()
 
 
 def test_a_group_stored_at_zero_with_autoscaling_can_still_be_deleted() -> None:

@@ -129,8 +129,10 @@ holds those permissions itself rather than the broader `escalate` and `bind` ver
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
-# The operator counts a deleted group's pods; patch is held because the groups' Roles
-# grant it (the leader sets pod-deletion-cost on its members).
+# The operator counts a deleted group's pods, and lists a group's pods while its
+# Deployment has some not ready (pods the scheduler refuses: the MembersSchedulable
+# condition); no watch. patch is held because the groups' Roles grant it (the leader
+# sets pod-deletion-cost on its members).
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "patch"]

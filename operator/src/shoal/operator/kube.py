@@ -66,6 +66,15 @@ class Kube:
             raise
         return SecretData(str(secret.metadata.resource_version), dict(secret.data or {}))
 
+    async def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        """The pods `selector` matches, as API JSON (camelCase, as `kubectl get -o json`
+        has them), for pure functions to read. Only `list`: no watch, no cache."""
+        pods = await asyncio.to_thread(
+            self.core.list_namespaced_pod, namespace, label_selector=selector
+        )
+        found: list[dict[str, Any]] = self.api.sanitize_for_serialization(pods).get("items", [])
+        return found
+
     async def remove_consumers(self, namespace: str, deployment: str, selector: str) -> int:
         """Delete the consumers' Deployment (if still there); how many pods remain."""
         try:

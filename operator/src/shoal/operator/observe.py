@@ -1,9 +1,11 @@
-"""From what is observed (Deployment, etcd, JetStream) to a ConsumerGroup's status.
+"""From what is observed (Deployment, its pods, etcd, JetStream) to a ConsumerGroup's
+status.
 
 Pure: the reconciler gathers the facts, this module decides what they mean. Conditions
-follow the Kubernetes API conventions: Ready, Progressing and Degraded, each with a
-CamelCase reason, a message for people, observedGeneration, and a lastTransitionTime
-that moves only when the condition's status does.
+follow the Kubernetes API conventions: Ready, Progressing, Degraded, Paused and
+MembersSchedulable (shoal.operator.scheduling), each with a CamelCase reason, a message
+for people, observedGeneration, and a lastTransitionTime that moves only when the
+condition's status does.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 from shoal.contracts.names import TIME_FORMAT, format_time
 from shoal.contracts.values import MemberStats, PauseRecord, ScaleRecord
+from shoal.operator.scheduling import CONDITION, EVENT_REASON, UNSCHEDULABLE, Unschedulable
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,12 @@ class Observed:
     dead_letters: int | None = None
     # spec.paused: who paused the group and when (its pause record); None while it runs.
     paused: PauseRecord | None = None
+    # Member pods the scheduler cannot place (shoal.operator.scheduling); None: none, or
+    # the pods were not read because the Deployment has all its pods ready.
+    unschedulable: Unschedulable | None = None
+    # Why the member pods could not be read, if they could not (MembersSchedulable is
+    # Unknown then, rather than a guess either way).
+    pods_unread: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -252,6 +261,16 @@ def conditions(o: Observed) -> list[dict[str, Any]]:
             f"{o.ready_replicas} of {o.spec_replicas} members ready; {refused_message(o.refused)}",
             o.generation,
         )
+    elif o.ready_replicas < o.spec_replicas and o.unschedulable is not None:
+        # The count alone ("0 of 2 members ready") would send people to the pods to find
+        # out why; the scheduler's own words say it here.
+        ready = _condition(
+            "Ready",
+            False,
+            EVENT_REASON,
+            f"{o.ready_replicas} of {o.spec_replicas} members ready; {o.unschedulable.message()}",
+            o.generation,
+        )
     elif o.ready_replicas < o.spec_replicas:
         ready = _condition(
             "Ready",
@@ -321,7 +340,25 @@ def conditions(o: Observed) -> list[dict[str, Any]]:
         paused = _condition("Paused", True, "SpecPaused", paused_message(o.paused), o.generation)
     else:
         paused = _condition("Paused", False, "Running", "The group is not paused", o.generation)
-    return [ready, progressing, degraded, paused]
+    return [ready, progressing, degraded, paused, schedulable(o)]
+
+
+def schedulable(o: Observed) -> dict[str, Any]:
+    """MembersSchedulable: False while the scheduler refuses some member pods (even with
+    the group Ready: a surge pod of a rollout that fits nowhere stalls the rollout)."""
+    if o.unschedulable is not None:
+        return _condition(CONDITION, False, UNSCHEDULABLE, o.unschedulable.message(), o.generation)
+    if o.pods_unread is not None:
+        return _condition(
+            CONDITION,
+            None,
+            "PodsUnread",
+            f"The member pods could not be read: {o.pods_unread}",
+            o.generation,
+        )
+    return _condition(
+        CONDITION, True, "Schedulable", "The scheduler refuses no member pod", o.generation
+    )
 
 
 def stamp(

@@ -7,6 +7,9 @@ Observation (a timer): read the Deployment, etcd and JetStream into status, with
 Event for each new assignment generation, each change of replicas, each stall episode
 (a watch on the members' keys catches stalls shorter than the timer's period) and each
 member NATS refuses (its problems/ key: Degraded with NatsAuthFailed / NatsTLSFailed).
+While the Deployment has pods that are not ready it also lists them: pods the scheduler
+refuses make MembersSchedulable False (the scheduler's message in it and in Ready's)
+with one MembersUnschedulable Warning per episode.
 Pause (spec.paused): the operator writes the group's `paused` etcd key (who, from the
 managed fields of the change, and when), which the members watch: no pod restarts.
 Reconcile writes or deletes it at once, the status timer keeps it following the spec;
@@ -34,6 +37,7 @@ import time
 from typing import Any
 
 import kopf
+from kubernetes.client.rest import ApiException
 
 from shoal.clients.etcd import TRANSIENT_ERRORS, Etcd, EtcdUnavailable, describe
 from shoal.clients.nats import connect
@@ -55,7 +59,7 @@ from shoal.group.jetstream import StreamConfigConflict, ensure_group
 from shoal.group.pause import pause_group, resume_group
 from shoal.group.status import GroupStatus, status_from_view
 from shoal.group.view import GroupView
-from shoal.operator import observe
+from shoal.operator import observe, scheduling
 from shoal.operator.builders import (
     NatsPodSecrets,
     build_deployment,
@@ -525,6 +529,9 @@ async def observe_group(
     model = spec_model(spec)
     config = pod_config(name, namespace, model, settings)
     dep = await memo.kube.deployment_status(namespace, resource_names(name)["deployment"])
+    unschedulable, pods_unread = await _member_pods(
+        memo, body, status, namespace, name, dep, model.replicas
+    )
     problem: tuple[str, str] | None = None
     members: dict[str, int] = {}
     leader, generation_seen, unowned, unclaimed = None, 0, config.partitions, config.partitions
@@ -600,6 +607,8 @@ async def observe_group(
         paused=(paused or observe.pause_record(meta.get("managedFields"), time.time()))
         if model.paused
         else None,
+        unschedulable=unschedulable,
+        pods_unread=pods_unread,
     )
     new = observe.status(observed, old.get("conditions", []), now())
     if generation_seen and generation_seen != old.get("assignmentGeneration"):
@@ -612,6 +621,65 @@ async def observe_group(
         )
     for key, value in new.items():
         patch.status[key] = value
+
+
+async def _member_pods(
+    memo: OperatorMemo,
+    body: kopf.Body,
+    status: Any,
+    namespace: str,
+    name: str,
+    dep: dict[str, int],
+    replicas: int,
+) -> tuple[scheduling.Unschedulable | None, str | None]:
+    """Whether the scheduler refuses some of the group's pods (and, if the pods could not
+    be read, why not), with a Warning Event when that starts (_report_unschedulable).
+
+    The pods are listed (one LIST by the group's label selector, in this timer) only when
+    the Deployment has fewer ready pods than it has or should have: a pod the scheduler
+    cannot place is never ready, so a healthy group costs no API call here. Listing in
+    the timer rather than a kopf handler on pods: a pod watch would keep a stream open
+    and every member pod's updates flowing into the operator all the time (each probe
+    result, each pod-deletion-cost the leader sets), for an answer needed only while pods
+    are not ready; it would need `watch` on pods; and its handler would have to hand what
+    it saw to this timer, which writes the Ready condition the answer belongs in. The
+    timer's period (5 s) is delay enough: a pod the scheduler refuses stays refused until
+    someone changes the spec or the nodes.
+    """
+    if dep["ready"] >= max(dep["replicas"], replicas):
+        found = None  # every pod ready, so placed: nothing to read
+    else:
+        try:
+            pods = await memo.kube.list_pods(namespace, selector_string(name))
+        except ApiException as exc:  # 403 without `list` on pods: say so, keep going
+            return None, f"{exc.status} {exc.reason}"
+        except Exception as exc:  # the status timer must still write the rest
+            log.debug("Pods of %s/%s unreadable: %r", namespace, name, exc)
+            return None, repr(exc)[:200]
+        found = scheduling.unschedulable(pods)
+    _report_unschedulable(body, memo, status, found)
+    return found, None
+
+
+def _report_unschedulable(
+    body: kopf.Body, memo: OperatorMemo, status: Any, found: scheduling.Unschedulable | None
+) -> None:
+    """A Warning Event MembersUnschedulable when the scheduler starts refusing member
+    pods: once per episode (from the first observation that finds such pods to the first
+    that finds none), not once per observation, and not again when the refused pods or the
+    scheduler's words change within the episode. The end posts nothing: the
+    MembersSchedulable condition turns True, with its lastTransitionTime. Called only when
+    the pods were read (or need not be), so an unreadable list ends no episode. A new
+    operator process takes an episode going on from the `status` the last one wrote."""
+    state = memo.group
+    was = (
+        state.unschedulable
+        if state.unschedulable is not None
+        else scheduling.unschedulable_in_status(status)
+    )
+    if found is not None and not was:
+        kopf.warn(body, reason=scheduling.EVENT_REASON, message=found.message())
+    state.unschedulable = found is not None
 
 
 async def _dead_letters(js: Any, config: GroupConfig) -> int | None:

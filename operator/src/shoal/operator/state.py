@@ -54,6 +54,11 @@ class GroupState:
     # observation that read etcd (Keys.problems): a Warning is posted for each new one.
     # None until this process observed the group (then: the status's Degraded message).
     refused: frozenset[tuple[str, str]] | None = None
+    # Whether the scheduler refused some of the group's pods at the last observation that
+    # knew (a MembersUnschedulable Warning is posted when this turns True, once). None
+    # until this process observed the group: it then starts from the status's
+    # MembersSchedulable condition, so a restarted operator does not post it again.
+    unschedulable: bool | None = None
     # (key, mod_revision) of the garbage values in the group's etcd prefix already logged:
     # the timer reads with a new view every time, and would log each one every 5 s.
     garbage_logged: set[tuple[str, int]] = field(default_factory=set)
