@@ -59,8 +59,10 @@ def operator_process(
     namespaces: Sequence[str],
     log_path: Path,
     extra_env: Mapping[str, str] | None = None,
+    extra_args: Sequence[str] = (),
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """`shoal-operator` as a local process watching `namespaces`, stopped on exit.
+    """`shoal-operator` as a local process watching `namespaces`, stopped on exit (its
+    whole process group; a process the test already killed is only reaped).
 
     The CRD is applied first. Suites that run an operator each watch their own namespaces,
     so they can share the session's plane.
@@ -87,6 +89,7 @@ def operator_process(
                 *args,
                 "--liveness",
                 f"http://127.0.0.1:{free_port()}/healthz",
+                *extra_args,
             ],
             env=env,
             stdout=out,
@@ -96,7 +99,8 @@ def operator_process(
     try:
         yield process
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
         try:
             process.wait(30)
         except subprocess.TimeoutExpired:

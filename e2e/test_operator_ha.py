@@ -1,0 +1,125 @@
+"""Two operator replicas with --leader-elect on the local plane: one acts, the other takes
+over within 15 s of the first being SIGKILLed, and a `kubectl scale cg` issued meanwhile
+is applied (issue 25).
+
+Both replicas run as local processes (harness.kubetest.operator_process) against the
+plane's API server, each with its own identity (POD_NAME), contending for one Lease in
+the test's namespace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from harness.kubetest import create_namespace, namespace_pods, operator_process, wait_until
+from harness.localkube.plane import LocalKube
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parent.parent
+NS = "op-ha"
+LEASE = "shoal-operator"
+GROUP = "orders"
+DEPLOYMENT = f"{GROUP}-consumer"
+# What kopf logs after each reconcile of the group (this file's only group): only the
+# acting replica's log may have it.
+RECONCILED = "Handler 'reconcile' succeeded"
+
+
+def lease_holder(plane: LocalKube) -> str:
+    found = plane.kubectl("get", "lease", LEASE, "-n", NS, "-o", "json", check=False)
+    if found.returncode != 0:
+        return ""
+    return str(json.loads(found.stdout)["spec"].get("holderIdentity") or "")
+
+
+def deployment_replicas(plane: LocalKube) -> int | None:
+    found = plane.kubectl("get", "deployment", DEPLOYMENT, "-n", NS, "-o", "json", check=False)
+    if found.returncode != 0:
+        return None
+    return int(json.loads(found.stdout)["spec"]["replicas"])
+
+
+def group(replicas: int) -> str:
+    manifest: dict[str, Any] = yaml.safe_load(
+        (ROOT / "examples" / "consumergroup.yaml").read_text()
+    )
+    manifest["metadata"]["namespace"] = NS
+    manifest["spec"]["replicas"] = replicas
+    return json.dumps(manifest)
+
+
+@contextlib.contextmanager
+def replica(plane: LocalKube, name: str, log: Path) -> Iterator[Any]:
+    """One operator replica, `name` its identity in the Lease; stopped on the way out."""
+    with operator_process(
+        plane,
+        [NS],
+        log,
+        extra_env={"POD_NAME": name},
+        extra_args=["--leader-elect", "--leader-elect-namespace", NS],
+    ) as process:
+        yield process
+
+
+def test_the_standby_takes_over_within_15_s_and_applies_a_scale(
+    localkube: LocalKube, tmp_path: Path
+) -> None:
+    plane = localkube
+    log_a, log_b = tmp_path / "op-a.log", tmp_path / "op-b.log"
+    create_namespace(plane, NS)
+    with contextlib.ExitStack() as stack:
+        # Last in, first out: the group and namespace go while an operator still runs
+        # (the group's finalizer needs one), then the replicas stop; the namespace goes
+        # even if the test fails before there is a group.
+        stack.callback(plane.kubectl, "delete", "namespace", NS, "--wait=false", check=False)
+        a = stack.enter_context(replica(plane, "op-a", log_a))
+        wait_until(lambda: lease_holder(plane) == "op-a", 30, "op-a to take the Lease")
+        stack.enter_context(replica(plane, "op-b", log_b))
+        stack.callback(cleanup, plane)
+        wait_until(
+            lambda: "standing by, Lease op-ha/shoal-operator held by op-a" in log_b.read_text(),
+            30,
+            "op-b to stand by",
+        )
+
+        plane.kubectl("apply", "-f", "-", input_text=group(2))
+        wait_until(lambda: deployment_replicas(plane) == 2, 60, "the group's Deployment")
+        wait_until(lambda: RECONCILED in log_a.read_text(), 30, "op-a's reconcile")
+        # One acts: the standby has not touched the group, nor run kopf at all.
+        standby_log = log_b.read_text()
+        assert "kopf" not in standby_log and NS + "_" + GROUP not in standby_log, standby_log
+        assert lease_holder(plane) == "op-a"
+
+        # SIGKILL the active replica (its whole process group) and scale at once.
+        os.killpg(a.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        plane.kubectl("scale", "cg", GROUP, "-n", NS, "--replicas=3")
+        wait_until(lambda: lease_holder(plane) == "op-b", 20, "op-b to take the Lease")
+        takeover = time.monotonic() - killed
+        wait_until(lambda: deployment_replicas(plane) == 3, 30, "the scale to be applied")
+        applied = time.monotonic() - killed
+        print(
+            f"\nLease taken over {takeover:.1f} s after SIGKILL of the active replica; "
+            f"scale 2 -> 3 applied to the Deployment {applied:.1f} s after it"
+        )
+        assert a.poll() == -signal.SIGKILL
+        assert takeover < 15, f"the standby took over only after {takeover:.1f} s"
+        assert RECONCILED in log_b.read_text()
+
+
+def cleanup(plane: LocalKube) -> None:
+    """The group (while op-b runs, for its finalizer), the namespace, and its pods."""
+    plane.kubectl("delete", "cg", "--all", "-n", NS, "--timeout=90s", check=False)
+    plane.kubectl("delete", "namespace", NS, "--wait=false", check=False)
+    wait_until(lambda: not namespace_pods(plane, NS), 90, "the test's pods to be gone")
