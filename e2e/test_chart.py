@@ -120,12 +120,65 @@ def test_unset_extension_points_leave_the_operator_pod_plain() -> None:
         ("consumerPodPolicy.annotation=a' || true || 'b", "/consumerPodPolicy/annotation"),
         ("nats.credentialsType=password", "/nats/credentialsType"),
         ("nats.tlsClientCertificate=perhaps", "/nats/tlsClientCertificate"),
+        ("replicas=0", "/replicas"),
     ],
 )
 def test_the_schema_refuses_bad_values(setting: str, where: str) -> None:
     result = helm_template("--set", setting, check=False)
     assert result.returncode != 0
     assert where in result.stderr, result.stderr
+
+
+def test_one_operator_replica_runs_alone_and_more_elect_a_leader_on_one_lease() -> None:
+    def lease_rules(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [
+            rule
+            for doc in docs
+            if doc["kind"] in ("Role", "ClusterRole")
+            for rule in doc["rules"]
+            if "leases" in rule["resources"]
+        ]
+
+    alone = render()
+    deployment = only(alone, "Deployment")
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert not any(arg.startswith("--leader-elect") for arg in container["args"])
+    assert not lease_rules(alone)
+
+    docs = render("--set", "replicas=2", "--set", "watchNamespaces={a,b}")
+    deployment = only(docs, "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    assert "--leader-elect" in args
+    assert args[args.index("--leader-elect-lease") + 1] == "shoal-operator"
+    assert args[args.index("--leader-elect-namespace") + 1] == "shoal-system"
+    (pod_name,) = [e for e in container["env"] if e["name"] == "POD_NAME"]
+    assert pod_name["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    # Least privilege: create any Lease (create cannot be narrowed to a name), get and
+    # update only this one, in the release namespace only, whatever namespaces it serves.
+    (role,) = [doc for doc in docs if doc["kind"] == "Role" and lease_rules([doc])]
+    assert role["metadata"]["namespace"] == "shoal-system"
+    assert lease_rules([role]) == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "resourceNames": ["shoal-operator"],
+            "verbs": ["get", "update"],
+        },
+    ]
+    (binding,) = [
+        doc
+        for doc in docs
+        if doc["kind"] == "RoleBinding" and doc["roleRef"]["name"] == role["metadata"]["name"]
+    ]
+    assert binding["metadata"]["namespace"] == "shoal-system"
+    service_account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+    assert binding["subjects"][0]["name"] == service_account
 
 
 def test_operator_secret_access_is_get_only_and_narrowed_by_secret_names() -> None:

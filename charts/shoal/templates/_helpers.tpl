@@ -60,6 +60,14 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
 {{/*
+The Lease the operator replicas elect their leader on (replicas > 1), in the release
+namespace.
+*/}}
+{{- define "shoal.leaseName" -}}
+{{- printf "%s-operator" (include "shoal.fullname" .) }}
+{{- end }}
+
+{{/*
 The operator's ServiceAccount.
 */}}
 {{- define "shoal.serviceAccountName" -}}
