@@ -10,8 +10,10 @@ the test's namespace.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
+import queue
 import signal
 import time
 from collections.abc import Iterator
@@ -20,9 +22,15 @@ from typing import Any
 
 import pytest
 import yaml
+from kubernetes import client as k8s
+from kubernetes import config
+from kubernetes.client.rest import ApiException
 
 from harness.kubetest import create_namespace, namespace_pods, operator_process, wait_until
 from harness.localkube.plane import LocalKube
+from harness.servers import free_port
+from harness.waiting import eventually
+from shoal.operator.leadership import LeaseElector, may_take
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -36,8 +44,8 @@ DEPLOYMENT = f"{GROUP}-consumer"
 RECONCILED = "Handler 'reconcile' succeeded"
 
 
-def lease_holder(plane: LocalKube) -> str:
-    found = plane.kubectl("get", "lease", LEASE, "-n", NS, "-o", "json", check=False)
+def lease_holder(plane: LocalKube, namespace: str = NS, name: str = LEASE) -> str:
+    found = plane.kubectl("get", "lease", name, "-n", namespace, "-o", "json", check=False)
     if found.returncode != 0:
         return ""
     return str(json.loads(found.stdout)["spec"].get("holderIdentity") or "")
@@ -123,3 +131,84 @@ def cleanup(plane: LocalKube) -> None:
     plane.kubectl("delete", "cg", "--all", "-n", NS, "--timeout=90s", check=False)
     plane.kubectl("delete", "namespace", NS, "--wait=false", check=False)
     wait_until(lambda: not namespace_pods(plane, NS), 90, "the test's pods to be gone")
+
+
+# -- the Lease I/O against the real API server, with short timings ------------------------
+
+RACE_NS = "op-ha-lease"
+
+
+def elector(api: Any, name: str, identity: str) -> LeaseElector:
+    return LeaseElector(
+        api,
+        RACE_NS,
+        name,
+        identity,
+        duration=2,
+        renew_interval=0.2,
+        renew_deadline=1.5,
+        retry_interval=0.2,
+    )
+
+
+def test_two_standbys_racing_for_an_expired_lease_one_wins_and_a_robbed_holder_exits(
+    localkube: LocalKube,
+) -> None:
+    plane = localkube
+    create_namespace(plane, RACE_NS)
+    api = config.new_client_from_config(config_file=str(plane.kubeconfig_path))
+    try:
+        a, b, c = (elector(api, "race", who) for who in ("op-a", "op-b", "op-c"))
+        assert a.try_acquire()
+        # b and c see op-a's Lease and may not take it while it is fresh.
+        assert not b.try_acquire() and not c.try_acquire()
+        # op-a never renews (as if killed right after taking it); once b and c have seen
+        # the same version for the lease's duration, both read it and both may take it...
+        eventually(
+            lambda: (
+                b.observation is not None
+                and may_take(b.observation, "op-b", time.monotonic())
+                and c.observation is not None
+                and may_take(c.observation, "op-c", time.monotonic())
+            ),
+            10,
+            "op-a's Lease to expire for b and c",
+        )
+        read_b, read_c = b._read(), c._read()
+        assert read_b is not None and read_c is not None
+        assert read_b["metadata"]["resourceVersion"] == read_c["metadata"]["resourceVersion"]
+        # ...but the API server accepts only the first write of that version.
+        assert b.take(read_b)
+        assert not c.take(read_c)
+        assert lease_holder(plane, RACE_NS, "race") == "op-b"
+        assert (b.held or {})["spec"]["leaseTransitions"] == 1
+
+        # op-b renews; someone else writing itself in (here c, ignoring the rules) makes
+        # op-b give up at its next renewal.
+        robbed: queue.Queue[str] = queue.Queue()
+        b.keep(robbed.put)
+
+        def steal() -> bool:
+            lease = c._read()
+            assert lease is not None
+            lease["spec"]["holderIdentity"] = "op-c"
+            c._write(lease, create=False)  # a 409 if op-b renewed since the read: again
+            return True
+
+        eventually(steal, 5, "c to write itself in", retry_on=(ApiException,))
+        assert "held by op-c" in robbed.get(timeout=5)
+
+        # A holder whose renewals fail (its API server unreachable) gives up once
+        # renew_deadline has passed since its last successful renewal.
+        d = elector(api, "deadline", "op-d")
+        assert d.try_acquire()
+        unreachable = copy.deepcopy(api.configuration)
+        unreachable.host = f"https://127.0.0.1:{free_port()}"
+        d.leases = k8s.CoordinationV1Api(k8s.ApiClient(unreachable))
+        gave_up: queue.Queue[str] = queue.Queue()
+        started = time.monotonic()
+        d.keep(gave_up.put)
+        assert "no renewal" in gave_up.get(timeout=10)
+        assert 1.5 <= time.monotonic() - started < 3
+    finally:
+        plane.kubectl("delete", "namespace", RACE_NS, "--wait=false", check=False)

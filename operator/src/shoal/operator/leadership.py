@@ -205,7 +205,12 @@ class LeaseElector:
 
     def try_acquire(self) -> bool:
         """One attempt: read the Lease, take it if the decision allows; True if ours."""
-        lease = self._read()
+        return self.take(self._read())
+
+    def take(self, lease: dict[str, Any] | None) -> bool:
+        """Take `lease` (as read; None: there is none) if the decision allows; True if ours
+        now. The write carries the resourceVersion read: if anyone wrote the Lease since,
+        the API server refuses it (409) and this returns False."""
         if lease is None:
             try:
                 self.held = self._write(self._body(None, 0), create=True)
@@ -261,6 +266,8 @@ class LeaseElector:
             self.held = self._write(self._body(self.held, self._transitions()), create=False)
             return
         except ApiException as exc:
+            if exc.status == 404:  # deleted: anyone may create it anew, so it is not ours
+                raise LostLease("nobody (it was deleted)") from exc
             if exc.status != 409:
                 raise
         # Someone else wrote it: still ours (a label, say), renew on that version; not
