@@ -43,6 +43,12 @@ RENEW_INTERVAL = 2.0
 # requests stall rather than fail.
 RENEW_DEADLINE = 8.0
 RETRY_INTERVAL = 1.0
+# Each API call gives up after this long, so that a standby's poll or a holder's renewal
+# stuck on a silent connection is retried rather than waited on forever.
+REQUEST_TIMEOUT = 2.0
+# How often the holder's watchdog checks the renew deadline: apart from the renewals, so a
+# renewal that hangs cannot keep the holder acting past the deadline.
+WATCHDOG_INTERVAL = 0.1
 
 DEFAULT_LEASE_NAME = "shoal-operator"
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
@@ -149,6 +155,7 @@ class LeaseElector:
         renew_interval: float = RENEW_INTERVAL,
         renew_deadline: float = RENEW_DEADLINE,
         retry_interval: float = RETRY_INTERVAL,
+        request_timeout: float = REQUEST_TIMEOUT,
     ) -> None:
         self.api = api
         self.leases = client.CoordinationV1Api(api)
@@ -159,15 +166,23 @@ class LeaseElector:
         self.renew_interval = renew_interval
         self.renew_deadline = renew_deadline
         self.retry_interval = retry_interval
+        self.request_timeout = request_timeout
         self.observation: Observation | None = None
         self.held: dict[str, Any] | None = None  # the Lease as we last wrote it
+        # When the request behind our last successful write (taking or renewing) was sent,
+        # local monotonic: the renew deadline counts from there.
+        self.last_renewed = 0.0
         self.stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._lost = threading.Lock()
 
     # -- I/O -------------------------------------------------------------------------
 
     def _read(self) -> dict[str, Any] | None:
         try:
-            lease = self.leases.read_namespaced_lease(self.name, self.namespace)
+            lease = self.leases.read_namespaced_lease(
+                self.name, self.namespace, _request_timeout=self.request_timeout
+            )
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -196,10 +211,14 @@ class LeaseElector:
 
     def _write(self, body: dict[str, Any], create: bool) -> dict[str, Any]:
         if create:
-            written = self.leases.create_namespaced_lease(self.namespace, body)
+            written = self.leases.create_namespaced_lease(
+                self.namespace, body, _request_timeout=self.request_timeout
+            )
         else:
             # metadata.resourceVersion is in the body: a 409 if anyone wrote in between.
-            written = self.leases.replace_namespaced_lease(self.name, self.namespace, body)
+            written = self.leases.replace_namespaced_lease(
+                self.name, self.namespace, body, _request_timeout=self.request_timeout
+            )
         result: dict[str, Any] = self.api.sanitize_for_serialization(written)
         return result
 
@@ -211,6 +230,7 @@ class LeaseElector:
         """Take `lease` (as read; None: there is none) if the decision allows; True if ours
         now. The write carries the resourceVersion read: if anyone wrote the Lease since,
         the API server refuses it (409) and this returns False."""
+        sent = time.monotonic()
         if lease is None:
             try:
                 self.held = self._write(self._body(None, 0), create=True)
@@ -218,6 +238,7 @@ class LeaseElector:
                 if exc.status == 409:  # another replica created it first
                     return False
                 raise
+            self.last_renewed = sent
             return True
         record = record_of(lease)
         self.observation = observe(self.observation, record, time.monotonic())
@@ -231,6 +252,7 @@ class LeaseElector:
             if exc.status == 409:  # someone wrote it since we read it: look again
                 return False
             raise
+        self.last_renewed = sent
         return True
 
     def acquire(self) -> None:
@@ -282,37 +304,50 @@ class LeaseElector:
         assert self.held is not None
         return int((self.held.get("spec") or {}).get("leaseTransitions") or 0)
 
-    def keep(self, on_lost: Callable[[str], None]) -> threading.Thread:
-        """Renew every renew_interval from a daemon thread; `on_lost(why)` when the
-        Lease is another's or no renewal has succeeded for renew_deadline."""
+    def keep(self, on_lost: Callable[[str], None]) -> None:
+        """Renew every renew_interval from a daemon thread, and call `on_lost(why)` once
+        when the Lease is another's or no renewal has succeeded for renew_deadline (a
+        watchdog thread of its own checks that, so a hanging renewal cannot delay it)."""
 
-        def run() -> None:
-            last_renewed = time.monotonic()
+        def lose(why: str) -> None:
+            if self._lost.acquire(blocking=False):  # only the first of the two threads
+                self.stopping.set()
+                on_lost(why)
+
+        def renewing() -> None:
             while not self.stopping.wait(self.renew_interval):
                 sent = time.monotonic()
                 try:
                     self.renew()
-                    last_renewed = sent
                 except LostLease as exc:
-                    on_lost(f"Lease {self.namespace}/{self.name} now held by {exc}")
+                    lose(f"Lease {self.namespace}/{self.name} now held by {exc}")
                     return
-                except Exception as exc:
+                except Exception as exc:  # the watchdog decides when this is too long
                     log.warning("leader election: renewal failed: %s", exc)
-                if must_step_down(last_renewed, time.monotonic(), self.renew_deadline):
-                    on_lost(
+                else:
+                    self.last_renewed = sent
+
+        def watching() -> None:
+            while not self.stopping.wait(WATCHDOG_INTERVAL):
+                if must_step_down(self.last_renewed, time.monotonic(), self.renew_deadline):
+                    lose(
                         f"no renewal of Lease {self.namespace}/{self.name} succeeded "
                         f"for {self.renew_deadline:g} s"
                     )
                     return
 
-        thread = threading.Thread(target=run, name="lease-renewal", daemon=True)
-        thread.start()
-        return thread
+        for target, name in ((renewing, "lease-renewal"), (watching, "lease-watchdog")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
 
     def release(self) -> None:
         """After a graceful stop (kopf has returned): hand the Lease back, so a standby
         takes it on its next poll instead of after the whole duration."""
         self.stopping.set()
+        # No renewal may land after the release (it would find the Lease not ours).
+        for thread in self._threads:
+            thread.join(self.request_timeout * 2)
         if self.held is None:
             return
         try:
