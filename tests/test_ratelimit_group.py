@@ -8,6 +8,7 @@ over 10 s windows, across a scale from 4 to 6 members, is bench/ratelimit.py's.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +20,7 @@ from harness.waiting import eventually_async
 from shoal.clients.etcd import Etcd
 from shoal.consumer.ledger import audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer
-from shoal.contracts.names import SEQ_HEADER
+from shoal.contracts.names import SEQ_HEADER, partition_for
 from shoal.group.config import config_env
 from shoal.group.jetstream import ensure_group
 
@@ -183,3 +184,39 @@ async def test_the_limit_holds_while_the_group_scales_down_and_up(
     for name in ("m-0", "m-1", "m-2"):
         log = fleet.members[name].log_text()
         assert "Traceback" not in log, log[-3000:]
+
+
+async def test_partitions_waiting_for_a_low_limit_are_not_reported_stalled(
+    make_fleet: Callable[..., Fleet], etcd: Etcd, js: Any, make_config: Any
+) -> None:
+    """A limit so low that each partition runs a message less often than stallAfter:
+    one member, 2 partitions, 0.25 messages/s (one every 8 s per partition), stall after
+    2 s, and more backlog per partition than it holds (so its pulls stop too: nothing
+    moves on it between its turns). Its partitions wait for the limit, not on something
+    stuck: none is reported stalled (moving it would only move the wait), and what runs
+    runs once each, in order."""
+    config = make_config(handler=HANDLER, partitions=2, max_messages_per_second=0.25, stall_after=2)
+    await ensure_group(js, config)
+    fleet = make_fleet(handler=HANDLER, partitions=2)
+    env = config_env(config, (*SETTINGS, "stall_after"))
+    fleet.start("m-0", **env)
+    await wait_for_status(etcd, config.namespace, config.group, 2, settled({"m-0"}), 60)
+    # One project per partition, 150 messages each: more than a partition holds (64).
+    projects = [f"slow-{i}" for i in range(200)]
+    by_partition = {partition_for(p, 2): p for p in projects}
+    assert len(by_partition) == 2
+    items = [
+        Outgoing(project, b"x", f"{project}-{i}", {SEQ_HEADER: str(i)})
+        for i in range(150)
+        for project in by_partition.values()
+    ]
+    await Producer(js, config.subject_prefix, 2).publish_many(items)
+    # Three stall periods and more, each partition between its turns for 8 s.
+    await asyncio.sleep(10)
+    log = fleet.members["m-0"].log_text()
+    assert "is stalled" not in log, log[-3000:]
+    records = await read_ledger(js, config.ledger_stream)
+    # At most what the limit allowed (10 s at 0.25/s, plus the one-token burst).
+    assert 1 <= len(records) <= 4, len(records)
+    result = audit(records, [r.message_id for r in records])
+    assert {k: result.summary()[k] for k in CLEAN} == CLEAN, result.summary()
