@@ -217,6 +217,21 @@ def test_invalid_groups_are_refused_with_readable_messages(crd: LocalKube, names
     for wait in (0, 0.05):
         message = refused(crd, group("ack", namespace, nats={"consumer": {"ackWaitSeconds": wait}}))
         assert "spec.nats.consumer.ackWaitSeconds" in message
+    # maxMessagesPerSecond: a positive number (issue 27); 0 as an integer too.
+    for rate in (-5, 0, -0.5):
+        consumer = {"maxMessagesPerSecond": rate}
+        message = refused(crd, group("rate", namespace, nats={"consumer": consumer}))
+        assert "spec.nats.consumer.maxMessagesPerSecond" in message
+        assert "should be greater than 0" in message
+    # A positive one is kept, and a merge patch of null removes it (no limit; no default).
+    apply(crd, group("rate", namespace, nats={"consumer": {"maxMessagesPerSecond": 0.5}}))
+    consumer = get_json(crd, "cg", "rate", "-n", namespace)["spec"]["nats"]["consumer"]
+    assert consumer["maxMessagesPerSecond"] == 0.5
+    unset = '{"spec":{"nats":{"consumer":{"maxMessagesPerSecond":null}}}}'
+    crd.kubectl("patch", "cg", "rate", "-n", namespace, "--type", "merge", "-p", unset)
+    consumer = get_json(crd, "cg", "rate", "-n", namespace)["spec"]["nats"]["consumer"]
+    assert "maxMessagesPerSecond" not in consumer
+    crd.kubectl("delete", "cg", "rate", "-n", namespace)
     # Nothing was stored.
     assert get_json(crd, "cg", "-n", namespace)["items"] == []
 

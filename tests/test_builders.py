@@ -82,6 +82,7 @@ def full_spec() -> dict[str, Any]:
                 "maxAckPending": 500,
                 "maxDeliver": 7,
                 "backoffSeconds": [1, 2.5, 10],
+                "maxMessagesPerSecond": 2000,
             },
         },
         "etcd": {"endpoints": "etcd-0.etcd:2379,etcd-1.etcd:2379", "tlsSecret": "orders-etcd"},
@@ -216,6 +217,7 @@ def test_full_spec_env_is_accepted_by_the_consumer() -> None:
     assert config.max_ack_pending == 500
     assert config.max_deliver == 7
     assert config.backoff == (1.0, 2.5, 10.0)
+    assert config.max_messages_per_second == 2000
     assert config.drain_timeout == SETTINGS.drain_timeout_seconds
 
 
@@ -231,6 +233,7 @@ def test_missing_sections_give_the_documented_defaults() -> None:
     assert config.max_ack_pending == 1000
     assert config.max_deliver == 5
     assert config.backoff == ()
+    assert config.max_messages_per_second is None
 
 
 def test_empty_and_null_sections_count_as_missing() -> None:
@@ -334,6 +337,15 @@ def test_integral_floats_lose_their_fraction_so_int_fields_parse() -> None:
 def test_backoff_only_when_set(backoff: list[float] | None, expected: str | None) -> None:
     spec = {"handler": HANDLER, "nats": {"consumer": {"backoffSeconds": backoff}}}
     assert resolve(consumer_env(NAME, NAMESPACE, spec, SETTINGS)).get("SHOAL_BACKOFF") == expected
+
+
+@pytest.mark.parametrize(("rate", "expected"), [(None, None), (200, "200"), (0.5, "0.5")])
+def test_max_messages_per_second_only_when_set(rate: float | None, expected: str | None) -> None:
+    # Unset is no limit: the pods get no variable, and their config none either.
+    spec = {"handler": HANDLER, "nats": {"consumer": {"maxMessagesPerSecond": rate}}}
+    env = resolve(consumer_env(NAME, NAMESPACE, spec, SETTINGS))
+    assert env.get("SHOAL_MAX_MESSAGES_PER_SECOND") == expected
+    assert config_from_env(env).max_messages_per_second == rate
 
 
 def test_user_env_comes_last_and_overrides() -> None:
@@ -880,6 +892,9 @@ consumer_section = st.fixed_dictionaries(
         "maxAckPending": st.integers(1, 100_000),
         "maxDeliver": st.integers(1, 100),
         "backoffSeconds": st.lists(seconds, max_size=4),
+        "maxMessagesPerSecond": st.one_of(
+            st.integers(1, 100_000), st.floats(0.01, 100_000, allow_nan=False)
+        ),
     },
 )
 nats_section = st.fixed_dictionaries(
@@ -967,6 +982,7 @@ def test_any_valid_spec_builds_a_consistent_deployment_the_consumer_accepts(
     assert config.max_ack_pending == consumer.get("maxAckPending", 1000)
     assert config.max_deliver == consumer.get("maxDeliver", 5)
     assert config.backoff == pytest.approx(tuple(consumer.get("backoffSeconds") or ()))
+    assert config.max_messages_per_second == consumer.get("maxMessagesPerSecond")
     assert config.drain_timeout == drain
     assert ("NATS_CREDS_FILE" in resolved) == bool(nats.get("credentialsSecret"))
     tls_secret = spec.get("etcd", {}).get("tlsSecret")

@@ -98,8 +98,12 @@ def test_defaults_enums_and_bounds_agree(
     if "enum" in crd:
         assert sorted(model["enum"]) == sorted(crd["enum"]), path
     # pydantic writes a bound it cannot place on the JSON type (inside an Optional) as
-    # ge/le; the meaning is the same.
-    assert model.get("minimum", model.get("ge")) == crd.get("minimum"), path
+    # ge/le (gt for an exclusive one); the meaning is the same. OpenAPI v3 (the CRD) says
+    # "exclusive" with a boolean beside the minimum, JSON Schema (the model) with a number.
+    if crd.get("exclusiveMinimum"):
+        assert model.get("exclusiveMinimum", model.get("gt")) == crd.get("minimum"), path
+    else:
+        assert model.get("minimum", model.get("ge")) == crd.get("minimum"), path
     assert model.get("maximum", model.get("le")) == crd.get("maximum"), path
     if "pattern" in crd:
         assert model.get("pattern") is not None, path
@@ -152,6 +156,18 @@ def test_camel_case_in_snake_case_out() -> None:
         ),
         ({"handler": "a:b", "nats": {"subjectPrefix": "a..b"}}, "spec.nats.subjectPrefix"),
         ({"handler": "a:b", "nats": {"consumer": {"backoffSeconds": [-1]}}}, "backoffSeconds"),
+        *(
+            (
+                {"handler": "a:b", "nats": {"consumer": {"maxMessagesPerSecond": rate}}},
+                "spec.nats.consumer.maxMessagesPerSecond must be a positive number of "
+                "messages a second (leave it out, or null, for no limit)",
+            )
+            for rate in (-5, 0, 0.0, -0.5)
+        ),
+        (
+            {"handler": "a:b", "nats": {"consumer": {"maxMessagesPerSecond": "100"}}},
+            "spec.nats.consumer.maxMessagesPerSecond",
+        ),
         ("not a mapping", "spec must be a mapping"),
     ],
 )
@@ -183,6 +199,20 @@ def test_replicas_zero_stops_a_group_only_without_autoscaling() -> None:
     assert "disable autoscaling" in message
 
 
+def test_max_messages_per_second_is_a_positive_number_or_unset() -> None:
+    """Issue 27: no limit unless set; an integer or a fraction; null is unset (as the API
+    server shows a field a merge patch removed)."""
+    assert parse_spec({"handler": "a:b"}).nats.consumer.max_messages_per_second is None
+    for rate in (200, 2000.0, 0.5):
+        consumer = {"maxMessagesPerSecond": rate}
+        spec = parse_spec({"handler": "a:b", "nats": {"consumer": consumer}})
+        assert spec.nats.consumer.max_messages_per_second == rate
+    unset = {"handler": "a:b", "nats": {"consumer": {"maxMessagesPerSecond": None}}}
+    assert parse_spec(unset).nats.consumer.max_messages_per_second is None
+    (field,) = [crd for path, crd, _ in ALL_PAIRS if path.endswith(".maxMessagesPerSecond")]
+    assert (field["minimum"], field["exclusiveMinimum"], "default" in field) == (0, True, False)
+
+
 def test_integral_floats_are_integers() -> None:
     assert parse_spec({"handler": "a:b", "replicas": 2.0}).replicas == 2
 
@@ -199,7 +229,7 @@ def test_group_config_and_policy_derive_from_the_spec() -> None:
         "maxReplicas": 8,
         "nats": {
             "stream": {"replicas": 3, "ledger": True},
-            "consumer": {"maxDeliver": 9, "backoffSeconds": [1, 2]},
+            "consumer": {"maxDeliver": 9, "backoffSeconds": [1, 2], "maxMessagesPerSecond": 250},
         },
         "assignment": {"strategy": "modulo"},
         "autoscaling": {"enabled": True, "cooldownSeconds": 60},
@@ -207,6 +237,7 @@ def test_group_config_and_policy_derive_from_the_spec() -> None:
     config = group_config("prod", "orders", spec, nats_url="nats://n", etcd_endpoints="e:1")
     assert (config.partitions, config.stream_replicas, config.ledger) == (16, 3, True)
     assert (config.max_deliver, config.backoff, config.strategy) == (9, (1.0, 2.0), "modulo")
+    assert config.max_messages_per_second == 250
     assert (config.nats_url, config.etcd_endpoints) == ("nats://n", "e:1")
     assert config.stream == "shoal_prod_orders"
     policy = Policy.from_spec(spec)
@@ -224,6 +255,7 @@ def test_the_consumers_defaults_are_the_specs() -> None:
         consumer.max_ack_pending,
         consumer.max_deliver,
     )
+    assert config.max_messages_per_second is consumer.max_messages_per_second is None
     assert (config.retention, config.storage, config.stream_replicas, config.ledger) == (
         stream.retention,
         stream.storage,

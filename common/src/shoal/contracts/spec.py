@@ -133,6 +133,9 @@ class ConsumerSpec(_Section):
     # A handler still running after this long is cancelled, and the run counts as a
     # failed attempt (retried with the backoff, dead-lettered after maxDeliver); 0: never.
     handler_timeout_seconds: float = Field(300.0, ge=0)
+    # The group as a whole starts at most this many handler runs a second; each member
+    # takes the share of the partitions it owns (shoal.consumer.ratelimit). None: no limit.
+    max_messages_per_second: Annotated[float, Field(gt=0)] | None = None
     # After a failure (a crash, a fence, a lost lease) the next owner of a partition waits
     # for the messages its last owner did not settle, at most ackWait and a second, and
     # runs them before anything newer of their projects (Strict); or pulls at once, and
@@ -319,6 +322,9 @@ _FRIENDLIER = {
     ("spec.minReplicas", "greater_than_equal"): (
         "must be at least 1: a group scaled to 0 has no member, so no leader, and nothing "
         "would ever scale it up again"
+    ),
+    ("spec.nats.consumer.maxMessagesPerSecond", "greater_than"): (
+        "must be a positive number of messages a second (leave it out, or null, for no limit)"
     ),
     ("spec.nats.subjectPrefix", "string_pattern_mismatch"): (
         "must be a subject prefix: dot-separated tokens without wildcards or whitespace"

@@ -90,6 +90,9 @@ class GroupConfig(BaseModel):
     retry_policy: Literal["InOrder", "NakAndContinue"] = _CONSUMER.retry_policy
     # Cancel a handler after this long, as a failed attempt (0: never).
     handler_timeout: float = Field(_CONSUMER.handler_timeout_seconds, ge=0)
+    # The group's rate limit, handler runs a second over all members; each member takes
+    # limit x owned / partitions of it (shoal.consumer.ratelimit). None: no limit.
+    max_messages_per_second: float | None = Field(_CONSUMER.max_messages_per_second, gt=0)
     # Strict: a partition taken over after a failure runs its earlier deliveries first
     # (takeover.py); Fast: it pulls at once.
     order_after_failure: Literal["Strict", "Fast"] = _CONSUMER.order_after_failure
@@ -278,6 +281,7 @@ ENV_FIELDS: dict[str, str] = {
     "SHOAL_MAX_CONCURRENCY": "max_concurrency",
     "SHOAL_RETRY_POLICY": "retry_policy",
     "SHOAL_HANDLER_TIMEOUT": "handler_timeout",
+    "SHOAL_MAX_MESSAGES_PER_SECOND": "max_messages_per_second",
     "SHOAL_ORDER_AFTER_FAILURE": "order_after_failure",
     "SHOAL_STALL_AFTER": "stall_after",
     "SHOAL_MAX_BUFFERED": "max_buffered",
@@ -414,6 +418,7 @@ def group_config(
         max_concurrency=consumer.max_concurrency,
         retry_policy=consumer.retry_policy,
         handler_timeout=consumer.handler_timeout_seconds,
+        max_messages_per_second=consumer.max_messages_per_second,
         order_after_failure=consumer.order_after_failure,
         stall_after=model.stall_after_seconds,
         strategy=model.assignment.strategy,

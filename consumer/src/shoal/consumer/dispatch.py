@@ -16,6 +16,14 @@ The pieces:
   a lane runs a project's head, acks it, puts the project back at the end of the ready
   queue if it has more, and takes the next project.
 
+With a rate limit (spec.nats.consumer.maxMessagesPerSecond: ratelimit.py), a lane takes a
+token before it takes a project from the ready queue. A lane waiting for one holds no
+project and runs nothing: per-project order is untouched, a hand-over or a pause does not
+wait for it (they wait for running handlers only), and the message it will run waits in
+its project's queue, where the worker's in-progress acks keep it alive
+(Worker.keep_held_alive). Lanes wait in line, so the ready projects are served in their
+order. Without a limit the lane pays one `is not None` per message.
+
 What running a message means (the handler, acks, dead letters, fencing) is the caller's
 `execute` function; what a partition's queues are for (pulling, hand-over) is the
 `Source`'s (partition.PartitionRunner). This module only orders and schedules.
@@ -29,6 +37,8 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from enum import Enum
 from typing import Any, Protocol
+
+from shoal.consumer.ratelimit import RateLimiter
 
 log = logging.getLogger(__name__)
 
@@ -128,9 +138,14 @@ Execute = Callable[[Any, Held], Awaitable[Outcome | float]]
 
 
 class Dispatcher:
-    def __init__(self, execute: Execute, max_concurrency: int) -> None:
+    def __init__(
+        self, execute: Execute, max_concurrency: int, limiter: RateLimiter | None = None
+    ) -> None:
         self._execute = execute
         self.max_concurrency = max_concurrency
+        # None: no rate limit (and no cost). Fixed for the dispatcher's life; its rate
+        # changes (Worker.share_rate), the object does not.
+        self.limiter = limiter
         self._ready: deque[ProjectQueue] = deque()
         self._idle: deque[asyncio.Future[None]] = deque()
         self._lanes: list[asyncio.Task[None]] = []
@@ -229,19 +244,41 @@ class Dispatcher:
         me = asyncio.current_task()
         assert me is not None
         ready = self._ready
+        limiter = self.limiter
+        token = False  # this lane holds a token of the limiter it has not used yet
         streak = 0
         while True:
             if not ready:
+                if token:
+                    # Got one for a project that turned out to be left for its hand-over.
+                    assert limiter is not None
+                    limiter.refund()
+                    token = False
                 streak = 0
                 waiter: asyncio.Future[None] = loop.create_future()
                 self._idle.append(waiter)
                 await waiter
+                continue
+            if limiter is not None and not token:
+                # Skip what is left for a hand-over first: it needs no token, and a member
+                # whose share is 0 (it owns nothing now) would otherwise wait for ever.
+                head = ready[0]
+                if head.source.stopping or not head.pending:
+                    ready.popleft()
+                    head.scheduled = False
+                    continue
+                if not limiter.try_take():
+                    # Wait in line holding nothing (see the module's docstring); then look
+                    # at the ready queue again: it may have changed meanwhile.
+                    await limiter.take()
+                token = True
                 continue
             queue = ready.popleft()
             queue.scheduled = False
             source = queue.source
             if source.stopping or not queue.pending:
                 continue  # left for the hand-over, which gives unstarted messages back
+            token = False  # (spent on this run)
             held = queue.pending[0]
             if ready and self._idle and not self._waking:
                 # Others are ready: if this handler awaits, they need lanes of their own.

@@ -67,6 +67,7 @@ from shoal.consumer.ownership import Ownership, Slot, Stage
 from shoal.consumer.partition import IDLE_BATCH, PartitionRunner, ack_fields
 from shoal.consumer.progress import WEDGED_AFTER_STALLS, Change
 from shoal.consumer.pull import AnswerClock
+from shoal.consumer.ratelimit import RateLimiter
 from shoal.consumer.settled import SettledRing
 from shoal.contracts.names import (
     dlq_subject,
@@ -142,7 +143,12 @@ class Worker:
         self.handler = handler
         self.metrics = metrics
         self.context = HandlerContext(config.member_id, config.subject_prefix, js, membership.safe)
-        self.dispatcher = Dispatcher(self._execute, config.max_concurrency)
+        # The group's rate limit (maxMessagesPerSecond), this member's share of it: 0
+        # until it owns partitions (share_rate). None without a limit.
+        self.limiter: RateLimiter | None = None
+        if config.max_messages_per_second is not None:
+            self.limiter = RateLimiter(0.0)
+        self.dispatcher = Dispatcher(self._execute, config.max_concurrency, self.limiter)
         # Each partition's life on this member, one record each (ownership.py): claiming,
         # consuming, releasing, released, handlers stopping, or free. `runners` is its
         # index of the consuming partitions' runners, read on the hot path; only
@@ -421,8 +427,9 @@ class Worker:
     async def keep_held_alive(self) -> None:
         """In-progress acks for messages held longer than a quarter of ack_wait.
 
-        Held messages (queued behind their project, running a long handler, or waiting
-        for a retry) run their ack_wait on the server; without these the server would
+        Held messages (queued behind their project, waiting for the rate limit's token
+        in the ready queue, running a long handler, or waiting for a retry) run their
+        ack_wait on the server; without these the server would
         redeliver them, and they would be processed twice. One loop for the whole member,
         not a task per message.
         """
@@ -605,6 +612,7 @@ class Worker:
             self._notice_members()
             self.set_paused()
             self._reconcile()
+            self.share_rate()
             self.check_connection()
             self.check_stalls()
             waiters = [
@@ -642,6 +650,28 @@ class Worker:
             for runner in runners:
                 runner.resume()
             log.info("Group resumed: %d partition(s) pull again", len(runners))
+
+    def share_rate(self) -> None:
+        """Take this member's share of the group's rate limit: limit x owned / partitions
+        (ratelimit.py). Called after every reconcile, so on every ownership change: a
+        partition counts from its runner's start to its stop, and no partition has two
+        runners (claims), so the members' shares add up to the limit at most, also while
+        partitions move. A stopping partition starts nothing new, so it counts no more."""
+        limiter = self.limiter
+        limit = self.config.max_messages_per_second
+        if limiter is None or limit is None:
+            return
+        owned = sum(1 for r in self.runners.values() if not r.letting_go)
+        rate = limit * owned / self.config.partitions
+        if rate != limiter.rate:
+            limiter.set_rate(rate)
+            log.debug(
+                "Rate limit share: %.4g messages/s (%d of %d partitions, group limit %g/s)",
+                rate,
+                owned,
+                self.config.partitions,
+                limit,
+            )
 
     def _notice_members(self) -> None:
         """A member joined or left: partitions are about to move. Pull briskly until
@@ -1082,13 +1112,26 @@ class Worker:
         # the timeout it is cancelled (_watch_handlers). With no timeout, a handler that
         # runs past stall_after with nothing else moving is a stall.
         busy: set[int] = set()
+        # Lanes waiting for the rate limit (ratelimit.py) within the last stall period: a
+        # partition with nothing running waits for them, not on something stuck. Its
+        # messages are kept alive meanwhile; moving it would only move the wait (the
+        # group's limit is the same everywhere). A running handler is still watched.
+        limiter = self.limiter
+        throttled = limiter is not None and (
+            limiter.waiting > 0 or now - limiter.throttled_at < after
+        )
         if self.config.handler_timeout:
             clock = time.perf_counter()
             for _, source, held in self.dispatcher.running_heads():
                 if held.started and clock - held.started < self.config.handler_timeout:
                     busy.add(source.partition)
         for p, r in self.runners.items():
-            has_work = r.has_work() and not excused and p not in busy
+            has_work = (
+                r.has_work()
+                and not excused
+                and p not in busy
+                and not (throttled and not r.inflight)
+            )
             change = r.progress.observe((r.arrived, r.answered, r.processed), has_work, now, after)
             if change is Change.STALLED:
                 log.warning(

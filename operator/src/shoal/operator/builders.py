@@ -129,6 +129,7 @@ POD_FIELDS = (
     "max_concurrency",
     "retry_policy",
     "handler_timeout",
+    "max_messages_per_second",
     "order_after_failure",
     "stall_after",
     "drain_timeout",
