@@ -32,12 +32,30 @@ KEEPALIVE_RETRY = 0.5
 KEEPALIVE_RETRY_MAX = 5.0
 
 
+# Routine stats rewrites (membership._stats_due): at most this many a second for the
+# whole group. Every member watches every member key, so each rewrite reaches every
+# member: at one rewrite per member per keepalive (3 s) a group of 64 sent each member 21
+# a second. Up to 30 members nothing changes (one per keepalive); beyond, each member
+# rewrites its routine stats every members / 10 seconds (6.4 s at 64).
+ROUTINE_STATS_WRITES_PER_SECOND = 10.0
+
+
 class Membership:
-    def __init__(self, etcd: Etcd, config: GroupConfig, stats: Callable[[], MemberStats]) -> None:
+    def __init__(
+        self,
+        etcd: Etcd,
+        config: GroupConfig,
+        stats: Callable[[], MemberStats],
+        group_size: Callable[[], int] = lambda: 1,
+    ) -> None:
         self.etcd = etcd
         self.config = config
         self.key = config.keys.member(config.member_id)
         self._stats = stats
+        self._group_size = group_size
+        # What the last stats put said that someone acts on at once, and when it went.
+        self._published: tuple[bool, tuple[int, ...]] | None = None
+        self._published_at = 0.0
         self.lease_id = 0
         # Each new lease is a new incarnation: claims made under an older one are gone.
         self.incarnation = 0
@@ -197,25 +215,48 @@ class Membership:
                 log.info("Lease keep-alive recovered")
                 self._signal()
             try:
-                await self._publish_stats()
+                stats = self._stats()
+                if self._stats_due(stats, time.monotonic()):
+                    await self._publish_stats(stats)
                 stats_failures.recovered()
             except TRANSIENT_ERRORS as exc:
                 stats_failures.failed(logging.WARNING, "Could not publish member stats: %s", exc)
 
-    async def _publish_stats(self) -> None:
+    def _stats_due(self, stats: MemberStats, now: float) -> bool:
+        """Whether to put our stats now: at once when what the leader acts on changed
+        (nats_ok: it gives nothing to a member cut from NATS; stalled: it moves those
+        partitions), else once the routine interval has passed: a keepalive interval, or
+        longer in a big group (ROUTINE_STATS_WRITES_PER_SECOND)."""
+        every = max(
+            self.config.keepalive_interval,
+            self._group_size() / ROUTINE_STATS_WRITES_PER_SECOND,
+        )
+        # (Half a keepalive early counts: the loop runs once per keepalive, and one that
+        # ran a little early must not push the put a whole interval later.)
+        return (
+            (stats.nats_ok, stats.stalled) != self._published
+            or now - self._published_at >= every - self.config.keepalive_interval / 2
+        )
+
+    async def _publish_stats(self, stats: MemberStats) -> None:
         """Update our member key, never re-creating it once leave() has begun."""
+        value = stats.to_json()
         async with self._key_lock:
             if self.leaving:
                 return
             lease = self.lease_id
-            if await self.etcd.put_if_created_at(self.key, self._value(), self._created, lease):
+            if await self.etcd.put_if_created_at(self.key, value, self._created, lease):
+                self._published = (stats.nats_ok, stats.stalled)
+                self._published_at = time.monotonic()
                 return
             if self.leaving:
                 return
             # Gone (or replaced) while we are a member: someone deleted it by hand, or
             # the group's keys were cleared. Register again, as join() would.
             log.warning("Member key %s vanished; registering again", self.key)
-            self._created = await self.etcd.put_returning_revision(self.key, self._value(), lease)
+            self._created = await self.etcd.put_returning_revision(self.key, value, lease)
+            self._published = (stats.nats_ok, stats.stalled)
+            self._published_at = time.monotonic()
 
     async def leave(self) -> None:
         """Delete the member key so the leader moves our partitions; the lease stays for now."""

@@ -63,7 +63,9 @@ class ConsumerProcess:
         self.cpu = CpuMeter()
         self.lag = 0
         self._stats_problems_logged: set[str] = set()
-        self.membership = Membership(self.etcd, config, self._stats)
+        self.membership = Membership(
+            self.etcd, config, self._stats, lambda: len(self.view.member_ids())
+        )
         # shoal_fenced: joined once, and now unable to prove the lease.
         self.metrics.watch_fencing(
             lambda: self.membership.incarnation > 0 and not self.membership.safe()
