@@ -74,7 +74,9 @@ def replica(plane: LocalKube, name: str, log: Path) -> Iterator[Any]:
         plane,
         [NS],
         log,
-        extra_env={"POD_NAME": name},
+        # POD_ID too: kopf's and the Lease's identity, which set_identity() takes from
+        # POD_NAME only when POD_ID is not set already (in the test's environment, say).
+        extra_env={"POD_NAME": name, "POD_ID": name},
         extra_args=["--leader-elect", "--leader-elect-namespace", NS],
     ) as process:
         yield process

@@ -11,6 +11,16 @@ from kopf._core.engines.peering import detect_own_id
 from shoal.operator.cli import set_identity
 
 
+@pytest.fixture(autouse=True)
+def restore_pod_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    """set_identity() writes POD_ID into os.environ itself; without this it stayed there
+    for the rest of the session, and every operator process a later test started
+    inherited this test's identity (e2e/test_operator_ha.py saw its replicas' Lease held
+    by "shoal-operator-7d9f-abcde")."""
+    monkeypatch.setenv("POD_ID", "")  # recorded: restored (or removed) afterwards
+    monkeypatch.delenv("POD_ID")
+
+
 def no_passwd_entry() -> str:
     # What getpass.getuser() does for a uid the image's /etc/passwd does not name.
     raise KeyError("getpwuid(): uid not found: 12345")
