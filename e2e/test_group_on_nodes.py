@@ -932,7 +932,12 @@ async def roll_under_load(plane: LocalKube, name: str, old: set[str]) -> None:
         gap, partition = longest_gap(records, wall0, wall1)
         print(f"rolling update: longest gap of any partition {gap:.2f} s (partition {partition})")
         assert summary == clean(len(load.items)), summary
-        assert pods_watch.most_live <= REPLICAS + 1, pods_watch.most_live
+        # The Deployment keeps its ReplicaSets' replicas within REPLICAS + maxSurge (1), but
+        # the pods lag those counts: when it moves one replica from the old ReplicaSet to the
+        # new one, the new ReplicaSet's create can land before the old one's delete, so one
+        # more pod than the surge can be seen for a moment (CI saw 8 once). Two over is
+        # never right.
+        assert pods_watch.most_live <= REPLICAS + 2, pods_watch.most_live
         assert pods_watch.most_unavailable <= 1, pods_watch.timeline
         assert after.leader is not None
 
