@@ -31,8 +31,19 @@ Scenarios (``--rounds`` rounds each):
   is reported apart.
 * ``burst``: one member starts on an empty stream, settles, and idles ``--quiet`` seconds
   (its partitions' pulls come back empty three times in a row and they doze: a core
-  subscription wakes them); then the burst is published without waiting for each
-  publish's ack (as many producers at once reach the server), in well under a second.
+  subscription wakes them); then the burst is published by the Go producer of
+  examples/go (``--go-producer``; nats.go, ``--go-max-pending`` publishes awaiting
+  their acks at once, 8,192 by default: as many producers at once reach the server, the
+  burst arrives faster than one member consumes it, so a backlog builds).
+* ``burst_python``: the same burst published from this process in Python, without
+  waiting for each publish's ack: on 2 cores that loop takes most of a core for about a
+  second, which the member's first second then lacks (a machine's own producers compete
+  with the member; remote ones do not). Reported beside ``burst``, which decides.
+* ``burst_woken``: the member is stopped (SIGSTOP) while the Go producer publishes the
+  burst, and continued once the stream holds it all: it wakes with its partitions dozing
+  and their alarms rung into the whole burst, and nothing else runs. Its first second is
+  its own ramp from dozing, apart from what the publisher and the server's storing take
+  of 2 cores while a burst arrives (on a real cluster they run on other machines).
 * ``four_members_20ms``: four members whose handler waits 20 ms (SHOAL_HANDLER_DELAY_MS),
   started together on a 30,000-message backlog over 1,000 projects, timed from the first
   message to the last (target >= 12,000 msg/s).
@@ -44,7 +55,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import signal
 import statistics
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +66,7 @@ from typing import Any
 
 import nats
 
+from harness import goexamples
 from harness.bench import emit, log_problems, note, run_bench
 from harness.fleet import Fleet, settled, wait_for_status
 from harness.handlers import read_stamps
@@ -88,6 +103,9 @@ class Bench:
         self.nats_url = nats_url
         self.etcd_endpoint = etcd
         self.log_problems = 0
+        self.go_producer = (
+            Path(args.go_producer) if args.go_producer else goexamples.build()["producer"]
+        )
 
     def config(self, group: str, handler: str) -> GroupConfig:
         return GroupConfig(
@@ -128,6 +146,39 @@ class Bench:
         await nc.flush()
         return time.monotonic() - started
 
+    async def flood_go(self, config: GroupConfig, count: int) -> float:
+        """Publish `count` messages with the Go producer of examples/go (nats.go, many
+        publishes awaiting their acks at once): a burst from producers written in Go
+        costs this machine's 2 cores a fraction of what the Python loop above does, so
+        less of the member's first second goes to the publisher. Returns the seconds
+        the producer took, as it says."""
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [
+                str(self.go_producer),
+                "-url",
+                self.nats_url,
+                "-prefix",
+                config.subject_prefix,
+                "-partitions",
+                str(config.partitions),
+                "-count",
+                str(count),
+                "-projects",
+                str(self.args.projects),
+                "-run-id",
+                config.group,
+                "-max-pending",
+                str(self.args.go_max_pending),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=self.args.timeout,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"the Go producer failed ({done.returncode}): {done.stderr[-2000:]}")
+        return float(json.loads(done.stdout.strip().splitlines()[-1])["seconds"])
+
     async def watch(self, js: Any, config: GroupConfig, total: int) -> Curve:
         """Sample what was consumed until all `total` messages were (or --timeout)."""
         curve = Curve(total)
@@ -144,7 +195,15 @@ class Bench:
             await asyncio.sleep(self.args.sample)
 
     async def drain(
-        self, js: Any, etcd: Etcd, group: str, members: int, *, burst: bool, delay_ms: float = 0
+        self,
+        js: Any,
+        etcd: Etcd,
+        group: str,
+        members: int,
+        *,
+        burst: bool,
+        delay_ms: float = 0,
+        publisher: str = "python",
     ) -> Drain:
         """Run `members` stamped members over `count` messages: published before they
         start (a cold start), or once they have settled and idled --quiet seconds (a
@@ -169,7 +228,23 @@ class Bench:
                 )
                 await asyncio.sleep(a.quiet)  # pulls come back empty: the partitions doze
                 watcher = asyncio.ensure_future(self.watch(js, config, count))
-                publish_seconds = await self.flood(js, config, count)
+                if publisher == "go-frozen":
+                    # The member stopped (SIGSTOP) while the burst is published and
+                    # stored: it then wakes into the whole burst with nothing else
+                    # running, its partitions dozing and their alarms rung. What it does
+                    # in its first second is then its own ramp, none of it lost to the
+                    # publisher and the server's storing on the same 2 cores.
+                    for name in names:
+                        fleet.signal(name, signal.SIGSTOP)
+                    try:
+                        publish_seconds = await self.flood_go(config, count)
+                    finally:
+                        for name in names:
+                            fleet.signal(name, signal.SIGCONT)
+                elif publisher == "go":
+                    publish_seconds = await self.flood_go(config, count)
+                else:
+                    publish_seconds = await self.flood(js, config, count)
                 acked = await watcher
             else:
                 acked = await self.watch(js, config, count)
@@ -184,15 +259,17 @@ class Bench:
             raise RuntimeError(f"{group}: the handlers saw {len(stamps)} of {count} messages")
         return Drain(Curve.of_stamps(count, stamps), acked, started, publish_seconds, redelivered)
 
-    async def ramps(self, js: Any, etcd: Etcd, kind: str) -> list[Drain]:
+    async def ramps(self, js: Any, etcd: Etcd, kind: str, publisher: str = "python") -> list[Drain]:
         drains = []
         for r in range(self.args.rounds):
-            drain = await self.drain(js, etcd, f"{kind}-{r}", 1, burst=kind == "burst")
+            drain = await self.drain(
+                js, etcd, f"{kind}-{r}", 1, burst=kind != "cold", publisher=publisher
+            )
             handled = ramp_of(drain.handled, self.args.bucket)
             acked = ramp_of(drain.acked, self.args.bucket)
             before = (
                 f"published in {drain.publish_seconds:.2f} s"
-                if kind == "burst"
+                if kind != "cold"
                 else f"start-up {drain.handled.t0 - drain.started:.2f} s"
             )
             note(
@@ -262,16 +339,22 @@ async def run(args: argparse.Namespace, root: Path) -> None:
                 drains = await bench.ramps(js, etcd, "cold")
                 summary("cold", drains, args.bucket, args.storage, **common)
             if args.only in (None, "burst"):
-                drains = await bench.ramps(js, etcd, "burst")
-                summary(
-                    "burst",
-                    drains,
-                    args.bucket,
-                    args.storage,
-                    publish_seconds=[round(d.publish_seconds, 2) for d in drains],
-                    quiet_seconds=args.quiet,
-                    **common,
-                )
+                for kind, publisher in (
+                    ("burst", "go"),
+                    ("burst_python", "python"),
+                    ("burst_woken", "go-frozen"),
+                ):
+                    drains = await bench.ramps(js, etcd, kind, publisher)
+                    summary(
+                        kind,
+                        drains,
+                        args.bucket,
+                        args.storage,
+                        publisher=publisher,
+                        publish_seconds=[round(d.publish_seconds, 2) for d in drains],
+                        quiet_seconds=args.quiet,
+                        **common,
+                    )
             if args.only in (None, "four"):
                 drain = await bench.drain(
                     js, etcd, "four-20ms", 4, burst=False, delay_ms=args.delay_ms
@@ -314,6 +397,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--storage", choices=("file", "memory"), default="file", help="the stream's storage"
     )
     parser.add_argument("--only", choices=("cold", "burst", "four"))
+    parser.add_argument(
+        "--go-max-pending",
+        type=int,
+        default=8192,
+        help="the Go producer's publishes awaiting their acks at once (a burst: many)",
+    )
+    parser.add_argument(
+        "--go-producer", help="a build of examples/go/producer (default: built, harness.goexamples)"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     return parser.parse_args(argv)

@@ -39,22 +39,23 @@ func main() {
 	partitions := flag.Int("partitions", 128, "the group's partitions")
 	count := flag.Int("count", 1000, "messages to publish")
 	projects := flag.Int("projects", 100, "project ids, project-0 .. project-N-1 (message i goes to i mod N)")
+	pending := flag.Int("max-pending", 256, "publishes awaiting JetStream's acknowledgement at once")
 	runID := flag.String("run-id", strconv.FormatInt(time.Now().UnixMilli(), 10), "prefix of the message ids")
 	flag.Parse()
 
 	if *vectors != "" {
 		os.Exit(checkVectors(*vectors))
 	}
-	if *prefix == "" || *partitions < 1 || *projects < 1 {
-		log.Fatal("publishing needs -prefix, -partitions >= 1 and -projects >= 1")
+	if *prefix == "" || *partitions < 1 || *projects < 1 || *pending < 1 {
+		log.Fatal("publishing needs -prefix, -partitions >= 1, -projects >= 1 and -max-pending >= 1")
 	}
 	nc, err := nats.Connect(*url, nats.Name("shoal-go-producer"))
 	if err != nil {
 		log.Fatal(err)
 	}
 	defer nc.Close()
-	// At most 256 publishes await JetStream's acknowledgement.
-	js, err := jetstream.New(nc, jetstream.WithPublishAsyncMaxPending(256))
+	// At most -max-pending publishes await JetStream's acknowledgement.
+	js, err := jetstream.New(nc, jetstream.WithPublishAsyncMaxPending(*pending))
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -70,7 +71,10 @@ func main() {
 		msg.Header.Set("Nats-Msg-Id", fmt.Sprintf("%s-%s-%d", *runID, project, seq))
 		msg.Header.Set("Shoal-Seq", strconv.Itoa(seq)) // the project's count, for audits
 		msg.Data = fmt.Appendf(nil, "%s:%d", project, seq)
-		ack, err := js.PublishMsgAsync(msg)
+		// When -max-pending acks are outstanding a publish waits for one; by default only 200 ms,
+		// then fails. A server busy storing a burst (and serving its consumers) can take
+		// longer than that, which is no reason to give up: wait up to 30 s.
+		ack, err := js.PublishMsgAsync(msg, jetstream.WithStallWait(30*time.Second))
 		if err != nil {
 			log.Fatalf("publish %d: %v", i, err)
 		}
