@@ -72,10 +72,12 @@ func main() {
 			http.Error(w, "no Shoal-Project-Id header", http.StatusBadRequest)
 			return
 		}
-		select {
-		case <-time.After(*delay): // the work this handler would do with data
-		case <-r.Context().Done(): // the member gave up (timeout, fenced): it retries
-			return
+		if *delay > 0 { // (no timer at all for a handler that answers at once)
+			select {
+			case <-time.After(*delay): // the work this handler would do with data
+			case <-r.Context().Done(): // the member gave up (timeout, fenced): it retries
+				return
+			}
 		}
 		if *verbose {
 			log.Printf("project %s partition %s message %s delivery %s stream seq %s: %d bytes",

@@ -10,7 +10,11 @@ switches the proxy between three modes at any moment:
 - ``reset``: every open connection is reset (RST, as from a crashed peer or a firewall)
   and new connections are reset as soon as they are accepted.
 
-Independently, `delay(seconds)` adds latency to every byte (a slow network or server).
+Independently, `delay(seconds)` adds latency to every byte (a slow network or server),
+and `strand()` blackholes the connections open at that moment, for good, while new ones
+flow: a peer that vanished without a word behind an address that now leads elsewhere (a
+Service whose pod was replaced, a NAT entry that expired). Only a client that checks its
+connection (keep-alive pings) or gives up on it finds the working path.
 
 With ``peek=True`` (protocols whose client speaks first, as HTTP does), the proxy reads a
 connection's first bytes before it connects upstream, and `hold(marker)` blackholes only
@@ -79,6 +83,7 @@ class _Connection:
         self.upstream: asyncio.StreamWriter | None = None
         self.tasks: set[asyncio.Task[Any]] = set()
         self.hello = b""  # its first bytes from the client (with peek)
+        self.stranded = False  # silent for good (TcpProxy.strand)
 
     def reset(self) -> None:
         for task in self.tasks:
@@ -168,6 +173,13 @@ class TcpProxy:
         self._call(self._set_held(marker))
         log.info("proxy %s: holding %r", self.name, marker)
 
+    def strand(self) -> int:
+        """Blackhole every connection open now, for good (new ones flow as the mode
+        says); returns how many."""
+        count = self._call(self._strand())
+        log.info("proxy %s: stranded %d connection(s)", self.name, count)
+        return count
+
     def open_connections(self) -> int:
         return len(self._connections)
 
@@ -218,7 +230,7 @@ class TcpProxy:
 
     def _flowing(self, connection: _Connection) -> bool:
         held = self._held is not None and self._held in connection.hello
-        return self._mode is Mode.PASS and not held
+        return self._mode is Mode.PASS and not held and not connection.stranded
 
     async def _wait_flowing(self, connection: _Connection) -> None:
         while not self._flowing(connection):
@@ -228,6 +240,12 @@ class TcpProxy:
     async def _set_held(self, marker: bytes | None) -> None:
         self._held = marker
         self._notify()
+
+    async def _strand(self) -> int:
+        for connection in self._connections:
+            connection.stranded = True
+        self._notify()
+        return len(self._connections)
 
     async def _set_mode(self, mode: Mode) -> None:
         self._mode = mode

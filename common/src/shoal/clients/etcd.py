@@ -70,6 +70,9 @@ _TX = Transactions()
 # Clients left behind by endpoint fail-overs that are kept open (calls may still run on
 # them); older ones are closed.
 MAX_RETIRED_CLIENTS = 4
+# Timeouts' worth of silence (no call answered) after which a timed-out call on the one
+# endpoint makes a new connection (Etcd._silent_connection).
+SILENT_AFTER = 2
 
 # Errors that mean "etcd is not reachable right now": worth a retry, never a crash.
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
@@ -96,10 +99,31 @@ _WRITES = frozenset({"put", "transaction", "lease"})
 # gRPC's own reconnect backoff grows to 120 s: after a minute-long etcd outage a member
 # went on failing every call, without trying, for 10-15 s after etcd was back. Capped at
 # 5 s it still costs nothing while etcd is away.
+#
+# Keep-alive pings: a connection that dies without a word (etcd behind one Service
+# address whose pod was replaced, an expired NAT entry: no FIN, no RST) otherwise stays
+# in use until the kernel gives it up, some 15 minutes of retransmissions, with watches
+# silent all along (tests/test_etcd_stranded.py). With a ping every 10 s, answered
+# within 5 s, gRPC drops such a connection and makes a new one. gRPC puts the ping off
+# while calls keep writing on the connection, so a client that also calls (every
+# member) needs Etcd._silent_connection too. 10 s, not less: etcd refuses pings more
+# often than its --grpc-keepalive-min-time (5 s by default) with a GOAWAY. Only while
+# calls or watches are open, and with no limit on pings between data frames (a quiet
+# watch sends none; gRPC's default of 2 would stop pinging it).
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
 GRPC_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 500),
     ("grpc.min_reconnect_backoff_ms", 500),
     ("grpc.max_reconnect_backoff_ms", 5000),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),
+    # A channel of its own connections: by default gRPC shares subchannels (connections)
+    # between every channel to the same address with the same options in the process,
+    # so a new client would go on using the old, dead connection.
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 
 # gRPC metadata asking etcd to refuse (and for watches: cancel) a call on a member
@@ -350,6 +374,10 @@ class Etcd:
         # the client that made them, and must move too (GroupView).
         self._on_new_client: list[Callable[[], None]] = []
         self._fail_overs = QuietLog(log)
+        # When a call last got an answer, and when the client was last replaced (for a
+        # silent connection: _silent_connection).
+        self._answered = time.monotonic()
+        self._replaced = 0.0
         # With a username, building a client is an RPC: connect() does it, off the loop.
         self._client: Any = None if self.username else self._make_client()
         # Our own threads: a hand-over issues dozens of claims and releases at once, and
@@ -459,13 +487,20 @@ class Etcd:
         """
         if len(self.endpoints) < 2:
             return
+        self._replace_client(failed, moved=True)
+
+    def _replace_client(self, failed: Any, *, moved: bool) -> None:
+        """Retire `failed` (if it is still the current client) for a new one: on the
+        next endpoint (`moved`), or on the same one (a new connection)."""
         with self._lock:
             # `failed` is None when building the client failed (with a username that is
             # an RPC): the endpoint is as dead as if a call on it had failed.
             if self._client is not failed:
                 return  # another call moved on already
             old = self.endpoint
-            self._index += 1
+            if moved:
+                self._index += 1
+            self._replaced = time.monotonic()
             if failed is not None:
                 self._retired.append(failed)
             while len(self._retired) > MAX_RETIRED_CLIENTS:
@@ -478,11 +513,32 @@ class Etcd:
             except Exception as exc:  # with a username, building it is an RPC
                 log.debug("etcd client for %s not built yet: %r", self.endpoint, exc)
                 self._client = None
-        # With every endpoint down, each failure moves on: one line per 10 s says so.
-        self._fail_overs.failed(
-            logging.WARNING, "etcd at %s unreachable; using %s from now on", old, self.endpoint
-        )
+        if moved:
+            # With every endpoint down, each failure moves on: one line per 10 s says so.
+            self._fail_overs.failed(
+                logging.WARNING, "etcd at %s unreachable; using %s from now on", old, self.endpoint
+            )
+        else:
+            self._fail_overs.failed(
+                logging.WARNING,
+                "etcd at %s: no answer on this connection for %.0f s; opening a new one",
+                old,
+                time.monotonic() - self._answered,
+            )
         self._new_client()
+
+    def _silent_connection(self, failed: Any) -> None:
+        """A call on the one endpoint timed out. If nothing has answered for a while,
+        the connection may be dead without a word (etcd behind one Service address whose
+        pod was replaced, an expired NAT entry: no FIN, no RST): gRPC would go on using
+        it until the kernel gives it up, some 15 minutes, and keep-alive pings do not
+        fire while calls keep writing on it. A new client makes a new connection, and
+        its watches are made again (on_new_client). At most once per SILENT_AFTER
+        timeouts: an etcd that is merely slow costs one reconnection now and then."""
+        now = time.monotonic()
+        bound = SILENT_AFTER * self.timeout
+        if now - self._answered >= bound and now - self._replaced >= bound:
+            self._replace_client(failed, moved=False)
 
     def _run(self, op: Callable[[Any], T], name: str, resolve: bool) -> T:
         """op(client), in a worker thread: with `resolve`, the client is resolved (and,
@@ -493,9 +549,16 @@ class Etcd:
             if client is None and resolve:
                 client = self.client
             result = op(client)
-        except (etcd3.exceptions.ConnectionFailedError, etcd3.exceptions.ConnectionTimeoutError):
+        except (
+            etcd3.exceptions.ConnectionFailedError,
+            etcd3.exceptions.ConnectionTimeoutError,
+        ) as exc:
             if client is not None or resolve:  # (connect() rotates on its own)
                 self._fail_over(client)
+                if len(self.endpoints) == 1 and isinstance(
+                    exc, etcd3.exceptions.ConnectionTimeoutError
+                ):
+                    self._silent_connection(client)
             raise
         except grpc.RpcError as exc:
             code, details = exc.code(), str(exc.details() or "")
@@ -517,6 +580,7 @@ class Etcd:
                     f"etcd at {self.endpoint} refused {who}: {details or code}"
                 ) from None
             raise
+        self._answered = time.monotonic()
         if self.no_space and name in _WRITES:
             self.no_space = False
             log.warning(
