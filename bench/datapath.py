@@ -27,11 +27,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-import nats
-
-from harness.bench import cpu_seconds, emit, log_problems, note, run_bench, varz
+from harness.bench import (
+    BenchServers,
+    add_run_options,
+    bench_main,
+    bench_servers,
+    cpu_seconds,
+    emit,
+    note,
+    serious_problems,
+    varz,
+)
 from harness.fleet import Fleet, settled, wait_for_status
-from harness.servers import EtcdServer, NatsServer
 from harness.waiting import eventually_async
 from shoal.clients.etcd import Etcd
 from shoal.consumer.ledger import audit, read_ledger
@@ -39,7 +46,6 @@ from shoal.consumer.producer import Outgoing, Producer
 from shoal.contracts.names import SEQ_HEADER
 from shoal.group.config import GroupConfig, config_env
 from shoal.group.jetstream import ensure_group
-from shoal.logs import quiet_known_noise
 
 BENCH = "datapath"
 NAMESPACE = "bench"
@@ -63,31 +69,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("io", "idle"),
         help="measure only the I/O-bound figures, or only the idle ones",
     )
-    parser.add_argument("--keep", action="store_true", help="keep the work directory")
-    parser.add_argument(
-        "--strict", action="store_true", help="exit 1 when a figure misses its target"
-    )
+    add_run_options(parser)
     return parser.parse_args(argv)
 
 
 class Bench:
-    def __init__(
-        self, args: argparse.Namespace, root: Path, nats_server: NatsServer, etcd_endpoint: str
-    ) -> None:
+    def __init__(self, args: argparse.Namespace, root: Path, servers: BenchServers) -> None:
         self.args = args
         self.root = root
-        self.nats_server = nats_server
-        self.etcd_endpoint = etcd_endpoint
+        self.servers = servers
+        self.nats_server = servers.nats_server
 
     def config(self, group: str, handler: str, *, ledger: bool) -> GroupConfig:
-        return GroupConfig(
-            namespace=NAMESPACE,
-            group=group,
-            nats_url=self.nats_server.url,
-            etcd_endpoints=self.etcd_endpoint,
-            handler=handler,
-            ledger=ledger,
-        )
+        return self.servers.group_config(NAMESPACE, group, handler, ledger=ledger)
 
     async def io_bound(
         self, js: Any, etcd: Etcd, handler: str, *, ledger: bool
@@ -142,8 +136,7 @@ class Bench:
                 records = await read_ledger(js, config.ledger_stream)
                 extra["audit"] = audit(records, [str(i.message_id) for i in items]).summary()
                 note(f"{group}: audit {extra['audit']}")
-            problems = log_problems((self.root / group).glob("*.log"))
-            extra["member_log_problems"] = problems["error"] + problems["traceback"]
+            extra["member_log_problems"] = serious_problems((self.root / group).glob("*.log"))
         return rate, extra
 
     async def idle(self, js: Any, etcd: Etcd) -> None:
@@ -192,61 +185,49 @@ class Bench:
 
 
 async def run(args: argparse.Namespace, root: Path) -> None:
-    with (
-        NatsServer(root / "nats") as nats_server,
-        EtcdServer(root / "etcd") as etcd_server,
-    ):
-        bench = Bench(args, root, nats_server, etcd_server.endpoint)
-        etcd = Etcd(etcd_server.endpoint)
-        await etcd.connect(attempts=10)
-        nc = await nats.connect(nats_server.url)
-        js = nc.jetstream()
-        try:
-            if args.only != "idle":
-                ceiling = 128 / (args.delay_ms / 1000)
-                rate, extra = await bench.io_bound(
-                    js, etcd, "shoal.consumer.handlers:noop", ledger=False
-                )
-                emit(
-                    BENCH,
-                    "io_msgs_per_s",
-                    rate,
-                    target=">= 12000",
-                    ok=rate >= 12000,
-                    members=args.members,
-                    handler_ms=args.delay_ms,
-                    messages=args.messages,
-                    projects=args.projects,
-                    **extra,
-                )
-                emit(BENCH, "partition_at_a_time_ceiling", ceiling, partitions=128)
-                rate, extra = await bench.io_bound(
-                    js, etcd, "shoal.consumer.handlers:ledger", ledger=True
-                )
-                clean = extra["audit"]["lost"] == extra["audit"]["duplicates"] == 0 and (
-                    extra["audit"]["out_of_order"] == extra["audit"]["overlaps"] == 0
-                )
-                emit(
-                    BENCH,
-                    "io_audited_msgs_per_s",
-                    rate,
-                    audit_clean=clean,
-                    ok=clean,
-                    members=args.members,
-                    handler_ms=args.delay_ms,
-                    **extra,
-                )
-            if args.only != "io":
-                await bench.idle(js, etcd)
-        finally:
-            await nc.close()
-            etcd.close()
+    async with bench_servers(root) as servers:
+        bench = Bench(args, root, servers)
+        js, etcd = servers.js, servers.etcd
+        if args.only != "idle":
+            ceiling = 128 / (args.delay_ms / 1000)
+            rate, extra = await bench.io_bound(
+                js, etcd, "shoal.consumer.handlers:noop", ledger=False
+            )
+            emit(
+                BENCH,
+                "io_msgs_per_s",
+                rate,
+                target=">= 12000",
+                ok=rate >= 12000,
+                members=args.members,
+                handler_ms=args.delay_ms,
+                messages=args.messages,
+                projects=args.projects,
+                **extra,
+            )
+            emit(BENCH, "partition_at_a_time_ceiling", ceiling, partitions=128)
+            rate, extra = await bench.io_bound(
+                js, etcd, "shoal.consumer.handlers:ledger", ledger=True
+            )
+            clean = extra["audit"]["lost"] == extra["audit"]["duplicates"] == 0 and (
+                extra["audit"]["out_of_order"] == extra["audit"]["overlaps"] == 0
+            )
+            emit(
+                BENCH,
+                "io_audited_msgs_per_s",
+                rate,
+                audit_clean=clean,
+                ok=clean,
+                members=args.members,
+                handler_ms=args.delay_ms,
+                **extra,
+            )
+        if args.only != "io":
+            await bench.idle(js, etcd)
 
 
 def main(argv: list[str] | None = None) -> int:
-    quiet_known_noise()
-    args = parse_args(argv)
-    return run_bench("shoal-bench-datapath-", args.keep, args.strict, lambda root: run(args, root))
+    return bench_main("shoal-bench-datapath-", argv, parse_args, run)
 
 
 if __name__ == "__main__":

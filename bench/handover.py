@@ -56,20 +56,19 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import nats
-
 from harness.bench import (
+    add_run_options,
+    bench_main,
+    bench_servers,
     cpu_seconds,
     emit,
+    emit_log_problems,
     host_cpu,
-    log_problems,
     note,
     read_stream_json,
-    run_bench,
     summary,
 )
 from harness.fleet import Fleet, settled, wait_for_status
-from harness.servers import EtcdServer, NatsServer
 from shoal.clients.etcd import Etcd
 from shoal.consumer.ledger import LedgerRecord, audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer
@@ -77,7 +76,6 @@ from shoal.contracts.names import SEQ_HEADER, partition_for
 from shoal.group.config import GroupConfig
 from shoal.group.jetstream import ensure_group
 from shoal.group.status import read_status
-from shoal.logs import quiet_known_noise
 
 BENCH = "handover"
 NAMESPACE = "bench"
@@ -115,10 +113,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="members with lease TTL 5 s, keep-alive 1 s, ack_wait 2.5 s (default: defaults)",
     )
-    parser.add_argument("--keep", action="store_true", help="keep the work directory")
-    parser.add_argument(
-        "--strict", action="store_true", help="exit 1 when a figure misses its target"
-    )
+    add_run_options(parser)
     return parser.parse_args(argv)
 
 
@@ -448,45 +443,20 @@ def analyse(
 
 
 async def run(args: argparse.Namespace, root: Path) -> None:
-    with (
-        NatsServer(root / "nats") as nats_server,
-        EtcdServer(root / "etcd") as etcd_server,
-        Fleet(
-            root / "members",
-            nats_url=nats_server.url,
-            etcd_endpoint=etcd_server.endpoint,
-            namespace=NAMESPACE,
-            group=GROUP,
-            handler=HANDLER,
-            partitions=args.partitions,
-            env=FAST_ENV if args.fast_lease else {},
-        ) as fleet,
-    ):
-        config = GroupConfig(
-            namespace=NAMESPACE,
-            group=GROUP,
-            partitions=args.partitions,
-            ledger=True,
-            nats_url=nats_server.url,
-            etcd_endpoints=etcd_server.endpoint,
-            handler=HANDLER,
+    async with bench_servers(root) as servers:
+        config = servers.group_config(
+            NAMESPACE, GROUP, HANDLER, partitions=args.partitions, ledger=True
         )
-        etcd = Etcd(etcd_server.endpoint)
-        await etcd.connect(attempts=10)
-        nc = await nats.connect(nats_server.url)
-        try:
-            if nats_server.pid is None or etcd_server.pid is None:
-                raise RuntimeError("a server is not running")
-            await measure(args, fleet, config, etcd, nc, nats_server.pid, etcd_server.pid)
-        finally:
-            await nc.close()
-            etcd.close()
-            fleet.close()
-            problems = log_problems((root / "members").glob("*.log"))
-            note(f"member logs: {problems}")
-            emit(
-                BENCH, "member_log_problems", problems["error"] + problems["traceback"], **problems
-            )
+        env = FAST_ENV if args.fast_lease else {}
+        with Fleet.for_config(root / "members", config, env=env) as fleet:
+            nats_pid, etcd_pid = servers.nats_server.pid, servers.etcd_server.pid
+            try:
+                if nats_pid is None or etcd_pid is None:
+                    raise RuntimeError("a server is not running")
+                await measure(args, fleet, config, servers.etcd, servers.nc, nats_pid, etcd_pid)
+            finally:
+                fleet.close()
+                emit_log_problems(BENCH, root / "members")
 
 
 async def measure(
@@ -564,9 +534,7 @@ async def measure(
 
 
 def main(argv: list[str] | None = None) -> int:
-    quiet_known_noise()
-    args = parse_args(argv)
-    return run_bench("shoal-bench-handover-", args.keep, args.strict, lambda root: run(args, root))
+    return bench_main("shoal-bench-handover-", argv, parse_args, run)
 
 
 if __name__ == "__main__":

@@ -44,20 +44,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import nats
-
 from harness import goexamples
-from harness.bench import cpu_seconds, emit, log_problems, note, run_bench
+from harness.bench import (
+    BenchServers,
+    add_run_options,
+    bench_main,
+    bench_servers,
+    cpu_seconds,
+    emit,
+    note,
+    serious_problems,
+)
 from harness.children import spawn
 from harness.fleet import Fleet, Member, settled, wait_for_status
-from harness.servers import EtcdServer, NatsServer, free_port
+from harness.servers import free_port
 from harness.waiting import eventually_async
 from shoal.clients.etcd import Etcd
 from shoal.consumer.ledger import LedgerRecord, audit
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.group.config import GroupConfig, config_env
 from shoal.group.jetstream import ensure_group
-from shoal.logs import quiet_known_noise
 
 BENCH = "http_handler"
 NAMESPACE = "bench"
@@ -147,8 +153,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="harness.httpservice (Python, aiohttp) as the service instead of the Go handler",
     )
-    parser.add_argument("--keep", action="store_true", help="keep the work directory")
-    parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    add_run_options(parser)
     return parser.parse_args(argv)
 
 
@@ -168,22 +173,14 @@ class Side:
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, root: Path, nats_url: str, etcd: str) -> None:
+    def __init__(self, args: argparse.Namespace, root: Path, servers: BenchServers) -> None:
         self.args = args
         self.root = root
-        self.nats_url = nats_url
-        self.etcd_endpoint = etcd
+        self.servers = servers
         self.log_problems = 0
 
     def config(self, group: str, handler: str) -> GroupConfig:
-        return GroupConfig(
-            namespace=NAMESPACE,
-            group=group,
-            nats_url=self.nats_url,
-            etcd_endpoints=self.etcd_endpoint,
-            handler=handler,
-            ledger=False,
-        )
+        return self.servers.group_config(NAMESPACE, group, handler, ledger=False)
 
     async def drain(
         self,
@@ -226,8 +223,7 @@ class Bench:
             seconds = time.monotonic() - t0
             cpu = {n: cpu_seconds(m.pid) - cpu0[n] for n, m in started.items()}
             dead = int((await js.stream_info(config.dlq_stream)).state.messages)
-        problems = log_problems((self.root / group).glob("*.log"))
-        self.log_problems += problems["error"] + problems["traceback"]
+        self.log_problems += serious_problems((self.root / group).glob("*.log"))
         note(f"{group}: {backlog} in {seconds:.2f} s = {backlog / seconds:.0f} msg/s, {dead} dead")
         if dead:
             raise RuntimeError(f"{group}: {dead} dead letters")
@@ -358,31 +354,28 @@ class Bench:
 
 
 async def run(args: argparse.Namespace, root: Path) -> None:
-    with NatsServer(root / "nats") as nats_server, EtcdServer(root / "etcd") as etcd_server:
-        bench = Bench(args, root, nats_server.url, etcd_server.endpoint)
-        etcd = Etcd(etcd_server.endpoint)
-        await etcd.connect(attempts=10)
-        nc = await nats.connect(nats_server.url)
-        js = nc.jetstream()
-        try:
-            if args.only != "io":
-                await bench.one_member(js, etcd)
-            if args.only != "one":
-                await bench.io(js, etcd)
-            emit(BENCH, "member_log_problems", bench.log_problems, target="0")
-        finally:
-            await nc.close()
-            etcd.close()
+    async with bench_servers(root) as servers:
+        bench = Bench(args, root, servers)
+        if args.only != "io":
+            await bench.one_member(servers.js, servers.etcd)
+        if args.only != "one":
+            await bench.io(servers.js, servers.etcd)
+        emit(BENCH, "member_log_problems", bench.log_problems, target="0")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_and_pick_service(argv: list[str] | None) -> argparse.Namespace:
+    """parse_args, and the service the arguments pick (the Go handler is built here,
+    before the work directory exists)."""
     global SERVICE
-    quiet_known_noise()
     args = parse_args(argv)
     if not args.python_service:
         SERVICE = go_service(args.go_binary or str(goexamples.build()["handler"]))
     note(f"service: {json.dumps(SERVICE(0, args.delay_ms, None, 'x'))}")
-    return run_bench("shoal-bench-http-", args.keep, args.strict, lambda root: run(args, root))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main("shoal-bench-http-", argv, parse_and_pick_service, run)
 
 
 if __name__ == "__main__":

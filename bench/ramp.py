@@ -64,20 +64,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import nats
-
 from harness import goexamples
-from harness.bench import emit, log_problems, note, run_bench
+from harness.bench import (
+    BenchServers,
+    add_run_options,
+    bench_main,
+    bench_servers,
+    emit,
+    note,
+    serious_problems,
+)
 from harness.fleet import Fleet, settled, wait_for_status
 from harness.handlers import read_stamps
-from harness.rampcurve import Curve, ramp_of
-from harness.servers import EtcdServer, NatsServer
-from shoal.clients.etcd import Etcd
+from harness.rampcurve import Curve, Ramp, ramp_of
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.contracts.names import durable_name
 from shoal.group.config import GroupConfig, config_env
 from shoal.group.jetstream import ensure_group
-from shoal.logs import quiet_known_noise
 
 BENCH = "ramp"
 NAMESPACE = "bench"
@@ -96,44 +99,49 @@ class Drain:
     redelivered: int
 
 
+@dataclass
+class Round:
+    """A drain and the ramps of its two curves, computed once (ramps() notes them,
+    summary() reports them)."""
+
+    drain: Drain
+    handled: Ramp
+    acked: Ramp
+
+
 class Bench:
-    def __init__(self, args: argparse.Namespace, root: Path, nats_url: str, etcd: str) -> None:
+    def __init__(self, args: argparse.Namespace, root: Path, servers: BenchServers) -> None:
         self.args = args
         self.root = root
-        self.nats_url = nats_url
-        self.etcd_endpoint = etcd
+        self.servers = servers
+        self.js = servers.js
+        self.etcd = servers.etcd
         self.log_problems = 0
         self.go_producer = (
             Path(args.go_producer) if args.go_producer else goexamples.build()["producer"]
         )
 
     def config(self, group: str, handler: str) -> GroupConfig:
-        return GroupConfig(
-            namespace=NAMESPACE,
-            group=group,
-            nats_url=self.nats_url,
-            etcd_endpoints=self.etcd_endpoint,
-            handler=handler,
-            ledger=False,
-            storage=self.args.storage,
+        return self.servers.group_config(
+            NAMESPACE, group, handler, ledger=False, storage=self.args.storage
         )
 
-    async def publish(self, js: Any, config: GroupConfig, count: int) -> float:
+    async def publish(self, config: GroupConfig, count: int) -> float:
         """Publish `count` messages over --projects projects; returns the seconds taken."""
         items = [
             Outgoing(f"project-{i % self.args.projects}", PAYLOAD, f"{config.group}-{i}")
             for i in range(count)
         ]
         started = time.monotonic()
-        await Producer(js, config.subject_prefix, config.partitions).publish_many(items)
+        await Producer(self.js, config.subject_prefix, config.partitions).publish_many(items)
         return time.monotonic() - started
 
-    async def flood(self, js: Any, config: GroupConfig, count: int) -> float:
+    async def flood(self, config: GroupConfig, count: int) -> float:
         """Publish `count` messages as a burst from many producers reaches the server: as
         fast as the connection takes them, without waiting for each one's ack (one
         flush at the end); the stream stores them all (watch() waits for every one)."""
-        producer = Producer(js, config.subject_prefix, config.partitions)
-        nc = js._nc
+        producer = Producer(self.js, config.subject_prefix, config.partitions)
+        nc = self.servers.nc
         routed = [
             producer.prepare(Outgoing(f"project-{i % self.args.projects}", b"", f"b-{i}"))
             for i in range(count)
@@ -157,7 +165,7 @@ class Bench:
             [
                 str(self.go_producer),
                 "-url",
-                self.nats_url,
+                self.servers.nats_server.url,
                 "-prefix",
                 config.subject_prefix,
                 "-partitions",
@@ -179,12 +187,12 @@ class Bench:
             raise RuntimeError(f"the Go producer failed ({done.returncode}): {done.stderr[-2000:]}")
         return float(json.loads(done.stdout.strip().splitlines()[-1])["seconds"])
 
-    async def watch(self, js: Any, config: GroupConfig, total: int) -> Curve:
+    async def watch(self, config: GroupConfig, total: int) -> Curve:
         """Sample what was consumed until all `total` messages were (or --timeout)."""
         curve = Curve(total)
         deadline = time.monotonic() + self.args.timeout
         while True:
-            state = (await js.stream_info(config.stream)).state
+            state = (await self.js.stream_info(config.stream)).state
             now = time.monotonic()
             consumed = int(state.last_seq) - int(state.messages)
             curve.add(now, consumed)
@@ -196,8 +204,6 @@ class Bench:
 
     async def drain(
         self,
-        js: Any,
-        etcd: Etcd,
         group: str,
         members: int,
         *,
@@ -211,8 +217,8 @@ class Bench:
         a = self.args
         count = a.io_messages if members > 1 else a.messages
         config = self.config(group, STAMPED)
-        await ensure_group(js, config)
-        publish_seconds = 0.0 if burst else await self.publish(js, config, count)
+        await ensure_group(self.js, config)
+        publish_seconds = 0.0 if burst else await self.publish(config, count)
         names = [f"m-{i}" for i in range(members)]
         workdir = self.root / group
         with Fleet.for_config(workdir, config) as fleet:
@@ -224,10 +230,10 @@ class Bench:
                 fleet.start(name, **env, **config_env(config, ("ledger", "storage")))
             if burst:
                 await wait_for_status(
-                    etcd, NAMESPACE, group, config.partitions, settled(set(names)), 60
+                    self.etcd, NAMESPACE, group, config.partitions, settled(set(names)), 60
                 )
                 await asyncio.sleep(a.quiet)  # pulls come back empty: the partitions doze
-                watcher = asyncio.ensure_future(self.watch(js, config, count))
+                watcher = asyncio.ensure_future(self.watch(config, count))
                 if publisher == "go-frozen":
                     # The member stopped (SIGSTOP) while the burst is published and
                     # stored: it then wakes into the whole burst with nothing else
@@ -244,27 +250,24 @@ class Bench:
                 elif publisher == "go":
                     publish_seconds = await self.flood_go(config, count)
                 else:
-                    publish_seconds = await self.flood(js, config, count)
+                    publish_seconds = await self.flood(config, count)
                 acked = await watcher
             else:
-                acked = await self.watch(js, config, count)
+                acked = await self.watch(config, count)
         redelivered = -count
         for p in range(config.partitions):
-            info = await js.consumer_info(config.stream, durable_name(p))
+            info = await self.js.consumer_info(config.stream, durable_name(p))
             redelivered += info.delivered.consumer_seq
-        problems = log_problems(workdir.glob("*.log"))
-        self.log_problems += problems["error"] + problems["traceback"]
+        self.log_problems += serious_problems(workdir.glob("*.log"))
         stamps = sorted(t for name in names for t in read_stamps(workdir / f"{name}.stamps"))
         if len(stamps) != count:
             raise RuntimeError(f"{group}: the handlers saw {len(stamps)} of {count} messages")
         return Drain(Curve.of_stamps(count, stamps), acked, started, publish_seconds, redelivered)
 
-    async def ramps(self, js: Any, etcd: Etcd, kind: str, publisher: str = "python") -> list[Drain]:
-        drains = []
+    async def ramps(self, kind: str, publisher: str = "python") -> list[Round]:
+        rounds = []
         for r in range(self.args.rounds):
-            drain = await self.drain(
-                js, etcd, f"{kind}-{r}", 1, burst=kind != "cold", publisher=publisher
-            )
+            drain = await self.drain(f"{kind}-{r}", 1, burst=kind != "cold", publisher=publisher)
             handled = ramp_of(drain.handled, self.args.bucket)
             acked = ramp_of(drain.acked, self.args.bucket)
             before = (
@@ -280,18 +283,18 @@ class Bench:
                 f"{acked.first_second_msgs:.0f}, pace {acked.pace:.0f} msg/s, all in "
                 f"{acked.drain_seconds:.2f} s; {drain.redelivered} redelivered"
             )
-            drains.append(drain)
-        return drains
+            rounds.append(Round(drain, handled, acked))
+        return rounds
 
 
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def summary(name: str, drains: list[Drain], bucket: float, storage: str, **extra: Any) -> None:
+def summary(name: str, rounds: list[Round], storage: str, **extra: Any) -> None:
     """The handled curve decides (what the team's code saw); the acked one is beside it."""
-    handled = [ramp_of(d.handled, bucket) for d in drains]
-    acked = [ramp_of(d.acked, bucket) for d in drains]
+    handled = [r.handled for r in rounds]
+    acked = [r.acked for r in rounds]
     first = statistics.fmean(r.first_second_ratio for r in handled)
     to_mean = statistics.fmean(r.first_second_to_mean for r in handled)
     ramp_values = [r.ramp_seconds for r in handled]
@@ -311,7 +314,7 @@ def summary(name: str, drains: list[Drain], bucket: float, storage: str, **extra
         acked_first_second_ratio=[round(r.first_second_ratio, 3) for r in acked],
         acked_pace_msgs_per_s=[round(r.pace) for r in acked],
         acked_first_second_msgs=[round(r.first_second_msgs) for r in acked],
-        redelivered=[d.redelivered for d in drains],
+        redelivered=[r.drain.redelivered for r in rounds],
         storage=storage,
         **extra,
     )
@@ -327,56 +330,45 @@ def summary(name: str, drains: list[Drain], bucket: float, storage: str, **extra
 
 
 async def run(args: argparse.Namespace, root: Path) -> None:
-    with NatsServer(root / "nats") as nats_server, EtcdServer(root / "etcd") as etcd_server:
-        bench = Bench(args, root, nats_server.url, etcd_server.endpoint)
-        etcd = Etcd(etcd_server.endpoint)
-        await etcd.connect(attempts=10)
-        nc = await nats.connect(nats_server.url)
-        js = nc.jetstream()
+    async with bench_servers(root) as servers:
+        bench = Bench(args, root, servers)
         common = {"messages": args.messages, "projects": args.projects}
-        try:
-            if args.only in (None, "cold"):
-                drains = await bench.ramps(js, etcd, "cold")
-                summary("cold", drains, args.bucket, args.storage, **common)
-            if args.only in (None, "burst"):
-                for kind, publisher in (
-                    ("burst", "go"),
-                    ("burst_python", "python"),
-                    ("burst_woken", "go-frozen"),
-                ):
-                    drains = await bench.ramps(js, etcd, kind, publisher)
-                    summary(
-                        kind,
-                        drains,
-                        args.bucket,
-                        args.storage,
-                        publisher=publisher,
-                        publish_seconds=[round(d.publish_seconds, 2) for d in drains],
-                        quiet_seconds=args.quiet,
-                        **common,
-                    )
-            if args.only in (None, "four"):
-                drain = await bench.drain(
-                    js, etcd, "four-20ms", 4, burst=False, delay_ms=args.delay_ms
+        if args.only in (None, "cold"):
+            rounds = await bench.ramps("cold")
+            summary("cold", rounds, args.storage, **common)
+        if args.only in (None, "burst"):
+            for kind, publisher in (
+                ("burst", "go"),
+                ("burst_python", "python"),
+                ("burst_woken", "go-frozen"),
+            ):
+                rounds = await bench.ramps(kind, publisher)
+                summary(
+                    kind,
+                    rounds,
+                    args.storage,
+                    publisher=publisher,
+                    publish_seconds=[round(r.drain.publish_seconds, 2) for r in rounds],
+                    quiet_seconds=args.quiet,
+                    **common,
                 )
-                seconds = drain.handled.end - drain.handled.t0
-                rate = args.io_messages / seconds
-                note(f"four-20ms: {args.io_messages} in {seconds:.2f} s from the first message")
-                emit(
-                    BENCH,
-                    "four_members_20ms_cold_msgs_per_s",
-                    rate,
-                    target=">= 12000",
-                    ok=rate >= 12000,
-                    messages=args.io_messages,
-                    projects=args.projects,
-                    handler_ms=args.delay_ms,
-                    acked_msgs_per_s=args.io_messages / (drain.acked.end - drain.acked.t0),
-                )
-            emit(BENCH, "member_log_problems", bench.log_problems, target="0")
-        finally:
-            await nc.close()
-            etcd.close()
+        if args.only in (None, "four"):
+            drain = await bench.drain("four-20ms", 4, burst=False, delay_ms=args.delay_ms)
+            seconds = drain.handled.end - drain.handled.t0
+            rate = args.io_messages / seconds
+            note(f"four-20ms: {args.io_messages} in {seconds:.2f} s from the first message")
+            emit(
+                BENCH,
+                "four_members_20ms_cold_msgs_per_s",
+                rate,
+                target=">= 12000",
+                ok=rate >= 12000,
+                messages=args.io_messages,
+                projects=args.projects,
+                handler_ms=args.delay_ms,
+                acked_msgs_per_s=args.io_messages / (drain.acked.end - drain.acked.t0),
+            )
+        emit(BENCH, "member_log_problems", bench.log_problems, target="0")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -406,15 +398,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--go-producer", help="a build of examples/go/producer (default: built, harness.goexamples)"
     )
-    parser.add_argument("--keep", action="store_true", help="keep the work directory")
-    parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    add_run_options(parser)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    quiet_known_noise()
-    args = parse_args(argv)
-    return run_bench("shoal-bench-ramp-", args.keep, args.strict, lambda root: run(args, root))
+    return bench_main("shoal-bench-ramp-", argv, parse_args, run)
 
 
 if __name__ == "__main__":

@@ -27,17 +27,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import nats
-
-from harness.bench import emit, log_problems, note, run_bench
+from harness.bench import add_run_options, bench_main, bench_servers, emit, note, serious_problems
 from harness.fleet import Fleet, settled, wait_for_status
-from harness.servers import EtcdServer, NatsServer
 from shoal.clients.etcd import Etcd
 from shoal.consumer.ledger import audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.group.config import GroupConfig, config_env
 from shoal.group.jetstream import ensure_group
-from shoal.logs import quiet_known_noise
 
 BENCH = "ratelimit"
 NAMESPACE = "bench"
@@ -58,33 +54,22 @@ def windows(starts: list[float], begin: float, end: float, width: float) -> list
 
 
 async def run(args: argparse.Namespace, root: Path) -> None:
-    with NatsServer(root / "nats") as nats_server, EtcdServer(root / "etcd") as etcd_server:
-        config = GroupConfig(
-            namespace=NAMESPACE,
-            group=GROUP,
-            nats_url=nats_server.url,
-            etcd_endpoints=etcd_server.endpoint,
-            handler=LEDGER,
+    async with bench_servers(root) as servers:
+        config = servers.group_config(
+            NAMESPACE,
+            GROUP,
+            LEDGER,
             ledger=True,
             partitions=args.partitions,
             max_messages_per_second=args.limit,
         )
-        etcd = Etcd(etcd_server.endpoint)
-        await etcd.connect(attempts=10)
-        nc = await nats.connect(nats_server.url)
-        js = nc.jetstream()
-        try:
-            await ensure_group(js, config)
-            items = [
-                Outgoing(f"proj-{i % args.projects}", b"x", f"m-{i}") for i in range(args.backlog)
-            ]
-            started = time.monotonic()
-            await Producer(js, config.subject_prefix, config.partitions).publish_many(items)
-            note(f"published {args.backlog} messages in {time.monotonic() - started:.1f} s")
-            await measure(args, root, config, etcd, js)
-        finally:
-            await nc.close()
-            etcd.close()
+        js = servers.js
+        await ensure_group(js, config)
+        items = [Outgoing(f"proj-{i % args.projects}", b"x", f"m-{i}") for i in range(args.backlog)]
+        started = time.monotonic()
+        await Producer(js, config.subject_prefix, config.partitions).publish_many(items)
+        note(f"published {args.backlog} messages in {time.monotonic() - started:.1f} s")
+        await measure(args, root, config, servers.etcd, js)
 
 
 async def measure(
@@ -151,8 +136,8 @@ async def measure(
     summary = audit(records, processed).summary()
     bad = summary["duplicates"] + summary["out_of_order"] + summary["overlaps"]
     emit(BENCH, "ledger_audit", bad, **summary, target="0", ok=bad == 0)
-    problems = log_problems((root / "members").glob("*.log"))
-    emit(BENCH, "member_log_problems", problems["error"] + problems["traceback"], target="0")
+    problems = serious_problems((root / "members").glob("*.log"))
+    emit(BENCH, "member_log_problems", problems, target="0")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -169,8 +154,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--partitions", type=int, default=128)
     parser.add_argument("--projects", type=int, default=1000)
     parser.add_argument("--backlog", type=int, default=250_000)
-    parser.add_argument("--keep", action="store_true", help="keep the work directory")
-    parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    add_run_options(parser)
     args = parser.parse_args(argv)
     if args.backlog < args.limit * args.seconds * 1.1:
         parser.error("--backlog must outlast the run: at least 1.1 x limit x seconds")
@@ -178,9 +162,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    quiet_known_noise()
-    args = parse_args(argv)
-    return run_bench("shoal-bench-ratelimit-", args.keep, args.strict, lambda root: run(args, root))
+    return bench_main("shoal-bench-ratelimit-", argv, parse_args, run)
 
 
 if __name__ == "__main__":

@@ -34,15 +34,20 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import nats
-
-from harness.bench import cpu_seconds, emit, log_problems, note, run_bench
+from harness.bench import (
+    BenchServers,
+    add_run_options,
+    bench_main,
+    bench_servers,
+    cpu_seconds,
+    emit,
+    note,
+    serious_problems,
+)
 from harness.fleet import Fleet, Member, settled, wait_for_status
-from harness.servers import EtcdServer, NatsServer
 from shoal.clients.etcd import Etcd
 from shoal.group.config import GroupConfig, config_env
 from shoal.group.jetstream import ensure_group
-from shoal.logs import quiet_known_noise
 
 BENCH = "scale"
 NAMESPACE = "bench"
@@ -69,24 +74,17 @@ def rss_mb(pid: int) -> float:
 
 
 class Bench:
-    def __init__(
-        self, args: argparse.Namespace, root: Path, nats: NatsServer, etcd: EtcdServer
-    ) -> None:
+    def __init__(self, args: argparse.Namespace, root: Path, servers: BenchServers) -> None:
         self.args = args
         self.root = root
-        self.nats = nats
-        self.etcd_server = etcd
+        self.servers = servers
+        self.nats = servers.nats_server
+        self.etcd_server = servers.etcd_server
         self.log_problems = 0
 
     def config(self, group: str) -> GroupConfig:
-        return GroupConfig(
-            namespace=NAMESPACE,
-            group=group,
-            nats_url=self.nats.url,
-            etcd_endpoints=self.etcd_server.endpoint,
-            handler=NOOP,
-            ledger=False,
-            partitions=self.args.partitions,
+        return self.servers.group_config(
+            NAMESPACE, group, NOOP, ledger=False, partitions=self.args.partitions
         )
 
     async def size(self, js: Any, etcd: Etcd, members: int) -> None:
@@ -138,8 +136,7 @@ class Bench:
             # (From the process start: its interpreter's start-up and imports included.)
             join = time.monotonic() - join_started
             rss = {n: round(rss_mb(m.pid), 1) for n, m in started.items()} if a.rss else {}
-        problems = log_problems((self.root / group).glob("*.log"))
-        self.log_problems += problems["error"] + problems["traceback"]
+        self.log_problems += serious_problems((self.root / group).glob("*.log"))
         common = {"members": members, "partitions": a.partitions}
         big = members >= 64
         emit(
@@ -200,19 +197,11 @@ class Bench:
 
 
 async def run(args: argparse.Namespace, root: Path) -> None:
-    with NatsServer(root / "nats") as nats_server, EtcdServer(root / "etcd") as etcd_server:
-        bench = Bench(args, root, nats_server, etcd_server)
-        etcd = Etcd(etcd_server.endpoint)
-        await etcd.connect(attempts=10)
-        nc = await nats.connect(nats_server.url)
-        js = nc.jetstream()
-        try:
-            for members in args.sizes:
-                await bench.size(js, etcd, members)
-            emit(BENCH, "member_log_problems", bench.log_problems, target="0")
-        finally:
-            await nc.close()
-            etcd.close()
+    async with bench_servers(root) as servers:
+        bench = Bench(args, root, servers)
+        for members in args.sizes:
+            await bench.size(servers.js, servers.etcd, members)
+        emit(BENCH, "member_log_problems", bench.log_problems, target="0")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -227,15 +216,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--partitions", type=int, default=128)
     parser.add_argument("--idle-seconds", type=float, default=30.0)
     parser.add_argument("--rss", action="store_true", help="report members' RSS")
-    parser.add_argument("--keep", action="store_true", help="keep the work directory")
-    parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    add_run_options(parser)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    quiet_known_noise()
-    args = parse_args(argv)
-    return run_bench("shoal-bench-scale-", args.keep, args.strict, lambda root: run(args, root))
+    return bench_main("shoal-bench-scale-", argv, parse_args, run)
 
 
 if __name__ == "__main__":

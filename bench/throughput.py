@@ -68,14 +68,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import nats
 from nats.js import api
 
-from harness.bench import cpu_seconds, emit, log_problems, note, run_bench, scrape_counter, varz
+from harness.bench import (
+    add_run_options,
+    bench_main,
+    bench_servers,
+    cpu_seconds,
+    emit,
+    emit_log_problems,
+    note,
+    scrape_counter,
+    varz,
+)
 from harness.children import dying_with_parent
 from harness.fleet import Fleet, Member, settled, wait_for_status
 from harness.localkube.tools import natscli_path
-from harness.servers import EtcdServer, NatsServer, free_port
+from harness.servers import free_port
 from harness.waiting import eventually_async
 from shoal.clients.etcd import Etcd
 from shoal.consumer.producer import Outgoing, Producer
@@ -83,7 +92,6 @@ from shoal.contracts.names import durable_name
 from shoal.group.config import GroupConfig
 from shoal.group.jetstream import ensure_group
 from shoal.group.status import read_status
-from shoal.logs import quiet_known_noise
 
 BENCH = "throughput"
 NAMESPACE = "bench"
@@ -128,10 +136,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "commit), to compare commits in one run: its source folders go first on the "
         "member's PYTHONPATH",
     )
-    parser.add_argument("--keep", action="store_true", help="keep the work directory")
-    parser.add_argument(
-        "--strict", action="store_true", help="exit 1 when a figure misses its target"
-    )
+    add_run_options(parser)
     return parser.parse_args(argv)
 
 
@@ -689,59 +694,48 @@ def member_env(code: str | None) -> dict[str, str]:
 
 
 async def run(args: argparse.Namespace, root: Path) -> None:
-    with (
-        NatsServer(root / "nats") as nats_server,
-        EtcdServer(root / "etcd") as etcd_server,
-        Fleet(
+    async with bench_servers(root) as servers:
+        nats_server = servers.nats_server
+        config = servers.group_config(
+            NAMESPACE, GROUP, HANDLER, partitions=args.partitions, retention="limits"
+        )
+        # Not Fleet.for_config: the members have always run with SHOAL_LEDGER=true
+        # (Fleet's default) while the group's config leaves the ledger out.
+        with Fleet(
             root / "members",
-            nats_url=nats_server.url,
-            etcd_endpoint=etcd_server.endpoint,
+            nats_url=config.nats_url,
+            etcd_endpoint=config.etcd_endpoints,
             namespace=NAMESPACE,
             group=GROUP,
             handler=HANDLER,
             partitions=args.partitions,
             env=member_env(args.member_code),
-        ) as fleet,
-    ):
-        config = GroupConfig(
-            namespace=NAMESPACE,
-            group=GROUP,
-            partitions=args.partitions,
-            nats_url=nats_server.url,
-            etcd_endpoints=etcd_server.endpoint,
-            handler=HANDLER,
-            retention="limits",
-        )
-        etcd = Etcd(etcd_server.endpoint)
-        await etcd.connect(attempts=10)
-        nc = await nats.connect(nats_server.url)
-        try:
-            if nats_server.pid is None:
-                raise RuntimeError("nats-server is not running")
-            bench = Bench(args, fleet, config, etcd, nc, nats_server.pid, nats_server.monitor_url)
-            await bench.setup()
-            await bench.throughput()
-            await bench.rss()
-            await asyncio.to_thread(
-                go_reference, nats_server.url, args.messages, args.payload, args.plain_batch
-            )
-        finally:
-            await nc.close()
-            etcd.close()
-            fleet.close()
-            problems = log_problems((root / "members").glob("*.log"))
-            note(f"member logs: {problems}")
-            emit(
-                BENCH, "member_log_problems", problems["error"] + problems["traceback"], **problems
-            )
+        ) as fleet:
+            try:
+                if nats_server.pid is None:
+                    raise RuntimeError("nats-server is not running")
+                bench = Bench(
+                    args,
+                    fleet,
+                    config,
+                    servers.etcd,
+                    servers.nc,
+                    nats_server.pid,
+                    nats_server.monitor_url,
+                )
+                await bench.setup()
+                await bench.throughput()
+                await bench.rss()
+                await asyncio.to_thread(
+                    go_reference, nats_server.url, args.messages, args.payload, args.plain_batch
+                )
+            finally:
+                fleet.close()
+                emit_log_problems(BENCH, root / "members")
 
 
 def main(argv: list[str] | None = None) -> int:
-    quiet_known_noise()
-    args = parse_args(argv)
-    return run_bench(
-        "shoal-bench-throughput-", args.keep, args.strict, lambda root: run(args, root)
-    )
+    return bench_main("shoal-bench-throughput-", argv, parse_args, run)
 
 
 if __name__ == "__main__":

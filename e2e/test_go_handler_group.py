@@ -36,15 +36,14 @@ import nats
 import pytest
 
 from harness import goimage
-from harness.fleet import wait_for_status
-from harness.kubetest import condition, create_namespace, get_json, operator_process, wait_until
+from harness.fleet import settled_count, wait_for_status
+from harness.kubetest import condition, get_json, namespace_operator, running_plane, wait_until
 from harness.localkube.plane import LocalKube
+from harness.steadyload import SteadyLoad
 from harness.waiting import eventually_async
 from shoal.clients.etcd import Etcd
 from shoal.consumer.ledger import audit, read_ledger
-from shoal.consumer.producer import Outgoing, Producer
 from shoal.contracts.names import (
-    SEQ_HEADER,
     default_stream_name,
     dlq_stream_name,
     ledger_stream_name,
@@ -84,19 +83,14 @@ def handler_image() -> str:
 def plane(
     image: str, handler_image: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalKube]:
-    plane = LocalKube(tmp_path_factory.mktemp("go-plane"), image=image, pod_network=True)
-    try:
-        plane.up()
+    workdir = tmp_path_factory.mktemp("go-plane")
+    with running_plane(workdir, image=image, pod_network=True) as plane:
         yield plane
-    finally:
-        plane.down()
 
 
 @pytest.fixture(scope="module")
 def operator(plane: LocalKube, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    log_path = tmp_path_factory.mktemp("go-operator") / "operator.log"
-    with operator_process(plane, [NS], log_path):
-        create_namespace(plane, NS)
+    with namespace_operator(plane, NS, tmp_path_factory.mktemp("go-operator")) as log_path:
         yield log_path
 
 
@@ -138,55 +132,6 @@ def pid_of(pod: dict[str, Any], container: str) -> int:
         if item["name"] == container:
             return int(item["containerID"].removeprefix("process://"))
     raise AssertionError(f"no container {container} in {pod['metadata']['name']}")
-
-
-def settled_on(count: int) -> Any:
-    def check(s: GroupStatus) -> bool:
-        return (
-            len(s.members) == count
-            and not s.unowned
-            and s.claims == s.owners
-            and s.skew <= 1
-            and set(s.owners.values()) <= set(s.members)
-        )
-
-    return check
-
-
-class Load:
-    """A steady producer: RATE messages a second over PROJECTS projects, each project's
-    messages numbered (SEQ_HEADER) so the audit can check their order."""
-
-    def __init__(self, js: Any) -> None:
-        self.producer = Producer(js, f"shoal.{NS}.{GROUP}", PARTITIONS)
-        self.items: list[Outgoing] = []
-        self.stopping = asyncio.Event()
-        self.task: asyncio.Task[None] | None = None
-
-    async def run(self) -> None:
-        step = 0.1
-        batch = int(RATE * step)
-        next_at = time.monotonic()
-        while not self.stopping.is_set():
-            start = len(self.items)
-            chunk = [
-                Outgoing(
-                    f"project-{i % PROJECTS}", b"x", f"go-{i}", {SEQ_HEADER: str(i // PROJECTS)}
-                )
-                for i in range(start, start + batch)
-            ]
-            self.items += chunk
-            await self.producer.publish_many(chunk, window=256)
-            next_at += step
-            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-
-    def start(self) -> None:
-        self.task = asyncio.create_task(self.run())
-
-    async def stop(self) -> None:
-        self.stopping.set()
-        if self.task is not None:
-            await self.task
 
 
 def test_a_go_handler_group_scales_loses_nothing_and_fails_no_request(
@@ -231,10 +176,17 @@ async def scale_under_load(plane: LocalKube) -> str:
     etcd = Etcd(plane.state.etcd_endpoint)
     await etcd.connect(attempts=5)
     nc = await nats.connect(plane.state.nats_url)
-    load = Load(nc.jetstream())
+    load = SteadyLoad(
+        nc.jetstream(),
+        f"shoal.{NS}.{GROUP}",
+        PARTITIONS,
+        rate=RATE,
+        projects=PROJECTS,
+        id_prefix="go",
+    )
     try:
         js = nc.jetstream()
-        await wait_for_status(etcd, NS, GROUP, PARTITIONS, settled_on(3), 60)
+        await wait_for_status(etcd, NS, GROUP, PARTITIONS, settled_count(3), 60)
         load.start()
         t0 = time.monotonic()
 
@@ -242,7 +194,7 @@ async def scale_under_load(plane: LocalKube) -> str:
             begun = time.monotonic()
             if kubectl:
                 await asyncio.to_thread(plane.kubectl, *kubectl)
-            await wait_for_status(etcd, NS, GROUP, PARTITIONS, settled_on(count), 120)
+            await wait_for_status(etcd, NS, GROUP, PARTITIONS, settled_count(count), 120)
             print(
                 f"{what}: settled on {count} members in {time.monotonic() - begun:.1f} s "
                 f"({len(load.items)} messages published so far)"
@@ -258,7 +210,7 @@ async def scale_under_load(plane: LocalKube) -> str:
         print(f"kubectl delete pod {victim}: returned in {time.monotonic() - begun:.1f} s")
 
         def replaced(s: GroupStatus) -> bool:
-            return victim not in s.members and settled_on(5)(s)
+            return victim not in s.members and settled_count(5)(s)
 
         await wait_for_status(etcd, NS, GROUP, PARTITIONS, replaced, 120)
         print(f"{victim} replaced, settled on 5 in {time.monotonic() - begun:.1f} s")

@@ -41,21 +41,25 @@ import pytest
 from kubernetes import client, config, watch
 
 from harness.audit import longest_gap, resumed_after
-from harness.fleet import wait_for_status
+from harness.fleet import settled_count, wait_for_status
 from harness.kubetest import (
+    ZONE,
+    component_of,
     condition,
-    create_namespace,
     get_json,
     group_ready,
-    operator_process,
+    kubelet_pid,
+    namespace_operator,
+    three_node_plane,
     wait_until,
+    zones,
 )
-from harness.localkube.plane import LocalKube, State
+from harness.localkube.plane import LocalKube
+from harness.steadyload import SteadyLoad
 from harness.waiting import eventually_async
 from shoal.clients.etcd import Etcd
 from shoal.consumer.ledger import audit, read_ledger
-from shoal.consumer.producer import Outgoing, Producer
-from shoal.contracts.names import SEQ_HEADER, default_stream_name, ledger_stream_name
+from shoal.contracts.names import default_stream_name, ledger_stream_name
 from shoal.group.config import GroupConfig
 from shoal.group.status import GroupStatus
 from shoal.operator.builders import selector
@@ -63,7 +67,6 @@ from shoal.operator.builders import selector
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 NS = "group-nodes"
-ZONE = "topology.kubernetes.io/zone"
 GRACE = 20.0  # --node-monitor-grace-period of this module's plane
 TTL = int(GroupConfig.model_fields["lease_ttl"].default)  # a member's lease, 10 s
 REPLICAS = 6
@@ -86,21 +89,14 @@ SPREAD = {
 
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalKube]:
-    local = LocalKube(tmp_path_factory.mktemp("group-nodes"), nodes=3, node_monitor_grace=GRACE)
-    try:
-        started = time.monotonic()
-        local.up()
-        print(f"\n3-node plane up in {time.monotonic() - started:.1f} s")
+    with three_node_plane(tmp_path_factory.mktemp("group-nodes"), GRACE) as local:
         yield local
-    finally:
-        local.down()
 
 
 @pytest.fixture(scope="module")
 def operator(plane: LocalKube, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    log_path = tmp_path_factory.mktemp("group-nodes-operator") / "operator.log"
-    with operator_process(plane, [NS], log_path):
-        create_namespace(plane, NS)
+    workdir = tmp_path_factory.mktemp("group-nodes-operator")
+    with namespace_operator(plane, NS, workdir) as log_path:
         yield log_path
 
 
@@ -141,14 +137,6 @@ def ready_pods(plane: LocalKube, name: str) -> list[dict[str, Any]]:
     return [p for p in member_pods(plane, name) if condition(p, "Ready").get("status") == "True"]
 
 
-def zones(plane: LocalKube) -> dict[str, str]:
-    """node name -> its zone label."""
-    return {
-        n["metadata"]["name"]: n["metadata"]["labels"].get(ZONE, "")
-        for n in get_json(plane, "nodes")["items"]
-    }
-
-
 def per_zone(plane: LocalKube, pods: list[dict[str, Any]]) -> Counter[str]:
     zone_of = zones(plane)
     return Counter(zone_of[p["spec"]["nodeName"]] for p in pods)
@@ -157,18 +145,7 @@ def per_zone(plane: LocalKube, pods: list[dict[str, Any]]) -> Counter[str]:
 def settled_on(members: set[str] | None = None, count: int = REPLICAS) -> Any:
     """`count` members (exactly `members` if given), every partition owned and claimed by
     one of them, skew <= 1."""
-
-    def check(s: GroupStatus) -> bool:
-        return (
-            len(s.members) == count
-            and (members is None or set(s.members) == members)
-            and not s.unowned
-            and s.claims == s.owners
-            and s.skew <= 1
-            and set(s.owners.values()) <= set(s.members)
-        )
-
-    return check
+    return settled_count(count, members)
 
 
 @contextmanager
@@ -204,49 +181,20 @@ def delete_group(plane: LocalKube, name: str) -> None:
 # -- load and audit -------------------------------------------------------------------------
 
 
-class Load:
-    """A steady producer: RATE messages a second over PROJECTS projects, each project's
-    messages numbered (SEQ_HEADER) so that the audit can check their order."""
+class Load(SteadyLoad):
+    """The steady producer of group `name`: RATE messages a second over PROJECTS projects
+    (harness.steadyload), which says what it sent when stopped."""
 
     def __init__(self, js: Any, name: str) -> None:
-        self.name = name
-        self.producer = Producer(js, f"shoal.{NS}.{name}", PARTITIONS)
-        self.items: list[Outgoing] = []
-        self.stopping = asyncio.Event()
-        self.task: asyncio.Task[None] | None = None
-        self.started = 0.0
-
-    async def run(self) -> None:
-        step = 0.1
-        batch = max(1, int(RATE * step))
-        next_at = time.monotonic()
-        while not self.stopping.is_set():
-            start = len(self.items)
-            chunk = [
-                Outgoing(
-                    f"project-{i % PROJECTS}",
-                    b"x",
-                    f"{self.name}-{i}",
-                    {SEQ_HEADER: str(i // PROJECTS)},
-                )
-                for i in range(start, start + batch)
-            ]
-            self.items += chunk
-            await self.producer.publish_many(chunk, window=256)
-            next_at += step
-            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-
-    def start(self) -> None:
-        self.started = time.monotonic()
-        self.task = asyncio.create_task(self.run())
-
-    async def stop(self) -> None:
-        self.stopping.set()
-        if self.task is not None:
-            await self.task
-            self.task = None
-            took = time.monotonic() - self.started
-            print(f"load stopped: {len(self.items)} messages in {took:.0f} s")
+        super().__init__(
+            js,
+            f"shoal.{NS}.{name}",
+            PARTITIONS,
+            rate=RATE,
+            projects=PROJECTS,
+            id_prefix=name,
+            report=True,
+        )
 
 
 async def drain_and_audit(js: Any, name: str, load: Load) -> tuple[dict[str, int], list[Any]]:
@@ -385,16 +333,6 @@ class PodWatch:
 
 
 # -- node helpers ---------------------------------------------------------------------------
-
-
-def component_of(plane: LocalKube, node: str) -> str:
-    return next(n.component for n in plane.nodes if n.name == node)
-
-
-def kubelet_pid(plane: LocalKube, node: str) -> int:
-    component = component_of(plane, node)
-    state = State.load(plane.state_path)
-    return next(c.pid for c in state.components if c.name == component)
 
 
 def container_pids(plane: LocalKube, node: str, pods: list[dict[str, Any]]) -> dict[str, int]:

@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from harness import REPO_ROOT
-from harness.kubetest import condition, create_namespace, get_json, operator_process, wait_until
+from harness.kubetest import condition, get_json, namespace_operator, running_plane, wait_until
 from harness.localkube.image import RECORD, run_inside
 from harness.localkube.plane import LocalKube, alive
 from harness.waiting import eventually_async
@@ -53,19 +53,13 @@ INSIDE = {
 
 @pytest.fixture(scope="module")
 def plane(image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalKube]:
-    plane = LocalKube(tmp_path_factory.mktemp("image-plane"), image=image)
-    try:
-        plane.up()
+    with running_plane(tmp_path_factory.mktemp("image-plane"), image=image) as plane:
         yield plane
-    finally:
-        plane.down()
 
 
 @pytest.fixture(scope="module")
 def operator(plane: LocalKube, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    log_path = tmp_path_factory.mktemp("image-operator") / "operator.log"
-    with operator_process(plane, [NS], log_path):
-        create_namespace(plane, NS)
+    with namespace_operator(plane, NS, tmp_path_factory.mktemp("image-operator")) as log_path:
         yield log_path
 
 

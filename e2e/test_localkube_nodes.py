@@ -20,13 +20,21 @@ from typing import Any
 
 import pytest
 
-from harness.kubetest import condition, create_namespace, get_json, wait_until
-from harness.localkube.plane import LocalKube, State
+from harness.kubetest import (
+    ZONE,
+    condition,
+    create_namespace,
+    get_json,
+    kubelet_pid,
+    three_node_plane,
+    wait_until,
+    zones,
+)
+from harness.localkube.plane import LocalKube
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 NODES = ["localkube-a", "localkube-b", "localkube-c"]
-ZONE = "topology.kubernetes.io/zone"
 GRACE = 8.0  # --node-monitor-grace-period for this module's plane
 
 # Runs until SIGTERM; says where it runs.
@@ -40,14 +48,8 @@ WORKER = (
 
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalKube]:
-    local = LocalKube(tmp_path_factory.mktemp("nodes"), nodes=3, node_monitor_grace=GRACE)
-    try:
-        started = time.monotonic()
-        local.up()
-        print(f"\n3-node plane up in {time.monotonic() - started:.1f} s")
+    with three_node_plane(tmp_path_factory.mktemp("nodes"), GRACE) as local:
         yield local
-    finally:
-        local.down()
 
 
 def apply(plane: LocalKube, *items: dict[str, Any]) -> None:
@@ -124,20 +126,6 @@ def all_running(
     """The pods, once `count` of them are Running and Ready."""
     pods = running_pods(plane, namespace, selector)
     return pods if len(pods) == count else None
-
-
-def zones(plane: LocalKube) -> dict[str, str]:
-    """node name -> its zone label."""
-    return {
-        n["metadata"]["name"]: n["metadata"]["labels"].get(ZONE, "")
-        for n in get_json(plane, "nodes")["items"]
-    }
-
-
-def kubelet_pid(plane: LocalKube, node: str) -> int:
-    component = next(n.component for n in plane.nodes if n.name == node)
-    state = State.load(plane.state_path)
-    return next(c.pid for c in state.components if c.name == component)
 
 
 def test_nodes_register_with_zones_ready_and_as_nodes(plane: LocalKube) -> None:

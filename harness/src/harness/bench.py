@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmarks: output, work directories, metrics, streams, logs.
+"""Helpers shared by the benchmarks: output, work directories, servers, metrics, streams,
+logs, and the command line every benchmark has (``--keep``, ``--strict``).
 
 Every benchmark prints one JSON object per figure on stdout (``emit``) and everything
 else on stderr (``note``), so ``make bench`` can keep stdout as a .jsonl file.
@@ -6,6 +7,7 @@ else on stderr (``note``), so ``make bench`` can keep stdout as a .jsonl file.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
@@ -16,17 +18,30 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nats.js import api
+import nats
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext, api
+
+from harness.servers import EtcdServer, NatsServer
+from shoal.clients.etcd import Etcd
+from shoal.group.config import GroupConfig
+from shoal.logs import quiet_known_noise
 
 __all__ = [
     "RESULTS",
+    "BenchServers",
+    "add_run_options",
+    "bench_main",
+    "bench_servers",
     "cpu_seconds",
     "emit",
+    "emit_log_problems",
     "failed",
     "host_cpu",
     "log_problems",
@@ -34,6 +49,7 @@ __all__ = [
     "percentile",
     "read_stream_json",
     "scrape_counter",
+    "serious_problems",
     "summary",
     "thread_cpu",
     "workdir",
@@ -267,3 +283,82 @@ def run_bench(
     if missed:
         note(f"figures that missed their target: {', '.join(missed)}")
     return 1 if strict and missed else 0
+
+
+def serious_problems(paths: Iterable[Path]) -> int:
+    """ERROR and Traceback lines in member logs: what a benchmark's
+    ``member_log_problems`` figure counts (warnings are left out of it)."""
+    problems = log_problems(paths)
+    return int(problems["error"] + problems["traceback"])
+
+
+def emit_log_problems(bench: str, logs: Path) -> None:
+    """The ``member_log_problems`` figure of the member logs in `logs`, with the counts
+    and samples beside it (also noted on stderr, to read without the JSON)."""
+    problems = log_problems(logs.glob("*.log"))
+    note(f"member logs: {problems}")
+    emit(bench, "member_log_problems", problems["error"] + problems["traceback"], **problems)
+
+
+@dataclass
+class BenchServers:
+    """A benchmark's nats-server and etcd, and its own client connection to each."""
+
+    nats_server: NatsServer
+    etcd_server: EtcdServer
+    etcd: Etcd
+    nc: NATS
+    js: JetStreamContext
+
+    def group_config(
+        self, namespace: str, group: str, handler: str, **settings: Any
+    ) -> GroupConfig:
+        """A group on these servers; `settings` are GroupConfig's other fields."""
+        return GroupConfig(
+            namespace=namespace,
+            group=group,
+            nats_url=self.nats_server.url,
+            etcd_endpoints=self.etcd_server.endpoint,
+            handler=handler,
+            **settings,
+        )
+
+
+@asynccontextmanager
+async def bench_servers(root: Path) -> AsyncIterator[BenchServers]:
+    """Start a nats-server (in ``root/nats``) and an etcd (in ``root/etcd``), connect
+    to both; close the connections, then stop the servers, on the way out."""
+    with NatsServer(root / "nats") as nats_server, EtcdServer(root / "etcd") as etcd_server:
+        etcd = Etcd(etcd_server.endpoint)
+        await etcd.connect(attempts=10)
+        try:
+            nc = await nats.connect(nats_server.url)
+            try:
+                yield BenchServers(nats_server, etcd_server, etcd, nc, nc.jetstream())
+            finally:
+                await nc.close()
+        finally:
+            etcd.close()
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The options every benchmark has, which run_bench reads (``--keep``, ``--strict``)."""
+    parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument(
+        "--strict", action="store_true", help="exit 1 when a figure misses its target"
+    )
+
+
+def bench_main(
+    prefix: str,
+    argv: list[str] | None,
+    parse_args: Callable[[list[str] | None], argparse.Namespace],
+    run: Callable[[argparse.Namespace, Path], Coroutine[Any, Any, None]],
+) -> int:
+    """A benchmark's main(): parse its command line (which has add_run_options'),
+    then run_bench its `run` in a work directory named after `prefix`."""
+    # The libraries' known harmless messages (asyncio's EOF warning, etcd's closed
+    # watchers) would read as problems on stderr.
+    quiet_known_noise()
+    args = parse_args(argv)
+    return run_bench(prefix, args.keep, args.strict, lambda root: run(args, root))

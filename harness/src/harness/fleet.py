@@ -204,6 +204,24 @@ def settled(members: set[str]) -> Callable[[GroupStatus], bool]:
     return check
 
 
+def settled_count(count: int, members: set[str] | None = None) -> Callable[[GroupStatus], bool]:
+    """`count` members (exactly `members` if given), every partition owned by one of them
+    and claimed by its owner, skew <= 1: for groups whose member names the test does not
+    choose (pods)."""
+
+    def check(status: GroupStatus) -> bool:
+        return (
+            len(status.members) == count
+            and (members is None or set(status.members) == members)
+            and not status.unowned
+            and status.claims == status.owners
+            and status.skew <= 1
+            and set(status.owners.values()) <= set(status.members)
+        )
+
+    return check
+
+
 async def wait_for_events(
     js: Any,
     stream: str,

@@ -1,4 +1,5 @@
-"""Small helpers the full-stack tests share: waiting, reading objects, conditions."""
+"""Small helpers the full-stack tests share: a plane and an operator for a module,
+waiting, reading objects, conditions, the nodes of a plane."""
 
 from __future__ import annotations
 
@@ -8,17 +9,20 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from harness import REPO_ROOT
 from harness.children import spawn
-from harness.localkube.plane import LocalKube
+from harness.localkube.plane import NODE_MONITOR_GRACE, LocalKube, State
 from harness.servers import free_port
 from harness.waiting import eventually
 
 ROOT = REPO_ROOT
+# The label the plane's nodes carry their zone in (zone-a, zone-b, ...).
+ZONE = "topology.kubernetes.io/zone"
 
 
 def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.3) -> Any:
@@ -189,3 +193,68 @@ def adopt_crd_for_helm(plane: LocalKube, release: str, namespace: str) -> None:
         f"meta.helm.sh/release-name={release}",
         f"meta.helm.sh/release-namespace={namespace}",
     )
+
+
+@contextlib.contextmanager
+def running_plane(
+    workdir: Path,
+    *,
+    image: str | None = None,
+    pod_network: bool = False,
+    nodes: int = 1,
+    node_monitor_grace: float = NODE_MONITOR_GRACE,
+) -> Iterator[LocalKube]:
+    """A plane in `workdir` (LocalKube's options), up; down on the way out, also when
+    `up` fails half-way (what it started must not outlive the test)."""
+    plane = LocalKube(
+        workdir,
+        image=image,
+        pod_network=pod_network,
+        nodes=nodes,
+        node_monitor_grace=node_monitor_grace,
+    )
+    try:
+        plane.up()
+        yield plane
+    finally:
+        plane.down()
+
+
+@contextlib.contextmanager
+def three_node_plane(workdir: Path, node_monitor_grace: float) -> Iterator[LocalKube]:
+    """running_plane with three nodes (localkube-a, -b, -c in zone-a, -b, -c); says how
+    long it took to come up (three kubelets on two cores: worth knowing in a slow run)."""
+    started = time.monotonic()
+    with running_plane(workdir, nodes=3, node_monitor_grace=node_monitor_grace) as plane:
+        print(f"\n3-node plane up in {time.monotonic() - started:.1f} s")
+        yield plane
+
+
+@contextlib.contextmanager
+def namespace_operator(plane: LocalKube, namespace: str, workdir: Path) -> Iterator[Path]:
+    """`operator_process` watching `namespace`, which it creates; yields the operator's
+    log (``workdir/operator.log``)."""
+    log_path = workdir / "operator.log"
+    with operator_process(plane, [namespace], log_path):
+        create_namespace(plane, namespace)
+        yield log_path
+
+
+def zones(plane: LocalKube) -> dict[str, str]:
+    """node name -> its zone label."""
+    return {
+        n["metadata"]["name"]: n["metadata"]["labels"].get(ZONE, "")
+        for n in get_json(plane, "nodes")["items"]
+    }
+
+
+def component_of(plane: LocalKube, node: str) -> str:
+    """The plane's component (its state and log name) that runs `node`'s kubelet."""
+    return next(n.component for n in plane.nodes if n.name == node)
+
+
+def kubelet_pid(plane: LocalKube, node: str) -> int:
+    """The pid of `node`'s kubelet, from the plane's state file."""
+    component = component_of(plane, node)
+    state = State.load(plane.state_path)
+    return next(c.pid for c in state.components if c.name == component)

@@ -46,8 +46,9 @@ import socket
 import struct
 import threading
 from collections.abc import Coroutine
-from types import TracebackType
 from typing import Any, Self, TypeVar
+
+from harness.lifecycle import StartStop
 
 __all__ = ["Mode", "TcpProxy"]
 
@@ -92,7 +93,7 @@ class _Connection:
         _rst(self.upstream)
 
 
-class TcpProxy:
+class TcpProxy(StartStop):
     """Listens on 127.0.0.1:<free port> and forwards to ``upstream`` ("host:port")."""
 
     def __init__(self, upstream: str, *, name: str = "proxy", peek: bool = False) -> None:
@@ -199,15 +200,8 @@ class TcpProxy:
             loop.close()
         self._loop = self._thread = None
 
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def stop(self) -> None:
+        """The end of a `with` block (StartStop): close()."""
         self.close()
 
     # -- the proxy's own loop ------------------------------------------------------------

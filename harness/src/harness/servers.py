@@ -33,10 +33,10 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any, ClassVar, Self
 
 from harness.children import spawn
+from harness.lifecycle import StartStop
 from harness.natssecurity import NatsServerSecurity
 from harness.waiting import WaitTimeout, eventually
 
@@ -106,7 +106,7 @@ def _stop_all() -> None:
             logger.exception("stopping %s at exit", server)
 
 
-class ServerProcess:
+class ServerProcess(StartStop):
     """One server process; subclasses say how to find, run and probe it."""
 
     name: ClassVar[str]  # binary name, e.g. "etcd"
@@ -265,18 +265,7 @@ class ServerProcess:
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after 5 s. Safe to call any number of times."""
-        proc = self._proc
-        if proc is None:
-            return
-        if proc.poll() is None:
-            self._signal(signal.SIGTERM)
-            try:
-                proc.wait(STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                logger.warning("%s ignored SIGTERM for %.0f s: killing", self.name, STOP_TIMEOUT)
-                self._signal(signal.SIGKILL)
-                proc.wait()
-        self._reap()
+        self._end(signal.SIGTERM)
 
     def detach(self) -> int:
         """Hand the running server over to the caller, who stops it by pid; its pid.
@@ -294,12 +283,24 @@ class ServerProcess:
 
     def kill(self) -> None:
         """SIGKILL, as in a crash (for failure tests)."""
+        self._end(signal.SIGKILL)
+
+    def _end(self, sig: signal.Signals) -> None:
+        """Send `sig` to a running server and wait for it to exit (SIGKILL after
+        STOP_TIMEOUT if it does not); forget it either way."""
         proc = self._proc
         if proc is None:
             return
         if proc.poll() is None:
-            self._signal(signal.SIGKILL)
-            proc.wait()
+            self._signal(sig)
+            try:
+                proc.wait(STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                logger.warning(
+                    "%s ignored %s for %.0f s: killing", self.name, sig.name, STOP_TIMEOUT
+                )
+                self._signal(signal.SIGKILL)
+                proc.wait()
         self._reap()
 
     def restart(self, *, kill: bool = False) -> Self:
@@ -317,17 +318,6 @@ class ServerProcess:
         except FileNotFoundError:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:])
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def __repr__(self) -> str:
         state = f"pid {self._proc.pid}" if self.running and self._proc else "stopped"
@@ -616,7 +606,7 @@ class NatsClusterNode(NatsServer):
         return status == 200
 
 
-class NatsCluster:
+class NatsCluster(StartStop):
     """Three nats-server nodes with JetStream clustered on free loopback ports.
 
     Each node has its own client, monitoring and route ports and its own store directory
@@ -675,17 +665,6 @@ class NatsCluster:
                 node.stop()
             except Exception:
                 logger.exception("stopping %s", node)
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 class PrometheusServer(ServerProcess):
