@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -234,3 +235,29 @@ async def test_a_real_member_is_unready_while_cut_off_or_frozen_and_alive_unless
             print("probe figures:", json.dumps({k: round(v, 2) for k, v in figures.items()}))
             if fleet.members["c-0"].alive():
                 fleet.signal("c-0", signal.SIGCONT)
+
+
+def test_a_state_left_by_an_ended_process_is_not_ready(tmp_path: Path) -> None:
+    """A container restarted after a crash finds its predecessor's state, fresh for a
+    few seconds: not ready until the new process writes its own (the pod was Ready
+    before its process had started, and a SIGTERM then killed it unhandled)."""
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    start = ready.process_start()
+    assert start is not None and start > 0
+    mine = replace(HEALTHY, pid=os.getpid(), started=start, mono=time.monotonic())
+    ok, message = check(_file(tmp_path, mine))
+    assert ok, message
+    # The pid of a process that has ended; and this process's pid with another start
+    # time (the pid reused by a later process, e.g. pid 1 of a restarted container).
+    for gone in (
+        replace(mine, pid=ended.pid),
+        replace(mine, started=start + 1),
+    ):
+        ok, message = check(_file(tmp_path, gone))
+        assert not ok and f"(pid {gone.pid}) has ended" in message, message
+        ok, message = check_live(_file(tmp_path, gone))
+        assert ok, message  # a restarting container is not restarted again for it
+    # Written before the field existed (or without /proc): not judged by it.
+    ok, message = check(_file(tmp_path, replace(mine, pid=ended.pid, started=0)))
+    assert ok, message

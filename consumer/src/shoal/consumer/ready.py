@@ -67,6 +67,36 @@ class MemberState:
     wedged: bool = False
     # Why a server refuses the member, e.g. "NatsAuthFailed: ..." (empty: nothing).
     problem: str = ""
+    # When the writing process started (/proc/<pid>/stat's starttime, clock ticks since
+    # boot; 0: unknown): with the pid, which process wrote the state (process_gone()).
+    started: int = 0
+
+
+def process_start(pid: int | str = "self") -> int | None:
+    """The process's start time (clock ticks since boot, /proc/<pid>/stat field 22), or
+    None if there is no such process or no /proc to tell."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) is in parentheses and may hold spaces or parentheses:
+    # the fields after it start after the last ')'.
+    fields = stat[stat.rfind(")") + 2 :].split()
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def process_gone(state: MemberState) -> bool:
+    """Whether the process that wrote `state` has ended (its pid is free, or is another
+    process's now). A container restarted after a crash finds the dead process's state
+    file, fresh for a few seconds: without this check its pod was Ready before the new
+    process had even started, and a SIGTERM then killed it before its handlers were
+    installed (e2e/test_image_pods.py). Unknown (no /proc, an old file): not gone."""
+    if not state.started or not Path("/proc/self/stat").exists():
+        return False
+    return process_start(state.pid) != state.started
 
 
 def write_state(path: Path, state: MemberState) -> None:
@@ -96,6 +126,7 @@ def read_state(path: Path) -> MemberState:
             stalled=[int(p) for p in data.get("stalled", [])],
             wedged=bool(data.get("wedged", False)),
             problem=str(data.get("problem", "")),
+            started=int(data.get("started", 0)),
         )
     except (KeyError, TypeError) as exc:
         raise ValueError(f"missing or bad field: {exc}") from None
@@ -128,6 +159,11 @@ def check(
         )
     if state.leaving:
         return False, f"not ready: {who} is leaving the group"
+    if process_gone(state):
+        return False, (
+            f"not ready: the process that wrote {state_file} (pid {state.pid}) has ended; "
+            "its successor has not written its own state yet"
+        )
     if state.problem:
         return False, f"not ready: {who}: {state.problem}"
     if not state.joined:

@@ -31,7 +31,7 @@ from shoal.consumer.httphandler import HttpHandler
 from shoal.consumer.membership import Membership
 from shoal.consumer.memory import trim_forever
 from shoal.consumer.metrics import Metrics
-from shoal.consumer.ready import HealthFile, MemberState
+from shoal.consumer.ready import HealthFile, MemberState, process_start
 from shoal.consumer.worker import Worker
 from shoal.contracts.events import AssignmentEvent
 from shoal.contracts.names import assignments_subject
@@ -50,6 +50,7 @@ HANDOVER_LOG_TIMEOUT = 30.0
 class ConsumerProcess:
     def __init__(self, config: GroupConfig) -> None:
         self.config = config
+        self._started = process_start() or 0  # in the state file: which process wrote it
         # An unknown handler stops start-up here, before any connection is made.
         self.handler = load_handler(
             config.handler,
@@ -118,6 +119,7 @@ class ConsumerProcess:
             stalled=self.worker.stalled() if self.worker is not None else [],
             wedged=self.worker is not None and self.worker.wedged(),
             problem=str(self.nats_refusal) if self.nats_refusal else "",
+            started=self._started,
         )
 
     def _on_nats_refusal(self, why: NatsRefusal | None) -> None:
