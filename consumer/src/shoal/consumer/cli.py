@@ -1,14 +1,12 @@
 """`shoal-consumer`: run a member, produce test traffic, plan an assignment, show status,
-pause and resume a group."""
+pause and resume a group (reset: reset_cli.py; dlq: dlq_cli.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import getpass
 import json
 import logging
 import os
-import socket
 import sys
 import time
 from typing import Any
@@ -31,9 +29,11 @@ from shoal.consumer.cli_options import (
     stream_option,
     subject_prefix_option,
     validation_message,
+    whoami,
 )
 from shoal.consumer.dlq_cli import dlq
 from shoal.consumer.handlers import HandlerError
+from shoal.consumer.reset_cli import reset
 from shoal.contracts.names import (
     SEQ_HEADER,
     default_subject_prefix,
@@ -61,6 +61,7 @@ def main(log_level: str) -> None:
 
 
 main.add_command(dlq)
+main.add_command(reset)
 
 
 @main.command()
@@ -585,11 +586,7 @@ def status(group: str, namespace: str, etcd_endpoints: str, partitions: int, as_
 
 def _pauser() -> str:
     """Who runs `shoal-consumer pause` (user@host), for the pause record."""
-    try:
-        user = getpass.getuser()
-    except Exception:
-        user = "someone"
-    return f"{user}@{socket.gethostname()}"
+    return whoami()
 
 
 async def _with_etcd(etcd_endpoints: str, work: Any) -> Any:

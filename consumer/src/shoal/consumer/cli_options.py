@@ -3,6 +3,9 @@ are), and how a configuration error reads on the command line."""
 
 from __future__ import annotations
 
+import getpass
+import socket
+
 import click
 from pydantic import ValidationError
 
@@ -18,6 +21,7 @@ __all__ = [
     "stream_option",
     "subject_prefix_option",
     "validation_message",
+    "whoami",
 ]
 
 group_option = click.option(
@@ -80,3 +84,12 @@ def validation_message(exc: ValidationError) -> str:
 def or_dash(value: object) -> object:
     """A value for a table cell: "-" for none."""
     return "-" if value is None else value
+
+
+def whoami() -> str:
+    """Who runs the command (user@host), for the records it writes (a pause, a reset)."""
+    try:
+        user = getpass.getuser()
+    except Exception:
+        user = "someone"
+    return f"{user}@{socket.gethostname()}"
