@@ -1,0 +1,303 @@
+"""`shoal-consumer reset` on real servers: nats-server, etcd and member processes.
+
+1. --to-start: a group of two consumes a `limits` stream, the reset (the real CLI, in a
+   process) replays every message once more: in the replay nothing is lost or twice,
+   each project in stream order, and no partition had two members at once (the ledger).
+2. --to-time between two batches replays only the second; --to-sequence from a
+   sequence replays what follows it.
+3. A group paused before the reset stays paused after it; --to-end there skips what was
+   waiting, and what is published afterwards is consumed once resumed.
+4. Refusals, each one line, exit status non-zero, nothing changed: workqueue and
+   interest retention, a time in the future, a time that is no time, an unknown group,
+   a sequence outside the stream, two positions at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness.fleet import Fleet, settled, wait_for_status
+from harness.waiting import eventually_async
+from shoal.clients.etcd import Etcd
+from shoal.consumer.ledger import LedgerRecord, audit, read_ledger
+from shoal.consumer.producer import Outgoing, Producer
+from shoal.contracts.names import SEQ_HEADER
+from shoal.group.config import GroupConfig
+from shoal.group.jetstream import ensure_group
+from shoal.group.pause import read_pause
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+PARTITIONS = 16
+ENV = {
+    "SHOAL_RETENTION": "limits",
+    "SHOAL_LEASE_TTL": "5",
+    "SHOAL_KEEPALIVE_INTERVAL": "1",
+    "SHOAL_ACK_WAIT": "2",
+    "SHOAL_STATS_INTERVAL": "1",
+}
+CLEAN = {"lost": 0, "duplicates": 0, "out_of_order": 0, "overlaps": 0}
+
+
+@pytest.fixture
+def config(group: str, namespace: str, nats_url: str, etcd_endpoint: str) -> GroupConfig:
+    return GroupConfig(
+        group=group,
+        namespace=namespace,
+        nats_url=nats_url,
+        etcd_endpoints=etcd_endpoint,
+        handler="shoal.consumer.handlers:ledger",
+        ledger=True,
+        partitions=PARTITIONS,
+        retention="limits",
+        ack_wait=2.0,
+    )
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, config: GroupConfig) -> Iterator[Fleet]:
+    with Fleet.for_config(tmp_path / "members", config, env=ENV) as f:
+        yield f
+
+
+def traffic(tag: str, count: int, projects: int) -> list[Outgoing]:
+    return [
+        Outgoing(f"project-{i % projects}", b"x", f"{tag}-{i}", {SEQ_HEADER: str(i // projects)})
+        for i in range(count)
+    ]
+
+
+async def reset_cli(config: GroupConfig, *args: str) -> tuple[int, str, str]:
+    """`shoal-consumer reset` in a process of its own, as a user runs it."""
+    where = ["-g", config.group, "-n", config.namespace, "--nats", config.nats_url]
+    where += ["--etcd", config.etcd_endpoints]
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "shoal.consumer",
+        "reset",
+        *where,
+        *args,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(process.communicate(), 90)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+def ok(done: tuple[int, str, str]) -> str:
+    code, out, err = done
+    assert code == 0, (code, out, err[-3000:])
+    return out
+
+
+async def ledger_count(js: Any, config: GroupConfig) -> int:
+    return int((await js.stream_info(config.ledger_stream)).state.messages)
+
+
+async def ledger_reaches(js: Any, config: GroupConfig, count: int, timeout: float = 40) -> None:
+    await eventually_async(
+        lambda: ledger_count(js, config),
+        timeout,
+        f"{count} ledger records",
+        until=lambda n: n >= count,
+        interval=0.1,
+    )
+
+
+async def stays(js: Any, config: GroupConfig, count: int, seconds: float) -> None:
+    """Nothing more is processed for `seconds`."""
+    await asyncio.sleep(seconds)
+    assert await ledger_count(js, config) == count
+
+
+async def started_group(fleet: Fleet, etcd: Etcd, js: Any, config: GroupConfig) -> None:
+    await ensure_group(js, config)
+    members = {"c-0", "c-1"}
+    for member in sorted(members):
+        fleet.start(member)
+    await wait_for_status(
+        etcd, config.namespace, config.group, config.partitions, settled(members), 30
+    )
+
+
+def audited(records: list[LedgerRecord], items: list[Outgoing]) -> dict[str, int]:
+    result = audit(records, [item.message_id or "" for item in items]).summary()
+    return {key: result[key] for key in ("expected", "processed", *CLEAN)}
+
+
+def clean(items: list[Outgoing]) -> dict[str, int]:
+    return {"expected": len(items), "processed": len(items), **CLEAN}
+
+
+async def test_reset_to_start_replays_every_message_in_order(
+    fleet: Fleet, etcd: Etcd, js: Any, config: GroupConfig
+) -> None:
+    await started_group(fleet, etcd, js, config)
+    items = traffic("a", 3000, 150)
+    await Producer(js, config.subject_prefix, PARTITIONS).publish_many(items)
+    await ledger_reaches(js, config, len(items))
+    first = await read_ledger(js, config.ledger_stream)
+    assert audited(first, items) == clean(items), fleet.logs()
+
+    out = ok(await reset_cli(config, "--to-start", "--yes"))
+    # What it said it would do, and did.
+    assert f"Reset group {config.namespace}/{config.group}" in out
+    assert f"stream {config.stream} (limits retention): 3,000 messages" in out
+    assert f"partitions: {PARTITIONS} durables" in out
+    assert "delivered from there: 3,000 messages (not yet consumed now: 0; about 3,000" in out
+    assert f"{PARTITIONS} durables at the start of the stream" in out
+    assert "Resumed: the members pull again" in out
+
+    await ledger_reaches(js, config, 2 * len(items))
+    await stays(js, config, 2 * len(items), 1.5)
+    records = await read_ledger(js, config.ledger_stream)
+    replay = records[len(first) :]
+    assert audited(replay, items) == clean(items), fleet.logs()
+    assert all(r.delivery_count == 1 for r in replay)
+    # No two members on one partition at overlapping times, across the reset too.
+    assert audit(records, []).overlaps == []
+    assert await read_pause(etcd, config.keys) is None
+    logs = fleet.logs()
+    assert "durables were reset" in logs
+    # Nobody recreated a durable with the old position in between.
+    assert "Recreated the missing durable" not in logs
+
+
+async def test_reset_to_a_time_or_a_sequence_replays_what_follows(
+    fleet: Fleet, etcd: Etcd, js: Any, config: GroupConfig
+) -> None:
+    await started_group(fleet, etcd, js, config)
+    producer = Producer(js, config.subject_prefix, PARTITIONS)
+    before, after = traffic("b1", 1000, 80), traffic("b2", 1000, 80)
+    await producer.publish_many(before)
+    await ledger_reaches(js, config, 1000)
+    await asyncio.sleep(0.3)
+    between = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    await asyncio.sleep(0.3)
+    await producer.publish_many(after)
+    await ledger_reaches(js, config, 2000)
+
+    out = ok(await reset_cli(config, "--to-time", between, "--yes"))
+    assert "delivered from there: 1,000 messages" in out, out
+    await ledger_reaches(js, config, 3000)
+    await stays(js, config, 3000, 1.5)
+    records = await read_ledger(js, config.ledger_stream)
+    assert audited(records[2000:], after) == clean(after), fleet.logs()
+
+    # From a sequence: the stream's 1,500th message on (the second batch's last 500).
+    out = ok(await reset_cli(config, "--to-sequence", "1501", "--yes"))
+    assert "stream sequence 1501" in out and "delivered from there: 500 messages" in out
+    await ledger_reaches(js, config, 3500)
+    await stays(js, config, 3500, 1.5)
+    records = await read_ledger(js, config.ledger_stream)
+    tail = records[3000:]
+    assert sorted(r.stream_sequence for r in tail) == list(range(1501, 2001))
+    assert audited(tail, after[500:]) == clean(after[500:]), fleet.logs()
+
+
+async def test_a_paused_group_stays_paused_and_to_end_skips_what_waits(
+    fleet: Fleet, etcd: Etcd, js: Any, config: GroupConfig
+) -> None:
+    from shoal.contracts.values import PauseRecord
+    from shoal.group.pause import pause_group, resume_group
+
+    await started_group(fleet, etcd, js, config)
+    producer = Producer(js, config.subject_prefix, PARTITIONS)
+    record = PauseRecord(by="test", time=time.time(), source="test", reason="hold")
+    assert await pause_group(etcd, config.keys, record) is None
+    waiting = traffic("w", 500, 40)
+    await producer.publish_many(waiting)
+    await stays(js, config, 0, 1.0)
+
+    out = ok(await reset_cli(config, "--to-end", "--yes"))
+    assert "(not yet consumed now: 500; about 500 waiting ones are skipped)" in out, out
+    assert "stays paused" in out and "shoal-consumer resume" in out
+    assert await read_pause(etcd, config.keys) == record  # the pause we found, untouched
+    await stays(js, config, 0, 1.0)
+
+    assert await resume_group(etcd, config.keys) == record
+    later = traffic("l", 500, 40)
+    await producer.publish_many(later)
+    await ledger_reaches(js, config, 500)
+    await stays(js, config, 500, 1.5)
+    records = await read_ledger(js, config.ledger_stream)
+    assert audited(records, later) == clean(later), fleet.logs()
+
+
+# -- refusals -----------------------------------------------------------------------------
+
+
+async def durables_created(js: Any, config: GroupConfig) -> dict[str, Any]:
+    return {c.name: c.created for c in await js.consumers_info(config.stream)}
+
+
+async def refused(config: GroupConfig, *args: str) -> str:
+    """The reset refuses: exit status non-zero, one line saying why."""
+    code, out, err = await reset_cli(config, *args)
+    assert code != 0, (out, err)
+    lines = err.strip().splitlines()
+    assert lines and lines[-1].startswith("Error: "), err
+    return lines[-1]
+
+
+@pytest.mark.parametrize("retention", ["workqueue", "interest"])
+async def test_a_stream_that_deletes_acked_messages_is_refused(
+    etcd: Etcd, js: Any, config: GroupConfig, retention: str
+) -> None:
+    config = config.model_copy(update={"retention": retention})
+    await ensure_group(js, config)
+    before = await durables_created(js, config)
+    for position in ("--to-start", "--to-end"):
+        line = await refused(config, position, "--yes")
+        assert f"has {retention} retention" in line and "nothing to replay" in line
+        assert "spec.nats.stream.retention: limits" in line
+    assert await durables_created(js, config) == before
+    assert await read_pause(etcd, config.keys) is None
+
+
+async def test_bad_positions_and_unknown_groups_are_refused(
+    etcd: Etcd, js: Any, config: GroupConfig
+) -> None:
+    unknown = config.model_copy(update={"group": config.group + "x"})
+    line = await refused(unknown, "--to-start", "--yes")
+    assert f"unknown group {config.namespace}/{config.group}x: no stream" in line
+
+    await ensure_group(js, config)
+    items = traffic("r", 20, 4)
+    await Producer(js, config.subject_prefix, PARTITIONS).publish_many(items)
+    await js.purge_stream(config.stream, keep=10)  # the stream holds 11..20
+    before = await durables_created(js, config)
+
+    line = await refused(config, "--to-time", "2999-01-01T00:00:00Z", "--yes")
+    assert "is in the future" in line
+    line = await refused(config, "--to-time", "yesterday at noon", "--yes")
+    assert "is no time" in line and "RFC 3339" in line
+    for seq in ("10", "21"):
+        line = await refused(config, "--to-sequence", seq, "--yes")
+        assert f"sequence {seq} is not in stream {config.stream}: it holds 11..20" in line
+    line = await refused(config, "--to-start", "--to-end", "--yes")
+    assert "exactly one of" in line
+    line = await refused(config, "--yes")
+    assert "exactly one of" in line
+    assert await durables_created(js, config) == before
+    assert await read_pause(etcd, config.keys) is None
+
+    # Relative times are accepted (an hour ago is before every message: all 10).
+    code, out, _ = await reset_cli(config, "--to-time", "1h ago")  # no --yes: it asks
+    assert code != 0 and "delivered from there: 10 messages" in out and "Aborted" in _
