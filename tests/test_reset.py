@@ -126,11 +126,11 @@ async def stays(js: Any, config: GroupConfig, count: int, seconds: float) -> Non
     assert await ledger_count(js, config) == count
 
 
-async def started_group(fleet: Fleet, etcd: Etcd, js: Any, config: GroupConfig) -> None:
+async def started_group(fleet: Fleet, etcd: Etcd, js: Any, config: GroupConfig, **env: str) -> None:
     await ensure_group(js, config)
     members = {"c-0", "c-1"}
     for member in sorted(members):
-        fleet.start(member)
+        fleet.start(member, **env)
     await wait_for_status(
         etcd, config.namespace, config.group, config.partitions, settled(members), 30
     )
@@ -238,6 +238,40 @@ async def test_a_paused_group_stays_paused_and_to_end_skips_what_waits(
     await stays(js, config, 500, 1.5)
     records = await read_ledger(js, config.ledger_stream)
     assert audited(records, later) == clean(later), fleet.logs()
+
+
+async def test_a_pause_during_the_replay_loses_nothing(
+    fleet: Fleet, etcd: Etcd, js: Any, config: GroupConfig
+) -> None:
+    """A pause in the middle of the replay gives back what the members fetched and had
+    not started: it comes again as a second delivery of sequences they settled before
+    the reset. Members that still remembered those (their settled ring) would take
+    them for late redeliveries and ack them unhandled: lost to the replay."""
+    from shoal.contracts.values import PauseRecord
+    from shoal.group.pause import pause_group, resume_group
+
+    # (A project's messages run one after another: 200 each of 10 ms take 2 s, so the
+    # pause comes well before the replay's end.)
+    await started_group(fleet, etcd, js, config, SHOAL_HANDLER_DELAY_MS="10")
+    items = traffic("p", 2400, 12)
+    await Producer(js, config.subject_prefix, PARTITIONS).publish_many(items)
+    await ledger_reaches(js, config, len(items))
+    ok(await reset_cli(config, "--to-start", "--yes"))
+    await ledger_reaches(js, config, len(items) + 300)
+    record = PauseRecord(by="test", time=time.time(), source="test", reason="mid-replay")
+    assert await pause_group(etcd, config.keys, record) is None
+    await asyncio.sleep(1.0)
+    paused_at = await ledger_count(js, config)
+    await stays(js, config, paused_at, 0.5)
+    assert paused_at < 2 * len(items), "the replay ended before the pause: no test"
+    assert await resume_group(etcd, config.keys) == record
+    await ledger_reaches(js, config, 2 * len(items))
+    await stays(js, config, 2 * len(items), 1.5)
+    records = await read_ledger(js, config.ledger_stream)
+    replay = records[len(items) :]
+    assert audited(replay, items) == clean(items), fleet.logs()
+    # (A member that still took replayed messages for its own late redeliveries says so.)
+    assert "came back although this member had settled them" not in fleet.logs()
 
 
 # -- refusals -----------------------------------------------------------------------------
