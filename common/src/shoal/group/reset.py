@@ -43,7 +43,7 @@ from shoal.clients.etcd import Etcd
 from shoal.contracts.names import Keys, durable_name, format_time, parse_since
 from shoal.contracts.values import MemberStats, PauseRecord, ValueRefused
 from shoal.group.config import GroupConfig
-from shoal.group.pause import pause_group, read_pause, resume_group
+from shoal.group.pause import RESET_SOURCE, pause_group, read_pause, resume_group
 
 __all__ = [
     "Position",
@@ -430,7 +430,7 @@ async def reset_group(
     config, keys = plan.config, plan.config.keys
     started = time.monotonic()
     record = PauseRecord(
-        by=by, time=time.time(), source="reset", reason=f"reset to {plan.position.describe()}"
+        by=by, time=time.time(), source=RESET_SOURCE, reason=f"reset to {plan.position.describe()}"
     )
     earlier = await pause_group(etcd, keys, record)
     paused_by_us = earlier is None
