@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import time
 from collections.abc import Iterator
@@ -238,6 +239,32 @@ async def test_a_paused_group_stays_paused_and_to_end_skips_what_waits(
     await stays(js, config, 500, 1.5)
     records = await read_ledger(js, config.ledger_stream)
     assert audited(records, later) == clean(later), fleet.logs()
+
+
+async def test_a_reset_in_the_middle_of_a_backlog(
+    fleet: Fleet, etcd: Etcd, js: Any, config: GroupConfig
+) -> None:
+    """Reset while the members work through a backlog: the pause makes them finish what
+    runs and give back what they fetched; after the reset every message is processed
+    once more from the start, in order (what was given back to the old durables is
+    not waited for)."""
+    await started_group(fleet, etcd, js, config, SHOAL_HANDLER_DELAY_MS="10")
+    items = traffic("m", 2400, 12)
+    await Producer(js, config.subject_prefix, PARTITIONS).publish_many(items)
+    await ledger_reaches(js, config, 300)
+    out = ok(await reset_cli(config, "--to-start", "--yes"))
+    assert "Resumed" in out
+    _, kvs = await etcd.get_prefix(config.keys.reset)
+    reset_at = json.loads(kvs[config.keys.reset].value)["time"]
+    records = await read_ledger(js, config.ledger_stream)
+    before = [r for r in records if r.started < reset_at]
+    assert 300 <= len(before) < len(items), "the backlog was done before the reset: no test"
+    await ledger_reaches(js, config, len(before) + len(items))
+    await stays(js, config, len(before) + len(items), 1.5)
+    records = await read_ledger(js, config.ledger_stream)
+    replay = [r for r in records if r.started >= reset_at]
+    assert audited(replay, items) == clean(items), fleet.logs()
+    assert audit(records, []).overlaps == []
 
 
 async def test_a_pause_during_the_replay_loses_nothing(
