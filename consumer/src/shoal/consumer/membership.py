@@ -239,6 +239,16 @@ class Membership:
             or now - self._published_at >= every - self.config.keepalive_interval / 2
         )
 
+    async def put_stats_now(self) -> None:
+        """Put our stats at once (Worker.partition_paused), between keepalives; a failure
+        is left to the next keepalive's put."""
+        if self.lease_id == 0 or self.leaving:
+            return
+        try:
+            await self._publish_stats(self._stats())
+        except TRANSIENT_ERRORS as exc:
+            log.debug("Could not put member stats now: %s", exc)
+
     async def _publish_stats(self, stats: MemberStats) -> None:
         """Update our member key, never re-creating it once leave() has begun."""
         value = stats.to_json()

@@ -914,6 +914,7 @@ class PartitionRunner:
             return  # let go meanwhile: its hand-over gives back everything, in order
         given = await self._give_back_paused()
         self._enter(Phase.PAUSED)
+        w.partition_paused()
         log.debug(
             "Partition %d paused %.0f ms after the pause reached it; %d given back",
             self.partition,

@@ -490,6 +490,13 @@ class Worker:
             "paused": self.paused_partitions(),
         }
 
+    def partition_paused(self) -> None:
+        """A runner finished pausing. Once all have, put our stats now, not at the next
+        keepalive: `shoal-consumer reset` waits for every member's `paused` (up to a
+        keepalive interval, 3 s by default, otherwise)."""
+        if all(r.phase is Phase.PAUSED for r in self.runners.values()):
+            self._spawn(self.membership.put_stats_now())
+
     def paused_partitions(self) -> list[int]:
         return sorted(p for p, r in self.runners.items() if r.phase is Phase.PAUSED)
 
