@@ -438,6 +438,12 @@ def plan(partitions: int, before: str, after: str, as_json: bool) -> None:
 @click.option("--operator-user", default="shoal-operator", show_default=True)
 @click.option("--producer-user", default="shoal-producer", show_default=True)
 @click.option("--analytics-user", default="shoal-analytics", show_default=True)
+@click.option(
+    "--admin-user",
+    default="shoal-admin",
+    show_default=True,
+    help="The user of the `dlq` and `reset` commands.",
+)
 def permissions(
     group: str,
     namespace: str,
@@ -454,12 +460,13 @@ def permissions(
     operator_user: str,
     producer_user: str,
     analytics_user: str,
+    admin_user: str,
 ) -> None:
-    """Print the least NATS permissions of a group's members, the operator, a producer
-    and the assignment-log export, as an `authorization { users = [...] }` block to
-    paste into a NATS server's config (passwords are read from the server's
-    environment: $SHOAL_MEMBER_PASSWORD, $SHOAL_OPERATOR_PASSWORD,
-    $SHOAL_PRODUCER_PASSWORD, $SHOAL_ANALYTICS_PASSWORD).
+    """Print the least NATS permissions of a group's members, the operator, a producer,
+    the assignment-log export and an admin (`dlq` and `reset`), as an `authorization {
+    users = [...] }` block to paste into a NATS server's config (passwords are read from
+    the server's environment: $SHOAL_MEMBER_PASSWORD, $SHOAL_OPERATOR_PASSWORD,
+    $SHOAL_PRODUCER_PASSWORD, $SHOAL_ANALYTICS_PASSWORD, $SHOAL_ADMIN_PASSWORD).
 
     Members and producers must then connect with NATS_INBOX_PREFIX set as shown: with
     nats-py's shared _INBOX, any user allowed to subscribe to its replies could read
@@ -496,6 +503,8 @@ def permissions(
     click.echo(f"# Producers: NATS_USER={producer_user} NATS_INBOX_PREFIX={producer_inbox}")
     export_inbox = perms.default_exporter_inbox_prefix(config)
     click.echo(f"# The export: NATS_USER={analytics_user} NATS_INBOX_PREFIX={export_inbox}")
+    admin_inbox = perms.default_admin_inbox_prefix(config)
+    click.echo(f"# dlq and reset: NATS_USER={admin_user} NATS_INBOX_PREFIX={admin_inbox}")
     click.echo(f"# The operator: NATS_USER={operator_user} (nats-py's _INBOX)")
     js_users: list[perms.User] = [
         (operator_user, "$SHOAL_OPERATOR_PASSWORD", perms.operator_permissions(config)),
@@ -509,6 +518,7 @@ def permissions(
             "$SHOAL_ANALYTICS_PASSWORD",
             perms.exporter_permissions(config, export_inbox),
         ),
+        (admin_user, "$SHOAL_ADMIN_PASSWORD", perms.admin_permissions(config, admin_inbox)),
     ]
     if not as_accounts:
         member = (member_user, "$SHOAL_MEMBER_PASSWORD", perms.member_permissions(config, inbox))

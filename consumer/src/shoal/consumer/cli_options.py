@@ -16,6 +16,7 @@ __all__ = [
     "group_option",
     "namespace_option",
     "nats_option",
+    "no_answer",
     "or_dash",
     "partitions_option",
     "stream_option",
@@ -93,3 +94,13 @@ def whoami() -> str:
     except Exception:
         user = "someone"
     return f"{user}@{socket.gethostname()}"
+
+
+def no_answer(where: str) -> str:
+    """The one line for a NATS request nobody answered in time (nats-py raises a bare
+    TimeoutError): a server refusing this user the subject looks exactly like that."""
+    return (
+        f"NATS at {where} did not answer a JetStream request in time: is JetStream up, and "
+        "may this NATS user use the group's streams? (`shoal-consumer permissions` lists "
+        "what the dlq and reset commands need; the server logs a Permissions Violation)"
+    )

@@ -22,6 +22,7 @@ from shoal.consumer.cli_options import (
     group_option,
     namespace_option,
     nats_option,
+    no_answer,
     stream_option,
     subject_prefix_option,
     validation_message,
@@ -171,10 +172,16 @@ def reset(
         )
     except ValidationError as exc:
         raise click.UsageError(validation_message(exc)) from None
+    from nats.js.errors import APIError
+
     try:
         asyncio.run(_run(config, position, yes, wait_timeout, as_json))
     except (NatsConfigError, EtcdConfigError, EtcdAuthError, ConnectionError) as exc:
         raise click.ClickException(str(exc)) from None
+    except TimeoutError:
+        raise click.ClickException(no_answer(config.nats_url)) from None
+    except APIError as exc:
+        raise click.ClickException(f"JetStream refused: {exc.description}") from None
 
 
 async def _run(
