@@ -362,3 +362,68 @@ async def test_bad_positions_and_unknown_groups_are_refused(
     # Relative times are accepted (an hour ago is before every message: all 10).
     code, out, _ = await reset_cli(config, "--to-time", "1h ago")  # no --yes: it asks
     assert code != 0 and "delivered from there: 10 messages" in out and "Aborted" in _
+
+
+async def test_ensure_group_keeps_a_reset_durables_position(js: Any, config: GroupConfig) -> None:
+    """The operator and starting members update durables whose settings changed: a
+    durable the reset moved keeps its deliver policy (JetStream refuses to change it:
+    error 10012, and ensure_group used to send `all`)."""
+    from nats.js import api
+
+    from shoal.group.reset import Position, recreate_durable
+
+    await ensure_group(js, config)
+    current = (await js.consumer_info(config.stream, "p0")).config
+    await recreate_durable(js, config.stream, current, Position("sequence", seq=1))
+    await ensure_group(js, config.model_copy(update={"ack_wait": 3.0}))
+    info = await js.consumer_info(config.stream, "p0")
+    assert info.config.deliver_policy == api.DeliverPolicy.BY_START_SEQUENCE
+    assert info.config.opt_start_seq == 1 and info.config.ack_wait == 3.0
+
+
+# -- pure parts -----------------------------------------------------------------------------
+
+
+def test_reset_times_rfc3339_and_relative() -> None:
+    from shoal.group.reset import parse_reset_time
+
+    now = datetime(2026, 11, 21, 12, 0, tzinfo=UTC)
+    hour_ago = datetime(2026, 11, 21, 11, 0, tzinfo=UTC)
+    for text in ("1h", "-1h", "1h ago", " 1h  ago ", "60m"):
+        assert parse_reset_time(text, now) == hour_ago, text
+    assert parse_reset_time("2026-11-21T11:00:00Z", now) == hour_ago
+    assert parse_reset_time("2026-11-21T12:00:00+01:00", now) == hour_ago
+    assert parse_reset_time("2026-11-21T11:00:00", now) == hour_ago  # UTC unless it says
+    for bad in ("yesterday", "1 hour ago", "-", "2026-13-01T00:00:00Z", ""):
+        with pytest.raises(ValueError, match="is no time"):
+            parse_reset_time(bad, now)
+
+
+def test_a_position_is_a_deliver_policy_on_the_same_config() -> None:
+    from nats.js import api
+
+    from shoal.group.jetstream import consumer_config
+    from shoal.group.reset import Position
+
+    base = consumer_config(GroupConfig(group="g", namespace="n", retention="limits"), 3)
+    when = datetime(2026, 11, 21, 11, 0, tzinfo=UTC)
+    cases = {
+        Position("start"): (api.DeliverPolicy.ALL, None, None),
+        Position("end"): (api.DeliverPolicy.NEW, None, None),
+        Position("time", time=when): (api.DeliverPolicy.BY_START_TIME, None, when),
+        Position("sequence", seq=42): (api.DeliverPolicy.BY_START_SEQUENCE, 42, None),
+    }
+    for position, (policy, seq, start) in cases.items():
+        moved = position.apply(base)
+        assert (moved.deliver_policy, moved.opt_start_seq, moved.opt_start_time) == (
+            policy,
+            seq,
+            start,
+        )
+        # Everything else is the durable's own.
+        assert moved.durable_name == "p3" and moved.filter_subject == base.filter_subject
+        assert (moved.ack_wait, moved.max_deliver, moved.max_ack_pending) == (
+            base.ack_wait,
+            base.max_deliver,
+            base.max_ack_pending,
+        )
