@@ -29,11 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import nats
-
-from harness.bench import emit, log_problems, note, run_bench
+from harness.bench import bench_servers, emit, emit_log_problems, note, run_bench
 from harness.fleet import Fleet, settled, wait_for_status
-from harness.servers import EtcdServer, NatsServer
 from harness.waiting import eventually_async
 from shoal.clients.etcd import Etcd
 from shoal.consumer.ledger import audit, read_ledger
@@ -89,111 +86,87 @@ async def reset_command(config: GroupConfig) -> tuple[float, dict[str, Any]]:
     return wall, next(line["result"] for line in lines if "result" in line)
 
 
-async def measure(args: argparse.Namespace, fleet: Fleet, config: GroupConfig) -> None:
-    etcd = Etcd(config.etcd_endpoints)
-    await etcd.connect(attempts=10)
-    nc = await nats.connect(config.nats_url)
-    try:
-        js = nc.jetstream()
-        await ensure_group(js, config)
-        members = {"c-0", "c-1"}
-        for member in sorted(members):
-            fleet.start(member)
-        await wait_for_status(etcd, NAMESPACE, GROUP, args.partitions, settled(members), 60)
-        items = [
-            Outgoing(
-                f"project-{i % args.projects}",
-                b"x",
-                f"r-{i}",
-                {SEQ_HEADER: str(i // args.projects)},
-            )
-            for i in range(args.messages)
-        ]
-        await Producer(js, config.subject_prefix, args.partitions).publish_many(items)
-        await eventually_async(
-            lambda: ledger_count(js, config),
-            120,
-            "the first pass",
-            until=lambda n: n >= args.messages,
-            interval=0.2,
+async def measure(
+    args: argparse.Namespace, fleet: Fleet, config: GroupConfig, etcd: Etcd, js: Any
+) -> None:
+    await ensure_group(js, config)
+    members = {"c-0", "c-1"}
+    for member in sorted(members):
+        fleet.start(member)
+    await wait_for_status(etcd, NAMESPACE, GROUP, args.partitions, settled(members), 60)
+    items = [
+        Outgoing(
+            f"project-{i % args.projects}", b"x", f"r-{i}", {SEQ_HEADER: str(i // args.projects)}
         )
-        note(f"first pass done: {args.messages} messages")
-        wall, result = await reset_command(config)
-        note(f"reset: {result} (command {wall:.2f} s)")
-        emit(
-            BENCH,
-            "reset_s",
-            round(result["seconds"], 3),
-            pause_s=round(result["pause_seconds"], 3),
-            recreate_s=round(result["recreate_seconds"], 3),
-            command_wall_s=round(wall, 3),
-            partitions=result["partitions"],
-            keepalive_s=1 if args.fast_lease else 3,
-        )
-        _, kvs = await etcd.get_prefix(config.keys.reset)
-        reset_at = json.loads(kvs[config.keys.reset].value)["time"]
-        await eventually_async(
-            lambda: ledger_count(js, config),
-            120,
-            "the replay",
-            until=lambda n: n >= 2 * args.messages,
-            interval=0.2,
-        )
-        await asyncio.sleep(1.0)  # anything more (a duplicate) would land by now
-        records = await read_ledger(js, config.ledger_stream)
-        replay = [r for r in records if r.started >= reset_at]
-        summary = audit(replay, [i.message_id or "" for i in items]).summary()
-        took = max(r.finished for r in replay) - reset_at
-        bad = summary["lost"] + summary["duplicates"] + summary["out_of_order"]
-        bad += summary["overlaps"]
-        emit(
-            BENCH,
-            "replay",
-            bad,
-            ok=bad == 0 and summary["processed"] == args.messages,
-            seconds=round(took, 2),
-            msgs_per_s=round(len(replay) / took),
-            **summary,
-        )
-    finally:
-        await nc.close()
-        etcd.close()
+        for i in range(args.messages)
+    ]
+    await Producer(js, config.subject_prefix, args.partitions).publish_many(items)
+    await eventually_async(
+        lambda: ledger_count(js, config),
+        120,
+        "the first pass",
+        until=lambda n: n >= args.messages,
+        interval=0.2,
+    )
+    note(f"first pass done: {args.messages} messages")
+    wall, result = await reset_command(config)
+    note(f"reset: {result} (command {wall:.2f} s)")
+    emit(
+        BENCH,
+        "reset_s",
+        round(result["seconds"], 3),
+        pause_s=round(result["pause_seconds"], 3),
+        recreate_s=round(result["recreate_seconds"], 3),
+        command_wall_s=round(wall, 3),
+        partitions=result["partitions"],
+        keepalive_s=1 if args.fast_lease else 3,
+    )
+    _, kvs = await etcd.get_prefix(config.keys.reset)
+    reset_at = json.loads(kvs[config.keys.reset].value)["time"]
+    await eventually_async(
+        lambda: ledger_count(js, config),
+        120,
+        "the replay",
+        until=lambda n: n >= 2 * args.messages,
+        interval=0.2,
+    )
+    await asyncio.sleep(1.0)  # anything more (a duplicate) would land by now
+    records = await read_ledger(js, config.ledger_stream)
+    replay = [r for r in records if r.started >= reset_at]
+    summary = audit(replay, [i.message_id or "" for i in items]).summary()
+    took = max(r.finished for r in replay) - reset_at
+    bad = summary["lost"] + summary["duplicates"] + summary["out_of_order"]
+    bad += summary["overlaps"]
+    emit(
+        BENCH,
+        "replay",
+        bad,
+        ok=bad == 0 and summary["processed"] == args.messages,
+        seconds=round(took, 2),
+        msgs_per_s=round(len(replay) / took),
+        **summary,
+    )
 
 
 async def run(args: argparse.Namespace, root: Path) -> None:
     env = {"SHOAL_RETENTION": "limits"}
     if args.fast_lease:
         env |= {"SHOAL_LEASE_TTL": "5", "SHOAL_KEEPALIVE_INTERVAL": "1", "SHOAL_ACK_WAIT": "2.5"}
-    with (
-        NatsServer(root / "nats") as nats_server,
-        EtcdServer(root / "etcd") as etcd_server,
-        Fleet(
-            root / "members",
-            nats_url=nats_server.url,
-            etcd_endpoint=etcd_server.endpoint,
-            namespace=NAMESPACE,
-            group=GROUP,
-            handler=HANDLER,
-            partitions=args.partitions,
-            env=env,
-        ) as fleet,
-    ):
-        config = GroupConfig(
-            namespace=NAMESPACE,
-            group=GROUP,
+    async with bench_servers(root) as servers:
+        config = servers.group_config(
+            NAMESPACE,
+            GROUP,
+            HANDLER,
             partitions=args.partitions,
             ledger=True,
             retention="limits",
-            nats_url=nats_server.url,
-            etcd_endpoints=etcd_server.endpoint,
-            handler=HANDLER,
         )
-        try:
-            await measure(args, fleet, config)
-        finally:
-            fleet.close()
-            problems = log_problems((root / "members").glob("*.log"))
-            note(f"member logs: {problems}")
+        with Fleet.for_config(root / "members", config, env=env) as fleet:
+            try:
+                await measure(args, fleet, config, servers.etcd, servers.js)
+            finally:
+                fleet.close()
+                emit_log_problems(BENCH, root / "members")
 
 
 def main(argv: list[str] | None = None) -> int:
