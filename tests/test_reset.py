@@ -364,6 +364,30 @@ async def test_bad_positions_and_unknown_groups_are_refused(
     assert code != 0 and "delivered from there: 10 messages" in out and "Aborted" in _
 
 
+async def test_members_that_do_not_say_they_paused_leave_everything_as_it_was(
+    etcd: Etcd, js: Any, config: GroupConfig
+) -> None:
+    """A member that never reports its partitions paused (an older version, one cut from
+    etcd): after --wait the reset gives up, resumes the group it paused, and has touched
+    no durable."""
+    from shoal.contracts.values import MemberStats
+
+    await ensure_group(js, config)
+    lease = await etcd.grant_lease(30)
+    try:
+        await etcd.put(config.keys.member("old-1"), MemberStats(owned=(0, 1)).to_json(), lease)
+        for p in (0, 1):
+            await etcd.put(config.keys.claim(p), b"old-1", lease)
+        before = await durables_created(js, config)
+        line = await refused(config, "--to-start", "--yes", "--wait", "1")
+        assert "did not report their partitions paused within 1 s" in line
+        assert "(old-1: partition(s) 0, 1)" in line and "nothing was reset" in line
+        assert await durables_created(js, config) == before
+        assert await read_pause(etcd, config.keys) is None
+    finally:
+        await etcd.revoke_lease(lease)
+
+
 async def test_ensure_group_keeps_a_reset_durables_position(js: Any, config: GroupConfig) -> None:
     """The operator and starting members update durables whose settings changed: a
     durable the reset moved keeps its deliver policy (JetStream refuses to change it:
