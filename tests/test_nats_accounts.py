@@ -71,6 +71,8 @@ def accounts_config(config: GroupConfig) -> str:
             "producer",
             "--analytics-user",
             "exporter",
+            "--admin-user",
+            "shoal-admin",
         ],
     )
     assert result.exit_code == 0, result.output
@@ -80,6 +82,7 @@ def accounts_config(config: GroupConfig) -> str:
         ("OPERATOR", "operator"),
         ("PRODUCER", "producer"),
         ("ANALYTICS", "exporter"),
+        ("ADMIN", "shoal-admin"),
     ]:
         text = text.replace(f"$SHOAL_{role}_PASSWORD", f'"{user}-pw"')
     shoal, team = text.split("  TEAM {")

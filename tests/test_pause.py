@@ -265,6 +265,13 @@ async def test_the_operator_follows_spec_paused_with_events(
     assert await reconciler.follow_pause(memo, config, running, {}, body, None) is None
     assert await reconciler.follow_pause(memo, config, running, {}, body) is None
     assert len(events) == 2
+    # A reset's pause (shoal-consumer reset recreating the durables) is the reset's to
+    # remove: resumed in the middle, members would recreate durables at the old position.
+    resetting = PauseRecord(by="ops@host", time=1.0, source="reset", reason="reset to x")
+    assert await pause_group(etcd, config.keys, resetting) is None
+    assert await reconciler.follow_pause(memo, config, running, {}, body) == resetting
+    assert await reconciler.follow_pause(memo, config, running, {}, body, resetting) == resetting
+    assert await read_pause(etcd, config.keys) == resetting and len(events) == 2
 
 
 def test_the_cli_pauses_and_resumes(config: GroupConfig) -> None:

@@ -134,6 +134,7 @@ def test_the_cli_prints_a_block_nats_server_accepts(tmp_path: Path) -> None:
         "SHOAL_OPERATOR_PASSWORD": "o",
         "SHOAL_PRODUCER_PASSWORD": "p",
         "SHOAL_ANALYTICS_PASSWORD": "x",
+        "SHOAL_ADMIN_PASSWORD": "a",
     }
     checked = subprocess.run(
         [binary, "-t", "-c", str(conf)], capture_output=True, text=True, env=env, timeout=30

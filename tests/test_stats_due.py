@@ -19,7 +19,7 @@ def membership(members: int) -> Membership:
 
 def published(m: Membership, stats: MemberStats, at: float) -> None:
     # What _publish_stats records after a successful put.
-    m._published, m._published_at = (stats.nats_ok, stats.stalled), at
+    m._published, m._published_at = (stats.nats_ok, stats.stalled, stats.paused), at
 
 
 def test_the_first_stats_are_due_at_once() -> None:
@@ -46,7 +46,14 @@ def test_a_big_group_puts_routine_stats_less_often() -> None:
 
 
 @pytest.mark.parametrize(
-    "changed", [MemberStats(nats_ok=False), MemberStats(stalled=(4,)), MemberStats(stalled=())]
+    "changed",
+    [
+        MemberStats(nats_ok=False),
+        MemberStats(stalled=(4,)),
+        MemberStats(stalled=()),
+        # (`shoal-consumer reset` waits for the partitions paused.)
+        MemberStats(stalled=(1,), paused=(0, 1)),
+    ],
 )
 def test_what_the_leader_acts_on_is_put_at_the_next_keepalive_whatever_the_size(
     changed: MemberStats,

@@ -174,6 +174,12 @@ class Keys:
         # `shoal-consumer pause` for groups run without it; bound to nothing, so a pause
         # outlives every member and leader. Members read it before they pull.
         self.paused = self.prefix + "paused"
+        # The last `shoal-consumer reset` of the group's durables (JSON: by, time, the
+        # position). Written while the group is paused, after the durables were
+        # recreated: members watch it to forget what they remembered of the old
+        # durables (given-back sequences, hand-over credits, settled sequences), which
+        # would hold back or skip the replayed messages.
+        self.reset = self.prefix + "reset"
 
     def problem(self, member_id: str) -> str:
         return self.problems + member_id

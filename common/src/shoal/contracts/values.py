@@ -190,10 +190,12 @@ class MemberStats(BaseModel):
     running). The leader's: ``nats_ok`` (false: it cannot reach NATS, give it nothing),
     ``partition_rates`` (messages per second per owned partition: the loads of a
     load-aware assignment), ``stalled`` (partitions with work and no progress: move
-    them). Informative: ``buffered``, ``rss_mb``, ``pid``. Unknown keys are ignored (a
-    newer writer may add some); entries of ``stalled`` and ``partition_rates`` that are
-    no partition numbers or rates are dropped one by one, as the readers did before
-    this model.
+    them). ``paused``: the partitions whose runner has finished pausing (handlers done
+    and acked, the rest given back, no pull open), what `shoal-consumer reset` waits
+    for before it touches the durables. Informative: ``buffered``, ``rss_mb``,
+    ``pid``. Unknown keys are ignored (a newer writer may add some); entries of
+    ``stalled``, ``paused`` and ``partition_rates`` that are no partition numbers or
+    rates are dropped one by one, as the readers did before this model.
     """
 
     model_config = ConfigDict(frozen=True, extra="ignore")
@@ -210,6 +212,8 @@ class MemberStats(BaseModel):
     nats_ok: StrictBool = True
     partition_rates: dict[int, float] = Field(default_factory=dict)
     stalled: tuple[int, ...] = ()
+    # (None when not written: stats of earlier members write back byte for byte.)
+    paused: tuple[int, ...] | None = None
     rss_mb: _Amount | None = None
     pid: _Count | None = None
 
@@ -228,7 +232,7 @@ class MemberStats(BaseModel):
     def _owned_as_a_set(cls, owned: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(sorted(set(owned)))
 
-    @field_validator("stalled", mode="before")
+    @field_validator("stalled", "paused", mode="before")
     @classmethod
     def _stalled_partitions(cls, raw: object) -> list[int]:
         return _partition_numbers(raw)

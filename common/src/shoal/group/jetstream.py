@@ -7,6 +7,7 @@ later the operator) may call `ensure_group` at start.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from typing import Any
@@ -138,14 +139,30 @@ async def ensure_group(js: Any, config: GroupConfig) -> None:
     sem = asyncio.Semaphore(16)
 
     async def add(p: int) -> None:
+        wanted = consumer_config(config, p)
+        current = existing.get(durable_name(p))
+        if current is not None:
+            # Where it starts is not ours to change here (JetStream refuses to, and a
+            # `shoal-consumer reset` chose it): an update keeps the durable's own.
+            wanted = keep_position(wanted, current)
         async with sem:
-            await js.add_consumer(config.stream, config=consumer_config(config, p))
+            await js.add_consumer(config.stream, config=wanted)
 
     await asyncio.gather(*(add(p) for p in missing + outdated))
     if missing:
         log.info("Created %d durable consumers on stream %s", len(missing), config.stream)
     if outdated:
         log.info("Updated %d durable consumers to the configured settings", len(outdated))
+
+
+def keep_position(wanted: api.ConsumerConfig, current: api.ConsumerConfig) -> api.ConsumerConfig:
+    """`wanted` with the deliver policy (and its start) of the durable `current`."""
+    return dataclasses.replace(
+        wanted,
+        deliver_policy=current.deliver_policy,
+        opt_start_seq=current.opt_start_seq,
+        opt_start_time=current.opt_start_time,
+    )
 
 
 def _settings_differ(current: api.ConsumerConfig, wanted: api.ConsumerConfig) -> bool:

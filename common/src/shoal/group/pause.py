@@ -14,7 +14,12 @@ from shoal.clients.etcd import Etcd
 from shoal.contracts.names import Keys
 from shoal.contracts.values import PauseRecord, ValueRefused
 
-__all__ = ["pause_group", "read_pause", "resume_group"]
+__all__ = ["RESET_SOURCE", "pause_group", "read_pause", "resume_group"]
+
+# PauseRecord.source of the pause `shoal-consumer reset` writes around its work: the
+# operator leaves that one alone whatever spec.paused says (the reset resumes the group
+# itself, once every durable is at its new position).
+RESET_SOURCE = "reset"
 
 
 async def read_pause(etcd: Etcd, keys: Keys) -> PauseRecord | None:

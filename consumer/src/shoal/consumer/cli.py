@@ -1,14 +1,12 @@
 """`shoal-consumer`: run a member, produce test traffic, plan an assignment, show status,
-pause and resume a group."""
+pause and resume a group (reset: reset_cli.py; dlq: dlq_cli.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import getpass
 import json
 import logging
 import os
-import socket
 import sys
 import time
 from typing import Any
@@ -31,9 +29,11 @@ from shoal.consumer.cli_options import (
     stream_option,
     subject_prefix_option,
     validation_message,
+    whoami,
 )
 from shoal.consumer.dlq_cli import dlq
 from shoal.consumer.handlers import HandlerError
+from shoal.consumer.reset_cli import reset
 from shoal.contracts.names import (
     SEQ_HEADER,
     default_subject_prefix,
@@ -61,6 +61,7 @@ def main(log_level: str) -> None:
 
 
 main.add_command(dlq)
+main.add_command(reset)
 
 
 @main.command()
@@ -437,6 +438,12 @@ def plan(partitions: int, before: str, after: str, as_json: bool) -> None:
 @click.option("--operator-user", default="shoal-operator", show_default=True)
 @click.option("--producer-user", default="shoal-producer", show_default=True)
 @click.option("--analytics-user", default="shoal-analytics", show_default=True)
+@click.option(
+    "--admin-user",
+    default="shoal-admin",
+    show_default=True,
+    help="The user of the `dlq` and `reset` commands.",
+)
 def permissions(
     group: str,
     namespace: str,
@@ -453,12 +460,13 @@ def permissions(
     operator_user: str,
     producer_user: str,
     analytics_user: str,
+    admin_user: str,
 ) -> None:
-    """Print the least NATS permissions of a group's members, the operator, a producer
-    and the assignment-log export, as an `authorization { users = [...] }` block to
-    paste into a NATS server's config (passwords are read from the server's
-    environment: $SHOAL_MEMBER_PASSWORD, $SHOAL_OPERATOR_PASSWORD,
-    $SHOAL_PRODUCER_PASSWORD, $SHOAL_ANALYTICS_PASSWORD).
+    """Print the least NATS permissions of a group's members, the operator, a producer,
+    the assignment-log export and an admin (`dlq` and `reset`), as an `authorization {
+    users = [...] }` block to paste into a NATS server's config (passwords are read from
+    the server's environment: $SHOAL_MEMBER_PASSWORD, $SHOAL_OPERATOR_PASSWORD,
+    $SHOAL_PRODUCER_PASSWORD, $SHOAL_ANALYTICS_PASSWORD, $SHOAL_ADMIN_PASSWORD).
 
     Members and producers must then connect with NATS_INBOX_PREFIX set as shown: with
     nats-py's shared _INBOX, any user allowed to subscribe to its replies could read
@@ -495,6 +503,8 @@ def permissions(
     click.echo(f"# Producers: NATS_USER={producer_user} NATS_INBOX_PREFIX={producer_inbox}")
     export_inbox = perms.default_exporter_inbox_prefix(config)
     click.echo(f"# The export: NATS_USER={analytics_user} NATS_INBOX_PREFIX={export_inbox}")
+    admin_inbox = perms.default_admin_inbox_prefix(config)
+    click.echo(f"# dlq and reset: NATS_USER={admin_user} NATS_INBOX_PREFIX={admin_inbox}")
     click.echo(f"# The operator: NATS_USER={operator_user} (nats-py's _INBOX)")
     js_users: list[perms.User] = [
         (operator_user, "$SHOAL_OPERATOR_PASSWORD", perms.operator_permissions(config)),
@@ -508,6 +518,7 @@ def permissions(
             "$SHOAL_ANALYTICS_PASSWORD",
             perms.exporter_permissions(config, export_inbox),
         ),
+        (admin_user, "$SHOAL_ADMIN_PASSWORD", perms.admin_permissions(config, admin_inbox)),
     ]
     if not as_accounts:
         member = (member_user, "$SHOAL_MEMBER_PASSWORD", perms.member_permissions(config, inbox))
@@ -585,11 +596,7 @@ def status(group: str, namespace: str, etcd_endpoints: str, partitions: int, as_
 
 def _pauser() -> str:
     """Who runs `shoal-consumer pause` (user@host), for the pause record."""
-    try:
-        user = getpass.getuser()
-    except Exception:
-        user = "someone"
-    return f"{user}@{socket.gethostname()}"
+    return whoami()
 
 
 async def _with_etcd(etcd_endpoints: str, work: Any) -> Any:

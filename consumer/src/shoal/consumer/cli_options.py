@@ -3,6 +3,9 @@ are), and how a configuration error reads on the command line."""
 
 from __future__ import annotations
 
+import getpass
+import socket
+
 import click
 from pydantic import ValidationError
 
@@ -13,11 +16,13 @@ __all__ = [
     "group_option",
     "namespace_option",
     "nats_option",
+    "no_answer",
     "or_dash",
     "partitions_option",
     "stream_option",
     "subject_prefix_option",
     "validation_message",
+    "whoami",
 ]
 
 group_option = click.option(
@@ -80,3 +85,22 @@ def validation_message(exc: ValidationError) -> str:
 def or_dash(value: object) -> object:
     """A value for a table cell: "-" for none."""
     return "-" if value is None else value
+
+
+def whoami() -> str:
+    """Who runs the command (user@host), for the records it writes (a pause, a reset)."""
+    try:
+        user = getpass.getuser()
+    except Exception:
+        user = "someone"
+    return f"{user}@{socket.gethostname()}"
+
+
+def no_answer(where: str) -> str:
+    """The one line for a NATS request nobody answered in time (nats-py raises a bare
+    TimeoutError): a server refusing this user the subject looks exactly like that."""
+    return (
+        f"NATS at {where} did not answer a JetStream request in time: is JetStream up, and "
+        "may this NATS user use the group's streams? (`shoal-consumer permissions` lists "
+        "what the dlq and reset commands need; the server logs a Permissions Violation)"
+    )

@@ -18,6 +18,7 @@ from shoal.consumer.cli_options import (
     group_option,
     namespace_option,
     nats_option,
+    no_answer,
     or_dash,
     stream_option,
     subject_prefix_option,
@@ -126,6 +127,8 @@ def _with_jetstream(config: Any, work: Any) -> Any:
         return asyncio.run(go())
     except (DeadLetterError, NatsConfigError, ConnectionError) as exc:
         raise click.ClickException(str(exc)) from None
+    except TimeoutError:
+        raise click.ClickException(no_answer(config.nats_url)) from None
 
 
 def _where(config: Any) -> str:

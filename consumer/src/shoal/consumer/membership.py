@@ -54,7 +54,7 @@ class Membership:
         self._stats = stats
         self._group_size = group_size
         # What the last stats put said that someone acts on at once, and when it went.
-        self._published: tuple[bool, tuple[int, ...]] | None = None
+        self._published: tuple[bool, tuple[int, ...], tuple[int, ...] | None] | None = None
         self._published_at = 0.0
         self.lease_id = 0
         # Each new lease is a new incarnation: claims made under an older one are gone.
@@ -225,8 +225,9 @@ class Membership:
     def _stats_due(self, stats: MemberStats, now: float) -> bool:
         """Whether to put our stats now: at once when what the leader acts on changed
         (nats_ok: it gives nothing to a member cut from NATS; stalled: it moves those
-        partitions), else once the routine interval has passed: a keepalive interval, or
-        longer in a big group (ROUTINE_STATS_WRITES_PER_SECOND)."""
+        partitions; paused: `shoal-consumer reset` waits for it), else once the routine
+        interval has passed: a keepalive interval, or longer in a big group
+        (ROUTINE_STATS_WRITES_PER_SECOND)."""
         every = max(
             self.config.keepalive_interval,
             self._group_size() / ROUTINE_STATS_WRITES_PER_SECOND,
@@ -234,9 +235,19 @@ class Membership:
         # (Half a keepalive early counts: the loop runs once per keepalive, and one that
         # ran a little early must not push the put a whole interval later.)
         return (
-            (stats.nats_ok, stats.stalled) != self._published
+            (stats.nats_ok, stats.stalled, stats.paused) != self._published
             or now - self._published_at >= every - self.config.keepalive_interval / 2
         )
+
+    async def put_stats_now(self) -> None:
+        """Put our stats at once (Worker.partition_paused), between keepalives; a failure
+        is left to the next keepalive's put."""
+        if self.lease_id == 0 or self.leaving:
+            return
+        try:
+            await self._publish_stats(self._stats())
+        except TRANSIENT_ERRORS as exc:
+            log.debug("Could not put member stats now: %s", exc)
 
     async def _publish_stats(self, stats: MemberStats) -> None:
         """Update our member key, never re-creating it once leave() has begun."""
@@ -246,7 +257,7 @@ class Membership:
                 return
             lease = self.lease_id
             if await self.etcd.put_if_created_at(self.key, value, self._created, lease):
-                self._published = (stats.nats_ok, stats.stalled)
+                self._published = (stats.nats_ok, stats.stalled, stats.paused)
                 self._published_at = time.monotonic()
                 return
             if self.leaving:
@@ -255,7 +266,7 @@ class Membership:
             # the group's keys were cleared. Register again, as join() would.
             log.warning("Member key %s vanished; registering again", self.key)
             self._created = await self.etcd.put_returning_revision(self.key, value, lease)
-            self._published = (stats.nats_ok, stats.stalled)
+            self._published = (stats.nats_ok, stats.stalled, stats.paused)
             self._published_at = time.monotonic()
 
     async def leave(self) -> None:

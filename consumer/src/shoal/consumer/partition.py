@@ -307,6 +307,18 @@ class PartitionRunner:
         flag; one still pausing finishes its give-back first)."""
         self._wake()
 
+    def durable_reset(self) -> None:
+        """The durable was recreated at a new position (`shoal-consumer reset`, while the
+        group is paused, Worker.follow_reset): what the runner remembers of the old
+        one's deliveries means nothing now. The sequences it gave back when it paused
+        may never come again (a reset to the end), so resuming must not wait for them;
+        credits are of deliveries the new durable never made."""
+        self.credits.clear()
+        self._resume_wait.clear()
+        self._resume_ask_durable = False
+        self._late.clear()
+        self._unreturned = []
+
     def released(self) -> None:
         """Its claim is deleted, or left to the lease (Worker.runner_done)."""
         self._enter(Phase.RELEASED)
@@ -902,6 +914,7 @@ class PartitionRunner:
             return  # let go meanwhile: its hand-over gives back everything, in order
         given = await self._give_back_paused()
         self._enter(Phase.PAUSED)
+        w.partition_paused()
         log.debug(
             "Partition %d paused %.0f ms after the pause reached it; %d given back",
             self.partition,

@@ -1,4 +1,5 @@
-"""The least NATS subject permissions a member, the operator and a producer of one group need.
+"""The least NATS subject permissions a member, the operator, a producer and an admin
+(dlq and reset commands) of one group need.
 
 Pure: from a GroupConfig (stream names, subject prefix) to allow lists, and from those to
 a NATS ``authorization { users = [...] }`` block (`shoal-consumer permissions`). Each
@@ -165,6 +166,45 @@ def exporter_permissions(config: GroupConfig, inbox_prefix: str | None = None) -
         ),
         (f"{inbox}.>",),
     )
+
+
+def default_admin_inbox_prefix(config: GroupConfig) -> str:
+    return f"_SHOAL_ADMIN.{config.namespace}.{config.group}"
+
+
+def admin_permissions(config: GroupConfig, inbox_prefix: str | None = None) -> Permissions:
+    """A person's one-shot commands on the group: `shoal-consumer dlq` (list, show,
+    redrive, purge: shoal.group.deadletters) and `shoal-consumer reset`
+    (shoal.group.reset). They may read and rewrite the group's position and dead letters,
+    not its assignment log or other groups'. (`pause`, `resume` and `status` use etcd
+    only.)"""
+    inbox = inbox_prefix or default_admin_inbox_prefix(config)
+    stream, dlq = config.stream, config.dlq_stream
+    publish = [
+        # reset: the plan (stream info, its durables) and the unknown-group check of dlq.
+        f"{API}.STREAM.INFO.{stream}",
+        f"{API}.CONSUMER.LIST.{stream}",
+        # reset: counting from the new position with an ephemeral consumer (no name:
+        # CONSUMER.CREATE.<stream>), then deleting it.
+        f"{API}.CONSUMER.CREATE.{stream}",
+        # reset: each durable deleted and created again from its info's config, which
+        # names it (CONSUMER.CREATE.<stream>.<name>.<filter subject>).
+        f"{API}.CONSUMER.DELETE.{stream}.*",
+        f"{API}.CONSUMER.CREATE.{stream}.>",
+        f"{API}.CONSUMER.DURABLE.CREATE.{stream}.*",
+        # dlq: the dead-letter stream's info, an ephemeral reader on it and its pulls
+        # (AckPolicy NONE: no acks), deleting it; deleting dead letters one by one
+        # (redrive, purge of a selection) or all (purge).
+        f"{API}.STREAM.INFO.{dlq}",
+        f"{API}.CONSUMER.CREATE.{dlq}",
+        f"{API}.CONSUMER.MSG.NEXT.{dlq}.*",
+        f"{API}.CONSUMER.DELETE.{dlq}.*",
+        f"{API}.STREAM.MSG.DELETE.{dlq}",
+        f"{API}.STREAM.PURGE.{dlq}",
+        # dlq redrive: back to the partition subjects.
+        *stream_subjects(config.subject_prefix),
+    ]
+    return Permissions(_unique(publish), (f"{inbox}.>",))
 
 
 def _quoted(subjects: Sequence[str]) -> str:

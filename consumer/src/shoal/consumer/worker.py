@@ -64,7 +64,7 @@ from shoal.consumer.holding import HoldBudget
 from shoal.consumer.membership import Membership
 from shoal.consumer.metrics import Metrics
 from shoal.consumer.ownership import Ownership, Slot, Stage
-from shoal.consumer.partition import IDLE_BATCH, PartitionRunner, ack_fields
+from shoal.consumer.partition import IDLE_BATCH, PartitionRunner, Phase, ack_fields
 from shoal.consumer.progress import WEDGED_AFTER_STALLS, Change
 from shoal.consumer.pull import AnswerClock
 from shoal.consumer.ratelimit import RateLimiter
@@ -170,6 +170,8 @@ class Worker:
         # What this member settled lately (settled.py): a redelivery of one of those is
         # acked again instead of handled again.
         self.settled_seqs = SettledRing()
+        # Keys.reset's mod_revision as last seen (follow_reset); None: not looked yet.
+        self._reset_seen: int | None = None
         self.resettled = 0  # such redeliveries, since the last log line about them
         self.resettled_logged = 0.0
         self.leaving = False
@@ -483,7 +485,20 @@ class Worker:
             "active_projects": len(self._projects),
             # Partitions with work and no progress (progress.py): the leader moves them.
             "stalled": self.stalled(),
+            # Partitions done pausing (nothing running, nothing held, no pull open):
+            # `shoal-consumer reset` recreates the durables only once all say so.
+            "paused": self.paused_partitions(),
         }
+
+    def partition_paused(self) -> None:
+        """A runner finished pausing. Once all have, put our stats now, not at the next
+        keepalive: `shoal-consumer reset` waits for every member's `paused` (up to a
+        keepalive interval, 3 s by default, otherwise)."""
+        if all(r.phase is Phase.PAUSED for r in self.runners.values()):
+            self._spawn(self.membership.put_stats_now())
+
+    def paused_partitions(self) -> list[int]:
+        return sorted(p for p, r in self.runners.items() if r.phase is Phase.PAUSED)
 
     def retry_delay(self, attempts: int) -> float:
         backoff = self.config.backoff
@@ -610,6 +625,9 @@ class Worker:
             member_changed = self.membership.changed
             self._wake.clear()
             self._notice_members()
+            # (The reset first: a reset and the resume after it may arrive together, and
+            # the runners must forget the old durables before they pull again.)
+            self.follow_reset()
             self.set_paused()
             self._reconcile()
             self.share_rate()
@@ -650,6 +668,33 @@ class Worker:
             for runner in runners:
                 runner.resume()
             log.info("Group resumed: %d partition(s) pull again", len(runners))
+
+    def follow_reset(self) -> None:
+        """After `shoal-consumer reset` (Keys.reset changed since we first looked):
+        forget what we remember of the old durables. The recreated ones deliver the
+        replayed messages again, with the same stream sequences: the settled ring would
+        take a replayed message that comes back (a nak, a hand-over) for a late
+        redelivery and ack it unhandled; a runner's given-back sequences and credits
+        would hold back, or miscount, the first deliveries. The reset writes the key
+        while every runner is paused, so nothing is in flight to lose track of."""
+        kv = self.view.kvs.get(self.config.keys.reset)
+        revision = kv.mod_revision if kv is not None else 0
+        if self._reset_seen is None:
+            self._reset_seen = revision  # one from before we started: nothing of ours
+            return
+        if revision == self._reset_seen:
+            return
+        self._reset_seen = revision
+        if kv is None:
+            return  # the record was deleted: no new durables
+        self.settled_seqs = SettledRing()
+        for runner in self.runners.values():
+            runner.durable_reset()
+        log.info(
+            "The group's durables were reset (%s): %d partition(s) forget the old deliveries",
+            kv.value.decode(errors="replace")[:200],
+            len(self.runners),
+        )
 
     def share_rate(self) -> None:
         """Take this member's share of the group's rate limit: limit x owned / partitions

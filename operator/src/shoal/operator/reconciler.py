@@ -56,7 +56,7 @@ from shoal.group.config import GroupConfig
 from shoal.group.deadletters import dead_letter_count
 from shoal.group.handlerref import HandlerError, import_handler, is_url_handler
 from shoal.group.jetstream import StreamConfigConflict, ensure_group
-from shoal.group.pause import pause_group, resume_group
+from shoal.group.pause import RESET_SOURCE, pause_group, read_pause, resume_group
 from shoal.group.status import GroupStatus, status_from_view
 from shoal.group.view import GroupView
 from shoal.operator import observe, scheduling
@@ -459,6 +459,13 @@ async def follow_pause(
             log.info("Paused group %s/%s %s", config.namespace, config.group, record.describe())
             kopf.info(body, reason="Paused", message=observe.paused_message(record))
             return record
+        found = current if isinstance(current, PauseRecord) else None
+        found = found or await read_pause(etcd, config.keys)
+        if found is not None and found.source == RESET_SOURCE:
+            # `shoal-consumer reset` paused the group to recreate its durables, and
+            # resumes it itself: resumed meanwhile, members would pull while a durable
+            # is missing, and recreate it at the old position (group/reset.py).
+            return found
         removed = await resume_group(etcd, config.keys)
     except Exception as exc:
         log.warning(

@@ -1,0 +1,482 @@
+"""Moving a group's position: recreate every partition's durable at a new start.
+
+nats-server 2.12 (the one Shoal pins) has no API to move a durable: JetStream refuses to
+update a consumer's deliver policy (error 10012, "deliver policy can not be updated"),
+and $JS.API.CONSUMER.RESET arrives only in 2.14 (2.12.15 does not answer it). So a
+durable is deleted and created again with the same configuration and the new deliver
+policy: by_start_time, all, new or by_start_sequence.
+
+Nobody may pull a durable while it is recreated: a member whose pulls go unanswered
+(the durable is gone) recreates it itself after about two seconds, with the policy it
+knows (all), and the new position would be lost. So the group is paused first (Keys.
+paused, unless it is already), and the reset waits until every member reports each of
+its partitions done pausing (MemberStats.paused: handlers finished and acked, the rest
+given back, no pull open); members that join meanwhile join paused. After the durables
+are recreated it writes Keys.reset (members forget what they remembered of the old
+durables: worker.follow_reset), clears the hand-over records of the old deliveries
+(Keys.handbacks) and resumes the group if it paused it.
+
+Only a `limits` stream keeps what was acked: a `workqueue` stream deletes every message
+once acked, an `interest` one once its only consumer (each partition has one durable)
+acked it, so there is nothing to replay; even a reset to the end is refused there (it
+would leave the unconsumed messages in the stream for good, where a purge removes
+them). Per-project order holds in the replay: each partition's messages come again in
+stream order, and members run a project's messages one after another as always.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+from nats.js import api
+from nats.js.errors import APIError, NotFoundError
+
+from shoal.clients.etcd import Etcd
+from shoal.contracts.names import Keys, durable_name, format_time, parse_since
+from shoal.contracts.values import MemberStats, PauseRecord, ValueRefused
+from shoal.group.config import GroupConfig
+from shoal.group.pause import RESET_SOURCE, pause_group, read_pause, resume_group
+
+__all__ = [
+    "Position",
+    "ResetError",
+    "ResetPlan",
+    "ResetResult",
+    "ResetStep",
+    "parse_reset_time",
+    "plan_reset",
+    "reset_group",
+    "wait_paused",
+]
+
+log = logging.getLogger(__name__)
+
+Kind = Literal["start", "end", "time", "sequence"]
+# (stage, done, total): the command's progress line.
+ResetStep = Callable[[str, int, int], None]
+
+# Durables recreated side by side (each is a delete and a create on the meta leader).
+CONCURRENCY = 16
+# How often the wait for the pause reads the group's keys.
+POLL_SECONDS = 0.1
+
+
+class ResetError(RuntimeError):
+    """A reset that cannot be done, or could not be finished (one line, for the user)."""
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where the durables start over: the stream's first message, its end (only what
+    is published from now on), the first message at or after a time, or a sequence."""
+
+    kind: Kind
+    time: datetime | None = None
+    seq: int | None = None
+
+    def describe(self) -> str:
+        if self.kind == "start":
+            return "the start of the stream (every message it holds)"
+        if self.kind == "end":
+            return "the end of the stream (only messages published from now on)"
+        if self.kind == "time":
+            assert self.time is not None
+            return f"the first message at or after {self.time.isoformat()}"
+        return f"stream sequence {self.seq}"
+
+    def as_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"to": self.kind}
+        if self.time is not None:
+            data["time"] = self.time.isoformat()
+        if self.seq is not None:
+            data["seq"] = self.seq
+        return data
+
+    def apply(self, config: api.ConsumerConfig) -> api.ConsumerConfig:
+        """`config` starting here."""
+        policy, seq, start = {
+            "start": (api.DeliverPolicy.ALL, None, None),
+            "end": (api.DeliverPolicy.NEW, None, None),
+            "time": (api.DeliverPolicy.BY_START_TIME, None, self.time),
+            "sequence": (api.DeliverPolicy.BY_START_SEQUENCE, self.seq, None),
+        }[self.kind]
+        return dataclasses.replace(
+            config, deliver_policy=policy, opt_start_seq=seq, opt_start_time=start
+        )
+
+
+def parse_reset_time(text: str, now: datetime | None = None) -> datetime:
+    """--to-time: RFC 3339 (UTC unless it says otherwise), or a duration back from now
+    (`1h`, `-1h`, `2h ago`). ValueError, saying what it expected, for anything else."""
+    cleaned = text.strip()
+    if cleaned.endswith("ago"):
+        cleaned = cleaned[: -len("ago")].strip()
+    elif cleaned.startswith("-"):
+        cleaned = cleaned[1:]
+    try:
+        return parse_since(cleaned, now)
+    except ValueError:
+        raise ValueError(
+            f"{text!r} is no time: expected RFC 3339 (2026-11-21T10:00:00Z) or a duration "
+            "back from now (90s, 15m, -1h, 2h ago, 7d)"
+        ) from None
+
+
+@dataclass
+class ResetPlan:
+    """What a reset will do, read before anything changes."""
+
+    config: GroupConfig
+    position: Position
+    retention: str
+    first_seq: int
+    last_seq: int
+    messages: int
+    durables: dict[int, api.ConsumerConfig]
+    # Messages the recreated durables will deliver (from the position to the end).
+    from_position: int
+    # What the durables have not delivered or not had acked yet (delivered anyway).
+    outstanding: int
+    paused: PauseRecord | None
+
+    @property
+    def redelivered(self) -> int:
+        """About how many already consumed messages come again (negative: skipped)."""
+        return self.from_position - self.outstanding
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "group": self.config.group,
+            "namespace": self.config.namespace,
+            "stream": self.config.stream,
+            "retention": self.retention,
+            "partitions": len(self.durables),
+            "position": self.position.as_dict(),
+            "first_seq": self.first_seq,
+            "last_seq": self.last_seq,
+            "messages": self.messages,
+            "from_position": self.from_position,
+            "outstanding": self.outstanding,
+            "paused_already": self.paused is not None,
+        }
+
+
+def _where(config: GroupConfig) -> str:
+    return f"group {config.namespace}/{config.group}"
+
+
+async def plan_reset(
+    js: Any, etcd: Etcd, config: GroupConfig, position: Position, now: float | None = None
+) -> ResetPlan:
+    """Read the stream and its durables and check the reset makes sense; ResetError (and
+    nothing changed) when it does not."""
+    now = time.time() if now is None else now
+    try:
+        info = await js.stream_info(config.stream)
+    except NotFoundError:
+        _, kvs = await etcd.get_prefix(config.keys.prefix)
+        known = f" (etcd has {len(kvs)} keys under {config.keys.prefix})" if kvs else ""
+        raise ResetError(
+            f"unknown {_where(config)}: no stream {config.stream} on this NATS server{known} "
+            "(are --group and --namespace right? --stream, if it has another name?)"
+        ) from None
+    retention = str(getattr(info.config.retention, "value", info.config.retention))
+    if retention != "limits":
+        raise ResetError(
+            f"{_where(config)}: stream {config.stream} has {retention} retention: JetStream "
+            "deletes each message once it is acked, so there is nothing to replay (and a "
+            "reset to the end would only leave the unconsumed messages in the stream: "
+            "purge the stream to skip them). Replay needs spec.nats.stream.retention: "
+            "limits (SHOAL_RETENTION=limits), from before the messages were consumed"
+        )
+    state = info.state
+    first, last = int(state.first_seq), int(state.last_seq)
+    if position.kind == "time":
+        assert position.time is not None
+        if position.time.timestamp() > now:
+            raise ResetError(
+                f"the reset time {position.time.isoformat()} is in the future "
+                f"(now {format_time(now)})"
+            )
+    if position.kind == "sequence":
+        assert position.seq is not None
+        if not first <= position.seq <= last:
+            held = f"holds {first}..{last}" if int(state.messages) else "is empty"
+            raise ResetError(f"sequence {position.seq} is not in stream {config.stream}: it {held}")
+    durables: dict[int, api.ConsumerConfig] = {}
+    outstanding = 0
+    names = {durable_name(p): p for p in range(4096)}
+    for consumer in await all_consumers(js, config.stream):
+        p = names.get(consumer.name)
+        if p is not None and consumer.config.durable_name == consumer.name:
+            durables[p] = consumer.config
+            outstanding += int(consumer.num_pending or 0) + int(consumer.num_ack_pending or 0)
+    if not durables:
+        raise ResetError(
+            f"{_where(config)}: stream {config.stream} has no partition durables (p0, p1, "
+            "...): nothing to reset (the operator, or a member with "
+            "SHOAL_ENSURE_JETSTREAM, creates them)"
+        )
+    template = durables[min(durables)]
+    from_position = await _count_from(js, config, position.apply(template))
+    return ResetPlan(
+        config=config,
+        position=position,
+        retention=retention,
+        first_seq=first,
+        last_seq=last,
+        messages=int(state.messages),
+        durables=durables,
+        from_position=from_position,
+        outstanding=outstanding,
+        paused=await read_pause(etcd, config.keys),
+    )
+
+
+async def all_consumers(js: Any, stream: str) -> list[api.ConsumerInfo]:
+    """Every consumer of the stream (JetStream lists 256 at a time)."""
+    found: list[api.ConsumerInfo] = []
+    while True:
+        page = await js.consumers_info(stream, offset=len(found) or None)
+        found.extend(page)
+        if not page:
+            return found
+
+
+async def _count_from(js: Any, config: GroupConfig, template: api.ConsumerConfig) -> int:
+    """How many of the group's messages a consumer starting at the template's position
+    would deliver: the server counts it (an ephemeral consumer over every partition,
+    never pulled), so by_start_time means exactly what the recreated durables will do."""
+    probe = api.ConsumerConfig(
+        deliver_policy=template.deliver_policy,
+        opt_start_seq=template.opt_start_seq,
+        opt_start_time=template.opt_start_time,
+        ack_policy=api.AckPolicy.NONE,
+        filter_subject=f"{config.subject_prefix}.*",
+        inactive_threshold=10.0,
+        mem_storage=True,
+        num_replicas=1,
+    )
+    info = await js.add_consumer(config.stream, config=probe)
+    try:
+        return int(info.num_pending or 0)
+    finally:
+        try:
+            await js.delete_consumer(config.stream, info.name)
+        except Exception:  # it goes by itself after inactive_threshold
+            log.debug("Could not delete the counting consumer %s", info.name, exc_info=True)
+
+
+@dataclass(frozen=True)
+class Quiet:
+    """What the wait for the pause found: whether every consumer stopped, and who not."""
+
+    done: bool
+    members: int
+    partitions: int
+    waiting: dict[str, list[int]] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        return "; ".join(
+            f"{member}: partition(s) {', '.join(map(str, ps[:8]))}"
+            + (f" and {len(ps) - 8} more" if len(ps) > 8 else "")
+            for member, ps in sorted(self.waiting.items())
+        )
+
+
+async def quiet(etcd: Etcd, keys: Keys) -> Quiet:
+    """Whether every partition anyone consumes is done pausing: each member's stats,
+    written after the pause key was (mod_revision), list every partition it claims and
+    every one it runs as paused. A member whose stats predate the pause has not said
+    yet."""
+    _, kvs = await etcd.get_prefix(keys.prefix)
+    pause = kvs.get(keys.paused)
+    if pause is None:
+        raise ResetError("the group was resumed while the reset waited for it to pause")
+    stats: dict[str, tuple[int, MemberStats]] = {}
+    claims: dict[str, list[int]] = {}
+    for key, kv in kvs.items():
+        if key.startswith(keys.members) and key != keys.members:
+            try:
+                stats[Keys.tail(key, keys.members)] = (kv.mod_revision, MemberStats.parse(kv.value))
+            except ValueRefused:
+                stats[Keys.tail(key, keys.members)] = (0, MemberStats())
+        elif key.startswith(keys.claims) and key != keys.claims:
+            tail = Keys.tail(key, keys.claims)
+            if tail.isdigit():
+                claims.setdefault(kv.value.decode(errors="replace"), []).append(int(tail))
+    waiting: dict[str, list[int]] = {}
+    for member, (revision, member_stats) in stats.items():
+        running = set(member_stats.owned) | set(claims.get(member, []))
+        fresh = revision > pause.mod_revision
+        left = sorted(running if not fresh else running - set(member_stats.paused or ()))
+        if left:
+            waiting[member] = left
+    for member, held in claims.items():
+        if member not in stats:
+            # A claim outlives its member key while the member leaves (or until its lease
+            # expires): it may still consume; wait for the claim to go.
+            waiting[member] = sorted(held)
+    partitions = sum(len(ps) for ps in claims.values())
+    return Quiet(not waiting, len(stats), partitions, waiting)
+
+
+async def wait_paused(
+    etcd: Etcd, keys: Keys, timeout: float, step: ResetStep | None = None
+) -> Quiet:
+    """Until every member says it stopped (quiet); ResetError after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = await quiet(etcd, keys)
+        if step is not None:
+            busy = sum(len(ps) for ps in state.waiting.values())
+            step("waiting for the members to pause", state.partitions - busy, state.partitions)
+        if state.done:
+            return state
+        if time.monotonic() >= deadline:
+            raise ResetError(
+                f"the members did not report their partitions paused within {timeout:.0f} s "
+                f"({state.describe()}); nothing was reset"
+            )
+        await asyncio.sleep(POLL_SECONDS)
+
+
+async def recreate_durable(
+    js: Any, stream: str, current: api.ConsumerConfig, position: Position
+) -> None:
+    """Delete the durable and create it again with `current` at `position`.
+
+    If someone creates it in between (the operator's reconcile, a member starting:
+    jetstream.ensure_group creates missing durables with deliver policy all), the create
+    is refused as an update of the deliver policy: delete that one and try again.
+    """
+    wanted = position.apply(current)
+    name = current.durable_name
+    for _ in range(5):
+        try:
+            await js.delete_consumer(stream, name)
+        except NotFoundError:
+            pass
+        try:
+            await js.add_consumer(stream, config=wanted)
+            return
+        except APIError as exc:
+            if exc.err_code != 10012:  # anything but "deliver policy can not be updated"
+                raise
+            log.warning("Durable %s was recreated by someone else meanwhile; again", name)
+    raise ResetError(f"durable {name} keeps being recreated by someone else meanwhile")
+
+
+async def recreate_durables(js: Any, plan: ResetPlan, step: ResetStep | None = None) -> None:
+    sem = asyncio.Semaphore(CONCURRENCY)
+    total = len(plan.durables)
+    done = 0
+
+    async def one(current: api.ConsumerConfig) -> None:
+        nonlocal done
+        async with sem:
+            await recreate_durable(js, plan.config.stream, current, plan.position)
+        done += 1
+        if step is not None:
+            step("recreating durables", done, total)
+
+    await asyncio.gather(*(one(c) for c in plan.durables.values()))
+
+
+async def check_durables(js: Any, plan: ResetPlan) -> list[str]:
+    """The durables that are not where the reset put them (missing, or another policy)."""
+    wanted = plan.position.apply(next(iter(plan.durables.values()))).deliver_policy
+    found = {c.name: c.config for c in await all_consumers(js, plan.config.stream)}
+    return [
+        current.durable_name or ""
+        for current in plan.durables.values()
+        if current.durable_name not in found or found[current.durable_name].deliver_policy != wanted
+    ]
+
+
+@dataclass(frozen=True)
+class ResetResult:
+    partitions: int
+    paused_by_us: bool
+    resumed: bool
+    seconds: float
+    pause_seconds: float
+    recreate_seconds: float
+    pending: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+async def reset_group(
+    js: Any,
+    etcd: Etcd,
+    plan: ResetPlan,
+    *,
+    by: str,
+    wait_timeout: float = 60.0,
+    step: ResetStep | None = None,
+) -> ResetResult:
+    """Pause (unless paused), wait for the members to stop, recreate the durables at the
+    plan's position, record the reset, resume (only if it paused)."""
+    config, keys = plan.config, plan.config.keys
+    started = time.monotonic()
+    record = PauseRecord(
+        by=by, time=time.time(), source=RESET_SOURCE, reason=f"reset to {plan.position.describe()}"
+    )
+    earlier = await pause_group(etcd, keys, record)
+    paused_by_us = earlier is None
+    log.info(
+        "%s %s; waiting for its members to stop",
+        _where(config),
+        "paused" if paused_by_us else f"paused already ({earlier.describe() if earlier else ''})",
+    )
+    try:
+        await wait_paused(etcd, keys, wait_timeout, step)
+    except BaseException:
+        if paused_by_us:
+            await resume_group(etcd, keys)
+        raise
+    stopped = time.monotonic()
+    # From here on the group stays paused if anything fails: a partition without its
+    # durable, or at the old position, must not be consumed (run the reset again).
+    await recreate_durables(js, plan, step)
+    wrong = await check_durables(js, plan)
+    if wrong:
+        raise ResetError(
+            f"durable(s) {', '.join(sorted(wrong)[:10])} are not at the new position; the "
+            "group stays paused: run the reset again"
+        )
+    recreated = time.monotonic()
+    names = {c.durable_name for c in plan.durables.values()}
+    pending = sum(
+        int(c.num_pending or 0) + int(c.num_ack_pending or 0)
+        for c in await all_consumers(js, config.stream)
+        if c.name in names
+    )
+    reset_record = {"by": by, "time": time.time(), **plan.position.as_dict()}
+    await etcd.put(keys.reset, json.dumps(reset_record, sort_keys=True).encode())
+    # The hand-over records name deliveries of the old durables (their credits would
+    # count against replayed messages of the same sequences).
+    await etcd.delete_prefix(keys.handbacks)
+    resumed = False
+    if paused_by_us:
+        resumed = await resume_group(etcd, keys) is not None
+    now = time.monotonic()
+    return ResetResult(
+        partitions=len(plan.durables),
+        paused_by_us=paused_by_us,
+        resumed=resumed,
+        seconds=now - started,
+        pause_seconds=stopped - started,
+        recreate_seconds=recreated - stopped,
+        pending=pending,
+    )
