@@ -8,8 +8,9 @@ autoscaling, a stream of one replica, no ledger), are applied with ``kubectl app
 after another, each once the one before it is Ready. 50 x 128 = 6,400 durables.
 
 * ``ready_seconds``: from the start of a group's ``kubectl apply`` to its Ready condition
-  True (seen by a ``kubectl get --watch``), over every group: p50, p95, max, and each
-  group's time in order (``each``), to see whether it grows with the groups already there;
+  True (seen by a ``kubectl get --watch``), over the groups with a member: p50, p95, max,
+  and every group's time in order (``each``), to see whether it grows with the groups
+  already there; value None with ``not_ready`` when a group was not Ready in 180 s;
 * ``last_group_ready_seconds``: the same for the last group, applied once all the others
   were Ready and ``--settle-seconds`` (15) had passed (target: a new group Ready within
   10 s when 49 already run);
@@ -19,16 +20,26 @@ after another, each once the one before it is Ready. 50 x 128 = 6,400 durables.
   ``nats_rss_mb``; with the durables it holds, counted through JetStream, and the
   messages a second it sends and receives, from its /varz), the groups' etcd
   (``etcd_cpu_pct``; writes a second from its /metrics), the members (``member_cpu_pct``:
-  the median, the worst beside; ``member_rss_mb``: the median), and beside them the
+  the median, the worst beside; ``member_rss_mb``: the median), the members' exec probes
+  (``probe_cpu_pct``: the kubelet's reaped children, i.e. ``shoal-ready`` processes), the
   API server, its etcd, the kubelet, the controller-manager and the scheduler
-  (``plane_cpu_pct``) and the API server's requests a second by verb and resource
-  (``apiserver_requests_per_s``: its ``apiserver_request_total``), which says what the
+  (``plane_cpu_pct``), and the API server's requests a second by verb and resource
+  (``apiserver_requests_per_s``: its ``apiserver_request_total``; with
+  ``consumergroup_updates_per_s``, the writes that changed a group), which says what the
   operator asks of it per group;
-* ``operator_log_problems``: ERROR lines and tracebacks in the operator's log (target 0).
+* ``delete_all_seconds``: ``kubectl delete cg --all`` until no group is left;
+* ``operator_log_problems``: ERROR lines and tracebacks in the operator's log (target 0;
+  the delete handler's "waiting for N consumer pods to leave" retries apart).
 
 Every line carries ``load1``, the machine's 1-minute load average when it was measured
-(the machine is shared). Everything started is stopped on the way out, failed or not
-(the plane's and the operator's context managers; the members are the plane's pods).
+(the machine is shared). ``--member-groups N``: only N groups (and the last) get a
+member, the others ``replicas: 0`` (their stream, durables and status timer, no pod),
+for a machine that cannot run a member pod per group: each pod's readiness probe starts
+a Python process every 2 s (see README, "Many groups under one operator");
+``ready_seconds_without_member`` then gives their times apart. ``--profile-operator
+FILE`` runs the operator under cProfile. Everything started is stopped on the way out,
+failed or not, SIGTERM and SIGINT included (the plane's and the operator's context
+managers; the members are the plane's pods).
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import threading
@@ -46,6 +58,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import nats
 
@@ -306,7 +319,22 @@ class Bench:
         op_cpu0, t0 = cpu_seconds(op), time.monotonic()
         for i, name in enumerate(names[:-1]):
             started = self.apply(plane, i, name)
-            watch.wait({name}, READY_TIMEOUT)
+            try:
+                watch.wait({name}, READY_TIMEOUT)
+            except TimeoutError:
+                # An overloaded machine (the members' exec probes time out, so their pods
+                # stay unready): say how far it got, with what load, before giving up.
+                emit(
+                    BENCH,
+                    "ready_seconds",
+                    None,
+                    not_ready=name,
+                    ready_before=i,
+                    each=[round(t, 2) for t in times.values()],
+                    members=len(member_pids(plane)),
+                    load1=load1(),
+                )
+                raise
             times[name] = watch.ready_at[name] - started
             if i % 10 == 9 or i < 3:
                 note(
@@ -541,7 +569,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _stop(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    # SIGTERM, and SIGINT where a shell started this in the background with SIGINT
+    # ignored, raise SystemExit: the groups are deleted and the plane stopped on the way
+    # out, not left to the parent-death signal.
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     args = parse_args(argv)
     started = time.monotonic()
     with workdir("shoal-bench-groups-", args.keep) as root:
