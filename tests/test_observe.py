@@ -25,6 +25,7 @@ from shoal.operator.observe import (
     stalled_partitions,
     stamp,
     status,
+    status_changes,
 )
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
@@ -390,6 +391,41 @@ def test_status_carries_transition_times_over() -> None:
     first = status(observed(), [], T0)
     second = status(observed(lag=5), first["conditions"], T1)
     assert {c["lastTransitionTime"] for c in second["conditions"]} == {T0}
+
+
+def as_stored(st: dict[str, Any]) -> dict[str, Any]:
+    """The status as the API server keeps it after a merge patch: None deletes a field;
+    through JSON, as the operator reads it back."""
+    kept: dict[str, Any] = json.loads(json.dumps({k: v for k, v in st.items() if v is not None}))
+    return kept
+
+
+def test_an_unchanged_group_needs_no_status_patch() -> None:
+    # The status timer of an idle group patches nothing: no request every 5 s per group.
+    first = status(observed(), [], T0)
+    stored = as_stored(first)
+    again = status(observed(), stored["conditions"], T1)
+    assert status_changes(stored, again) == {}
+
+
+def test_a_status_patch_carries_only_what_changed() -> None:
+    stored = as_stored(status(observed(), [], T0))
+    lagging = status(observed(lag=5), stored["conditions"], T1)
+    assert status_changes(stored, lagging) == {"lag": 5}
+    down = status(observed(ready_replicas=2), stored["conditions"], T1)
+    changed = status_changes(stored, down)
+    assert set(changed) == {"readyReplicas", "conditions"}
+    assert changed["conditions"] == down["conditions"]  # the whole list: merge patches replace
+
+
+def test_a_field_to_delete_is_patched_only_while_present() -> None:
+    stored = as_stored(status(observed(), [], T0))
+    assert stored["skew"] == 1
+    rebalancing = status(observed(moving=32), stored["conditions"], T1)
+    assert rebalancing["skew"] is None
+    assert status_changes(stored, rebalancing)["skew"] is None  # deletes it
+    gone = as_stored(rebalancing)
+    assert "skew" not in status_changes(gone, status(observed(moving=32), gone["conditions"], T1))
 
 
 # -- stalled partitions ------------------------------------------------------------------------

@@ -102,7 +102,7 @@ async def observe(
         memo=memo,
         patch=patch,
     )
-    merged = {**status, **patch["status"]}
+    merged = {**status, **patch.get("status", {})}  # no status: nothing changed
     return {k: v for k, v in merged.items() if v is not None}
 
 

@@ -278,7 +278,7 @@ async def observe(memo: OperatorMemo, status: dict[str, Any]) -> dict[str, Any]:
         memo=memo,
         patch=patch,
     )
-    merged = {**status, **patch["status"]}
+    merged = {**status, **patch.get("status", {})}  # no status: nothing changed
     return {k: v for k, v in merged.items() if v is not None}
 
 

@@ -64,9 +64,13 @@ def operator_process(
     log_path: Path,
     extra_env: Mapping[str, str] | None = None,
     extra_args: Sequence[str] = (),
+    python_args: Sequence[str] = (),
 ) -> Iterator[subprocess.Popen[bytes]]:
     """`shoal-operator` as a local process watching `namespaces`, stopped on exit (its
     whole process group; a process the test already killed is only reaped).
+    `python_args` go to the interpreter before `-m shoal.operator`, e.g.
+    ("-m", "cProfile", "-o", path): cProfile writes its file when the operator exits on
+    the SIGTERM this sends.
 
     The CRD is applied first. Suites that run an operator each watch their own namespaces,
     so they can share the session's plane.
@@ -88,6 +92,7 @@ def operator_process(
         process = spawn(
             [
                 sys.executable,
+                *python_args,
                 "-m",
                 "shoal.operator",
                 *args,

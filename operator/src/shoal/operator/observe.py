@@ -430,6 +430,16 @@ def status(o: Observed, old_conditions: Sequence[Mapping[str, Any]], now: str) -
     return result
 
 
+def status_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of `new` that differ from the status the object has (`old`), for the
+    status timer's merge patch; empty when nothing changed, and kopf then sends no
+    request. A None value deletes its field, so it counts only where `old` has one.
+    `old` is the object as kopf last saw it: should it lag behind the API server, a
+    patch is at worst repeated, or put off to the next observation (5 s later), which
+    compares with the object the watch has brought by then."""
+    return {key: value for key, value in new.items() if old.get(key) != value}
+
+
 #: An autoscaler record older than this does not explain a replicas change.
 SCALE_RECORD_MAX_AGE = 300.0
 
