@@ -548,10 +548,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--member-groups",
         type=int,
-        default=None,
+        default=10,
         help="how many groups get their member (the last always does); the others get "
-        "replicas 0: their stream, durables and status timer, no pod (default: all). The "
-        "fallback for a machine that cannot run a member pod per group (its exec probes)",
+        "replicas 0: their stream, durables and status timer, no pod (default 10; 0 or "
+        "more than --groups: all). 10 by default because this 2-core machine cannot run "
+        "50 member pods: their exec probes start a Python process every 2 s each, more "
+        "than a core at 50 (README, 'Many groups under one operator')",
     )
     parser.add_argument(
         "--profile-operator",
@@ -564,7 +566,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.groups < 2:
         parser.error("--groups must be at least 2 (the last one is timed apart)")
-    if args.member_groups is None:
+    if args.member_groups <= 0 or args.member_groups > args.groups:
         args.member_groups = args.groups
     return args
 
