@@ -189,7 +189,7 @@ def export(
     help="Spark driver memory (the JVM's heap, which holds the report's checkpoints) when "
     "the report starts its own JVM: a whole number and m, g or t (4g), at least 512m. "
     "Default: a quarter of this machine's memory (or of its container's limit), at least "
-    "1g and at most 8g; 10 million rows want some 4g.",
+    "1g and at most 8g (10 million rows ran well from 4g on, not with 2g).",
 )
 @click.option(
     "--conf",
