@@ -46,8 +46,8 @@ CODEGEN_CACHE_ENTRIES = 1000
 # The driver's heap when nobody says (--driver-memory): a quarter of the machine's memory,
 # as the JVM itself takes by default (Spark's own default, 1g, replaces that). The report
 # keeps its checkpoints in the heap, about 1 GB live at 10M rows: a 2g heap, full of them,
-# ran 350-386 collections (44-50 full) and 10 s of collector CPU where 6g ran 86-98 (14
-# full) and 3-4 s, 80 s against 70 s for the report (issue 30). At least 1g (Spark's
+# ran 350-386 collections (44-50 full) and 10 s of collector CPU where 6g ran 86-112 (14-16
+# full) and 3-4 s: 63.8 s against 53.8 s for the report (issue 30). At least 1g (Spark's
 # default), at most 8g: more than a one-machine report needs, the rest left to the Python
 # side (pandas, the plots) and to other work.
 DRIVER_MEMORY_SHARE = 0.25
