@@ -21,6 +21,19 @@ def _progress(message: str) -> None:
     click.echo(message, err=True)
 
 
+def _driver_memory(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """--driver-memory checked here, so a bad size is one line rather than the JVM's."""
+    from shoal.analytics.session import driver_memory_mib
+
+    if value is None:
+        return None
+    try:
+        driver_memory_mib(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
+    return value.strip()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @log_level_option
 def main(log_level: str) -> None:
@@ -171,9 +184,12 @@ def export(
 )
 @click.option(
     "--driver-memory",
-    default="2g",
-    show_default=True,
-    help="Spark driver memory when the report starts its own JVM.",
+    metavar="SIZE",
+    callback=_driver_memory,
+    help="Spark driver memory (the JVM's heap, which holds the report's checkpoints) when "
+    "the report starts its own JVM: a whole number and m, g or t (4g), at least 512m. "
+    "Default: a quarter of this machine's memory (or of its container's limit), at least "
+    "1g and at most 8g (10 million rows ran well from 4g on, not with 2g).",
 )
 @click.option(
     "--conf",
@@ -187,7 +203,7 @@ def report(
     out: Path,
     master: str | None,
     engine: str,
-    driver_memory: str,
+    driver_memory: str | None,
     confs: tuple[str, ...],
 ) -> None:
     """Skew and churn report of assignment logs (PySpark, local[*] by default).

@@ -281,7 +281,12 @@ def _spark_data(
         handover_sample=handover,
         member_totals=_member_totals(totals),
         engine="spark",
-        extra={"master": spark.sparkContext.master, "spark": spark.version},
+        extra={
+            "master": spark.sparkContext.master,
+            "spark": spark.version,
+            # What the driver's JVM has (1g is Spark's default when nothing set it).
+            "driver_memory": spark.sparkContext.getConf().get("spark.driver.memory", "1g"),
+        },
         early_plots=early_plots,
     )
 
@@ -337,7 +342,7 @@ def run_report(
     *,
     engine: str = "spark",
     master: str | None = None,
-    driver_memory: str = "2g",
+    driver_memory: str | None = None,
     conf: Mapping[str, str] | None = None,
     progress: Progress | None = None,
     spark: SparkSession | None = None,
@@ -346,7 +351,9 @@ def run_report(
     """Compute the report of the logs below ``input_path`` into ``out``; returns the summary.
 
     The Spark engine uses ``spark`` if given (and leaves it running), else starts a session
-    (``master``, ``driver_memory``, ``conf``) and stops it, JVM included, when done.
+    (``master``, ``driver_memory``, by default a share of the machine's memory as
+    :func:`shoal.analytics.session.default_driver_memory` says, ``conf``) and stops it,
+    JVM included, when done.
 
     Where the time went is said at the end (one block, :mod:`shoal.analytics.timing`) and
     is summary.json's ``timing``: the phases of ``timeline`` if given (the command's, which
@@ -369,7 +376,8 @@ def run_report(
 
         session = spark_session(master, driver_memory=driver_memory, conf=conf)
         timeline.mark("Spark session (the JVM's start)")
-        say(f"spark: session up, master {session.sparkContext.master}")
+        memory = session.sparkContext.getConf().get("spark.driver.memory", "1g")
+        say(f"spark: session up, master {session.sparkContext.master}, driver memory {memory}")
         try:
             data = _spark_data(input_path, out, say, session, timeline)
         finally:

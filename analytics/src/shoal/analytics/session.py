@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -23,7 +24,10 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_MASTER",
     "JavaMissing",
+    "default_driver_memory",
+    "driver_memory_mib",
     "find_java",
+    "machine_memory",
     "spark_session",
     "stop_spark",
     "under_spark_submit",
@@ -39,6 +43,19 @@ MIN_JAVA = 17
 JVM_OPTIONS = "-XX:+UseParallelGC"
 # Compiled classes Spark keeps for reuse: a report makes some 230 (Janino, 2M rows).
 CODEGEN_CACHE_ENTRIES = 1000
+# The driver's heap when nobody says (--driver-memory): a quarter of the machine's memory,
+# as the JVM itself takes by default (Spark's own default, 1g, replaces that). The report
+# keeps its checkpoints in the heap, about 1 GB live at 10M rows: a 2g heap, full of them,
+# ran 350-386 collections (44-50 full) and 10 s of collector CPU where 6g ran 86-112 (14-16
+# full) and 3-4 s: 63.8 s against 53.8 s for the report (issue 30). At least 1g (Spark's
+# default), at most 8g: more than a one-machine report needs, the rest left to the Python
+# side (pandas, the plots) and to other work.
+DRIVER_MEMORY_SHARE = 0.25
+DRIVER_MEMORY_MIN_MIB = 1024
+DRIVER_MEMORY_MAX_MIB = 8192
+# Spark refuses a heap under 450 MiB (its 300 MiB reserve x 1.5); -Xmx512m gives 455 MiB.
+DRIVER_MEMORY_FLOOR_MIB = 512
+_UNITS = {"m": 1, "g": 1024, "t": 1024 * 1024}
 
 
 class JavaMissing(RuntimeError):
@@ -90,15 +107,65 @@ def find_java(env: Mapping[str, str] | None = None) -> str:
     return java
 
 
+def driver_memory_mib(value: str) -> int:
+    """MiB in a memory size as the driver's JVM takes it (``-Xmx``): a whole number and m, g
+    or t (``512m``, ``4g``); ValueError, said for the user, if it is not one or is too
+    small for Spark. (A bare number would be bytes to the JVM, and "4gb" no size at all.)"""
+    match = re.fullmatch(r"(\d+)([mgt])", value.strip(), re.IGNORECASE)
+    if not match:
+        raise ValueError(f"{value!r} is not a memory size: a whole number and m, g or t (4g)")
+    mib = int(match.group(1)) * _UNITS[match.group(2).lower()]
+    if mib < DRIVER_MEMORY_FLOOR_MIB:
+        raise ValueError(
+            f"{value} is too little: Spark's driver needs at least {DRIVER_MEMORY_FLOOR_MIB}m"
+        )
+    return mib
+
+
+def _cgroup_limit(root: Path) -> int | None:
+    """This process's memory limit from its cgroup (v2, else v1), if it has one."""
+    for name in ("memory.max", "memory/memory.limit_in_bytes"):
+        try:
+            text = (root / name).read_text().strip()
+        except OSError:
+            continue
+        # "max" (v2) or a huge number (v1, no limit): the machine's memory decides.
+        if text.isdigit() and int(text) < 2**60:
+            return int(text)
+    return None
+
+
+def machine_memory(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Bytes of memory this process may use: the machine's physical memory, or its
+    container's limit if lower (as the JVM counts it); None if unknown."""
+    try:
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system that says
+        physical = 0
+    limit = _cgroup_limit(cgroup_root)
+    known = [n for n in (physical, limit) if n and n > 0]
+    return min(known) if known else None
+
+
+def default_driver_memory(total: int | None = None) -> str:
+    """The driver's memory when nobody says: DRIVER_MEMORY_SHARE of ``total`` bytes
+    (default: :func:`machine_memory`) in MiB, within DRIVER_MEMORY_MIN_MIB and
+    DRIVER_MEMORY_MAX_MIB; the minimum if the memory is unknown."""
+    total = machine_memory() if total is None else total
+    share = int((total or 0) * DRIVER_MEMORY_SHARE) // (1024 * 1024)
+    return f"{min(max(share, DRIVER_MEMORY_MIN_MIB), DRIVER_MEMORY_MAX_MIB)}m"
+
+
 def spark_session(
     master: str | None = None,
     *,
     app_name: str = "shoal-analytics",
-    driver_memory: str = "2g",
+    driver_memory: str | None = None,
     conf: Mapping[str, str] | None = None,
 ) -> SparkSession:
     """A SparkSession for the report: ``master`` (default ``local[*]``) unless running under
-    spark-submit, UTC, no UI, Arrow transfers, this Python for the workers."""
+    spark-submit, UTC, no UI, Arrow transfers, this Python for the workers; ``driver_memory``
+    by default :func:`default_driver_memory`."""
     submitted = under_spark_submit()
     if not submitted:
         find_java()
@@ -124,7 +191,7 @@ def spark_session(
         scratch = tempfile.gettempdir()
         settings.update(
             {
-                "spark.driver.memory": driver_memory,
+                "spark.driver.memory": driver_memory or default_driver_memory(),
                 "spark.ui.enabled": "false",
                 # Keep spark-warehouse / metastore files out of the working directory.
                 "spark.sql.warehouse.dir": os.path.join(scratch, "shoal-spark-warehouse"),
