@@ -98,6 +98,7 @@ def test_the_cli_prints_accounts_nats_server_accepts(tmp_path: Path) -> None:
     shoal, team = out.split("  TEAM {")
     assert "jetstream: enabled" in shoal and "jetstream" not in team
     assert 'user: "shoal-operator"' in shoal and 'user: "shoal-producer"' in shoal
+    assert 'user: "shoal-admin"' in shoal  # the dlq and reset commands
     assert 'user: "shoal-member"' in team and 'user: "shoal-member"' not in shoal
     assert (
         '{service: "$JS.API.CONSUMER.MSG.NEXT.shoal_shop_orders.*", accounts: [TEAM], '
@@ -115,7 +116,7 @@ def test_the_cli_prints_accounts_nats_server_accepts(tmp_path: Path) -> None:
         f'listen: 127.0.0.1:-1\njetstream {{store_dir: "{tmp_path}/js"}}\ninclude "accounts.conf"\n'
     )
     env = {
-        f"SHOAL_{role}_PASSWORD": "pw" for role in ("MEMBER", "OPERATOR", "PRODUCER", "ANALYTICS")
+        f"SHOAL_{role}_PASSWORD": "pw" for role in ("MEMBER", "OPERATOR", "PRODUCER", "ANALYTICS", "ADMIN")
     }
     checked = subprocess.run(
         [NatsServer._find_binary(None), "-t", "-c", str(conf)],
