@@ -116,7 +116,8 @@ def test_the_cli_prints_accounts_nats_server_accepts(tmp_path: Path) -> None:
         f'listen: 127.0.0.1:-1\njetstream {{store_dir: "{tmp_path}/js"}}\ninclude "accounts.conf"\n'
     )
     env = {
-        f"SHOAL_{role}_PASSWORD": "pw" for role in ("MEMBER", "OPERATOR", "PRODUCER", "ANALYTICS", "ADMIN")
+        f"SHOAL_{role}_PASSWORD": "pw"
+        for role in ("MEMBER", "OPERATOR", "PRODUCER", "ANALYTICS", "ADMIN")
     }
     checked = subprocess.run(
         [NatsServer._find_binary(None), "-t", "-c", str(conf)],
