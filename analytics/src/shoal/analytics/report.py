@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -367,6 +368,7 @@ def run_report(
     timeline = timeline or Timeline()
     started = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
+    stopping: threading.Thread | None = None
     if engine == "pandas":
         data = _pandas_data(Path(input_path), out, say, timeline)
     elif spark is not None:
@@ -380,15 +382,22 @@ def run_report(
         say(f"spark: session up, master {session.sparkContext.master}, driver memory {memory}")
         try:
             data = _spark_data(input_path, out, say, session, timeline)
-        finally:
+        except BaseException:
             stop_spark(session)
-        timeline.mark("stop Spark (the JVM's exit)")
+            raise
+        # What follows needs only the pandas tables, so the JVM stops (most of a second,
+        # most of it waiting for it to exit) while they are written.
+        stopping = threading.Thread(target=stop_spark, args=(session,), name="stop-spark")
+        stopping.start()
     for name, frame in data.tables.items():
         frame.to_csv(out / "tables" / f"{name}.csv", index=False)
     timeline.mark("small tables as CSV")
     summary = build_summary(data, input_path=input_path, elapsed_s=time.monotonic() - started)
     write_html(data, summary, out)
     timeline.mark("plots and report.html")
+    if stopping is not None:
+        stopping.join()
+        timeline.mark("stop Spark (the JVM's exit; beside the CSV and HTML)")
     # Written last, so that it holds the timing of everything before.
     summary["timing"] = timeline.as_dict()
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
