@@ -23,6 +23,7 @@ from pathlib import Path
 import nats
 import pytest
 import yaml
+from nats.js.errors import NotFoundError
 
 from harness.kubetest import apply_secret, get_json, wait_until
 from harness.localkube.plane import LocalKube
@@ -81,7 +82,7 @@ def durables(secure: SecureNats, stream: str) -> list[str]:
         nc = await nats.connect(secure.url, **admin.connect_options())
         try:
             return [c.name for c in await nc.jetstream().consumers_info(stream) if c.name]
-        except Exception:
+        except NotFoundError:  # the operator has not made the stream yet
             return []
         finally:
             await nc.close()
