@@ -14,7 +14,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -70,7 +69,7 @@ def test_a_healthy_fresh_member_is_ready_and_alive(tmp_path: Path) -> None:
 def test_readiness_says_why_a_member_is_not_ready(
     tmp_path: Path, change: dict[str, object], why: str
 ) -> None:
-    path = _file(tmp_path, replace(HEALTHY, **change))  # type: ignore[arg-type]
+    path = _file(tmp_path, HEALTHY._replace(**change))  # type: ignore[arg-type]
     ok, message = check(path, now=NOW)
     assert not ok and message.startswith("not ready: ") and why in message, message
 
@@ -88,13 +87,13 @@ def test_readiness_says_why_a_member_is_not_ready(
 )
 def test_liveness_ignores_etcd_and_nats(tmp_path: Path, change: dict[str, object]) -> None:
     # Fenced, cut from NATS, not joined (etcd down at start-up): all alive.
-    path = _file(tmp_path, replace(HEALTHY, **change))  # type: ignore[arg-type]
+    path = _file(tmp_path, HEALTHY._replace(**change))  # type: ignore[arg-type]
     ok, message = check_live(path, now=NOW)
     assert ok, message
 
 
 def test_liveness_fails_only_on_a_stale_state(tmp_path: Path) -> None:
-    path = _file(tmp_path, replace(HEALTHY, mono=NOW - 61))
+    path = _file(tmp_path, HEALTHY._replace(mono=NOW - 61))
     ok, message = check_live(path, now=NOW)
     assert not ok and "event loop is stuck" in message and "61 s" in message, message
     assert check_live(path, max_age=90, now=NOW)[0]
@@ -122,11 +121,11 @@ def test_the_cli_helps_and_exits_with_the_verdict(
     assert "usage: shoal-ready" in shown and "--live" in shown and "--max-age" in shown
     assert "etcd or NATS being down never fails liveness" in shown
     assert ready.main(["--bogus"]) == 2
-    fresh = replace(HEALTHY, mono=time.monotonic())
+    fresh = HEALTHY._replace(mono=time.monotonic())
     path = _file(tmp_path, fresh)
     assert ready.main([path]) == 0
     assert ready.main([path, "--live"]) == 0
-    write_state(Path(path), replace(fresh, mono=time.monotonic() - 10))
+    write_state(Path(path), fresh._replace(mono=time.monotonic() - 10))
     assert ready.main([path]) == 1
     assert ready.main([path, "--live"]) == 0
     assert ready.main([path, "--live", "--max-age", "5"]) == 1
@@ -245,19 +244,19 @@ def test_a_state_left_by_an_ended_process_is_not_ready(tmp_path: Path) -> None:
     ended.wait()
     start = ready.process_start()
     assert start is not None and start > 0
-    mine = replace(HEALTHY, pid=os.getpid(), started=start, mono=time.monotonic())
+    mine = HEALTHY._replace(pid=os.getpid(), started=start, mono=time.monotonic())
     ok, message = check(_file(tmp_path, mine))
     assert ok, message
     # The pid of a process that has ended; and this process's pid with another start
     # time (the pid reused by a later process, e.g. pid 1 of a restarted container).
     for gone in (
-        replace(mine, pid=ended.pid),
-        replace(mine, started=start + 1),
+        mine._replace(pid=ended.pid),
+        mine._replace(started=start + 1),
     ):
         ok, message = check(_file(tmp_path, gone))
         assert not ok and f"(pid {gone.pid}) has ended" in message, message
         ok, message = check_live(_file(tmp_path, gone))
         assert ok, message  # a restarting container is not restarted again for it
     # Written before the field existed (or without /proc): not judged by it.
-    ok, message = check(_file(tmp_path, replace(mine, pid=ended.pid, started=0)))
+    ok, message = check(_file(tmp_path, mine._replace(pid=ended.pid, started=0)))
     assert ok, message

@@ -11,6 +11,7 @@ Shutdown order (SIGTERM) is what makes a planned departure lossless and fast:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import resource
@@ -370,7 +371,8 @@ class ConsumerProcess:
             await asyncio.gather(self._health_task, return_exceptions=True)
             self._health_task = None
         if self.health is not None:
-            self.health.path.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.health.path)
 
     async def shutdown(self) -> None:
         c = self.config
