@@ -320,6 +320,7 @@ class Bench:
             handler_ms=a.delay_ms,
             messages=a.io_messages,
             member_cpu_pct={m: round(100 * c / s, 1) for m, c in cpu.items()},
+            member_cpu_ms_per_msg=round(1000 * sum(cpu.values()) / n, 4) if n else None,
         )
         group = "io-http"
         record = True
@@ -327,6 +328,8 @@ class Bench:
             f"m-{i}": start_service(self.root, f"{group}-svc-{i}", a.delay_ms, record=record)
             for i in range(a.io_members)
         }
+        service_cpu0 = {m: cpu_seconds(svc.process.pid) for m, svc in services.items()}
+        service_cpu: dict[str, float] = {}
         try:
             n, s, cpu, ids = await self.drain(
                 js,
@@ -337,6 +340,11 @@ class Bench:
                 a.io_messages,
                 lambda name: {"SHOAL_HANDLER": services[name].url},
             )
+            # Over the whole run (publishing and the members' start-up included, while
+            # the services idle): an upper bound of what the drain cost them.
+            service_cpu = {
+                m: cpu_seconds(svc.process.pid) - service_cpu0[m] for m, svc in services.items()
+            }
         finally:
             records = [r for svc in services.values() for r in stop_service(svc)]
         rate = n / s
@@ -347,6 +355,8 @@ class Bench:
             "projects": a.projects,
             "timed_messages": n,
             "member_cpu_pct": {m: round(100 * c / s, 1) for m, c in cpu.items()},
+            "member_cpu_ms_per_msg": round(1000 * sum(cpu.values()) / n, 4) if n else None,
+            "service_cpu_ms_per_msg": round(1000 * sum(service_cpu.values()) / n, 4) if n else None,
             "service": "python-aiohttp" if a.python_service else "go",
             "inprocess_msgs_per_s": round(inprocess, 1),
             "ratio_to_inprocess": round(rate / inprocess, 3) if inprocess else None,
