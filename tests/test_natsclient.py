@@ -22,6 +22,7 @@ from nats.protocol.parser import Parser
 from harness.servers import NatsServer
 from harness.waiting import eventually_async
 from shoal.clients.natsclient import (
+    ACK_FLUSH_DELAY,
     Delivery,
     DirectClient,
     FastParser,
@@ -202,6 +203,70 @@ async def test_direct_path_against_a_real_server(direct: DirectClient) -> None:
     await asyncio.sleep(0.3)
     assert len(got) == 4
     await other.unsubscribe()
+    await js.delete_stream(stream)
+
+
+async def test_acks_settled_one_by_one_go_out_in_one_write_and_all_arrive(
+    direct: DirectClient,
+) -> None:
+    """Handlers that finish one per turn of the event loop (a 20 ms handler, an HTTP
+    service) ack one per turn: each ack used to wake the flusher for a write of its own.
+    Now they wait ACK_FLUSH_DELAY for each other and go out together, and reach the
+    server without anyone flushing."""
+    nc = direct
+    js = nc.jetstream()
+    stream = f"acks-{uuid.uuid4().hex[:8]}"
+    await js.add_stream(name=stream, subjects=[f"{stream}.>"])
+    await js.add_consumer(
+        stream, api.ConsumerConfig(durable_name="d", ack_policy=api.AckPolicy.EXPLICIT)
+    )
+    for i in range(20):
+        await js.publish(f"{stream}.{i}", b"x")
+    got: list[Delivery] = []
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox + ".*")
+    nc.route_directly(sub, got.append, lambda subject, headers: None)
+    await nc.publish(
+        f"$JS.API.CONSUMER.MSG.NEXT.{stream}.d",
+        json.dumps({"batch": 20}).encode(),
+        reply=inbox + ".a",
+    )
+
+    async def delivered() -> int:
+        return len(got)
+
+    await eventually_async(delivered, 5, "20 deliveries", until=lambda n: n == 20)
+    await asyncio.sleep(0.05)  # the pull's own write is long done
+
+    transport: Any = nc._transport
+    writes = 0
+    write_lines = transport.writelines
+
+    def counted(lines: Any) -> None:
+        nonlocal writes
+        writes += 1
+        write_lines(lines)
+
+    transport.writelines = counted
+    try:
+        for msg in got:
+            if not nc.queue_ack(msg.reply):
+                await nc.publish_ack(msg.reply)
+            await asyncio.sleep(0)  # the next handler finishes in a later turn
+        await asyncio.sleep(ACK_FLUSH_DELAY + 0.05)
+    finally:
+        transport.writelines = write_lines
+    assert writes == 1, f"{writes} writes for 20 acks"
+    info = await eventually_async(
+        lambda: js.consumer_info(stream, "d"),
+        5,
+        "the 20 acks to reach the server (no flush asked for)",
+        until=lambda i: i.num_ack_pending == 0 and i.ack_floor.stream_seq == 20,
+        interval=0.02,
+        describe=lambda i: f"ack pending {i.num_ack_pending}, floor {i.ack_floor.stream_seq}",
+    )
+    assert info.num_redelivered == 0
+    await sub.unsubscribe()
     await js.delete_stream(stream)
 
 

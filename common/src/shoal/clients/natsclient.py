@@ -19,7 +19,8 @@ subscription takes nats-py's own path, unchanged.
 
 Reading and acking are lean as well: :class:`FastParser` replaces nats-py's protocol
 parser for messages, and :meth:`DirectClient.publish_ack` publishes an ack without
-``publish()``'s per-call checks.
+``publish()``'s per-call checks, and lets the acks of the next millisecond join it in one
+write (ACK_FLUSH_DELAY).
 
 All this leans on private parts of nats-py 2.16: ``Client._process_msg`` (overridden),
 ``_process_headers``, ``_send_command``, ``_flush_pending``, ``_flush_queue``,
@@ -46,6 +47,14 @@ from nats.protocol.parser import AWAITING_CONTROL_LINE, AWAITING_MSG_PAYLOAD, Pa
 _HEADER_LINE = b"NATS/1.0\r\n"
 _CRLF = b"\r\n"
 _WHITESPACE = re.compile(r"\s")
+
+# How long an ack waits for the acks after it before they are written together. The
+# server gives a message ack_wait (30 s by default) for its ack; a hand-over flushes with
+# a round trip before it releases a partition (worker._let_go), and close() writes what
+# is pending. Written at once, each ack of a member whose handlers finish one by one
+# (a 20 ms handler, an HTTP service) cost a write of its own: 20 % of such a member's
+# samples (py-spy) were the flusher's writelines.
+ACK_FLUSH_DELAY = 0.001
 
 OnMessage = Callable[["Delivery"], None]
 OnStatus = Callable[[str, dict[str, str]], None]
@@ -278,6 +287,8 @@ class DirectClient(Client):
         self.closed_event = asyncio.Event()
         self._ps = FastParser(self)
         self._direct: dict[int, tuple[OnMessage, OnStatus]] = {}
+        # The timer of the acks' next flush (publish_ack), while one is due.
+        self._ack_flush: asyncio.TimerHandle | None = None
 
     def route_directly(self, sub: Any, on_message: OnMessage, on_status: OnStatus) -> None:
         """Send `sub`'s JetStream messages to `on_message` and its statuses to
@@ -312,11 +323,15 @@ class DirectClient(Client):
     def queue_ack(self, subject: str, payload: bytes = b"+ACK") -> bool:
         """Queue an ack (or another verb) for a JetStream reply subject, without a
         coroutine, when that is all it takes: the connection is up, the pending buffer
-        has room, and a flush is queued already (by an earlier publish in this turn of
-        the event loop). Otherwise queue nothing and return False: the caller awaits
-        `publish_ack`."""
+        has room, and a flush is on its way already (queued by an earlier publish in this
+        turn of the event loop, or an ack's flush due within ACK_FLUSH_DELAY). Otherwise
+        queue nothing and return False: the caller awaits `publish_ack`."""
         queue = self._flush_queue
-        if self._status != Client.CONNECTED or queue is None or queue.empty():
+        if (
+            self._status != Client.CONNECTED
+            or queue is None
+            or (queue.empty() and self._ack_flush is None)
+        ):
             return False
         cmd = self._ack_command(subject, payload)
         size = self._pending_data_size + len(cmd)
@@ -337,9 +352,25 @@ class DirectClient(Client):
             return
         self._count_out(payload)
         await self._send_command(self._ack_command(subject, payload))
-        # As publish does: wake the flusher unless a flush is already queued.
+        # Unlike publish, not at once: in ACK_FLUSH_DELAY, with the acks that follow.
         if self._flush_queue is not None and self._flush_queue.empty():
-            await self._flush_pending()
+            self._schedule_ack_flush()
+
+    def _schedule_ack_flush(self) -> None:
+        if self._ack_flush is None:
+            loop = asyncio.get_running_loop()
+            self._ack_flush = loop.call_later(ACK_FLUSH_DELAY, self._flush_acks)
+
+    def _flush_acks(self) -> None:
+        """Wake the flusher for the acks pending, unless a flush is queued already (it
+        writes them too) or the connection is down (nats-py writes what is pending once
+        it is back, and before it closes)."""
+        self._ack_flush = None
+        queue = self._flush_queue
+        if self._status != Client.CONNECTED or queue is None or not queue.empty():
+            return
+        if self._pending_data_size > 0:
+            queue.put_nowait(asyncio.get_running_loop().create_future())
 
     @staticmethod
     def _ack_command(subject: str, payload: bytes) -> bytes:
