@@ -101,14 +101,20 @@ async def direct(nats_url: str) -> Any:
     await nc.close()
 
 
-async def test_direct_path_against_a_real_server(direct: DirectClient) -> None:
-    nc = direct
-    js = nc.jetstream()
-    stream = f"direct-{uuid.uuid4().hex[:8]}"
+async def _stream_with_durable(js: Any, prefix: str) -> str:
+    """A new stream on `<name>.>` with a durable "d" (explicit acks); its name."""
+    stream = f"{prefix}-{uuid.uuid4().hex[:8]}"
     await js.add_stream(name=stream, subjects=[f"{stream}.>"])
     await js.add_consumer(
         stream, api.ConsumerConfig(durable_name="d", ack_policy=api.AckPolicy.EXPLICIT)
     )
+    return stream
+
+
+async def test_direct_path_against_a_real_server(direct: DirectClient) -> None:
+    nc = direct
+    js = nc.jetstream()
+    stream = await _stream_with_durable(js, "direct")
     for i in range(3):
         await js.publish(
             f"{stream}.{i}", f"m{i}".encode(), headers={"Shoal-Project-Id": f"p{i}", "N": str(i)}
@@ -215,11 +221,7 @@ async def test_acks_settled_one_by_one_go_out_in_one_write_and_all_arrive(
     server without anyone flushing."""
     nc = direct
     js = nc.jetstream()
-    stream = f"acks-{uuid.uuid4().hex[:8]}"
-    await js.add_stream(name=stream, subjects=[f"{stream}.>"])
-    await js.add_consumer(
-        stream, api.ConsumerConfig(durable_name="d", ack_policy=api.AckPolicy.EXPLICIT)
-    )
+    stream = await _stream_with_durable(js, "acks")
     for i in range(20):
         await js.publish(f"{stream}.{i}", b"x")
     got: list[Delivery] = []
