@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from harness.kubetest import create_namespace, get_json, wait_until
+from harness.kubetest import create_namespace, get_json, wait_established, wait_until
 from harness.localkube.plane import LocalKube
 from harness.localkube.tools import find_tools
 from harness.waiting import eventually
@@ -156,9 +156,7 @@ def rendered_policy() -> str:
 def consumer(localkube: LocalKube, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Consumer]:
     plane = localkube
     plane.kubectl("apply", "--server-side", "-f", str(CRD))
-    plane.kubectl(
-        "wait", "--for=condition=Established", "crd/consumergroups.shoal.dev", "--timeout=60s"
-    )
+    wait_established(plane, "consumergroups.shoal.dev")
     policy = rendered_policy()
     create_namespace(plane, NAMESPACE)
     try:

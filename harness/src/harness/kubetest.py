@@ -57,6 +57,27 @@ def create_namespace(plane: LocalKube, name: str) -> None:
     )
 
 
+def wait_established(plane: LocalKube, crd: str, timeout: float = 60.0) -> None:
+    """Wait for the CRD's Established condition, trying `kubectl wait` again while it
+    fails before `timeout`. CI once had it exit 1 at once on a 3-node plane a second
+    old, right after the CRD's apply had succeeded (stop 38; it did not happen in six
+    tries since): a retry costs nothing, and if it keeps failing, the error says what
+    kubectl said instead of only its exit status."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = max(1, int(deadline - time.monotonic()))
+        done = plane.kubectl(
+            "wait", "--for=condition=Established", f"crd/{crd}", f"--timeout={left}s", check=False
+        )
+        if done.returncode == 0:
+            return
+        if time.monotonic() >= deadline:
+            said = (done.stderr or done.stdout).strip()
+            raise RuntimeError(f"CRD {crd} not Established within {timeout:g} s: {said}")
+        print(f"kubectl wait for CRD {crd}: exit {done.returncode}: {done.stderr.strip()}")
+        time.sleep(1.0)
+
+
 @contextlib.contextmanager
 def operator_process(
     plane: LocalKube,
@@ -76,9 +97,7 @@ def operator_process(
     so they can share the session's plane.
     """
     plane.kubectl("apply", "--server-side", "-f", str(ROOT / "crds" / "consumergroup.yaml"))
-    plane.kubectl(
-        "wait", "--for=condition=Established", "crd/consumergroups.shoal.dev", "--timeout=60s"
-    )
+    wait_established(plane, "consumergroups.shoal.dev")
     env = {
         **os.environ,
         **plane.env(),
