@@ -186,7 +186,12 @@ class Side:
         return self.messages / self.seconds if self.seconds else 0.0
 
     def per_msg_ms(self, cpu: float) -> float:
-        return 1000 * cpu / self.messages if self.messages else 0.0
+        return per_msg_ms(cpu, self.messages) or 0.0
+
+
+def per_msg_ms(cpu: float, messages: int) -> float | None:
+    """CPU seconds over `messages` as milliseconds per message (None for no messages)."""
+    return round(1000 * cpu / messages, 4) if messages else None
 
 
 class Bench:
@@ -320,7 +325,7 @@ class Bench:
             handler_ms=a.delay_ms,
             messages=a.io_messages,
             member_cpu_pct={m: round(100 * c / s, 1) for m, c in cpu.items()},
-            member_cpu_ms_per_msg=round(1000 * sum(cpu.values()) / n, 4) if n else None,
+            member_cpu_ms_per_msg=per_msg_ms(sum(cpu.values()), n),
         )
         group = "io-http"
         record = True
@@ -355,8 +360,8 @@ class Bench:
             "projects": a.projects,
             "timed_messages": n,
             "member_cpu_pct": {m: round(100 * c / s, 1) for m, c in cpu.items()},
-            "member_cpu_ms_per_msg": round(1000 * sum(cpu.values()) / n, 4) if n else None,
-            "service_cpu_ms_per_msg": round(1000 * sum(service_cpu.values()) / n, 4) if n else None,
+            "member_cpu_ms_per_msg": per_msg_ms(sum(cpu.values()), n),
+            "service_cpu_ms_per_msg": per_msg_ms(sum(service_cpu.values()), n),
             "service": "python-aiohttp" if a.python_service else "go",
             "inprocess_msgs_per_s": round(inprocess, 1),
             "ratio_to_inprocess": round(rate / inprocess, 3) if inprocess else None,
