@@ -149,10 +149,27 @@ async def ensure_group(js: Any, config: GroupConfig) -> None:
             await js.add_consumer(config.stream, config=wanted)
 
     await asyncio.gather(*(add(p) for p in missing + outdated))
-    if missing:
+    if missing and existing and config.retention != "workqueue":
+        # Some were deleted while no member ran (a member recreates one deleted under
+        # it where it was: consumer/restart.py). Nobody knows where these were, and the
+        # stream keeps acked messages: each delivers its partition from the start.
+        log.warning(
+            "Durables of partitions %s were missing on stream %s (%s retention keeps "
+            "acked messages): created anew, each delivers its partition's messages from "
+            "the stream's start; `shoal-consumer reset` chooses another place",
+            _partition_list(missing),
+            config.stream,
+            config.retention,
+        )
+    elif missing:
         log.info("Created %d durable consumers on stream %s", len(missing), config.stream)
     if outdated:
         log.info("Updated %d durable consumers to the configured settings", len(outdated))
+
+
+def _partition_list(partitions: list[int], most: int = 10) -> str:
+    shown = ", ".join(str(p) for p in partitions[:most])
+    return shown + (f" and {len(partitions) - most} more" if len(partitions) > most else "")
 
 
 def keep_position(wanted: api.ConsumerConfig, current: api.ConsumerConfig) -> api.ConsumerConfig:
@@ -211,7 +228,12 @@ async def delete_message(
         raise MessageDeleteError(str(error.get("description", error)), error.get("err_code"))
 
 
-async def partition_lag(js: Any, config: GroupConfig, partition: int) -> int:
-    """num_pending + num_ack_pending of the partition's durable."""
+def ack_floor(info: api.ConsumerInfo) -> int:
+    """The stream sequence at and below which the durable's messages are all acked."""
+    return int(info.ack_floor.stream_seq or 0) if info.ack_floor is not None else 0
+
+
+async def partition_progress(js: Any, config: GroupConfig, partition: int) -> tuple[int, int]:
+    """The partition's durable: its lag (num_pending + num_ack_pending), its ack floor."""
     info = await js.consumer_info(config.stream, durable_name(partition), timeout=2)
-    return int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+    return int(info.num_pending or 0) + int(info.num_ack_pending or 0), ack_floor(info)

@@ -26,13 +26,15 @@ ack_wait, then come back to the next owner out of order.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from nats.js.errors import NotFoundError
+from nats.js import api
+from nats.js.errors import APIError, NotFoundError
 
 from shoal.clients.natsclient import Delivery
 from shoal.consumer.alarm import Alarm
@@ -41,9 +43,10 @@ from shoal.consumer.handlers import Fenced
 from shoal.consumer.holding import PARTITION_HOLD_SECONDS, HoldBudget
 from shoal.consumer.progress import Progress
 from shoal.consumer.pull import PullRequest, RequestWatch
+from shoal.consumer.restart import restart_sequence
 from shoal.consumer.takeover import Gate, describe
 from shoal.contracts.names import PROJECT_HEADER, durable_name, partition_for, partition_subject
-from shoal.group.jetstream import consumer_config
+from shoal.group.jetstream import ack_floor, consumer_config
 
 if TYPE_CHECKING:
     from shoal.consumer.worker import Worker
@@ -57,6 +60,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# JetStream's error for a create that would change an existing durable's start.
+DELIVER_POLICY_UNCHANGEABLE = 10012
 
 # Pulls nobody answers (503: the durable or the stream is gone): first and longest wait.
 MISSING_DURABLE_BACKOFF = 0.25
@@ -184,6 +190,16 @@ class PartitionRunner:
         self.answered = 0  # pull requests the server ended with its batch, or with nothing
         # num_pending + num_ack_pending of the durable, as last read (runtime's lag loop).
         self.server_lag = 0
+        # Where the durable was, for recreating it where it was if it is deleted under
+        # us (restart.py): its ack floor as last read from its info (None: not read),
+        # and the highest stream sequence delivered to us.
+        self.ack_floor: int | None = None
+        self.delivered_high = 0
+        # After such a recreate: the new durable delivers again what the old one had
+        # delivered up to this sequence; of those, what we settled is acked again
+        # (settled.py) and what we still hold is ignored (it is acked once it ran).
+        self._replay_until = 0
+        self._held_at_restart: frozenset[int] = frozenset()
         self.progress = Progress()  # the stall check's (Worker.check_stalls)
         # Credits of messages given back to this partition by earlier owners and not
         # delivered to us yet (stream sequence -> credit: dispatch.Held.credit), read from
@@ -312,8 +328,13 @@ class PartitionRunner:
         group is paused, Worker.follow_reset): what the runner remembers of the old
         one's deliveries means nothing now. The sequences it gave back when it paused
         may never come again (a reset to the end), so resuming must not wait for them;
-        credits are of deliveries the new durable never made."""
+        credits are of deliveries the new durable never made, and where the old one
+        was is no place for recreating this one."""
         self.credits.clear()
+        self.ack_floor = None
+        self.delivered_high = 0
+        self._replay_until = 0
+        self._held_at_restart = frozenset()
         self._resume_wait.clear()
         self._resume_ask_durable = False
         self._late.clear()
@@ -643,6 +664,7 @@ class PartitionRunner:
         except Exception as exc:
             log.debug("Partition %d: no consumer info (%r); not dozing", self.partition, exc)
             return False
+        self.ack_floor = ack_floor(info)
         # Our held messages are unacked on the server, so they count in num_ack_pending;
         # anything beyond them is someone else's, or an ack of ours not applied yet.
         return not info.num_pending and (info.num_ack_pending or 0) <= self.buffered
@@ -670,6 +692,8 @@ class PartitionRunner:
         instead, if it must (the caller awaits that; this is not a coroutine, as it runs
         once per message)."""
         self.arrived += 1
+        if seq > self.delivered_high:
+            self.delivered_high = seq
         request = self.request
         if request is not None and request.remaining:
             # PullRequest.arrived(), inline: this runs once per message.
@@ -692,8 +716,13 @@ class PartitionRunner:
     def _accept(self, msg: Delivery, seq: int, delivered: int) -> str | None:
         """deliver()'s second half: check the message and hold it for the dispatcher."""
         w = self.worker
-        if delivered > 1 and seq in w.settled_seqs:
+        if (delivered > 1 or seq <= self._replay_until) and seq in w.settled_seqs:
             w.resettle(self, msg, seq)  # handled here already: its ack came late, or not
+            return None
+        if seq <= self._replay_until and seq in self._held_at_restart:
+            # Held since before the durable was recreated: it runs (or ran) once, and
+            # the new durable, which gets no ack for this delivery, sends it again
+            # after ack_wait, when the line above acks it.
             return None
         project = msg.header(PROJECT_HEADER_BYTES)
         if not project:
@@ -1019,8 +1048,9 @@ class PartitionRunner:
         return True
 
     async def _recreate_durable(self) -> bool:
-        """Recreate this partition's durable, unless JetStream objects are not ours to
-        manage or the stream itself is gone. True when JetStream confirmed the create."""
+        """Recreate this partition's durable where the old one was (restart.py), unless
+        JetStream objects are not ours to manage or the stream itself is gone. True when
+        JetStream confirmed the create, or answered that the durable exists."""
         w = self.worker
         c = w.config
         if not c.ensure_jetstream:
@@ -1032,24 +1062,55 @@ class PartitionRunner:
                 c.stream,
             )
             return False
+        held = frozenset(h.seq for queue in self.projects.values() for h in queue.pending)
+        config, where = self._recreated_config(held)
         try:
             try:
-                # Creating a durable that exists with this config is a no-op; a new one
-                # starts with what the work-queue stream still holds: nothing acked.
-                await w.js.add_consumer(
-                    c.stream, config=consumer_config(c, self.partition), timeout=2
-                )
-                log.warning(
-                    "Recreated the missing durable consumer of partition %d", self.partition
-                )
+                await w.js.add_consumer(c.stream, config=config, timeout=2)
+            except APIError as exc:
+                if exc.err_code != DELIVER_POLICY_UNCHANGEABLE:
+                    raise
+                # It exists, with a start of its own (a member or the operator made it
+                # meanwhile, or JetStream answers again after an election): keep it.
+                log.info("The durable of partition %d exists again", self.partition)
                 return True
-            except NotFoundError:
-                # The stream itself is gone, and its messages with it: recreating it is a
-                # decision for whoever deleted it (the operator reconciles it). Say so
-                # once, and keep backing off.
-                if not w.stream_missing_logged:
-                    w.stream_missing_logged = True
-                    log.error("Stream %s is missing: nothing to consume until it is back", c.stream)
+            log.warning(
+                "Recreated the missing durable consumer of partition %d (%s)",
+                self.partition,
+                where,
+            )
+            self._replay_until = self.delivered_high
+            self._held_at_restart = held
+            return True
+        except NotFoundError:
+            # The stream itself is gone, and its messages with it: recreating it is a
+            # decision for whoever deleted it (the operator reconciles it). Say so once,
+            # and keep backing off.
+            if not w.stream_missing_logged:
+                w.stream_missing_logged = True
+                log.error("Stream %s is missing: nothing to consume until it is back", c.stream)
         except Exception as exc:  # JetStream away, or refusing: the backoff goes on
             log.warning("Could not recreate the durable of partition %d: %r", self.partition, exc)
         return False
+
+    def _recreated_config(self, held: frozenset[int]) -> tuple[api.ConsumerConfig, str]:
+        """The config of a recreated durable, and where it starts, in words."""
+        c = self.worker.config
+        config = consumer_config(c, self.partition)
+        if c.retention == "workqueue":
+            # The stream holds only what nobody acked: all of it is where the old was.
+            return config, "delivering what the work-queue stream still holds"
+        start = restart_sequence(self.ack_floor, held, self.delivered_high)
+        if start is None:
+            log.warning(
+                "Partition %d: where its deleted durable was is unknown (no delivery, no "
+                "info read yet); the new one delivers the %s stream's messages of the "
+                "partition from its start (shoal-consumer reset chooses another place)",
+                self.partition,
+                c.retention,
+            )
+            return config, "from the stream's start"
+        config = dataclasses.replace(
+            config, deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start
+        )
+        return config, f"from stream sequence {start}, where the old one was"

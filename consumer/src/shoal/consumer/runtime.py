@@ -38,7 +38,7 @@ from shoal.contracts.events import AssignmentEvent
 from shoal.contracts.names import assignments_subject
 from shoal.contracts.values import MemberStats
 from shoal.group.config import GroupConfig
-from shoal.group.jetstream import ensure_group, partition_lag
+from shoal.group.jetstream import ensure_group, partition_progress
 from shoal.group.problems import RefusalReporter
 from shoal.group.view import GroupView
 
@@ -316,7 +316,8 @@ class ConsumerProcess:
             # server a request per partition every stats interval.
             owned, held = self.worker.lag_sources()
             results = await asyncio.gather(
-                *(partition_lag(self.js, self.config, p) for p in owned), return_exceptions=True
+                *(partition_progress(self.js, self.config, p) for p in owned),
+                return_exceptions=True,
             )
             total = held
             for p, result in zip(owned, results, strict=True):
@@ -324,10 +325,12 @@ class ConsumerProcess:
                     # (The partition keeps its last known lag: the stall check's "work".)
                     log.debug("Lag of partition %d unavailable: %r", p, result)
                 else:
-                    total += result
+                    lag, floor = result
+                    total += lag
                     runner = self.worker.runners.get(p)
                     if runner is not None:
-                        runner.server_lag = result
+                        runner.server_lag = lag
+                        runner.ack_floor = floor
             self.lag = total
             self.metrics.lag.set(total)
 

@@ -1,0 +1,153 @@
+"""A durable deleted under a running member is recreated where the old one was.
+
+On a `limits` stream acked messages stay, so a durable recreated with "deliver all" would
+hand the member the partition's whole history again (restart.py). Real nats-server, etcd
+and member processes; the ledger handler records every run of a handler.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from harness.audit import message_ids
+from harness.fleet import Fleet, settled, wait_for_status
+from harness.waiting import eventually_async
+from shoal.clients.etcd import Etcd
+from shoal.consumer.ledger import LedgerRecord, audit, read_ledger
+from shoal.consumer.producer import Outgoing, Producer
+from shoal.contracts.names import SEQ_HEADER, durable_name, partition_for
+from shoal.group.config import GroupConfig, config_env
+from shoal.group.jetstream import ensure_group
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+HANDLER = "harness.handlers:scripted_ledger"
+PARTITIONS = 8
+PARTITION = 3
+SETTINGS = ("handler", "partitions", "ledger", "ack_wait", "retention")
+
+
+def project_of(partition: int) -> str:
+    i = 0
+    while partition_for(f"project-{i}", PARTITIONS) != partition:
+        i += 1
+    return f"project-{i}"
+
+
+def messages(project: str, start: int, count: int, data: bytes = b"") -> list[Outgoing]:
+    return [
+        Outgoing(project, data, f"{project}-{i}", {SEQ_HEADER: str(i)})
+        for i in range(start, start + count)
+    ]
+
+
+async def start_member(fleet: Fleet, etcd: Etcd, js: Any, config: GroupConfig) -> None:
+    await ensure_group(js, config)
+    fleet.start("m-0", **config_env(config, SETTINGS))
+    await wait_for_status(
+        etcd, config.namespace, config.group, config.partitions, settled({"m-0"}), 30
+    )
+
+
+async def ledger_until(js: Any, config: GroupConfig, count: int, what: str) -> list[LedgerRecord]:
+    async def records() -> list[LedgerRecord]:
+        return await read_ledger(js, config.ledger_stream)
+
+    return await eventually_async(records, 60, what, until=lambda rs: len(rs) >= count)
+
+
+async def delete_and_wait_recreated(fleet: Fleet, js: Any, config: GroupConfig) -> None:
+    await js.delete_consumer(config.stream, durable_name(PARTITION))
+
+    async def recreated() -> bool:
+        return f"Recreated the missing durable consumer of partition {PARTITION}" in fleet.logs()
+
+    await eventually_async(recreated, 30, "m-0 to recreate the deleted durable")
+
+
+@pytest.mark.parametrize("retention", ["limits", "workqueue"])
+async def test_a_recreated_durable_does_not_deliver_the_partition_again(
+    make_fleet: Callable[..., Fleet], etcd: Etcd, js: Any, make_config: Any, retention: str
+) -> None:
+    """Consumed, idle, durable deleted: the next messages are the only ones handled."""
+    config = make_config(handler=HANDLER, partitions=PARTITIONS, retention=retention)
+    fleet = make_fleet(handler=HANDLER, partitions=PARTITIONS)
+    await start_member(fleet, etcd, js, config)
+    project = project_of(PARTITION)
+    producer = Producer(js, config.subject_prefix, config.partitions)
+    first = messages(project, 0, 40)
+    await producer.publish_many(first)
+    await ledger_until(js, config, 40, "the first 40 messages to be handled")
+
+    await delete_and_wait_recreated(fleet, js, config)
+    second = messages(project, 40, 5)
+    await producer.publish_many(second)
+    await ledger_until(js, config, 45, "the next 5 messages to be handled")
+
+    async def idle() -> int:
+        info = await js.consumer_info(config.stream, durable_name(PARTITION))
+        return int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+
+    await eventually_async(
+        idle, 30, "the recreated durable to have nothing outstanding", until=lambda n: n == 0
+    )
+    result = audit(await read_ledger(js, config.ledger_stream), message_ids(first + second))
+    summary = result.summary()
+    assert (summary["lost"], summary["duplicates"], summary["out_of_order"]) == (0, 0, 0), summary
+    assert result.processed == 45
+    assert "Traceback" not in fleet.logs()
+
+
+async def test_a_durable_deleted_while_its_messages_run_loses_none_and_repeats_none(
+    make_fleet: Callable[..., Fleet], etcd: Etcd, js: Any, make_config: Any
+) -> None:
+    """Deleted while the member holds and runs the partition's messages (each takes
+    50 ms, one project: one at a time): the new durable delivers what the member holds
+    again, and the member neither runs those twice nor skips any."""
+    config = make_config(handler=HANDLER, partitions=PARTITIONS, retention="limits", ack_wait=3.0)
+    fleet = make_fleet(handler=HANDLER, partitions=PARTITIONS)
+    await start_member(fleet, etcd, js, config)
+    project = project_of(PARTITION)
+    items = messages(project, 0, 100, b"wait:50")
+    await Producer(js, config.subject_prefix, config.partitions).publish_many(items)
+    await ledger_until(js, config, 20, "20 messages to be handled")
+
+    await delete_and_wait_recreated(fleet, js, config)
+    records = await ledger_until(js, config, 100, "every message to be handled")
+
+    async def idle() -> int:
+        info = await js.consumer_info(config.stream, durable_name(PARTITION))
+        return int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+
+    await eventually_async(
+        idle, 30, "the recreated durable to have nothing outstanding", until=lambda n: n == 0
+    )
+    records = await read_ledger(js, config.ledger_stream)
+    result = audit(records, message_ids(items))
+    summary = result.summary()
+    assert (summary["lost"], summary["duplicates"], summary["out_of_order"]) == (0, 0, 0), summary
+    assert "Traceback" not in fleet.logs()
+
+
+async def test_a_durable_missing_at_start_on_a_limits_stream_is_reported(
+    js: Any, make_config: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Deleted while no member ran, nobody knows where it was: it is created at the
+    stream's start (a new group's durables are too), and the log says so and how to
+    choose another place."""
+    config = make_config(partitions=PARTITIONS, retention="limits")
+    await ensure_group(js, config)
+    await js.delete_consumer(config.stream, durable_name(PARTITION))
+    await js.delete_consumer(config.stream, durable_name(5))
+    with caplog.at_level(logging.INFO, logger="shoal.group.jetstream"):
+        await ensure_group(js, config)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert f"partitions {PARTITION}, 5 were missing" in warnings[0]
+    assert "shoal-consumer reset" in warnings[0]
+    info = await js.consumer_info(config.stream, durable_name(PARTITION))
+    assert info.config.deliver_policy == "all"
