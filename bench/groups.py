@@ -49,7 +49,6 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import signal
 import statistics
 import subprocess
@@ -63,7 +62,7 @@ from typing import Any
 import nats
 
 from harness.bench import cpu_seconds, emit, log_problems, note, percentile, thread_cpu, workdir
-from harness.kubetest import create_namespace, operator_process
+from harness.kubetest import apiserver_requests, create_namespace, operator_process
 from harness.localkube.plane import LocalKube
 from shoal.contracts.names import default_stream_name
 
@@ -206,21 +205,6 @@ def ready_watch(plane: LocalKube) -> Iterator[ReadyWatch]:
         yield watch
     finally:
         watch.stop()
-
-
-def apiserver_requests(plane: LocalKube) -> dict[str, float]:
-    """apiserver_request_total summed by (verb, resource/subresource), from its /metrics."""
-    text = plane.kubectl("get", "--raw", "/metrics").stdout
-    totals: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith("apiserver_request_total{"):
-            continue
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', line.partition("}")[0]))
-        key = f"{labels.get('verb')} {labels.get('resource')}"
-        if labels.get("subresource"):
-            key += "/" + labels["subresource"]
-        totals[key] = totals.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
-    return totals
 
 
 def etcd_writes(metrics_url: str) -> float:

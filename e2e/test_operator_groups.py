@@ -14,13 +14,20 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import nats
 import pytest
 
-from harness.kubetest import get_json, group_ready, operator_watching, wait_until
+from harness.kubetest import (
+    apiserver_requests,
+    get_json,
+    group_ready,
+    operator_watching,
+    wait_until,
+)
 from harness.localkube.plane import LocalKube
 from shoal.clients.etcd import Etcd
 from shoal.contracts.names import Keys, default_stream_name
@@ -69,6 +76,15 @@ def test_five_groups_become_ready_together_and_delete_apart(
         assert status["leader"].startswith(f"{name}-consumer-"), status
         assert status["members"] == 1 and status["partitionsPerMember"]["max"] == PARTITIONS
     assert asyncio.run(_durables(plane.state.nats_url)) == {n: PARTITIONS for n in GROUPS}
+    # The status timer runs every 5 s per group; the Deployments' counts come from a
+    # watch (operator/deployments.py), not a GET each time (15 GETs in these 15 s).
+    before = apiserver_requests(plane)
+    time.sleep(15)
+    after = apiserver_requests(plane)
+    gets = {
+        key: after[key] - before.get(key, 0.0) for key in after if key.startswith("GET deployments")
+    }
+    assert not any(gets.values()), gets
 
     survivor, doomed = GROUPS[-1], GROUPS[:-1]
     plane.kubectl("delete", "cg", *doomed, "-n", NS, "--timeout=120s")

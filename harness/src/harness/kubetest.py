@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -42,6 +43,21 @@ def condition(obj: dict[str, Any], kind: str) -> dict[str, Any]:
         if c["type"] == kind:
             return dict(c)
     return {}
+
+
+def apiserver_requests(plane: LocalKube) -> dict[str, float]:
+    """apiserver_request_total summed by (verb, resource/subresource), from its /metrics."""
+    text = plane.kubectl("get", "--raw", "/metrics").stdout
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("apiserver_request_total{"):
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', line.partition("}")[0]))
+        key = f"{labels.get('verb')} {labels.get('resource')}"
+        if labels.get("subresource"):
+            key += "/" + labels["subresource"]
+        totals[key] = totals.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
 
 
 def create_namespace(plane: LocalKube, name: str) -> None:

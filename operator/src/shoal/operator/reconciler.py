@@ -68,6 +68,8 @@ from shoal.operator.builders import (
     resource_names,
     selector_string,
 )
+from shoal.operator.deployments import DeploymentIndex, replica_counts
+from shoal.operator.etcdalarms import AlarmReader
 from shoal.operator.etcdsecret import EtcdClients, EtcdSecretProblem
 from shoal.operator.kube import Kube, api_client
 from shoal.operator.natssecret import NatsClients, NatsSecretProblem
@@ -78,8 +80,6 @@ from shoal.operator.state import OperatorMemo
 log = logging.getLogger(__name__)
 
 OBSERVE_INTERVAL = 5.0
-#: etcd's AlarmType NOSPACE (etcdserverpb.AlarmType: NONE 0, NOSPACE 1, CORRUPT 2).
-NOSPACE_ALARM = 1
 
 
 def now() -> str:
@@ -131,6 +131,7 @@ async def startup(settings: kopf.OperatorSettings, memo: OperatorMemo, **_: Any)
     memo.settings = settings_from_env(os.environ)
     memo.kube = Kube(api_client())
     memo.etcd = EtcdClients(memo.kube)
+    memo.alarms = AlarmReader(max_age=OBSERVE_INTERVAL - 1)
     own = memo.settings.nats_security()
     try:
         own.check()
@@ -529,13 +530,17 @@ async def observe_group(
     body: kopf.Body,
     memo: OperatorMemo,
     patch: kopf.Patch,
+    group_deployments: DeploymentIndex | None = None,
     **_: Any,
 ) -> None:
     namespace = namespace or "default"  # ConsumerGroups are namespaced
     settings: OperatorSettings = memo.settings
     model = spec_model(spec)
     config = pod_config(name, namespace, model, settings)
-    dep = await memo.kube.deployment_status(namespace, resource_names(name)["deployment"])
+    deployment = resource_names(name)["deployment"]
+    dep = replica_counts(group_deployments, namespace, deployment)
+    if dep is None:  # not seen by the watch (yet): ask
+        dep = await memo.kube.deployment_status(namespace, deployment)
     unschedulable, pods_unread = await _member_pods(
         memo, body, status, namespace, name, dep, model.replicas
     )
@@ -812,11 +817,10 @@ async def _no_space(
         "until space is freed (etcdctl compact, defrag, alarm disarm)"
     )
     try:
-        alarms = await etcd.call(lambda: list(etcd.client.list_alarms()))
+        raised = await memo.alarms.nospace(etcd)
     except Exception as exc:  # a best effort (the status read itself has just worked):
         log.debug("etcd alarms unavailable: %r", exc)  # keep what we knew
         return ("EtcdNoSpace", message) if state.etcd_no_space else None
-    raised = any(int(getattr(a, "alarm_type", 0)) == NOSPACE_ALARM for a in alarms)
     if raised and not state.etcd_no_space:
         kopf.warn(body, reason="EtcdNoSpace", message=message)
     elif state.etcd_no_space and not raised:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shoal.operator.builders import NatsPodSecrets
+from shoal.operator.etcdalarms import AlarmReader
 from shoal.operator.etcdsecret import EtcdClients
 from shoal.operator.kube import Kube
 from shoal.operator.natssecret import NatsClients
@@ -76,6 +77,7 @@ class OperatorMemo:
     settings: OperatorSettings
     kube: Kube
     etcd: EtcdClients
+    alarms: AlarmReader
     nats: NatsClients
 
     def __init__(self) -> None:
