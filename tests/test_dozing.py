@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -178,3 +179,37 @@ async def test_a_dozing_partition_notices_its_durable_deleted(
 
     done = await eventually_async(records, 20, "the message to be consumed", until=len)
     assert [r.message_id for r in done] == [item.message_id]
+
+
+async def test_a_message_naked_while_the_partition_dozes_is_pulled_again(
+    make_fleet: Callable[..., Fleet], etcd: Etcd, js: Any, make_config: Any, tmp_path: Path
+) -> None:
+    """A partition may doze while it holds messages (the durable has nothing else for
+    it). One of them fails and is naked (NakAndContinue): JetStream redelivers it only to
+    a pull, and no publish rings the alarm. It must not wait for the 60 s sweep."""
+    config = make_config(handler=HANDLER, partitions=PARTITIONS, retry_policy="NakAndContinue")
+    fleet = make_fleet(
+        handler=HANDLER, partitions=PARTITIONS, env={"SHOAL_TEST_STATE_DIR": str(tmp_path)}
+    )
+    await ensure_group(js, config)
+    fleet.start("m-0", **config_env(config, (*SETTINGS, "retry_policy")))
+    await wait_for_status(
+        etcd, config.namespace, config.group, config.partitions, settled({"m-0"}), 30
+    )
+    project = one_project_per_partition()[2]
+    items = [
+        Outgoing(project, b"wait:4000", f"{project}-0", {SEQ_HEADER: "0"}),
+        Outgoing(project, b"fail-runs:1", f"{project}-1", {SEQ_HEADER: "1"}),
+    ]
+    published_at = time.time()
+    await Producer(js, config.subject_prefix, config.partitions).publish_many(items)
+
+    async def records() -> list[Any]:
+        return await read_ledger(js, config.ledger_stream)
+
+    done = await eventually_async(records, 90, "both messages", until=lambda rs: len(rs) >= 2)
+    # 4 s of the first, the second's failure, its 1 s nak delay: about 5 s. A partition
+    # left dozing finds it at its sweep, 60 s later.
+    took = max(r.finished for r in done) - published_at
+    assert took < 20.0, f"the naked message was handled {took:.1f} s after the publish"
+    assert audit(done, message_ids(items)).summary()["lost"] == 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -45,9 +46,11 @@ def messages(project: str, start: int, count: int, data: bytes = b"") -> list[Ou
     ]
 
 
-async def start_member(fleet: Fleet, etcd: Etcd, js: Any, config: GroupConfig) -> None:
+async def start_member(
+    fleet: Fleet, etcd: Etcd, js: Any, config: GroupConfig, more: tuple[str, ...] = ()
+) -> None:
     await ensure_group(js, config)
-    fleet.start("m-0", **config_env(config, SETTINGS))
+    fleet.start("m-0", **config_env(config, SETTINGS + more))
     await wait_for_status(
         etcd, config.namespace, config.group, config.partitions, settled({"m-0"}), 30
     )
@@ -151,3 +154,35 @@ async def test_a_durable_missing_at_start_on_a_limits_stream_is_reported(
     assert "shoal-consumer reset" in warnings[0]
     info = await js.consumer_info(config.stream, durable_name(PARTITION))
     assert info.config.deliver_policy == "all"
+
+
+async def test_a_held_message_naked_after_the_recreate_is_taken_when_it_comes_again(
+    make_fleet: Callable[..., Fleet], etcd: Etcd, js: Any, make_config: Any, tmp_path: Path
+) -> None:
+    """Held when the durable was recreated, then failed and naked (NakAndContinue): its
+    delivery by the new durable must be taken, not ignored as one of those held then."""
+    config = make_config(
+        handler=HANDLER,
+        partitions=PARTITIONS,
+        retention="limits",
+        retry_policy="NakAndContinue",
+        ack_wait=3.0,
+    )
+    fleet = make_fleet(
+        handler=HANDLER, partitions=PARTITIONS, env={"SHOAL_TEST_STATE_DIR": str(tmp_path)}
+    )
+    await start_member(fleet, etcd, js, config, ("retry_policy",))
+    project = project_of(PARTITION)
+    items = messages(project, 0, 1, b"wait:4000") + messages(project, 1, 1, b"fail-runs:1")
+    await Producer(js, config.subject_prefix, config.partitions).publish_many(items)
+
+    async def running() -> int:
+        info = await js.consumer_info(config.stream, durable_name(PARTITION))
+        return int(info.num_ack_pending or 0)
+
+    await eventually_async(running, 10, "m-0 to hold both", until=lambda n: n == 2)
+    await delete_and_wait_recreated(fleet, js, config)
+    records = await ledger_until(js, config, 2, "both messages to be handled")
+    result = audit(records, message_ids(items))
+    summary = result.summary()
+    assert (summary["lost"], summary["duplicates"], summary["out_of_order"]) == (0, 0, 0), summary

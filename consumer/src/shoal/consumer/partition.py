@@ -38,7 +38,7 @@ from nats.js.errors import APIError, NotFoundError
 
 from shoal.clients.natsclient import Delivery
 from shoal.consumer.alarm import Alarm
-from shoal.consumer.dispatch import Held, ProjectQueue
+from shoal.consumer.dispatch import NAKED, Held, ProjectQueue
 from shoal.consumer.handlers import Fenced
 from shoal.consumer.holding import PARTITION_HOLD_SECONDS, HoldBudget
 from shoal.consumer.progress import Progress
@@ -197,9 +197,10 @@ class PartitionRunner:
         self.delivered_high = 0
         # After such a recreate: the new durable delivers again what the old one had
         # delivered up to this sequence; of those, what we settled is acked again
-        # (settled.py) and what we still hold is ignored (it is acked once it ran).
+        # (settled.py) and what we still hold is ignored until it leaves our hands
+        # (settled: acked, dead-lettered or naked; or given back).
         self._replay_until = 0
-        self._held_at_restart: frozenset[int] = frozenset()
+        self._held_at_restart: set[int] = set()
         self.progress = Progress()  # the stall check's (Worker.check_stalls)
         # Credits of messages given back to this partition by earlier owners and not
         # delivered to us yet (stream sequence -> credit: dispatch.Held.credit), read from
@@ -216,6 +217,7 @@ class PartitionRunner:
         self.gate: Gate | None = None
         self.dozing = False  # DOZING
         self.roused = False
+        self._naked = False  # a message was naked since the last check before dozing
         self.alarm = Alarm(worker.nc, partition_subject(worker.config.subject_prefix, partition))
         # Paused (_pause): the sequences given back, to wait for on resuming; whether the
         # durable must be asked instead (a takeover's gate was closed at the pause, or a
@@ -227,6 +229,16 @@ class PartitionRunner:
     # -- dispatch.Source ----------------------------------------------------------------
 
     def settled(self, held: Held) -> None:
+        if self._held_at_restart:
+            # Acked (and then in the settled ring) or naked: its next delivery is taken.
+            self._held_at_restart.discard(held.seq)
+        if held.verdict is not None and held.verdict[0] is NAKED:
+            # JetStream sends it again only to a pull, and no publish rings the alarm: a
+            # partition that dozed while it held this message must pull until it is back
+            # (it waited for the safety sweep, 60 s).
+            self._naked = True
+            if self.dozing:
+                self.rouse()
         self.buffered -= 1
         self.processed += 1
         self.hold.settled()
@@ -334,7 +346,7 @@ class PartitionRunner:
         self.ack_floor = None
         self.delivered_high = 0
         self._replay_until = 0
-        self._held_at_restart = frozenset()
+        self._held_at_restart.clear()
         self._resume_wait.clear()
         self._resume_ask_durable = False
         self._late.clear()
@@ -580,6 +592,12 @@ class PartitionRunner:
           2. that pull came back empty too: doze until the alarm rings, the runner is
              stopped, the connection was lost, or a safety sweep is due.
         """
+        if self._naked:
+            # Check the durable again: the naked message is outstanding until it is
+            # redelivered, so the partition keeps pulling until then.
+            self._naked = False
+            if self.alarm.armed:
+                await self.alarm.disarm()
         if not self.alarm.armed:
             await self.alarm.arm()
             if not await self._nothing_outstanding():
@@ -895,6 +913,8 @@ class PartitionRunner:
         unstarted.extend(self._unreturned)
         self._unreturned = []
         unstarted.sort(key=lambda held: held.seq)
+        for held in unstarted:  # given back now: their next delivery is taken
+            self._held_at_restart.discard(held.seq)
         return unstarted
 
     # -- pausing --------------------------------------------------------------------------
@@ -1062,7 +1082,7 @@ class PartitionRunner:
                 c.stream,
             )
             return False
-        held = frozenset(h.seq for queue in self.projects.values() for h in queue.pending)
+        held = {h.seq for queue in self.projects.values() for h in queue.pending}
         config, where = self._recreated_config(held)
         try:
             try:
@@ -1093,7 +1113,7 @@ class PartitionRunner:
             log.warning("Could not recreate the durable of partition %d: %r", self.partition, exc)
         return False
 
-    def _recreated_config(self, held: frozenset[int]) -> tuple[api.ConsumerConfig, str]:
+    def _recreated_config(self, held: set[int]) -> tuple[api.ConsumerConfig, str]:
         """The config of a recreated durable, and where it starts, in words."""
         c = self.worker.config
         config = consumer_config(c, self.partition)
