@@ -86,9 +86,13 @@ async def _ensure_stream(js: Any, name: str, subjects: list[str], **kwargs: Any)
             ) from exc
 
 
-async def ensure_group(js: Any, config: GroupConfig) -> None:
+async def ensure_group(js: Any, config: GroupConfig) -> list[int]:
     """Create the partition stream, one durable per partition, the DLQ and log streams,
-    and the ledger stream when the config asks for it."""
+    and the ledger stream when the config asks for it.
+
+    Returns the partitions whose durables were missing beside others on a stream that
+    keeps acked messages (limits, interest): created at the stream's start, they deliver
+    their partitions' messages again (the caller may say so where people look)."""
     await _ensure_stream(
         js,
         config.stream,
@@ -149,7 +153,8 @@ async def ensure_group(js: Any, config: GroupConfig) -> None:
             await js.add_consumer(config.stream, config=wanted)
 
     await asyncio.gather(*(add(p) for p in missing + outdated))
-    if missing and existing and config.retention != "workqueue":
+    restarted = missing if existing and config.retention != "workqueue" else []
+    if restarted:
         # Some were deleted while no member ran (a member recreates one deleted under
         # it where it was: consumer/restart.py). Nobody knows where these were, and the
         # stream keeps acked messages: each delivers its partition from the start.
@@ -157,7 +162,7 @@ async def ensure_group(js: Any, config: GroupConfig) -> None:
             "Durables of partitions %s were missing on stream %s (%s retention keeps "
             "acked messages): created anew, each delivers its partition's messages from "
             "the stream's start; `shoal-consumer reset` chooses another place",
-            _partition_list(missing),
+            partition_list(missing),
             config.stream,
             config.retention,
         )
@@ -165,9 +170,10 @@ async def ensure_group(js: Any, config: GroupConfig) -> None:
         log.info("Created %d durable consumers on stream %s", len(missing), config.stream)
     if outdated:
         log.info("Updated %d durable consumers to the configured settings", len(outdated))
+    return restarted
 
 
-def _partition_list(partitions: list[int], most: int = 10) -> str:
+def partition_list(partitions: list[int], most: int = 10) -> str:
     shown = ", ".join(str(p) for p in partitions[:most])
     return shown + (f" and {len(partitions) - most} more" if len(partitions) > most else "")
 

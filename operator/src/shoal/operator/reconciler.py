@@ -55,7 +55,7 @@ from shoal.contracts.values import PauseRecord, ScaleRecord
 from shoal.group.config import GroupConfig
 from shoal.group.deadletters import dead_letter_count
 from shoal.group.handlerref import HandlerError, import_handler, is_url_handler
-from shoal.group.jetstream import StreamConfigConflict, ensure_group
+from shoal.group.jetstream import StreamConfigConflict, ensure_group, partition_list
 from shoal.group.pause import RESET_SOURCE, pause_group, read_pause, resume_group
 from shoal.group.status import GroupStatus, status_from_view
 from shoal.group.view import GroupView
@@ -282,9 +282,11 @@ async def apply_children(
 
 async def ensure_jetstream(
     memo: OperatorMemo, config: GroupConfig, retry: int, nats: NatsSpec | None = None
-) -> None:
+) -> list[int]:
     """The group's streams and one durable per partition, through a connection with the
-    group's NATS Secrets (`nats`, the spec's section) if it names them.
+    group's NATS Secrets (`nats`, the spec's section) if it names them. Returns the
+    partitions whose missing durables were created at the stream's start on a stream
+    that keeps acked messages (jetstream.ensure_group).
 
     GroupProblem StreamConfigConflict if the stream exists with a configuration JetStream
     cannot change in place; NatsAuthFailed, NatsTLSFailed (NATS refused the credentials
@@ -293,7 +295,7 @@ async def ensure_jetstream(
     """
     try:
         nc = await _nats(memo, config, nats or NatsSpec(), attempts=2)
-        await ensure_group(nc.jetstream(), config)
+        return await ensure_group(nc.jetstream(), config)
     except StreamConfigConflict as exc:
         raise GroupProblem("StreamConfigConflict", str(exc), delay=60) from exc
     except NatsSecretProblem as exc:
@@ -359,7 +361,16 @@ async def reconcile(
         )
         state.applied, state.secret_version, state.nats_secrets = True, secret_version, nats
         # 6. JetStream: the streams and the durables, with the group's NATS Secrets.
-        await ensure_jetstream(memo, config, retry, model.nats)
+        restarted = await ensure_jetstream(memo, config, retry, model.nats)
+        if restarted:
+            kopf.warn(
+                body,
+                reason="DurablesRecreated",
+                message=f"the durables of partitions {partition_list(restarted)} were missing "
+                f"on stream {config.stream} ({config.retention} retention keeps acked "
+                "messages): created at the stream's start, they deliver those partitions' "
+                "messages again; shoal-consumer reset chooses another place",
+            )
     except GroupProblem as problem:
         # The status timer sees only etcd and NATS: it keeps reporting this problem
         # until a reconcile succeeds.
