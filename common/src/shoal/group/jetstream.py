@@ -162,7 +162,7 @@ async def ensure_group(js: Any, config: GroupConfig) -> list[int]:
             "Durables of partitions %s were missing on stream %s (%s retention keeps "
             "acked messages): created anew, each delivers its partition's messages from "
             "the stream's start; `shoal-consumer reset` chooses another place",
-            partition_list(missing),
+            partition_list(restarted),
             config.stream,
             config.retention,
         )

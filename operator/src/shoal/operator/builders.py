@@ -176,12 +176,16 @@ def selector_string(name: str) -> str:
     return ",".join(f"{key}={value}" for key, value in sorted(selector(name).items()))
 
 
+# Who made a group's children (their `app.kubernetes.io/managed-by`; deployments.py watches by it).
+MANAGED_BY = "shoal-operator"
+
+
 def labels(name: str) -> dict[str, str]:
     return {
         "app.kubernetes.io/name": CONSUMER_APP_NAME,
         "app.kubernetes.io/instance": name,
         "app.kubernetes.io/component": "consumer",
-        "app.kubernetes.io/managed-by": "shoal-operator",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
         GROUP_LABEL: name,
     }
 

@@ -14,6 +14,7 @@ from typing import Any
 import kopf
 
 from shoal.contracts.names import GROUP_LABEL
+from shoal.operator.builders import MANAGED_BY
 
 __all__ = ["INDEX_ID", "DeploymentIndex", "group_deployments", "replica_counts"]
 
@@ -28,7 +29,7 @@ DeploymentIndex = kopf.Index[tuple[str, str], tuple[int, int]]
     "v1",
     "deployments",
     id=INDEX_ID,
-    labels={"app.kubernetes.io/managed-by": "shoal-operator", GROUP_LABEL: kopf.PRESENT},
+    labels={"app.kubernetes.io/managed-by": MANAGED_BY, GROUP_LABEL: kopf.PRESENT},
 )
 def group_deployments(
     namespace: str | None, name: str | None, status: kopf.Status, **_: Any
