@@ -234,8 +234,8 @@ def test_the_command_says_where_its_time_went(
         "read, parse and compute (one pass)",
         "normalize the tables",
         "write tables (parquet)",
-        "the plots' data",
         "small tables as CSV",
+        "the plots' data",
         "plots and report.html",
     ]
 
