@@ -2,6 +2,11 @@
 
 Figures (one JSON line each; same run, same nats-server and etcd):
 
+* ``machine_loopback_round_trip_us``: first, before any server starts, what one round
+  trip to another process over loopback TCP costs on this machine (wall time, and the
+  client's send() and CPU beside it), which every request and answer below pays. It tells
+  machines apart: 86 us on a VM whose cores wake each other slowly (session 24) against
+  8 us with both processes on one core; the figures below follow it.
 * ``one_member_noop_msgs_per_s`` and ``one_member_http_msgs_per_s``, and their
   ``http_to_inprocess_ratio`` (issue 26's target: >= 0.5 with the Go handler): ONE member
   (128 partitions), a backlog (default 50,000 messages over 1,000 projects) published
@@ -58,6 +63,7 @@ from harness.bench import (
     bench_servers,
     cpu_seconds,
     emit,
+    loopback_round_trips,
     note,
     serious_problems,
 )
@@ -388,6 +394,17 @@ class Bench:
 
 
 async def run(args: argparse.Namespace, root: Path) -> None:
+    # The machine's price of a wake-up, before any server starts: every request and every
+    # answer pays one (the journal's session 24 entry).
+    trips = loopback_round_trips()
+    emit(
+        BENCH,
+        "machine_loopback_round_trip_us",
+        trips.wall_us,
+        send_us=trips.send_us,
+        client_cpu_us=trips.cpu_us,
+        what="300 bytes to an echo process and 100 back over loopback TCP",
+    )
     async with bench_servers(root) as servers:
         bench = Bench(args, root, servers)
         if args.only != "io":

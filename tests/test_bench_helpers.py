@@ -6,10 +6,11 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
-from harness.bench import cpu_seconds, thread_cpu
+from harness.bench import cpu_seconds, loopback_round_trips, thread_cpu
 
 # A process with one extra thread, named as the kernel sees it (Python's own thread names
 # never reach /proc), that burns 0.3 s of CPU and then waits, alive, until stdin closes.
@@ -59,3 +60,27 @@ def test_thread_cpu_of_a_process_that_is_gone_is_an_error() -> None:
     child.wait()  # reaped: its pid has no /proc entry
     with pytest.raises(ProcessLookupError, match=str(child.pid)):
         thread_cpu(child.pid)
+
+
+def test_loopback_round_trips_measure_a_real_echo_and_leave_no_process() -> None:
+    children_before = _children()
+    trips = loopback_round_trips(200)
+    # A round trip includes its send and, unless the clock is coarse, costs something.
+    assert 0 < trips.send_us <= trips.wall_us
+    assert trips.cpu_us >= 0
+    assert _children() == children_before
+
+
+def _children() -> set[int]:
+    """This process's child processes, from /proc."""
+    me = str(os.getpid())
+    found = set()
+    for stat in os.listdir("/proc"):
+        if stat.isdigit():
+            try:
+                fields = Path(f"/proc/{stat}/stat").read_text().rpartition(")")[2].split()
+            except OSError:
+                continue
+            if fields[1] == me:
+                found.add(int(stat))
+    return found
