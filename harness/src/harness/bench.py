@@ -14,6 +14,8 @@ import math
 import os
 import re
 import shutil
+import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -165,9 +167,6 @@ def loopback_round_trips(count: int = 5000, size: int = 300) -> RoundTrips:
     VM, waking a process on the other core is an interrupt the hypervisor handles, and a
     round trip took 86 us there against 8 us with both processes on one core (session
     24); the HTTP handler's figures follow it."""
-    import socket
-    import subprocess
-
     echo = subprocess.Popen([sys.executable, "-c", _ECHO], stdout=subprocess.PIPE, text=True)
     try:
         assert echo.stdout is not None
