@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from kubernetes import client
 
-from harness.localkube.kubelet import wants_token
 from harness.localkube.plane import PlaneNode, is_kubelet, plane_nodes
+from harness.localkube.podspec import wants_token
 
 
 def test_one_node_keeps_the_single_node_names() -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from harness.localkube.kubelet import is_sidecar, termination_prereqs
+from harness.localkube.podspec import is_sidecar, termination_prereqs
 
 
 def specs(*items: str) -> list[tuple[str, Any]]:
