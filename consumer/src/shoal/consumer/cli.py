@@ -20,6 +20,7 @@ from shoal.clients.natsauth import NatsClosed, NatsConfigError
 from shoal.consumer import eventloop
 from shoal.consumer import ready as readiness
 from shoal.consumer.cli_options import (
+    command_config,
     etcd_option,
     group_option,
     namespace_option,
@@ -40,7 +41,6 @@ from shoal.contracts.names import (
     format_time,
 )
 from shoal.group.config import (
-    config_from_env,
     etcd_options_from_env,
     nats_security_from_env,
 )
@@ -150,22 +150,18 @@ def run(
     """
     from shoal.consumer.runtime import run_consumer
 
-    try:
-        config = config_from_env(
-            os.environ,
-            group=group,
-            namespace=namespace,
-            nats_url=nats_url,
-            etcd_endpoints=etcd_endpoints,
-            partitions=partitions,
-            handler=handler,
-            handler_ready_path=handler_ready_path,
-            member_id=member_id,
-            metrics_port=metrics_port,
-            lease_ttl=lease_ttl,
-        )
-    except ValidationError as exc:
-        raise click.UsageError(validation_message(exc)) from None
+    config = command_config(
+        group=group,
+        namespace=namespace,
+        nats_url=nats_url,
+        etcd_endpoints=etcd_endpoints,
+        partitions=partitions,
+        handler=handler,
+        handler_ready_path=handler_ready_path,
+        member_id=member_id,
+        metrics_port=metrics_port,
+        lease_ttl=lease_ttl,
+    )
     try:
         eventloop.run(run_consumer(config), event_loop)
     except (HandlerError, EtcdConfigError, EtcdAuthError, NatsConfigError) as exc:

@@ -4,14 +4,18 @@ are), and how a configuration error reads on the command line."""
 from __future__ import annotations
 
 import getpass
+import os
 import socket
+from typing import Any
 
 import click
 from pydantic import ValidationError
 
 from shoal.contracts.names import DEFAULT_PARTITIONS
+from shoal.group.config import GroupConfig, config_from_env
 
 __all__ = [
+    "command_config",
     "etcd_option",
     "group_option",
     "namespace_option",
@@ -80,6 +84,16 @@ def validation_message(exc: ValidationError) -> str:
     return "; ".join(
         f"{'.'.join(str(x) for x in err['loc']) or 'config'}: {err['msg']}" for err in exc.errors()
     )
+
+
+def command_config(**given: Any) -> GroupConfig:
+    """The group's configuration from a command's options (`given`, by GroupConfig's
+    field names; None: not given) and the environment, as `run` reads it (TLS,
+    credentials, SHOAL_*); a bad value is a usage error that names the field."""
+    try:
+        return config_from_env(os.environ, **given)
+    except ValidationError as exc:
+        raise click.UsageError(validation_message(exc)) from None
 
 
 def or_dash(value: object) -> object:

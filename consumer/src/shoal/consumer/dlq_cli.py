@@ -5,16 +5,17 @@ commands' options and output."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
-import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import click
-from pydantic import ValidationError
 
 from shoal.clients.natsauth import NatsConfigError
 from shoal.consumer.cli_options import (
+    command_config,
     group_option,
     namespace_option,
     nats_option,
@@ -22,10 +23,12 @@ from shoal.consumer.cli_options import (
     or_dash,
     stream_option,
     subject_prefix_option,
-    validation_message,
 )
 from shoal.contracts.names import DEAD_LETTER_REASON_HEADER, format_time
-from shoal.group.config import config_from_env
+
+if TYPE_CHECKING:
+    from shoal.group.config import GroupConfig
+    from shoal.group.deadletters import Selection
 
 __all__ = ["dlq"]
 
@@ -47,15 +50,6 @@ def dlq() -> None:
     """
 
 
-def _dlq_options(command: Any) -> Any:
-    """Which group and where: the options every dlq command takes."""
-    for option in reversed(
-        (group_option, namespace_option, nats_option, subject_prefix_option, stream_option)
-    ):
-        command = option(command)
-    return command
-
-
 def _since(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
     from shoal.contracts.names import parse_since
 
@@ -67,9 +61,41 @@ def _since(ctx: click.Context, param: click.Parameter, value: str | None) -> flo
         raise click.BadParameter(str(exc).removeprefix("--since "), ctx, param) from None
 
 
-def _selection_options(command: Any) -> Any:
-    """Which dead letters: --project, --reason, --since."""
+def _dead_letters_command(command: Callable[..., None]) -> Callable[..., None]:
+    """The options every dlq command takes, given to it as `config` (which group, and
+    where: -g, -n, --nats, --subject-prefix, --stream; security and NATS_JS_API_PREFIX
+    from the environment, as `run` reads them) and `selection` (which dead letters:
+    --project, --reason, --since)."""
+
+    @functools.wraps(command)
+    def run(
+        group: str,
+        namespace: str,
+        nats_url: str,
+        subject_prefix: str | None,
+        stream: str | None,
+        project: str | None,
+        reason: str | None,
+        since: float | None,
+        **rest: Any,
+    ) -> None:
+        from shoal.group.deadletters import Selection
+
+        config = command_config(
+            group=group,
+            namespace=namespace,
+            nats_url=nats_url,
+            subject_prefix=subject_prefix,
+            stream=stream,
+        )
+        command(config, Selection(project=project, reason=reason, since=since), **rest)
+
     options = (
+        group_option,
+        namespace_option,
+        nats_option,
+        subject_prefix_option,
+        stream_option,
         click.option("--project", default=None, help="Only this project's dead letters."),
         click.option(
             "--reason",
@@ -86,26 +112,8 @@ def _selection_options(command: Any) -> Any:
         ),
     )
     for option in reversed(options):
-        command = option(command)
-    return command
-
-
-def _dlq_config(
-    group: str, namespace: str, nats_url: str, subject_prefix: str | None, stream: str | None
-) -> Any:
-    """The group's names and NATS settings (security and NATS_JS_API_PREFIX from the
-    environment, as `run` reads them)."""
-    try:
-        return config_from_env(
-            os.environ,
-            group=group,
-            namespace=namespace,
-            nats_url=nats_url,
-            subject_prefix=subject_prefix,
-            stream=stream,
-        )
-    except ValidationError as exc:
-        raise click.UsageError(validation_message(exc)) from None
+        run = option(run)
+    return run
 
 
 def _with_jetstream(config: Any, work: Any) -> Any:
@@ -136,8 +144,7 @@ def _where(config: Any) -> str:
 
 
 @dlq.command("list")
-@_dlq_options
-@_selection_options
+@_dead_letters_command
 @click.option(
     "--top",
     type=click.IntRange(1),
@@ -147,14 +154,8 @@ def _where(config: Any) -> str:
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def dlq_list(
-    group: str,
-    namespace: str,
-    nats_url: str,
-    subject_prefix: str | None,
-    stream: str | None,
-    project: str | None,
-    reason: str | None,
-    since: float | None,
+    config: GroupConfig,
+    selection: Selection,
     top: int,
     as_json: bool,
 ) -> None:
@@ -164,10 +165,7 @@ def dlq_list(
     Example:
       shoal-consumer dlq list -g orders -n prod --since 24h
     """
-    from shoal.group.deadletters import Selection, ranked, scan, summarize
-
-    config = _dlq_config(group, namespace, nats_url, subject_prefix, stream)
-    selection = Selection(project=project, reason=reason, since=since)
+    from shoal.group.deadletters import ranked, scan, summarize
 
     async def work(nc: Any, js: Any) -> Any:
         return summarize(await scan(js, config, selection, headers_only=True))
@@ -204,8 +202,7 @@ def _project(project: str | None) -> str:
 
 
 @dlq.command("show")
-@_dlq_options
-@_selection_options
+@_dead_letters_command
 @click.option(
     "--limit",
     type=click.IntRange(0),
@@ -215,14 +212,8 @@ def _project(project: str | None) -> str:
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (data as text, or base64).")
 def dlq_show(
-    group: str,
-    namespace: str,
-    nats_url: str,
-    subject_prefix: str | None,
-    stream: str | None,
-    project: str | None,
-    reason: str | None,
-    since: float | None,
+    config: GroupConfig,
+    selection: Selection,
     limit: int,
     as_json: bool,
 ) -> None:
@@ -232,10 +223,8 @@ def dlq_show(
     Example:
       shoal-consumer dlq show -g orders -n prod --project order-42 --limit 5
     """
-    from shoal.group.deadletters import Selection, scan
+    from shoal.group.deadletters import scan
 
-    config = _dlq_config(group, namespace, nats_url, subject_prefix, stream)
-    selection = Selection(project=project, reason=reason, since=since)
     # One more than asked for: to say whether there are more.
     wanted = None if limit == 0 else limit + 1
 
@@ -297,8 +286,7 @@ def _progress_writer() -> Any:
 
 
 @dlq.command("redrive")
-@_dlq_options
-@_selection_options
+@_dead_letters_command
 @click.option(
     "--limit",
     type=click.IntRange(1),
@@ -315,14 +303,8 @@ def _progress_writer() -> Any:
 @click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
 @click.option("--stop-after", type=click.IntRange(1), default=None, hidden=True)
 def dlq_redrive(
-    group: str,
-    namespace: str,
-    nats_url: str,
-    subject_prefix: str | None,
-    stream: str | None,
-    project: str | None,
-    reason: str | None,
-    since: float | None,
+    config: GroupConfig,
+    selection: Selection,
     limit: int | None,
     lanes: int,
     as_json: bool,
@@ -350,10 +332,8 @@ def dlq_redrive(
     """
     import signal
 
-    from shoal.group.deadletters import Progress, Redrive, Selection, dead_letter_stream
+    from shoal.group.deadletters import Progress, Redrive, dead_letter_stream
 
-    config = _dlq_config(group, namespace, nats_url, subject_prefix, stream)
-    selection = Selection(project=project, reason=reason, since=since)
     write = _progress_writer()
 
     async def work(nc: Any, js: Any) -> Any:
@@ -421,8 +401,7 @@ def dlq_redrive(
 
 
 @dlq.command("purge")
-@_dlq_options
-@_selection_options
+@_dead_letters_command
 @click.option(
     "--limit",
     type=click.IntRange(1),
@@ -431,14 +410,8 @@ def dlq_redrive(
 )
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 def dlq_purge(
-    group: str,
-    namespace: str,
-    nats_url: str,
-    subject_prefix: str | None,
-    stream: str | None,
-    project: str | None,
-    reason: str | None,
-    since: float | None,
+    config: GroupConfig,
+    selection: Selection,
     limit: int | None,
     yes: bool,
 ) -> None:
@@ -451,10 +424,7 @@ def dlq_purge(
     Example:
       shoal-consumer dlq purge -g orders -n prod --project order-42 --yes
     """
-    from shoal.group.deadletters import Selection, dead_letter_stream, purge, scan
-
-    config = _dlq_config(group, namespace, nats_url, subject_prefix, stream)
-    selection = Selection(project=project, reason=reason, since=since)
+    from shoal.group.deadletters import dead_letter_stream, purge, scan
 
     async def count(nc: Any, js: Any) -> tuple[int, int]:
         info = await dead_letter_stream(js, config)

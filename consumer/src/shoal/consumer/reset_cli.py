@@ -6,18 +6,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import sys
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
 import click
-from pydantic import ValidationError
 
 from shoal.clients.etcd import EtcdAuthError, EtcdConfigError
 from shoal.clients.natsauth import NatsConfigError
 from shoal.consumer.cli_options import (
+    command_config,
     etcd_option,
     group_option,
     namespace_option,
@@ -25,10 +24,9 @@ from shoal.consumer.cli_options import (
     no_answer,
     stream_option,
     subject_prefix_option,
-    validation_message,
     whoami,
 )
-from shoal.group.config import GroupConfig, config_from_env
+from shoal.group.config import GroupConfig
 
 __all__ = ["reset"]
 
@@ -160,18 +158,14 @@ def reset(
         position = Position("sequence", seq=to_sequence)
     else:
         position = Position("start" if to_start else "end")
-    try:
-        config = config_from_env(
-            os.environ,
-            group=group,
-            namespace=namespace,
-            nats_url=nats_url,
-            etcd_endpoints=etcd_endpoints,
-            subject_prefix=subject_prefix,
-            stream=stream,
-        )
-    except ValidationError as exc:
-        raise click.UsageError(validation_message(exc)) from None
+    config = command_config(
+        group=group,
+        namespace=namespace,
+        nats_url=nats_url,
+        etcd_endpoints=etcd_endpoints,
+        subject_prefix=subject_prefix,
+        stream=stream,
+    )
     from nats.js.errors import APIError
 
     try:
