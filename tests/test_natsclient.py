@@ -10,7 +10,7 @@ import json
 import random
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from nats import errors
@@ -26,6 +26,7 @@ from shoal.clients.natsclient import (
     Delivery,
     DirectClient,
     FastParser,
+    LazyHeaders,
     header_value,
     parse_headers,
 )
@@ -77,6 +78,21 @@ async def test_header_value_is_the_parsed_value() -> None:
         for name in names:
             assert header_value(raw, name) == parsed.get(name.decode()), (raw, name)
     assert header_value(None, b"X") is None
+
+
+def test_lazy_headers_answer_as_the_parsed_dict() -> None:
+    """get, items, `in`, len and bool: the parsed dict's answers, for every block."""
+    names = ["Shoal-Project-Id", "Nats-Msg-Id", "Padded-Name", "Utf8", "Missing", "Colons"]
+    for raw in [*blocks(), None, b""]:
+        parsed = parse_headers(raw)
+        lazy = LazyHeaders(raw)
+        for name in names:
+            assert lazy.get(name) == parsed.get(name), (raw, name)
+            assert lazy.get(name, "default") == parsed.get(name, "default"), (raw, name)
+            assert (name in lazy) == (name in parsed), (raw, name)
+        assert list(lazy.items()) == list(parsed.items()), raw
+        assert (len(lazy), bool(lazy)) == (len(parsed), bool(parsed)), raw
+        assert cast(object, 5) not in lazy  # not a header name at all
 
 
 def test_lazy_headers_parse_on_first_read_only() -> None:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, ItemsView, Iterator, Mapping
 from typing import Any
 
 from nats import errors
@@ -114,6 +114,18 @@ class LazyHeaders(Mapping[str, str]):
 
     def __getitem__(self, key: str) -> str:
         return self._dict()[key]
+
+    # The dict's own get, items and `in`: Mapping's generic ones go through __getitem__
+    # key by key, and its get raises and catches KeyError for every header a message
+    # lacks (the member asks for two such headers per message for its message id).
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._dict().get(key, default)
+
+    def items(self) -> ItemsView[str, str]:
+        return self._dict().items()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._dict()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._dict())
