@@ -6,7 +6,9 @@ Figures (one JSON line each; same run, same nats-server and etcd):
   trip to another process over loopback TCP costs on this machine (wall time, and the
   client's send() and CPU beside it), which every request and answer below pays. It tells
   machines apart: 86 us on a VM whose cores wake each other slowly (session 24) against
-  8 us with both processes on one core; the figures below follow it.
+  8 us with both processes on one core. It is not most of the member's cost, though: on
+  that VM with every process on one core the member spent as much CPU per HTTP message
+  as over two (session 25).
 * ``one_member_noop_msgs_per_s`` and ``one_member_http_msgs_per_s``, and their
   ``http_to_inprocess_ratio`` (issue 26's target: >= 0.5 with the Go handler): ONE member
   (128 partitions), a backlog (default 50,000 messages over 1,000 projects) published

@@ -166,7 +166,7 @@ def loopback_round_trips(count: int = 5000, size: int = 300) -> RoundTrips:
     another process pays in wake-ups, apart from any HTTP. It tells machines apart: on a
     VM, waking a process on the other core is an interrupt the hypervisor handles, and a
     round trip took 86 us there against 8 us with both processes on one core (session
-    24); the HTTP handler's figures follow it."""
+    24)."""
     echo = subprocess.Popen([sys.executable, "-c", _ECHO], stdout=subprocess.PIPE, text=True)
     try:
         assert echo.stdout is not None
