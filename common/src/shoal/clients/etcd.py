@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 import etcd3
 import etcd3.exceptions
+import etcd3.utils
 import etcd3.watch
 import grpc
 from etcd3 import etcdrpc
@@ -240,6 +241,12 @@ class EtcdAuthError(RuntimeError):
 # What gRPC says when a TLS handshake fails (no client certificate, an unknown CA, TLS
 # spoken to a plain port).
 _TLS_SIGNS = ("TSI_", "SSL", "ssl", "handshake", "certificate")
+
+
+def prefix_end(prefix: str) -> str:
+    """The end of the range of keys under prefix (etcd's: its last byte plus one)."""
+    end: bytes = etcd3.utils.increment_last_byte(prefix.encode())
+    return end.decode()
 
 
 def describe(exc: BaseException) -> str:
@@ -652,7 +659,16 @@ class Etcd:
 
     async def get_prefix(self, prefix: str) -> tuple[int, dict[str, KV]]:
         """All keys under prefix and the store revision they were read at."""
-        response = await self._call(lambda c: c.get_prefix_response(prefix))
+        return await self.get_range(prefix, prefix_end(prefix))
+
+    async def get_range(
+        self, start: str, end: str, *, min_mod_revision: int | None = None
+    ) -> tuple[int, dict[str, KV]]:
+        """All keys in [start, end) (modified at min_mod_revision or later, when given) and
+        the store revision they were read at."""
+        response = await self._call(
+            lambda c: c.get_range_response(start, end, min_mod_revision=min_mod_revision)
+        )
         kvs = {
             kv.key.decode(): KV(
                 kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision, kv.lease
@@ -740,6 +756,19 @@ class Etcd:
         )
         return bool(ok)
 
+    async def put_all_if_created_at(
+        self, guard: str, create_revision: int, items: dict[str, bytes], lease: int | None
+    ) -> bool:
+        """Put every item, in one transaction, only if `guard` is still the incarnation
+        created at create_revision (put_if_created_at for several keys)."""
+        tx = _TX
+        ok, _ = await self._transaction(
+            compare=[tx.create(guard) == create_revision],
+            success=[tx.put(key, value, lease=lease) for key, value in items.items()],
+            failure=[],
+        )
+        return bool(ok)
+
     async def delete_if_created_at(self, key: str, create_revision: int) -> bool:
         """Delete key only if it is still the incarnation created at create_revision."""
         tx = _TX
@@ -805,10 +834,16 @@ class Etcd:
     ) -> Watch:
         """Watch prefix from start_revision on the current client; the callback runs on
         the watcher's thread, with each response or the error that ended the watch."""
+        return await self.watch_range(prefix, prefix_end(prefix), start_revision, callback)
+
+    async def watch_range(
+        self, start: str, end: str, start_revision: int, callback: Callable[[Any], None]
+    ) -> Watch:
+        """watch_prefix for the keys in [start, end)."""
 
         def add(client: Any) -> Watch:
-            watch_id = client.add_watch_prefix_callback(
-                prefix, callback, start_revision=start_revision
+            watch_id = client.add_watch_callback(
+                start, callback, range_end=end, start_revision=start_revision
             )
             return Watch(client, int(watch_id))
 

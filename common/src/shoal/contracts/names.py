@@ -180,6 +180,17 @@ class Keys:
         # durables (given-back sequences, hand-over credits, settled sequences), which
         # would hold back or skip the replayed messages.
         self.reset = self.prefix + "reset"
+        # Per member, its routine stats (the same MemberStats as members/<id>), rewritten
+        # every stats interval, on the member's lease; members/<id> is written when the
+        # member joins and when a field someone acts on at once changes (nats_ok,
+        # stalled, paused), with this key in the same transaction. Only the leader (its
+        # autoscaler, load-aware balancing) and status readers want the routine ones:
+        # the leader polls them (GroupView.follow_stats), and the members' watches cover
+        # the group's keys below this one (group_end) only, so a rewrite reaches nobody
+        # at once. It must sort after every other key of the group
+        # (tests/test_routine_stats.py).
+        self.stats = self.prefix + "stats/"
+        self.group_end = self.stats
 
     def problem(self, member_id: str) -> str:
         return self.problems + member_id
@@ -189,6 +200,9 @@ class Keys:
 
     def member(self, member_id: str) -> str:
         return self.members + member_id
+
+    def member_stats(self, member_id: str) -> str:
+        return self.stats + member_id
 
     def partition(self, partition: int) -> str:
         return f"{self.partitions}{partition}"

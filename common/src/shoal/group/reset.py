@@ -44,6 +44,7 @@ from shoal.contracts.names import Keys, durable_name, format_time, parse_since
 from shoal.contracts.values import MemberStats, PauseRecord, ValueRefused
 from shoal.group.config import GroupConfig
 from shoal.group.pause import RESET_SOURCE, pause_group, read_pause, resume_group
+from shoal.group.view import freshest_member_kvs
 
 __all__ = [
     "Position",
@@ -303,13 +304,13 @@ async def quiet(etcd: Etcd, keys: Keys) -> Quiet:
         raise ResetError("the group was resumed while the reset waited for it to pause")
     stats: dict[str, tuple[int, MemberStats]] = {}
     claims: dict[str, list[int]] = {}
+    for member, kv in freshest_member_kvs(keys, kvs, kvs).items():
+        try:
+            stats[member] = (kv.mod_revision, MemberStats.parse(kv.value))
+        except ValueRefused:
+            stats[member] = (0, MemberStats())
     for key, kv in kvs.items():
-        if key.startswith(keys.members) and key != keys.members:
-            try:
-                stats[Keys.tail(key, keys.members)] = (kv.mod_revision, MemberStats.parse(kv.value))
-            except ValueRefused:
-                stats[Keys.tail(key, keys.members)] = (0, MemberStats())
-        elif key.startswith(keys.claims) and key != keys.claims:
+        if key.startswith(keys.claims) and key != keys.claims:
             tail = Keys.tail(key, keys.claims)
             if tail.isdigit():
                 claims.setdefault(kv.value.decode(errors="replace"), []).append(int(tail))

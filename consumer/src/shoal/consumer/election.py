@@ -14,6 +14,7 @@ delete the leader key so a successor takes over at once instead of after the TTL
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -44,6 +45,9 @@ LEAVE_DEBOUNCE = 0.1
 # stats intervals): when NATS as a whole was down, members report its return seconds
 # apart, and the first one back must not take every partition for those seconds.
 NATS_STEADY_SECONDS = 5.0
+# How long a new leader waits for the members' routine stats before its first
+# load-aware assignment (it weighs partitions by them; without, it weighs them evenly).
+STATS_SYNC_WAIT = 2.0
 
 
 @dataclass
@@ -136,6 +140,9 @@ class Election:
     def _set_leader(self, value: bool) -> None:
         if value != self.is_leader:
             self.is_leader = value
+            # Only the leader reads the members' routine stats (the autoscaler, load-aware
+            # balancing): only it receives their rewrites (Keys.stats).
+            self.view.follow_stats(value)
             for callback in self._on_change:
                 callback(value)
 
@@ -249,6 +256,11 @@ class Election:
             self.config.group,
             self.epoch,
         )
+        if self._loads_wanted():
+            # The first assignment weighs partitions by the members' routine stats: wait
+            # (a listing: milliseconds) until the view has them, not past a lost etcd.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.view.stats_synced.wait(), STATS_SYNC_WAIT)
         first = True
         applied_members: set[str] = set()
         next_load_check = time.monotonic() + self.config.load_check_interval
@@ -332,6 +344,9 @@ class Election:
                 return False
             await self.view.changed(0.5)
         return True
+
+    def _loads_wanted(self) -> bool:
+        return self.config.load_aware and self.config.strategy == "sticky" and self.loads is None
 
     def _loads(self) -> dict[int, float]:
         if not self.config.load_aware or self.config.strategy != "sticky":

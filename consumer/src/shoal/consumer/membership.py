@@ -1,4 +1,5 @@
-"""This process's membership: a lease, the members/<id> key on it, keep-alives, fencing.
+"""This process's membership: a lease, the members/<id> key on it, keep-alives, fencing,
+and the member's stats (routine ones in stats/<id>, Keys.stats).
 
 Self-fencing is the safety rule the hand-over protocol rests on: a member stops
 consuming before its lease could have expired on the server, so a partition whose claim
@@ -33,10 +34,10 @@ KEEPALIVE_RETRY_MAX = 5.0
 
 
 # Routine stats rewrites (membership._stats_due): at most this many a second for the
-# whole group. Every member watches every member key, so each rewrite reaches every
-# member: at one rewrite per member per keepalive (3 s) a group of 64 sent each member 21
-# a second. Up to 30 members nothing changes (one per keepalive); beyond, each member
-# rewrites its routine stats every members / 10 seconds (6.4 s at 64).
+# whole group. They reach the leader only (Keys.stats), which decodes each: at one rewrite
+# per member per keepalive (3 s) a group of 64 sent it 21 a second. Up to 30 members
+# nothing changes (one per keepalive); beyond, each member rewrites its routine stats
+# every members / 10 seconds (6.4 s at 64).
 ROUTINE_STATS_WRITES_PER_SECOND = 10.0
 
 
@@ -51,6 +52,7 @@ class Membership:
         self.etcd = etcd
         self.config = config
         self.key = config.keys.member(config.member_id)
+        self.stats_key = config.keys.member_stats(config.member_id)
         self._stats = stats
         self._group_size = group_size
         # What the last stats put said that someone acts on at once, and when it went.
@@ -250,14 +252,21 @@ class Membership:
             log.debug("Could not put member stats now: %s", exc)
 
     async def _publish_stats(self, stats: MemberStats) -> None:
-        """Update our member key, never re-creating it once leave() has begun."""
+        """Put our stats in stats/<id>, and in our member key too when a field someone acts
+        on at once changed (Keys.stats: every member watches members/, only the leader
+        stats/), in one transaction that holds only while the member key is the one we
+        created: never re-creating it once leave() has begun."""
         value = stats.to_json()
+        deciding = (stats.nats_ok, stats.stalled, stats.paused)
         async with self._key_lock:
             if self.leaving:
                 return
             lease = self.lease_id
-            if await self.etcd.put_if_created_at(self.key, value, self._created, lease):
-                self._published = (stats.nats_ok, stats.stalled, stats.paused)
+            items = {self.stats_key: value}
+            if deciding != self._published:
+                items[self.key] = value
+            if await self.etcd.put_all_if_created_at(self.key, self._created, items, lease):
+                self._published = deciding
                 self._published_at = time.monotonic()
                 return
             if self.leaving:
@@ -266,7 +275,7 @@ class Membership:
             # the group's keys were cleared. Register again, as join() would.
             log.warning("Member key %s vanished; registering again", self.key)
             self._created = await self.etcd.put_returning_revision(self.key, value, lease)
-            self._published = (stats.nats_ok, stats.stalled, stats.paused)
+            self._published = deciding
             self._published_at = time.monotonic()
 
     async def leave(self) -> None:
@@ -275,6 +284,8 @@ class Membership:
             self.leaving = True
         try:
             await self.etcd.delete(self.key)
+            # (Alone it is read by nobody, GroupView.members(); close() would take it.)
+            await self.etcd.delete(self.stats_key)
             log.info("Left group %s/%s", self.config.namespace, self.config.group)
         except TRANSIENT_ERRORS as exc:
             log.warning("Could not delete member key (%s); the lease will expire it", exc)
