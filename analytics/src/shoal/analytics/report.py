@@ -165,6 +165,7 @@ def _spark_data(
 
     from shoal.analytics.html_report import draw_generation_plots
     from shoal.analytics.progress import StageProgress, Steps
+    from shoal.analytics.session import class_archive_state
     from shoal.analytics.spark_job import compute, input_stats, to_pandas, write_table
 
     steps = Steps()
@@ -301,6 +302,7 @@ def _spark_data(
             "spark": spark.version,
             # What the driver's JVM has (1g is Spark's default when nothing set it).
             "driver_memory": spark.sparkContext.getConf().get("spark.driver.memory", "1g"),
+            "class_archive": class_archive_state(),
         },
         early_plots=early_plots,
     )
@@ -407,8 +409,17 @@ def run_report(
     write_html(data, summary, out)
     timeline.mark("plots and report.html")
     if stopping is not None:
+        if data.extra.get("class_archive") == "writing":
+            say(
+                "spark: the JVM writes its class-data archive as it exits (once; later "
+                "reports start faster)"
+            )
         stopping.join()
-        timeline.mark("stop Spark (the JVM's exit; beside the HTML)")
+        timeline.mark(
+            "stop Spark (the JVM's exit, writing its class-data archive)"
+            if data.extra.get("class_archive") == "writing"
+            else "stop Spark (the JVM's exit; beside the HTML)"
+        )
     # Written last, so that it holds the timing of everything before.
     summary["timing"] = timeline.as_dict()
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -18,12 +18,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from shoal.analytics.classarchive import ClassArchive, class_archive
+
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 __all__ = [
     "DEFAULT_MASTER",
     "JavaMissing",
+    "class_archive_state",
     "default_driver_memory",
     "driver_memory_mib",
     "find_java",
@@ -56,6 +59,12 @@ DRIVER_MEMORY_MAX_MIB = 8192
 # Spark refuses a heap under 450 MiB (its 300 MiB reserve x 1.5); -Xmx512m gives 455 MiB.
 DRIVER_MEMORY_FLOOR_MIB = 512
 _UNITS = {"m": 1, "g": 1024, "t": 1024 * 1024}
+# The class-data archive of the JVM this process started (classarchive): stop_spark puts
+# one it wrote in place once the JVM has exited.
+_archive: ClassArchive | None = None
+# How much longer a JVM that writes its class-data archive may take to exit (10-20 s on 2
+# slow cores).
+ARCHIVE_WRITE_SECONDS = 120.0
 
 
 class JavaMissing(RuntimeError):
@@ -166,9 +175,18 @@ def spark_session(
     """A SparkSession for the report: ``master`` (default ``local[*]``) unless running under
     spark-submit, UTC, no UI, Arrow transfers, this Python for the workers; ``driver_memory``
     by default :func:`default_driver_memory`."""
+    global _archive
     submitted = under_spark_submit()
+    java_options = JVM_OPTIONS
     if not submitted:
-        find_java()
+        java = find_java()
+        import pyspark
+
+        _archive = class_archive(
+            java, [pyspark.__version__, JVM_OPTIONS, repr(sorted((conf or {}).items()))]
+        )
+        if _archive is not None:
+            java_options = f"{JVM_OPTIONS} {_archive.java_options()}"
         # Python workers: this interpreter (not whatever "python3" is on PATH), without the
         # working directory on sys.path (a folder named "operator" in it would shadow the
         # standard library's operator module, as in this repository).
@@ -195,7 +213,7 @@ def spark_session(
                 "spark.ui.enabled": "false",
                 # Keep spark-warehouse / metastore files out of the working directory.
                 "spark.sql.warehouse.dir": os.path.join(scratch, "shoal-spark-warehouse"),
-                "spark.driver.extraJavaOptions": f"-Dderby.system.home={scratch} {JVM_OPTIONS}",
+                "spark.driver.extraJavaOptions": f"-Dderby.system.home={scratch} {java_options}",
                 # A cluster's executors (local masters run the tasks in the driver's JVM).
                 "spark.executor.extraJavaOptions": JVM_OPTIONS,
                 # Spark keeps 100 compiled classes; a report compiles some 230, so a second
@@ -217,15 +235,26 @@ def spark_session(
     return spark
 
 
+def class_archive_state() -> str:
+    """What the JVM this process started does with its class-data archive (classarchive):
+    "mapped", "writing" (as it exits), or "none" (turned off, under spark-submit, or no
+    JVM started)."""
+    if _archive is None:
+        return "none"
+    return "writing" if _archive.writing is not None else "mapped"
+
+
 def stop_spark(spark: SparkSession, timeout: float = 30.0) -> None:
     """Stop the session and, unless under spark-submit, the JVM pyspark started for it
     (it would otherwise live until this Python process exits)."""
     from pyspark import SparkContext
 
+    global _archive
     gateway = SparkContext._gateway
     spark.stop()
     if gateway is None or under_spark_submit():
         return
+    archive, _archive = _archive, None
     proc: subprocess.Popen[bytes] | None = getattr(gateway, "proc", None)
     try:
         gateway.shutdown()
@@ -238,12 +267,18 @@ def stop_spark(spark: SparkSession, timeout: float = 30.0) -> None:
         return
     if proc.stdin is not None:
         proc.stdin.close()  # the JVM exits when its stdin closes
+    if archive is not None and archive.writing is not None:
+        timeout += ARCHIVE_WRITE_SECONDS  # it writes the archive as it exits
     try:
         proc.wait(timeout)
+        exited = True
     except subprocess.TimeoutExpired:
+        exited = False
         proc.terminate()
         try:
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+    if archive is not None:
+        archive.finish(complete=exited)
