@@ -8,8 +8,8 @@ import asyncio
 import functools
 import json
 import sys
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from shoal.group.deadletters import Selection
 
 __all__ = ["dlq"]
+
+T = TypeVar("T")
 
 
 @click.group()
@@ -116,13 +118,13 @@ def _dead_letters_command(command: Callable[..., None]) -> Callable[..., None]:
     return run
 
 
-def _with_jetstream(config: Any, work: Any) -> Any:
+def _with_jetstream(config: GroupConfig, work: Callable[[Any, Any], Awaitable[T]]) -> T:
     """asyncio.run(work(nc, js)) on a connection to the group's NATS; the errors a user
     can act on as one line."""
     from shoal.clients.nats import connect
     from shoal.group.deadletters import DeadLetterError
 
-    async def go() -> Any:
+    async def go() -> T:
         nc = await connect(
             config.nats_url, name="shoal-dlq", attempts=3, security=config.nats_security()
         )
@@ -139,7 +141,7 @@ def _with_jetstream(config: Any, work: Any) -> Any:
         raise click.ClickException(no_answer(config.nats_url)) from None
 
 
-def _where(config: Any) -> str:
+def _where(config: GroupConfig) -> str:
     return f"group {config.namespace}/{config.group}"
 
 
