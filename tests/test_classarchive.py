@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 
 from shoal.analytics import classarchive
-from shoal.analytics.classarchive import ClassArchive, archive_key, class_archive
+from shoal.analytics.classarchive import (
+    ClassArchive,
+    archive_key,
+    class_archive,
+    spark_jars_identity,
+)
 from shoal.analytics.session import find_java
 
 
@@ -93,3 +98,19 @@ def test_old_archives_of_other_installations_and_stale_partials_are_removed(
         os.utime(item, (long_ago, long_ago))
     assert class_archive(find_java(), ["x"], env_for(tmp_path)) is not None
     assert sorted(p.name for p in folder.iterdir()) == ["b.jsa", "d.jsa.2.partial"]
+
+
+def test_each_spark_installation_gets_its_own_archive(tmp_path: Path) -> None:
+    # A JVM maps a dynamic archive only for the class path it was written with, and
+    # refuses it silently otherwise: a clean clone's virtualenv, with the same pyspark
+    # version as another, mapped nothing from the other's archive.
+    java = find_java()
+    homes = [tmp_path / "venv-a" / "pyspark", tmp_path / "venv-b" / "pyspark"]
+    for home in homes:
+        (home / "jars").mkdir(parents=True)
+    a, b = (spark_jars_identity(str(home)) for home in homes)
+    assert a != b
+    assert archive_key(java, ["4.0", *a]) != archive_key(java, ["4.0", *b])
+    # Reinstalled in place: the jars folder is made again.
+    os.utime(homes[0] / "jars", ns=(1, 1))
+    assert spark_jars_identity(str(homes[0])) != a

@@ -12,8 +12,10 @@ The first report on a machine writes the archive as its JVM exits (some 10 s, on
 report says so), under the user's cache directory (``$XDG_CACHE_HOME/shoal`` or
 ``~/.cache/shoal``, 150-250 MB), named after what it depends on (the JDK's runtime image,
 pyspark's version, the JVM options), so another JDK or Spark writes its own and never
-reads a stale one. A JVM that cannot use an archive (changed jars, another JDK) ignores
-it and runs as without; the archive's own log lines are turned off. Turned off with
+reads a stale one, and after where Spark's jars are: a JVM maps an archive only for the
+class path it was written with, so each installation (each virtualenv) writes its own. A
+JVM that cannot use an archive ignores it and runs as without; the archive's own log lines
+are turned off. Turned off with
 ``SHOAL_SPARK_CLASS_ARCHIVE=off``; the report under ``spark-submit`` never uses one.
 """
 
@@ -90,6 +92,18 @@ def archive_key(java: str, parts: Iterable[str]) -> str:
     for part in parts:
         digest.update(b"\0" + part.encode())
     return digest.hexdigest()[:20]
+
+
+def spark_jars_identity(spark_home: str) -> list[str]:
+    """What a JVM checks an archive's class path against, for archive_key: where Spark's
+    jars are (an archive written by an installation elsewhere, another virtualenv, is
+    refused, silently) and when that folder last changed (a reinstall in place)."""
+    jars = os.path.join(spark_home, "jars")
+    try:
+        changed = str(os.stat(jars).st_mtime_ns)
+    except OSError:
+        changed = "?"
+    return [os.path.realpath(jars), changed]
 
 
 def class_archive(

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shoal.analytics.classarchive import ClassArchive, class_archive
+from shoal.analytics.classarchive import ClassArchive, class_archive, spark_jars_identity
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -183,7 +183,15 @@ def spark_session(
         import pyspark
 
         _archive = class_archive(
-            java, [pyspark.__version__, JVM_OPTIONS, repr(sorted((conf or {}).items()))]
+            java,
+            [
+                pyspark.__version__,
+                *spark_jars_identity(
+                    os.environ.get("SPARK_HOME") or os.path.dirname(pyspark.__file__)
+                ),
+                JVM_OPTIONS,
+                repr(sorted((conf or {}).items())),
+            ],
         )
         if _archive is not None:
             java_options = f"{JVM_OPTIONS} {_archive.java_options()}"

@@ -740,27 +740,12 @@ class Etcd:
             raise etcd3.exceptions.InternalServerError()  # the get in the same txn found nothing
         return revision
 
-    async def put_if_created_at(
-        self, key: str, value: bytes, create_revision: int, lease: int | None = None
-    ) -> bool:
-        """Put key only if it is still the incarnation created at create_revision.
-
-        False (nothing written) when the key is gone or was created again since: an
-        update that must never bring a deleted key back.
-        """
-        tx = _TX
-        ok, _ = await self._transaction(
-            compare=[tx.create(key) == create_revision],
-            success=[tx.put(key, value, lease=lease)],
-            failure=[],
-        )
-        return bool(ok)
-
     async def put_all_if_created_at(
         self, guard: str, create_revision: int, items: dict[str, bytes], lease: int | None
     ) -> bool:
         """Put every item, in one transaction, only if `guard` is still the incarnation
-        created at create_revision (put_if_created_at for several keys)."""
+        created at create_revision: False (nothing written) when it is gone or was created
+        again since, for updates that must never bring a deleted key back."""
         tx = _TX
         ok, _ = await self._transaction(
             compare=[tx.create(guard) == create_revision],

@@ -34,10 +34,10 @@ KEEPALIVE_RETRY_MAX = 5.0
 
 
 # Routine stats rewrites (membership._stats_due): at most this many a second for the
-# whole group. They reach the leader only (Keys.stats), which decodes each: at one rewrite
-# per member per keepalive (3 s) a group of 64 sent it 21 a second. Up to 30 members
-# nothing changes (one per keepalive); beyond, each member rewrites its routine stats
-# every members / 10 seconds (6.4 s at 64).
+# whole group, which keeps etcd's writes flat (only the leader reads them, polling:
+# Keys.stats): at one rewrite per member per keepalive (3 s) a group of 64 wrote 21 a
+# second. Up to 30 members nothing changes (one per keepalive); beyond, each member
+# rewrites its routine stats every members / 10 seconds (6.4 s at 64).
 ROUTINE_STATS_WRITES_PER_SECOND = 10.0
 
 
