@@ -40,7 +40,10 @@ def test_the_first_jvm_writes_the_archive_and_the_next_maps_it(tmp_path: Path) -
     first.finish(complete=True)
     assert first.path.is_file() and not first.writing.exists()
     # ... and the next maps it: -Xshare:on refuses to start on an archive it cannot map.
+    # Each use marks it used (archives a week unused are removed).
+    os.utime(first.path, (1, 1))
     second = class_archive(java, ["4.0", "-XX:+UseParallelGC"], env)
+    assert time.time() - first.path.stat().st_mtime < 60
     assert second == ClassArchive(first.path)
     done = subprocess.run(
         [java, "-Xshare:on", *shlex.split(second.java_options()), "-version"],

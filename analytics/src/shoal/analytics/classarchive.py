@@ -8,15 +8,14 @@ archive: `-XX:ArchiveClassesAtExit` writes it as the JVM exits, `-XX:SharedArchi
 uses it). On the 2-core machine of issue 30 a session's start went from 6.2-8.3 s to
 3.1-3.9 s, and its first query from 3.6-4.3 s to 2.3-2.6 s.
 
-The first report on a machine writes the archive as its JVM exits (some 10 s, once; the
-report says so), under the user's cache directory (``$XDG_CACHE_HOME/shoal`` or
-``~/.cache/shoal``, 150-250 MB), named after what it depends on (the JDK's runtime image,
-pyspark's version, the JVM options), so another JDK or Spark writes its own and never
-reads a stale one, and after where Spark's jars are: a JVM maps an archive only for the
-class path it was written with, so each installation (each virtualenv) writes its own. A
-JVM that cannot use an archive ignores it and runs as without; the archive's own log lines
-are turned off. Turned off with
-``SHOAL_SPARK_CLASS_ARCHIVE=off``; the report under ``spark-submit`` never uses one.
+The first report of an installation writes the archive as its JVM exits (10-18 s, once;
+the report says so), under the user's cache directory (``$XDG_CACHE_HOME/shoal`` or
+``~/.cache/shoal``, 150-250 MB, removed after a week unused), named after what it
+depends on: the JDK's runtime image, pyspark's version, the JVM options, and where Spark's
+jars are (a JVM maps an archive only for the class path it was written with, so each
+virtualenv writes its own). A JVM that cannot use an archive ignores it and runs as
+without; the archive's own log lines are turned off. ``SHOAL_SPARK_CLASS_ARCHIVE=off``
+turns it off; the report under ``spark-submit`` never uses one.
 """
 
 from __future__ import annotations
@@ -35,9 +34,10 @@ ENV = "SHOAL_SPARK_CLASS_ARCHIVE"
 SUFFIX = ".jsa"
 # A half-written archive (its JVM was killed) is removed once it is this old.
 STALE_PARTIAL_SECONDS = 3600.0
-# Another JDK's or Spark's archive (after an upgrade) is removed once it is this old; an
-# installation that still uses one writes it again.
-STALE_OTHER_SECONDS = 30 * 86400.0
+# Another installation's archive (another virtualenv, a JDK or Spark upgrade) is removed
+# once it was not used for this long (each use touches it); one still in use after all is
+# written again.
+STALE_OTHER_SECONDS = 7 * 86400.0
 # The archive's warnings (classes it skips, one it cannot map) say nothing to a user.
 QUIET = "-Xlog:cds=off,cds+dynamic=off"
 
@@ -117,6 +117,10 @@ def class_archive(
     folder = cache_dir(env)
     path = folder / f"{archive_key(java, parts)}{SUFFIX}"
     if path.is_file():
+        try:
+            os.utime(path)  # in use: not removed as another installation's (_forget_others)
+        except OSError:
+            pass
         return ClassArchive(path)
     try:
         folder.mkdir(parents=True, exist_ok=True)
