@@ -80,7 +80,8 @@ def cache_dir(env: Mapping[str, str]) -> Path:
 
 def archive_key(java: str, parts: Iterable[str]) -> str:
     """What an archive depends on: the JDK (its runtime image, `lib/modules`, which every
-    JDK update rewrites) and `parts` (pyspark's version, the JVM options)."""
+    JDK update rewrites) and `parts` (pyspark's version, spark_jars_identity, the JVM
+    options and conf)."""
     digest = hashlib.sha256()
     real = Path(os.path.realpath(java))
     modules = real.parent.parent / "lib" / "modules"
