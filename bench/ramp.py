@@ -56,6 +56,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import statistics
 import subprocess
@@ -74,6 +75,7 @@ from harness.bench import (
     note,
     serious_problems,
 )
+from harness.cputimeline import CpuTimeline
 from harness.fleet import Fleet, settled, wait_for_status
 from harness.handlers import read_stamps
 from harness.rampcurve import Curve, Ramp, ramp_of
@@ -97,6 +99,8 @@ class Drain:
     # Deliveries beyond one per message: the server redelivered what it had not applied
     # the ack of within ack_wait (the member acked those again: settled.py).
     redelivered: int
+    # The CPU of nats-server, the member(s), the publisher and the machine meanwhile.
+    cpu: CpuTimeline
 
 
 @dataclass
@@ -107,6 +111,12 @@ class Round:
     drain: Drain
     handled: Ramp
     acked: Ramp
+
+    def first_second_cores(self) -> dict[str, float]:
+        """Cores each process (and the machine, "host") used in the handled curve's first
+        second: a member short of CPU, and who had it, shows here."""
+        t0 = self.drain.handled.t0
+        return self.drain.cpu.cores(t0, t0 + 1.0)
 
 
 class Bench:
@@ -154,46 +164,53 @@ class Bench:
         await nc.flush()
         return time.monotonic() - started
 
-    async def flood_go(self, config: GroupConfig, count: int) -> float:
+    async def flood_go(self, config: GroupConfig, count: int, cpu: CpuTimeline) -> float:
         """Publish `count` messages with the Go producer of examples/go (nats.go, many
         publishes awaiting their acks at once): a burst from producers written in Go
         costs this machine's 2 cores a fraction of what the Python loop above does, so
         less of the member's first second goes to the publisher. Returns the seconds
         the producer took, as it says."""
-        done = await asyncio.to_thread(
-            subprocess.run,
-            [
-                str(self.go_producer),
-                "-url",
-                self.servers.nats_server.url,
-                "-prefix",
-                config.subject_prefix,
-                "-partitions",
-                str(config.partitions),
-                "-count",
-                str(count),
-                "-projects",
-                str(self.args.projects),
-                "-run-id",
-                config.group,
-                "-max-pending",
-                str(self.args.go_max_pending),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=self.args.timeout,
+        process = await asyncio.create_subprocess_exec(
+            str(self.go_producer),
+            "-url",
+            self.servers.nats_server.url,
+            "-prefix",
+            config.subject_prefix,
+            "-partitions",
+            str(config.partitions),
+            "-count",
+            str(count),
+            "-projects",
+            str(self.args.projects),
+            "-run-id",
+            config.group,
+            "-max-pending",
+            str(self.args.go_max_pending),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
         )
-        if done.returncode != 0:
-            raise RuntimeError(f"the Go producer failed ({done.returncode}): {done.stderr[-2000:]}")
-        return float(json.loads(done.stdout.strip().splitlines()[-1])["seconds"])
+        cpu.watch("publisher", process.pid)
+        try:
+            out, err = await asyncio.wait_for(process.communicate(), self.args.timeout)
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+        if process.returncode != 0:
+            raise RuntimeError(
+                f"the Go producer failed ({process.returncode}): {err.decode()[-2000:]}"
+            )
+        return float(json.loads(out.decode().strip().splitlines()[-1])["seconds"])
 
-    async def watch(self, config: GroupConfig, total: int) -> Curve:
-        """Sample what was consumed until all `total` messages were (or --timeout)."""
+    async def watch(self, config: GroupConfig, total: int, cpu: CpuTimeline) -> Curve:
+        """Sample what was consumed, and who had the CPU, until all `total` messages were
+        (or --timeout)."""
         curve = Curve(total)
         deadline = time.monotonic() + self.args.timeout
         while True:
             state = (await self.js.stream_info(config.stream)).state
             now = time.monotonic()
+            cpu.sample(now)
             consumed = int(state.last_seq) - int(state.messages)
             curve.add(now, consumed)
             if consumed >= total:
@@ -221,19 +238,26 @@ class Bench:
         publish_seconds = 0.0 if burst else await self.publish(config, count)
         names = [f"m-{i}" for i in range(members)]
         workdir = self.root / group
+        cpu = CpuTimeline()
+        if (server_pid := self.servers.nats_server.pid) is not None:
+            cpu.watch("nats-server", server_pid)
         with Fleet.for_config(workdir, config) as fleet:
             started = time.monotonic()
             for name in names:
                 env = {"SHOAL_STAMPS_FILE": str(workdir / f"{name}.stamps")}
                 if delay_ms:
                     env["SHOAL_HANDLER_DELAY_MS"] = f"{delay_ms:g}"
-                fleet.start(name, **env, **config_env(config, ("ledger", "storage")))
+                member = fleet.start(name, **env, **config_env(config, ("ledger", "storage")))
+                cpu.watch("member", member.pid)
             if burst:
                 await wait_for_status(
                     self.etcd, NAMESPACE, group, config.partitions, settled(set(names)), 60
                 )
                 await asyncio.sleep(a.quiet)  # pulls come back empty: the partitions doze
-                watcher = asyncio.ensure_future(self.watch(config, count))
+                if publisher == "python":
+                    # (This process publishes, and samples the stream besides.)
+                    cpu.watch("publisher", os.getpid())
+                watcher = asyncio.ensure_future(self.watch(config, count, cpu))
                 if publisher == "go-frozen":
                     # The member stopped (SIGSTOP) while the burst is published and
                     # stored: it then wakes into the whole burst with nothing else
@@ -243,17 +267,17 @@ class Bench:
                     for name in names:
                         fleet.signal(name, signal.SIGSTOP)
                     try:
-                        publish_seconds = await self.flood_go(config, count)
+                        publish_seconds = await self.flood_go(config, count, cpu)
                     finally:
                         for name in names:
                             fleet.signal(name, signal.SIGCONT)
                 elif publisher == "go":
-                    publish_seconds = await self.flood_go(config, count)
+                    publish_seconds = await self.flood_go(config, count, cpu)
                 else:
                     publish_seconds = await self.flood(config, count)
                 acked = await watcher
             else:
-                acked = await self.watch(config, count)
+                acked = await self.watch(config, count, cpu)
         redelivered = -count
         for p in range(config.partitions):
             info = await self.js.consumer_info(config.stream, durable_name(p))
@@ -262,7 +286,8 @@ class Bench:
         stamps = sorted(t for name in names for t in read_stamps(workdir / f"{name}.stamps"))
         if len(stamps) != count:
             raise RuntimeError(f"{group}: the handlers saw {len(stamps)} of {count} messages")
-        return Drain(Curve.of_stamps(count, stamps), acked, started, publish_seconds, redelivered)
+        handled = Curve.of_stamps(count, stamps)
+        return Drain(handled, acked, started, publish_seconds, redelivered, cpu)
 
     async def ramps(self, kind: str, publisher: str = "python") -> list[Round]:
         rounds = []
@@ -283,7 +308,10 @@ class Bench:
                 f"{acked.first_second_msgs:.0f}, pace {acked.pace:.0f} msg/s, all in "
                 f"{acked.drain_seconds:.2f} s; {drain.redelivered} redelivered"
             )
-            rounds.append(Round(drain, handled, acked))
+            round_ = Round(drain, handled, acked)
+            cores = ", ".join(f"{k} {v:.2f}" for k, v in round_.first_second_cores().items())
+            note(f"{kind}-{r}: cores used in the first second: {cores}")
+            rounds.append(round_)
         return rounds
 
 
@@ -315,6 +343,7 @@ def summary(name: str, rounds: list[Round], storage: str, **extra: Any) -> None:
         acked_pace_msgs_per_s=[round(r.pace) for r in acked],
         acked_first_second_msgs=[round(r.first_second_msgs) for r in acked],
         redelivered=[r.drain.redelivered for r in rounds],
+        first_second_cores=[r.first_second_cores() for r in rounds],
         storage=storage,
         **extra,
     )
