@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -31,9 +32,14 @@ from shoal.clients.etcd import (
     EtcdConfigError,
     EtcdUnavailable,
     check_security,
+    prefix_end,
 )
 from shoal.consumer.cli import main
+from shoal.contracts.names import Keys
+from shoal.contracts.values import MemberStats
+from shoal.group import view as view_module
 from shoal.group.config import config_from_env
+from shoal.group.view import GroupView
 from shoal.operator.etcdsecret import EtcdClients, EtcdSecretProblem, SecretData
 
 pytestmark = pytest.mark.timeout(120)
@@ -217,7 +223,8 @@ def auth_etcd(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[Et
         server.stop()
 
 
-def set_password(server: EtcdServer, pki: Pki, user: str, password: str) -> None:
+def as_root(server: EtcdServer, pki: Pki, requests: list[tuple[str, object]]) -> None:
+    """Send auth requests (the AuthStub method's name, its request) as etcd's root."""
     host, port = server.endpoint.rsplit(":", 1)
     options = tls_options(pki)
     root = etcd3.client(
@@ -231,13 +238,25 @@ def set_password(server: EtcdServer, pki: Pki, user: str, password: str) -> None
         timeout=5,
     )
     try:
-        etcdrpc.AuthStub(root.channel).UserChangePassword(
-            etcdrpc.AuthUserChangePasswordRequest(name=user, password=password),
-            5,
-            credentials=root.call_credentials,
-        )
+        auth = etcdrpc.AuthStub(root.channel)
+        for method, request in requests:
+            getattr(auth, method)(request, 5, credentials=root.call_credentials)
     finally:
         root.close()
+
+
+def set_password(server: EtcdServer, pki: Pki, user: str, password: str) -> None:
+    request = etcdrpc.AuthUserChangePasswordRequest(name=user, password=password)
+    as_root(server, pki, [("UserChangePassword", request)])
+
+
+def grant(server: EtcdServer, pki: Pki, role: str, start: str, end: str) -> None:
+    """Let `role` read and write the keys from `start` to `end` (excluded)."""
+    perm = auth_pb2.Permission(
+        permType=auth_pb2.Permission.READWRITE, key=start.encode(), range_end=end.encode()
+    )
+    request = etcdrpc.AuthRoleGrantPermissionRequest(name=role, perm=perm)
+    as_root(server, pki, [("RoleGrantPermission", request)])
 
 
 @pytest.mark.e2e
@@ -289,6 +308,60 @@ async def test_auth_enabled_but_no_credentials_is_clear(auth_etcd: EtcdServer, p
             await etcd.put("/shoal/auth/c", b"3")
     finally:
         etcd.close()
+
+
+@pytest.mark.e2e
+async def test_the_leaders_stats_poll_outlives_a_refusal(
+    auth_etcd: EtcdServer,
+    pki: Pki,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The leader's poll of stats/ (GroupView.follow_stats) met an error etcd3 does not
+    map to a retryable one (here etcd's RBAC refusing the range: a role granted the
+    group's keys before stats/ existed) and ended for good, silently: the leader then
+    read every member's routine stats as they were, they went stale, and the autoscaler
+    never scaled down again. It must say so and keep trying, as the group's watch does."""
+    monkeypatch.setattr(view_module, "STATS_POLL_SECONDS", 0.1)
+    keys = Keys("tls", "stats-poll")
+    as_root(
+        auth_etcd,
+        pki,
+        [
+            ("UserAdd", etcdrpc.AuthUserAddRequest(name="leader", password="lpw")),
+            ("RoleAdd", etcdrpc.AuthRoleAddRequest(name="leader")),
+            ("UserGrantRole", etcdrpc.AuthUserGrantRoleRequest(user="leader", role="leader")),
+        ],
+    )
+    grant(auth_etcd, pki, "leader", keys.prefix, keys.stats)  # everything but stats/
+    writer = Etcd(auth_etcd.endpoint, username="shoal", password="pw", **tls_options(pki))
+    etcd = Etcd(auth_etcd.endpoint, username="leader", password="lpw", **tls_options(pki))
+    view = GroupView(etcd, keys, 8)
+    task = asyncio.create_task(view.run())
+    try:
+        await writer.connect(attempts=2)
+        await etcd.connect(attempts=2)
+        stats = MemberStats(ts=time.time(), cpu=12.5).to_json()
+        await writer.put(keys.member("m-a"), stats)
+        await writer.put(keys.member_stats("m-a"), stats)
+        await asyncio.wait_for(view.synced.wait(), 10)
+        caplog.set_level(logging.WARNING, logger="shoal.group.view")
+        view.follow_stats(True)
+        await asyncio.sleep(0.5)
+        assert not view.stats_synced.is_set()
+        assert "Could not read members' stats" in caplog.text
+        assert "refused user 'leader'" in caplog.text
+
+        grant(auth_etcd, pki, "leader", keys.stats, prefix_end(keys.stats))
+        # (The backoff after a failure starts at the poll interval and doubles.)
+        await asyncio.wait_for(view.stats_synced.wait(), 10)
+        assert keys.member_stats("m-a") in view.stats_kvs
+    finally:
+        view.follow_stats(False)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        etcd.close()
+        writer.close()
 
 
 # -- the operator's clients, from a Secret -----------------------------------------------------
