@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -384,8 +385,17 @@ class BenchServers:
 @asynccontextmanager
 async def bench_servers(root: Path) -> AsyncIterator[BenchServers]:
     """Start a nats-server (in ``root/nats``) and an etcd (in ``root/etcd``), connect
-    to both; close the connections, then stop the servers, on the way out."""
-    with NatsServer(root / "nats") as nats_server, EtcdServer(root / "etcd") as etcd_server:
+    to both; close the connections, then stop the servers, on the way out.
+
+    ``SHOAL_BENCH_NATS_ARGS`` adds options to nats-server's command line, e.g.
+    ``--profile 18222`` to take a CPU profile of it while a figure is measured:
+    ``curl -o nats.pprof 'http://127.0.0.1:18222/debug/pprof/profile?seconds=3'``, then
+    ``go tool pprof -top <nats-server binary> nats.pprof`` (docs/data-path.md)."""
+    extra = shlex.split(os.environ.get("SHOAL_BENCH_NATS_ARGS", ""))
+    with (
+        NatsServer(root / "nats", extra_args=extra) as nats_server,
+        EtcdServer(root / "etcd") as etcd_server,
+    ):
         etcd = Etcd(etcd_server.endpoint)
         await etcd.connect(attempts=10)
         try:
