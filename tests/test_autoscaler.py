@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -38,8 +39,9 @@ from shoal.consumer.cpu import (
     parse_cpu_max,
     parse_millicores,
 )
+from shoal.consumer.membership import Membership
 from shoal.consumer.scaler import Decision
-from shoal.contracts.values import ScaleRecord
+from shoal.contracts.values import MemberStats, ScaleRecord
 from shoal.group.config import GroupConfig
 from shoal.group.view import Claim, GroupView, Target
 from shoal.operator.builders import consumer_env, cpu_millicores
@@ -516,3 +518,70 @@ def test_failed_rounds_back_off_from_the_next_evaluation_to_five_minutes() -> No
     delays = [retry_delay(30.0, failures) for failures in range(1, 8)]
     assert delays == [30.0, 60.0, 120.0, 240.0, 300.0, 300.0, 300.0]
     assert retry_delay(1.0, 1) == 1.0
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(60)
+async def test_healthy_members_stats_are_never_stale_at_a_short_interval(
+    etcd: Etcd, make_config: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """intervalSeconds 1 on the real cadences: members write their routine stats every
+    keepalive (3 s) and the leader reads them every 3 s (view.STATS_POLL_SECONDS), so a
+    healthy member's stats are up to about 6 s old when a round reads them. Stale after
+    three autoscaler intervals (3 s) made the loop ignore healthy members in most rounds
+    ("stale stats"), and a group with ignored members is never scaled down. Stats are
+    stale only after three of their own periods too: this idle group of 3 goes down."""
+    leader_config = make_config(member_id="lead")
+    names = ("lead", "x", "y")
+    memberships = [
+        Membership(etcd, leader_config.model_copy(update={"member_id": name}), _idle_stats)
+        for name in names
+    ]
+    for membership in memberships:
+        await membership.join()
+    keep_alive = [asyncio.create_task(m.run()) for m in memberships]
+    view = GroupView(etcd, leader_config.keys, leader_config.partitions)
+    watcher = asyncio.create_task(view.run())
+    try:
+        await view.synced.wait()
+        view.follow_stats(True)
+        await asyncio.wait_for(view.stats_synced.wait(), 10)
+        epoch = await etcd.create_returning_revision(
+            leader_config.keys.leader, b"lead", memberships[0].lease_id
+        )
+        assert epoch is not None
+        for p in range(leader_config.partitions):  # settled: no hand-over holds the loop
+            owner = names[p % len(names)]
+            target = {"owner": owner, "generation": 1, "epoch": epoch, "ts": time.time()}
+            await etcd.put(leader_config.keys.partition(p), json.dumps(target).encode())
+            await etcd.put(leader_config.keys.claim(p), owner.encode())
+        spec = {
+            "handler": "shoal.consumer.handlers:noop",
+            "replicas": 3,
+            "minReplicas": 1,
+            "maxReplicas": 4,
+            "partitions": leader_config.partitions,
+            # (An idle group: 0 active projects per member, under minProjectsPerMember.)
+            "autoscaling": {"enabled": True, "intervalSeconds": 1, "cooldownSeconds": 0},
+        }
+        recording = RecordingTarget(spec)
+        scaler = Autoscaler(leader_config, etcd, view, FakeLeader(epoch), recording)
+        caplog.set_level(logging.WARNING, logger="shoal.consumer.scaler")
+        await asyncio.sleep(3.5)  # past the join's first stats
+        for _ in range(8):  # rounds that find the stats at every age they reach
+            await scaler.round()
+            await asyncio.sleep(1.0)
+        assert "stale stats" not in caplog.text
+        assert ("scale", 2) in recording.calls, recording.calls
+    finally:
+        view.follow_stats(False)
+        for task in (watcher, *keep_alive):
+            task.cancel()
+        await asyncio.gather(watcher, *keep_alive, return_exceptions=True)
+        for membership in memberships:
+            await membership.close()
+        await etcd.delete_prefix(leader_config.keys.prefix)
+
+
+def _idle_stats() -> MemberStats:
+    return MemberStats(ts=time.time(), cpu=5.0, active_projects=0, lag=0)

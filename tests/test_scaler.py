@@ -507,6 +507,39 @@ def test_stale_stats_count_as_missing(age: float, used: bool) -> None:
     assert ("c-0" in decision.ignored) is not used
 
 
+@pytest.mark.parametrize(
+    ("interval", "period", "age", "used"),
+    [
+        # Rounds longer than the stats' period: three rounds decide, as before.
+        (30, 6.0, 89.0, True),
+        (30, 6.0, 91.0, False),
+        # A 1 s round reads stats written every 3 s and read every 3 s: up to 6 s old
+        # while healthy, stale only after three of their periods.
+        (1, 6.0, 5.9, True),
+        (1, 6.0, 17.5, True),
+        (1, 6.0, 18.5, False),
+        (1, 0.0, 3.5, False),  # (no period given: the interval alone)
+        (2, 9.4, 28.0, True),  # 64 members: written every 6.4 s
+        (2, 9.4, 28.5, False),
+    ],
+)
+def test_stats_are_stale_after_three_rounds_or_three_of_their_periods(
+    interval: int, period: float, age: float, used: bool
+) -> None:
+    now = T0
+    pol = policy(interval_seconds=interval, report_period_seconds=period)
+    assert pol.stale_after_seconds == 3 * max(interval, period)
+    stats = {"c-0": member(now, cpu=95.0, ts=now - age)}
+    decision, _ = decide(stats, 2, pol, now, ScalerState())
+    assert (decision.action == "up") is used
+    assert ("c-0" in decision.ignored) is not used
+
+
+def test_a_negative_report_period_is_refused() -> None:
+    with pytest.raises(ValueError, match="report_period_seconds >= 0"):
+        Policy(report_period_seconds=-1.0)
+
+
 # -- rebalance, disabled, dry run ----------------------------------------------------------
 
 

@@ -39,14 +39,16 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any, Protocol
 
 from shoal.clients.etcd import TRANSIENT_ERRORS, Etcd
+from shoal.consumer.membership import routine_stats_period
 from shoal.consumer.scaler import Action, Decision, Policy, ScalerState, decide, without_action
-from shoal.contracts.spec import parse_spec
+from shoal.contracts.spec import ConsumerGroupSpec, parse_spec
 from shoal.contracts.values import PauseRecord, ScaleRecord
 from shoal.group.config import GroupConfig
-from shoal.group.view import Claim, GroupView, Target
+from shoal.group.view import STATS_POLL_SECONDS, Claim, GroupView, Target
 
 log = logging.getLogger(__name__)
 
@@ -234,12 +236,19 @@ class Autoscaler:
                 continue
             await asyncio.sleep(interval)
 
+    def _policy(self, spec: ConsumerGroupSpec) -> Policy:
+        """The spec's policy, with how old healthy members' stats get here: their write
+        period in a group of this size, plus the view's reading period."""
+        written = routine_stats_period(self.config.keepalive_interval, len(self.view.members()))
+        period = written + STATS_POLL_SECONDS
+        return replace(Policy.from_spec(spec), report_period_seconds=period)
+
     async def round(self) -> float:
         """One decision (and action); returns the interval until the next."""
         await self._mark_pods(self._pending_victim())
         group = await self.target.read()
         spec = parse_spec(group.get("spec") or {})
-        policy = Policy.from_spec(spec)
+        policy = self._policy(spec)
         if not policy.enabled:
             self.state = None
             return policy.interval_seconds

@@ -41,6 +41,12 @@ KEEPALIVE_RETRY_MAX = 5.0
 ROUTINE_STATS_WRITES_PER_SECOND = 10.0
 
 
+def routine_stats_period(keepalive_interval: float, group_size: int) -> float:
+    """Seconds between a member's routine stats rewrites in a group of `group_size`
+    (the autoscaler's staleness bound follows it: scaler.Policy.report_period_seconds)."""
+    return max(keepalive_interval, group_size / ROUTINE_STATS_WRITES_PER_SECOND)
+
+
 class Membership:
     def __init__(
         self,
@@ -230,10 +236,7 @@ class Membership:
         partitions; paused: `shoal-consumer reset` waits for it), else once the routine
         interval has passed: a keepalive interval, or longer in a big group
         (ROUTINE_STATS_WRITES_PER_SECOND)."""
-        every = max(
-            self.config.keepalive_interval,
-            self._group_size() / ROUTINE_STATS_WRITES_PER_SECOND,
-        )
+        every = routine_stats_period(self.config.keepalive_interval, self._group_size())
         # (Half a keepalive early counts: the loop runs once per keepalive, and one that
         # ran a little early must not push the put a whole interval later.)
         return (

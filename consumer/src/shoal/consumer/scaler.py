@@ -90,7 +90,8 @@ SignalValue = float | int | str | None
 DEFAULT_TOLERANCE = 0.10
 DEFAULT_MAX_STEP_UP = 4
 DEFAULT_SCALE_DOWN_WINDOW_SECONDS = 300.0
-#: Stats older than this many intervals (by their ``ts``) count as missing.
+#: Stats older than this many intervals, or of their own periods when those are longer
+#: (by their ``ts``: Policy.stale_after_seconds), count as missing.
 STALE_INTERVALS = 3
 
 
@@ -123,6 +124,10 @@ class Policy:
     tolerance: float = DEFAULT_TOLERANCE
     max_step_up: int = DEFAULT_MAX_STEP_UP
     scale_down_window_seconds: float = DEFAULT_SCALE_DOWN_WINDOW_SECONDS
+    # How old a healthy member's stats can be when a round reads them: how often members
+    # write them plus how often the leader reads them (the autoscaler sets it; 0: the
+    # interval alone decides).
+    report_period_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         checks: list[tuple[str, bool]] = [
@@ -142,6 +147,7 @@ class Policy:
             ("0 <= tolerance < 1", 0 <= self.tolerance < 1),
             ("max_step_up >= 1", self.max_step_up >= 1),
             ("scale_down_window_seconds >= 0", self.scale_down_window_seconds >= 0),
+            ("report_period_seconds >= 0", self.report_period_seconds >= 0),
         ]
         for text, ok in checks:
             if not ok:
@@ -159,7 +165,12 @@ class Policy:
 
     @property
     def stale_after_seconds(self) -> float:
-        return STALE_INTERVALS * self.interval_seconds
+        """Stats older than this count as missing: three rounds, or three of the stats'
+        own periods when those are longer (members write them every keepalive, more
+        rarely in big groups, and the leader reads them every few seconds: with a 1 s
+        interval, healthy members' 3-6 s old stats were ignored in most rounds, and a
+        group with members ignored is never scaled down)."""
+        return STALE_INTERVALS * max(self.interval_seconds, self.report_period_seconds)
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any] | ConsumerGroupSpec) -> Policy:
