@@ -101,6 +101,14 @@ class Drain:
     redelivered: int
     # The CPU of nats-server, the member(s), the publisher and the machine meanwhile.
     cpu: CpuTimeline
+    partitions: int
+
+    def cpu_us_per_msg(self) -> dict[str, float]:
+        """Microseconds of CPU per message each process (and the machine) spent from the
+        first message handled to the last ack the server applied."""
+        used = self.cpu.seconds(self.handled.t0, self.acked.end)
+        total = self.handled.total
+        return {name: round(seconds * 1e6 / total, 1) for name, seconds in used.items()}
 
 
 @dataclass
@@ -133,7 +141,12 @@ class Bench:
 
     def config(self, group: str, handler: str) -> GroupConfig:
         return self.servers.group_config(
-            NAMESPACE, group, handler, ledger=False, storage=self.args.storage
+            NAMESPACE,
+            group,
+            handler,
+            ledger=False,
+            storage=self.args.storage,
+            partitions=self.args.partitions,
         )
 
     async def publish(self, config: GroupConfig, count: int) -> float:
@@ -287,7 +300,7 @@ class Bench:
         if len(stamps) != count:
             raise RuntimeError(f"{group}: the handlers saw {len(stamps)} of {count} messages")
         handled = Curve.of_stamps(count, stamps)
-        return Drain(handled, acked, started, publish_seconds, redelivered, cpu)
+        return Drain(handled, acked, started, publish_seconds, redelivered, cpu, config.partitions)
 
     async def ramps(self, kind: str, publisher: str = "python") -> list[Round]:
         rounds = []
@@ -344,6 +357,8 @@ def summary(name: str, rounds: list[Round], storage: str, **extra: Any) -> None:
         acked_first_second_msgs=[round(r.first_second_msgs) for r in acked],
         redelivered=[r.drain.redelivered for r in rounds],
         first_second_cores=[r.first_second_cores() for r in rounds],
+        cpu_us_per_msg=[r.drain.cpu_us_per_msg() for r in rounds],
+        partitions=rounds[0].drain.partitions,
         storage=storage,
         **extra,
     )
@@ -396,6 +411,7 @@ async def run(args: argparse.Namespace, root: Path) -> None:
                 projects=args.projects,
                 handler_ms=args.delay_ms,
                 acked_msgs_per_s=args.io_messages / (drain.acked.end - drain.acked.t0),
+                cpu_us_per_msg=drain.cpu_us_per_msg(),
             )
         emit(BENCH, "member_log_problems", bench.log_problems, target="0")
 
@@ -407,6 +423,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--messages", type=int, default=100_000, help="backlog / burst size")
     parser.add_argument("--projects", type=int, default=1_000)
+    parser.add_argument(
+        "--partitions", type=int, default=128, help="the group's partitions (and durables)"
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--sample", type=float, default=0.02, help="seconds between samples")
     parser.add_argument("--bucket", type=float, default=0.25, help="pace window, seconds")

@@ -65,8 +65,8 @@ class CpuTimeline:
             return v1 if v0 is None else v0
         return v0 + (v1 - v0) * (when - t0) / (t1 - t0)
 
-    def cores(self, start: float, end: float) -> dict[str, float]:
-        """Average cores each name used from `start` to `end` (names sampled across the
+    def seconds(self, start: float, end: float) -> dict[str, float]:
+        """CPU seconds each name used from `start` to `end` (names sampled across the
         whole interval only)."""
         if end <= start:
             return {}
@@ -75,5 +75,11 @@ class CpuTimeline:
         for name in sorted(names):
             a, b = self._at(name, start), self._at(name, end)
             if a is not None and b is not None:
-                used[name] = round((b - a) / (end - start), 3)
+                used[name] = b - a
         return used
+
+    def cores(self, start: float, end: float) -> dict[str, float]:
+        """Average cores each name used from `start` to `end`."""
+        return {
+            name: round(used / (end - start), 3) for name, used in self.seconds(start, end).items()
+        }
