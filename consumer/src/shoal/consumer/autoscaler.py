@@ -3,9 +3,11 @@
 Every ``spec.autoscaling.intervalSeconds`` the leader
   1. reads its ConsumerGroup (the spec may change at any time: policy and replicas are
      never cached);
-  2. collects the stats every member keeps in its member key (cpu, active projects, lag,
-     rate) and whether a hand-over is in progress (some partition not yet consumed by the
-     owner the assignment names: no load decision then, but replicas outside
+  2. collects the stats every member keeps in etcd (cpu, active projects, lag, rate: the
+     newer of ``members/<id>`` and ``stats/<id>``, which the leader's view polls; stale
+     after three rounds or three of their own periods, :meth:`Autoscaler._policy`) and
+     whether a hand-over is in progress (some partition not yet consumed by the owner the
+     assignment names: no load decision then, but replicas outside
      [minReplicas, maxReplicas] are still brought back);
   3. calls the pure :func:`decide`;
   4. acts: records the decision in etcd (``<prefix>scale``, epoch-guarded: the operator
