@@ -103,6 +103,12 @@ class Drain:
     cpu: CpuTimeline
     partitions: int
 
+    def first_second_cores(self) -> dict[str, float]:
+        """Cores each process (and the machine, "host") used in the handled curve's first
+        second: a member short of CPU, and who had it, shows here."""
+        t0 = self.handled.t0
+        return self.cpu.cores(t0, t0 + 1.0)
+
     def cpu_us_per_msg(self) -> dict[str, float]:
         """Microseconds of CPU per message each process (and the machine) spent from the
         first message handled to the last ack the server applied."""
@@ -119,12 +125,6 @@ class Round:
     drain: Drain
     handled: Ramp
     acked: Ramp
-
-    def first_second_cores(self) -> dict[str, float]:
-        """Cores each process (and the machine, "host") used in the handled curve's first
-        second: a member short of CPU, and who had it, shows here."""
-        t0 = self.drain.handled.t0
-        return self.drain.cpu.cores(t0, t0 + 1.0)
 
 
 class Bench:
@@ -321,10 +321,9 @@ class Bench:
                 f"{acked.first_second_msgs:.0f}, pace {acked.pace:.0f} msg/s, all in "
                 f"{acked.drain_seconds:.2f} s; {drain.redelivered} redelivered"
             )
-            round_ = Round(drain, handled, acked)
-            cores = ", ".join(f"{k} {v:.2f}" for k, v in round_.first_second_cores().items())
+            cores = ", ".join(f"{k} {v:.2f}" for k, v in drain.first_second_cores().items())
             note(f"{kind}-{r}: cores used in the first second: {cores}")
-            rounds.append(round_)
+            rounds.append(Round(drain, handled, acked))
         return rounds
 
 
@@ -356,7 +355,7 @@ def summary(name: str, rounds: list[Round], storage: str, **extra: Any) -> None:
         acked_pace_msgs_per_s=[round(r.pace) for r in acked],
         acked_first_second_msgs=[round(r.first_second_msgs) for r in acked],
         redelivered=[r.drain.redelivered for r in rounds],
-        first_second_cores=[r.first_second_cores() for r in rounds],
+        first_second_cores=[r.drain.first_second_cores() for r in rounds],
         cpu_us_per_msg=[r.drain.cpu_us_per_msg() for r in rounds],
         partitions=rounds[0].drain.partitions,
         storage=storage,

@@ -11,6 +11,7 @@ import itertools
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -523,7 +524,7 @@ def test_failed_rounds_back_off_from_the_next_evaluation_to_five_minutes() -> No
 @pytest.mark.e2e
 @pytest.mark.timeout(60)
 async def test_healthy_members_stats_are_never_stale_at_a_short_interval(
-    etcd: Etcd, make_config: Any, caplog: pytest.LogCaptureFixture
+    etcd: Etcd, make_config: Callable[..., GroupConfig], caplog: pytest.LogCaptureFixture
 ) -> None:
     """intervalSeconds 1 on the real cadences: members write their routine stats every
     keepalive (3 s) and the leader reads them every 3 s (view.STATS_POLL_SECONDS), so a

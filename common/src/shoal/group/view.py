@@ -463,17 +463,15 @@ class GroupView:
                     log.info("Reading members' stats again (after %.1f s)", trouble.recovered())
                 backoff.reset()
                 await asyncio.sleep(STATS_POLL_SECONDS)
-            except TRANSIENT_ERRORS as exc:
+            except Exception as exc:
+                # Every error, not only TRANSIENT_ERRORS: etcd3 raises most gRPC errors as
+                # they come, and a refusal by etcd's RBAC is EtcdAuthError (the group's
+                # watch, run(), retries those too). A poll that ended here would leave the
+                # leader reading stats that only grow older (its autoscaler would never
+                # scale down again), and nobody would know.
                 trouble.failed(
                     logging.WARNING, "Could not read members' stats (%s); retrying", describe(exc)
                 )
-                await asyncio.sleep(backoff.next())
-            except Exception as exc:
-                # etcd3 raises most gRPC errors as they come, and a refusal by etcd's RBAC
-                # is EtcdAuthError: the group's watch (run) retries those too. A poll that
-                # ended here would leave the leader reading stats that only grow older
-                # (its autoscaler would never scale down again), and nobody would know.
-                trouble.failed(logging.WARNING, "Could not read members' stats (%s); retrying", exc)
                 await asyncio.sleep(backoff.next())
 
 
