@@ -15,10 +15,13 @@ are core NATS: one sent while no leader listens is missed, and the message stays
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
+
+from nats.js.errors import NotFoundError
 
 from shoal.contracts.names import (
     DEAD_LETTER_REASON_HEADER,
@@ -30,9 +33,15 @@ from shoal.contracts.names import (
     subject_partition,
 )
 from shoal.group.config import GroupConfig
-from shoal.group.jetstream import delete_message
+from shoal.group.jetstream import MessageDeleteError, delete_message
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# A sweep's retries: soon at first (a blip), then every half minute (an outage).
+RETRY_FIRST_SECONDS = 0.5
+RETRY_MAX_SECONDS = 30.0
 
 
 def dead_letter_headers(
@@ -113,11 +122,15 @@ class ExhaustedMessages:
         task.add_done_callback(self._pending.discard)
 
     async def _sweep(self, seq: int, deliveries: int) -> None:
+        """Dead-letter message `seq`, retrying what fails: the advisory is sent once, and
+        JetStream never delivers the message again, so a sweep that gave up on a timeout
+        (the server restarting, say) would leave it in the stream for good."""
         await asyncio.sleep(self.config.ack_wait)  # a late ack may still settle it
         stream = self.config.stream
-        try:
-            original = await self.js.get_msg(stream, seq)
-        except Exception:
+        original = await self._until_done(
+            f"read message {seq} of {stream}", lambda: self._read(seq)
+        )
+        if original is None:
             return  # acknowledged after all (work-queue streams delete acked messages)
         partition = subject_partition(original.subject, self.config.subject_prefix)
         if partition is None:
@@ -132,18 +145,45 @@ class ExhaustedMessages:
         headers = dead_letter_headers(
             original.headers, original.subject, reason, self.config.member_id
         )
-        try:
-            await self.js.publish(
-                dlq_subject(self.config.subject_prefix, partition),
-                original.data or b"",
-                headers=headers,
-            )
-            await self._delete(stream, seq)
-        except Exception as exc:
-            log.warning("Could not dead-letter message %d of %s: %r", seq, stream, exc)
-            return
+        subject = dlq_subject(self.config.subject_prefix, partition)
+        data = original.data or b""
+        # Stored, then deleted: a retried publish may store a second copy (its ack lost),
+        # never none.
+        await self._until_done(
+            f"dead-letter message {seq} of {stream}",
+            lambda: self.js.publish(subject, data, headers=headers),
+        )
+        await self._until_done(
+            f"delete message {seq} of {stream}", lambda: self._delete(stream, seq)
+        )
         self.dead_lettered += 1
         log.warning("Dead-lettered message %d of partition %d: %s", seq, partition, reason)
 
+    async def _read(self, seq: int) -> Any:
+        """The message, or None once it is gone (acked: the work queue deleted it)."""
+        try:
+            return await self.js.get_msg(self.config.stream, seq)
+        except NotFoundError:
+            return None
+
+    async def _until_done(self, what: str, step: Callable[[], Awaitable[T]]) -> T:
+        """`step()`, again after a growing pause while it fails (until the listener
+        stops, which cancels this sweep)."""
+        delay = RETRY_FIRST_SECONDS
+        for attempt in itertools.count(1):
+            try:
+                return await step()
+            except Exception as exc:
+                log.warning(
+                    "Could not %s (attempt %d): %r; again in %.1f s", what, attempt, exc, delay
+                )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RETRY_MAX_SECONDS)
+        raise AssertionError("unreachable")
+
     async def _delete(self, stream: str, seq: int) -> None:
-        await delete_message(self.nc, self.config.nats_js_api_prefix, stream, seq)
+        try:
+            await delete_message(self.nc, self.config.nats_js_api_prefix, stream, seq)
+        except MessageDeleteError as exc:
+            if exc.code != MessageDeleteError.NO_MESSAGE:  # gone already: done
+                raise
