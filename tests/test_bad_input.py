@@ -104,6 +104,51 @@ async def test_garbage_in_etcd_is_logged_and_ignored(
     assert "Traceback" not in log
 
 
+async def test_garbage_that_broke_readers_is_ignored_too(
+    fleet: Fleet,
+    etcd: Etcd,
+    js: Any,
+    group: str,
+    namespace: str,
+    make_config: Callable[..., GroupConfig],
+) -> None:
+    """Values each of which, before, stopped the group without a word that said why:
+    "²" passes str.isdigit but not int() (a claim or target key with it crashed every
+    member's reconcile); JSON nested past Python's recursion limit raised RecursionError
+    where parsers caught only ValueError (in a member's stats it crashed each leader in
+    turn; in a hand-back record it killed the partition's runner before the code that
+    lets a claim go, so the partition stayed claimed and consumed by nobody); a key that
+    is not UTF-8 failed every listing of the group, so no member's view ever synced."""
+    config = make_config()
+    await ensure_group(js, config)
+    keys = Keys(namespace, group)
+    deep = b"[" * 5000 + b"]" * 5000
+    producer = Producer(js, config.subject_prefix, 16)
+    project_of = {
+        p: next(f"x{i}" for i in range(1000) if partition_for(f"x{i}", 16) == p) for p in (7, 9)
+    }
+    await etcd.put(keys.member("deep"), deep)
+    await etcd.put(keys.claims + "\u00b2", b"c-0")
+    await etcd.put(keys.partitions + "\u00b2", b"{}")
+    await etcd.put(keys.handback(7), b'{"\\u00b2": 1}')  # the JSON of {"²": 1}
+    await etcd.put(keys.handback(9), deep)
+    not_utf8 = keys.claims.encode() + b"\xff\xfe"
+    await etcd.put(not_utf8, b"c-1")  # type: ignore[arg-type]  # bytes go through as they are
+    fleet.start("c-0")
+    fleet.start("c-1")
+    await wait_for_status(etcd, namespace, group, 16, settled({"c-0", "c-1"}), 30)
+    for p, project in project_of.items():
+        await producer.publish(project, b"after garbage", message_id=f"g-{p}")
+    await eventually_async(
+        lambda: stream_messages(js, config.stream), 20, "both consumed", until=lambda n: n == 0
+    )
+    log = "".join(fleet.members[m].log_text() for m in ("c-0", "c-1"))
+    assert "Ignored etcd key" in log
+    assert "Traceback" not in log
+    for m in ("c-0", "c-1"):
+        assert fleet.members[m].alive(), f"{m} exited"
+
+
 async def test_unreachable_etcd_is_retried_and_reported(fleet: Fleet) -> None:
     fleet.etcd_endpoint = f"127.0.0.1:{free_port()}"
     fleet.start("lonely")

@@ -323,6 +323,13 @@ def parse_endpoints(value: str | Sequence[str]) -> list[tuple[str, int]]:
     return endpoints
 
 
+def key_text(key: bytes) -> str:
+    """An etcd key as text. Bytes that are not UTF-8 become backslash escapes: such a key
+    is then garbage to its readers (logged and ignored) rather than an error that fails
+    every listing of the group's keys, and with it every member's view."""
+    return key.decode(errors="backslashreplace")
+
+
 @dataclass(frozen=True)
 class KV:
     """One key as etcd last reported it."""
@@ -670,8 +677,8 @@ class Etcd:
             lambda c: c.get_range_response(start, end, min_mod_revision=min_mod_revision)
         )
         kvs = {
-            kv.key.decode(): KV(
-                kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision, kv.lease
+            key_text(kv.key): KV(
+                key_text(kv.key), kv.value, kv.create_revision, kv.mod_revision, kv.lease
             )
             for kv in response.kvs
         }

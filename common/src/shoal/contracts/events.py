@@ -214,7 +214,7 @@ def parse_event(line: str | bytes) -> AssignmentEvent:
     # Slow path, only for bad lines: say what kind of bad.
     try:
         value = json.loads(line)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise EventError("malformed", f"not JSON ({exc})") from None
     if not isinstance(value, dict):
         raise EventError("malformed", f"not a JSON object ({type(value).__name__})")

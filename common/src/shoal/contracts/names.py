@@ -61,11 +61,18 @@ def partition_subject(prefix: str, partition: int) -> str:
     return f"{prefix}.{partition}"
 
 
+def decimal(text: str) -> int | None:
+    """`text` as a non-negative integer if it is one written in ASCII digits, else None.
+    (str.isdigit alone also accepts "²", which int() refuses: a key or header with one
+    must be ignored as garbage, not crash its reader.)"""
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
 def subject_partition(subject: str, prefix: str) -> int | None:
     """The partition of a subject `<prefix>.<p>` (a partition's, or with `<prefix>.dlq`
     a dead letter's), or None for any other subject."""
     head, _, tail = subject.rpartition(".")
-    return int(tail) if head == prefix and tail.isdigit() and tail.isascii() else None
+    return decimal(tail) if head == prefix else None
 
 
 def stream_subjects(prefix: str) -> list[str]:

@@ -36,7 +36,7 @@ from pydantic import (
     field_validator,
 )
 
-from shoal.contracts.names import format_time
+from shoal.contracts.names import decimal, format_time
 
 __all__ = [
     "MAX_CPU_PERCENT",
@@ -244,12 +244,13 @@ class MemberStats(BaseModel):
             return {}
         rates: dict[int, float] = {}
         for key, value in raw.items():
-            if isinstance(key, bool) or not str(key).isdigit():
+            number = None if isinstance(key, bool) else decimal(str(key))
+            if number is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float):
                 continue
             if math.isfinite(value) and value >= 0:
-                rates[int(key)] = float(value)
+                rates[number] = float(value)
         return rates
 
     @property
@@ -283,7 +284,7 @@ class MemberStats(BaseModel):
         if isinstance(raw, bytes | str):
             try:
                 raw = json.loads(raw)
-            except (ValueError, UnicodeDecodeError):
+            except (ValueError, UnicodeDecodeError, RecursionError):
                 raise ValueRefused("is not JSON") from None
         if not isinstance(raw, Mapping):
             raise ValueRefused(f"is not a JSON object ({type(raw).__name__})")

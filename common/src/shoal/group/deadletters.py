@@ -53,6 +53,7 @@ from shoal.contracts.names import (
     ORIGINAL_SUBJECT_HEADER,
     PROJECT_HEADER,
     REDRIVEN_FROM_HEADER,
+    decimal,
     format_time,
     partition_subject,
     subject_partition,
@@ -344,7 +345,7 @@ def _letter(msg: Any, headers_only: bool) -> DeadLetter:
     size = len(data)
     if headers_only:
         raw = headers.pop(_SIZE_HEADER, "0")
-        size = int(raw) if raw.isdigit() else 0
+        size = decimal(raw) or 0
         data = b""
     stored: datetime = meta.timestamp
     return DeadLetter(

@@ -40,7 +40,7 @@ from nats.js import api
 from nats.js.errors import APIError, NotFoundError
 
 from shoal.clients.etcd import Etcd
-from shoal.contracts.names import Keys, durable_name, format_time, parse_since
+from shoal.contracts.names import Keys, decimal, durable_name, format_time, parse_since
 from shoal.contracts.values import MemberStats, PauseRecord, ValueRefused
 from shoal.group.config import GroupConfig
 from shoal.group.pause import RESET_SOURCE, pause_group, read_pause, resume_group
@@ -311,9 +311,9 @@ async def quiet(etcd: Etcd, keys: Keys) -> Quiet:
             stats[member] = (0, MemberStats())
     for key, kv in kvs.items():
         if key.startswith(keys.claims) and key != keys.claims:
-            tail = Keys.tail(key, keys.claims)
-            if tail.isdigit():
-                claims.setdefault(kv.value.decode(errors="replace"), []).append(int(tail))
+            p = decimal(Keys.tail(key, keys.claims))
+            if p is not None:
+                claims.setdefault(kv.value.decode(errors="replace"), []).append(p)
     waiting: dict[str, list[int]] = {}
     for member, (revision, member_stats) in stats.items():
         running = set(member_stats.owned) | set(claims.get(member, []))

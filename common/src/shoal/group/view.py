@@ -24,8 +24,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from shoal.clients.backoff import Backoff, QuietLog
-from shoal.clients.etcd import KV, TRANSIENT_ERRORS, Etcd, Watch, describe, prefix_end
-from shoal.contracts.names import Keys
+from shoal.clients.etcd import (
+    KV,
+    TRANSIENT_ERRORS,
+    Etcd,
+    Watch,
+    describe,
+    key_text,
+    prefix_end,
+)
+from shoal.contracts.names import Keys, decimal
 from shoal.contracts.values import MemberStats, PauseRecord, TargetValue, ValueRefused
 from shoal.group.problems import MemberProblem
 
@@ -128,7 +136,7 @@ class GroupView:
     def _json(self, kv: KV) -> dict[str, Any] | None:
         try:
             data = json.loads(kv.value)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             data = None
         if isinstance(data, dict):
             return data
@@ -224,10 +232,8 @@ class GroupView:
         return LeaderKey(member, kv.create_revision)
 
     def _partition_of(self, key: str, prefix: str) -> int | None:
-        tail = key[len(prefix) :]
-        if tail.isdigit() and int(tail) < self.partitions:
-            return int(tail)
-        return None
+        p = decimal(key[len(prefix) :])
+        return p if p is not None and p < self.partitions else None
 
     def targets(self) -> dict[int, Target]:
         if self._targets is None:
@@ -292,8 +298,9 @@ class GroupView:
             return {}
         credits: dict[int, int] = {}
         for seq, credit in data.items():
-            if seq.isdigit() and isinstance(credit, int) and not isinstance(credit, bool):
-                credits[int(seq)] = credit
+            number = decimal(seq)
+            if number is not None and isinstance(credit, int) and not isinstance(credit, bool):
+                credits[number] = credit
             else:
                 self._garbage(kv, f"has a bad entry {seq!r}: {credit!r}")
         return credits
@@ -329,7 +336,7 @@ class GroupView:
         targets, claims, members = self.keys.partitions, self.keys.claims, self.keys.members
         routine = True  # only members' routine stats rewrites (quiet_stats_update)
         for event in events:
-            key = event.key.decode()
+            key = key_text(event.key)
             # Parsed again at the next read only if they changed: members rewrite their
             # stats every few seconds, which changes neither (128 targets: 0.4 ms).
             if key.startswith(targets):
@@ -515,7 +522,7 @@ def quiet_stats_update(old: bytes, new: bytes) -> bool:
     field, or that cannot be read, wakes them as any other change does."""
     try:
         before, after = json.loads(old), json.loads(new)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return False
     if not isinstance(before, dict) or not isinstance(after, dict):
         return False

@@ -73,7 +73,7 @@ def parse_advisory(data: bytes) -> tuple[int, int] | None:
     try:
         body = json.loads(data)
         seq, deliveries = body["stream_seq"], body.get("deliveries", 0)
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, RecursionError):
         return None
     if not isinstance(seq, int) or seq < 1 or not isinstance(deliveries, int):
         return None

@@ -75,6 +75,7 @@ from shoal.consumer.handlers import (
     record_in_ledger,
 )
 from shoal.consumer.httpclient import Answer, HttpClient
+from shoal.contracts.names import decimal
 from shoal.group.handlerref import check_url_handler
 
 __all__ = [
@@ -161,8 +162,9 @@ def parse_retry_after(value: str, now: float | None = None) -> float | None:
     """Seconds to wait from a Retry-After value: delay-seconds or an HTTP date (RFC 9110
     10.2.3); None if it is neither. A date in the past is 0."""
     value = value.strip()
-    if value.isdigit():
-        return float(value)
+    seconds = decimal(value)
+    if seconds is not None:
+        return float(seconds)
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError, IndexError):

@@ -402,11 +402,14 @@ class PartitionRunner:
 
     async def run(self) -> None:
         w = self.worker
-        self.credits = w.view.handback_credits(self.partition)
-        inbox = w.inbox_for(self)
         api = w.config.nats_js_api_prefix
         api_subject = f"{api}.CONSUMER.MSG.NEXT.{w.config.stream}.{durable_name(self.partition)}"
+        inbox = w.inbox_for(self)
         try:
+            # Inside the try: whatever fails from here on still ends in runner_done,
+            # which lets the claim go. (A runner that died before it left its claim
+            # held on a live lease, and its partition consumed by nobody.)
+            self.credits = w.view.handback_credits(self.partition)
             if self.fresh_claim and w.view.handed_over_cleanly(self.partition):
                 # Given back in order, but queued for redelivery in the order of the naks
                 # (takeover.py): hold what arrives until every given-back message has.
