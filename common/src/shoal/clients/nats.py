@@ -173,6 +173,19 @@ async def _quiet(exc: Exception) -> None:
 HEALTH_SUBJECT = "_SHOAL.HEALTH"
 
 
+async def round_trip(nc: Any, timeout: float) -> None:
+    """A round trip to the server, after everything written before it (what nc.flush()
+    promises, without its defect): a request nobody answers but the server ("no
+    responders"). A late answer to a request that timed out is just dropped, whereas
+    nats-py 2.x crashes its read loop on a PONG for a flush that timed out, leaving a
+    connection that writes but never reads again (until its ping check gives up on it,
+    minutes later). Raises what the request raises (a timeout, say)."""
+    try:
+        await nc.request(HEALTH_SUBJECT, b"", timeout=timeout)
+    except NoRespondersError:
+        pass  # the server answered
+
+
 class NatsHealth:
     """Whether this member can reach JetStream, from a round trip every `interval`.
 
@@ -202,18 +215,11 @@ class NatsHealth:
         while True:
             started = time.monotonic()
             try:
-                # A request nobody answers but the server ("no responders"), not
-                # nc.flush(): a late answer to a timed-out request is just dropped.
-                # (nats-py 2.x crashes its read loop on a PONG for a flush that timed
-                # out, leaving a connection that writes but never reads again.) Not a
-                # JetStream API request: in a cluster, JetStream stops answering while
-                # its meta leader is re-elected, and every member would give all its
-                # partitions up for nothing. A JetStream that does not serve a partition
-                # shows in that partition's pulls instead.
-                try:
-                    await self.nc.request(HEALTH_SUBJECT, b"", timeout=self.interval)
-                except NoRespondersError:
-                    pass  # the server answered: reachable
+                # Not a JetStream API request: in a cluster, JetStream stops answering
+                # while its meta leader is re-elected, and every member would give all
+                # its partitions up for nothing. A JetStream that does not serve a
+                # partition shows in that partition's pulls instead.
+                await round_trip(self.nc, self.interval)
                 self._failing_since = None
             except asyncio.CancelledError:
                 raise

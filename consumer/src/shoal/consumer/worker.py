@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shoal.clients.etcd import TRANSIENT_ERRORS, Etcd
+from shoal.clients.nats import round_trip
 from shoal.clients.natsclient import Delivery, DirectClient
 from shoal.consumer.deadletter import dead_letter_headers
 from shoal.consumer.dispatch import (
@@ -1028,7 +1029,7 @@ class Worker:
             # deliver mean redeliveries (at-least-once), never a loss.
             try:
                 if self.nats_reachable():
-                    await self.nc.flush(timeout=5)
+                    await round_trip(self.nc, 5.0)  # not nc.flush(): see round_trip
                 else:
                     log.warning("Releasing partition %d without flushing acks: NATS is away", p)
             except Exception:
