@@ -123,3 +123,31 @@ async def test_one_project_runs_in_order_whatever_wakes() -> None:
             assert seqs == sorted(seqs)
     finally:
         await dispatcher.stop()
+
+
+async def test_a_lane_that_ends_unexpectedly_is_replaced_and_its_message_runs_again(
+    caplog: Any,
+) -> None:
+    """A cancel that gets past the lane's bookkeeping (nobody fenced it) ends the lane:
+    one lane fewer for good, and the project it ran waited behind it forever. The
+    dispatcher replaces the lane and runs the project's head again."""
+    runs: dict[int, int] = {}
+
+    async def execute(source: Any, held: Held) -> Outcome | float:
+        runs[held.seq] = runs.get(held.seq, 0) + 1
+        if held.seq == 1 and runs[1] == 1:
+            raise asyncio.CancelledError  # as if the process were stopping
+        return SETTLED
+
+    dispatcher = Dispatcher(execute, max_concurrency=1)
+    dispatcher.start()
+    source = Partition()
+    try:
+        burst(dispatcher, source, projects=3)
+        await run_until(source, 3)
+        assert sorted(source.done) == [1, 2, 3]
+        assert runs[1] == 2
+        assert "Dispatch lane 0 was cancelled unexpectedly; replacing it" in caplog.text
+        assert len(dispatcher._lanes) == 1 and not dispatcher._lanes[0].done()
+    finally:
+        await dispatcher.stop()

@@ -5,6 +5,7 @@ Real nats-server, etcd and a member process running harness.handlers:scripted_le
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -187,3 +188,55 @@ async def test_a_handler_raising_cancelled_error_itself_is_a_failure(
     )
     assert int((await js.stream_info(config.dlq_stream)).state.messages) == 1
     assert fleet.members["m-0"].alive()
+
+
+async def test_a_handler_that_turns_its_timeout_into_an_error_leaves_the_lane_working(
+    make_fleet: Callable[..., Fleet], etcd: Etcd, js: Any, make_config: Any
+) -> None:
+    """With one dispatch lane and handlerTimeoutSeconds 1: a handler whose cancel (its
+    timeout) becomes an ordinary error in its cleanup, then another handler that times
+    out. Both are retried, then dead-lettered, and the other projects flow. Before, the
+    first left the lane's cancel standing; the second timeout then looked like the
+    process stopping and ended the lane for good: with one lane, the member ran
+    nothing more (and nothing said why)."""
+    config = make_config(
+        handler=HANDLER,
+        partitions=PARTITIONS,
+        max_concurrency=1,
+        handler_timeout=1.0,
+        max_deliver=2,
+        backoff=(0.2,),
+    )
+    await ensure_group(js, config)
+    fleet = make_fleet(handler=HANDLER, partitions=PARTITIONS)
+    settings = (*SETTINGS, "max_concurrency", "handler_timeout", "max_deliver", "backoff")
+    fleet.start("m-0", **config_env(config, settings))
+    await wait_for_status(
+        etcd, config.namespace, config.group, config.partitions, settled({"m-0"}), 30
+    )
+    producer = Producer(js, config.subject_prefix, config.partitions)
+    await producer.publish_many([Outgoing("a", b"hang-then-raise", "a-0", {})])
+    await asyncio.sleep(1.5)  # its first run timed out
+    await producer.publish_many([Outgoing("b", b"hang", "b-0", {})])
+    await asyncio.sleep(1.5)  # and this one's
+    items = [Outgoing(f"o{i}", b"ok", f"o{i}", {}) for i in range(10)]
+    await producer.publish_many(items)
+    ids = {i.message_id for i in items}
+    await eventually_async(
+        lambda: processed(js, config.ledger_stream),
+        30,
+        "the other projects' messages",
+        until=lambda done: ids <= done,
+    )
+    await eventually_async(
+        lambda: dead_letter_count(js, config.dlq_stream),
+        20,
+        "both hung messages dead-lettered",
+        until=lambda n: n == 2,
+    )
+    assert fleet.members["m-0"].alive()
+    assert "Dispatch lane" not in fleet.members["m-0"].log_text()  # none replaced
+
+
+async def dead_letter_count(js: Any, stream: str) -> int:
+    return int((await js.stream_info(stream)).state.messages)

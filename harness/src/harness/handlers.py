@@ -12,7 +12,9 @@ message dead-lettered at once that succeeds once redriven),
 ``wait-on:<member>:<ms>`` awaits that long on that member only (a slow pod), ``cancelled``
 raises CancelledError although nobody cancelled the handler,
 ``deaf-on:<member>`` never returns on that member and ignores being cancelled (a handler
-stuck in code that swallows CancelledError: only ending the process stops it).
+stuck in code that swallows CancelledError: only ending the process stops it),
+``hang-then-raise`` never returns, and raises ScriptedFailure when it is cancelled (a
+cleanup that raised: the cancel becomes an ordinary error).
 
 `stamped` is `noop` that also notes when each message finished (time.monotonic(), one
 clock for every process of the machine) and writes the times, as float64s, to
@@ -146,6 +148,11 @@ async def scripted_ledger(msg: Message) -> None:
                 await asyncio.Event().wait()
             except asyncio.CancelledError:
                 log.warning("Handler of %s ignores its cancellation", msg.message_id)
+    elif command == "hang-then-raise":
+        try:
+            await asyncio.Event().wait()
+        finally:
+            raise ScriptedFailure(f"cleanup of {msg.message_id} failed")
     elif command == "cancelled":
         raise asyncio.CancelledError()  # as a task of its own cancelled under it would
     elif command == "fail-runs" and _count_run(msg.message_id) <= int(arg):

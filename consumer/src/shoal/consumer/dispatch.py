@@ -32,6 +32,7 @@ What running a message means (the handler, acks, dead letters, fencing) is the c
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -156,14 +157,47 @@ class Dispatcher:
         self._spare: list[ProjectQueue] = []
         self._waking = False  # a _wake_idle call is due
         self.running = 0
+        self._stopping = False
+        # lane -> the project it ran last (for a lane that ends unexpectedly: _lane_ended)
+        self._last_run: dict[asyncio.Task[None], ProjectQueue] = {}
 
     def start(self) -> None:
-        self._lanes = [
-            asyncio.create_task(self._lane(), name=f"dispatch-{i}")
-            for i in range(self.max_concurrency)
-        ]
+        self._stopping = False
+        self._lanes = [self._new_lane(i) for i in range(self.max_concurrency)]
+
+    def _new_lane(self, index: int) -> asyncio.Task[None]:
+        task = asyncio.create_task(self._lane(), name=f"dispatch-{index}")
+        task.add_done_callback(functools.partial(self._lane_ended, index))
+        return task
+
+    def _lane_ended(self, index: int, task: asyncio.Task[None]) -> None:
+        """A lane ends only when the dispatcher stops. One that ended otherwise (a bug of
+        ours, or a handler's cancel that got past the lane's bookkeeping) is replaced:
+        without it the member runs one handler fewer at a time for good, and with one
+        lane, none; and the project whose message it ran would wait behind it forever."""
+        if self._stopping or index >= len(self._lanes) or self._lanes[index] is not task:
+            return
+        if task.cancelled():
+            log.error("Dispatch lane %d was cancelled unexpectedly; replacing it", index)
+        else:
+            log.error(
+                "Dispatch lane %d ended unexpectedly; replacing it",
+                index,
+                exc_info=task.exception(),
+            )
+        queue = self._last_run.pop(task, None)
+        if (
+            queue is not None
+            and queue.pending
+            and not (queue.running or queue.scheduled or queue.source.stopping)
+        ):
+            # What it was running when it ended is still its project's head: run it
+            # again (nothing else would schedule it).
+            self._schedule(queue)
+        self._lanes[index] = self._new_lane(index)
 
     async def stop(self) -> None:
+        self._stopping = True
         for task in self._lanes:
             task.cancel()
         await asyncio.gather(*self._lanes, return_exceptions=True)
@@ -287,9 +321,15 @@ class Dispatcher:
             queue.running = True
             source.inflight += 1
             self.running += 1
-            self._running[me] = queue
+            self._running[me] = self._last_run[me] = queue
             try:
                 outcome = await self._execute(source, held)
+                if me in self._cancelling and me.cancelling():
+                    # Fenced, and the handler swallowed the cancel (or turned it into an
+                    # error that execute handled): take it back. Left standing, the
+                    # lane's next fence would find cancelling() at 2, take it for the
+                    # dispatcher stopping, and end the lane for good.
+                    me.uncancel()
             except asyncio.CancelledError:
                 if me not in self._cancelling or me.cancelling() > 1:
                     # The dispatcher (or the process) is stopping, perhaps while a fenced

@@ -118,6 +118,13 @@ def message_id(held: Held) -> str:
         return f"seq-{held.seq}"
 
 
+def _take_back_cancel() -> None:
+    """Undo one cancel of the current task (one it no longer has to end for)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        task.uncancel()
+
+
 class Worker:
     def __init__(
         self,
@@ -272,15 +279,18 @@ class Worker:
                 if delay is not None:
                     return delay
             except Exception as exc:
+                if held.timed_out:
+                    # Our cancel, turned into an error by the handler (a cleanup that
+                    # raised, say): take it back, as below. Left standing, the lane's
+                    # next timeout or fence would take it for the process stopping.
+                    _take_back_cancel()
                 delay = self._failed(runner, held, exc)
                 if delay is not None:
                     return delay
             else:
                 if held.timed_out:
                     # The handler swallowed our cancel and finished: take it back.
-                    task = asyncio.current_task()
-                    if task is not None and task.cancelling():
-                        task.uncancel()
+                    _take_back_cancel()
                 # Msg.ack() minus its checks (we ack each message once, here or
                 # nowhere), and without a coroutine while a flush is queued (nearly
                 # always, under load): the hot path ends here.
