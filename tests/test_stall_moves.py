@@ -10,6 +10,7 @@ alive, holds its lease and reaches NATS.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -142,6 +143,42 @@ async def test_a_stalled_partition_is_moved_and_consumed_elsewhere(
     assert check_live(str(ready["m-0"]))[0]
     leader_log = _log(fleet, final.leader or "")
     assert "Moved stalled partitions" in leader_log
+
+
+async def test_one_hung_message_on_a_quiet_partition_is_a_stall(
+    make_fleet: Callable[..., Fleet], etcd: Etcd, js: Any, make_config: Any
+) -> None:
+    """One message whose handler never returns (no handler timeout) and nothing else on
+    its partition: the partition has room, so it pulls on, each pull answered with
+    nothing, then dozes holding the message. Neither is progress for the held message:
+    reported stalled, moved, consumed by m-1. (Before, the empty answers counted as
+    progress and a dozing partition had no work: never reported, the project blocked
+    for good, every probe green.)"""
+    config = make_config(
+        handler=HANDLER, partitions=PARTITIONS, handler_timeout=0, stall_after=STALL_AFTER
+    )
+    fleet, status = await start_two_members(make_fleet, etcd, js, config)
+    victim = min(p for p, m in status.owners.items() if m == "m-0")
+    project = project_in(victim, "quiet")
+    item = Outgoing(project, b"hang-on:m-0", f"{project}-0", {SEQ_HEADER: "0"})
+    await Producer(js, config.subject_prefix, PARTITIONS).publish_many([item])
+    await eventually_async(
+        lambda: asyncio.to_thread(_log, fleet, "m-0"),
+        STALL_AFTER + 20,
+        "m-0 to report the partition stalled",
+        until=lambda text: f"Partition {victim} is stalled" in text,
+        describe=lambda text: text[-2000:],
+    )
+    await eventually_async(
+        lambda: processed(js, config, {item.message_id}),
+        STALL_AFTER + 30,
+        "the hung message to be processed by m-1",
+        until=lambda got: got == {item.message_id},
+    )
+    [record] = [
+        r for r in await read_ledger(js, config.ledger_stream) if r.message_id == item.message_id
+    ]
+    assert record.member == "m-1"
 
 
 async def _probe(path: Path) -> tuple[bool, str]:

@@ -177,6 +177,8 @@ class PartitionRunner:
         self.inflight = 0
         self.buffered = 0  # held messages (queued, running, or waiting for a retry)
         self.processed = 0
+        self.attempts_ended = 0  # handler runs that failed and will be retried in place
+        self.retry_until = 0.0  # (monotonic) the latest retry in place is due then
         # Messages that arrived after the stop: given back once no request is open.
         self._late: list[Any] = []
         self._want = IDLE_BATCH  # what the next pull asks for, at most
@@ -635,15 +637,30 @@ class PartitionRunner:
                 self._enter(Phase.CONSUMING)
 
     def has_work(self) -> bool:
-        """Messages held, or pending in the durable as last read (not while dozing: a
-        partition dozes only once nothing is outstanding). Paused, it has none by
-        design: it holds nothing, and what waits on the server waits for the resume, so
-        the stall check must not count it (PAUSING still does: its handlers run)."""
-        return (
-            not self.dozing
-            and self.phase is not Phase.PAUSED
-            and (self.buffered > 0 or self.server_lag > 0)
-        )
+        """Messages held, or pending in the durable as last read (that, not while dozing:
+        a partition dozes only once nothing is outstanding on the server; what it holds
+        still counts, since it may doze holding a handler that never ends). Paused, it
+        has none by design: it holds nothing, and what waits on the server waits for the
+        resume, so the stall check must not count it (PAUSING still does: its handlers
+        run)."""
+        if self.phase is Phase.PAUSED:
+            return False
+        return self.buffered > 0 or (not self.dozing and self.server_lag > 0)
+
+    def progress_mark(self) -> tuple[int, int, int]:
+        """The counters that move with progress (Worker.check_stalls). Holding messages,
+        only their handlers' ends count: a pull answered with nothing is no progress
+        for a message that never finishes, and a partition with room pulls on (every
+        few seconds while it holds a message whose handler hangs, then dozing)."""
+        if self.buffered > 0:
+            return (self.processed, self.attempts_ended, -1)
+        return (self.arrived, self.answered, self.processed)
+
+    def waits_deliberately(self, now: float) -> bool:
+        """Whether what it holds waits for something bounded on purpose: a retry in place
+        (the backoff, or an HTTP Retry-After, may exceed stall_after), or the takeover
+        gate (earlier deliveries, at most ack_wait)."""
+        return self.retry_until > now or self.gate is not None
 
     def waiting_on(self) -> str:
         """What the partition is waiting for, in words (for the stall's log line)."""

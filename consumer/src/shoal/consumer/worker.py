@@ -370,6 +370,9 @@ class Worker:
             exc,
             delay,
         )
+        # A failed attempt is progress, and the wait for the retry a deliberate one.
+        runner.attempts_ended += 1
+        runner.retry_until = max(runner.retry_until, time.monotonic() + delay)
         return delay
 
     async def _settle(self, runner: PartitionRunner, held: Held) -> Outcome | float:
@@ -1187,8 +1190,9 @@ class Worker:
                 and not excused
                 and p not in busy
                 and not (throttled and not r.inflight)
+                and not r.waits_deliberately(now)
             )
-            change = r.progress.observe((r.arrived, r.answered, r.processed), has_work, now, after)
+            change = r.progress.observe(r.progress_mark(), has_work, now, after)
             if change is Change.STALLED:
                 log.warning(
                     "Partition %d is stalled: no progress for %.0f s with work to do "
