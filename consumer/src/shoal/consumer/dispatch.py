@@ -177,6 +177,8 @@ class Dispatcher:
         lane, none; and the project whose message it ran would wait behind it forever."""
         if self._stopping or index >= len(self._lanes) or self._lanes[index] is not task:
             return
+        if task.cancelled() and task.cancelling():
+            return  # cancelled by whoever runs us: the process is stopping
         if task.cancelled():
             log.error("Dispatch lane %d was cancelled unexpectedly; replacing it", index)
         else:
