@@ -204,6 +204,9 @@ class PartitionRunner:
         self._replay_until = 0
         self._held_at_restart: set[int] = set()
         self.progress = Progress()  # the stall check's (Worker.check_stalls)
+        # Worker.stream_epoch when what this runner holds was delivered: another one
+        # means those deliveries were of a stream since deleted (_recreate_durable).
+        self.stream_epoch = worker.stream_epoch
         # Credits of messages given back to this partition by earlier owners and not
         # delivered to us yet (stream sequence -> credit: dispatch.Held.credit), read from
         # the hand-over record when we start; what we give back, with its new credits,
@@ -1102,7 +1105,14 @@ class PartitionRunner:
                 c.stream,
             )
             return False
-        held = {h.seq for queue in self.projects.values() for h in queue.pending}
+        # The stream itself may be new (deleted and created again): then where the old
+        # durable was, and what we hold, are of another stream (Worker.check_stream).
+        await w.check_stream()
+        if self.stream_epoch != w.stream_epoch:
+            self.stream_epoch = w.stream_epoch
+            held: set[int] = set()
+        else:
+            held = {h.seq for queue in self.projects.values() for h in queue.pending}
         config, where = self._recreated_config(held)
         try:
             try:

@@ -333,6 +333,8 @@ class ConsumerProcess:
                         runner.ack_floor = floor
             self.lag = total
             self.metrics.lag.set(total)
+            if owned:  # (all dozing: nothing is delivered that the check could be for)
+                await self.worker.check_stream()
 
     async def _watch_connection(self) -> None:
         """End the member when nats-py has closed its connection for good.

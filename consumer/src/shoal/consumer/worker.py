@@ -33,6 +33,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from nats.js.errors import NotFoundError
+
 from shoal.clients.etcd import TRANSIENT_ERRORS, Etcd
 from shoal.clients.nats import round_trip
 from shoal.clients.natsclient import Delivery, DirectClient
@@ -180,6 +182,11 @@ class Worker:
         self.settled_seqs = SettledRing()
         # Keys.reset's mod_revision as last seen (follow_reset); None: not looked yet.
         self._reset_seen: int | None = None
+        # When the stream we consume was created, as last read (check_stream); None: not
+        # read yet, or the stream was deleted since. And how many times we found it was
+        # not the stream we consumed (forget_stream).
+        self._stream_created: object | None = None
+        self.stream_epoch = 0
         self.resettled = 0  # such redeliveries, since the last log line about them
         self.resettled_logged = 0.0
         self.leaving = False
@@ -630,6 +637,7 @@ class Worker:
         self._inbox_sub = await self.nc.subscribe(self._inbox_prefix + ".*")
         self.nc.route_directly(self._inbox_sub, self.receive, self.receive_status)
         await self._watch_deletions()
+        await self.check_stream()
         self.dispatcher.start()
         self._spawn(self.keep_held_alive())
         if self.config.handler_timeout:
@@ -790,8 +798,51 @@ class Worker:
         ):
             await self.nc.subscribe(subject, cb=self._on_deleted)
 
+    async def check_stream(self) -> None:
+        """Look whether the group's stream was deleted and created again since we last
+        looked (its creation time changed); if so, forget what we remember of the old
+        one's deliveries (stream_epoch counts how often). The new one's sequences start
+        again at 1: the settled ring would ack unhandled a new message that comes back
+        with the sequence of an old one we settled, and a durable recreated "where it
+        was" would start where the old stream was, past the new one's first messages
+        (restart.py)."""
+        try:
+            info = await self.js.stream_info(self.config.stream)
+        except NotFoundError:
+            if self._stream_created is not None:
+                self.forget_stream("it was deleted")
+            return
+        except Exception as exc:  # NATS away: the next look will tell
+            log.debug("Stream info unavailable: %r", exc)
+            return
+        created, self._stream_created = self._stream_created, info.created
+        if created is not None and created != info.created:
+            self.forget_stream("it was created again")
+            self._stream_created = info.created
+
+    def forget_stream(self, why: str) -> None:
+        """The stream is not the one whose deliveries we remember: forget them (as after
+        a reset of the durables, follow_reset). Handlers may run again for messages
+        already handled (at-least-once), never not at all."""
+        self._stream_created = None
+        self.stream_epoch += 1
+        self.settled_seqs = SettledRing()
+        for runner in self.runners.values():
+            runner.durable_reset()
+        log.warning(
+            "Stream %s is not the one we consumed (%s): forgetting its deliveries "
+            "(%d partition(s))",
+            self.config.stream,
+            why,
+            len(self.runners),
+        )
+
     async def _on_deleted(self, msg: Any) -> None:
         partition: int | None = None
+        if msg.subject.startswith("$JS.EVENT.ADVISORY.STREAM.") and (
+            self._stream_created is not None
+        ):
+            self.forget_stream("it was deleted")
         if msg.subject.startswith("$JS.EVENT.ADVISORY.CONSUMER."):
             partition = self._partitions_by_durable.get(msg.subject.rsplit(".", 1)[-1])
             if partition is None:
