@@ -149,6 +149,26 @@ async def test_garbage_that_broke_readers_is_ignored_too(
         assert fleet.members[m].alive(), f"{m} exited"
 
 
+async def test_a_target_deleted_or_spoiled_is_written_again(
+    fleet: Fleet, etcd: Etcd, group: str, namespace: str
+) -> None:
+    """Two members settled; partition 5's target deleted, partition 6's spoiled, while
+    the membership stays as it is. Their owners let them go; the leader writes them
+    again and the group settles with every partition claimed. (Before, the leader wrote
+    targets only on a membership change or a stall: both stayed unowned for good, and
+    the autoscaler held every decision for a "rebalance in progress".)"""
+    keys = Keys(namespace, group)
+    fleet.start("c-0")
+    fleet.start("c-1")
+    await wait_for_status(etcd, namespace, group, 16, settled({"c-0", "c-1"}), 30)
+    await etcd.delete(keys.partition(5))
+    await etcd.put(keys.partition(6), b"{not a target")
+    status = await wait_for_status(etcd, namespace, group, 16, settled({"c-0", "c-1"}), 30)
+    assert status.owners[5] in {"c-0", "c-1"} and status.owners[6] in {"c-0", "c-1"}
+    log = "".join(fleet.members[m].log_text() for m in ("c-0", "c-1"))
+    assert "have no target naming a member" in log
+
+
 async def test_unreachable_etcd_is_retried_and_reported(fleet: Fleet) -> None:
     fleet.etcd_endpoint = f"127.0.0.1:{free_port()}"
     fleet.start("lonely")

@@ -26,6 +26,7 @@ from shoal.clients.etcd import TRANSIENT_ERRORS, Etcd
 from shoal.consumer.membership import Membership
 from shoal.contracts.values import MemberStats, TargetValue
 from shoal.group.config import GroupConfig
+from shoal.group.jetstream import partition_list
 from shoal.group.view import GroupView, LeaderKey
 
 log = logging.getLogger(__name__)
@@ -287,6 +288,18 @@ class Election:
                 elif stalled := self._stalled(members):
                     if not await self._rebalance(members, applied_members, first, stalled):
                         break
+                elif members and (astray := self._astray(members)):
+                    # Targets deleted, unreadable or naming a non-member while the
+                    # membership stayed as it was (a hand-edit, a restore, garbage): their
+                    # partitions have no owner until written again, and nothing else
+                    # would write them before the next membership change.
+                    log.warning(
+                        "Partitions %s have no target naming a member (deleted, unreadable "
+                        "or astray): assigning them again",
+                        partition_list(astray),
+                    )
+                    if not await self._rebalance(members, applied_members, first):
+                        break
                 elif self.config.load_aware and time.monotonic() >= next_load_check:
                     next_load_check = time.monotonic() + self.config.load_check_interval
                     gain = self._load_gain(members)
@@ -406,6 +419,11 @@ class Election:
         replicas, until = self._scale_expected
         now = time.monotonic()
         return len(members) < replicas and now < until and now < started + SCALE_JOIN_WAIT
+
+    def _astray(self, members: set[str]) -> list[int]:
+        """Partitions whose target is missing, or names someone not in `members`."""
+        owners = self.view.owners()
+        return [p for p in range(self.config.partitions) if owners.get(p) not in members]
 
     def _stalled(self, members: set[str]) -> dict[str, list[int]]:
         """The partitions members report stalled (progress.py) that are still theirs."""
