@@ -42,6 +42,12 @@ def _rfc3339(t: float) -> str:
     return format_time(t)
 
 
+# (connect, read) seconds for each call: without it a call whose answer never comes (the
+# API server's host gone after it took the request) blocks its thread, and the autoscaler
+# round that awaits it, for good, with nothing logged.
+REQUEST_TIMEOUT = (5.0, 30.0)
+
+
 class GroupObject:
     """One ConsumerGroup, seen and scaled from inside its own pods."""
 
@@ -61,6 +67,7 @@ class GroupObject:
             self.namespace,
             PLURAL,
             self.name,
+            _request_timeout=REQUEST_TIMEOUT,
         )
         return dict(obj)
 
@@ -74,6 +81,7 @@ class GroupObject:
             PLURAL,
             self.name,
             {"spec": {"replicas": replicas}},
+            _request_timeout=REQUEST_TIMEOUT,
         )
 
     async def event(self, reason: str, message: str, uid: str, warning: bool = False) -> None:
@@ -100,14 +108,25 @@ class GroupObject:
             "lastTimestamp": _rfc3339(now),
             "count": 1,
         }
-        await asyncio.to_thread(self.core.create_namespaced_event, self.namespace, body)
+        await asyncio.to_thread(
+            self.core.create_namespaced_event,
+            self.namespace,
+            body,
+            _request_timeout=REQUEST_TIMEOUT,
+        )
 
     async def set_deletion_costs(self, costs: dict[str, int]) -> None:
         """Annotate pods so a ReplicaSet scaling down removes the cheapest first."""
         for pod, cost in costs.items():
             patch = {"metadata": {"annotations": {DELETION_COST_ANNOTATION: str(cost)}}}
             try:
-                await asyncio.to_thread(self.core.patch_namespaced_pod, pod, self.namespace, patch)
+                await asyncio.to_thread(
+                    self.core.patch_namespaced_pod,
+                    pod,
+                    self.namespace,
+                    patch,
+                    _request_timeout=REQUEST_TIMEOUT,
+                )
             except ApiException as exc:
                 if exc.status != 404:  # a member whose pod is gone needs no mark
                     raise
