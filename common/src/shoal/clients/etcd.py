@@ -777,14 +777,16 @@ class Etcd:
         """Delete claim if it is still the incarnation created at create_revision, and in
         the same transaction put `record` (or delete it, for None): whoever sees the
         claim gone sees the record too."""
-        tx = self.client.transactions
-        ok, _ = await self.call(
-            self.client.transaction,
+        # (Through _transaction, as every other write: reading self.client here, on the
+        # event loop, built a client that was missing (a failed fail-over) right there,
+        # blocking the loop for an Authenticate call per release.)
+        tx = _TX
+        ok, _ = await self._transaction(
             compare=[tx.create(claim) == create_revision],
             success=[tx.delete(claim), tx.put(record, value) if value else tx.delete(record)],
             failure=[],
         )
-        return bool(ok)
+        return ok
 
     async def guarded_put_many(
         self, guard_key: str, guard_create_revision: int, items: dict[str, bytes]
