@@ -3,8 +3,10 @@
 Liveness and readiness prove that the event loop runs; they do not prove that messages
 move. A partition is **stalled** when it has work (messages pending in its durable, or
 held by this member) and has made no progress (no message arrived, no pull request was
-answered, no message was settled) for `stall_after` seconds; a handler still running
-within handlerTimeoutSeconds counts as progress under way. Whatever the cause (a
+answered, no message was settled; while it holds messages, only a handler's end counts,
+PartitionRunner.progress_mark) for `stall_after` seconds; a handler still running
+within handlerTimeoutSeconds, a retry's backoff and a takeover's wait count as progress
+under way. Whatever the cause (a
 bug of ours, a pull budget spent for good, a runner waiting on something that never
 comes), the member says so once, exports it, reports it to the leader through its
 member key, and turns unready; the leader moves the partition to another member
