@@ -20,6 +20,7 @@ from typing import Any, cast
 import kopf
 import pytest
 from nats import errors as nats_errors
+from nats.js.errors import NotFoundError
 
 from harness.localkube.pki import ensure_pki
 from shoal.clients.natsauth import NatsSecurity
@@ -130,8 +131,11 @@ class FakeStreamInfo:
 
 class FakeJetStream:
     deleted: list[str] = []  # every FakeJetStream's: each test resets it
+    missing: set[str] = set()  # streams STREAM.INFO says do not exist (tests monkeypatch it)
 
     async def stream_info(self, name: str) -> FakeStreamInfo:
+        if name in self.missing:
+            raise NotFoundError()
         return FakeStreamInfo()
 
     async def delete_stream(self, name: str) -> None:
@@ -687,6 +691,71 @@ async def test_the_timer_leaves_a_group_not_yet_reconciled_alone(
     # refuses and of pods the scheduler refuses it may keep.
     kept = dataclasses.replace(memo.group, stalled=None, refused=None, unschedulable=None)
     assert kept == GroupState()
+
+
+async def test_the_timer_recreates_missing_streams_with_backoff_and_one_event(
+    world: World, operator_memo: OperatorMemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Streams deleted after the reconcile: the timer runs the JetStream step again. A
+    failure is in status and waits out its backoff; success posts one Warning and clears
+    it. (e2e/test_operator_drift.py proves it on real servers.)"""
+    stream = f"shoal_{NAMESPACE}_orders"
+    memo = resource_memo(operator_memo)
+    spec = {"replicas": 1, "handler": GOOD}
+    await reconcile(memo, "orders", spec)
+    world.ensured.clear()
+    world.events.clear()
+    monkeypatch.setattr(FakeJetStream, "missing", {stream, f"{stream}_log"})
+
+    world.stream_error = RuntimeError("JetStream said no")
+    for _ in range(2):  # the second observation is within the backoff: no new attempt
+        st = await observe(memo, "orders", spec)
+        assert degraded_reason(st) == "NatsUnavailable"
+        message = next(c for c in st["conditions"] if c["type"] == "Degraded")["message"]
+        assert f"{stream}, {stream}_log missing; recreating them failed" in message, message
+        assert "JetStream said no" in message
+        assert memo.group.streams_retry == 1
+    assert world.events == []
+
+    world.stream_error = None
+    memo.group.streams_next_try = 0.0  # the backoff is over
+
+    async def recreate(js: Any, config: Any) -> list[int]:
+        FakeJetStream.missing = set()
+        world.ensured.append(config.stream)
+        return []
+
+    monkeypatch.setattr(reconciler, "ensure_group", recreate)
+    st = await observe(memo, "orders", spec)
+    assert degraded_reason(st) == "AsExpected"
+    assert world.ensured == [stream]
+    assert world.reasons("Warning") == ["StreamRecreated"]
+    assert "the messages they held are gone" in world.events[0][2]
+    await observe(memo, "orders", spec)  # present again: nothing more
+    assert world.ensured == [stream] and len(world.events) == 1
+
+
+async def test_the_timer_applies_a_deleted_deployment_again(
+    world: World, operator_memo: OperatorMemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kube = fake_kube(operator_memo)
+    memo = resource_memo(operator_memo)
+    spec = {"replicas": 2, "handler": GOOD}
+    st = await observe(memo, "orders", spec)  # not applied by this process: left alone
+    assert kube.applied == []
+
+    await reconcile(memo, "orders", spec)
+    kube.applied.clear()
+    world.events.clear()
+
+    async def no_deployment(namespace: str, name: str) -> None:
+        return None
+
+    monkeypatch.setattr(kube, "deployment_status", no_deployment)
+    st = await observe(memo, "orders", spec)
+    assert "Deployment" in kube.kinds()
+    assert world.reasons("Warning") == ["DeploymentRecreated"]
+    assert degraded_reason(st) == "AsExpected"
 
 
 def test_a_group_stored_at_zero_with_autoscaling_can_still_be_deleted() -> None:

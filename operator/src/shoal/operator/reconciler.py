@@ -9,7 +9,9 @@ Event for each new assignment generation, each change of replicas, each stall ep
 member NATS refuses (its problems/ key: Degraded with NatsAuthFailed / NatsTLSFailed).
 While the Deployment has pods that are not ready it also lists them: pods the scheduler
 refuses make MembersSchedulable False (the scheduler's message in it and in Ready's)
-with one MembersUnschedulable Warning per episode.
+with one MembersUnschedulable Warning per episode. What the operator made and someone
+removed the timer puts back: streams JetStream says are missing (StreamRecreated) and the
+Deployment (DeploymentRecreated); nothing else would, since no handler sees a change.
 Pause (spec.paused): the operator writes the group's `paused` etcd key (who, from the
 managed fields of the change, and when), which the members watch: no pod restarts.
 Reconcile writes or deletes it at once, the status timer keeps it following the spec;
@@ -31,6 +33,7 @@ remembers is in its own memo (shoal.operator.state.GroupState).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -38,6 +41,7 @@ from typing import Any
 
 import kopf
 from kubernetes.client.rest import ApiException
+from nats.js.errors import NotFoundError
 
 from shoal.clients.etcd import TRANSIENT_ERRORS, Etcd, EtcdUnavailable, describe
 from shoal.clients.nats import connect
@@ -549,15 +553,21 @@ async def observe_group(
     model = spec_model(spec)
     config = pod_config(name, namespace, model, settings)
     deployment = resource_names(name)["deployment"]
+    deployment_problem: tuple[str, str] | None = None
     dep = replica_counts(group_deployments, namespace, deployment)
     if dep is None:  # not seen by the watch (yet): ask
-        dep = await memo.kube.deployment_status(namespace, deployment)
+        found = await memo.kube.deployment_status(namespace, deployment)
+        if found is None:
+            deployment_problem = await _reapply_deleted_deployment(
+                memo, body, meta, name, namespace, model
+            )
+        dep = found or {"replicas": 0, "ready": 0}
     unschedulable, pods_unread = await _member_pods(
         memo, body, status, namespace, name, dep, model.replicas
     )
-    problem: tuple[str, str] | None = None
     members: dict[str, int] = {}
     leader, generation_seen, unowned, unclaimed = None, 0, config.partitions, config.partitions
+    problem: tuple[str, str] | None = None
     moving = 0
     stalled: tuple[tuple[int, str], ...] = ()
     refused: tuple[tuple[str, str, str], ...] = ()
@@ -585,6 +595,8 @@ async def observe_group(
     except Exception as exc:
         problem = ("EtcdUnavailable", f"etcd at {config.etcd_endpoints} unavailable: {exc}")
     etcd_ok = problem is None
+    # A Deployment that could not be applied again says so (above), after etcd's problems.
+    problem = problem or deployment_problem
     # A problem the last reconcile found (a handler, a stream change) stands until fixed.
     problem = problem or memo.group.problem
     lag: int | None = None
@@ -594,6 +606,12 @@ async def observe_group(
         nc = await _nats(memo, config, model.nats, attempts=1)
         nats_ok = True
         js = nc.jetstream()
+        missing = await _missing_streams(js, config)
+        if missing:
+            # NATS answers, and says the streams are gone: put them back (with backoff).
+            problem = problem or await _recreate_streams(memo, body, config, model, missing)
+        else:
+            _streams_present(memo)
         info = await js.stream_info(config.stream)
         lag = int(info.state.messages) if config.retention == "workqueue" else None
         dead_letters = await _dead_letters(js, config)
@@ -647,6 +665,116 @@ async def observe_group(
     # idle groups (bench/groups.py).
     for key, value in observe.status_changes(old, new).items():
         patch.status[key] = value
+
+
+async def _reapply_deleted_deployment(
+    memo: OperatorMemo,
+    body: kopf.Body,
+    meta: Any,
+    name: str,
+    namespace: str,
+    model: ConsumerGroupSpec,
+) -> tuple[str, str] | None:
+    """The group's Deployment is gone although this process applied it (someone ran
+    `kubectl delete deploy`): apply the children again, with the Secrets' versions last
+    applied, and post one Warning. Nothing runs the reconcile handlers for it (the
+    ConsumerGroup did not change), so without this the group would have no pods until its
+    spec changed. Left alone: a group this process has not applied (the resume handler
+    will), one whose last reconcile failed (that reconcile retries, and its spec may be
+    what cannot work) and one being deleted (its finalizer removed the Deployment).
+    Returns a Degraded (reason, message) if the apply failed."""
+    state = memo.group
+    if not state.applied or state.problem is not None or meta.get("deletionTimestamp"):
+        return None
+    deployment = resource_names(name)["deployment"]
+    try:
+        await apply_children(
+            memo.kube,
+            body,
+            name,
+            namespace,
+            model,
+            memo.settings,
+            state.secret_version,
+            state.nats_secrets,
+        )
+    except Exception as exc:  # the next observation tries again
+        message = f"Deployment {deployment} is missing and could not be applied again: {exc}"
+        log.warning("Group %s/%s: %s", namespace, name, message)
+        return "DeploymentMissing", message[:1000]
+    message = (
+        f"Deployment {deployment} was deleted while the group exists: applied again "
+        f"with {model.replicas} replicas"
+    )
+    log.warning("Group %s/%s: %s", namespace, name, message)
+    kopf.warn(body, reason="DeploymentRecreated", message=message)
+    return None
+
+
+async def _missing_streams(js: Any, config: GroupConfig) -> list[str]:
+    """The group's streams JetStream says do not exist (STREAM.INFO answered "not
+    found"), in ensure_group's order. Any other error raises: NATS is not answering, and
+    nothing can be said about the streams."""
+    streams = [config.stream, config.dlq_stream, config.log_stream]
+    if config.ledger:
+        streams.append(config.ledger_stream)
+
+    async def missing(stream: str) -> bool:
+        try:
+            await js.stream_info(stream)
+        except NotFoundError:
+            return True
+        return False
+
+    found = await asyncio.gather(*(missing(stream) for stream in streams))
+    return [stream for stream, gone in zip(streams, found, strict=True) if gone]
+
+
+def _streams_present(memo: OperatorMemo) -> None:
+    state = memo.group
+    state.streams_retry, state.streams_next_try, state.streams_problem = 0, 0.0, None
+
+
+async def _recreate_streams(
+    memo: OperatorMemo,
+    body: kopf.Body,
+    config: GroupConfig,
+    model: ConsumerGroupSpec,
+    missing: list[str],
+) -> tuple[str, str] | None:
+    """Some of the group's streams are gone while NATS answers (`nats stream rm`, or a
+    `storage: memory` stream lost with its server's restart): run the JetStream step of
+    reconcile again, which creates the streams and the durables. Only the reconcile
+    handlers ran it before, on changes of the ConsumerGroup; the members wait for the
+    operator to do it (partition.py). One Warning Event per recreation, saying the
+    messages are gone; a failure is retried with backoff and is the Degraded problem
+    returned (also at the observations between two attempts). Left alone while the
+    group's last reconcile failed or this process has not reconciled it: that reconcile
+    runs the step itself, with its own backoff."""
+    state = memo.group
+    if not state.applied or state.problem is not None:
+        return None
+    names = ", ".join(missing)
+    if time.monotonic() < state.streams_next_try:
+        return state.streams_problem
+    try:
+        await ensure_jetstream(memo, config, state.streams_retry, model.nats)
+    except GroupProblem as failed:
+        state.streams_retry += 1
+        state.streams_next_try = time.monotonic() + min(failed.delay, 60.0)
+        message = f"stream(s) {names} missing; recreating them failed: {failed.message}"
+        state.streams_problem = (failed.reason, message)
+        log.warning("Group %s/%s: %s", config.namespace, config.group, message)
+        return state.streams_problem
+    _streams_present(memo)
+    message = (
+        f"stream(s) {names} were missing (deleted, or lost with a restart of a NATS server "
+        f"that kept them in memory): recreated, with the durables of {config.partitions} "
+        "partitions; the messages they held are gone"
+    )
+    log.warning("Group %s/%s: %s", config.namespace, config.group, message)
+    kopf.warn(body, reason="StreamRecreated", message=message)
+    return None
 
 
 async def _member_pods(

@@ -66,6 +66,13 @@ class GroupState:
     # What the members report between two observations (started by the status timer,
     # stopped when the group is deleted).
     stall_watch: StallWatch | None = None
+    # Recreating the group's streams after the status timer found some missing (deleted,
+    # or lost with a memory-storage server's restart): the failed attempts in a row, when
+    # (monotonic) the next may start, and what the last failure was (status says it while
+    # the streams are still missing).
+    streams_retry: int = 0
+    streams_next_try: float = 0.0
+    streams_problem: tuple[str, str] | None = None
 
 
 class OperatorMemo:
