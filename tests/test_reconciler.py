@@ -132,6 +132,8 @@ class FakeStreamInfo:
 class FakeJetStream:
     deleted: list[str] = []  # every FakeJetStream's: each test resets it
     missing: set[str] = set()  # streams STREAM.INFO says do not exist (tests monkeypatch it)
+    # What delete_stream raises for a stream (none: it deletes it); tests monkeypatch it.
+    delete_errors: dict[str, Exception] = {}
 
     async def stream_info(self, name: str) -> FakeStreamInfo:
         if name in self.missing:
@@ -139,6 +141,9 @@ class FakeJetStream:
         return FakeStreamInfo()
 
     async def delete_stream(self, name: str) -> None:
+        error = self.delete_errors.get(name)
+        if error is not None:
+            raise error
         self.deleted.append(name)
 
 
@@ -937,3 +942,88 @@ async def test_deleting_with_a_nats_secret_never_seen_keeps_the_streams_at_last(
     assert FakeJetStream.deleted == []
     assert world.reasons("Warning") == ["StreamsKept"]
     assert "streams are left in place" in world.events[-1][2]
+
+
+async def delete_with(
+    memo: OperatorMemo, name: str, spec: dict[str, Any], patch: kopf.Patch
+) -> None:
+    """The deletion handler, with a patch of the caller's (to read the status it wrote)."""
+    await call_handler(
+        reconciler.delete,
+        name=name,
+        namespace=NAMESPACE,
+        spec=spec,
+        memo=memo,
+        body=body(name),
+        status={},
+        patch=patch,
+        meta={"generation": 1},
+        retry=0,
+    )
+
+
+async def test_deleting_ignores_streams_that_are_already_gone(
+    world: World, operator_memo: OperatorMemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stream = f"shoal_{NAMESPACE}_orders"
+    FakeJetStream.deleted = []
+    monkeypatch.setattr(
+        FakeJetStream,
+        "delete_errors",
+        {f"{stream}_ledger": NotFoundError(), stream: NotFoundError()},
+    )
+    memo = resource_memo(operator_memo)
+    await delete(memo, "orders", {"handler": GOOD, "deletionPolicy": "Delete"})
+    assert FakeJetStream.deleted == [f"{stream}_dlq", f"{stream}_log"]
+    assert world.events == []
+
+
+async def test_streams_that_cannot_be_deleted_are_retried_then_kept_and_named(
+    world: World, operator_memo: OperatorMemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """deletionPolicy Delete with a stream JetStream does not delete (here a timeout): the
+    finalizer retries, says so in status and in one Warning, and after
+    SHOAL_DELETE_NATS_TIMEOUT lets the group go with a StreamsKept Warning naming it.
+    Before, the error was logged at debug level and the group went, the stream left."""
+    stream = f"shoal_{NAMESPACE}_orders"
+    FakeJetStream.deleted = []
+    monkeypatch.setattr(FakeJetStream, "delete_errors", {stream: nats_errors.TimeoutError()})
+    memo = resource_memo(operator_memo)
+    spec = {"handler": GOOD, "deletionPolicy": "Delete"}
+
+    for _ in range(2):  # the first failure and a retry
+        patch = kopf.Patch()
+        with pytest.raises(kopf.TemporaryError) as caught:
+            await delete_with(memo, "orders", spec, patch)
+        assert caught.value.delay is not None and 1 <= caught.value.delay <= 10
+        degraded = degraded_of(patch)
+        assert (degraded["status"], degraded["reason"]) == ("True", "StreamsNotDeleted")
+        assert stream in degraded["message"], degraded
+    # The others went; one Warning for the episode, not one per retry.
+    assert set(FakeJetStream.deleted) == {f"{stream}_dlq", f"{stream}_log", f"{stream}_ledger"}
+    assert world.reasons("Warning") == ["StreamsNotDeleted"]
+
+    # The bounded time is up: the finalizer ends, and the kept stream is named.
+    timeout = operator_memo.settings.delete_nats_timeout_seconds
+    assert memo.group.delete_streams_failing_since is not None
+    memo.group.delete_streams_failing_since -= timeout + 1
+    await delete_with(memo, "orders", spec, kopf.Patch())
+    assert world.reasons("Warning") == ["StreamsNotDeleted", "StreamsKept"]
+    kept = world.events[-1][2]
+    assert stream in kept and "left in place" in kept
+    assert f"{stream}_dlq" not in kept  # only the one not deleted
+
+
+async def test_unreachable_nats_while_deleting_is_retried_then_the_streams_kept(
+    world: World, operator_memo: OperatorMemo
+) -> None:
+    world.nats_error = nats_errors.NoServersError()
+    memo = resource_memo(operator_memo)
+    spec = {"handler": GOOD, "deletionPolicy": "Delete"}
+    with pytest.raises(kopf.TemporaryError, match="not deleted"):
+        await delete(memo, "orders", spec)
+    assert memo.group.delete_streams_failing_since is not None
+    memo.group.delete_streams_failing_since -= operator_memo.settings.delete_nats_timeout_seconds
+    await delete(memo, "orders", spec)
+    assert world.reasons("Warning") == ["StreamsNotDeleted", "StreamsKept"]
+    assert f"shoal_{NAMESPACE}_orders" in world.events[-1][2]

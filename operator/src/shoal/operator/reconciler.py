@@ -17,12 +17,13 @@ managed fields of the change, and when), which the members watch: no pod restart
 Reconcile writes or deletes it at once, the status timer keeps it following the spec;
 the Paused condition, the Status column (Progressing: Paused) and Paused/Resumed Events
 say so.
-Deletion: a finalizer clears the group's etcd prefix; the stream goes only with
-deletionPolicy Delete. A spec that passes the schema but cannot work (unreachable NATS,
-an unknown handler, a missing or unusable spec.etcd.tlsSecret or NATS Secret, NATS
-refusing the group's credentials or certificates) becomes Degraded with a
-Warning Event and is retried with backoff: a step of reconcile raises GroupProblem, and
-reconcile alone reports it.
+Deletion: a finalizer clears the group's etcd prefix; the streams go only with
+deletionPolicy Delete (retried for a bounded time when JetStream does not delete them,
+then left with a StreamsKept Warning naming them). A spec that passes the schema but
+cannot work (unreachable NATS, an unknown handler, a missing or unusable
+spec.etcd.tlsSecret or NATS Secret, NATS refusing the group's credentials or
+certificates) becomes Degraded with a Warning Event and is retried with backoff: a step
+of reconcile raises GroupProblem, and reconcile alone reports it.
 
 What all groups share is in the operator's memo, filled by the startup handler: settings,
 the Kubernetes client, etcd connections with the files of the groups' etcd Secrets
@@ -1043,6 +1044,60 @@ def _etcd_unreachable_on_delete(
     raise kopf.TemporaryError(message, delay=30) from exc
 
 
+def _streams_not_deleted(
+    memo: OperatorMemo,
+    body: kopf.Body,
+    status: kopf.Status,
+    patch: kopf.Patch,
+    meta: kopf.Meta,
+    nats_url: str,
+    streams: list[str],
+    exc: BaseException,
+) -> None:
+    """Deleting a group with deletionPolicy Delete, its streams could not be deleted (NATS
+    unreachable, or refusing): retry for a bounded time, saying so in status (Degraded,
+    StreamsNotDeleted) and in one Warning Event, then let the group go and leave the
+    streams (a StreamsKept Warning names them, and how to delete them by hand).
+
+    Bounded, unlike an unreachable etcd with Delete: the streams are outside the cluster
+    and can be deleted by hand at any time, while a finalizer that never ends blocks the
+    namespace's deletion with it. Returns once the time is up (the caller lets the
+    finalizer go); raises kopf.TemporaryError before.
+    """
+    state = memo.group
+    timeout = float(memo.settings.delete_nats_timeout_seconds)
+    names = ", ".join(streams)
+    if state.delete_streams_failing_since is None:
+        state.delete_streams_failing_since = time.monotonic()
+        kopf.warn(
+            body,
+            reason="StreamsNotDeleted",
+            message=f"Deleting: stream(s) {names} not deleted (JetStream at {nats_url}: "
+            f"{exc!r}); retrying for {timeout:.0f} s, then they are left in place",
+        )
+    waited = time.monotonic() - state.delete_streams_failing_since
+    if waited < timeout:
+        message = (
+            f"Deleting: stream(s) {names} not deleted for {waited:.0f} s (JetStream at "
+            f"{nats_url}: {exc!r}); retrying"
+        )
+        patch.status["conditions"] = observe.degraded(
+            status.get("conditions", []),
+            "StreamsNotDeleted",
+            message,
+            int(meta.get("generation") or 0),
+            now(),
+        )
+        raise kopf.TemporaryError(message, delay=min(10.0, max(1.0, timeout - waited))) from exc
+    message = (
+        f"stream(s) {names} could not be deleted for {waited:.0f} s (JetStream at "
+        f"{nats_url}: {exc!r}); deletionPolicy Delete, but they are left in place: "
+        "delete them by hand (nats stream rm) once NATS lets you"
+    )
+    kopf.warn(body, reason="StreamsKept", message=message)
+    log.warning("Group %s: %s", body.get("metadata", {}).get("name"), message)
+
+
 @kopf.on.delete(API_GROUP, API_VERSION, PLURAL)
 async def delete(
     name: str,
@@ -1089,6 +1144,7 @@ async def delete(
             memo, body, status, patch, meta, model, config.etcd_endpoints, prefix, exc
         )
     if model.deletion_policy == "Delete":
+        streams = [config.stream, config.dlq_stream, config.log_stream, config.ledger_stream]
         try:
             nc = await _nats(memo, config, model.nats, attempts=2, stale_ok=True)
         except NatsSecretProblem as exc:
@@ -1097,17 +1153,26 @@ async def delete(
             message = f"{exc.message}: the group's streams are left in place"
             kopf.warn(body, reason="StreamsKept", message=message)
             return
+        except Exception as exc:  # NATS unreachable: as a refused delete, below
+            _streams_not_deleted(memo, body, status, patch, meta, config.nats_url, streams, exc)
+            return
         js = nc.jetstream()
-        for stream in (
-            config.stream,
-            config.dlq_stream,
-            config.log_stream,
-            config.ledger_stream,
-        ):
+        failed: list[str] = []
+        error: BaseException | None = None
+        for stream in streams:
             try:
                 await js.delete_stream(stream)
+            except NotFoundError:
+                pass  # already gone, or never made (the ledger stream is optional)
             except Exception as exc:
-                log.debug("Stream %s not deleted: %r", stream, exc)
+                # Anything else (a timeout, NATS away, a permission refused) left the
+                # stream in place: deletionPolicy Delete promised it gone.
+                log.warning("Stream %s not deleted: %r", stream, exc)
+                failed.append(stream)
+                error = exc
+        if error is not None:
+            _streams_not_deleted(memo, body, status, patch, meta, config.nats_url, failed, error)
+            return
         log.info("Deleted group %s/%s with its streams", namespace, name)
     else:
         log.info(

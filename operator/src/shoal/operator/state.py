@@ -43,6 +43,9 @@ class GroupState:
     # etcd was unreachable, and whether the deletionPolicy's decision was announced.
     delete_etcd_failing_since: float | None = None
     delete_etcd_decided: bool = False
+    # Deleting the group with deletionPolicy Delete: when (monotonic) deleting its streams
+    # first failed (NATS unreachable or refusing); retried for a bounded time.
+    delete_streams_failing_since: float | None = None
     # Whether the group's etcd had its NOSPACE alarm raised at the last observation (an
     # Event is posted when it is raised and when it is cleared, not every observation).
     etcd_no_space: bool = False
