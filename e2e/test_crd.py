@@ -269,6 +269,61 @@ def test_partitions_are_immutable(crd: LocalKube, namespace: str) -> None:
     assert "partitions is immutable" in message
 
 
+def patch_refused(plane: LocalKube, name: str, namespace: str, patch: dict[str, Any]) -> str:
+    """`kubectl patch` (merge) that the API server must refuse; its message, on one line."""
+    result = plane.kubectl(
+        "patch", "cg", name, "-n", namespace, "--type=merge", "-p", json.dumps(patch), check=False
+    )
+    assert result.returncode != 0, f"accepted: {patch}\n{result.stdout}"
+    assert "is invalid" in result.stderr, result.stderr
+    return " ".join(result.stderr.split())
+
+
+def test_subject_prefix_and_stream_name_are_immutable(crd: LocalKube, namespace: str) -> None:
+    """Changed after creation, the durables would keep filtering the old subjects, or the
+    pods would roll to a stream that does not exist: refused, as partitions is."""
+    nats = {"subjectPrefix": "orders.in", "stream": {"name": "orders"}}
+    apply(crd, group("moved", namespace, nats=nats))
+    message = patch_refused(crd, "moved", namespace, {"spec": {"nats": {"subjectPrefix": "x.y"}}})
+    assert "nats.subjectPrefix is immutable" in message, message
+    assert "create another group" in message, message
+    message = patch_refused(
+        crd, "moved", namespace, {"spec": {"nats": {"stream": {"name": "other"}}}}
+    )
+    assert "nats.stream.name is immutable" in message, message
+    # Removing them is a change too (back to the defaults).
+    message = patch_refused(
+        crd, "moved", namespace, {"spec": {"nats": {"subjectPrefix": None, "stream": None}}}
+    )
+    assert "nats.subjectPrefix is immutable" in message, message
+    assert "nats.stream.name is immutable" in message, message
+    # Everything else in nats still changes, and the same values are no change.
+    crd.kubectl(
+        "patch",
+        "cg",
+        "moved",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"nats": {**nats, "stream": {"name": "orders", "ledger": True}}}}),
+    )
+    stored = get_json(crd, "cg", "moved", "-n", namespace)["spec"]["nats"]
+    assert (stored["subjectPrefix"], stored["stream"]["name"]) == ("orders.in", "orders")
+    assert stored["stream"]["ledger"] is True
+
+    # Unset at creation: setting either later is refused, even to the default's value
+    # (the default holds the namespace, which the rule cannot read).
+    apply(crd, group("plain", namespace))
+    default = {"subjectPrefix": f"shoal.{namespace}.plain"}
+    message = patch_refused(crd, "plain", namespace, {"spec": {"nats": default}})
+    assert "nats.subjectPrefix is immutable" in message, message
+    message = patch_refused(
+        crd, "plain", namespace, {"spec": {"nats": {"stream": {"name": "plain"}}}}
+    )
+    assert "nats.stream.name is immutable" in message, message
+
+
 # -- spec.containers: the team's services, as native sidecars ----------------------------
 
 SERVICE_CONTAINER = {
