@@ -194,3 +194,70 @@ def test_a_deleted_deployment_is_applied_again(localkube: LocalKube, operator: P
         print(f"Deployment applied again {reapplied_after:.1f} s after its deletion")
     finally:
         plane.kubectl("delete", "cg", name, "-n", NS, "--timeout=120s", check=False)
+
+
+def _patch(plane: LocalKube, name: str, spec: dict[str, Any]) -> None:
+    plane.kubectl("patch", "cg", name, "-n", NS, "--type=merge", "-p", json.dumps({"spec": spec}))
+
+
+def _degraded(plane: LocalKube, name: str) -> dict[str, Any]:
+    cg = get_json(plane, "cg", name, "-n", NS)
+    found = condition(cg, "Degraded")
+    return cg if found.get("status") == "True" else {}
+
+
+def test_a_spec_the_api_server_will_not_apply_is_degraded_and_not_observed(
+    localkube: LocalKube, operator: Path
+) -> None:
+    """The CRD takes any `env` list, but a Deployment with two entries of one name is
+    refused by the API server (its server-side apply answers 500, "duplicate entries").
+    Before, the failure was kopf's to retry and nobody else's: Degraded stayed False and
+    the status timer stamped observedGeneration with the spec never applied."""
+    plane, name = localkube, "unappliable"
+    plane.kubectl("apply", "-f", "-", input_text=manifest(name, replicas=0))
+    try:
+        wait_until(
+            lambda: (
+                (c := get_json(plane, "cg", name, "-n", NS))
+                .get("status", {})
+                .get("observedGeneration")
+                == c["metadata"]["generation"]
+                and condition(c, "Degraded").get("status") == "False"
+            ),
+            60,
+            "the group to be reconciled",
+        )
+        _patch(plane, name, {"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]})
+        cg = wait_until(lambda: _degraded(plane, name), 60, "Degraded")
+        degraded = condition(cg, "Degraded")
+        print(f"Degraded: {degraded['reason']}: {degraded['message']}")
+        assert degraded["reason"] == "ApplyFailed", degraded
+        assert f"Deployment {name}-consumer not applied" in degraded["message"], degraded
+        assert 'duplicate entries for key [name="A"]' in degraded["message"], degraded
+        refused_generation = cg["metadata"]["generation"]
+        time.sleep(12)  # two status timer runs at least: they keep both as they are
+        cg = get_json(plane, "cg", name, "-n", NS)
+        assert cg["metadata"]["generation"] == refused_generation
+        assert cg["status"]["observedGeneration"] == refused_generation - 1, cg["status"]
+        assert condition(cg, "Degraded")["reason"] == "ApplyFailed", cg["status"]
+        assert warnings(plane, name, "ApplyFailed")
+
+        # Fixed: applied, observed, no longer Degraded.
+        _patch(plane, name, {"env": [{"name": "A", "value": "1"}]})
+        wait_until(
+            lambda: (
+                (c := get_json(plane, "cg", name, "-n", NS))
+                .get("status", {})
+                .get("observedGeneration")
+                == c["metadata"]["generation"]
+                and condition(c, "Degraded").get("status") == "False"
+            ),
+            60,
+            "the fixed spec to be applied",
+        )
+        env = get_json(plane, "deployment", f"{name}-consumer", "-n", NS)["spec"]["template"][
+            "spec"
+        ]["containers"][0]["env"]
+        assert {"name": "A", "value": "1"} in env
+    finally:
+        plane.kubectl("delete", "cg", name, "-n", NS, "--timeout=120s", check=False)

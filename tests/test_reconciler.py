@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import copy
 import dataclasses
+import json
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from typing import Any, cast
 
 import kopf
 import pytest
+from kubernetes.client.rest import ApiException
 from nats import errors as nats_errors
 from nats.js.errors import NotFoundError
 
@@ -308,7 +310,11 @@ async def test_two_groups_do_not_share_state(world: World, operator_memo: Operat
     assert a.problem is not None and a.problem[0] == "HandlerInvalid"
     assert not a.applied  # nothing was applied for a group that cannot work
     assert b == GroupState(
-        problem=None, applied=True, secret_version=None, nats_secrets=NatsPodSecrets()
+        problem=None,
+        applied=True,
+        secret_version=None,
+        nats_secrets=NatsPodSecrets(),
+        reconciled_generation=1,
     )
     # Nothing per group landed where every group's memo is copied from.
     assert operator_memo.group == GroupState()
@@ -480,7 +486,7 @@ async def test_unreachable_nats_is_nats_unavailable_with_backoff(
 async def test_a_reconciled_group(world: World, operator_memo: OperatorMemo) -> None:
     memo = resource_memo(operator_memo)
     patch = await reconcile(memo, "orders", {"replicas": 2, "handler": GOOD})
-    assert patch["status"] == {"selector": selector_string("orders")}
+    assert patch["status"] == {"selector": selector_string("orders"), "observedGeneration": 1}
     kinds = fake_kube(operator_memo).kinds()
     assert set(kinds) == {
         "Deployment",
@@ -613,18 +619,92 @@ async def test_a_problem_stands_until_a_reconcile_succeeds(
     assert world.reasons("Normal") == ["Reconciled"]
 
 
-async def test_other_errors_are_kopfs_to_retry(
+async def test_other_errors_are_kopfs_to_retry_and_degrade_the_group(
     world: World, operator_memo: OperatorMemo, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Before, such an error left Degraded False (and the status timer said the group was
+    fine) while kopf retried."""
+
     async def refuse(obj: dict[str, Any]) -> None:
-        raise RuntimeError("API server said no")
+        raise RuntimeError("something unforeseen")
 
     monkeypatch.setattr(operator_memo.kube, "apply", refuse)
     memo = resource_memo(operator_memo)
-    with pytest.raises(RuntimeError, match="API server said no"):
-        await reconcile(memo, "orders", {"replicas": 1, "handler": GOOD})
-    assert memo.group.problem is None
-    assert world.events == []
+    spec = {"replicas": 1, "handler": GOOD}
+    patch = kopf.Patch()
+    with pytest.raises(RuntimeError, match="something unforeseen"):
+        await reconcile(memo, "orders", spec, patch=patch)
+    assert memo.group.problem == (
+        "ReconcileFailed",
+        "Reconcile failed: RuntimeError: something unforeseen",
+    )
+    assert degraded_of(patch)["reason"] == "ReconcileFailed"
+    assert world.reasons("Warning") == ["ReconcileFailed"]
+    assert degraded_reason(await observe(memo, "orders", spec)) == "ReconcileFailed"
+
+
+async def test_a_child_the_api_server_refuses_is_degraded_with_its_words(
+    world: World, operator_memo: OperatorMemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    said = 'Deployment.apps "orders-consumer" is invalid: spec.template...: quantities must match'
+
+    async def refuse(obj: dict[str, Any]) -> None:
+        refused = ApiException(status=422, reason="Unprocessable Entity")
+        refused.body = json.dumps({"kind": "Status", "message": said})  # as the client sets it
+        raise refused
+
+    monkeypatch.setattr(operator_memo.kube, "apply", refuse)
+    memo = resource_memo(operator_memo)
+    patch = kopf.Patch()
+    with pytest.raises(kopf.TemporaryError) as caught:
+        await reconcile(memo, "orders", {"replicas": 1, "handler": GOOD}, retry=1, patch=patch)
+    assert caught.value.delay == 60  # a 4xx stands until the spec changes
+    degraded = degraded_of(patch)
+    assert degraded["reason"] == "ApplyFailed"
+    assert degraded["message"] == (
+        "ServiceAccount orders-consumer not applied: the API server answered 422 "
+        f"Unprocessable Entity: {said}"
+    )
+    assert world.reasons("Warning") == ["ApplyFailed"]
+    assert "observedGeneration" not in patch["status"]
+
+
+async def test_observed_generation_is_the_last_one_applied(
+    world: World, operator_memo: OperatorMemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    memo = resource_memo(operator_memo)
+    spec = {"replicas": 1, "handler": GOOD}
+
+    async def observe_at(generation: int) -> dict[str, Any]:
+        patch = kopf.Patch()
+        await call_handler(
+            reconciler.observe_group,
+            name="orders",
+            namespace=NAMESPACE,
+            spec=spec,
+            meta={"generation": generation},
+            status={},
+            body=body("orders"),
+            memo=memo,
+            patch=patch,
+        )
+        return dict(patch["status"])
+
+    # Not reconciled by this process yet: the status keeps what it had.
+    assert "observedGeneration" not in await observe_at(1)
+    patch = await reconcile(memo, "orders", spec, generation=1)
+    assert patch["status"]["observedGeneration"] == 1
+    assert (await observe_at(1))["observedGeneration"] == 1
+
+    async def refuse(obj: dict[str, Any]) -> None:
+        raise RuntimeError("refused")
+
+    monkeypatch.setattr(operator_memo.kube, "apply", refuse)
+    with pytest.raises(RuntimeError):
+        await reconcile(memo, "orders", spec, generation=2)
+    st = await observe_at(2)
+    assert st["observedGeneration"] == 1  # generation 2 was never applied
+    assert degraded_reason(st) == "ReconcileFailed"
 
 
 # -- step 4: a change of replicas --------------------------------------------------------------

@@ -35,6 +35,7 @@ remembers is in its own memo (shoal.operator.state.GroupState).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -277,12 +278,44 @@ async def apply_children(
     settings: OperatorSettings,
     secret_version: str | None,
     nats: NatsPodSecrets | None = None,
+    retry: int = 0,
 ) -> None:
     """Server-side apply the Deployment, RBAC and PDB, owned by the group so that
-    deleting it deletes them."""
+    deleting it deletes them.
+
+    GroupProblem ApplyFailed when the API server does not take one, with its own
+    message, which says what to fix: a spec the CRD accepts may still build an invalid
+    Deployment (two `env` entries of one name: 500 "duplicate entries for key" from the
+    server-side apply; a resources quantity like "banana": 4xx)."""
     for obj in children(name, namespace, spec_model(spec), settings, secret_version, nats):
         kopf.adopt(obj, owner=body)
-        await kube.apply(obj)
+        try:
+            await kube.apply(obj)
+        except ApiException as exc:
+            what = f"{obj['kind']} {obj['metadata']['name']}"
+            refused = exc.status is not None and 400 <= int(exc.status) < 500
+            message = f"{what} not applied: the API server answered {exc.status} {exc.reason}"
+            said = api_message(exc)
+            if said:
+                message += f": {said}"
+            # A 4xx stands until the spec changes (which reconciles at once): retry
+            # slowly. Anything else may pass on its own (though a server-side apply
+            # answers some invalid specs with 500 too).
+            delay = min(300, 30 * 2 ** min(retry, 3)) if refused else min(60, 5 * 2**retry)
+            raise GroupProblem("ApplyFailed", message[:2000], delay=delay) from exc
+
+
+def api_message(exc: ApiException) -> str:
+    """The `message` of the API server's Status answer (the body of an ApiException), or
+    its body as it came, shortened."""
+    body = exc.body.decode(errors="replace") if isinstance(exc.body, bytes) else exc.body
+    if not body:
+        return ""
+    try:
+        said = json.loads(body).get("message")
+    except (ValueError, AttributeError):
+        said = None
+    return str(said) if said else str(body)[:1000]
 
 
 async def ensure_jetstream(
@@ -332,7 +365,8 @@ async def reconcile(
 
     A step that finds the spec cannot work raises GroupProblem; this handler alone turns
     it into Degraded, a Warning Event and a retry after the problem's delay. Any other
-    exception is kopf's to retry.
+    exception is kopf's to retry, the group Degraded (ReconcileFailed) meanwhile. Only a
+    reconcile that succeeded sets status.observedGeneration (the status timer repeats it).
     """
     namespace = namespace or "default"  # ConsumerGroups are namespaced
     settings: OperatorSettings = memo.settings
@@ -362,7 +396,7 @@ async def reconcile(
         # 5. The children (Deployment, RBAC, PDB); the status timer compares later
         #    versions of the Secret with the one applied here.
         await apply_children(
-            memo.kube, body, name, namespace, model, settings, secret_version, nats
+            memo.kube, body, name, namespace, model, settings, secret_version, nats, retry
         )
         state.applied, state.secret_version, state.nats_secrets = True, secret_version, nats
         # 6. JetStream: the streams and the durables, with the group's NATS Secrets.
@@ -389,8 +423,26 @@ async def reconcile(
         )
         kopf.warn(body, reason=problem.reason, message=problem.message)
         raise kopf.TemporaryError(problem.message, delay=problem.delay) from problem
-    # 7. Done: whatever went wrong before is fixed.
+    except Exception as exc:
+        # Anything else is kopf's to retry (with its own backoff), but the group must not
+        # look healthy meanwhile: Degraded says it, and the status timer keeps saying it
+        # (state.problem) until a reconcile succeeds.
+        message = f"Reconcile failed: {type(exc).__name__}: {exc}"[:2000]
+        state.problem = ("ReconcileFailed", message)
+        patch.status["conditions"] = observe.degraded(
+            status.get("conditions", []),
+            "ReconcileFailed",
+            message,
+            int(meta.get("generation") or 0),
+            now(),
+        )
+        kopf.warn(body, reason="ReconcileFailed", message=message)
+        raise
+    # 7. Done: whatever went wrong before is fixed, and this generation is applied: the
+    #    status timer writes no later one into observedGeneration.
     state.problem = None
+    state.reconciled_generation = int(meta.get("generation") or 0)
+    patch.status["observedGeneration"] = state.reconciled_generation
     kopf.info(
         body,
         reason="Reconciled",
@@ -653,6 +705,12 @@ async def observe_group(
         pods_unread=pods_unread,
     )
     new = observe.status(observed, old.get("conditions", []), now())
+    # observedGeneration: the generation a reconcile applied, not merely the one seen
+    # (until then, the status keeps what it had).
+    if memo.group.reconciled_generation is None:
+        del new["observedGeneration"]
+    else:
+        new["observedGeneration"] = memo.group.reconciled_generation
     if generation_seen and generation_seen != old.get("assignmentGeneration"):
         new["lastRebalanceTime"] = now()
         kopf.info(

@@ -30,6 +30,9 @@ class GroupState:
     # (reason, message) of the last failed reconcile. The status timer sees only etcd and
     # NATS, so it reports this as Degraded until a reconcile succeeds.
     problem: tuple[str, str] | None = None
+    # The generation of the spec the last successful reconcile applied (None: none in this
+    # process yet). status.observedGeneration says this one, never a spec not applied.
+    reconciled_generation: int | None = None
     # Whether this process has applied the group's children: until then the status timer
     # leaves a rotated etcd Secret to the resume handler, which applies it anyway.
     applied: bool = False
