@@ -150,8 +150,14 @@ class FakeJetStream:
 
 
 class FakeNats:
+    connected = True  # every FakeNats's: tests monkeypatch it
+
     def __init__(self) -> None:
         self.is_closed = False
+
+    @property
+    def is_connected(self) -> bool:
+        return self.connected
 
     def jetstream(self) -> FakeJetStream:
         return FakeJetStream()
@@ -1107,3 +1113,18 @@ async def test_unreachable_nats_while_deleting_is_retried_then_the_streams_kept(
     await delete(memo, "orders", spec)
     assert world.reasons("Warning") == ["StreamsNotDeleted", "StreamsKept"]
     assert f"shoal_{NAMESPACE}_orders" in world.events[-1][2]
+
+
+async def test_deleting_sends_nothing_on_a_reconnecting_connection(
+    world: World, operator_memo: OperatorMemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """nats-py buffers what is published while it reconnects and sends it when NATS is
+    back: a delete sent then would remove the streams after StreamsKept said they stay."""
+    FakeJetStream.deleted = []
+    monkeypatch.setattr(FakeNats, "connected", False)
+    memo = resource_memo(operator_memo)
+    spec = {"handler": GOOD, "deletionPolicy": "Delete"}
+    with pytest.raises(kopf.TemporaryError, match="reconnecting"):
+        await delete(memo, "orders", spec)
+    assert FakeJetStream.deleted == []
+    assert world.reasons("Warning") == ["StreamsNotDeleted"]

@@ -1214,6 +1214,14 @@ async def delete(
         except Exception as exc:  # NATS unreachable: as a refused delete, below
             _streams_not_deleted(memo, body, status, patch, meta, config.nats_url, streams, exc)
             return
+        if not nc.is_connected:
+            # A kept connection that is reconnecting buffers what is published meanwhile
+            # and sends it once NATS is back: a STREAM.DELETE timed out here would then
+            # delete the streams later, after StreamsKept said they were left in place
+            # (seen in e2e/test_operator_delete.py). Send nothing until it is connected.
+            gone = ConnectionError("not connected: reconnecting")
+            _streams_not_deleted(memo, body, status, patch, meta, config.nats_url, streams, gone)
+            return
         js = nc.jetstream()
         failed: list[str] = []
         error: BaseException | None = None
