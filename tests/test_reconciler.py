@@ -826,6 +826,26 @@ async def test_the_timer_recreates_missing_streams_with_backoff_and_one_event(
     assert world.ensured == [stream] and len(world.events) == 1
 
 
+async def test_the_timer_recreates_missing_streams_while_etcd_is_down(
+    world: World, operator_memo: OperatorMemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stream = f"shoal_{NAMESPACE}_orders"
+    memo = resource_memo(operator_memo)
+    spec = {"replicas": 1, "handler": GOOD}
+    await reconcile(memo, "orders", spec)
+    world.ensured.clear()
+    monkeypatch.setattr(FakeJetStream, "missing", {f"{stream}_dlq"})
+
+    async def etcd_down(*_: Any, **__: Any) -> FakeEtcd:
+        raise ConnectionError("etcd is down")
+
+    monkeypatch.setattr(reconciler, "_etcd", etcd_down)
+    st = await observe(memo, "orders", spec)
+    assert world.ensured == [stream]
+    assert world.reasons("Warning") == ["StreamRecreated"]
+    assert degraded_reason(st) == "EtcdUnavailable"
+
+
 async def test_the_timer_applies_a_deleted_deployment_again(
     world: World, operator_memo: OperatorMemo, monkeypatch: pytest.MonkeyPatch
 ) -> None:

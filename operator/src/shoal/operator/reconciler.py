@@ -661,8 +661,10 @@ async def observe_group(
         js = nc.jetstream()
         missing = await _missing_streams(js, config)
         if missing:
-            # NATS answers, and says the streams are gone: put them back (with backoff).
-            problem = problem or await _recreate_streams(memo, body, config, model, missing)
+            # NATS answers, and says the streams are gone: put them back (with backoff),
+            # whatever else is wrong (an etcd outage must not keep them gone).
+            recreating = await _recreate_streams(memo, body, config, model, missing)
+            problem = problem or recreating
         else:
             _streams_present(memo)
         info = await js.stream_info(config.stream)
