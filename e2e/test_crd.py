@@ -16,6 +16,7 @@ import yaml
 
 from harness.kubetest import get_json, wait_until
 from harness.localkube.plane import LocalKube
+from shoal.contracts.spec import SpecError, parse_spec
 from shoal.operator.builders import build_deployment
 from shoal.operator.settings import OperatorSettings
 
@@ -267,6 +268,97 @@ def test_partitions_are_immutable(crd: LocalKube, namespace: str) -> None:
     # Leaving partitions out defaults it to 128: also a change, also refused.
     message = refused(crd, group("fixed", namespace))
     assert "partitions is immutable" in message
+
+
+def patch_refused(plane: LocalKube, name: str, namespace: str, patch: dict[str, Any]) -> str:
+    """`kubectl patch` (merge) that the API server must refuse; its message, on one line."""
+    result = plane.kubectl(
+        "patch", "cg", name, "-n", namespace, "--type=merge", "-p", json.dumps(patch), check=False
+    )
+    assert result.returncode != 0, f"accepted: {patch}\n{result.stdout}"
+    assert "is invalid" in result.stderr, result.stderr
+    return " ".join(result.stderr.split())
+
+
+def test_subject_prefix_and_stream_name_are_immutable(crd: LocalKube, namespace: str) -> None:
+    """Changed after creation, the durables would keep filtering the old subjects, or the
+    pods would roll to a stream that does not exist: refused, as partitions is."""
+    nats = {"subjectPrefix": "orders.in", "stream": {"name": "orders"}}
+    apply(crd, group("moved", namespace, nats=nats))
+    message = patch_refused(crd, "moved", namespace, {"spec": {"nats": {"subjectPrefix": "x.y"}}})
+    assert "nats.subjectPrefix is immutable" in message, message
+    assert "create another group" in message, message
+    message = patch_refused(
+        crd, "moved", namespace, {"spec": {"nats": {"stream": {"name": "other"}}}}
+    )
+    assert "nats.stream.name is immutable" in message, message
+    # Removing them is a change too (back to the defaults).
+    message = patch_refused(
+        crd, "moved", namespace, {"spec": {"nats": {"subjectPrefix": None, "stream": None}}}
+    )
+    assert "nats.subjectPrefix is immutable" in message, message
+    assert "nats.stream.name is immutable" in message, message
+    # Everything else in nats still changes, and the same values are no change.
+    crd.kubectl(
+        "patch",
+        "cg",
+        "moved",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"nats": {**nats, "stream": {"name": "orders", "ledger": True}}}}),
+    )
+    stored = get_json(crd, "cg", "moved", "-n", namespace)["spec"]["nats"]
+    assert (stored["subjectPrefix"], stored["stream"]["name"]) == ("orders.in", "orders")
+    assert stored["stream"]["ledger"] is True
+
+    # Unset at creation: setting either later is refused, even to the default's value
+    # (the default holds the namespace, which the rule cannot read).
+    apply(crd, group("plain", namespace))
+    default = {"subjectPrefix": f"shoal.{namespace}.plain"}
+    message = patch_refused(crd, "plain", namespace, {"spec": {"nats": default}})
+    assert "nats.subjectPrefix is immutable" in message, message
+    message = patch_refused(
+        crd, "plain", namespace, {"spec": {"nats": {"stream": {"name": "plain"}}}}
+    )
+    assert "nats.stream.name is immutable" in message, message
+
+
+def test_the_api_server_and_the_model_agree_on_whitespace_and_empty(
+    crd: LocalKube, namespace: str
+) -> None:
+    """U+00A0 is no whitespace to the API server's RE2: the stored spec must pass the model
+    too (before, the model's Unicode `\\s` refused it, and the operator's status timer and
+    finalizer failed on the group). A tab is whitespace to both: refused. An empty stream
+    name and subject prefix mean the defaults, as the CRD's descriptions say (before, the
+    CRD refused them)."""
+    odd = {
+        "subjectPrefix": "orders.in\u00a0x",
+        "stream": {"name": "orders\u00a0x"},
+    }
+    made = group("odd", namespace, nats=odd)
+    made["spec"].update(handler="http://127.0.0.1:8080/in\u00a0x", handlerReadyPath="/r\u00a0x")
+    apply(crd, made)
+    stored = get_json(crd, "cg", "odd", "-n", namespace)["spec"]
+    assert stored["nats"]["subjectPrefix"] == "orders.in\u00a0x"
+    model = parse_spec(stored)  # what the operator reads
+    assert (model.nats.subject_prefix, model.nats.stream.name) == (
+        "orders.in\u00a0x",
+        "orders\u00a0x",
+    )
+    assert model.handler_ready_path == "/r\u00a0x"
+
+    for nats in ({"subjectPrefix": "orders.in\tx"}, {"stream": {"name": "orders\tx"}}):
+        message = refused(crd, group("tabbed", namespace, nats=nats))
+        assert "should match" in message, message
+        with pytest.raises(SpecError):
+            parse_spec(group("tabbed", namespace, nats=nats)["spec"])
+
+    apply(crd, group("empty", namespace, nats={"subjectPrefix": "", "stream": {"name": ""}}))
+    stored = get_json(crd, "cg", "empty", "-n", namespace)["spec"]
+    model = parse_spec(stored)
+    assert (model.nats.subject_prefix, model.nats.stream.name) == ("", "")
 
 
 # -- spec.containers: the team's services, as native sidecars ----------------------------

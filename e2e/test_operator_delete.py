@@ -1,8 +1,10 @@
-"""Deleting a ConsumerGroup while its etcd is unreachable: bounded, reported, and decided
-by deletionPolicy (real kube-apiserver, a real operator process, a real etcd stopped).
+"""Deleting a ConsumerGroup while its etcd (or, with deletionPolicy Delete, its NATS) is
+unreachable: bounded, reported, and decided by deletionPolicy (real kube-apiserver, a real
+operator process, a real etcd or nats-server stopped).
 
-The groups use an etcd of this test's own (spec.etcd.endpoints), so stopping it touches
-no other suite; the operator retries it for SHOAL_DELETE_ETCD_TIMEOUT (8 s here).
+The groups use an etcd and a nats-server of this test's own (spec.etcd.endpoints,
+spec.nats.url), so stopping them touches no other suite; the operator retries etcd for
+SHOAL_DELETE_ETCD_TIMEOUT and the streams for SHOAL_DELETE_NATS_TIMEOUT (8 s each here).
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import nats
 import pytest
 
 from harness.faults import QuotaEtcdServer
 from harness.kubetest import condition, create_namespace, get_json, operator_process, wait_until
 from harness.localkube.plane import LocalKube
-from harness.servers import EtcdServer
+from harness.servers import EtcdServer, NatsServer
 from shoal.clients.etcd import Etcd, EtcdNoSpace
 from shoal.contracts.names import FINALIZER, Keys
 
@@ -43,24 +46,32 @@ def group_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]
 @pytest.fixture(scope="module")
 def operator(localkube: LocalKube, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     log_path = tmp_path_factory.mktemp("operator-delete") / "operator.log"
-    env = {"SHOAL_DELETE_ETCD_TIMEOUT": str(TIMEOUT)}
+    env = {"SHOAL_DELETE_ETCD_TIMEOUT": str(TIMEOUT), "SHOAL_DELETE_NATS_TIMEOUT": str(TIMEOUT)}
     with operator_process(localkube, (NS,), log_path, extra_env=env):
         create_namespace(localkube, NS)
         yield log_path
 
 
-def manifest(name: str, etcd: EtcdServer, policy: str) -> str:
+def manifest(
+    name: str, etcd: EtcdServer | None, policy: str, nats: NatsServer | None = None
+) -> str:
+    """A group without pods (only the finalizer's work is under test), on the given etcd
+    and NATS (None: the plane's)."""
+    spec: dict[str, Any] = {
+        "handler": "shoal.consumer.handlers:ledger",
+        "replicas": 0,
+        "deletionPolicy": policy,
+    }
+    if etcd is not None:
+        spec["etcd"] = {"endpoints": etcd.endpoint}
+    if nats is not None:
+        spec["nats"] = {"url": nats.url}
     return json.dumps(
         {
             "apiVersion": "shoal.dev/v1alpha1",
             "kind": "ConsumerGroup",
             "metadata": {"name": name, "namespace": NS},
-            "spec": {
-                "handler": "shoal.consumer.handlers:ledger",
-                "replicas": 0,  # no pods: only the finalizer's etcd work is under test
-                "etcd": {"endpoints": etcd.endpoint},
-                "deletionPolicy": policy,
-            },
+            "spec": spec,
         }
     )
 
@@ -218,3 +229,50 @@ def test_etcd_nospace_shows_in_status_and_events(
         print(f"EtcdNoSpace in status {shown_after:.1f} s after the alarm")
     finally:
         etcd.stop()
+
+
+async def _streams(nats_url: str) -> list[str]:
+    nc = await nats.connect(nats_url)
+    try:
+        return sorted(str(s.config.name) for s in await nc.jetstream().streams_info())
+    finally:
+        await nc.close()
+
+
+def test_streams_nats_cannot_delete_are_retried_then_kept_and_named(
+    localkube: LocalKube, operator: Path, tmp_path: Path
+) -> None:
+    """deletionPolicy Delete with the group's NATS down: the finalizer retries for the
+    bounded time (Degraded StreamsNotDeleted, one Warning), then lets the group go with a
+    StreamsKept Warning naming the streams. Before, every delete_stream error was logged
+    at debug level and the group went at once, its streams silently left behind."""
+    plane, name = localkube, "unstreamed"
+    server = NatsServer(tmp_path / "group-nats")
+    try:
+        server.start()
+        plane.kubectl("apply", "-f", "-", input_text=manifest(name, None, "Delete", server))
+        stream = f"shoal_{NS}_{name}"
+        wait_until(lambda: stream in asyncio.run(_streams(server.url)), 60, "the group's stream")
+
+        server.stop()
+        started = time.monotonic()
+        plane.kubectl("delete", "cg", name, "-n", NS, "--wait=false")
+        degraded = wait_until(
+            functools.partial(degraded_for, plane, name, "StreamsNotDeleted"),
+            TIMEOUT + 30,
+            "the group to report the streams it cannot delete",
+        )
+        assert stream in degraded["message"], degraded
+        wait_until(lambda: gone(plane, name), TIMEOUT + 90, "the group to go at last")
+        gone_after = time.monotonic() - started
+        reasons = [e["reason"] for e in events(plane, name)]
+        assert reasons.count("StreamsNotDeleted") == 1, reasons
+        (kept,) = [e for e in events(plane, name) if e["reason"] == "StreamsKept"]
+        assert stream in kept["message"] and "left in place" in kept["message"], kept
+
+        # They are indeed still there once NATS is back (file storage).
+        server.start()
+        assert stream in asyncio.run(_streams(server.url))
+        print(f"group gone {gone_after:.1f} s after the delete (timeout {TIMEOUT} s)")
+    finally:
+        server.stop()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import copy
 import dataclasses
+import json
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -19,7 +20,9 @@ from typing import Any, cast
 
 import kopf
 import pytest
+from kubernetes.client.rest import ApiException
 from nats import errors as nats_errors
+from nats.js.errors import NotFoundError
 
 from harness.localkube.pki import ensure_pki
 from shoal.clients.natsauth import NatsSecurity
@@ -130,17 +133,31 @@ class FakeStreamInfo:
 
 class FakeJetStream:
     deleted: list[str] = []  # every FakeJetStream's: each test resets it
+    missing: set[str] = set()  # streams STREAM.INFO says do not exist (tests monkeypatch it)
+    # What delete_stream raises for a stream (none: it deletes it); tests monkeypatch it.
+    delete_errors: dict[str, Exception] = {}
 
     async def stream_info(self, name: str) -> FakeStreamInfo:
+        if name in self.missing:
+            raise NotFoundError()
         return FakeStreamInfo()
 
     async def delete_stream(self, name: str) -> None:
+        error = self.delete_errors.get(name)
+        if error is not None:
+            raise error
         self.deleted.append(name)
 
 
 class FakeNats:
+    connected = True  # every FakeNats's: tests monkeypatch it
+
     def __init__(self) -> None:
         self.is_closed = False
+
+    @property
+    def is_connected(self) -> bool:
+        return self.connected
 
     def jetstream(self) -> FakeJetStream:
         return FakeJetStream()
@@ -299,7 +316,11 @@ async def test_two_groups_do_not_share_state(world: World, operator_memo: Operat
     assert a.problem is not None and a.problem[0] == "HandlerInvalid"
     assert not a.applied  # nothing was applied for a group that cannot work
     assert b == GroupState(
-        problem=None, applied=True, secret_version=None, nats_secrets=NatsPodSecrets()
+        problem=None,
+        applied=True,
+        secret_version=None,
+        nats_secrets=NatsPodSecrets(),
+        reconciled_generation=1,
     )
     # Nothing per group landed where every group's memo is copied from.
     assert operator_memo.group == GroupState()
@@ -471,7 +492,7 @@ async def test_unreachable_nats_is_nats_unavailable_with_backoff(
 async def test_a_reconciled_group(world: World, operator_memo: OperatorMemo) -> None:
     memo = resource_memo(operator_memo)
     patch = await reconcile(memo, "orders", {"replicas": 2, "handler": GOOD})
-    assert patch["status"] == {"selector": selector_string("orders")}
+    assert patch["status"] == {"selector": selector_string("orders"), "observedGeneration": 1}
     kinds = fake_kube(operator_memo).kinds()
     assert set(kinds) == {
         "Deployment",
@@ -604,18 +625,92 @@ async def test_a_problem_stands_until_a_reconcile_succeeds(
     assert world.reasons("Normal") == ["Reconciled"]
 
 
-async def test_other_errors_are_kopfs_to_retry(
+async def test_other_errors_are_kopfs_to_retry_and_degrade_the_group(
     world: World, operator_memo: OperatorMemo, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Before, such an error left Degraded False (and the status timer said the group was
+    fine) while kopf retried."""
+
     async def refuse(obj: dict[str, Any]) -> None:
-        raise RuntimeError("API server said no")
+        raise RuntimeError("something unforeseen")
 
     monkeypatch.setattr(operator_memo.kube, "apply", refuse)
     memo = resource_memo(operator_memo)
-    with pytest.raises(RuntimeError, match="API server said no"):
-        await reconcile(memo, "orders", {"replicas": 1, "handler": GOOD})
-    assert memo.group.problem is None
-    assert world.events == []
+    spec = {"replicas": 1, "handler": GOOD}
+    patch = kopf.Patch()
+    with pytest.raises(RuntimeError, match="something unforeseen"):
+        await reconcile(memo, "orders", spec, patch=patch)
+    assert memo.group.problem == (
+        "ReconcileFailed",
+        "Reconcile failed: RuntimeError: something unforeseen",
+    )
+    assert degraded_of(patch)["reason"] == "ReconcileFailed"
+    assert world.reasons("Warning") == ["ReconcileFailed"]
+    assert degraded_reason(await observe(memo, "orders", spec)) == "ReconcileFailed"
+
+
+async def test_a_child_the_api_server_refuses_is_degraded_with_its_words(
+    world: World, operator_memo: OperatorMemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    said = 'Deployment.apps "orders-consumer" is invalid: spec.template...: quantities must match'
+
+    async def refuse(obj: dict[str, Any]) -> None:
+        refused = ApiException(status=422, reason="Unprocessable Entity")
+        refused.body = json.dumps({"kind": "Status", "message": said})  # as the client sets it
+        raise refused
+
+    monkeypatch.setattr(operator_memo.kube, "apply", refuse)
+    memo = resource_memo(operator_memo)
+    patch = kopf.Patch()
+    with pytest.raises(kopf.TemporaryError) as caught:
+        await reconcile(memo, "orders", {"replicas": 1, "handler": GOOD}, retry=1, patch=patch)
+    assert caught.value.delay == 60  # a 4xx stands until the spec changes
+    degraded = degraded_of(patch)
+    assert degraded["reason"] == "ApplyFailed"
+    assert degraded["message"] == (
+        "ServiceAccount orders-consumer not applied: the API server answered 422 "
+        f"Unprocessable Entity: {said}"
+    )
+    assert world.reasons("Warning") == ["ApplyFailed"]
+    assert "observedGeneration" not in patch["status"]
+
+
+async def test_observed_generation_is_the_last_one_applied(
+    world: World, operator_memo: OperatorMemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    memo = resource_memo(operator_memo)
+    spec = {"replicas": 1, "handler": GOOD}
+
+    async def observe_at(generation: int) -> dict[str, Any]:
+        patch = kopf.Patch()
+        await call_handler(
+            reconciler.observe_group,
+            name="orders",
+            namespace=NAMESPACE,
+            spec=spec,
+            meta={"generation": generation},
+            status={},
+            body=body("orders"),
+            memo=memo,
+            patch=patch,
+        )
+        return dict(patch["status"])
+
+    # Not reconciled by this process yet: the status keeps what it had.
+    assert "observedGeneration" not in await observe_at(1)
+    patch = await reconcile(memo, "orders", spec, generation=1)
+    assert patch["status"]["observedGeneration"] == 1
+    assert (await observe_at(1))["observedGeneration"] == 1
+
+    async def refuse(obj: dict[str, Any]) -> None:
+        raise RuntimeError("refused")
+
+    monkeypatch.setattr(operator_memo.kube, "apply", refuse)
+    with pytest.raises(RuntimeError):
+        await reconcile(memo, "orders", spec, generation=2)
+    st = await observe_at(2)
+    assert st["observedGeneration"] == 1  # generation 2 was never applied
+    assert degraded_reason(st) == "ReconcileFailed"
 
 
 # -- step 4: a change of replicas --------------------------------------------------------------
@@ -687,6 +782,91 @@ async def test_the_timer_leaves_a_group_not_yet_reconciled_alone(
     # refuses and of pods the scheduler refuses it may keep.
     kept = dataclasses.replace(memo.group, stalled=None, refused=None, unschedulable=None)
     assert kept == GroupState()
+
+
+async def test_the_timer_recreates_missing_streams_with_backoff_and_one_event(
+    world: World, operator_memo: OperatorMemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Streams deleted after the reconcile: the timer runs the JetStream step again. A
+    failure is in status and waits out its backoff; success posts one Warning and clears
+    it. (e2e/test_operator_drift.py proves it on real servers.)"""
+    stream = f"shoal_{NAMESPACE}_orders"
+    memo = resource_memo(operator_memo)
+    spec = {"replicas": 1, "handler": GOOD}
+    await reconcile(memo, "orders", spec)
+    world.ensured.clear()
+    world.events.clear()
+    monkeypatch.setattr(FakeJetStream, "missing", {stream, f"{stream}_log"})
+
+    world.stream_error = RuntimeError("JetStream said no")
+    for _ in range(2):  # the second observation is within the backoff: no new attempt
+        st = await observe(memo, "orders", spec)
+        assert degraded_reason(st) == "NatsUnavailable"
+        message = next(c for c in st["conditions"] if c["type"] == "Degraded")["message"]
+        assert f"{stream}, {stream}_log missing; recreating them failed" in message, message
+        assert "JetStream said no" in message
+        assert memo.group.streams_retry == 1
+    assert world.events == []
+
+    world.stream_error = None
+    memo.group.streams_next_try = 0.0  # the backoff is over
+
+    async def recreate(js: Any, config: Any) -> list[int]:
+        FakeJetStream.missing = set()
+        world.ensured.append(config.stream)
+        return []
+
+    monkeypatch.setattr(reconciler, "ensure_group", recreate)
+    st = await observe(memo, "orders", spec)
+    assert degraded_reason(st) == "AsExpected"
+    assert world.ensured == [stream]
+    assert world.reasons("Warning") == ["StreamRecreated"]
+    assert "the messages they held are gone" in world.events[0][2]
+    await observe(memo, "orders", spec)  # present again: nothing more
+    assert world.ensured == [stream] and len(world.events) == 1
+
+
+async def test_the_timer_recreates_missing_streams_while_etcd_is_down(
+    world: World, operator_memo: OperatorMemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stream = f"shoal_{NAMESPACE}_orders"
+    memo = resource_memo(operator_memo)
+    spec = {"replicas": 1, "handler": GOOD}
+    await reconcile(memo, "orders", spec)
+    world.ensured.clear()
+    monkeypatch.setattr(FakeJetStream, "missing", {f"{stream}_dlq"})
+
+    async def etcd_down(*_: Any, **__: Any) -> FakeEtcd:
+        raise ConnectionError("etcd is down")
+
+    monkeypatch.setattr(reconciler, "_etcd", etcd_down)
+    st = await observe(memo, "orders", spec)
+    assert world.ensured == [stream]
+    assert world.reasons("Warning") == ["StreamRecreated"]
+    assert degraded_reason(st) == "EtcdUnavailable"
+
+
+async def test_the_timer_applies_a_deleted_deployment_again(
+    world: World, operator_memo: OperatorMemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kube = fake_kube(operator_memo)
+    memo = resource_memo(operator_memo)
+    spec = {"replicas": 2, "handler": GOOD}
+    st = await observe(memo, "orders", spec)  # not applied by this process: left alone
+    assert kube.applied == []
+
+    await reconcile(memo, "orders", spec)
+    kube.applied.clear()
+    world.events.clear()
+
+    async def no_deployment(namespace: str, name: str) -> None:
+        return None
+
+    monkeypatch.setattr(kube, "deployment_status", no_deployment)
+    st = await observe(memo, "orders", spec)
+    assert "Deployment" in kube.kinds()
+    assert world.reasons("Warning") == ["DeploymentRecreated"]
+    assert degraded_reason(st) == "AsExpected"
 
 
 def test_a_group_stored_at_zero_with_autoscaling_can_still_be_deleted() -> None:
@@ -868,3 +1048,103 @@ async def test_deleting_with_a_nats_secret_never_seen_keeps_the_streams_at_last(
     assert FakeJetStream.deleted == []
     assert world.reasons("Warning") == ["StreamsKept"]
     assert "streams are left in place" in world.events[-1][2]
+
+
+async def delete_with(
+    memo: OperatorMemo, name: str, spec: dict[str, Any], patch: kopf.Patch
+) -> None:
+    """The deletion handler, with a patch of the caller's (to read the status it wrote)."""
+    await call_handler(
+        reconciler.delete,
+        name=name,
+        namespace=NAMESPACE,
+        spec=spec,
+        memo=memo,
+        body=body(name),
+        status={},
+        patch=patch,
+        meta={"generation": 1},
+        retry=0,
+    )
+
+
+async def test_deleting_ignores_streams_that_are_already_gone(
+    world: World, operator_memo: OperatorMemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stream = f"shoal_{NAMESPACE}_orders"
+    FakeJetStream.deleted = []
+    monkeypatch.setattr(
+        FakeJetStream,
+        "delete_errors",
+        {f"{stream}_ledger": NotFoundError(), stream: NotFoundError()},
+    )
+    memo = resource_memo(operator_memo)
+    await delete(memo, "orders", {"handler": GOOD, "deletionPolicy": "Delete"})
+    assert FakeJetStream.deleted == [f"{stream}_dlq", f"{stream}_log"]
+    assert world.events == []
+
+
+async def test_streams_that_cannot_be_deleted_are_retried_then_kept_and_named(
+    world: World, operator_memo: OperatorMemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """deletionPolicy Delete with a stream JetStream does not delete (here a timeout): the
+    finalizer retries, says so in status and in one Warning, and after
+    SHOAL_DELETE_NATS_TIMEOUT lets the group go with a StreamsKept Warning naming it.
+    Before, the error was logged at debug level and the group went, the stream left."""
+    stream = f"shoal_{NAMESPACE}_orders"
+    FakeJetStream.deleted = []
+    monkeypatch.setattr(FakeJetStream, "delete_errors", {stream: nats_errors.TimeoutError()})
+    memo = resource_memo(operator_memo)
+    spec = {"handler": GOOD, "deletionPolicy": "Delete"}
+
+    for _ in range(2):  # the first failure and a retry
+        patch = kopf.Patch()
+        with pytest.raises(kopf.TemporaryError) as caught:
+            await delete_with(memo, "orders", spec, patch)
+        assert caught.value.delay is not None and 1 <= caught.value.delay <= 10
+        degraded = degraded_of(patch)
+        assert (degraded["status"], degraded["reason"]) == ("True", "StreamsNotDeleted")
+        assert stream in degraded["message"], degraded
+    # The others went; one Warning for the episode, not one per retry.
+    assert set(FakeJetStream.deleted) == {f"{stream}_dlq", f"{stream}_log", f"{stream}_ledger"}
+    assert world.reasons("Warning") == ["StreamsNotDeleted"]
+
+    # The bounded time is up: the finalizer ends, and the kept stream is named.
+    timeout = operator_memo.settings.delete_nats_timeout_seconds
+    assert memo.group.delete_streams_failing_since is not None
+    memo.group.delete_streams_failing_since -= timeout + 1
+    await delete_with(memo, "orders", spec, kopf.Patch())
+    assert world.reasons("Warning") == ["StreamsNotDeleted", "StreamsKept"]
+    kept = world.events[-1][2]
+    assert stream in kept and "left in place" in kept
+    assert f"{stream}_dlq" not in kept  # only the one not deleted
+
+
+async def test_unreachable_nats_while_deleting_is_retried_then_the_streams_kept(
+    world: World, operator_memo: OperatorMemo
+) -> None:
+    world.nats_error = nats_errors.NoServersError()
+    memo = resource_memo(operator_memo)
+    spec = {"handler": GOOD, "deletionPolicy": "Delete"}
+    with pytest.raises(kopf.TemporaryError, match="not deleted"):
+        await delete(memo, "orders", spec)
+    assert memo.group.delete_streams_failing_since is not None
+    memo.group.delete_streams_failing_since -= operator_memo.settings.delete_nats_timeout_seconds
+    await delete(memo, "orders", spec)
+    assert world.reasons("Warning") == ["StreamsNotDeleted", "StreamsKept"]
+    assert f"shoal_{NAMESPACE}_orders" in world.events[-1][2]
+
+
+async def test_deleting_sends_nothing_on_a_reconnecting_connection(
+    world: World, operator_memo: OperatorMemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """nats-py buffers what is published while it reconnects and sends it when NATS is
+    back: a delete sent then would remove the streams after StreamsKept said they stay."""
+    FakeJetStream.deleted = []
+    monkeypatch.setattr(FakeNats, "connected", False)
+    memo = resource_memo(operator_memo)
+    spec = {"handler": GOOD, "deletionPolicy": "Delete"}
+    with pytest.raises(kopf.TemporaryError, match="reconnecting"):
+        await delete(memo, "orders", spec)
+    assert FakeJetStream.deleted == []
+    assert world.reasons("Warning") == ["StreamsNotDeleted"]

@@ -16,6 +16,10 @@ import yaml
 
 from shoal.consumer.scaler import Policy
 from shoal.contracts.spec import (
+    HANDLER_PATTERN,
+    READY_PATH_PATTERN,
+    STREAM_NAME_PATTERN,
+    SUBJECT_PREFIX_PATTERN,
     AutoscalingSpec,
     ConsumerGroupSpec,
     ConsumerSpec,
@@ -106,7 +110,10 @@ def test_defaults_enums_and_bounds_agree(
         assert model.get("minimum", model.get("ge")) == crd.get("minimum"), path
     assert model.get("maximum", model.get("le")) == crd.get("maximum"), path
     if "pattern" in crd:
-        assert model.get("pattern") is not None, path
+        # The same string: the API server (Go's RE2) and pydantic then accept the same
+        # values, as long as the pattern means the same to both engines (no `\s`, `\d`,
+        # `\w`, whose sets differ: test_patterns_mean_the_same_to_both_engines).
+        assert model.get("pattern") == crd["pattern"], path
 
 
 def test_a_minimal_spec_gets_every_default() -> None:
@@ -278,3 +285,85 @@ def test_the_consumers_defaults_are_the_specs() -> None:
         spec.max_replicas,
         spec.partitions,
     )
+
+
+# -- the patterns: what the API server accepts, the model accepts ------------------------------
+
+
+def test_patterns_mean_the_same_to_both_engines() -> None:
+    r"""`\s`, `\d`, `\w` and `\b` are ASCII in Go's RE2 and Unicode in Python's re and
+    pydantic's engine: a value the API server stored (e.g. "a\u00a0b") failed the model,
+    and with it the status timer and the finalizer (deletable_spec). The CRD's patterns and
+    CEL rules name their sets instead."""
+    text = CRD.read_text()
+    for escape in (r"\s", r"\S", r"\d", r"\D", r"\w", r"\W", r"\b"):
+        assert escape not in text, f"the CRD uses {escape}"
+
+
+# U+00A0 (no-break space), U+2003 (em space), U+0085 (next line), \v: whitespace to Python,
+# not to RE2, so the API server accepts them in these fields and so must the model.
+NOT_RE2_SPACE = ["\u00a0", "\u2003", "\u0085", "\v"]
+RE2_SPACE = ["\t", "\n", "\f", "\r", " "]
+
+
+def with_field(field: str, value: str) -> dict[str, Any]:
+    spec: dict[str, Any] = {"handler": "pkg.mod:fn"}
+    if field == "streamName":
+        spec["nats"] = {"stream": {"name": value}}
+    elif field == "subjectPrefix":
+        spec["nats"] = {"subjectPrefix": value}
+    elif field == "handlerReadyPath":
+        spec["handlerReadyPath"] = value
+    else:
+        spec["handler"] = value
+    return spec
+
+
+FIELD_VALUES = {
+    "streamName": "orders{}x",
+    "subjectPrefix": "orders.in{}x",
+    "handlerReadyPath": "/ready{}x",
+    "handler": "http://127.0.0.1:8080/messages{}x",
+}
+
+
+@pytest.mark.parametrize("char", NOT_RE2_SPACE, ids=[f"U+{ord(c):04X}" for c in NOT_RE2_SPACE])
+@pytest.mark.parametrize("field", sorted(FIELD_VALUES))
+def test_what_is_no_whitespace_to_the_api_server_passes_the_model(field: str, char: str) -> None:
+    value = FIELD_VALUES[field].format(char)
+    crd_pattern = {
+        "streamName": STREAM_NAME_PATTERN,
+        "subjectPrefix": SUBJECT_PREFIX_PATTERN,
+        "handlerReadyPath": READY_PATH_PATTERN,
+        "handler": HANDLER_PATTERN,
+    }[field]
+    assert re.fullmatch(crd_pattern, value)
+    parse_spec(with_field(field, value))
+
+
+@pytest.mark.parametrize("char", RE2_SPACE, ids=[f"U+{ord(c):04X}" for c in RE2_SPACE])
+@pytest.mark.parametrize("field", sorted(FIELD_VALUES))
+def test_whitespace_to_the_api_server_is_refused_by_the_model(field: str, char: str) -> None:
+    with pytest.raises(SpecError):
+        parse_spec(with_field(field, FIELD_VALUES[field].format(char)))
+
+
+def test_a_subject_prefix_with_a_unicode_space_reaches_the_members_config() -> None:
+    """The members' configuration checks the prefix again (names.check_token): with the
+    same set, or pod_config would fail where the model passed."""
+    config = group_config(
+        "prod",
+        "orders",
+        parse_spec(with_field("subjectPrefix", "orders.in\u00a0x")),
+        nats_url="nats://n:4222",
+        etcd_endpoints="e:2379",
+    )
+    assert config.subject_prefix == "orders.in\u00a0x"
+
+
+@pytest.mark.parametrize("field", ["streamName", "subjectPrefix"])
+def test_empty_stream_name_and_subject_prefix_mean_the_default(field: str) -> None:
+    """As the CRD's descriptions say (the CRD's patterns refused "" before)."""
+    spec = parse_spec(with_field(field, ""))
+    config = group_config("prod", "orders", spec, nats_url="nats://n:4222", etcd_endpoints="e:2379")
+    assert (config.stream, config.subject_prefix) == ("shoal_prod_orders", "shoal.prod.orders")

@@ -36,7 +36,9 @@ def durable_name(partition: int) -> str:
 # -- subjects ------------------------------------------------------------------------------
 
 # A NATS subject token may not contain whitespace, "." or the wildcards.
-_TOKEN = re.compile(r"^[^\s.*>]+$")
+# Whitespace as the CRD's patterns (Go's RE2 `\s`) and shoal.contracts.spec.WHITESPACE
+# mean it: a prefix the API server and the spec model accept must pass here too.
+_TOKEN = re.compile(r"^[^\t\n\f\r .*>]+$")
 
 
 def check_token(value: str, what: str) -> str:

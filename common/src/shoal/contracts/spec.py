@@ -42,6 +42,13 @@ __all__ = [
     "parse_spec",
 ]
 
+# What the patterns below call whitespace: exactly what `\s` is to Go's RE2, with which the
+# API server checks the CRD's copies of them (tab, newline, form feed, carriage return,
+# space). Python's `\s` also matches the Unicode spaces (U+00A0, U+2003, ...) and \v: a
+# value the API server had stored would then fail this model, and the operator's status
+# timer and finalizer with it. Written out, both sides accept the same strings.
+WHITESPACE = r"\t\n\f\r "
+
 # A handler is a Python function in the image, `package.module:function`, or a service
 # that speaks HTTP, `http(s)://host[:port][/path]` (shoal.consumer.httphandler): a host
 # name or an IPv4 address or a bracketed IPv6 one, no user info, no fragment. The CRD has
@@ -49,7 +56,7 @@ __all__ = [
 PYTHON_HANDLER_PATTERN = r"[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*"
 URL_HANDLER_PATTERN = (
     r"https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?)(:[0-9]{1,5})?"
-    r"(/[^\s#]*)?"
+    rf"(/[^{WHITESPACE}#]*)?"
 )
 HANDLER_PATTERN = f"^({PYTHON_HANDLER_PATTERN}|{URL_HANDLER_PATTERN})$"
 HANDLER_MAX_LENGTH = 2048
@@ -58,7 +65,10 @@ HANDLER_WORDS = (
     "host, an optional port and a path, e.g. 'http://127.0.0.1:8080/messages'"
 )
 # spec.handlerReadyPath: a path on the HTTP handler's host, or empty (none).
-READY_PATH_PATTERN = r"^(/[^\s#]*)?$"
+READY_PATH_PATTERN = rf"^(/[^{WHITESPACE}#]*)?$"
+# spec.nats.stream.name and spec.nats.subjectPrefix; empty: the default.
+STREAM_NAME_PATTERN = rf"^([^.*>{WHITESPACE}/\\]+)?$"
+SUBJECT_PREFIX_PATTERN = rf"^([^.*>{WHITESPACE}]+(\.[^.*>{WHITESPACE}]+)*)?$"
 # spec.containers: at most this many (the CRD's maxItems; it also bounds its CEL rules).
 MAX_CONTAINERS = 16
 # A container name, as Kubernetes requires it (a DNS-1123 label).
@@ -107,7 +117,7 @@ class _Section(BaseModel):
 class StreamSpec(_Section):
     """The group's JetStream stream."""
 
-    name: str = Field("", pattern=r"^([^.*>\s/\\]+)?$")  # empty: shoal_<namespace>_<group>
+    name: str = Field("", pattern=STREAM_NAME_PATTERN)  # empty: shoal_<namespace>_<group>
     retention: Literal["workqueue", "limits", "interest"] = "workqueue"
     storage: Literal["file", "memory"] = "file"
     replicas: Int = Field(1, ge=1, le=5)
@@ -152,7 +162,7 @@ class NatsSpec(_Section):
     # A Secret with `ca.crt` (the servers' CA) and optionally `tls.crt` and `tls.key` (a
     # client certificate): TLS for the members and, for this group, the operator.
     tls_secret: str = ""
-    subject_prefix: str = Field("", pattern=r"^([^.*>\s]+(\.[^.*>\s]+)*)?$")
+    subject_prefix: str = Field("", pattern=SUBJECT_PREFIX_PATTERN)  # empty: shoal.<ns>.<group>
     stream: StreamSpec = StreamSpec()
     consumer: ConsumerSpec = ConsumerSpec()
 

@@ -41,14 +41,16 @@ class Kube:
         """Server-side apply: we own the fields we set, nothing else is touched."""
         await asyncio.to_thread(self._apply, obj)
 
-    async def deployment_status(self, namespace: str, name: str) -> dict[str, int]:
+    async def deployment_status(self, namespace: str, name: str) -> dict[str, int] | None:
+        """The Deployment's replicas and ready replicas; None if there is no such
+        Deployment (not made yet, or deleted: the status timer applies it again)."""
         try:
             dep = await asyncio.to_thread(
                 self.apps.read_namespaced_deployment_status, name, namespace
             )
         except ApiException as exc:
             if exc.status == 404:
-                return {"replicas": 0, "ready": 0}
+                return None
             raise
         st = dep.status
         return {"replicas": int(st.replicas or 0), "ready": int(st.ready_replicas or 0)}

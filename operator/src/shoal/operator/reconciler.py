@@ -9,18 +9,21 @@ Event for each new assignment generation, each change of replicas, each stall ep
 member NATS refuses (its problems/ key: Degraded with NatsAuthFailed / NatsTLSFailed).
 While the Deployment has pods that are not ready it also lists them: pods the scheduler
 refuses make MembersSchedulable False (the scheduler's message in it and in Ready's)
-with one MembersUnschedulable Warning per episode.
+with one MembersUnschedulable Warning per episode. What the operator made and someone
+removed the timer puts back: streams JetStream says are missing (StreamRecreated) and the
+Deployment (DeploymentRecreated); nothing else would, since no handler sees a change.
 Pause (spec.paused): the operator writes the group's `paused` etcd key (who, from the
 managed fields of the change, and when), which the members watch: no pod restarts.
 Reconcile writes or deletes it at once, the status timer keeps it following the spec;
 the Paused condition, the Status column (Progressing: Paused) and Paused/Resumed Events
 say so.
-Deletion: a finalizer clears the group's etcd prefix; the stream goes only with
-deletionPolicy Delete. A spec that passes the schema but cannot work (unreachable NATS,
-an unknown handler, a missing or unusable spec.etcd.tlsSecret or NATS Secret, NATS
-refusing the group's credentials or certificates) becomes Degraded with a
-Warning Event and is retried with backoff: a step of reconcile raises GroupProblem, and
-reconcile alone reports it.
+Deletion: a finalizer clears the group's etcd prefix; the streams go only with
+deletionPolicy Delete (retried for a bounded time when JetStream does not delete them,
+then left with a StreamsKept Warning naming them). A spec that passes the schema but
+cannot work (unreachable NATS, an unknown handler, a missing or unusable
+spec.etcd.tlsSecret or NATS Secret, NATS refusing the group's credentials or
+certificates) becomes Degraded with a Warning Event and is retried with backoff: a step
+of reconcile raises GroupProblem, and reconcile alone reports it.
 
 What all groups share is in the operator's memo, filled by the startup handler: settings,
 the Kubernetes client, etcd connections with the files of the groups' etcd Secrets
@@ -31,6 +34,8 @@ remembers is in its own memo (shoal.operator.state.GroupState).
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import os
 import time
@@ -38,6 +43,7 @@ from typing import Any
 
 import kopf
 from kubernetes.client.rest import ApiException
+from nats.js.errors import NotFoundError
 
 from shoal.clients.etcd import TRANSIENT_ERRORS, Etcd, EtcdUnavailable, describe
 from shoal.clients.nats import connect
@@ -272,12 +278,44 @@ async def apply_children(
     settings: OperatorSettings,
     secret_version: str | None,
     nats: NatsPodSecrets | None = None,
+    retry: int = 0,
 ) -> None:
     """Server-side apply the Deployment, RBAC and PDB, owned by the group so that
-    deleting it deletes them."""
+    deleting it deletes them.
+
+    GroupProblem ApplyFailed when the API server does not take one, with its own
+    message, which says what to fix: a spec the CRD accepts may still build an invalid
+    Deployment (two `env` entries of one name: 500 "duplicate entries for key" from the
+    server-side apply; a resources quantity like "banana": 4xx)."""
     for obj in children(name, namespace, spec_model(spec), settings, secret_version, nats):
         kopf.adopt(obj, owner=body)
-        await kube.apply(obj)
+        try:
+            await kube.apply(obj)
+        except ApiException as exc:
+            what = f"{obj['kind']} {obj['metadata']['name']}"
+            refused = exc.status is not None and 400 <= int(exc.status) < 500
+            message = f"{what} not applied: the API server answered {exc.status} {exc.reason}"
+            said = api_message(exc)
+            if said:
+                message += f": {said}"
+            # A 4xx stands until the spec changes (which reconciles at once): retry
+            # slowly. Anything else may pass on its own (though a server-side apply
+            # answers some invalid specs with 500 too).
+            delay = min(300, 30 * 2 ** min(retry, 3)) if refused else min(60, 5 * 2**retry)
+            raise GroupProblem("ApplyFailed", message[:2000], delay=delay) from exc
+
+
+def api_message(exc: ApiException) -> str:
+    """The `message` of the API server's Status answer (the body of an ApiException), or
+    its body as it came, shortened."""
+    body = exc.body.decode(errors="replace") if isinstance(exc.body, bytes) else exc.body
+    if not body:
+        return ""
+    try:
+        said = json.loads(body).get("message")
+    except (ValueError, AttributeError):
+        said = None
+    return str(said) if said else str(body)[:1000]
 
 
 async def ensure_jetstream(
@@ -327,7 +365,8 @@ async def reconcile(
 
     A step that finds the spec cannot work raises GroupProblem; this handler alone turns
     it into Degraded, a Warning Event and a retry after the problem's delay. Any other
-    exception is kopf's to retry.
+    exception is kopf's to retry, the group Degraded (ReconcileFailed) meanwhile. Only a
+    reconcile that succeeded sets status.observedGeneration (the status timer repeats it).
     """
     namespace = namespace or "default"  # ConsumerGroups are namespaced
     settings: OperatorSettings = memo.settings
@@ -357,7 +396,7 @@ async def reconcile(
         # 5. The children (Deployment, RBAC, PDB); the status timer compares later
         #    versions of the Secret with the one applied here.
         await apply_children(
-            memo.kube, body, name, namespace, model, settings, secret_version, nats
+            memo.kube, body, name, namespace, model, settings, secret_version, nats, retry
         )
         state.applied, state.secret_version, state.nats_secrets = True, secret_version, nats
         # 6. JetStream: the streams and the durables, with the group's NATS Secrets.
@@ -384,8 +423,26 @@ async def reconcile(
         )
         kopf.warn(body, reason=problem.reason, message=problem.message)
         raise kopf.TemporaryError(problem.message, delay=problem.delay) from problem
-    # 7. Done: whatever went wrong before is fixed.
+    except Exception as exc:
+        # Anything else is kopf's to retry (with its own backoff), but the group must not
+        # look healthy meanwhile: Degraded says it, and the status timer keeps saying it
+        # (state.problem) until a reconcile succeeds.
+        message = f"Reconcile failed: {type(exc).__name__}: {exc}"[:2000]
+        state.problem = ("ReconcileFailed", message)
+        patch.status["conditions"] = observe.degraded(
+            status.get("conditions", []),
+            "ReconcileFailed",
+            message,
+            int(meta.get("generation") or 0),
+            now(),
+        )
+        kopf.warn(body, reason="ReconcileFailed", message=message)
+        raise
+    # 7. Done: whatever went wrong before is fixed, and this generation is applied: the
+    #    status timer writes no later one into observedGeneration.
     state.problem = None
+    state.reconciled_generation = int(meta.get("generation") or 0)
+    patch.status["observedGeneration"] = state.reconciled_generation
     kopf.info(
         body,
         reason="Reconciled",
@@ -549,15 +606,21 @@ async def observe_group(
     model = spec_model(spec)
     config = pod_config(name, namespace, model, settings)
     deployment = resource_names(name)["deployment"]
+    deployment_problem: tuple[str, str] | None = None
     dep = replica_counts(group_deployments, namespace, deployment)
     if dep is None:  # not seen by the watch (yet): ask
-        dep = await memo.kube.deployment_status(namespace, deployment)
+        found = await memo.kube.deployment_status(namespace, deployment)
+        if found is None:
+            deployment_problem = await _reapply_deleted_deployment(
+                memo, body, meta, name, namespace, model
+            )
+        dep = found or {"replicas": 0, "ready": 0}
     unschedulable, pods_unread = await _member_pods(
         memo, body, status, namespace, name, dep, model.replicas
     )
-    problem: tuple[str, str] | None = None
     members: dict[str, int] = {}
     leader, generation_seen, unowned, unclaimed = None, 0, config.partitions, config.partitions
+    problem: tuple[str, str] | None = None
     moving = 0
     stalled: tuple[tuple[int, str], ...] = ()
     refused: tuple[tuple[str, str, str], ...] = ()
@@ -585,6 +648,8 @@ async def observe_group(
     except Exception as exc:
         problem = ("EtcdUnavailable", f"etcd at {config.etcd_endpoints} unavailable: {exc}")
     etcd_ok = problem is None
+    # A Deployment that could not be applied again says so (above), after etcd's problems.
+    problem = problem or deployment_problem
     # A problem the last reconcile found (a handler, a stream change) stands until fixed.
     problem = problem or memo.group.problem
     lag: int | None = None
@@ -594,6 +659,14 @@ async def observe_group(
         nc = await _nats(memo, config, model.nats, attempts=1)
         nats_ok = True
         js = nc.jetstream()
+        missing = await _missing_streams(js, config)
+        if missing:
+            # NATS answers, and says the streams are gone: put them back (with backoff),
+            # whatever else is wrong (an etcd outage must not keep them gone).
+            recreating = await _recreate_streams(memo, body, config, model, missing)
+            problem = problem or recreating
+        else:
+            _streams_present(memo)
         info = await js.stream_info(config.stream)
         lag = int(info.state.messages) if config.retention == "workqueue" else None
         dead_letters = await _dead_letters(js, config)
@@ -634,6 +707,12 @@ async def observe_group(
         pods_unread=pods_unread,
     )
     new = observe.status(observed, old.get("conditions", []), now())
+    # observedGeneration: the generation a reconcile applied, not merely the one seen
+    # (until then, the status keeps what it had).
+    if memo.group.reconciled_generation is None:
+        del new["observedGeneration"]
+    else:
+        new["observedGeneration"] = memo.group.reconciled_generation
     if generation_seen and generation_seen != old.get("assignmentGeneration"):
         new["lastRebalanceTime"] = now()
         kopf.info(
@@ -647,6 +726,116 @@ async def observe_group(
     # idle groups (bench/groups.py).
     for key, value in observe.status_changes(old, new).items():
         patch.status[key] = value
+
+
+async def _reapply_deleted_deployment(
+    memo: OperatorMemo,
+    body: kopf.Body,
+    meta: Any,
+    name: str,
+    namespace: str,
+    model: ConsumerGroupSpec,
+) -> tuple[str, str] | None:
+    """The group's Deployment is gone although this process applied it (someone ran
+    `kubectl delete deploy`): apply the children again, with the Secrets' versions last
+    applied, and post one Warning. Nothing runs the reconcile handlers for it (the
+    ConsumerGroup did not change), so without this the group would have no pods until its
+    spec changed. Left alone: a group this process has not applied (the resume handler
+    will), one whose last reconcile failed (that reconcile retries, and its spec may be
+    what cannot work) and one being deleted (its finalizer removed the Deployment).
+    Returns a Degraded (reason, message) if the apply failed."""
+    state = memo.group
+    if not state.applied or state.problem is not None or meta.get("deletionTimestamp"):
+        return None
+    deployment = resource_names(name)["deployment"]
+    try:
+        await apply_children(
+            memo.kube,
+            body,
+            name,
+            namespace,
+            model,
+            memo.settings,
+            state.secret_version,
+            state.nats_secrets,
+        )
+    except Exception as exc:  # the next observation tries again
+        message = f"Deployment {deployment} is missing and could not be applied again: {exc}"
+        log.warning("Group %s/%s: %s", namespace, name, message)
+        return "DeploymentMissing", message[:1000]
+    message = (
+        f"Deployment {deployment} was deleted while the group exists: applied again "
+        f"with {model.replicas} replicas"
+    )
+    log.warning("Group %s/%s: %s", namespace, name, message)
+    kopf.warn(body, reason="DeploymentRecreated", message=message)
+    return None
+
+
+async def _missing_streams(js: Any, config: GroupConfig) -> list[str]:
+    """The group's streams JetStream says do not exist (STREAM.INFO answered "not
+    found"), in ensure_group's order. Any other error raises: NATS is not answering, and
+    nothing can be said about the streams."""
+    streams = [config.stream, config.dlq_stream, config.log_stream]
+    if config.ledger:
+        streams.append(config.ledger_stream)
+
+    async def missing(stream: str) -> bool:
+        try:
+            await js.stream_info(stream)
+        except NotFoundError:
+            return True
+        return False
+
+    found = await asyncio.gather(*(missing(stream) for stream in streams))
+    return [stream for stream, gone in zip(streams, found, strict=True) if gone]
+
+
+def _streams_present(memo: OperatorMemo) -> None:
+    state = memo.group
+    state.streams_retry, state.streams_next_try, state.streams_problem = 0, 0.0, None
+
+
+async def _recreate_streams(
+    memo: OperatorMemo,
+    body: kopf.Body,
+    config: GroupConfig,
+    model: ConsumerGroupSpec,
+    missing: list[str],
+) -> tuple[str, str] | None:
+    """Some of the group's streams are gone while NATS answers (`nats stream rm`, or a
+    `storage: memory` stream lost with its server's restart): run the JetStream step of
+    reconcile again, which creates the streams and the durables. Only the reconcile
+    handlers ran it before, on changes of the ConsumerGroup; the members wait for the
+    operator to do it (partition.py). One Warning Event per recreation, saying the
+    messages are gone; a failure is retried with backoff and is the Degraded problem
+    returned (also at the observations between two attempts). Left alone while the
+    group's last reconcile failed or this process has not reconciled it: that reconcile
+    runs the step itself, with its own backoff."""
+    state = memo.group
+    if not state.applied or state.problem is not None:
+        return None
+    names = ", ".join(missing)
+    if time.monotonic() < state.streams_next_try:
+        return state.streams_problem
+    try:
+        await ensure_jetstream(memo, config, state.streams_retry, model.nats)
+    except GroupProblem as failed:
+        state.streams_retry += 1
+        state.streams_next_try = time.monotonic() + min(failed.delay, 60.0)
+        message = f"stream(s) {names} missing; recreating them failed: {failed.message}"
+        state.streams_problem = (failed.reason, message)
+        log.warning("Group %s/%s: %s", config.namespace, config.group, message)
+        return state.streams_problem
+    _streams_present(memo)
+    message = (
+        f"stream(s) {names} were missing (deleted, or lost with a restart of a NATS server "
+        f"that kept them in memory): recreated, with the durables of {config.partitions} "
+        "partitions; the messages they held are gone"
+    )
+    log.warning("Group %s/%s: %s", config.namespace, config.group, message)
+    kopf.warn(body, reason="StreamRecreated", message=message)
+    return None
 
 
 async def _member_pods(
@@ -915,6 +1104,60 @@ def _etcd_unreachable_on_delete(
     raise kopf.TemporaryError(message, delay=30) from exc
 
 
+def _streams_not_deleted(
+    memo: OperatorMemo,
+    body: kopf.Body,
+    status: kopf.Status,
+    patch: kopf.Patch,
+    meta: kopf.Meta,
+    nats_url: str,
+    streams: list[str],
+    exc: BaseException,
+) -> None:
+    """Deleting a group with deletionPolicy Delete, its streams could not be deleted (NATS
+    unreachable, or refusing): retry for a bounded time, saying so in status (Degraded,
+    StreamsNotDeleted) and in one Warning Event, then let the group go and leave the
+    streams (a StreamsKept Warning names them, and how to delete them by hand).
+
+    Bounded, unlike an unreachable etcd with Delete: the streams are outside the cluster
+    and can be deleted by hand at any time, while a finalizer that never ends blocks the
+    namespace's deletion with it. Returns once the time is up (the caller lets the
+    finalizer go); raises kopf.TemporaryError before.
+    """
+    state = memo.group
+    timeout = float(memo.settings.delete_nats_timeout_seconds)
+    names = ", ".join(streams)
+    if state.delete_streams_failing_since is None:
+        state.delete_streams_failing_since = time.monotonic()
+        kopf.warn(
+            body,
+            reason="StreamsNotDeleted",
+            message=f"Deleting: stream(s) {names} not deleted (JetStream at {nats_url}: "
+            f"{exc!r}); retrying for {timeout:.0f} s, then they are left in place",
+        )
+    waited = time.monotonic() - state.delete_streams_failing_since
+    if waited < timeout:
+        message = (
+            f"Deleting: stream(s) {names} not deleted for {waited:.0f} s (JetStream at "
+            f"{nats_url}: {exc!r}); retrying"
+        )
+        patch.status["conditions"] = observe.degraded(
+            status.get("conditions", []),
+            "StreamsNotDeleted",
+            message,
+            int(meta.get("generation") or 0),
+            now(),
+        )
+        raise kopf.TemporaryError(message, delay=min(10.0, max(1.0, timeout - waited))) from exc
+    message = (
+        f"stream(s) {names} could not be deleted for {waited:.0f} s (JetStream at "
+        f"{nats_url}: {exc!r}); deletionPolicy Delete, but they are left in place: "
+        "delete them by hand (nats stream rm) once NATS lets you"
+    )
+    kopf.warn(body, reason="StreamsKept", message=message)
+    log.warning("Group %s: %s", body.get("metadata", {}).get("name"), message)
+
+
 @kopf.on.delete(API_GROUP, API_VERSION, PLURAL)
 async def delete(
     name: str,
@@ -961,6 +1204,7 @@ async def delete(
             memo, body, status, patch, meta, model, config.etcd_endpoints, prefix, exc
         )
     if model.deletion_policy == "Delete":
+        streams = [config.stream, config.dlq_stream, config.log_stream, config.ledger_stream]
         try:
             nc = await _nats(memo, config, model.nats, attempts=2, stale_ok=True)
         except NatsSecretProblem as exc:
@@ -969,17 +1213,34 @@ async def delete(
             message = f"{exc.message}: the group's streams are left in place"
             kopf.warn(body, reason="StreamsKept", message=message)
             return
+        except Exception as exc:  # NATS unreachable: as a refused delete, below
+            _streams_not_deleted(memo, body, status, patch, meta, config.nats_url, streams, exc)
+            return
+        if not nc.is_connected:
+            # A kept connection that is reconnecting buffers what is published meanwhile
+            # and sends it once NATS is back: a STREAM.DELETE timed out here would then
+            # delete the streams later, after StreamsKept said they were left in place
+            # (seen in e2e/test_operator_delete.py). Send nothing until it is connected.
+            gone = ConnectionError("not connected: reconnecting")
+            _streams_not_deleted(memo, body, status, patch, meta, config.nats_url, streams, gone)
+            return
         js = nc.jetstream()
-        for stream in (
-            config.stream,
-            config.dlq_stream,
-            config.log_stream,
-            config.ledger_stream,
-        ):
+        failed: list[str] = []
+        error: BaseException | None = None
+        for stream in streams:
             try:
                 await js.delete_stream(stream)
+            except NotFoundError:
+                pass  # already gone, or never made (the ledger stream is optional)
             except Exception as exc:
-                log.debug("Stream %s not deleted: %r", stream, exc)
+                # Anything else (a timeout, NATS away, a permission refused) left the
+                # stream in place: deletionPolicy Delete promised it gone.
+                log.warning("Stream %s not deleted: %r", stream, exc)
+                failed.append(stream)
+                error = exc
+        if error is not None:
+            _streams_not_deleted(memo, body, status, patch, meta, config.nats_url, failed, error)
+            return
         log.info("Deleted group %s/%s with its streams", namespace, name)
     else:
         log.info(

@@ -26,6 +26,7 @@ ENV_FIELDS: dict[str, str] = {
     "SHOAL_DRAIN_TIMEOUT": "drain_timeout_seconds",
     "SHOAL_CONSUMER_METRICS_PORT": "consumer_metrics_port",
     "SHOAL_DELETE_ETCD_TIMEOUT": "delete_etcd_timeout_seconds",
+    "SHOAL_DELETE_NATS_TIMEOUT": "delete_nats_timeout_seconds",
     # The operator's own NATS TLS and credentials (the chart's nats.tlsSecret and
     # nats.credentialsSecret), for groups that name no Secrets of their own: the same
     # variables a member reads.
@@ -59,6 +60,10 @@ class OperatorSettings(BaseModel):
     # before its deletionPolicy decides: Retain leaves the keys and lets the group go,
     # Delete keeps waiting for etcd (and says so in status and Events).
     delete_etcd_timeout_seconds: float = Field(120.0, gt=0)
+    # How long deleting a group with deletionPolicy Delete retries deleting its streams
+    # (NATS unreachable or refusing) before it lets the group go and leaves them (a
+    # StreamsKept Warning names them).
+    delete_nats_timeout_seconds: float = Field(120.0, gt=0)
     # Empty: watch the whole cluster.
     watch_namespaces: list[str] = Field(default_factory=list)
     # The operator's own NATS TLS and credentials (files in its pod); unset: plain and

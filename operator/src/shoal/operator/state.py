@@ -30,6 +30,9 @@ class GroupState:
     # (reason, message) of the last failed reconcile. The status timer sees only etcd and
     # NATS, so it reports this as Degraded until a reconcile succeeds.
     problem: tuple[str, str] | None = None
+    # The generation of the spec the last successful reconcile applied (None: none in this
+    # process yet). status.observedGeneration says this one, never a spec not applied.
+    reconciled_generation: int | None = None
     # Whether this process has applied the group's children: until then the status timer
     # leaves a rotated etcd Secret to the resume handler, which applies it anyway.
     applied: bool = False
@@ -43,6 +46,9 @@ class GroupState:
     # etcd was unreachable, and whether the deletionPolicy's decision was announced.
     delete_etcd_failing_since: float | None = None
     delete_etcd_decided: bool = False
+    # Deleting the group with deletionPolicy Delete: when (monotonic) deleting its streams
+    # first failed (NATS unreachable or refusing); retried for a bounded time.
+    delete_streams_failing_since: float | None = None
     # Whether the group's etcd had its NOSPACE alarm raised at the last observation (an
     # Event is posted when it is raised and when it is cleared, not every observation).
     etcd_no_space: bool = False
@@ -66,6 +72,13 @@ class GroupState:
     # What the members report between two observations (started by the status timer,
     # stopped when the group is deleted).
     stall_watch: StallWatch | None = None
+    # Recreating the group's streams after the status timer found some missing (deleted,
+    # or lost with a memory-storage server's restart): the failed attempts in a row, when
+    # (monotonic) the next may start, and what the last failure was (status says it while
+    # the streams are still missing).
+    streams_retry: int = 0
+    streams_next_try: float = 0.0
+    streams_problem: tuple[str, str] | None = None
 
 
 class OperatorMemo:
