@@ -59,7 +59,6 @@ from shoal.contracts.names import (
 from shoal.contracts.spec import ConsumerGroupSpec, NatsSpec, SpecError, parse_spec
 from shoal.contracts.values import PauseRecord, ScaleRecord
 from shoal.group.config import GroupConfig
-from shoal.group.deadletters import dead_letter_count
 from shoal.group.handlerref import HandlerError, import_handler, is_url_handler
 from shoal.group.jetstream import StreamConfigConflict, ensure_group, partition_list
 from shoal.group.pause import RESET_SOURCE, pause_group, read_pause, resume_group
@@ -659,7 +658,8 @@ async def observe_group(
         nc = await _nats(memo, config, model.nats, attempts=1)
         nats_ok = True
         js = nc.jetstream()
-        missing = await _missing_streams(js, config)
+        infos = await _stream_infos(js, config)
+        missing = [stream for stream, info in infos.items() if info is None]
         if missing:
             # NATS answers, and says the streams are gone: put them back (with backoff),
             # whatever else is wrong (an etcd outage must not keep them gone).
@@ -667,9 +667,10 @@ async def observe_group(
             problem = problem or recreating
         else:
             _streams_present(memo)
-        info = await js.stream_info(config.stream)
+        info = infos[config.stream] or await js.stream_info(config.stream)
         lag = int(info.state.messages) if config.retention == "workqueue" else None
-        dead_letters = await _dead_letters(js, config)
+        dlq = infos[config.dlq_stream]
+        dead_letters = int(dlq.state.messages) if dlq is not None else None
     except NatsSecretProblem as exc:
         problem = problem or (exc.reason, exc.message)
     except Exception as exc:
@@ -772,23 +773,23 @@ async def _reapply_deleted_deployment(
     return None
 
 
-async def _missing_streams(js: Any, config: GroupConfig) -> list[str]:
-    """The group's streams JetStream says do not exist (STREAM.INFO answered "not
-    found"), in ensure_group's order. Any other error raises: NATS is not answering, and
-    nothing can be said about the streams."""
+async def _stream_infos(js: Any, config: GroupConfig) -> dict[str, Any | None]:
+    """The info of each of the group's streams, in ensure_group's order; None for one
+    JetStream says does not exist (STREAM.INFO answered "not found"). Any other error
+    raises: NATS is not answering, and nothing can be said about the streams. (One
+    request a stream per tick; the status reads its lag and dead letters from these.)"""
     streams = [config.stream, config.dlq_stream, config.log_stream]
     if config.ledger:
         streams.append(config.ledger_stream)
 
-    async def missing(stream: str) -> bool:
+    async def info(stream: str) -> Any | None:
         try:
-            await js.stream_info(stream)
+            return await js.stream_info(stream)
         except NotFoundError:
-            return True
-        return False
+            return None
 
-    found = await asyncio.gather(*(missing(stream) for stream in streams))
-    return [stream for stream, gone in zip(streams, found, strict=True) if gone]
+    found = await asyncio.gather(*(info(stream) for stream in streams))
+    return dict(zip(streams, found, strict=True))
 
 
 def _streams_present(memo: OperatorMemo) -> None:
@@ -895,16 +896,6 @@ def _report_unschedulable(
     if found is not None and not was:
         kopf.warn(body, reason=scheduling.EVENT_REASON, message=found.message())
     state.unschedulable = found is not None
-
-
-async def _dead_letters(js: Any, config: GroupConfig) -> int | None:
-    """status.deadLetters: one STREAM.INFO of the group's dead-letter stream per tick (a
-    best effort: status only; None leaves the last value standing)."""
-    try:
-        return await dead_letter_count(js, config)
-    except Exception as exc:
-        log.debug("Dead-letter count of %s unavailable: %r", config.dlq_stream, exc)
-        return None
 
 
 async def _read_group(
