@@ -373,7 +373,7 @@ def test_a_custom_image_may_carry_handlers_the_operator_cannot_import() -> None:
 
 
 @pytest.mark.parametrize(
-    ("retry", "delay"), [(0, 10), (1, 20), (2, 40), (3, 80), (4, 160), (5, 300), (9, 300)]
+    ("retry", "delay"), [(0, 10), (1, 20), (2, 40), (3, 60), (4, 60), (5, 60), (9, 60)]
 )
 def test_an_unknown_handler_is_handler_invalid_with_backoff(retry: int, delay: int) -> None:
     with pytest.raises(GroupProblem) as caught:
@@ -470,7 +470,7 @@ async def test_a_stream_conflict_is_retried_after_a_minute(
 
 
 @pytest.mark.parametrize(
-    ("retry", "delay"), [(0, 5), (1, 10), (2, 20), (5, 160), (6, 300), (10, 300)]
+    ("retry", "delay"), [(0, 5), (1, 10), (2, 20), (3, 40), (4, 60), (6, 60), (10, 60)]
 )
 async def test_unreachable_nats_is_nats_unavailable_with_backoff(
     world: World, nats_memo: OperatorMemo, retry: int, delay: int

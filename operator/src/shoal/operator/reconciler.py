@@ -168,15 +168,22 @@ async def alive(**_: Any) -> str:
     return "ok"
 
 
+# The longest a failed reconcile waits before it tries again. kopf keeps a handler's
+# retry delay across later changes of the object (the same handler, the same purpose),
+# so a longer one also held back every spec change made meanwhile: `kubectl scale cg`,
+# the autoscaler's decisions, the fix for the very problem reported, for up to 5 minutes.
+MAX_RETRY_DELAY = 60
+
+
 class GroupProblem(Exception):
     """A group's spec cannot work now: the Degraded reason (CamelCase), a message for
-    people, and how long to wait before trying again (seconds)."""
+    people, and how long to wait before trying again (seconds, at most MAX_RETRY_DELAY)."""
 
     def __init__(self, reason: str, message: str, delay: float) -> None:
         super().__init__(message)
         self.reason = reason
         self.message = message
-        self.delay = delay
+        self.delay = min(delay, MAX_RETRY_DELAY)
 
 
 async def _nats(
