@@ -30,6 +30,7 @@ from shoal.clients.etcd import Etcd
 from shoal.consumer.ledger import audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.contracts.names import SEQ_HEADER, partition_for
+from shoal.contracts.values import TargetValue
 from shoal.group.config import config_env
 from shoal.group.jetstream import ensure_group
 
@@ -168,3 +169,74 @@ async def test_a_backlog_given_back_twice_runs_in_stream_order(
     assert set(by_member) == {"m-0", "m-1", "m-2"}, by_member  # the backlog did move twice
     assert not result.lost
     assert result.out_of_order == [], result.out_of_order
+
+
+async def test_a_partition_moved_while_its_takeover_waits_keeps_project_order(
+    make_fleet: Callable[..., Fleet], etcd: Etcd, js: Any, make_config: Any
+) -> None:
+    """Strict. m-0 dies holding a project's messages; the partition's next owner holds
+    the newer ones, waiting for m-0's deliveries to come back (after ack_wait), and the
+    partition moves on before they do. The third owner must wait for those deliveries
+    too. Before, the second gave back what it held and wrote an orderly hand-over record
+    listing only that: the third took it for orderly, ran the newer messages at once,
+    and m-0's earlier ones after them (inversions)."""
+    config = make_config(
+        handler=HANDLER,
+        partitions=PARTITIONS,
+        ack_wait=ACK_WAIT,
+        lease_ttl=LEASE_TTL,
+        keepalive_interval=1.0,
+        order_after_failure="Strict",
+    )
+    await ensure_group(js, config)
+    fleet = make_fleet(handler=HANDLER, partitions=PARTITIONS)
+    members = ("m-0", "m-1", "m-2")
+    for member in members:
+        fleet.start(member, **config_env(config, SETTINGS), SHOAL_KEEPALIVE_INTERVAL="1.0")
+    status = await wait_for_status(
+        etcd, config.namespace, config.group, PARTITIONS, settled(set(members)), 30
+    )
+    victim = min(p for p, m in status.owners.items() if m == "m-0")
+    project = next(
+        f"moved-{i}" for i in range(1000) if partition_for(f"moved-{i}", PARTITIONS) == victim
+    )
+
+    def message(i: int) -> Outgoing:
+        return Outgoing(project, b"wait:100", f"{project}-{i}", {SEQ_HEADER: str(i)})
+
+    producer = Producer(js, config.subject_prefix, PARTITIONS)
+    first = [message(i) for i in range(30)]
+    await producer.publish_many(first)
+    ids = set(message_ids(first))
+
+    async def recorded() -> set[str]:
+        return {r.message_id for r in await read_ledger(js, config.ledger_stream)} & ids
+
+    await eventually_async(recorded, 30, "m-0 to start on the project", until=lambda s: len(s) >= 3)
+    fleet.kill("m-0")
+    later = [message(i) for i in range(30, 50)]
+    await producer.publish_many(later)
+    ids |= set(message_ids(later))
+    # The next owner claims it (its gate closed: m-0's deliveries run their ack_wait)...
+    taken = await wait_for_status(
+        etcd,
+        config.namespace,
+        config.group,
+        PARTITIONS,
+        lambda s: s.claims.get(victim) in ("m-1", "m-2"),
+        LEASE_TTL + 10,
+    )
+    second = taken.claims[victim]
+    third = "m-2" if second == "m-1" else "m-1"
+    # ...and it moves on at once (as a leader's rebalance would move it).
+    target = TargetValue(
+        owner=third, generation=taken.generation + 1, epoch=taken.epoch or 0, ts=time.time()
+    )
+    await etcd.put(config.keys.partition(victim), target.to_json())
+    await eventually_async(
+        recorded, 60, "every message processed", until=lambda s: s == ids, interval=0.5
+    )
+    records = [r for r in await read_ledger(js, config.ledger_stream) if r.message_id in ids]
+    result = audit(records, ids)
+    assert not result.lost
+    assert result.out_of_order == [], (second, third, result.out_of_order)

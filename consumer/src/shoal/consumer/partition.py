@@ -220,6 +220,10 @@ class PartitionRunner:
         # Taken over with earlier deliveries outstanding: what arrives waits here until
         # they are back (takeover.py); None otherwise, and once it has opened.
         self.gate: Gate | None = None
+        # A counting gate (earlier deliveries we do not know by sequence) was closed
+        # before it opened: until a gate opens, or the durable shows none outstanding,
+        # a hand-over of ours is not orderly (_give_back).
+        self._earlier_unknown = False
         self.dozing = False  # DOZING
         self.roused = False
         self._naked = False  # a message was naked since the last check before dozing
@@ -811,7 +815,9 @@ class PartitionRunner:
         self.gate = Gate.for_durable(
             int(info.num_ack_pending or 0), int(info.delivered.stream_seq or 0), w.config.ack_wait
         )
-        if self.gate is not None:
+        if self.gate is None:
+            self._earlier_unknown = False  # nothing outstanding elsewhere
+        else:
             log.debug(
                 "Partition %d: %d earlier deliveries outstanding (up to sequence %d); "
                 "holding newer messages until they are back",
@@ -858,6 +864,7 @@ class PartitionRunner:
         gate, self.gate = self.gate, None
         if gate is None:
             return
+        self._earlier_unknown = False
         now = time.monotonic()
         w = self.worker
         waited = now - gate.started
@@ -882,6 +889,12 @@ class PartitionRunner:
         gate, self.gate = self.gate, None
         if gate is None:
             return
+        if gate.missing() is None:
+            # It waited for earlier deliveries it knows only by number: what we give
+            # back is not all that is outstanding, so our successor must wait for the
+            # durable's deliveries as we did, not take the hand-over for orderly (it
+            # would run the given-back messages before the earlier ones come back).
+            self._earlier_unknown = True
         held = gate.release()
         self.worker.buffered -= len(held)
         if not self.fenced:
@@ -1055,7 +1068,8 @@ class PartitionRunner:
         w = self.worker
         # Credits we were handed and never used (messages not delivered to us) still hold.
         handback = dict(self.credits)
-        self.handback = handback
+        # (None: not orderly, see _close_gate; what is unstarted is given back all the same.)
+        self.handback = None if self._earlier_unknown else handback
         if not unstarted:
             return
         if not w.nats_reachable():
