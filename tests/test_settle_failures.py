@@ -6,7 +6,9 @@ Real nats-server, etcd and a member process running harness.handlers:scripted_le
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,8 +24,10 @@ from shoal.contracts.names import (
     dlq_subjects,
     partition_for,
 )
+from shoal.contracts.values import PauseRecord
 from shoal.group.config import config_env
 from shoal.group.jetstream import ensure_group
+from shoal.group.pause import pause_group, resume_group
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -240,3 +244,51 @@ async def test_a_handler_that_turns_its_timeout_into_an_error_leaves_the_lane_wo
 
 async def dead_letter_count(js: Any, stream: str) -> int:
     return int((await js.stream_info(stream)).state.messages)
+
+
+async def test_a_message_whose_settling_failed_is_not_run_again_after_a_pause(
+    make_fleet: Callable[..., Fleet],
+    etcd: Etcd,
+    js: Any,
+    make_config: Any,
+    tmp_path: Path,
+) -> None:
+    """Its handler ran and decided (a permanent error: dead-letter it), but the dead
+    letter could not be stored (the stream deleted), so the message waits at the head of
+    its project for a retry of just that. The group is paused meanwhile, once the stream
+    is back: the member settles it then, instead of giving it back with the unstarted
+    messages; given back, it ran again after the resume (a second run of a handler
+    whose outcome was already decided)."""
+    config = make_config(handler=HANDLER, partitions=PARTITIONS)
+    await ensure_group(js, config)
+    fleet = make_fleet(
+        handler=HANDLER, partitions=PARTITIONS, env={"SHOAL_TEST_STATE_DIR": str(tmp_path)}
+    )
+    fleet.start("m-0", **config_env(config, SETTINGS))
+    await wait_for_status(
+        etcd, config.namespace, config.group, config.partitions, settled({"m-0"}), 30
+    )
+    await js.delete_stream(config.dlq_stream)
+    item = Outgoing("decided", b"permanent-runs:5", "decided-0", {SEQ_HEADER: "0"})
+    await Producer(js, config.subject_prefix, config.partitions).publish_many([item])
+    runs = tmp_path / "decided-0.runs"
+    await eventually_async(lambda: asyncio.to_thread(runs.exists), 20, "the handler's run")
+    # Its dead letter fails now, then again 0.5, 1.5 and 3.5 s later (then 7.5 s).
+    await eventually_async(
+        lambda: asyncio.to_thread(fleet.members["m-0"].log_text),
+        20,
+        "the dead letter to fail",
+        until=lambda log: "Could not dead-letter message" in log,
+    )
+    await asyncio.sleep(4.0)
+    await ensure_group(js, config)  # the dead-letter stream is back
+    record = PauseRecord(by="test", time=time.time(), source="test", reason="maintenance")
+    assert await pause_group(etcd, config.keys, record) is None
+    await asyncio.sleep(2.0)
+    await resume_group(etcd, config.keys)
+    await eventually_async(
+        lambda: dead_letter_count(js, config.dlq_stream), 20, "the dead letter", until=bool
+    )
+    await asyncio.sleep(2.0)  # a redelivery, had it been given back, would have run by now
+    assert len(runs.read_text().splitlines()) == 1, "the handler ran again"
+    assert await dead_letter_count(js, config.dlq_stream) == 1

@@ -38,7 +38,7 @@ from nats.js.errors import APIError, NotFoundError
 
 from shoal.clients.natsclient import Delivery
 from shoal.consumer.alarm import Alarm
-from shoal.consumer.dispatch import NAKED, Held, ProjectQueue
+from shoal.consumer.dispatch import NAKED, SETTLED, Held, ProjectQueue
 from shoal.consumer.handlers import Fenced
 from shoal.consumer.holding import PARTITION_HOLD_SECONDS, HoldBudget
 from shoal.consumer.progress import Progress
@@ -922,6 +922,7 @@ class PartitionRunner:
             # A message of a request we gave up on (its end status lost) may still come.
             # (Every other request has ended: nothing more can come for it.)
             await asyncio.sleep(0.02)
+        await self._settle_decided()
         drained_at = time.monotonic()
         self._enter(Phase.GIVING_BACK)
         unstarted = self._unstarted(drained_at)
@@ -933,6 +934,24 @@ class PartitionRunner:
             len(unstarted),
             1000 * (time.monotonic() - drained_at),
         )
+
+    async def _settle_decided(self) -> None:
+        """Messages whose handler ran (or whose dead letter was decided) but whose ack or
+        termination failed wait at the head of their project for a retry of just that.
+        Given back, they would run again on the next owner: settle them now, once; only
+        what still fails is given back (at-least-once, as before)."""
+        w = self.worker
+        if not w.nats_reachable():
+            return  # it would only time out: they come back after ack_wait, as before
+        for queue in list(self.projects.values()):
+            if not queue.pending or queue.running:
+                continue
+            held = queue.pending[0]
+            if held.verdict is None or held.verdict[0] is NAKED:
+                continue  # never ran (a nak is what giving back does anyway)
+            if await w.settle(self, held) is SETTLED:
+                queue.pending.popleft()
+                self.settled(held)
 
     def _unstarted(self, now: float) -> list[Held]:
         """What was fetched and not started, in stream order: held in the projects'
@@ -997,6 +1016,7 @@ class PartitionRunner:
             await self.sleep_until_woken(1.0)
         if self.letting_go:
             return  # let go meanwhile: its hand-over gives back everything, in order
+        await self._settle_decided()
         given = await self._give_back_paused()
         self._enter(Phase.PAUSED)
         w.partition_paused()

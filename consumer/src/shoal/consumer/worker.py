@@ -312,7 +312,7 @@ class Worker:
                 held.started = 0.0
                 held.timed_out = False
                 self.tally.observe_handler(time.perf_counter() - started)
-        return await self._settle(runner, held)
+        return await self.settle(runner, held)
 
     async def _watch_handlers(self) -> None:
         """Cancel handlers that run past handler_timeout: each such run is a failed
@@ -382,7 +382,7 @@ class Worker:
         runner.retry_until = max(runner.retry_until, time.monotonic() + delay)
         return delay
 
-    async def _settle(self, runner: PartitionRunner, held: Held) -> Outcome | float:
+    async def settle(self, runner: PartitionRunner, held: Held) -> Outcome | float:
         """Carry out the message's verdict: ack, dead-letter or nak it.
 
         If that fails (NATS away and its reconnect buffer full, the dead-letter stream
