@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -31,7 +32,7 @@ from shoal.consumer.ledger import audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.contracts.names import SEQ_HEADER, partition_for
 from shoal.contracts.values import TargetValue
-from shoal.group.config import config_env
+from shoal.group.config import GroupConfig, config_env
 from shoal.group.jetstream import ensure_group
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -43,10 +44,32 @@ LEASE_TTL = 4
 SETTINGS = ("handler", "partitions", "ledger", "ack_wait", "lease_ttl", "order_after_failure")
 
 
-@pytest.mark.parametrize("order", ["Strict", "Fast"])
-async def test_the_next_owner_of_a_dead_members_partition_keeps_project_order(
-    order: str, make_fleet: Callable[..., Fleet], etcd: Etcd, js: Any, make_config: Any
-) -> None:
+@dataclass
+class Killed:
+    """A group whose m-0 was killed holding one project's messages (kill_holding)."""
+
+    config: GroupConfig
+    fleet: Fleet
+    victim: int  # m-0's partition of the project
+    ids: set[str]  # every message of the project: 30 before the kill, 20 after
+    killed: float  # monotonic
+
+    async def recorded(self, js: Any) -> set[str]:
+        ledger = await read_ledger(js, self.config.ledger_stream)
+        return {r.message_id for r in ledger if r.message_id} & self.ids
+
+
+async def kill_holding(
+    members: tuple[str, ...],
+    order: str,
+    make_fleet: Callable[..., Fleet],
+    etcd: Etcd,
+    js: Any,
+    make_config: Any,
+) -> Killed:
+    """Start `members` (m-0 among them); publish 30 messages of one project of m-0's; once
+    m-0 has run a few (100 ms each) and holds the rest, delivered and unacknowledged,
+    kill it (-9) and publish 20 more."""
     config = make_config(
         handler=HANDLER,
         partitions=PARTITIONS,
@@ -57,10 +80,10 @@ async def test_the_next_owner_of_a_dead_members_partition_keeps_project_order(
     )
     await ensure_group(js, config)
     fleet = make_fleet(handler=HANDLER, partitions=PARTITIONS)
-    for member in ("m-0", "m-1"):
+    for member in members:
         fleet.start(member, **config_env(config, SETTINGS), SHOAL_KEEPALIVE_INTERVAL="1.0")
     status = await wait_for_status(
-        etcd, config.namespace, config.group, PARTITIONS, settled({"m-0", "m-1"}), 30
+        etcd, config.namespace, config.group, PARTITIONS, settled(set(members)), 30
     )
     victim = min(p for p, m in status.owners.items() if m == "m-0")
     project = next(
@@ -73,20 +96,30 @@ async def test_the_next_owner_of_a_dead_members_partition_keeps_project_order(
     producer = Producer(js, config.subject_prefix, PARTITIONS)
     first = [message(i) for i in range(30)]
     await producer.publish_many(first)
-    ids = set(message_ids(first))
-
-    async def recorded() -> set[str]:
-        return {r.message_id for r in await read_ledger(js, config.ledger_stream)} & ids
-
-    # m-0 runs a few (100 ms each) and holds the rest: delivered, unacknowledged.
-    await eventually_async(recorded, 30, "m-0 to start on the project", until=lambda s: len(s) >= 3)
+    killed = Killed(config, fleet, victim, set(message_ids(first)), 0.0)
+    await eventually_async(
+        lambda: killed.recorded(js), 30, "m-0 to start on the project", until=lambda s: len(s) >= 3
+    )
     fleet.kill("m-0")
-    killed = time.monotonic()
+    killed.killed = time.monotonic()
     later = [message(i) for i in range(30, 50)]
     await producer.publish_many(later)
-    ids |= set(message_ids(later))
+    killed.ids |= set(message_ids(later))
+    return killed
+
+
+@pytest.mark.parametrize("order", ["Strict", "Fast"])
+async def test_the_next_owner_of_a_dead_members_partition_keeps_project_order(
+    order: str, make_fleet: Callable[..., Fleet], etcd: Etcd, js: Any, make_config: Any
+) -> None:
+    k = await kill_holding(("m-0", "m-1"), order, make_fleet, etcd, js, make_config)
+    config, fleet, victim, ids, killed = k.config, k.fleet, k.victim, k.ids, k.killed
     await eventually_async(
-        recorded, 60, "m-1 to process every message", until=lambda s: s == ids, interval=0.5
+        lambda: k.recorded(js),
+        60,
+        "m-1 to process every message",
+        until=lambda s: s == ids,
+        interval=0.5,
     )
     drained_s = time.monotonic() - killed
     records = [r for r in await read_ledger(js, config.ledger_stream) if r.message_id in ids]
@@ -180,43 +213,8 @@ async def test_a_partition_moved_while_its_takeover_waits_keeps_project_order(
     too. Before, the second gave back what it held and wrote an orderly hand-over record
     listing only that: the third took it for orderly, ran the newer messages at once,
     and m-0's earlier ones after them (inversions)."""
-    config = make_config(
-        handler=HANDLER,
-        partitions=PARTITIONS,
-        ack_wait=ACK_WAIT,
-        lease_ttl=LEASE_TTL,
-        keepalive_interval=1.0,
-        order_after_failure="Strict",
-    )
-    await ensure_group(js, config)
-    fleet = make_fleet(handler=HANDLER, partitions=PARTITIONS)
-    members = ("m-0", "m-1", "m-2")
-    for member in members:
-        fleet.start(member, **config_env(config, SETTINGS), SHOAL_KEEPALIVE_INTERVAL="1.0")
-    status = await wait_for_status(
-        etcd, config.namespace, config.group, PARTITIONS, settled(set(members)), 30
-    )
-    victim = min(p for p, m in status.owners.items() if m == "m-0")
-    project = next(
-        f"moved-{i}" for i in range(1000) if partition_for(f"moved-{i}", PARTITIONS) == victim
-    )
-
-    def message(i: int) -> Outgoing:
-        return Outgoing(project, b"wait:100", f"{project}-{i}", {SEQ_HEADER: str(i)})
-
-    producer = Producer(js, config.subject_prefix, PARTITIONS)
-    first = [message(i) for i in range(30)]
-    await producer.publish_many(first)
-    ids = set(message_ids(first))
-
-    async def recorded() -> set[str]:
-        return {r.message_id for r in await read_ledger(js, config.ledger_stream)} & ids
-
-    await eventually_async(recorded, 30, "m-0 to start on the project", until=lambda s: len(s) >= 3)
-    fleet.kill("m-0")
-    later = [message(i) for i in range(30, 50)]
-    await producer.publish_many(later)
-    ids |= set(message_ids(later))
+    k = await kill_holding(("m-0", "m-1", "m-2"), "Strict", make_fleet, etcd, js, make_config)
+    config, victim, ids = k.config, k.victim, k.ids
     # The next owner claims it (its gate closed: m-0's deliveries run their ack_wait)...
     taken = await wait_for_status(
         etcd,
@@ -234,7 +232,11 @@ async def test_a_partition_moved_while_its_takeover_waits_keeps_project_order(
     )
     await etcd.put(config.keys.partition(victim), target.to_json())
     await eventually_async(
-        recorded, 60, "every message processed", until=lambda s: s == ids, interval=0.5
+        lambda: k.recorded(js),
+        60,
+        "every message processed",
+        until=lambda s: s == ids,
+        interval=0.5,
     )
     records = [r for r in await read_ledger(js, config.ledger_stream) if r.message_id in ids]
     result = audit(records, ids)
