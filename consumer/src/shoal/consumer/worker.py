@@ -637,7 +637,7 @@ class Worker:
         self._inbox_sub = await self.nc.subscribe(self._inbox_prefix + ".*")
         self.nc.route_directly(self._inbox_sub, self.receive, self.receive_status)
         await self._watch_deletions()
-        await self.check_stream()
+        self._spawn(self.check_stream())  # (the first look: not worth a slower start)
         self.dispatcher.start()
         self._spawn(self.keep_held_alive())
         if self.config.handler_timeout:
