@@ -816,7 +816,10 @@ class Worker:
             log.debug("Stream info unavailable: %r", exc)
             return
         created, self._stream_created = self._stream_created, info.created
-        if created is not None and created != info.created:
+        # Its last sequence below one delivered to us: another stream (a stream's
+        # sequences never go back), even if we never saw the old one's creation time.
+        high = max((r.delivered_high for r in self.runners.values()), default=0)
+        if (created is not None and created != info.created) or info.state.last_seq < high:
             self.forget_stream("it was created again")
             self._stream_created = info.created
 
@@ -839,9 +842,7 @@ class Worker:
 
     async def _on_deleted(self, msg: Any) -> None:
         partition: int | None = None
-        if msg.subject.startswith("$JS.EVENT.ADVISORY.STREAM.") and (
-            self._stream_created is not None
-        ):
+        if msg.subject.startswith("$JS.EVENT.ADVISORY.STREAM."):
             self.forget_stream("it was deleted")
         if msg.subject.startswith("$JS.EVENT.ADVISORY.CONSUMER."):
             partition = self._partitions_by_durable.get(msg.subject.rsplit(".", 1)[-1])
