@@ -167,6 +167,9 @@ async def test_a_target_deleted_or_spoiled_is_written_again(
     assert status.owners[5] in {"c-0", "c-1"} and status.owners[6] in {"c-0", "c-1"}
     log = "".join(fleet.members[m].log_text() for m in ("c-0", "c-1"))
     assert "have no target naming a member" in log
+    # (Not its own write, seen before the view caught up with it: that wrote each
+    # generation twice.)
+    assert log.count("Wrote generation 1 (initial)") == 1, log
 
 
 async def test_unreachable_etcd_is_retried_and_reported(fleet: Fleet) -> None:

@@ -122,6 +122,7 @@ class Election:
         self.epoch = 0
         self.is_leader = False
         self.rebalances = 0
+        self._wrote_at = 0.0  # (monotonic) the last assignment this leader wrote
         self.resigning = False
         # Set by the autoscaler: generations until the members number `replicas` (or the
         # deadline passes) are logged with reason "scale".
@@ -288,7 +289,11 @@ class Election:
                 elif stalled := self._stalled(members):
                     if not await self._rebalance(members, applied_members, first, stalled):
                         break
-                elif members and (astray := self._astray(members)):
+                elif (
+                    members
+                    and time.monotonic() - self._wrote_at >= RECHECK_SECONDS
+                    and (astray := self._astray(members))
+                ):
                     # Targets deleted, unreadable or naming a non-member while the
                     # membership stayed as it was (a hand-edit, a restore, garbage): their
                     # partitions have no owner until written again, and nothing else
@@ -490,6 +495,9 @@ class Election:
             )
             return False
         self.rebalances += 1
+        # Our own write reaches the view a moment later, through its watch: until then
+        # its targets look missing, which is no reason to write them again (_astray).
+        self._wrote_at = time.monotonic()
         moves = moved(previous, new)
         reason = (
             "failover" if stalled else self._reason(applied, set(previous.values()), members, first)
