@@ -62,6 +62,14 @@ async def test_messages_of_a_recreated_stream_are_all_handled(
     )
 
     await js.delete_stream(config.stream)
+    # The member notices (the deletion advisory, or its next look at the stream, every
+    # stats interval: 5 s) before the operator's status timer (a 5 s tick) puts it back.
+    await eventually_async(
+        lambda: asyncio.to_thread(fleet.members["m-0"].log_text),
+        15,
+        "the member to notice the deletion",
+        until=lambda log: "forgetting its deliveries" in log,
+    )
     await ensure_group(js, config)  # as the operator does
     new = [Outgoing("p", b"wait:100", f"new-{i}", {}) for i in range(20)]
     await producer.publish_many(new)

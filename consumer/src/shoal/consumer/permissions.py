@@ -79,6 +79,8 @@ def member_permissions(
         f"$JS.ACK.{stream}.>",
         # Lag and dozing (consumer_info).
         f"{api}.CONSUMER.INFO.{stream}.*",
+        # Whether the stream is still the one consumed (its creation time, worker.py).
+        f"{api}.STREAM.INFO.{stream}",
         # The leader's sweep of messages past max_deliver (deadletter.py): read the
         # original, publish it to the DLQ, delete it.
         f"{api}.STREAM.MSG.GET.{stream}",
@@ -131,8 +133,9 @@ def operator_permissions(config: GroupConfig, inbox_prefix: str = "_INBOX") -> P
     count is status.deadLetters), and deleting the streams with the group
     (deletionPolicy Delete). For many groups: the union, one entry set per group."""
     publish = management_subjects(config)
-    publish.append(f"{API}.STREAM.INFO.{config.stream}")  # reconciler: the status's lag
-    publish.append(f"{API}.STREAM.INFO.{config.dlq_stream}")  # status.deadLetters
+    # The status timer reads each stream's info: the lag (the stream), status.deadLetters
+    # (the dead-letter stream), and whether one is missing (then it recreates it).
+    publish += [f"{API}.STREAM.INFO.{stream}" for stream in _streams(config)]
     publish += [f"{API}.STREAM.DELETE.{stream}" for stream in _streams(config)]
     if not config.ledger:
         # The group is deleted with its ledger stream, if one was ever made.

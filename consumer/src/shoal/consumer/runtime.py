@@ -333,8 +333,10 @@ class ConsumerProcess:
                         runner.ack_floor = floor
             self.lag = total
             self.metrics.lag.set(total)
-            if owned:  # (all dozing: nothing is delivered that the check could be for)
-                await self.worker.check_stream()
+            # Every round, dozing or not: the deletion advisory is core NATS (one missed
+            # while reconnecting, or late, is not sent again), and a dozing member is
+            # the one the next burst of a recreated stream's messages finds.
+            await self.worker.check_stream()
 
     async def _watch_connection(self) -> None:
         """End the member when nats-py has closed its connection for good.
