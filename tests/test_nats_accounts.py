@@ -132,8 +132,10 @@ async def test_members_of_another_account_consume_and_hand_over(
         team_js = team.jetstream(prefix=API_PREFIX, timeout=2)
         info = await team_js.consumer_info(c.stream, durable_name(0))
         assert info.config.durable_name == durable_name(0)
+        info_of_stream = await team_js.stream_info(c.stream)  # exported: the member checks it
+        assert info_of_stream.config.name == c.stream
         with pytest.raises(ServiceUnavailableError):
-            await team_js.stream_info(c.stream)  # STREAM.INFO is not exported
+            await team_js.account_info()  # $JS.API.INFO is not exported
         with pytest.raises(ServiceUnavailableError):
             await team.jetstream(timeout=2).stream_info(c.stream)  # TEAM has no JetStream
     finally:

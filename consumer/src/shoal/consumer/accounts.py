@@ -73,6 +73,7 @@ def group_exports(config: GroupConfig, api_prefix: str) -> tuple[Export, ...]:
     out = [
         api(f"CONSUMER.MSG.NEXT.{stream}.*", response="stream"),
         api(f"CONSUMER.INFO.{stream}.*"),
+        api(f"STREAM.INFO.{stream}"),  # is it still the stream consumed (worker.py)
         api(f"STREAM.MSG.GET.{stream}"),
         api(f"STREAM.MSG.DELETE.{stream}"),
     ]
