@@ -144,10 +144,11 @@ async def scale_while_producing(plane: LocalKube, secure: SecureNats) -> dict[st
 
 
 async def member_asks_for_stream_info(secure: SecureNats) -> str | None:
-    """What refusing the member's STREAM.INFO looks like to it (None: it was answered)."""
+    """What refusing the member's STREAM.INFO of the dead-letter stream looks like to it
+    (None: it was answered). (Its own stream's it may read: whether it was recreated.)"""
     nc = await nats.connect(secure.url, **secure.client(MEMBER).connect_options())
     try:
-        await nc.request(f"{API}.STREAM.INFO.{STREAM}", b"", timeout=2)
+        await nc.request(f"{API}.STREAM.INFO.{STREAM}_dlq", b"", timeout=2)
     except nats.errors.TimeoutError as exc:  # the server drops it (and logs it)
         return repr(exc)
     finally:
@@ -178,9 +179,9 @@ def test_least_privilege_tls_and_passwords_scaled_3_5_2_with_nothing_lost(
 
     # Nobody stepped outside their allow list: the server logs every refused subject...
     assert secure.server.violations() == []
-    # ...as it does now for a member asking for the stream's info (the operator's).
+    # ...as it does now for a member asking for the dead-letter stream's info.
     refused = asyncio.run(member_asks_for_stream_info(secure))
     assert refused is not None, "the member read the stream's info"
     logged = wait_until(lambda: secure.server.violations(), 10, "the server to log the violation")
-    assert any(f"user:{MEMBER}" in line and f"STREAM.INFO.{STREAM}" in line for line in logged)
+    assert any(f"user:{MEMBER}" in line and f"STREAM.INFO.{STREAM}_dlq" in line for line in logged)
     plane.kubectl("delete", "cg", NAME, "-n", NS, "--timeout=120s")
