@@ -120,6 +120,12 @@ def message_id(held: Held) -> str:
         return f"seq-{held.seq}"
 
 
+# At most one look at the stream's info this often (check_stream): while the stream is
+# gone, each partition's attempts to recreate its durable ask too, and those were
+# doubling the member's requests to a server that had nothing to tell.
+STREAM_CHECK_SECONDS = 2.0
+
+
 def _take_back_cancel() -> None:
     """Undo one cancel of the current task (one it no longer has to end for)."""
     task = asyncio.current_task()
@@ -187,6 +193,7 @@ class Worker:
         # not the stream we consumed (forget_stream).
         self._stream_created: object | None = None
         self.stream_epoch = 0
+        self._stream_checked_at = -STREAM_CHECK_SECONDS
         self.resettled = 0  # such redeliveries, since the last log line about them
         self.resettled_logged = 0.0
         self.leaving = False
@@ -806,6 +813,10 @@ class Worker:
         with the sequence of an old one we settled, and a durable recreated "where it
         was" would start where the old stream was, past the new one's first messages
         (restart.py)."""
+        now = time.monotonic()
+        if now - self._stream_checked_at < STREAM_CHECK_SECONDS:
+            return  # looked a moment ago (every partition recreating its durable asks)
+        self._stream_checked_at = now
         try:
             info = await self.js.stream_info(self.config.stream)
         except NotFoundError:
