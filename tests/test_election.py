@@ -91,7 +91,7 @@ async def test_a_write_retry_that_finds_nothing_to_change_clears_the_failure(
     try:
         async with watching(etcd, config) as view:
             for member in ("a", "b"):
-                await etcd.put(config.keys.member(member), b"{}")
+                await etcd.put(config.keys.member(member), b"{}", lease)
             membership = SafeMembership(lease)
             leader = Election(etcd, view, membership, config, on_generation=on_generation)  # type: ignore[arg-type]
             task = asyncio.create_task(leader.run())
@@ -104,7 +104,7 @@ async def test_a_write_retry_that_finds_nothing_to_change_clears_the_failure(
                 await eventually_async(
                     retried, 5, "a retry with nothing to change to clear the failed write"
                 )
-                await etcd.put(config.keys.member("c"), b"{}")
+                await etcd.put(config.keys.member("c"), b"{}", lease)
                 while not records:
                     await view.changed(0.5)
             finally:

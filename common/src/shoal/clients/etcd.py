@@ -771,6 +771,17 @@ class Etcd:
         )
         return bool(ok)
 
+    async def delete_if_unchanged(self, key: str, mod_revision: int) -> bool:
+        """Delete key only if nobody wrote it since mod_revision (a put that gave it a
+        lease, say): for removing a value seen in a view without racing its writer."""
+        tx = _TX
+        ok, _ = await self._transaction(
+            compare=[tx.mod(key) == mod_revision],
+            success=[tx.delete(key)],
+            failure=[],
+        )
+        return bool(ok)
+
     async def release_claim(
         self, claim: str, create_revision: int, record: str, value: bytes | None
     ) -> bool:

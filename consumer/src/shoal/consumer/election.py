@@ -23,6 +23,12 @@ from dataclasses import dataclass, field
 from shoal.assignor import assign, moved, relieve_stalls
 from shoal.clients.backoff import QuietLog
 from shoal.clients.etcd import TRANSIENT_ERRORS, Etcd
+from shoal.consumer.leaseless import (
+    LeaselessRemover,
+    leaseless_keys,
+    leaseless_leader,
+    leaseless_member,
+)
 from shoal.consumer.membership import Membership
 from shoal.contracts.values import MemberStats, TargetValue
 from shoal.group.config import GroupConfig
@@ -135,6 +141,7 @@ class Election:
         # While etcd refuses, each retry fails again: one line per 10 s says so.
         self._campaign_failures = QuietLog(log)
         self._write_failures = QuietLog(log)
+        self._leaseless = LeaselessRemover(etcd)
 
     def on_leadership(self, callback: Callable[[bool], None]) -> None:
         self._on_change.append(callback)
@@ -169,7 +176,13 @@ class Election:
         When no member has reached NATS steadily (NATS itself is down, or just came
         back) everyone stays eligible: moving partitions then would only add churn.
         """
-        stats = self.view.members()
+        # A member key without a lease is no live member's (leaseless.py): it would
+        # be given partitions nobody consumes. The leader removes it (_lead).
+        stats = {
+            member: data
+            for member, data in self.view.members().items()
+            if not leaseless_member(self.view, member)
+        }
         now = time.monotonic()
         steady = max(NATS_STEADY_SECONDS, 2 * self.config.keepalive_interval)
         for member in list(self._nats_ok_since):
@@ -228,6 +241,9 @@ class Election:
                 log.info("Leading again under epoch %d (the lease survived)", current.epoch)
                 self.epoch = current.epoch
                 await self._lead()
+            elif eligible and (revision := leaseless_leader(self.view)) is not None:
+                # Nobody can campaign while it exists, and it never expires.
+                await self._leaseless.remove({keys.leader: revision})
             elif eligible and self.view.leader() is None:
                 try:
                     # The create_revision of the key we created is our epoch.
@@ -266,9 +282,14 @@ class Election:
         first = True
         applied_members: set[str] = set()
         next_load_check = time.monotonic() + self.config.load_check_interval
+        next_leaseless_check = 0.0
         try:
             while self._still_leader() and not self.resigning:
                 changed = self.view.change_event()
+                if time.monotonic() >= next_leaseless_check:
+                    next_leaseless_check = time.monotonic() + RECHECK_SECONDS
+                    if found := leaseless_keys(self.view):
+                        await self._leaseless.remove(found)
                 members = self._eligible()
                 if members != applied_members or first:
                     await self._settle(None if first else applied_members)
