@@ -11,6 +11,7 @@ and puts them back.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import Iterator
@@ -192,6 +193,55 @@ def test_a_deleted_deployment_is_applied_again(localkube: LocalKube, operator: P
         assert deployment in event["message"], event
         wait_until(lambda: ready(plane, name), 120, "the group to be Ready again")
         print(f"Deployment applied again {reapplied_after:.1f} s after its deletion")
+    finally:
+        plane.kubectl("delete", "cg", name, "-n", NS, "--timeout=120s", check=False)
+
+
+def test_deleted_rbac_and_pdb_are_applied_again(localkube: LocalKube, operator: Path) -> None:
+    """Before, only a deleted Deployment was noticed: a Role deleted by hand left the
+    leader's autoscaler refused on every call, a PDB deleted left drains free to evict
+    every member at once, and nothing said so."""
+    plane, name = localkube, "lost-rbac"
+    child = f"{name}-consumer"
+    kinds = {
+        "role": "Role",
+        "rolebinding": "RoleBinding",
+        "serviceaccount": "ServiceAccount",
+        "poddisruptionbudget": "PodDisruptionBudget",
+    }
+    plane.kubectl("apply", "-f", "-", input_text=manifest(name))
+    try:
+        cg = wait_until(lambda: ready(plane, name), 120, "the group to become Ready")
+        uid = cg["metadata"]["uid"]
+        old = {kind: get_json(plane, kind, child, "-n", NS)["metadata"]["uid"] for kind in kinds}
+        for kind in kinds:
+            plane.kubectl("delete", kind, child, "-n", NS, "--wait=true")
+        deleted = time.monotonic()
+
+        def applied_again() -> dict[str, Any]:
+            found: dict[str, Any] = {}
+            for kind in kinds:
+                got = plane.kubectl("get", kind, child, "-n", NS, "-o", "json", check=False)
+                if got.returncode != 0:
+                    return {}
+                obj = json.loads(got.stdout)
+                if obj["metadata"]["uid"] == old[kind]:
+                    return {}
+                found[kind] = obj
+            return found
+
+        objs = wait_until(applied_again, 60, "the four to be applied again", interval=1)
+        reapplied_after = time.monotonic() - deleted
+        for obj in objs.values():
+            assert [o["uid"] for o in obj["metadata"]["ownerReferences"]] == [uid], obj
+        for kind in kinds.values():
+            reason = f"{kind}Recreated"
+            (event,) = wait_until(
+                functools.partial(warnings, plane, name, reason), 30, f"a {reason} Warning"
+            )
+            assert child in event["message"], event
+        assert not warnings(plane, name, "DeploymentRecreated")
+        print(f"RBAC and PDB applied again {reapplied_after:.1f} s after their deletion")
     finally:
         plane.kubectl("delete", "cg", name, "-n", NS, "--timeout=120s", check=False)
 

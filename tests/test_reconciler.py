@@ -280,8 +280,10 @@ async def reconcile(
     return patch
 
 
-async def observe(memo: OperatorMemo, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """Call the status timer as kopf would; the status it wrote."""
+async def observe(
+    memo: OperatorMemo, name: str, spec: dict[str, Any], **indexes: Any
+) -> dict[str, Any]:
+    """Call the status timer as kopf would (with these kopf indexes); the status it wrote."""
     patch = kopf.Patch()
     await call_handler(
         reconciler.observe_group,
@@ -293,6 +295,7 @@ async def observe(memo: OperatorMemo, name: str, spec: dict[str, Any]) -> dict[s
         body=body(name),
         memo=memo,
         patch=patch,
+        **indexes,
     )
     return dict(patch["status"])
 
@@ -1148,3 +1151,44 @@ async def test_deleting_sends_nothing_on_a_reconnecting_connection(
         await delete(memo, "orders", spec)
     assert FakeJetStream.deleted == []
     assert world.reasons("Warning") == ["StreamsNotDeleted"]
+
+
+async def test_the_timer_applies_other_deleted_children_again(
+    world: World, operator_memo: OperatorMemo
+) -> None:
+    """The watches (childwatch.py) no longer see the Role and the PDB, and a GET
+    confirms them gone: the children are applied again, one Warning for each."""
+    kube = fake_kube(operator_memo)
+    memo = resource_memo(operator_memo)
+    spec = {"replicas": 2, "handler": GOOD}
+    await reconcile(memo, "orders", spec)
+    kube.applied.clear()
+    world.events.clear()
+    child = "orders-consumer"
+    seen = {(NAMESPACE, child): [True]}
+    indexes = {
+        "group_service_accounts": seen,
+        "group_roles": {},
+        "group_role_bindings": seen,
+        "group_pdbs": {},
+    }
+    gone = {"Role", "PodDisruptionBudget"}
+    asked: list[str] = []
+
+    async def exists(api_version: str, kind: str, namespace: str, name: str) -> bool:
+        asked.append(kind)
+        return kind not in gone
+
+    kube.exists = exists  # type: ignore[method-assign]
+    st = await observe(memo, "orders", spec, **indexes)
+    assert sorted(asked) == ["PodDisruptionBudget", "Role"]
+    assert {"Role", "PodDisruptionBudget", "Deployment"} <= set(kube.kinds())
+    assert sorted(world.reasons("Warning")) == ["PodDisruptionBudgetRecreated", "RoleRecreated"]
+    assert degraded_reason(st) == "AsExpected"
+
+    # Applied a moment ago and not seen by its watch yet: nothing to do.
+    gone.clear()
+    kube.applied.clear()
+    world.events.clear()
+    await observe(memo, "orders", spec, **indexes)
+    assert kube.applied == [] and world.reasons("Warning") == []

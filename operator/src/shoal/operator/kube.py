@@ -55,6 +55,20 @@ class Kube:
         st = dep.status
         return {"replicas": int(st.replicas or 0), "ready": int(st.ready_replicas or 0)}
 
+    def _exists(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
+        resource = self.dynamic.resources.get(api_version=api_version, kind=kind)
+        try:
+            resource.get(name=name, namespace=namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    async def exists(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
+        """Whether the object exists (a GET; 404 is False, other errors raise)."""
+        return await asyncio.to_thread(self._exists, api_version, kind, namespace, name)
+
     async def read_secret(self, namespace: str, name: str) -> SecretData | None:
         """A Secret's resourceVersion and (base64) data; None if there is no such Secret.
 

@@ -10,8 +10,9 @@ member NATS refuses (its problems/ key: Degraded with NatsAuthFailed / NatsTLSFa
 While the Deployment has pods that are not ready it also lists them: pods the scheduler
 refuses make MembersSchedulable False (the scheduler's message in it and in Ready's)
 with one MembersUnschedulable Warning per episode. What the operator made and someone
-removed the timer puts back: streams JetStream says are missing (StreamRecreated) and the
-Deployment (DeploymentRecreated); nothing else would, since no handler sees a change.
+removed the timer puts back: streams JetStream says are missing (StreamRecreated), the
+Deployment (DeploymentRecreated) and the other children (RoleRecreated, ...: childwatch.py);
+nothing else would, since no handler sees a change.
 Pause (spec.paused): the operator writes the group's `paused` etcd key (who, from the
 managed fields of the change, and when), which the members watch: no pod restarts.
 Reconcile writes or deletes it at once, the status timer keeps it following the spec;
@@ -73,6 +74,7 @@ from shoal.operator.builders import (
     resource_names,
     selector_string,
 )
+from shoal.operator.childwatch import missing_children
 from shoal.operator.deployments import DeploymentIndex, replica_counts
 from shoal.operator.etcdalarms import AlarmReader
 from shoal.operator.etcdsecret import EtcdClients, EtcdSecretProblem
@@ -605,22 +607,29 @@ async def observe_group(
     memo: OperatorMemo,
     patch: kopf.Patch,
     group_deployments: DeploymentIndex | None = None,
-    **_: Any,
+    **indexes: Any,  # childwatch's, by their ids (and kopf's other arguments)
 ) -> None:
     namespace = namespace or "default"  # ConsumerGroups are namespaced
     settings: OperatorSettings = memo.settings
     model = spec_model(spec)
     config = pod_config(name, namespace, model, settings)
     deployment = resource_names(name)["deployment"]
-    deployment_problem: tuple[str, str] | None = None
+    children_problem: tuple[str, str] | None = None
+    gone: list[tuple[str, str, str]] = []
     dep = replica_counts(group_deployments, namespace, deployment)
     if dep is None:  # not seen by the watch (yet): ask
         found = await memo.kube.deployment_status(namespace, deployment)
         if found is None:
-            deployment_problem = await _reapply_deleted_deployment(
-                memo, body, meta, name, namespace, model
-            )
+            gone.append(("apps/v1", "Deployment", deployment))
         dep = found or {"replicas": 0, "ready": 0}
+    for api_version, kind, child in missing_children(indexes, namespace, name):
+        # Not seen by its watch: gone, or applied a moment ago (ask).
+        if not await memo.kube.exists(api_version, kind, namespace, child):
+            gone.append((api_version, kind, child))
+    if gone:
+        children_problem = await _reapply_deleted_children(
+            memo, body, meta, name, namespace, model, gone
+        )
     unschedulable, pods_unread = await _member_pods(
         memo, body, status, namespace, name, dep, model.replicas
     )
@@ -655,7 +664,7 @@ async def observe_group(
         problem = ("EtcdUnavailable", f"etcd at {config.etcd_endpoints} unavailable: {exc}")
     etcd_ok = problem is None
     # A Deployment that could not be applied again says so (above), after etcd's problems.
-    problem = problem or deployment_problem
+    problem = problem or children_problem
     # A problem the last reconcile found (a handler, a stream change) stands until fixed.
     problem = problem or memo.group.problem
     lag: int | None = None
@@ -736,18 +745,21 @@ async def observe_group(
         patch.status[key] = value
 
 
-async def _reapply_deleted_deployment(
+async def _reapply_deleted_children(
     memo: OperatorMemo,
     body: kopf.Body,
     meta: Any,
     name: str,
     namespace: str,
     model: ConsumerGroupSpec,
+    missing: list[tuple[str, str, str]],
 ) -> tuple[str, str] | None:
-    """The group's Deployment is gone although this process applied it (someone ran
-    `kubectl delete deploy`): apply the children again, with the Secrets' versions last
-    applied, and post one Warning. Nothing runs the reconcile handlers for it (the
-    ConsumerGroup did not change), so without this the group would have no pods until its
+    """Children of the group are gone although this process applied them (someone ran
+    `kubectl delete deploy`, or deleted its Role, RoleBinding, ServiceAccount or PDB):
+    apply the children again, with the Secrets' versions last applied, and post one
+    Warning for each (DeploymentRecreated, RoleRecreated, ...). Nothing runs the
+    reconcile handlers for it (the ConsumerGroup did not change), so without this the
+    group would have no pods (or no autoscaling, no protection from drains) until its
     spec changed. Left alone: a group this process has not applied (the resume handler
     will), one whose last reconcile failed (that reconcile retries, and its spec may be
     what cannot work) and one being deleted (its finalizer removed the Deployment).
@@ -755,7 +767,7 @@ async def _reapply_deleted_deployment(
     state = memo.group
     if not state.applied or state.problem is not None or meta.get("deletionTimestamp"):
         return None
-    deployment = resource_names(name)["deployment"]
+    what = ", ".join(f"{kind} {child}" for _, kind, child in missing)
     try:
         await apply_children(
             memo.kube,
@@ -768,15 +780,15 @@ async def _reapply_deleted_deployment(
             state.nats_secrets,
         )
     except Exception as exc:  # the next observation tries again
-        message = f"Deployment {deployment} is missing and could not be applied again: {exc}"
+        message = f"{what} missing and could not be applied again: {exc}"
         log.warning("Group %s/%s: %s", namespace, name, message)
-        return "DeploymentMissing", message[:1000]
-    message = (
-        f"Deployment {deployment} was deleted while the group exists: applied again "
-        f"with {model.replicas} replicas"
-    )
-    log.warning("Group %s/%s: %s", namespace, name, message)
-    kopf.warn(body, reason="DeploymentRecreated", message=message)
+        return f"{missing[0][1]}Missing", message[:1000]
+    for _, kind, child in missing:
+        message = f"{kind} {child} was deleted while the group exists: applied again"
+        if kind == "Deployment":
+            message += f" with {model.replicas} replicas"
+        log.warning("Group %s/%s: %s", namespace, name, message)
+        kopf.warn(body, reason=f"{kind}Recreated", message=message)
     return None
 
 
