@@ -21,6 +21,7 @@ from nats.protocol.parser import Parser
 
 from harness.servers import NatsServer
 from harness.waiting import eventually_async
+from shoal.clients.nats import reader_ended, round_trip
 from shoal.clients.natsclient import (
     ACK_FLUSH_DELAY,
     Delivery,
@@ -225,6 +226,42 @@ async def test_direct_path_against_a_real_server(direct: DirectClient) -> None:
     await asyncio.sleep(0.3)
     assert len(got) == 4
     await other.unsubscribe()
+    await js.delete_stream(stream)
+
+
+async def test_a_delivery_callback_that_raises_leaves_the_connection_reading(
+    direct: DirectClient,
+) -> None:
+    """The direct path calls the member's function inside nats-py's read loop, which an
+    exception ends for good: one bug in it, for one message, and the member read nothing
+    more until nats-py's ping check reconnected it minutes later."""
+    nc = direct
+    js = nc.jetstream()
+    stream = await _stream_with_durable(js, "raises")
+    for i in range(3):
+        await js.publish(f"{stream}.{i}", f"m{i}".encode())
+    got: list[Delivery] = []
+
+    def on_message(msg: Delivery) -> None:
+        if msg.data == b"m1":
+            raise RuntimeError("a bug in the member's callback")
+        got.append(msg)
+
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox + ".*")
+    nc.route_directly(sub, on_message, lambda subject, headers: None)
+    await nc.publish(
+        f"$JS.API.CONSUMER.MSG.NEXT.{stream}.d",
+        json.dumps({"batch": 3}).encode(),
+        reply=inbox + ".a",
+    )
+
+    async def delivered() -> list[bytes]:
+        return [m.data for m in got]
+
+    await eventually_async(delivered, 5, "m0 and m2", until=lambda d: d == [b"m0", b"m2"])
+    assert not reader_ended(nc)
+    await round_trip(nc, 2.0)
     await js.delete_stream(stream)
 
 

@@ -186,6 +186,18 @@ async def round_trip(nc: Any, timeout: float) -> None:
         pass  # the server answered
 
 
+def reader_ended(nc: Any) -> bool:
+    """Whether nats-py's read loop has ended while the connection counts as connected.
+
+    nats-py 2.x ends its read loop on any unexpected exception while parsing (it logs
+    "nats: encountered error" and stops), without closing or reconnecting: the
+    connection then writes but never reads again until its ping check gives up on it
+    (ping_interval x max_outstanding_pings, 4 minutes by default). A reconnect starts a
+    new read loop; nothing else does. (Reads nats-py's private `_reading_task`.)"""
+    task = getattr(nc, "_reading_task", None)
+    return bool(nc.is_connected and task is not None and task.done())
+
+
 class NatsHealth:
     """Whether this member can reach JetStream, from a round trip every `interval`.
 
@@ -205,6 +217,9 @@ class NatsHealth:
         # from failures, not from the last success, so that a process that merely got
         # no CPU for a while (its probes did not run) is not taken for one cut off.
         self._failing_since: float | None = None
+        # Consecutive checks that found nats-py's read loop ended (reader_ended).
+        self._reader_ended = 0
+        self.read_loop_restarts = 0
 
     def reachable(self) -> bool:
         since = self._failing_since
@@ -227,6 +242,7 @@ class NatsHealth:
                 log.debug("NATS round trip failed: %r", exc)
                 if self._failing_since is None:
                     self._failing_since = started
+            await self._restart_ended_reader()
             now = self.reachable()
             if now != was:
                 was = now
@@ -238,3 +254,25 @@ class NatsHealth:
                         self.grace,
                     )
             await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+
+    async def _restart_ended_reader(self) -> None:
+        """Reconnect when nats-py's read loop ended under a live connection (seen twice
+        in a row: a reconnect sets the status and starts a new loop in one step, but
+        one look proves little)."""
+        if not reader_ended(self.nc):
+            self._reader_ended = 0
+            return
+        self._reader_ended += 1
+        if self._reader_ended < 2:
+            return
+        self._reader_ended = 0
+        self.read_loop_restarts += 1
+        task = self.nc._reading_task
+        log.error(
+            "The NATS client stopped reading (nats-py's read loop ended%s) while its "
+            "connection stayed up: reconnecting",
+            f": {task.exception()!r}" if not task.cancelled() and task.exception() else "",
+        )
+        # nats-py's own path for a broken connection: a new socket, a new read loop,
+        # every subscription made again.
+        await self.nc._process_op_err(ConnectionError("the read loop ended"))

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from collections.abc import Callable, ItemsView, Iterator, Mapping
 from typing import Any
@@ -42,6 +43,8 @@ from typing import Any
 from nats import errors
 from nats.aio.client import Client
 from nats.protocol.parser import AWAITING_CONTROL_LINE, AWAITING_MSG_PAYLOAD, Parser
+
+log = logging.getLogger(__name__)
 
 # A header block starts with this line (no inline status on a JetStream message).
 _HEADER_LINE = b"NATS/1.0\r\n"
@@ -403,7 +406,13 @@ class DirectClient(Client):
             return False
         self.stats["in_msgs"] += 1
         self.stats["in_bytes"] += len(data)
-        direct[0](Delivery(self, subject, reply.decode(), data, headers))
+        try:
+            direct[0](Delivery(self, subject, reply.decode(), data, headers))
+        except Exception:
+            # Called inside nats-py's read loop, which an exception would end for good
+            # (the connection then reads nothing more). The message is dropped here;
+            # JetStream delivers it again after ack_wait.
+            log.exception("A delivery on %s could not be taken; dropped", subject.decode())
         return True
 
     async def _process_msg(
@@ -423,5 +432,8 @@ class DirectClient(Client):
             del self._direct[sid]
         else:  # a status: no reply subject
             self.stats["in_msgs"] += 1
-            status = await self._process_headers(headers)
-            direct[1](subject.decode(), status or {})
+            try:
+                status = await self._process_headers(headers)
+                direct[1](subject.decode(), status or {})
+            except Exception:  # in the read loop too (see take)
+                log.exception("A status on %s could not be taken; dropped", subject.decode())
