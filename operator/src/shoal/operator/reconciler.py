@@ -40,7 +40,7 @@ import json
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import kopf
 from kubernetes.client.rest import ApiException
@@ -1081,16 +1081,13 @@ def _etcd_unreachable_on_delete(
             f"for {timeout:.0f} s, then deletionPolicy {model.deletion_policy} decides",
         )
     waited = time.monotonic() - state.delete_etcd_failing_since
-    generation = int(meta.get("generation") or 0)
     if waited < timeout:
         message = (
             f"Deleting: etcd at {endpoints} unreachable for {waited:.0f} s ({describe(exc)}); "
             f"the keys under {prefix} are not cleared yet"
         )
-        patch.status["conditions"] = observe.degraded(
-            status.get("conditions", []), "EtcdUnreachable", message, generation, now()
-        )
-        raise kopf.TemporaryError(message, delay=min(10.0, max(1.0, timeout - waited))) from exc
+        delay = min(10.0, max(1.0, timeout - waited))
+        _degraded_retry(status, patch, meta, "EtcdUnreachable", message, delay, exc)
     if model.deletion_policy == "Retain":
         message = (
             f"etcd at {endpoints} unreachable for {waited:.0f} s while deleting; "
@@ -1108,10 +1105,24 @@ def _etcd_unreachable_on_delete(
     if not state.delete_etcd_decided:
         state.delete_etcd_decided = True
         kopf.warn(body, reason="EtcdUnreachable", message=message)
+    _degraded_retry(status, patch, meta, "EtcdUnreachable", message, 30, exc)
+
+
+def _degraded_retry(
+    status: kopf.Status,
+    patch: kopf.Patch,
+    meta: kopf.Meta,
+    reason: str,
+    message: str,
+    delay: float,
+    exc: BaseException,
+) -> NoReturn:
+    """A deletion step that must wait: Degraded (reason, message) in status, and kopf
+    retries the handler in `delay` seconds."""
     patch.status["conditions"] = observe.degraded(
-        status.get("conditions", []), "EtcdUnreachable", message, generation, now()
+        status.get("conditions", []), reason, message, int(meta.get("generation") or 0), now()
     )
-    raise kopf.TemporaryError(message, delay=30) from exc
+    raise kopf.TemporaryError(message, delay=delay) from exc
 
 
 def _streams_not_deleted(
@@ -1151,14 +1162,8 @@ def _streams_not_deleted(
             f"Deleting: stream(s) {names} not deleted for {waited:.0f} s (JetStream at "
             f"{nats_url}: {exc!r}); retrying"
         )
-        patch.status["conditions"] = observe.degraded(
-            status.get("conditions", []),
-            "StreamsNotDeleted",
-            message,
-            int(meta.get("generation") or 0),
-            now(),
-        )
-        raise kopf.TemporaryError(message, delay=min(10.0, max(1.0, timeout - waited))) from exc
+        delay = min(10.0, max(1.0, timeout - waited))
+        _degraded_retry(status, patch, meta, "StreamsNotDeleted", message, delay, exc)
     message = (
         f"stream(s) {names} could not be deleted for {waited:.0f} s (JetStream at "
         f"{nats_url}: {exc!r}); deletionPolicy Delete, but they are left in place: "
