@@ -24,8 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from nats.js import api
 
 from harness.fleet import Fleet, settled, wait_for_status
+from harness.servers import free_port
 from harness.waiting import eventually_async
 from shoal.clients.etcd import Etcd
 from shoal.consumer.ledger import LedgerRecord, audit, read_ledger
@@ -301,6 +303,49 @@ async def test_a_pause_during_the_replay_loses_nothing(
     assert "came back although this member had settled them" not in fleet.logs()
 
 
+async def test_a_reset_run_again_finishes_an_interrupted_one(
+    fleet: Fleet, etcd: Etcd, js: Any, config: GroupConfig
+) -> None:
+    """A reset interrupted (Ctrl-C, etcd away at its end) after it paused the group and
+    deleted a durable, before it created it again. Before, running it again, as its
+    error said, found the pause and took it for someone else's (so the group stayed
+    paused for good: the operator leaves a reset's pause alone), and planned only the
+    durables it found (so partition 2 was consumed by nobody, or, where members
+    recreate durables, from its old position)."""
+    from shoal.contracts.values import PauseRecord
+    from shoal.group.pause import RESET_SOURCE, pause_group
+
+    await started_group(fleet, etcd, js, config)
+    items = traffic("a", 400, 40)
+    await Producer(js, config.subject_prefix, PARTITIONS).publish_many(items)
+    await ledger_reaches(js, config, 400)
+    # What the interrupted reset left: its pause, and p2 deleted.
+    record = PauseRecord(by="someone", time=time.time(), source=RESET_SOURCE, reason="reset")
+    assert await pause_group(etcd, config.keys, record) is None
+    await asyncio.sleep(2)  # the members stop (a reset waits for that; this one did)
+    await js.delete_consumer(config.stream, "p2")
+
+    out = ok(await reset_cli(config, "--to-start", "--yes"))
+    assert "missing durables, created at the new position: p2" in out, out
+    assert "a reset that did not finish" in out, out
+    assert "Resumed: the members pull again" in out, out
+    assert await read_pause(etcd, config.keys) is None
+    assert (await js.consumer_info(config.stream, "p2")).config.deliver_policy == (
+        api.DeliverPolicy.ALL
+    )
+    await ledger_reaches(js, config, 800)
+    records = await read_ledger(js, config.ledger_stream)
+    assert audited(records[400:], items) == clean(items), fleet.logs()
+
+
+async def test_an_unreachable_etcd_is_one_line(config: GroupConfig) -> None:
+    """Before: a traceback (EtcdUnavailable)."""
+    config = config.model_copy(update={"etcd_endpoints": f"127.0.0.1:{free_port()}"})
+    line = await refused(config, "--to-start", "--yes")
+    assert "etcd" in line, line
+
+
+# -- refusals -----------------------------------------------------------------------------
 # -- refusals -----------------------------------------------------------------------------
 
 

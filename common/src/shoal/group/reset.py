@@ -40,7 +40,14 @@ from nats.js import api
 from nats.js.errors import APIError, NotFoundError
 
 from shoal.clients.etcd import Etcd
-from shoal.contracts.names import Keys, decimal, durable_name, format_time, parse_since
+from shoal.contracts.names import (
+    Keys,
+    decimal,
+    durable_name,
+    format_time,
+    parse_since,
+    partition_subject,
+)
 from shoal.contracts.values import MemberStats, PauseRecord, ValueRefused
 from shoal.group.config import GroupConfig
 from shoal.group.pause import RESET_SOURCE, pause_group, read_pause, resume_group
@@ -147,6 +154,8 @@ class ResetPlan:
     # What the durables have not delivered or not had acked yet (delivered anyway).
     outstanding: int
     paused: PauseRecord | None
+    # Partitions whose durable did not exist: created at the position.
+    missing: list[int] = field(default_factory=list)
 
     @property
     def redelivered(self) -> int:
@@ -167,6 +176,7 @@ class ResetPlan:
             "from_position": self.from_position,
             "outstanding": self.outstanding,
             "paused_already": self.paused is not None,
+            "missing_durables": [durable_name(p) for p in self.missing],
         }
 
 
@@ -227,6 +237,21 @@ async def plan_reset(
             "SHOAL_ENSURE_JETSTREAM, creates them)"
         )
     template = durables[min(durables)]
+    # A durable missing in the group's range (a reset interrupted between a durable's
+    # delete and its create, or one deleted by hand) is created at the position too: a
+    # reset that planned only the durables it found left that partition consumed by
+    # nobody, or, where members recreate durables, at its old position.
+    missing = [
+        p for p in range(await _partition_count(etcd, config, durables)) if p not in durables
+    ]
+    for p in missing:
+        durables[p] = dataclasses.replace(
+            template,
+            durable_name=durable_name(p),
+            name=None,
+            filter_subject=partition_subject(config.subject_prefix, p),
+            filter_subjects=None,
+        )
     from_position = await _count_from(js, config, position.apply(template))
     return ResetPlan(
         config=config,
@@ -239,7 +264,21 @@ async def plan_reset(
         from_position=from_position,
         outstanding=outstanding,
         paused=await read_pause(etcd, config.keys),
+        missing=missing,
     )
+
+
+async def _partition_count(
+    etcd: Etcd, config: GroupConfig, durables: dict[int, api.ConsumerConfig]
+) -> int:
+    """How many partitions the group has, from what exists: its durables and the
+    leader's targets (partitions/<p>, one per partition once a leader ran). Not
+    config.partitions: a command line's --partitions defaults to 128 whatever the group
+    has, and durables made from it would be consumed by nobody."""
+    _, kvs = await etcd.get_prefix(config.keys.partitions)
+    targets = [decimal(key[len(config.keys.partitions) :]) for key in kvs]
+    highest = max((p for p in targets if p is not None and p < 4096), default=-1)
+    return max(highest, max(durables)) + 1
 
 
 async def all_consumers(js: Any, stream: str) -> list[api.ConsumerInfo]:
@@ -417,6 +456,38 @@ class ResetResult:
         return dataclasses.asdict(self)
 
 
+# A reset that cannot resume the group it paused tries this often, a second apart.
+RESUME_ATTEMPTS = 10
+
+
+def _still_paused(config: GroupConfig) -> str:
+    return (
+        "the group stays paused by this reset: run the reset again (it resumes the group "
+        "when it is done), or resume it at the position it has now with `shoal-consumer "
+        f"resume -g {config.group} -n {config.namespace}`"
+    )
+
+
+def _failed(exc: BaseException) -> str:
+    what = str(exc) or type(exc).__name__
+    return f"the reset failed ({what})"
+
+
+async def _resume_after_failure(etcd: Etcd, keys: Keys) -> bool:
+    """Resume the group, retrying a while (etcd may be away for a moment); False when it
+    could not. Any pause found is this reset's to lift: it paused the group, or
+    finishes the work of one that did."""
+    for attempt in range(RESUME_ATTEMPTS):
+        try:
+            await resume_group(etcd, keys)
+            return True
+        except Exception as exc:
+            log.warning("Could not resume the group (%r); again in 1 s", exc)
+            if attempt + 1 < RESUME_ATTEMPTS:
+                await asyncio.sleep(1.0)
+    return False
+
+
 async def reset_group(
     js: Any,
     etcd: Etcd,
@@ -434,27 +505,44 @@ async def reset_group(
         by=by, time=time.time(), source=RESET_SOURCE, reason=f"reset to {plan.position.describe()}"
     )
     earlier = await pause_group(etcd, keys, record)
-    paused_by_us = earlier is None
+    # A pause a reset wrote and nobody resumed is one left by a reset that was
+    # interrupted (Ctrl-C, etcd away at its end): this one finishes that one's work, so
+    # it resumes the group too. (Before, the group stayed paused for good: the operator
+    # leaves a reset's pause alone, and a second reset took it for someone else's.)
+    interrupted = earlier is not None and earlier.source == RESET_SOURCE
+    paused_by_us = earlier is None or interrupted
     log.info(
         "%s %s; waiting for its members to stop",
         _where(config),
-        "paused" if paused_by_us else f"paused already ({earlier.describe() if earlier else ''})",
+        "paused"
+        if earlier is None
+        else f"paused already ({earlier.describe()}"
+        + ("; left by a reset that did not finish: resumed at the end" if interrupted else "")
+        + ")",
     )
     try:
         await wait_paused(etcd, keys, wait_timeout, step)
-    except BaseException:
-        if paused_by_us:
-            await resume_group(etcd, keys)
+    except BaseException as exc:
+        if paused_by_us and not await _resume_after_failure(etcd, keys):
+            raise ResetError(f"{_failed(exc)}; {_still_paused(config)}") from exc
         raise
     stopped = time.monotonic()
     # From here on the group stays paused if anything fails: a partition without its
     # durable, or at the old position, must not be consumed (run the reset again).
-    await recreate_durables(js, plan, step)
-    wrong = await check_durables(js, plan)
+    try:
+        await recreate_durables(js, plan, step)
+        wrong = await check_durables(js, plan)
+    except ResetError as exc:
+        raise ResetError(f"{exc}; {_still_paused(config)}") from exc
+    except Exception as exc:
+        raise ResetError(f"{_failed(exc)}; {_still_paused(config)}") from exc
+    except BaseException:
+        log.error("Interrupted: %s", _still_paused(config))
+        raise
     if wrong:
         raise ResetError(
-            f"durable(s) {', '.join(sorted(wrong)[:10])} are not at the new position; the "
-            "group stays paused: run the reset again"
+            f"durable(s) {', '.join(sorted(wrong)[:10])} are not at the new position; "
+            + _still_paused(config)
         )
     recreated = time.monotonic()
     names = {c.durable_name for c in plan.durables.values()}
@@ -470,7 +558,9 @@ async def reset_group(
     await etcd.delete_prefix(keys.handbacks)
     resumed = False
     if paused_by_us:
-        resumed = await resume_group(etcd, keys) is not None
+        if not await _resume_after_failure(etcd, keys):
+            raise ResetError(f"the durables are reset, but {_still_paused(config)}")
+        resumed = True
     now = time.monotonic()
     return ResetResult(
         partitions=len(plan.durables),

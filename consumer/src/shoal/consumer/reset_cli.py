@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from shoal.clients.etcd import EtcdAuthError, EtcdConfigError
+from shoal.clients.etcd import TRANSIENT_ERRORS, EtcdAuthError, EtcdConfigError, EtcdUnavailable
 from shoal.clients.natsauth import NatsConfigError
 from shoal.consumer.cli_options import (
     command_config,
@@ -27,6 +27,7 @@ from shoal.consumer.cli_options import (
     whoami,
 )
 from shoal.group.config import GroupConfig
+from shoal.group.pause import RESET_SOURCE
 
 __all__ = ["reset"]
 
@@ -170,10 +171,21 @@ def reset(
 
     try:
         asyncio.run(_run(config, position, yes, wait_timeout, as_json))
-    except (NatsConfigError, EtcdConfigError, EtcdAuthError, ConnectionError) as exc:
+    except (
+        NatsConfigError,
+        EtcdConfigError,
+        EtcdAuthError,
+        EtcdUnavailable,
+        ConnectionError,
+    ) as exc:
         raise click.ClickException(str(exc)) from None
     except TimeoutError:
         raise click.ClickException(no_answer(config.nats_url)) from None
+    except TRANSIENT_ERRORS as exc:  # etcd went away before anything was paused
+        raise click.ClickException(
+            f"etcd at {config.etcd_endpoints} did not answer ({type(exc).__name__}); "
+            "nothing was changed"
+        ) from None
     except APIError as exc:
         raise click.ClickException(f"JetStream refused: {exc.description}") from None
 
@@ -256,7 +268,16 @@ def _describe(plan: Any) -> None:
             else f"about {-plan.redelivered:,} waiting ones are skipped)"
         )
     )
-    if plan.paused is not None:
+    if plan.missing:
+        names = ", ".join(f"p{p}" for p in plan.missing[:10])
+        more = f" and {len(plan.missing) - 10} more" if len(plan.missing) > 10 else ""
+        click.echo(f"  missing durables, created at the new position: {names}{more}")
+    if plan.paused is not None and plan.paused.source == RESET_SOURCE:
+        click.echo(
+            f"  the group is paused by a reset that did not finish ({plan.paused.describe()}):"
+            " this one resumes it afterwards"
+        )
+    elif plan.paused is not None:
         click.echo(f"  the group is paused ({plan.paused.describe()}) and stays paused")
     else:
         click.echo("  the group is paused meanwhile and resumed afterwards")

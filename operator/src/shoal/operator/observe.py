@@ -19,6 +19,7 @@ from typing import Any
 
 from shoal.contracts.names import TIME_FORMAT, format_time
 from shoal.contracts.values import MemberStats, PauseRecord, ScaleRecord
+from shoal.group.pause import RESET_SOURCE
 from shoal.operator.scheduling import CONDITION, EVENT_REASON, UNSCHEDULABLE, Unschedulable
 
 
@@ -519,6 +520,13 @@ def pause_record(managed_fields: object, now: float) -> PauseRecord:
 
 def paused_message(record: PauseRecord) -> str:
     """The Paused condition's (and Event's) message."""
+    if record.source == RESET_SOURCE:
+        return (
+            f"Paused {record.describe()}: `shoal-consumer reset` recreates the durables and "
+            "resumes the group when it is done. If that reset was interrupted, run it again "
+            "(it resumes the group), or `shoal-consumer resume` to go on from where the "
+            "durables are now (spec.paused does not lift a reset's pause)"
+        )
     return (
         f"Paused {record.describe()}: members finished what they were running and pull "
         "nothing; partitions stay where they are; the autoscaler waits. Resume with "
