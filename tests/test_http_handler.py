@@ -118,6 +118,11 @@ def test_retry_after_seconds_and_http_dates() -> None:
 
 def test_retry_after_is_capped() -> None:
     assert RetryAfter(3600).delay == MAX_RETRY_AFTER == 300.0
+    # Before: OverflowError, and ValueError past Python's 4,300-digit limit for int():
+    # the answer's status and body were lost to an unexplained error.
+    for huge in ("1" + "0" * 400, "9" * 5000):
+        delay = parse_retry_after(huge)
+        assert delay is not None and RetryAfter(delay).delay == MAX_RETRY_AFTER
     assert RetryAfter(-3).delay == 0.0
     assert RetryAfter(2.5).delay == 2.5
     assert "retry after 2.5 s" in repr(RetryAfter(2.5))
@@ -334,6 +339,22 @@ async def test_a_cancelled_request_is_closed_and_its_answer_ignored(service: Ser
         await handler.aclose()
     with pytest.raises(RuntimeError, match="closed"):
         await handler(_message({"Nats-Msg-Id": "late"}, b"ok"))
+
+
+async def test_a_refusal_of_a_long_url_keeps_its_status_and_body_in_the_reason(
+    service: Service,
+) -> None:
+    """The dead-letter reason header keeps 500 characters: with a long handler URL the
+    status and the body's first bytes were cut off."""
+    await service.start()
+    handler = HttpHandler(service.url + "?pad=" + "x" * 600, timeout=5)
+    try:
+        with pytest.raises(PermanentError) as refused:
+            await handler(_message({"Nats-Msg-Id": "long"}, b"status:400:bad field"))
+        reason = f"permanent error: {refused.value}"[:500]
+        assert "answered 400 Bad Request: bad field" in reason, reason
+    finally:
+        await handler.aclose()
 
 
 async def test_the_request_timeout_and_a_refused_connection(service: Service) -> None:

@@ -6,7 +6,10 @@ runs it behind a member, against aiohttp's server)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import ssl
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -308,6 +311,76 @@ async def test_refused_timeout_and_cancel(serve: Callable[[Script], RawServer]) 
     assert silent.connections == 3
     with pytest.raises(RuntimeError, match="closed"):
         await client.request("POST", "/", {}, b"")
+
+
+async def test_a_chunk_size_line_without_end_is_a_protocol_error(
+    serve: Callable[[Script], RawServer],
+) -> None:
+    """Before: the buffer took everything such a server sent until the request's timeout
+    (for good with none), gigabytes over loopback."""
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    server = serve(answer(head, *[b"f" * 65536] * 40))
+    await server.start()
+    client = HttpClient(server.url)
+    try:
+        with pytest.raises(ProtocolError, match="chunk size line is longer"):
+            await client.request("POST", "/messages", {}, b"x", timeout=20)
+    finally:
+        await client.close()
+
+
+async def test_a_folded_header_line_is_read_as_one(serve: Callable[[Script], RawServer]) -> None:
+    """Obsolete line folding (RFC 9112 5.2): a user agent replaces it with a space.
+    Before: a protocol error, so a 2xx of such a server was never acked."""
+    server = serve(answer(b"HTTP/1.1 200 OK\r\nX-A: a\r\n b\r\nContent-Length: 2\r\n\r\nok"))
+    await server.start()
+    client = HttpClient(server.url)
+    try:
+        got = await client.request("POST", "/messages", {}, b"x")
+        assert (got.status, got.headers["x-a"], got.body) == (200, "a b", b"ok")
+    finally:
+        await client.close()
+
+
+async def test_a_host_name_idna_refuses_is_a_connect_failure() -> None:
+    """Before: UnicodeError (not an OSError) escaped, and killed the member's wait for
+    its service at start."""
+    client = HttpClient("http://a..b:9/")
+    try:
+        with pytest.raises(ConnectFailed, match="not a valid host name"):
+            await client.request("POST", "/", {}, b"", timeout=5)
+    finally:
+        await client.close()
+
+
+async def test_the_timeout_covers_connecting() -> None:
+    """A server whose accept queue is full: a connect waits for the kernel's SYN
+    retries (about two minutes). Before, only the exchange had a timeout."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers: list[socket.socket] = []
+    try:
+        for _ in range(4):  # fill the accept queue (backlog 0 takes one or two)
+            filler = socket.socket()
+            filler.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                filler.connect(("127.0.0.1", port))
+            fillers.append(filler)
+        await asyncio.sleep(0.2)
+        client = HttpClient(f"http://127.0.0.1:{port}/")
+        started = time.monotonic()
+        try:
+            with pytest.raises((ConnectFailed, TimeoutError)):
+                await client.request("POST", "/", {}, b"", timeout=1.0)
+        finally:
+            await client.close()
+        assert time.monotonic() - started < 10
+    finally:
+        for filler in fillers:
+            filler.close()
+        listener.close()
 
 
 async def test_the_pool_holds_at_most_limit_connections(

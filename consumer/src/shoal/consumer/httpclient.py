@@ -183,11 +183,18 @@ class _Connection(asyncio.Protocol):
             raise ProtocolError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
         status = int(code)
         headers: dict[str, str] = {}
+        name = ""
         for line in lines[1:]:
+            if line[:1] in (" ", "\t") and name:
+                # An obsolete line folding (RFC 9112 5.2): a user agent replaces it with
+                # a space. Refused, a 2xx of such a server was never acked.
+                headers[name] = f"{headers[name]} {line.strip()}".strip()
+                continue
             name, colon, value = line.partition(":")
             if not colon:
                 raise ProtocolError(f"not a header line: {line[:80]!r}")
-            headers[name.strip().lower()] = value.strip()
+            name = name.strip().lower()
+            headers[name] = value.strip()
         if 100 <= status < 200:
             return True  # an interim answer (100 Continue, 103 Early Hints): the next one
         keep = version == "HTTP/1.1" and "close" not in headers.get("connection", "").lower()
@@ -228,6 +235,10 @@ class _Connection(asyncio.Protocol):
             if self._chunk_state == "size":
                 end = buffer.find(b"\r\n")
                 if end < 0:
+                    # A size line (with its extensions) that never ends must not grow
+                    # the buffer until the timeout, or for good without one.
+                    if len(buffer) > MAX_HEAD:
+                        raise ProtocolError(f"a chunk size line is longer than {MAX_HEAD} bytes")
                     return False
                 size_text = bytes(buffer[:end]).split(b";", 1)[0].strip()
                 del buffer[: end + 2]
@@ -254,6 +265,8 @@ class _Connection(asyncio.Protocol):
             else:  # "trailer": header lines until an empty one
                 end = buffer.find(b"\r\n")
                 if end < 0:
+                    if len(buffer) > MAX_HEAD:
+                        raise ProtocolError(f"a trailer line is longer than {MAX_HEAD} bytes")
                     return False
                 del buffer[: end + 2]
                 if end == 0:
@@ -315,11 +328,16 @@ class HttpClient:
         # UTF-8: a project id may be any text, and servers pass such bytes through (RFC
         # 9110's obs-text); NATS headers carry no CR or LF, so none can end a line early.
         request = "".join(head).encode() + body
+        loop = asyncio.get_running_loop()
+        # The timeout covers connecting too: a server whose accept queue is full leaves a
+        # connect waiting for the kernel's SYN retries, about two minutes.
+        deadline = None if timeout is None else loop.time() + timeout
         for attempt in (1, 2):
-            conn = await self._acquire()
+            conn = await self._acquire(deadline)
             reused = conn.served > 0
+            left = None if deadline is None else max(0.0, deadline - loop.time())
             try:
-                answer = await self._exchange(conn, request, timeout)
+                answer = await self._exchange(conn, request, left)
             except Unanswered as exc:
                 self._release(conn)
                 if attempt == 1 and reused and exc.before_any_byte:
@@ -345,7 +363,7 @@ class HttpClient:
         finally:
             timer.cancel()
 
-    async def _acquire(self) -> _Connection:
+    async def _acquire(self, deadline: float | None = None) -> _Connection:
         if self._closed:
             raise RuntimeError("the HTTP client is closed")
         now = time.monotonic()
@@ -364,28 +382,35 @@ class HttpClient:
                 if waiter in self._waiting:
                     self._waiting.remove(waiter)
             if self._idle:
-                return await self._acquire()
+                return await self._acquire(deadline)
             if self._closed:
                 raise RuntimeError("the HTTP client is closed")
         self._open += 1
         try:
-            return await self._connect()
+            return await self._connect(deadline)
         except BaseException:
             self._open -= 1
             self._wake()
             raise
 
-    async def _connect(self) -> _Connection:
+    async def _connect(self, deadline: float | None = None) -> _Connection:
         loop = asyncio.get_running_loop()
         try:
-            _, conn = await loop.create_connection(
-                lambda: _Connection(self.body_limit),
-                self.host,
-                self.port,
-                ssl=self.ssl,
-                server_hostname=self.host if self.ssl is not None else None,
-            )
-        except OSError as exc:  # refused, unknown name, TLS refused (ssl.SSLError)
+            async with asyncio.timeout_at(deadline):
+                _, conn = await loop.create_connection(
+                    lambda: _Connection(self.body_limit),
+                    self.host,
+                    self.port,
+                    ssl=self.ssl,
+                    server_hostname=self.host if self.ssl is not None else None,
+                )
+        except TimeoutError as exc:
+            raise ConnectFailed(
+                f"{self.host}:{self.port} did not accept a connection in time"
+            ) from exc
+        # OSError: refused, unknown name, TLS refused (ssl.SSLError). UnicodeError: a
+        # host name IDNA cannot encode (an empty label, one over 63 characters).
+        except (OSError, UnicodeError) as exc:
             raise ConnectFailed(_connect_error(self.host, self.port, exc)) from exc
         return conn
 
@@ -422,7 +447,9 @@ def _expire(waiter: asyncio.Future[Answer]) -> None:
         waiter.set_exception(TimeoutError())
 
 
-def _connect_error(host: str, port: int, exc: OSError) -> str:
+def _connect_error(host: str, port: int, exc: OSError | UnicodeError) -> str:
+    if isinstance(exc, UnicodeError):
+        return f"cannot resolve {host}: not a valid host name ({exc})"
     if isinstance(exc, ssl.SSLError):
         return f"TLS with {host}:{port} failed: {exc.reason or exc}"
     if isinstance(exc, socket.gaierror):

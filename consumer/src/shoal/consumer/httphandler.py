@@ -75,7 +75,6 @@ from shoal.consumer.handlers import (
     record_in_ledger,
 )
 from shoal.consumer.httpclient import Answer, HttpClient
-from shoal.contracts.names import decimal
 from shoal.group.handlerref import check_url_handler
 
 __all__ = [
@@ -162,9 +161,10 @@ def parse_retry_after(value: str, now: float | None = None) -> float | None:
     """Seconds to wait from a Retry-After value: delay-seconds or an HTTP date (RFC 9110
     10.2.3); None if it is neither. A date in the past is 0."""
     value = value.strip()
-    seconds = decimal(value)
-    if seconds is not None:
-        return float(seconds)
+    if value.isascii() and value.isdigit():
+        # Longer than any sane delay (the caller caps it), and int() refuses more than
+        # 4,300 digits: an answer's header must not turn into an unexplained error.
+        return float(value) if len(value) <= 12 else 1e12
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError, IndexError):
@@ -195,6 +195,12 @@ def request_headers(msg: Message) -> dict[str, str]:
     if not typed:
         headers["Content-Type"] = OCTET_STREAM
     return headers
+
+
+# How much of the handler's URL and of a status line's reason phrase a failure's text
+# keeps (see HttpHandler._refused).
+URL_IN_REASON = 120
+REASON_PHRASE = 100
 
 
 def _snippet(body: bytes) -> str:
@@ -254,8 +260,11 @@ class HttpHandler:
 
     def _refused(self, answer: Answer) -> None:
         """Raise what a non-2xx answer means (module docstring's table)."""
-        reason = answer.reason
-        what = f"POST {self.url} answered {answer.status}{f' {reason}' if reason else ''}"
+        # Short enough that the dead-letter reason header (500 characters) keeps the
+        # status and the body's first bytes, whatever the URL's and the phrase's length.
+        url = self.url if len(self.url) <= URL_IN_REASON else self.url[:URL_IN_REASON] + "..."
+        reason = " ".join(answer.reason[:REASON_PHRASE].split())
+        what = f"POST {url} answered {answer.status}{f' {reason}' if reason else ''}"
         snippet = _snippet(answer.body)
         if snippet:
             what = f"{what}: {snippet}"
