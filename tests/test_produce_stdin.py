@@ -6,8 +6,10 @@ from __future__ import annotations
 import base64
 import io
 import json
+import signal
 import subprocess
 import sys
+import time
 import unicodedata
 from collections import defaultdict
 from collections.abc import Callable
@@ -170,6 +172,54 @@ async def test_read_lines_splits_chunks_into_lines() -> None:
     got = [item async for item in read_lines(stream, chunk=3)]
     assert got == [(1, b"a\tb"), (2, b""), (3, b"ccc\tdddd"), (4, b"eee")]
     assert [item async for item in read_lines(io.BytesIO(b""))] == []
+
+
+async def test_a_byte_order_mark_is_no_part_of_the_first_project_id() -> None:
+    """Before: the first line of a file an editor saved with a BOM went to another
+    partition, under another id ("\ufefforder-42"), out of order with its project."""
+    stream = io.BytesIO(b"\xef\xbb\xbforder-42\tx\r\n\xef\xbb\xbforder-42\ty\n")
+    got = [item async for item in read_lines(stream)]
+    assert got == [(1, b"order-42\tx"), (2, b"\xef\xbb\xbforder-42\ty")]  # only at the start
+
+
+@e2e
+def test_a_group_without_a_stream_is_one_line_with_the_run_id(nats_url: str) -> None:
+    """Before: a traceback (NoStreamResponseError), no count, and the run id, without
+    which publishing the input again duplicates what landed, was never shown."""
+    command = [sys.executable, "-m", "shoal.consumer", "produce", "--stdin", "-g", "nosuch"]
+    command += ["-n", "nowhere", "--nats", nats_url]
+    result = subprocess.run(command, input=b"a\tb\n", capture_output=True, timeout=60)
+    err = result.stderr.decode()
+    assert result.returncode == 1, err
+    assert "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("Error: publishing failed: no stream takes subjects"), last
+    assert "--run-id " in last, last
+
+
+@e2e
+def test_ctrl_c_ends_a_run_whose_input_stays_open(nats_url: str, tmp_path: Any) -> None:
+    """Before: the interpreter waited at exit for the thread blocked in its read of an
+    input that stays open and idle (a terminal, `tail -f`): Ctrl-C did not end it."""
+    command = [sys.executable, "-m", "shoal.consumer", "produce", "--stdin", "-g", "g"]
+    command += ["--nats", nats_url]
+    process = subprocess.Popen(
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        assert process.stdin is not None
+        process.stdin.write(b"")  # open, and idle
+        time.sleep(4)  # imported and connected
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=10)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+            raise AssertionError("produce --stdin did not end on SIGINT")
+        for pipe in (process.stdin, process.stdout, process.stderr):
+            if pipe is not None:
+                pipe.close()
 
 
 async def test_the_producer_refuses_ids_a_header_cannot_carry() -> None:

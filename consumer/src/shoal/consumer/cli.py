@@ -275,8 +275,9 @@ def produce(
     acknowledgement keeps its message id but may land after later ones). A line without
     a TAB, or whose project id is empty, not UTF-8, or starts or ends with whitespace
     (NATS headers would drop it), ends the run with an error naming the line, once
-    every line before it is acknowledged. The count and the seconds go to standard
-    error as JSON.
+    every line before it is acknowledged. The count, the seconds and the run id go to
+    standard error as JSON; a run whose publishing fails names its run id, so that the
+    same input published again with it adds only what is missing.
 
     \b
     Example:
@@ -338,13 +339,20 @@ def produce(
                     {SEQ_HEADER: str(seq)},
                 )
 
-        count = await producer.publish_many(stdin_items() if from_stdin else items(), window=window)
+        try:
+            count = await producer.publish_many(
+                stdin_items() if from_stdin else items(), window=window
+            )
+        except Exception as exc:
+            await nc.close()
+            raise click.ClickException(_publish_failed(exc, prefix, run_tag)) from None
         elapsed = time.monotonic() - started
         await nc.drain()
         summary = {
             "published": count,
             "seconds": round(elapsed, 3),
             "per_second": round(count / elapsed, 1) if elapsed else None,
+            "run_id": run_tag,
         }
         click.echo(json.dumps(summary), err=from_stdin)
         if failure:
@@ -354,6 +362,24 @@ def produce(
         asyncio.run(go())
     except (NatsConfigError, ConnectionError) as exc:  # one line, no traceback
         raise click.ClickException(str(exc)) from None
+
+
+def _publish_failed(exc: Exception, prefix: str, run_tag: str) -> str:
+    """What a user reads when publishing failed for good (after the retries)."""
+    from nats.js.errors import NoStreamResponseError
+
+    if isinstance(exc, NoStreamResponseError):
+        why = (
+            f"no stream takes subjects {prefix}.* (are --group and --namespace right? "
+            "--subject-prefix, if it has another one?)"
+        )
+    else:
+        why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return (
+        f"publishing failed: {why}. Some messages may be stored: publish the same input "
+        f"again with --run-id {run_tag} and JetStream drops those it has (within its "
+        "duplicate window, 2 minutes by default)"
+    )
 
 
 @main.command()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
@@ -74,24 +75,58 @@ def parse_line(line: bytes, number: int) -> tuple[str, bytes] | None:
     return project_id, data
 
 
+# A UTF-8 byte order mark, which editors on Windows put at the start of a text file: it
+# is no part of the first line's project id (str.strip keeps it).
+BOM = b"\xef\xbb\xbf"
+
+
 async def read_lines(stream: IO[bytes], chunk: int = 1 << 16) -> AsyncIterator[tuple[int, bytes]]:
-    """(line number from 1, line without its LF or CRLF) of a binary stream, read in a
-    thread, so that publishing and acknowledgements go on while the input is slow (read1
-    returns what is there, up to `chunk`, where read would wait to fill it)."""
+    """(line number from 1, line without its LF or CRLF) of a binary stream (a BOM at its
+    start removed), read in a thread, so that publishing and acknowledgements go on while
+    the input is slow (read1 returns what is there, up to `chunk`, where read would wait
+    to fill it). The thread is a daemon: a Ctrl-C while the input is open and idle (a
+    terminal, `tail -f`) ends the process, where a pool thread blocked in its read kept
+    the interpreter from exiting until the input closed."""
     read: Callable[[int], bytes] = getattr(stream, "read1", stream.read)
+    loop = asyncio.get_running_loop()
+    chunks: asyncio.Queue[bytes | BaseException] = asyncio.Queue()
+    wanted = threading.Semaphore(0)  # one read per chunk asked for: no read-ahead
+
+    def reader() -> None:
+        while True:
+            wanted.acquire()
+            try:
+                data: bytes | BaseException = read(chunk)
+            except BaseException as exc:  # given to the reading coroutine
+                data = exc
+            try:
+                loop.call_soon_threadsafe(chunks.put_nowait, data)
+            except RuntimeError:  # the loop is closed: nobody reads any more
+                return
+            if not data or isinstance(data, BaseException):
+                return
+
+    threading.Thread(target=reader, name="stdin-reader", daemon=True).start()
     number = 0
     rest = b""
     while True:
-        data = await asyncio.to_thread(read, chunk)
+        wanted.release()
+        data = await chunks.get()
+        if isinstance(data, BaseException):
+            raise data
         if not data:
             break
         lines = (rest + data).split(b"\n")
         rest = lines.pop()
         for line in lines:
             number += 1
-            yield number, line.removesuffix(b"\r")
+            yield number, _first_line(number, line).removesuffix(b"\r")
     if rest:
-        yield number + 1, rest.removesuffix(b"\r")
+        yield number + 1, _first_line(number + 1, rest).removesuffix(b"\r")
+
+
+def _first_line(number: int, line: bytes) -> bytes:
+    return line.removeprefix(BOM) if number == 1 else line
 
 
 @dataclass(frozen=True)
