@@ -348,7 +348,9 @@ async def test_cli_produce_and_status_on_a_live_group(
     assert json.loads(produced.stdout.strip().splitlines()[-1])["published"] == 500
     shown = await asyncio.to_thread(
         subprocess.run,
-        [*base, "status", "-g", group, "-n", namespace, "-p", "16", "--json"],
+        # No -p: the partitions the group's targets name (before, the option's default
+        # 128 made 112 of them "unowned").
+        [*base, "status", "-g", group, "-n", namespace, "--json"],
         env=env,
         capture_output=True,
         text=True,
@@ -360,6 +362,16 @@ async def test_cli_produce_and_status_on_a_live_group(
     assert status["counts"] == {"c-0": 8, "c-1": 8}
     assert status["skew"] == 0 and status["unowned"] == []
     assert status["leader"] in {"c-0", "c-1"}
+    misspelt = await asyncio.to_thread(
+        subprocess.run,
+        [*base, "status", "-g", group + "x", "-n", namespace],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert misspelt.returncode == 1, misspelt.stdout
+    assert f"no group {namespace}/{group}x in etcd" in misspelt.stderr, misspelt.stderr
 
 
 async def test_ready_file_tracks_membership(

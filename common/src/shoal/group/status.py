@@ -3,12 +3,13 @@ members NATS refuses (they never join, so only their problems/ key tells of them
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.assignor import owner_counts, skew
 from shoal.clients.etcd import Etcd
-from shoal.contracts.names import Keys
+from shoal.contracts.names import DEFAULT_PARTITIONS, Keys, decimal
 from shoal.contracts.values import MemberStats, PauseRecord
 from shoal.group.problems import MemberProblem
 from shoal.group.view import GroupView
@@ -59,10 +60,29 @@ class GroupStatus:
         }
 
 
-async def read_status(etcd: Etcd, namespace: str, group: str, partitions: int) -> GroupStatus:
-    view = GroupView(etcd, Keys(namespace, group), partitions)
-    view.load(*await etcd.get_prefix(view.keys.prefix))
+async def read_status(
+    etcd: Etcd, namespace: str, group: str, partitions: int | None
+) -> GroupStatus:
+    """The group's status from etcd. partitions None: as many as the leader's targets
+    name (partitions/<p>; a command line's --partitions default, 128, would count a
+    16-partition group's 112 others as unowned, and drop a 256-partition group's
+    owners above 127)."""
+    keys = Keys(namespace, group)
+    revision, kvs = await etcd.get_prefix(keys.prefix)
+    if partitions is None:
+        partitions = partition_count(keys, kvs) or DEFAULT_PARTITIONS
+    view = GroupView(etcd, keys, partitions)
+    view.load(revision, kvs)
     return status_from_view(view, namespace, group)
+
+
+def partition_count(keys: Keys, kvs: Mapping[str, Any]) -> int:
+    """How many partitions the leader's targets name (the highest number + 1); 0 if
+    none."""
+    numbers = (
+        decimal(key[len(keys.partitions) :]) for key in kvs if key.startswith(keys.partitions)
+    )
+    return max((p + 1 for p in numbers if p is not None and p < 4096), default=0)
 
 
 def status_from_view(view: GroupView, namespace: str, group: str) -> GroupStatus:

@@ -573,11 +573,16 @@ def status(group: str, namespace: str, etcd_endpoints: str, partitions: int, as_
     """
     from shoal.group.status import read_status
 
+    # Unless given, as many partitions as the group's targets name (not the option's
+    # default: a 16-partition group showed 112 partitions unowned).
+    given = click.get_current_context().get_parameter_source("partitions")
+    counted = None if given is click.core.ParameterSource.DEFAULT else partitions
+
     async def go() -> Any:
         etcd = Etcd(etcd_endpoints, **etcd_options_from_env(os.environ))
         try:
             await etcd.connect(attempts=3)
-            return await read_status(etcd, namespace, group, partitions)
+            return await read_status(etcd, namespace, group, counted)
         finally:
             etcd.close()
 
@@ -585,6 +590,13 @@ def status(group: str, namespace: str, etcd_endpoints: str, partitions: int, as_
         st = asyncio.run(go())
     except Exception as exc:
         raise click.ClickException(str(exc)) from None
+    if not st.members and not st.owners and st.leader is None and st.paused is None:
+        # A misspelt name reads as an empty group: say so, and fail, rather than print
+        # "0 members" as if the group were there and idle.
+        raise click.ClickException(
+            f"no group {namespace}/{group} in etcd at {etcd_endpoints}: no members, no "
+            "leader, no assignment (are --group and --namespace right?)"
+        )
     if as_json:
         click.echo(json.dumps(st.as_dict(), indent=2))
         return
