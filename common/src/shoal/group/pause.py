@@ -14,7 +14,7 @@ from shoal.clients.etcd import Etcd
 from shoal.contracts.names import Keys
 from shoal.contracts.values import PauseRecord, ValueRefused
 
-__all__ = ["RESET_SOURCE", "pause_group", "read_pause", "resume_group"]
+__all__ = ["RESET_SOURCE", "pause_group", "read_pause", "resume_group", "resume_if_source"]
 
 # PauseRecord.source of the pause `shoal-consumer reset` writes around its work: the
 # operator leaves that one alone whatever spec.paused says (the reset resumes the group
@@ -24,22 +24,52 @@ RESET_SOURCE = "reset"
 
 async def read_pause(etcd: Etcd, keys: Keys) -> PauseRecord | None:
     """The group's pause record, or None while it runs (an unreadable value: unknown)."""
+    found = await _read_pause(etcd, keys)
+    return found[0] if found is not None else None
+
+
+async def _read_pause(etcd: Etcd, keys: Keys) -> tuple[PauseRecord, int] | None:
+    """The pause record and the key's mod_revision; None while the group runs."""
     _, kvs = await etcd.get_prefix(keys.paused)
     kv = kvs.get(keys.paused)
     if kv is None:
         return None
     try:
-        return PauseRecord.parse(kv.value)
+        return PauseRecord.parse(kv.value), kv.mod_revision
     except ValueRefused:
-        return PauseRecord.unknown()
+        return PauseRecord.unknown(), kv.mod_revision
 
 
 async def pause_group(etcd: Etcd, keys: Keys, record: PauseRecord) -> PauseRecord | None:
     """Pause the group with `record`, unless it is paused already: then nothing is
-    written and the record in place is returned (who paused it first stays on record)."""
+    written and the record in place is returned (who paused it first stays on record).
+
+    But a pause asked for while a reset holds the group paused (its own pause, which it
+    lifts when it is done) takes that one's place, so that it outlasts the reset: before,
+    the reset's end resumed the group against it. The reset's record is returned."""
     if await etcd.create_returning_revision(keys.paused, record.to_json(), None) is not None:
         return None
-    return await read_pause(etcd, keys) or record
+    found = await _read_pause(etcd, keys)
+    if found is None:
+        return record  # resumed meanwhile: as if it had been paused, and resumed after
+    existing, revision = found
+    if existing.source == RESET_SOURCE and record.source != RESET_SOURCE:
+        await etcd.put_if_unchanged(keys.paused, revision, record.to_json())
+    return existing
+
+
+async def resume_if_source(etcd: Etcd, keys: Keys, source: str) -> PauseRecord | None:
+    """Resume the group only if its pause is one `source` wrote (a reset lifting its
+    own); returns the record left in place otherwise (None: resumed, or not paused)."""
+    found = await _read_pause(etcd, keys)
+    if found is None:
+        return None
+    record, revision = found
+    if record.source != source:
+        return record
+    if not await etcd.delete_if_unchanged(keys.paused, revision):
+        return await read_pause(etcd, keys)  # written again meanwhile: look again
+    return None
 
 
 async def resume_group(etcd: Etcd, keys: Keys) -> PauseRecord | None:

@@ -50,7 +50,7 @@ from shoal.contracts.names import (
 )
 from shoal.contracts.values import MemberStats, PauseRecord, ValueRefused
 from shoal.group.config import GroupConfig
-from shoal.group.pause import RESET_SOURCE, pause_group, read_pause, resume_group
+from shoal.group.pause import RESET_SOURCE, pause_group, read_pause, resume_if_source
 from shoal.group.view import freshest_member_kvs
 
 __all__ = [
@@ -479,7 +479,11 @@ async def _resume_after_failure(etcd: Etcd, keys: Keys) -> bool:
     finishes the work of one that did."""
     for attempt in range(RESUME_ATTEMPTS):
         try:
-            await resume_group(etcd, keys)
+            # Only a reset's own pause: one asked for meanwhile (pause_group puts it in
+            # the reset's place) stays, and says so in the group's status.
+            left = await resume_if_source(etcd, keys, RESET_SOURCE)
+            if left is not None:
+                log.warning("The group was paused meanwhile (%s): left paused", left.describe())
             return True
         except Exception as exc:
             log.warning("Could not resume the group (%r); again in 1 s", exc)
@@ -560,7 +564,7 @@ async def reset_group(
     if paused_by_us:
         if not await _resume_after_failure(etcd, keys):
             raise ResetError(f"the durables are reset, but {_still_paused(config)}")
-        resumed = True
+        resumed = await read_pause(etcd, keys) is None
     now = time.monotonic()
     return ResetResult(
         partitions=len(plan.durables),

@@ -242,7 +242,12 @@ async def _run(
     )
     if result.resumed:
         click.echo("Resumed: the members pull again")
-    elif not result.paused_by_us:
+    elif result.paused_by_us:
+        click.echo(
+            "The group was paused meanwhile and stays paused: "
+            f"`shoal-consumer resume -g {config.group} -n {config.namespace}` resumes it"
+        )
+    else:
         click.echo(
             "The group was paused before the reset and stays paused: "
             f"`shoal-consumer resume -g {config.group} -n {config.namespace}` resumes it"
