@@ -782,16 +782,6 @@ class Etcd:
         )
         return bool(ok)
 
-    async def put_if_unchanged(self, key: str, mod_revision: int, value: bytes) -> bool:
-        """Put key only if nobody wrote it since mod_revision (it still exists)."""
-        tx = _TX
-        ok, _ = await self._transaction(
-            compare=[tx.mod(key) == mod_revision],
-            success=[tx.put(key, value)],
-            failure=[],
-        )
-        return bool(ok)
-
     async def release_claim(
         self, claim: str, create_revision: int, record: str, value: bytes | None
     ) -> bool:

@@ -44,18 +44,14 @@ async def pause_group(etcd: Etcd, keys: Keys, record: PauseRecord) -> PauseRecor
     """Pause the group with `record`, unless it is paused already: then nothing is
     written and the record in place is returned (who paused it first stays on record).
 
-    But a pause asked for while a reset holds the group paused (its own pause, which it
-    lifts when it is done) takes that one's place, so that it outlasts the reset: before,
-    the reset's end resumed the group against it. The reset's record is returned."""
+    A reset's pause (RESET_SOURCE) is not taken over either, though the reset lifts it
+    when it is done: in its place, another pause would lose what protects the reset from
+    the operator (which leaves a reset's pause alone, and would lift a spec.paused or
+    CLI pause whenever spec.paused is false, members then pulling while a durable is
+    being recreated). The caller says so; the operator pauses the group again after."""
     if await etcd.create_returning_revision(keys.paused, record.to_json(), None) is not None:
         return None
-    found = await _read_pause(etcd, keys)
-    if found is None:
-        return record  # resumed meanwhile: as if it had been paused, and resumed after
-    existing, revision = found
-    if existing.source == RESET_SOURCE and record.source != RESET_SOURCE:
-        await etcd.put_if_unchanged(keys.paused, revision, record.to_json())
-    return existing
+    return await read_pause(etcd, keys) or record
 
 
 async def resume_if_source(etcd: Etcd, keys: Keys, source: str) -> PauseRecord | None:

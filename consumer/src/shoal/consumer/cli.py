@@ -659,7 +659,7 @@ def pause(group: str, namespace: str, etcd_endpoints: str, reason: str) -> None:
     """
     from shoal.contracts.names import Keys
     from shoal.contracts.values import PauseRecord
-    from shoal.group.pause import pause_group
+    from shoal.group.pause import RESET_SOURCE, pause_group
 
     keys = Keys(namespace, group)
     record = PauseRecord(by=_pauser(), time=time.time(), source="cli", reason=reason)
@@ -667,6 +667,13 @@ def pause(group: str, namespace: str, etcd_endpoints: str, reason: str) -> None:
         before = asyncio.run(_with_etcd(etcd_endpoints, lambda e: pause_group(e, keys, record)))
     except Exception as exc:
         raise click.ClickException(f"could not pause {namespace}/{group}: {exc}") from None
+    if before is not None and before.source == RESET_SOURCE:
+        click.echo(
+            f"Group {namespace}/{group} is paused by a reset ({before.describe()}), which "
+            "resumes it when it is done: nothing written. To keep it paused after the "
+            "reset, pause it again once the reset has finished"
+        )
+        return
     if before is not None:
         click.echo(
             f"Group {namespace}/{group} is paused already ({before.describe()}); left as it is"
