@@ -29,6 +29,7 @@ import pytest
 from nats.js import api
 
 from harness.fleet import Fleet, settled, wait_for_status
+from harness.servers import NatsServer, _http_get
 from harness.waiting import eventually_async
 from shoal.clients.etcd import Etcd
 from shoal.consumer.deadletter import dead_letter_headers
@@ -456,6 +457,36 @@ def test_an_unreachable_nats_is_one_clear_line() -> None:
     )
     assert done.returncode == 1 and "unreachable" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+class _NatsWithoutJetStream(NatsServer):
+    """A nats-server with JetStream off (a core NATS deployment)."""
+
+    def _command(self) -> list[str]:
+        return [c for c in super()._command() if c != "-js"]
+
+    def _is_ready(self) -> bool:
+        try:
+            status, _ = _http_get(f"{self.monitor_url}/healthz")
+        except (OSError, ValueError):
+            return False
+        return bool(status == 200)
+
+
+def test_a_server_without_jetstream_is_one_clear_line(tmp_path: Path) -> None:
+    """Before: a traceback (ServiceUnavailableError, an APIError)."""
+    server = _NatsWithoutJetStream(tmp_path / "core").start()
+    try:
+        command = [sys.executable, "-m", "shoal.consumer", "dlq", "list", "-g", "x"]
+        done = subprocess.run(
+            [*command, "--nats", server.url], capture_output=True, text=True, timeout=60
+        )
+    finally:
+        server.stop()
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: ") and "JetStream" in last, last
 
 
 def test_help_has_an_example_of_each_command() -> None:

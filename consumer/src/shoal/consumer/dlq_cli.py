@@ -133,12 +133,28 @@ def _with_jetstream(config: GroupConfig, work: Callable[[Any, Any], Awaitable[T]
         finally:
             await nc.close()
 
+    from nats.errors import NoRespondersError
+    from nats.js.errors import APIError
+
+    from shoal.group.jetstream import MessageDeleteError
+
     try:
         return asyncio.run(go())
     except (DeadLetterError, NatsConfigError, ConnectionError) as exc:
         raise click.ClickException(str(exc)) from None
     except TimeoutError:
         raise click.ClickException(no_answer(config.nats_url)) from None
+    except NoRespondersError:
+        raise click.ClickException(
+            f"nobody answers JetStream's API at {config.nats_url} (is JetStream enabled "
+            "on that server, and is the API prefix right?)"
+        ) from None
+    except APIError as exc:  # JetStream itself refused (not enabled, no permission, ...)
+        raise click.ClickException(
+            f"JetStream at {config.nats_url} refused: {exc.description or exc}"
+        ) from None
+    except MessageDeleteError as exc:
+        raise click.ClickException(f"JetStream refused to delete a dead letter: {exc}") from None
 
 
 def _where(config: GroupConfig) -> str:
