@@ -459,6 +459,38 @@ def test_an_unreachable_nats_is_one_clear_line() -> None:
     assert "Traceback" not in done.stderr
 
 
+async def test_a_read_nats_stops_answering_in_is_an_error_not_a_short_list(
+    nats_url: str, config: GroupConfig
+) -> None:
+    """Before: a fetch that timed out was taken for "nothing more", so a brief NATS
+    outage cut `dlq list` (and what redrive and purge count) short without a word."""
+    from harness.proxy import TcpProxy
+    from shoal.clients.nats import connect
+
+    direct = await connect(nats_url, name="dlq-fill", attempts=5)
+    try:
+        js = direct.jetstream()
+        await ensure_group(js, config)
+        for i in range(30):
+            await js.publish(dlq_subject(config.subject_prefix, 0), f"d{i}".encode())
+    finally:
+        await direct.close()
+    with TcpProxy(nats_url.removeprefix("nats://"), name="nats") as proxy:
+        nc = await connect(f"nats://{proxy.address}", name="dlq-read", attempts=5)
+        try:
+            got: list[int] = []
+            with pytest.raises(deadletters.DeadLetterError, match="incomplete"):
+                async for letters in deadletters.read(
+                    nc.jetstream(), config, batch=10, fetch_timeout=0.5
+                ):
+                    got += [letter.seq for letter in letters]
+                    proxy.blackhole()
+            assert got == list(range(1, 11))
+        finally:
+            proxy.pass_through()
+            await nc.close()
+
+
 class _NatsWithoutJetStream(NatsServer):
     """A nats-server with JetStream off (a core NATS deployment)."""
 

@@ -399,11 +399,18 @@ async def read(
         sub = await js.pull_subscribe_bind(stream=config.dlq_stream, consumer=consumer.name)
         try:
             done = False
+            quiet = 0
             while not done:
                 try:
                     msgs = await sub.fetch(batch, timeout=fetch_timeout)
+                    quiet = 0
                 except (TimeoutError, NatsTimeout):
-                    break  # nothing more (deleted meanwhile)
+                    # Nothing more (deleted meanwhile), or NATS away for a moment: a
+                    # list cut short without a word would read as complete.
+                    quiet += 1
+                    if not await _more_pending(js, config.dlq_stream, consumer.name, quiet):
+                        break
+                    continue
                 taken: list[DeadLetter] = []
                 for msg in msgs:
                     letter = _letter(msg, headers_only)
@@ -426,6 +433,33 @@ async def read(
             await js.delete_consumer(config.dlq_stream, consumer.name)
         except Exception as exc:  # the server drops it after inactive_threshold anyway
             log.debug("Could not delete the dead-letter reader's consumer: %r", exc)
+
+
+# Fetches in a row that time out while the reader's consumer still has dead letters
+# pending before the read gives up (with an error: the listing would be incomplete).
+FETCH_ATTEMPTS = 3
+
+
+async def _more_pending(js: Any, stream: str, consumer: str, quiet: int) -> bool:
+    """After a fetch timed out: whether to fetch again (dead letters still pending).
+    Raises DeadLetterError when NATS does not answer, or the attempts are spent."""
+    from nats.errors import TimeoutError as NatsTimeout
+
+    try:
+        info = await js.consumer_info(stream, consumer)
+    except (TimeoutError, NatsTimeout) as exc:
+        raise DeadLetterError(
+            "NATS stopped answering while the dead letters were read: what was read is "
+            "incomplete; run the command again"
+        ) from exc
+    if not int(info.num_pending or 0):
+        return False
+    if quiet >= FETCH_ATTEMPTS:
+        raise DeadLetterError(
+            f"{info.num_pending} dead letters are still to read, but {quiet} reads in a "
+            "row brought none: what was read is incomplete; run the command again"
+        )
+    return True
 
 
 async def scan(
