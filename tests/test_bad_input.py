@@ -374,6 +374,30 @@ async def test_cli_produce_and_status_on_a_live_group(
     assert f"no group {namespace}/{group}x in etcd" in misspelt.stderr, misspelt.stderr
 
 
+async def test_status_of_a_group_only_a_refused_member_knows(
+    etcd: Etcd, etcd_endpoint: str, group: str, namespace: str
+) -> None:
+    """A member NATS refuses never joins: its problems/ key is all the group has. That
+    group is there (exit 0, the reason shown), not a misspelt one."""
+    keys = Keys(namespace, group)
+    problem = {"reason": "NatsAuthFailed", "message": "authorization violation", "since": 1.0}
+    lease = await etcd.grant_lease(30)
+    try:
+        await etcd.put(keys.problem("m-1"), json.dumps(problem).encode(), lease)
+        base = [sys.executable, "-m", "shoal.consumer", "status", "-n", namespace]
+        shown = await asyncio.to_thread(
+            subprocess.run,
+            [*base, "-g", group, "--etcd", etcd_endpoint],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert shown.returncode == 0, shown.stderr
+        assert "cannot connect to NATS" in shown.stdout and "NatsAuthFailed" in shown.stdout
+    finally:
+        await etcd.revoke_lease(lease)
+
+
 async def test_ready_file_tracks_membership(
     fleet: Fleet, etcd: Etcd, group: str, namespace: str, tmp_path: Path
 ) -> None:

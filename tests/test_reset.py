@@ -338,6 +338,51 @@ async def test_a_reset_run_again_finishes_an_interrupted_one(
     assert audited(records[400:], items) == clean(items), fleet.logs()
 
 
+async def test_a_reset_that_fails_before_its_work_keeps_an_inherited_pause(
+    etcd: Etcd, js: Any, config: GroupConfig
+) -> None:
+    """An interrupted reset left its pause, with p3 deleted. A second reset that gives up
+    before it resets anything (a member that does not say it paused) must leave that
+    pause: lifting it let members consume a group half reset."""
+    from shoal.contracts.values import MemberStats, PauseRecord
+    from shoal.group.pause import RESET_SOURCE, pause_group
+
+    await ensure_group(js, config)
+    record = PauseRecord(by="someone", time=time.time(), source=RESET_SOURCE, reason="reset")
+    assert await pause_group(etcd, config.keys, record) is None
+    await js.delete_consumer(config.stream, "p3")
+    lease = await etcd.grant_lease(30)
+    try:
+        await etcd.put(config.keys.member("old-1"), MemberStats(owned=(0,)).to_json(), lease)
+        await etcd.put(config.keys.claim(0), b"old-1", lease)
+        line = await refused(config, "--to-start", "--yes", "--wait", "1")
+        assert "stays paused by this reset" in line, line
+        assert await read_pause(etcd, config.keys) == record
+    finally:
+        await etcd.revoke_lease(lease)
+
+
+async def test_one_reset_at_a_time(etcd: Etcd, js: Any, config: GroupConfig) -> None:
+    """A reset running (its `resetting` key, on its lease): a second one refuses and
+    changes nothing. Before, both recreated durables at once, and whichever ended
+    first resumed the group while the other still deleted and created."""
+    await ensure_group(js, config)
+    before = await durables_created(js, config)
+    lease = await etcd.grant_lease(30)
+    try:
+        await etcd.put(config.keys.resetting, b'{"by": "ops@host"}', lease)
+        line = await refused(config, "--to-start", "--yes")
+        assert "another reset of the group is running" in line and "ops@host" in line, line
+        assert await durables_created(js, config) == before
+        assert await read_pause(etcd, config.keys) is None
+    finally:
+        await etcd.revoke_lease(lease)
+    # Its process gone (the lease with it), a reset runs.
+    ok(await reset_cli(config, "--to-start", "--yes"))
+    _, kvs = await etcd.get_prefix(config.keys.resetting)
+    assert config.keys.resetting not in kvs
+
+
 async def test_an_unreachable_etcd_is_one_line(config: GroupConfig) -> None:
     """Before: a traceback (EtcdUnavailable)."""
     config = config.model_copy(update={"etcd_endpoints": f"127.0.0.1:{free_port()}"})

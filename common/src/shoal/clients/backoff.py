@@ -49,7 +49,7 @@ class QuietLog:
     def failing(self) -> bool:
         return self._since > 0
 
-    def failed(self, level: int, message: str, *args: object) -> None:
+    def failed(self, level: int, message: str, *args: object, exc_info: bool = False) -> None:
         now = time.monotonic()
         if not self._since:
             self._since = now
@@ -59,7 +59,7 @@ class QuietLog:
         if self._suppressed:
             message += " (%d more like it in the last %.0f s; failing for %.0f s)"
             args = (*args, self._suppressed, now - self._last, now - self._since)
-        self.logger.log(level, message, *args)
+        self.logger.log(level, message, *args, exc_info=exc_info)
         self._last = now
         self._suppressed = 0
 

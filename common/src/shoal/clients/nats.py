@@ -267,11 +267,10 @@ class NatsHealth:
             return
         self._reader_ended = 0
         self.read_loop_restarts += 1
-        task = self.nc._reading_task
+        # (nats-py logs the cause itself, "nats: encountered error", when it ends.)
         log.error(
-            "The NATS client stopped reading (nats-py's read loop ended%s) while its "
-            "connection stayed up: reconnecting",
-            f": {task.exception()!r}" if not task.cancelled() and task.exception() else "",
+            "The NATS client stopped reading (nats-py's read loop ended) while its "
+            "connection stayed up: reconnecting"
         )
         # nats-py's own path for a broken connection: a new socket, a new read loop,
         # every subscription made again.

@@ -44,6 +44,8 @@ from nats import errors
 from nats.aio.client import Client
 from nats.protocol.parser import AWAITING_CONTROL_LINE, AWAITING_MSG_PAYLOAD, Parser
 
+from shoal.clients.backoff import QuietLog
+
 log = logging.getLogger(__name__)
 
 # A header block starts with this line (no inline status on a JetStream message).
@@ -304,6 +306,7 @@ class DirectClient(Client):
         self._direct: dict[int, tuple[OnMessage, OnStatus]] = {}
         # The timer of the acks' next flush (publish_ack), while one is due.
         self._ack_flush: asyncio.TimerHandle | None = None
+        self._callback_failures = QuietLog(log)
 
     def route_directly(self, sub: Any, on_message: OnMessage, on_status: OnStatus) -> None:
         """Send `sub`'s JetStream messages to `on_message` and its statuses to
@@ -411,8 +414,14 @@ class DirectClient(Client):
         except Exception:
             # Called inside nats-py's read loop, which an exception would end for good
             # (the connection then reads nothing more). The message is dropped here;
-            # JetStream delivers it again after ack_wait.
-            log.exception("A delivery on %s could not be taken; dropped", subject.decode())
+            # JetStream delivers it again after ack_wait. At most a traceback per 10 s:
+            # one that fails every time must not flood the log from the read loop.
+            self._callback_failures.failed(
+                logging.ERROR,
+                "A delivery on %s could not be taken; dropped",
+                subject.decode(),
+                exc_info=True,
+            )
         return True
 
     async def _process_msg(
@@ -436,4 +445,9 @@ class DirectClient(Client):
                 status = await self._process_headers(headers)
                 direct[1](subject.decode(), status or {})
             except Exception:  # in the read loop too (see take)
-                log.exception("A status on %s could not be taken; dropped", subject.decode())
+                self._callback_failures.failed(
+                    logging.ERROR,
+                    "A status on %s could not be taken; dropped",
+                    subject.decode(),
+                    exc_info=True,
+                )

@@ -189,6 +189,11 @@ class Keys:
         # durables (given-back sequences, hand-over credits, settled sequences), which
         # would hold back or skip the replayed messages.
         self.reset = self.prefix + "reset"
+        # While a `shoal-consumer reset` runs: who runs it (JSON: by, time), on a lease of
+        # the resetting process, so that a reset that died with it leaves none. A second
+        # reset refuses while it exists, and knows a reset's pause without it for one
+        # left by a reset that did not finish.
+        self.resetting = self.prefix + "resetting"
         # Per member, its routine stats (the same MemberStats as members/<id>), rewritten
         # every stats interval, on the member's lease; members/<id> is written when the
         # member joins and when a field someone acts on at once changes (nats_ok,

@@ -473,23 +473,81 @@ def _failed(exc: BaseException) -> str:
     return f"the reset failed ({what})"
 
 
-async def _resume_after_failure(etcd: Etcd, keys: Keys) -> bool:
-    """Resume the group, retrying a while (etcd may be away for a moment); False when it
-    could not. Any pause found is this reset's to lift: it paused the group, or
-    finishes the work of one that did."""
+async def _resume_own(etcd: Etcd, keys: Keys) -> tuple[bool, PauseRecord | None]:
+    """Lift this reset's pause (retrying a while: etcd may be away for a moment):
+    (resumed, the pause left in place: someone paused the group meanwhile). (False,
+    None): etcd would not answer."""
     for attempt in range(RESUME_ATTEMPTS):
         try:
-            # Only a reset's own pause: one asked for meanwhile (pause_group puts it in
-            # the reset's place) stays, and says so in the group's status.
             left = await resume_if_source(etcd, keys, RESET_SOURCE)
-            if left is not None:
-                log.warning("The group was paused meanwhile (%s): left paused", left.describe())
-            return True
         except Exception as exc:
             log.warning("Could not resume the group (%r); again in 1 s", exc)
             if attempt + 1 < RESUME_ATTEMPTS:
                 await asyncio.sleep(1.0)
-    return False
+            continue
+        if left is not None:
+            log.warning("The group was paused meanwhile (%s): left paused", left.describe())
+            return False, left
+        return True, None
+    return False, None
+
+
+async def _resume_after_failure(etcd: Etcd, keys: Keys) -> bool:
+    """Lift this reset's pause after a failure; False when etcd would not answer."""
+    resumed, left = await _resume_own(etcd, keys)
+    return resumed or left is not None
+
+
+# The lease of the `resetting` key (Keys.resetting), renewed every third of it.
+LOCK_TTL = 10
+
+
+class _ResetLock:
+    """Keys.resetting on a lease this process keeps alive while it resets."""
+
+    def __init__(self, etcd: Etcd, lease: int, keeper: asyncio.Task[None]) -> None:
+        self.etcd, self.lease, self.keeper = etcd, lease, keeper
+
+    @classmethod
+    async def take(cls, etcd: Etcd, keys: Keys, by: str) -> _ResetLock:
+        lease = await etcd.grant_lease(LOCK_TTL)
+        value = json.dumps({"by": by, "time": time.time()}).encode()
+        try:
+            taken = await etcd.create_returning_revision(keys.resetting, value, lease)
+        except BaseException:
+            await _revoke(etcd, lease)
+            raise
+        if taken is None:
+            await _revoke(etcd, lease)
+            _, kvs = await etcd.get_prefix(keys.resetting)
+            kv = kvs.get(keys.resetting)
+            holder = kv.value.decode(errors="replace")[:200] if kv is not None else "?"
+            raise ResetError(
+                f"another reset of the group is running ({holder}): wait for it to end; "
+                "nothing was changed"
+            )
+        return cls(etcd, lease, asyncio.create_task(_keep_alive(etcd, lease)))
+
+    async def release(self) -> None:
+        self.keeper.cancel()
+        await asyncio.gather(self.keeper, return_exceptions=True)
+        await _revoke(self.etcd, self.lease)
+
+
+async def _keep_alive(etcd: Etcd, lease: int) -> None:
+    while True:
+        await asyncio.sleep(LOCK_TTL / 3)
+        try:
+            await etcd.refresh_lease(lease)
+        except Exception as exc:  # the next one may pass; the work goes on regardless
+            log.warning("Could not renew the reset's lease (%r)", exc)
+
+
+async def _revoke(etcd: Etcd, lease: int) -> None:
+    try:
+        await etcd.revoke_lease(lease)
+    except Exception as exc:  # it expires on its own
+        log.debug("Could not revoke the reset's lease: %r", exc)
 
 
 async def reset_group(
@@ -502,17 +560,34 @@ async def reset_group(
     step: ResetStep | None = None,
 ) -> ResetResult:
     """Pause (unless paused), wait for the members to stop, recreate the durables at the
-    plan's position, record the reset, resume (only if it paused)."""
+    plan's position, record the reset, resume (only if it paused, or finishes the work
+    of a reset that did not). One reset at a time (Keys.resetting)."""
+    lock = await _ResetLock.take(etcd, plan.config.keys, by)
+    try:
+        return await _reset_group(js, etcd, plan, by, wait_timeout, step)
+    finally:
+        await lock.release()
+
+
+async def _reset_group(
+    js: Any,
+    etcd: Etcd,
+    plan: ResetPlan,
+    by: str,
+    wait_timeout: float,
+    step: ResetStep | None,
+) -> ResetResult:
     config, keys = plan.config, plan.config.keys
     started = time.monotonic()
     record = PauseRecord(
         by=by, time=time.time(), source=RESET_SOURCE, reason=f"reset to {plan.position.describe()}"
     )
     earlier = await pause_group(etcd, keys, record)
-    # A pause a reset wrote and nobody resumed is one left by a reset that was
-    # interrupted (Ctrl-C, etcd away at its end): this one finishes that one's work, so
-    # it resumes the group too. (Before, the group stayed paused for good: the operator
-    # leaves a reset's pause alone, and a second reset took it for someone else's.)
+    # A reset's pause while no reset runs (we hold Keys.resetting) is one left by a reset
+    # that did not finish (Ctrl-C, etcd away at its end): this one finishes that one's
+    # work, so it resumes the group too, once the durables are reset. (Before, the
+    # group stayed paused for good: the operator leaves a reset's pause alone, and a
+    # second reset took it for someone else's.)
     interrupted = earlier is not None and earlier.source == RESET_SOURCE
     paused_by_us = earlier is None or interrupted
     log.info(
@@ -527,7 +602,12 @@ async def reset_group(
     try:
         await wait_paused(etcd, keys, wait_timeout, step)
     except BaseException as exc:
-        if paused_by_us and not await _resume_after_failure(etcd, keys):
+        # Nothing reset yet: lift the pause if it is the one just written. An inherited
+        # one stays: the reset that left it may have reset some durables and deleted
+        # others, which must not be consumed.
+        if earlier is None and not await _resume_after_failure(etcd, keys):
+            raise ResetError(f"{_failed(exc)}; {_still_paused(config)}") from exc
+        if interrupted and isinstance(exc, Exception):
             raise ResetError(f"{_failed(exc)}; {_still_paused(config)}") from exc
         raise
     stopped = time.monotonic()
@@ -536,6 +616,22 @@ async def reset_group(
     try:
         await recreate_durables(js, plan, step)
         wrong = await check_durables(js, plan)
+        if wrong:
+            raise ResetError(
+                f"durable(s) {', '.join(sorted(wrong)[:10])} are not at the new position"
+            )
+        recreated = time.monotonic()
+        names = {c.durable_name for c in plan.durables.values()}
+        pending = sum(
+            int(c.num_pending or 0) + int(c.num_ack_pending or 0)
+            for c in await all_consumers(js, config.stream)
+            if c.name in names
+        )
+        reset_record = {"by": by, "time": time.time(), **plan.position.as_dict()}
+        await etcd.put(keys.reset, json.dumps(reset_record, sort_keys=True).encode())
+        # The hand-over records name deliveries of the old durables (their credits would
+        # count against replayed messages of the same sequences).
+        await etcd.delete_prefix(keys.handbacks)
     except ResetError as exc:
         raise ResetError(f"{exc}; {_still_paused(config)}") from exc
     except Exception as exc:
@@ -543,28 +639,11 @@ async def reset_group(
     except BaseException:
         log.error("Interrupted: %s", _still_paused(config))
         raise
-    if wrong:
-        raise ResetError(
-            f"durable(s) {', '.join(sorted(wrong)[:10])} are not at the new position; "
-            + _still_paused(config)
-        )
-    recreated = time.monotonic()
-    names = {c.durable_name for c in plan.durables.values()}
-    pending = sum(
-        int(c.num_pending or 0) + int(c.num_ack_pending or 0)
-        for c in await all_consumers(js, config.stream)
-        if c.name in names
-    )
-    reset_record = {"by": by, "time": time.time(), **plan.position.as_dict()}
-    await etcd.put(keys.reset, json.dumps(reset_record, sort_keys=True).encode())
-    # The hand-over records name deliveries of the old durables (their credits would
-    # count against replayed messages of the same sequences).
-    await etcd.delete_prefix(keys.handbacks)
     resumed = False
     if paused_by_us:
-        if not await _resume_after_failure(etcd, keys):
+        resumed, left = await _resume_own(etcd, keys)
+        if not resumed and left is None:
             raise ResetError(f"the durables are reset, but {_still_paused(config)}")
-        resumed = await read_pause(etcd, keys) is None
     now = time.monotonic()
     return ResetResult(
         partitions=len(plan.durables),

@@ -37,6 +37,7 @@ from shoal.consumer.handlers import HandlerError
 from shoal.consumer.reset_cli import reset
 from shoal.contracts.names import (
     SEQ_HEADER,
+    Keys,
     default_subject_prefix,
     format_time,
 )
@@ -582,20 +583,23 @@ def status(group: str, namespace: str, etcd_endpoints: str, partitions: int, as_
         etcd = Etcd(etcd_endpoints, **etcd_options_from_env(os.environ))
         try:
             await etcd.connect(attempts=3)
-            return await read_status(etcd, namespace, group, counted)
+            st = await read_status(etcd, namespace, group, counted)
+            # Any key at all (a member NATS refuses has only its problems/ key; a new
+            # group, none yet of a leader): the group is there.
+            return st, bool((await etcd.get_prefix(Keys(namespace, group).prefix))[1])
         finally:
             etcd.close()
 
     try:
-        st = asyncio.run(go())
+        st, known = asyncio.run(go())
     except Exception as exc:
         raise click.ClickException(str(exc)) from None
-    if not st.members and not st.owners and st.leader is None and st.paused is None:
+    if not known:
         # A misspelt name reads as an empty group: say so, and fail, rather than print
         # "0 members" as if the group were there and idle.
         raise click.ClickException(
-            f"no group {namespace}/{group} in etcd at {etcd_endpoints}: no members, no "
-            "leader, no assignment (are --group and --namespace right?)"
+            f"no group {namespace}/{group} in etcd at {etcd_endpoints}: not one key under "
+            f"{Keys(namespace, group).prefix} (are --group and --namespace right?)"
         )
     if as_json:
         click.echo(json.dumps(st.as_dict(), indent=2))
@@ -657,7 +661,6 @@ def pause(group: str, namespace: str, etcd_endpoints: str, reason: str) -> None:
     a group the operator runs, set spec.paused instead (the operator would undo this).
     etcd TLS and authentication: as for `status`.
     """
-    from shoal.contracts.names import Keys
     from shoal.contracts.values import PauseRecord
     from shoal.group.pause import RESET_SOURCE, pause_group
 
@@ -693,7 +696,6 @@ def pause(group: str, namespace: str, etcd_endpoints: str, reason: str) -> None:
 def resume(group: str, namespace: str, etcd_endpoints: str) -> None:
     """Resume a paused group: its members pull again at once (deletes its `paused` key).
     For a group the operator runs, set spec.paused to false instead."""
-    from shoal.contracts.names import Keys
     from shoal.group.pause import resume_group
 
     keys = Keys(namespace, group)

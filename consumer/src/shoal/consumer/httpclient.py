@@ -335,7 +335,12 @@ class HttpClient:
         for attempt in (1, 2):
             conn = await self._acquire(deadline)
             reused = conn.served > 0
-            left = None if deadline is None else max(0.0, deadline - loop.time())
+            left = None if deadline is None else deadline - loop.time()
+            if left is not None and left <= 0:
+                # No time left to send in (connecting took it): a request written now
+                # would run on the server, its answer never read.
+                self._release(conn)
+                raise TimeoutError
             try:
                 answer = await self._exchange(conn, request, left)
             except Unanswered as exc:
