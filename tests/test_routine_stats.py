@@ -169,6 +169,7 @@ def test_the_routine_stats_sort_after_every_other_key_of_a_group() -> None:
         keys.problems,
         keys.paused,
         keys.reset,
+        keys.resetting,
         keys.partition(127),
         keys.claim(1023),
         keys.member("zzz"),

@@ -59,7 +59,7 @@ class QuietLog:
         if self._suppressed:
             message += " (%d more like it in the last %.0f s; failing for %.0f s)"
             args = (*args, self._suppressed, now - self._last, now - self._since)
-        self.logger.log(level, message, *args, exc_info=exc_info)
+        self.logger.log(level, message, *args, exc_info=True if exc_info else None)
         self._last = now
         self._suppressed = 0
 

@@ -595,11 +595,13 @@ def status(group: str, namespace: str, etcd_endpoints: str, partitions: int, as_
     except Exception as exc:
         raise click.ClickException(str(exc)) from None
     if not known:
-        # A misspelt name reads as an empty group: say so, and fail, rather than print
-        # "0 members" as if the group were there and idle.
-        raise click.ClickException(
-            f"no group {namespace}/{group} in etcd at {etcd_endpoints}: not one key under "
-            f"{Keys(namespace, group).prefix} (are --group and --namespace right?)"
+        # A misspelt name reads as an empty group: say so (on stderr: a group not started
+        # yet, or whose members all left, is the same, and scripts poll it).
+        click.echo(
+            f"note: etcd at {etcd_endpoints} has not one key under "
+            f"{Keys(namespace, group).prefix}: no member has run yet, or the group's name "
+            "is not right (--group, --namespace)",
+            err=True,
         )
     if as_json:
         click.echo(json.dumps(st.as_dict(), indent=2))
