@@ -583,18 +583,17 @@ def status(group: str, namespace: str, etcd_endpoints: str, partitions: int, as_
         etcd = Etcd(etcd_endpoints, **etcd_options_from_env(os.environ))
         try:
             await etcd.connect(attempts=3)
-            st = await read_status(etcd, namespace, group, counted)
-            # Any key at all (a member NATS refuses has only its problems/ key; a new
-            # group, none yet of a leader): the group is there.
-            return st, bool((await etcd.get_prefix(Keys(namespace, group).prefix))[1])
+            return await read_status(etcd, namespace, group, counted)
         finally:
             etcd.close()
 
     try:
-        st, known = asyncio.run(go())
+        st = asyncio.run(go())
     except Exception as exc:
         raise click.ClickException(str(exc)) from None
-    if not known:
+    # From what was read (no second listing): a member NATS refuses has only its
+    # problems/ key, a new group no leader yet.
+    if not (st.members or st.owners or st.claims or st.leader or st.problems or st.paused):
         # A misspelt name reads as an empty group: say so (on stderr: a group not started
         # yet, or whose members all left, is the same, and scripts poll it).
         click.echo(
