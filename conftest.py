@@ -11,7 +11,7 @@ import asyncio
 from typing import Any
 
 import pytest
-import pytest_timeout
+import pytest_timeout  # type: ignore[import-untyped]
 
 from shoal.logs import quiet_known_noise
 

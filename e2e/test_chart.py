@@ -264,6 +264,24 @@ def test_monitoring_is_opt_in_except_the_dashboard_and_the_metrics_port() -> Non
     assert env["SHOAL_CONSUMER_METRICS_PORT"] == ""
 
 
+def test_consumer_probes_are_http_on_8081_unless_the_port_is_null() -> None:
+    """What the operator reads (settings_from_env): 8081 gives the pods httpGet probes on
+    a container port named health; null (the local plane without --pod-network) exec."""
+    from shoal.operator.settings import settings_from_env
+
+    def operator_env(*args: str) -> dict[str, str]:
+        deployment = only(render(*args), "Deployment")
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        return {var["name"]: var.get("value", "") for var in container["env"] if "value" in var}
+
+    assert settings_from_env(operator_env()).consumer_health_port == 8081
+    nulled = operator_env("--set", "consumerProbes.port=null")
+    assert nulled["SHOAL_CONSUMER_HEALTH_PORT"] == ""
+    assert settings_from_env(nulled).consumer_health_port is None
+    refused = helm_template("--set", "consumerProbes.port=0", check=False)
+    assert refused.returncode != 0 and "/consumerProbes/port" in refused.stderr, refused.stderr
+
+
 def operator_nats(*args: str) -> tuple[dict[str, Any], list[Any], list[Any]]:
     """The operator container's NATS_* env (name -> var), its mounts and the pod's volumes."""
     pod = only(render(*args), "Deployment")["spec"]["template"]["spec"]

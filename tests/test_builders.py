@@ -297,6 +297,7 @@ def test_every_variable_is_one_the_consumer_knows() -> None:
         "SHOAL_LEASE_TTL",
         "SHOAL_KEEPALIVE_INTERVAL",
         "SHOAL_METRICS_PORT",
+        "SHOAL_HEALTH_PORT",  # only where the operator has a health port (exec probes else)
         "SHOAL_MAX_BUFFERED",
         "SHOAL_NATS_RECONNECT_BUFFER",  # nats-py's default unless spec.env sets it
         "SHOAL_DOZE_SWEEP",
@@ -826,6 +827,37 @@ def test_consumer_metrics_port(port: int | None, declared: int | None) -> None:
         assert ports is None
     else:
         assert ports == [{"name": "metrics", "containerPort": declared, "protocol": "TCP"}]
+
+
+def test_probes_go_over_http_on_the_health_port() -> None:
+    settings = OperatorSettings(consumer_health_port=8081, consumer_metrics_port=9102)
+    c = container(build_deployment(NAME, NAMESPACE, minimal_spec(), settings))
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "health"}
+    assert "exec" not in c["readinessProbe"] and "exec" not in c["livenessProbe"]
+    # The same timings as the exec probes: readiness tolerates no failure, liveness is
+    # as generous as before.
+    assert (c["readinessProbe"]["periodSeconds"], c["readinessProbe"]["failureThreshold"]) == (2, 1)
+    assert c["livenessProbe"]["periodSeconds"] * c["livenessProbe"]["failureThreshold"] >= 30
+    assert c["ports"] == [
+        {"name": "metrics", "containerPort": 9102, "protocol": "TCP"},
+        {"name": "health", "containerPort": 8081, "protocol": "TCP"},
+    ]
+    env = resolve(c["env"])
+    assert env["SHOAL_HEALTH_PORT"] == "8081"
+    config = config_from_env(env)
+    # The member answers from the file the exec probes read.
+    assert (config.health_port, config.ready_file) == (8081, env["SHOAL_READY_FILE"])
+
+
+def test_no_health_port_no_http_probes() -> None:
+    c = container(build_deployment(NAME, NAMESPACE, minimal_spec(), SETTINGS))
+    assert "httpGet" not in c["readinessProbe"]
+    assert "SHOAL_HEALTH_PORT" not in resolve(c["env"])
+    assert settings_from_env({"SHOAL_CONSUMER_HEALTH_PORT": "9000"}).consumer_health_port == 9000
+    assert settings_from_env({"SHOAL_CONSUMER_HEALTH_PORT": ""}).consumer_health_port is None
+    with pytest.raises(ValueError, match="consumer_health_port"):
+        settings_from_env({"SHOAL_CONSUMER_HEALTH_PORT": "0"})
 
 
 def test_settings_from_env() -> None:

@@ -120,6 +120,9 @@ def operator_process(
         "SHOAL_OPERATOR_IMAGE": "shoal:dev",
         "NATS_URL": plane.state.nats_url,
         "ETCD_ENDPOINTS": plane.state.etcd_endpoint,
+        # HTTP probes where each pod has a loopback of its own (the chart's default on a
+        # real cluster; the plane's values.yaml says the same), exec probes elsewhere.
+        **({"SHOAL_CONSUMER_HEALTH_PORT": "8081"} if plane.pod_network else {}),
         **(extra_env or {}),
     }
     args = [a for ns in namespaces for a in ("--namespace", ns)]

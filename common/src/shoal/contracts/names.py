@@ -251,6 +251,11 @@ NATS_CREDENTIALS_SECRET_VERSION_ANNOTATION = f"{API_GROUP}/nats-credentials-secr
 # Which pod a ReplicaSet removes first on a scale-down (lowest cost goes first).
 DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
 
+# What a member's health port answers (consumer/healthport.py), the operator's httpGet
+# probes ask.
+READY_PATH = "/readyz"
+LIVE_PATH = "/livez"
+
 # The pod's CPU limit, in millicores, as the operator tells the members (shoal.consumer.cpu
 # reads it: the share of the limit a member reports as its cpu).
 CPU_LIMIT_ENV = "SHOAL_CPU_LIMIT_MILLICORES"

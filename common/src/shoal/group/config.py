@@ -126,6 +126,9 @@ class GroupConfig(BaseModel):
     # The member's state (joined, fenced, NATS, a timestamp), rewritten every second and
     # removed at exit: the pod's probes (`shoal-ready`, `shoal-ready --live`) read it.
     ready_file: str | None = None
+    # Answer the probes over HTTP on this port as well (/readyz, /livez, from ready_file;
+    # 0: any free port): consumer/healthport.py. None: only the file (exec probes).
+    health_port: int | None = Field(None, ge=0, le=65535)
     # NATS credentials: a credentials file (the operator mounts the group's credentials
     # secret), or a user and password, or an nkey seed file; and TLS with a private CA
     # and a client certificate (spec.nats.tlsSecret). Checked when connecting
@@ -199,6 +202,11 @@ class GroupConfig(BaseModel):
     def _derived(self) -> GroupConfig:
         if self.load_aware and self.strategy == "modulo":
             raise ValueError("load_aware needs strategy 'sticky' (modulo ignores loads)")
+        if self.health_port is not None and not self.ready_file:
+            raise ValueError(
+                "health_port (SHOAL_HEALTH_PORT) answers from the state file: set "
+                "ready_file (SHOAL_READY_FILE) too"
+            )
         if self.fence_margin >= self.lease_ttl:
             raise ValueError("fence_margin must be smaller than lease_ttl")
         if self.keepalive_interval >= self.lease_ttl - self.fence_margin:
@@ -292,6 +300,7 @@ ENV_FIELDS: dict[str, str] = {
     "SHOAL_DRAIN_TIMEOUT": "drain_timeout",
     "SHOAL_STATS_INTERVAL": "stats_interval",
     "SHOAL_READY_FILE": "ready_file",
+    "SHOAL_HEALTH_PORT": "health_port",
     "SHOAL_ENSURE_JETSTREAM": "ensure_jetstream",
     "NATS_CREDS_FILE": "nats_creds_file",
     "NATS_USER": "nats_user",

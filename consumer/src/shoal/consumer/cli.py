@@ -34,6 +34,7 @@ from shoal.consumer.cli_options import (
 )
 from shoal.consumer.dlq_cli import dlq
 from shoal.consumer.handlers import HandlerError
+from shoal.consumer.healthport import HealthPortInUse
 from shoal.consumer.reset_cli import reset
 from shoal.contracts.names import (
     SEQ_HEADER,
@@ -99,6 +100,15 @@ main.add_command(reset)
     help="Serve Prometheus /metrics on this port (0: any free port).",
 )
 @click.option(
+    "--health-port",
+    envvar="SHOAL_HEALTH_PORT",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Answer the probes over HTTP on this port too: GET /readyz and /livez say what "
+    "`shoal-ready` and `shoal-ready --live` say (200 or 503, and the line); needs "
+    "SHOAL_READY_FILE (0: any free port) [env SHOAL_HEALTH_PORT].",
+)
+@click.option(
     "--lease-ttl",
     envvar="SHOAL_LEASE_TTL",
     type=int,
@@ -124,6 +134,7 @@ def run(
     handler_ready_path: str | None,
     member_id: str | None,
     metrics_port: int | None,
+    health_port: int | None,
     lease_ttl: int | None,
     event_loop: str,
 ) -> None:
@@ -161,11 +172,18 @@ def run(
         handler_ready_path=handler_ready_path,
         member_id=member_id,
         metrics_port=metrics_port,
+        health_port=health_port,
         lease_ttl=lease_ttl,
     )
     try:
         eventloop.run(run_consumer(config), event_loop)
-    except (HandlerError, EtcdConfigError, EtcdAuthError, NatsConfigError) as exc:
+    except (
+        HandlerError,
+        EtcdConfigError,
+        EtcdAuthError,
+        NatsConfigError,
+        HealthPortInUse,
+    ) as exc:
         raise click.ClickException(str(exc)) from None
     except NatsClosed:
         # (Logged already, with the reason.) A restart connects again, with backoff.

@@ -28,6 +28,7 @@ from shoal.consumer.cpu import CpuMeter
 from shoal.consumer.deadletter import ExhaustedMessages
 from shoal.consumer.election import Election, GenerationRecord
 from shoal.consumer.handlers import load_handler
+from shoal.consumer.healthport import HealthServer
 from shoal.consumer.httphandler import HttpHandler
 from shoal.consumer.membership import Membership
 from shoal.consumer.memory import trim_forever
@@ -92,6 +93,8 @@ class ConsumerProcess:
             HealthFile(config.ready_file, self._member_state) if config.ready_file else None
         )
         self._health_task: asyncio.Task[None] | None = None
+        # The same answers over HTTP (healthport.py), for httpGet probes.
+        self.health_server: HealthServer | None = None
         # Why NATS refuses us (credentials, TLS), while it does: the probes say it.
         self.nats_refusal: NatsRefusal | None = None
         # ... and etcd says it too (Keys.problem): a refused member has not joined, so
@@ -233,6 +236,8 @@ class ConsumerProcess:
         c.nats_security().check()
         if self.health is not None and self._health_task is None:
             self._health_task = asyncio.create_task(self.health.run(), name="health-file")
+        if c.health_port is not None and c.ready_file and self.health_server is None:
+            self.health_server = HealthServer(c.ready_file, c.health_port)
         if c.metrics_port is not None:
             self.metrics_port = self.metrics.serve(c.metrics_port)
         await self.etcd.connect()
@@ -380,6 +385,9 @@ class ConsumerProcess:
         if self.health is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.health.path)
+        if self.health_server is not None:
+            await asyncio.to_thread(self.health_server.close)
+            self.health_server = None
 
     async def shutdown(self) -> None:
         c = self.config

@@ -658,6 +658,9 @@ class LocalKube:
             # Every pod shares the host's loopback here: a fixed metrics port would let one
             # consumer per machine bind it. 0: each picks a free one (and logs it).
             "consumerMetrics": {"port": 0},
+            # The same for the probes' port: exec probes (shoal-ready) unless every pod has
+            # a loopback of its own (--pod-network).
+            "consumerProbes": {"port": 8081 if self.pod_network else None},
         }
         (self.root / "values.yaml").write_text(
             "# Written by `make cluster-up`: Helm values for the local plane.\n"

@@ -27,9 +27,11 @@ from shoal.contracts.names import (
     CPU_LIMIT_ENV,
     ETCD_SECRET_VERSION_ANNOTATION,
     GROUP_LABEL,
+    LIVE_PATH,
     NATS_CREDENTIALS_SECRET_VERSION_ANNOTATION,
     NATS_TLS_SECRET_VERSION_ANNOTATION,
     PLURAL,
+    READY_PATH,
     check_token,
     member_inbox_prefix,
 )
@@ -143,11 +145,14 @@ POD_FIELDS = (
     *NATS_TLS_FILES,
     "nats_inbox_prefix",
     "metrics_port",
+    "health_port",
     *ETCD_TLS_FILES,
 )
 
 # The container port the consumers serve /metrics on (the chart's PodMonitor scrapes it).
 METRICS_PORT_NAME = "metrics"
+# The container port the consumers answer their HTTP probes on (consumer/healthport.py).
+HEALTH_PORT_NAME = "health"
 
 
 class ResourceNames(TypedDict):
@@ -258,6 +263,7 @@ def pod_config(
         # or off at any time) and scales through the group's scale subresource.
         autoscaler="kubernetes",
         metrics_port=settings.consumer_metrics_port,
+        health_port=settings.consumer_health_port,
         **files,
     )
     # Replies under the group's own prefix, not nats-py's _INBOX shared by every client,
@@ -382,11 +388,35 @@ def _volumes(spec: ConsumerGroupSpec, nats: NatsPodSecrets) -> tuple[list[Obj], 
     return volumes, mounts
 
 
-def _metrics_ports(settings: OperatorSettings) -> Obj:
-    port = settings.consumer_metrics_port
-    if not port:  # off, or any free port (nothing to declare)
-        return {}
-    return {"ports": [{"name": METRICS_PORT_NAME, "containerPort": port, "protocol": "TCP"}]}
+def _ports(settings: OperatorSettings) -> Obj:
+    ports = []
+    if settings.consumer_metrics_port:  # (None: off; 0: any free port, nothing to declare)
+        ports.append(
+            {
+                "name": METRICS_PORT_NAME,
+                "containerPort": settings.consumer_metrics_port,
+                "protocol": "TCP",
+            }
+        )
+    if settings.consumer_health_port:
+        ports.append(
+            {
+                "name": HEALTH_PORT_NAME,
+                "containerPort": settings.consumer_health_port,
+                "protocol": "TCP",
+            }
+        )
+    return {"ports": ports} if ports else {}
+
+
+def _probe_action(settings: OperatorSettings, live: bool) -> Obj:
+    """What a probe runs: GET /readyz or /livez on the health port where the operator has
+    one (consumer/healthport.py: shoal-ready's answers, without a process per probe),
+    else `shoal-ready` itself."""
+    if settings.consumer_health_port:
+        path = LIVE_PATH if live else READY_PATH
+        return {"httpGet": {"path": path, "port": HEALTH_PORT_NAME}}
+    return {"exec": {"command": list(LIVE_COMMAND if live else READY_COMMAND)}}
 
 
 def _container(
@@ -404,15 +434,15 @@ def _container(
         "command": list(COMMAND),
         "env": consumer_env(name, namespace, spec, settings, nats),
         "resources": copy.deepcopy(spec.resources),
-        **_metrics_ports(settings),
+        **_ports(settings),
         # Ready = joined, not fenced, reaching NATS, and the state refreshed within 5 s
         # (the member rewrites SHOAL_READY_FILE every second), so a rollout waits for each
         # new member before replacing the next one, and a member fenced for good, cut
-        # from NATS or frozen shows as unready. Timeout 2 s, not 1: the probe starts a
+        # from NATS or frozen shows as unready. Timeout 2 s, not 1: an exec probe starts a
         # Python process, and one slow start must not fail a probe that tolerates no
         # failures.
         "readinessProbe": {
-            "exec": {"command": list(READY_COMMAND)},
+            **_probe_action(settings, live=False),
             "periodSeconds": 2,
             "timeoutSeconds": 2,
             "failureThreshold": 1,
@@ -423,7 +453,7 @@ def _container(
         # hand-overs to the outage. A stuck loop is restarted 80-90 s after it stopped;
         # start-up (before the first write) gets 30 s more.
         "livenessProbe": {
-            "exec": {"command": list(LIVE_COMMAND)},
+            **_probe_action(settings, live=True),
             "initialDelaySeconds": 30,
             "periodSeconds": 10,
             "timeoutSeconds": 5,

@@ -25,6 +25,7 @@ ENV_FIELDS: dict[str, str] = {
     "ETCD_ENDPOINTS": "etcd_endpoints",
     "SHOAL_DRAIN_TIMEOUT": "drain_timeout_seconds",
     "SHOAL_CONSUMER_METRICS_PORT": "consumer_metrics_port",
+    "SHOAL_CONSUMER_HEALTH_PORT": "consumer_health_port",
     "SHOAL_DELETE_ETCD_TIMEOUT": "delete_etcd_timeout_seconds",
     "SHOAL_DELETE_NATS_TIMEOUT": "delete_nats_timeout_seconds",
     # The operator's own NATS TLS and credentials (the chart's nats.tlsSecret and
@@ -56,6 +57,12 @@ class OperatorSettings(BaseModel):
     # free port, for the local plane, where every pod shares the host's loopback (no
     # container port is declared then).
     consumer_metrics_port: int | None = Field(None, ge=0, le=65535)
+    # The port consumer pods answer their probes on over HTTP (/readyz, /livez; a container
+    # port named "health"): httpGet probes, which cost the member a few hundred
+    # microseconds where `shoal-ready` execs a Python process (consumer/healthport.py).
+    # None: exec probes, for the local plane, where pods share the host's loopback unless
+    # it runs with --pod-network and two members could not both listen on one port.
+    consumer_health_port: int | None = Field(None, ge=1, le=65535)
     # How long deleting a group retries an unreachable etcd (to clear the group's keys)
     # before its deletionPolicy decides: Retain leaves the keys and lets the group go,
     # Delete keeps waiting for etcd (and says so in status and Events).
