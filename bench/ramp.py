@@ -204,7 +204,8 @@ class Bench:
         )
         cpu.watch("publisher", process.pid)
         try:
-            out, err = await asyncio.wait_for(process.communicate(), self.args.timeout)
+            async with asyncio.timeout(self.args.timeout):
+                out, err = await process.communicate()
         finally:
             if process.returncode is None:
                 process.kill()

@@ -321,11 +321,13 @@ async def run_plain(
     )
     assert proc.stdout is not None
     try:
-        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        async with asyncio.timeout(30):
+            line = await proc.stdout.readline()
         if not line:
             raise RuntimeError("harness.plain exited before it was ready")
         await on_ready(proc.pid)
-        line = await asyncio.wait_for(proc.stdout.readline(), timeout + 10)
+        async with asyncio.timeout(timeout + 10):
+            line = await proc.stdout.readline()
         if not line:
             raise RuntimeError("harness.plain exited without a result")
         raw = json.loads(line)

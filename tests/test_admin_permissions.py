@@ -118,7 +118,8 @@ async def as_admin(setup: Setup, config: GroupConfig, *args: str) -> tuple[int, 
         stderr=asyncio.subprocess.STDOUT,
     )
     try:
-        out, _ = await asyncio.wait_for(process.communicate(), 60)
+        async with asyncio.timeout(60):
+            out, _ = await process.communicate()
     finally:
         if process.returncode is None:
             process.kill()

@@ -546,7 +546,8 @@ async def test_healthy_members_stats_are_never_stale_at_a_short_interval(
     try:
         await view.synced.wait()
         view.follow_stats(True)
-        await asyncio.wait_for(view.stats_synced.wait(), 10)
+        async with asyncio.timeout(10):
+            await view.stats_synced.wait()
         epoch = await etcd.create_returning_revision(
             leader_config.keys.leader, b"lead", memberships[0].lease_id
         )

@@ -38,7 +38,8 @@ async def watching(etcd: Etcd, config: GroupConfig) -> AsyncIterator[GroupView]:
     view = GroupView(etcd, config.keys, config.partitions)
     task = asyncio.create_task(view.run())
     try:
-        await asyncio.wait_for(view.synced.wait(), 10)
+        async with asyncio.timeout(10):
+            await view.synced.wait()
         yield view
     finally:
         task.cancel()
@@ -131,7 +132,8 @@ async def test_leading_stops_waiting_when_the_new_leader_key_vanished(
             await caught_up(view, epoch + 1)
             leader = Election(etcd, view, SafeMembership(lease), config)  # type: ignore[arg-type]
             leader.epoch = epoch
-            await asyncio.wait_for(leader._lead(), 5)
+            async with asyncio.timeout(5):
+                await leader._lead()
             assert not leader.is_leader
             # Back in run(), it campaigns again, and leads under a new epoch.
             task = asyncio.create_task(leader.run())
@@ -162,7 +164,8 @@ async def test_leading_stops_waiting_for_a_view_that_does_not_catch_up(
             await caught_up(live, epoch)
             leader = Election(etcd, frozen, SafeMembership(lease), config)  # type: ignore[arg-type]
             leader.epoch = epoch
-            await asyncio.wait_for(leader._lead(), 10)
+            async with asyncio.timeout(10):
+                await leader._lead()
             assert not leader.is_leader
     finally:
         await etcd.revoke_lease(lease)

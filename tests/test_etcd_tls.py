@@ -344,7 +344,8 @@ async def test_the_leaders_stats_poll_outlives_a_refusal(
         stats = MemberStats(ts=time.time(), cpu=12.5).to_json()
         await writer.put(keys.member("m-a"), stats)
         await writer.put(keys.member_stats("m-a"), stats)
-        await asyncio.wait_for(view.synced.wait(), 10)
+        async with asyncio.timeout(10):
+            await view.synced.wait()
         caplog.set_level(logging.WARNING, logger="shoal.group.view")
         view.follow_stats(True)
         await asyncio.sleep(0.5)
@@ -354,7 +355,8 @@ async def test_the_leaders_stats_poll_outlives_a_refusal(
 
         grant(auth_etcd, pki, "leader", keys.stats, prefix_end(keys.stats))
         # (The backoff after a failure starts at the poll interval and doubles.)
-        await asyncio.wait_for(view.stats_synced.wait(), 10)
+        async with asyncio.timeout(10):
+            await view.stats_synced.wait()
         assert keys.member_stats("m-a") in view.stats_kvs
     finally:
         view.follow_stats(False)

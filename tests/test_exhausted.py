@@ -82,7 +82,8 @@ class Setup:
         pull = await self.js.pull_subscribe_bind("p1", stream=self.config.stream)
         [delivered] = await pull.fetch(1, timeout=5)
         assert delivered.data == b"stuck"
-        await asyncio.wait_for(self.advisories.get(), 15)
+        async with asyncio.timeout(15):
+            await self.advisories.get()
         return delivered
 
 

@@ -61,7 +61,8 @@ async def test_a_stats_put_in_flight_never_recreates_the_key_after_leave(
         runner = asyncio.create_task(membership.run())
         # The next stats put waits 1 s before it goes out; leave while it waits.
         client.delay = 1.0
-        await asyncio.wait_for(client.delayed.wait(), 5)
+        async with asyncio.timeout(5):
+            await client.delayed.wait()
         await membership.leave()
         client.delay = 0.0
         # Longer than the delayed put and a few more keep-alive rounds.

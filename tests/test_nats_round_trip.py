@@ -36,7 +36,8 @@ async def test_a_round_trip_answered_late_leaves_the_connection_reading(nats_url
             assert not nc._reading_task.done(), "the read loop died"
             await round_trip(nc, 2.0)
             await nc.publish("round-trip.check", b"still reading")
-            assert await asyncio.wait_for(got.get(), 5) == b"still reading"
+            async with asyncio.timeout(5):
+                assert await got.get() == b"still reading"
         finally:
             await nc.close()
 
@@ -73,7 +74,8 @@ async def test_a_read_loop_that_ended_is_started_again(nats_url: str) -> None:
         async def received() -> bytes:
             # Core NATS is at most once: what reached the dead reader is lost, so ask again.
             await nc.publish("read-loop.check", b"still reading")
-            return await asyncio.wait_for(got.get(), 0.5)
+            async with asyncio.timeout(0.5):
+                return await got.get()
 
         message = await eventually_async(
             received, 15, "a message read again", retry_on=(TimeoutError,)

@@ -164,7 +164,8 @@ async def test_direct_path_against_a_real_server(direct: DirectClient) -> None:
     await nc.publish(next_subject, json.dumps({"batch": 3}).encode(), reply=inbox + ".a")
     while len(got) < 3:
         arrived.clear()
-        await asyncio.wait_for(arrived.wait(), 5)
+        async with asyncio.timeout(5):
+            await arrived.wait()
     assert [m.data for m in got] == [b"m0", b"m1", b"m2"]
     assert [m.subject for m in got] == [f"{stream}.0", f"{stream}.1", f"{stream}.2"]
     assert [m.header(b"Shoal-Project-Id") for m in got] == ["p0", "p1", "p2"]
@@ -196,7 +197,8 @@ async def test_direct_path_against_a_real_server(direct: DirectClient) -> None:
         next_subject, json.dumps({"batch": 5, "no_wait": True}).encode(), reply=inbox + ".b"
     )
     arrived.clear()
-    await asyncio.wait_for(arrived.wait(), 5)
+    async with asyncio.timeout(5):
+        await arrived.wait()
     assert statuses and statuses[0][0] == inbox + ".b"
     assert statuses[0][1].get("Status") in ("404", "408")
 
@@ -205,7 +207,8 @@ async def test_direct_path_against_a_real_server(direct: DirectClient) -> None:
     await nc.publish(next_subject, json.dumps({"batch": 1}).encode(), reply=inbox + ".c")
     while len(got) < 4:
         arrived.clear()
-        await asyncio.wait_for(arrived.wait(), 5)
+        async with asyncio.timeout(5):
+            await arrived.wait()
     assert got[3].data == b"m2" and ".d.2." in got[3].reply
     await got[3].term()
     await nc.flush()

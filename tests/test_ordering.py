@@ -205,4 +205,5 @@ async def test_nak_and_continue_lets_later_messages_overtake(
     order = [r.message_id for r in sorted(records, key=lambda r: r.started)]
     assert order[-1] == "p0-0", order
     assert next(r.delivery_count for r in records if r.message_id == "p0-0") == 2
-    assert await asyncio.wait_for(dead_letters(js, config), 10) == []
+    async with asyncio.timeout(10):
+        assert await dead_letters(js, config) == []

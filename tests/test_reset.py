@@ -94,7 +94,8 @@ async def reset_cli(config: GroupConfig, *args: str) -> tuple[int, str, str]:
         stderr=asyncio.subprocess.PIPE,
     )
     try:
-        out, err = await asyncio.wait_for(process.communicate(), 90)
+        async with asyncio.timeout(90):
+            out, err = await process.communicate()
     finally:
         if process.returncode is None:
             process.kill()

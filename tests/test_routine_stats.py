@@ -79,7 +79,8 @@ async def test_only_the_leader_reads_routine_stats_and_no_watch_carries_them(
     await follower.synced.wait()
     await leader.synced.wait()
     leader.follow_stats(True)
-    await asyncio.wait_for(leader.stats_synced.wait(), 10)
+    async with asyncio.timeout(10):
+        await leader.stats_synced.wait()
 
     # The first put writes both keys (nothing deciding was published yet); the rest are
     # routine: a new cpu each time.
@@ -99,7 +100,8 @@ async def test_only_the_leader_reads_routine_stats_and_no_watch_carries_them(
     changed = follower.change_event()
     stats = MemberStats(ts=time.time(), cpu=0.5, nats_ok=False)
     await membership.put_stats_now()
-    await asyncio.wait_for(changed.wait(), 10)
+    async with asyncio.timeout(10):
+        await changed.wait()
     await eventually(lambda: not follower.members()["m-a"].nats_ok, "the follower sees nats_ok")
     assert follower.members()["m-a"].cpu == 0.5
 

@@ -507,7 +507,8 @@ class FaultGroup:
         """Stop everything this group started, whatever state it is in."""
         try:
             if self.producer is not None:
-                await asyncio.wait_for(self.producer.stop(), 10)
+                async with asyncio.timeout(10):
+                    await self.producer.stop()
         except Exception:
             log.exception("stopping the producer")
         self.fleet.close()
@@ -515,7 +516,8 @@ class FaultGroup:
             proxy.close()
         if self.nc is not None:
             try:
-                await asyncio.wait_for(self.nc.close(), 5)
+                async with asyncio.timeout(5):
+                    await self.nc.close()
             except Exception:
                 log.debug("closing NATS", exc_info=True)
         self.etcd.close()

@@ -143,7 +143,8 @@ async def main_async(args: argparse.Namespace) -> None:
         plain = reader(nc, args.stream, args.durables.split(","), args.batch, args.target)
         await plain.start()
         print(json.dumps({"ready": True}), flush=True)
-        await asyncio.wait_for(plain.done, args.timeout)
+        async with asyncio.timeout(args.timeout):
+            await plain.done
         await nc.flush()
         result = {
             "acked": plain.acked,

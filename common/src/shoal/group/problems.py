@@ -118,7 +118,8 @@ class RefusalReporter:
                 self._task = None  # nothing to keep alive: the next report starts again
                 return
             try:
-                await asyncio.wait_for(self._changed.wait(), self.keepalive)
+                async with asyncio.timeout(self.keepalive):
+                    await self._changed.wait()
             except TimeoutError:
                 pass
 
@@ -154,6 +155,7 @@ class RefusalReporter:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         try:
-            await asyncio.wait_for(self._revoke(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._revoke()
         except Exception as exc:
             log.debug("Could not revoke the NATS refusal's lease: %s", describe(exc))

@@ -129,7 +129,8 @@ class GroupView:
     async def changed(self, timeout: float | None = None) -> None:
         event = self._event
         try:
-            await asyncio.wait_for(event.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await event.wait()
         except TimeoutError:
             pass
 

@@ -260,7 +260,8 @@ class Election:
                         logging.WARNING, "Campaign failed (etcd: %s)", exc
                     )
             try:
-                await asyncio.wait_for(changed.wait(), 1.0)
+                async with asyncio.timeout(1.0):
+                    await changed.wait()
             except TimeoutError:
                 pass
 
@@ -278,7 +279,8 @@ class Election:
             # The first assignment weighs partitions by the members' routine stats: wait
             # (a listing: milliseconds) until the view has them, not past a lost etcd.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.view.stats_synced.wait(), STATS_SYNC_WAIT)
+                async with asyncio.timeout(STATS_SYNC_WAIT):
+                    await self.view.stats_synced.wait()
         first = True
         applied_members: set[str] = set()
         next_load_check = time.monotonic() + self.config.load_check_interval

@@ -186,10 +186,9 @@ class Membership:
                 self._signal()
             sent = time.monotonic()
             try:
-                ttl = await asyncio.wait_for(
-                    self.etcd.refresh_lease(self.lease_id), self.config.keepalive_interval
-                )
-            except TRANSIENT_ERRORS as exc:  # TimeoutError (the wait_for) is among them
+                async with asyncio.timeout(self.config.keepalive_interval):
+                    ttl = await self.etcd.refresh_lease(self.lease_id)
+            except TRANSIENT_ERRORS as exc:  # TimeoutError (the timeout) is among them
                 unrenewed = time.monotonic() - self._renewed_at
                 failures.failed(
                     logging.WARNING,

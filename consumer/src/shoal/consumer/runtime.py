@@ -191,7 +191,8 @@ class ConsumerProcess:
                     del pending[p]
             if pending:
                 try:
-                    await asyncio.wait_for(changed.wait(), deadline - time.monotonic())
+                    async with asyncio.timeout(deadline - time.monotonic()):
+                        await changed.wait()
                 except TimeoutError:
                     pass
         return times
@@ -409,7 +410,8 @@ class ConsumerProcess:
         if self.leader.is_leader:
             # Log the last generations (our own departure's) before the connection goes.
             try:
-                await asyncio.wait_for(self._generations.join(), HANDOVER_LOG_TIMEOUT / 10)
+                async with asyncio.timeout(HANDOVER_LOG_TIMEOUT / 10):
+                    await self._generations.join()
             except TimeoutError:
                 log.info("Some assignment-log events were not written before leaving")
         await self.leader.resign()
