@@ -186,6 +186,19 @@ async def round_trip(nc: Any, timeout: float) -> None:
         pass  # the server answered
 
 
+def reraise_dropped_cancel() -> None:
+    """Raise CancelledError if this task was cancelled and the cancellation got lost.
+
+    nats-py waits for every request's answer with asyncio.wait_for, which on Python 3.11
+    returns the answer when a cancellation arrives in the loop iteration that brings it,
+    and drops the cancellation (CPython gh-86296; Shoal's own code uses asyncio.timeout,
+    and ruff bans wait_for). The task stays marked as cancelling, so a loop that calls
+    this after each request ends as it was asked to instead of running on for good."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 def reader_ended(nc: Any) -> bool:
     """Whether nats-py's read loop has ended while the connection counts as connected.
 
@@ -242,6 +255,7 @@ class NatsHealth:
                 log.debug("NATS round trip failed: %r", exc)
                 if self._failing_since is None:
                     self._failing_since = started
+            reraise_dropped_cancel()
             await self._restart_ended_reader()
             now = self.reachable()
             if now != was:
