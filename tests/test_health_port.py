@@ -41,11 +41,11 @@ def state(age: float = 0.5, **change: Any) -> MemberState:
     return healthy._replace(**change)
 
 
-def get(port: int, path: str, timeout: float = 2.0) -> tuple[int, str]:
-    """(status, body) of GET 127.0.0.1:port/path, as a kubelet's prober asks it."""
+def get(port: int, path: str, timeout: float = 2.0, host: str = "127.0.0.1") -> tuple[int, str]:
+    """(status, body) of GET host:port/path, as a kubelet's prober asks it."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
-        with opener.open(f"http://127.0.0.1:{port}{path}", timeout=timeout) as response:
+        with opener.open(f"http://{host}:{port}{path}", timeout=timeout) as response:
             return int(response.status), response.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
@@ -112,6 +112,18 @@ def test_no_state_garbage_and_unknown_paths(served: tuple[Path, int]) -> None:
     assert status == 503 and "is not a member state" in body, body
     status, body = get(port, "/metrics")
     assert status == 404 and "/readyz" in body, body
+
+
+def test_every_address_by_default_ipv6_and_ipv4(tmp_path: Path) -> None:
+    """A kubelet probes the pod's IP: an IPv6 one in an IPv6 or dual-stack cluster."""
+    path = tmp_path / "ready"
+    write_state(path, state())
+    server = HealthServer(str(path), 0)
+    try:
+        assert get(server.port, "/readyz")[0] == 200
+        assert get(server.port, "/readyz", host="[::1]")[0] == 200
+    finally:
+        server.close()
 
 
 def test_a_taken_port_is_a_clear_error(tmp_path: Path) -> None:

@@ -23,7 +23,9 @@ chart's consumerProbes.port) and exec probes otherwise.
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from http import HTTPStatus
@@ -33,6 +35,29 @@ from shoal.consumer.ready import check, check_live
 from shoal.contracts.names import LIVE_PATH, READY_PATH
 
 log = logging.getLogger(__name__)
+
+
+class _DualStackServer(ThreadingHTTPServer):
+    """Listens on :: for IPv6 and, through IPv4-mapped addresses, IPv4 as well."""
+
+    address_family = socket.AF_INET6
+
+    def server_bind(self) -> None:
+        self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
+
+
+def _server(
+    addr: str | None, port: int, handler: type[BaseHTTPRequestHandler]
+) -> ThreadingHTTPServer:
+    if addr is not None:
+        return ThreadingHTTPServer((addr, port), handler)
+    try:
+        return _DualStackServer(("::", port), handler)
+    except OSError as exc:
+        if exc.errno not in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):
+            raise  # (the port in use, say: the same on IPv4)
+        return ThreadingHTTPServer(("0.0.0.0", port), handler)
 
 
 class HealthPortInUse(RuntimeError):
@@ -49,7 +74,9 @@ def _checks(state_file: str) -> dict[str, Callable[[], tuple[bool, str]]]:
 class HealthServer:
     """Answers /readyz and /livez from `state_file` in a daemon thread until close()."""
 
-    def __init__(self, state_file: str, port: int, addr: str = "0.0.0.0") -> None:
+    def __init__(self, state_file: str, port: int, addr: str | None = None) -> None:
+        """`addr` None: every address, IPv6 and IPv4 (a kubelet probes the pod's IP, which
+        is an IPv6 one in an IPv6 cluster), or IPv4 only where the host has no IPv6."""
         checks = _checks(state_file)
 
         class Handler(BaseHTTPRequestHandler):
@@ -71,11 +98,12 @@ class HealthServer:
                 self.wfile.write(body)
 
             def log_message(self, format: str, *args: object) -> None:
-                pass  # a line every 2 s from every pod says nothing; failures show below
+                pass  # a line per probe, every 2 s in every pod, would say nothing
 
         try:
-            self._server = ThreadingHTTPServer((addr, port), Handler)
+            self._server = _server(addr, port, Handler)
         except OSError as exc:
+            addr = addr or "*"
             raise HealthPortInUse(
                 f"cannot serve the health probes on {addr}:{port}: {exc.strerror or exc} "
                 "(does another container of the pod listen there? The operator's "
@@ -90,7 +118,13 @@ class HealthServer:
             name="health-port",
         )
         self._thread.start()
-        log.info("Serving probes on %s:%d%s and %s", addr, self.port, READY_PATH, LIVE_PATH)
+        log.info(
+            "Serving probes on %s:%d%s and %s",
+            self._server.server_address[0],
+            self.port,
+            READY_PATH,
+            LIVE_PATH,
+        )
 
     def close(self) -> None:
         self._server.shutdown()
