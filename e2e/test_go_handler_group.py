@@ -162,6 +162,12 @@ def test_a_go_handler_group_scales_loses_nothing_and_fails_no_request(
         assert os.readlink(f"/proc/{pid_of(pod, MEMBER)}/ns/net") == net
         networks.add(net)
     assert len(networks) == 3 and os.readlink("/proc/self/ns/net") not in networks
+    # With a network of its own, each member answers its probes over HTTP on the same
+    # port (the chart's default on a real cluster): Ready above came from GET /readyz.
+    for pod in pods:
+        (member,) = [c for c in pod["spec"]["containers"] if c["name"] == MEMBER]
+        assert member["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
+        assert member["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "health"}
 
     deleted = asyncio.run(scale_under_load(plane))
     check_logs(plane, deleted)
