@@ -34,9 +34,13 @@ after another, each once the one before it is Ready. 50 x 128 = 6,400 durables.
 Every line carries ``load1``, the machine's 1-minute load average when it was measured
 (the machine is shared). ``--member-groups N``: only N groups (and the last) get a
 member, the others ``replicas: 0`` (their stream, durables and status timer, no pod),
-for a machine that cannot run a member pod per group: each pod's readiness probe starts
-a Python process every 2 s (see README, "Many groups under one operator");
-``ready_seconds_without_member`` then gives their times apart. ``--profile-operator
+for a machine that cannot run a member pod per group with exec probes: each pod's
+readiness probe then starts a Python process every 2 s (see README, "Many groups under one
+operator"); ``ready_seconds_without_member`` then gives their times apart.
+``--pod-network`` (root, buildah) runs the pods from the image, each in a network
+namespace of its own, as on a real cluster: the operator then gives them HTTP probes on
+the member's health port (consumer/healthport.py, the chart's default), and
+``probe_cpu_pct`` is 0 (no process per probe; the kubelet's prober is in its own CPU). ``--profile-operator
 FILE`` runs the operator under cProfile. Everything started is stopped on the way out,
 failed or not, SIGTERM and SIGINT included (the plane's and the operator's context
 managers; the members are the plane's pods).
