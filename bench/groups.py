@@ -40,10 +40,11 @@ operator"); ``ready_seconds_without_member`` then gives their times apart.
 ``--pod-network`` (root, buildah) runs the pods from the image, each in a network
 namespace of its own, as on a real cluster: the operator then gives them HTTP probes on
 the member's health port (consumer/healthport.py, the chart's default), and
-``probe_cpu_pct`` is 0 (no process per probe; the kubelet's prober is in its own CPU). ``--profile-operator
-FILE`` runs the operator under cProfile. Everything started is stopped on the way out,
-failed or not, SIGTERM and SIGINT included (the plane's and the operator's context
-managers; the members are the plane's pods).
+``probe_cpu_pct`` is 0 (no process per probe; the kubelet's prober is in its own CPU);
+the default as root, with a member in every group. ``--profile-operator FILE`` runs the
+operator under cProfile. Everything started is stopped on the way out, failed or not,
+SIGTERM and SIGINT included (the plane's and the operator's context managers; the members
+are the plane's pods).
 """
 
 from __future__ import annotations
@@ -551,19 +552,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--member-groups",
         type=int,
-        default=10,
+        default=argparse.SUPPRESS,
         help="how many groups get their member (the last always does); the others get "
-        "replicas 0: their stream, durables and status timer, no pod (default 10; 0 or "
-        "more than --groups: all). 10 by default because this 2-core machine cannot run "
-        "50 member pods: their exec probes start a Python process every 2 s each, more "
-        "than a core at 50 (README, 'Many groups under one operator')",
+        "replicas 0: their stream, durables and status timer, no pod (0 or more than "
+        "--groups: all). Default: all with --pod-network; 10 without, because pods "
+        "probed by exec start a Python process every 2 s each, more than a core at 50 "
+        "on this 2-core machine (README, 'Many groups under one operator')",
     )
-    parser.add_argument(
+    network = parser.add_mutually_exclusive_group()
+    network.add_argument(
         "--pod-network",
+        dest="pod_network",
         action="store_true",
+        default=argparse.SUPPRESS,
         help="run the pods from the image (built first; root, buildah), each in a network "
-        "namespace of its own: their probes are then HTTP (GET /readyz on the member's "
-        "health port) instead of a shoal-ready process each, as on a real cluster",
+        "namespace of its own, as on a real cluster: their probes are then HTTP (GET "
+        "/readyz on the member's health port, the chart's default) instead of a "
+        "shoal-ready process each (default when run as root)",
+    )
+    network.add_argument(
+        "--no-pod-network",
+        dest="pod_network",
+        action="store_false",
+        default=argparse.SUPPRESS,
+        help="run the pods as local processes sharing the host's loopback, probed by exec "
+        "(the default without root)",
     )
     parser.add_argument(
         "--profile-operator",
@@ -576,6 +589,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.groups < 2:
         parser.error("--groups must be at least 2 (the last one is timed apart)")
+    if "pod_network" not in vars(args):
+        args.pod_network = os.geteuid() == 0
+        if not args.pod_network:
+            note("not root: pods as local processes probed by exec (--no-pod-network)")
+    if "member_groups" not in vars(args):
+        args.member_groups = args.groups if args.pod_network else 10
     if args.member_groups <= 0 or args.member_groups > args.groups:
         args.member_groups = args.groups
     return args
