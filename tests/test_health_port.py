@@ -23,7 +23,7 @@ import pytest
 from harness.fleet import Fleet
 from harness.proxy import TcpProxy
 from harness.servers import free_port
-from shoal.consumer.healthport import HealthPortInUse, HealthServer
+from shoal.consumer.healthport import IDLE_CONNECTION_SECONDS, HealthPortInUse, HealthServer
 from shoal.consumer.ready import MemberState, check, write_state
 
 
@@ -124,6 +124,18 @@ def test_every_address_by_default_ipv6_and_ipv4(tmp_path: Path) -> None:
         assert get(server.port, "/readyz", host="[::1]")[0] == 200
     finally:
         server.close()
+
+
+def test_a_connection_that_sends_nothing_is_closed_and_holds_nothing_up(
+    served: tuple[Path, int],
+) -> None:
+    path, port = served
+    write_state(path, state())
+    with socket.create_connection(("127.0.0.1", port), timeout=15) as quiet:
+        assert get(port, "/readyz")[0] == 200  # answered meanwhile
+        started = time.monotonic()
+        assert quiet.recv(1) == b""  # closed by the server
+        assert time.monotonic() - started < IDLE_CONNECTION_SECONDS + 3
 
 
 def test_a_taken_port_is_a_clear_error(tmp_path: Path) -> None:

@@ -36,6 +36,8 @@ from shoal.contracts.names import LIVE_PATH, READY_PATH
 
 log = logging.getLogger(__name__)
 
+IDLE_CONNECTION_SECONDS = 5.0
+
 
 class _DualStackServer(ThreadingHTTPServer):
     """Listens on :: for IPv6 and, through IPv4-mapped addresses, IPv4 as well."""
@@ -82,6 +84,10 @@ class HealthServer:
         class Handler(BaseHTTPRequestHandler):
             # HTTP/1.0: one request per connection, as the kubelet's prober makes them
             # (it closes each); nothing to keep open.
+            # A connection that sends nothing (a port scan, a client gone quiet) gives
+            # its thread back after this many seconds instead of holding it for good.
+            timeout = IDLE_CONNECTION_SECONDS
+
             def do_GET(self) -> None:
                 probe = checks.get(self.path.split("?", 1)[0])
                 if probe is None:
