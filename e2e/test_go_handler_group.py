@@ -166,8 +166,10 @@ def test_a_go_handler_group_scales_loses_nothing_and_fails_no_request(
     # port (the chart's default on a real cluster): Ready above came from GET /readyz.
     for pod in pods:
         (member,) = [c for c in pod["spec"]["containers"] if c["name"] == MEMBER]
-        assert member["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
-        assert member["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "health"}
+        # (The API server adds its defaults, scheme: HTTP among them.)
+        ready, live = member["readinessProbe"]["httpGet"], member["livenessProbe"]["httpGet"]
+        assert (ready["path"], ready["port"]) == ("/readyz", "health"), ready
+        assert (live["path"], live["port"]) == ("/livez", "health"), live
 
     deleted = asyncio.run(scale_under_load(plane))
     check_logs(plane, deleted)
