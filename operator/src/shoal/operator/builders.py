@@ -389,23 +389,14 @@ def _volumes(spec: ConsumerGroupSpec, nats: NatsPodSecrets) -> tuple[list[Obj], 
 
 
 def _ports(settings: OperatorSettings) -> Obj:
-    ports = []
-    if settings.consumer_metrics_port:  # (None: off; 0: any free port, nothing to declare)
-        ports.append(
-            {
-                "name": METRICS_PORT_NAME,
-                "containerPort": settings.consumer_metrics_port,
-                "protocol": "TCP",
-            }
-        )
-    if settings.consumer_health_port:
-        ports.append(
-            {
-                "name": HEALTH_PORT_NAME,
-                "containerPort": settings.consumer_health_port,
-                "protocol": "TCP",
-            }
-        )
+    named = (
+        # (Metrics None: off; 0: any free port, nothing to declare.)
+        (METRICS_PORT_NAME, settings.consumer_metrics_port),
+        (HEALTH_PORT_NAME, settings.consumer_health_port),
+    )
+    ports = [
+        {"name": name, "containerPort": port, "protocol": "TCP"} for name, port in named if port
+    ]
     return {"ports": ports} if ports else {}
 
 
