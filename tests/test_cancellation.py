@@ -8,7 +8,9 @@ good, "cancelling" but never cancelled: shutdown's gather waited on it forever (
 autoscaler test that hung in clean-clone runs, 3 of 40 runs by hand: its tasks dumped
 at `Membership._keep_alive`'s sleep, still cancelling). Shoal uses asyncio.timeout, and
 ruff bans asyncio.wait_for (pyproject.toml); nats-py's requests still wait that way, so
-the loop around the member's NATS round trip raises a dropped cancellation again.
+the loop around the member's NATS round trip raises a dropped cancellation again, and so
+does every request through Shoal's NATS client (tests/test_natsclient.py, on a real
+nats-server).
 """
 
 from __future__ import annotations

@@ -505,3 +505,90 @@ async def _disconnected(nc: Any) -> bool:
 
 async def _connected(nc: Any) -> bool:
     return bool(nc.is_connected)
+
+
+@pytest.mark.e2e
+async def test_a_request_cancelled_as_its_answer_arrives_ends_the_task(tmp_path: Path) -> None:
+    """nats-py waits for a request's answer with asyncio.wait_for, which on Python 3.11
+    returns the answer and drops a cancellation that arrives in the same loop iteration
+    (CPython gh-86296). Every JetStream call goes through `request` (consumer_info in the
+    takeover gate's loop, stream_info, publish acks), so a loop around one of them that
+    was cancelled at that moment ran on, still marked cancelling. DirectClient raises the
+    cancellation again once the answer is in. (Before: the task went on to its next step.)"""
+    server = NatsServer(tmp_path / "nats")
+    nc = DirectClient()
+    try:
+        server.start()
+        await nc.connect(server.url, connect_timeout=1)
+
+        release = asyncio.Event()
+
+        async def answer(msg: Any) -> None:
+            await release.wait()  # once the test watches the answer's future
+            await msg.respond(b"pong")
+
+        await nc.subscribe("svc", cb=answer)
+        went_on = asyncio.Event()
+
+        async def asks() -> None:
+            await nc.request("svc", b"ping", timeout=5)
+            went_on.set()  # a cancelled task must not get here
+            await asyncio.sleep(3600)
+
+        task = asyncio.create_task(asks())
+        for _ in range(100):
+            if nc._resp_map:
+                break
+            await asyncio.sleep(0.05)
+        (future,) = nc._resp_map.values()
+        # Cancelled by the answer's own callback: after wait_for's waiter is released,
+        # before the task runs again, i.e. in the loop iteration that brings the answer.
+        future.add_done_callback(lambda _: task.cancel())
+        release.set()
+        done, _ = await asyncio.wait([task], timeout=5)
+        if not done:
+            task.cancel()  # once more, so that the test ends either way
+            await asyncio.wait([task], timeout=2)
+        assert not went_on.is_set(), "the request returned its answer to a cancelled task"
+        assert done and task.cancelled()
+    finally:
+        await nc.close()
+        server.stop()
+
+
+@pytest.mark.e2e
+async def test_a_request_made_while_cleaning_up_after_a_cancellation_returns(
+    tmp_path: Path,
+) -> None:
+    """The other side of the test above: a `finally:` that cleans up after a cancellation
+    (the reset and the dead-letter commands delete their consumers there) runs while the
+    task is marked cancelling, and its requests must still return their answers."""
+    server = NatsServer(tmp_path / "nats")
+    nc = DirectClient()
+    try:
+        server.start()
+        await nc.connect(server.url, connect_timeout=1)
+
+        async def answer(msg: Any) -> None:
+            await msg.respond(b"done")
+
+        await nc.subscribe("cleanup", cb=answer)
+        started, answers = asyncio.Event(), []
+
+        async def works_then_cleans_up() -> None:
+            try:
+                started.set()
+                await asyncio.sleep(3600)
+            finally:
+                answers.append((await nc.request("cleanup", b"", timeout=5)).data)
+                answers.append((await nc.request("cleanup", b"", timeout=5)).data)
+
+        task = asyncio.create_task(works_then_cleans_up())
+        await started.wait()
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=10)
+        assert done and task.cancelled()
+        assert answers == [b"done", b"done"]
+    finally:
+        await nc.close()
+        server.stop()

@@ -23,7 +23,7 @@ from shoal.clients.natsauth import (
     maybe_tls_refusal,
     refusal,
 )
-from shoal.clients.natsclient import DirectClient
+from shoal.clients.natsclient import DirectClient, reraise_dropped_cancel
 
 log = logging.getLogger(__name__)
 
@@ -184,19 +184,6 @@ async def round_trip(nc: Any, timeout: float) -> None:
         await nc.request(HEALTH_SUBJECT, b"", timeout=timeout)
     except NoRespondersError:
         pass  # the server answered
-
-
-def reraise_dropped_cancel() -> None:
-    """Raise CancelledError if this task was cancelled and the cancellation got lost.
-
-    nats-py waits for every request's answer with asyncio.wait_for, which on Python 3.11
-    returns the answer when a cancellation arrives in the loop iteration that brings it,
-    and drops the cancellation (CPython gh-86296; Shoal's own code uses asyncio.timeout,
-    and ruff bans wait_for). The task stays marked as cancelling, so a loop that calls
-    this after each request ends as it was asked to instead of running on for good."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
 
 
 def reader_ended(nc: Any) -> bool:

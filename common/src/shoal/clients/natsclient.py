@@ -294,6 +294,22 @@ class FastParser(Parser):
                 del buf[:pos]
 
 
+def reraise_dropped_cancel(cancels_before: int = 0) -> None:
+    """Raise CancelledError if this task was cancelled and the cancellation got lost.
+
+    nats-py waits for every request's answer with asyncio.wait_for, which on Python 3.11
+    returns the answer when a cancellation arrives in the loop iteration that brings it,
+    and drops the cancellation (CPython gh-86296; Shoal's own code uses asyncio.timeout,
+    and ruff bans wait_for). The task stays marked as cancelling, so a call that counts
+    the task's cancellations before it waits can tell, after, that one arrived and was
+    not raised, and raise it. The count, not "is it cancelling": a `finally:` that
+    cleans up after a cancellation runs while the task is marked cancelling, and its
+    requests must still return their answers."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling() > cancels_before:
+        raise asyncio.CancelledError
+
+
 class DirectClient(Client):
     """nats-py's client; see the module docstring for what `route_directly` changes."""
 
@@ -326,7 +342,11 @@ class DirectClient(Client):
         it publishes, and only an answer or the timeout removes it, so every request
         whose publish raised (the reconnect buffer full while NATS is away) stayed in
         `_resp_map` for good. A member asking for its lag, its health and its dead
-        letters through a long outage grew by about a megabyte a minute."""
+        letters through a long outage grew by about a megabyte a minute.
+
+        And nats-py waits for the answer with asyncio.wait_for, which drops a cancellation
+        that arrives with the answer (see reraise_dropped_cancel): raised again here, for
+        every JetStream call a loop makes."""
         if self.is_closed:
             raise errors.ConnectionClosedError
         if not self.is_connected and (
@@ -334,9 +354,17 @@ class DirectClient(Client):
             or self._pending_data_size + len(payload) + len(subject) >= self._max_pending_size
         ):
             raise errors.OutboundBufferLimitError
-        return await super().request(
-            subject, payload, timeout=timeout, old_style=old_style, headers=headers
-        )
+        task = asyncio.current_task()
+        cancels = task.cancelling() if task is not None else 0
+        try:
+            answer = await super().request(
+                subject, payload, timeout=timeout, old_style=old_style, headers=headers
+            )
+        except Exception:
+            reraise_dropped_cancel(cancels)  # a timeout, say, that won over a cancel
+            raise
+        reraise_dropped_cancel(cancels)
+        return answer
 
     def queue_ack(self, subject: str, payload: bytes = b"+ACK") -> bool:
         """Queue an ack (or another verb) for a JetStream reply subject, without a
