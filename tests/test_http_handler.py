@@ -46,9 +46,11 @@ from shoal.consumer.ledger import LedgerRecord, audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.contracts.names import (
     DEAD_LETTER_REASON_HEADER,
+    PROJECT_HEADER,
     SEQ_HEADER,
     dlq_subjects,
     partition_for,
+    partition_subject,
 )
 from shoal.contracts.spec import SpecError, parse_spec
 from shoal.group.config import GroupConfig, config_env, group_config
@@ -112,6 +114,10 @@ def test_retry_after_seconds_and_http_dates() -> None:
     assert parse_retry_after(later, now) == pytest.approx(30.0)
     earlier = email.utils.formatdate(now - 30, usegmt=True)
     assert parse_retry_after(earlier, now) == 0.0
+    # The two obsolete forms RFC 9110 5.6.7 has recipients accept: RFC 850's, and
+    # asctime's, which names no zone (GMT, as every HTTP date). Before: asctime's was None.
+    assert parse_retry_after("Tuesday, 14-Nov-23 22:13:50 GMT", now) == pytest.approx(30.0)
+    assert parse_retry_after("Tue Nov 14 22:13:50 2023", now) == pytest.approx(30.0)
     for bad in ("", "soon", "-1", "1.5", "Tue, 99 Foo 2023 25:61:00 GMT", "Tue, 14 Nov 2023"):
         assert parse_retry_after(bad, now) is None, bad
 
@@ -651,3 +657,59 @@ async def test_the_member_writes_the_ledger_for_a_url_handler(
     (second,) = [r for r in service.attempts("led-7") if r.status == 200]
     assert started <= retried.started <= second.at <= retried.finished
     assert "Traceback" not in fleet.members["m-0"].log_text()
+
+
+async def publish_raw(nats_url: str, subject: str, header_block: bytes, data: bytes) -> None:
+    """Publish as a client that writes its own protocol does: nats-py and nats.go take
+    line breaks out of header values, nats-server passes a bare LF through."""
+    host, port = nats_url.removeprefix("nats://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        await reader.readline()  # INFO
+        writer.write(b'CONNECT {"verbose":false,"headers":true,"protocol":1}\r\n')
+        total = len(header_block) + len(data)
+        writer.write(f"HPUB {subject} {len(header_block)} {total}\r\n".encode())
+        writer.write(header_block + data + b"\r\nPING\r\n")
+        await writer.drain()
+        async with asyncio.timeout(5):
+            await reader.readuntil(b"PONG\r\n")
+    finally:
+        writer.close()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+async def test_a_header_with_a_line_break_is_dead_lettered_not_smuggled(
+    service: Service,
+    make_fleet: Callable[..., Fleet],
+    make_config: Callable[..., GroupConfig],
+    etcd: Etcd,
+    js: Any,
+    nats_url: str,
+) -> None:
+    """A NATS header value holding a bare LF (nats-server passes it through) written into
+    the POST as it is would end the request's head early, and what follows would reach
+    the service as a second request whose answer the next message on that connection
+    took for its own. The member dead-letters such a message at once, naming the header,
+    sends the service nothing of it, and goes on with the project's next message."""
+    await service.start()
+    config = make_config(handler=service.url, partitions=PARTITIONS, ledger=False, max_deliver=3)
+    await ensure_group(js, config)
+    fleet = make_fleet(handler=service.url, partitions=PARTITIONS, ledger=False)
+    fleet.start("m-0", **config_env(config, SETTINGS))
+    await wait_for_status(etcd, config.namespace, config.group, PARTITIONS, settled({"m-0"}), 30)
+    subject = partition_subject(config.subject_prefix, partition_for("p", PARTITIONS))
+    block = (
+        f"NATS/1.0\r\n{PROJECT_HEADER}: p\r\nNats-Msg-Id: bad-0\r\n"
+        "X-Note: a\n\nPOST /smuggled HTTP/1.1\nX-Pad: x\r\n\r\n"
+    ).encode()
+    await publish_raw(nats_url, subject, block, b"ok")
+    await Producer(js, config.subject_prefix, PARTITIONS).publish_many(
+        [Outgoing("p", b"ok", "next-0")]
+    )
+    (letter,) = await dead_letters(js, config, 1)
+    reason = letter.headers[DEAD_LETTER_REASON_HEADER]
+    assert "permanent error" in reason and "'X-Note' holds a line break" in reason, reason
+    await poll(lambda: service.attempts("next-0"), 30, "the project's next message")
+    assert service.attempts("bad-0") == []
+    assert [r.headers.get("Shoal-Message-Id") for r in service.received] == ["next-0"]

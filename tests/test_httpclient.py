@@ -21,6 +21,7 @@ from harness.servers import free_port
 from shoal.consumer.httpclient import (
     MAX_HEAD,
     ConnectFailed,
+    HeaderRefused,
     HttpClient,
     ProtocolError,
     Unanswered,
@@ -208,8 +209,29 @@ async def test_a_long_body_is_read_to_the_end_and_only_its_first_bytes_kept(
         ([b"HTTP/1.1 200 OK\r\nContent-Length: lots\r\n\r\n"], "is no length"),
         ([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"], "is no number"),
         ([b"HTTP/1.1 200 OK\r\nX: " + b"a" * (MAX_HEAD + 10)], "longer than"),
+        # Digits str.isdigit() takes and int() refuses: a ProtocolError, not a ValueError
+        # out of the protocol's data_received (logged by asyncio as a fatal error).
+        (["HTTP/1.1 200 OK\r\nContent-Length: \u00b2\r\n\r\n".encode()], "is no length"),
+        (["HTTP/1.1 2\u00b20 OK\r\n\r\n".encode()], "not an HTTP/1.x status line"),
+        ([b"HTTP/1.1 200 OK\r\nContent-Length: 2, 3\r\n\r\nok"], "is no length"),
+        # int(x, 16) takes all three; -1 left the request waiting for its timeout.
+        ([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-1\r\n"], "is no number"),
+        ([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x2\r\n"], "is no number"),
+        ([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1_0\r\n"], "is no number"),
     ],
-    ids=["not-http", "bad-header", "bad-length", "bad-chunk", "huge-head"],
+    ids=[
+        "not-http",
+        "bad-header",
+        "bad-length",
+        "bad-chunk",
+        "huge-head",
+        "superscript-length",
+        "superscript-status",
+        "two-lengths",
+        "negative-chunk",
+        "prefixed-chunk",
+        "underscored-chunk",
+    ],
 )
 async def test_garbage_is_a_protocol_error_and_the_connection_is_dropped(
     serve: Callable[[Script], RawServer], pieces: list[bytes], why: str
@@ -417,3 +439,94 @@ async def test_https_with_a_private_ca(
     with pytest.raises(ConnectFailed, match=r"TLS with 127\.0\.0\.1"):
         await stranger.request("POST", "/messages", {}, b"")
     await stranger.close()
+
+
+async def test_a_repeated_content_length_is_one_length(
+    serve: Callable[[Script], RawServer],
+) -> None:
+    """RFC 9110 8.6: a list of one value repeated (a proxy merged the field) is that
+    value. (Before: a ProtocolError, and a 2xx framed that way was never acked.)"""
+    server = serve(answer(b"HTTP/1.1 200 OK\r\nContent-Length: 2, 2\r\n\r\nok"))
+    await server.start()
+    client = HttpClient(server.url)
+    try:
+        got = await client.request("POST", "/", {}, b"")
+    finally:
+        await client.close()
+    assert (got.status, got.body) == (200, b"ok")
+
+
+@pytest.mark.parametrize("where", ["value-lf", "value-cr", "name-lf"])
+async def test_a_header_with_a_line_break_is_refused_and_nothing_is_sent(
+    serve: Callable[[Script], RawServer], where: str
+) -> None:
+    """A line break in a header would end the request's head early: what follows it is
+    read as a second request, whose answer the next request on the connection takes for
+    its own (a message acked by another's answer). The client refuses to write it, and
+    the connection goes on serving."""
+    server = serve(answer(OK))
+    await server.start()
+    smuggled = "a\n\nPOST /smuggled HTTP/1.1\nX-Pad: x"
+    headers = {
+        "value-lf": {"X-Note": smuggled},
+        "value-cr": {"X-Note": "a\r\rb"},
+        "name-lf": {"X-Note\nPOST /smuggled HTTP/1.1\nX": "b"},
+    }[where]
+    client = HttpClient(server.url, limit=1)
+    try:
+        with pytest.raises(HeaderRefused, match=r"X-Note.*holds a line break"):
+            await client.request("POST", "/messages", headers, b"A")
+        got = await client.request("POST", "/messages", {"X-Note": "plain"}, b"B")
+    finally:
+        await client.close()
+    assert got.status == 200
+    assert len(server.requests) == 1 and server.requests[0].endswith(b"\r\n\r\nB")
+    assert b"smuggled" not in b"".join(server.requests)
+
+
+async def test_a_woken_waiter_that_is_cancelled_hands_the_connection_on(
+    serve: Callable[[Script], RawServer],
+) -> None:
+    """With every connection in use, requests wait for one. A waiter woken for a freed
+    connection and cancelled before it ran (a fence in the same turn of the loop) used
+    to take the wake-up with it: the next waiter slept on beside an idle connection."""
+    server = serve(answer(OK))
+    await server.start()
+    client = HttpClient(server.url, limit=1)
+    try:
+        # Hold the only connection until the test lets go of it.
+        held = await client._acquire()
+        second = asyncio.create_task(client.request("POST", "/", {}, b"2", timeout=10))
+        third = asyncio.create_task(client.request("POST", "/", {}, b"3", timeout=10))
+        await asyncio.sleep(0.1)
+        assert len(client._waiting) == 2
+        client._release(held)  # wakes the second ...
+        second.cancel()  # ... which is cancelled before it runs
+        done, _ = await asyncio.wait([third], timeout=5)
+        assert done, "the third request slept on beside an idle connection"
+        assert third.result().status == 200
+        assert second.cancelled()
+    finally:
+        await client.close()
+
+
+async def test_waiting_for_a_connection_counts_against_the_timeout(
+    serve: Callable[[Script], RawServer],
+) -> None:
+    """A request waiting for a connection (all in use) ends at its timeout like any
+    other (before: it waited as long as the connection was held, whatever its timeout)."""
+    server = serve(answer(OK))
+    await server.start()
+    client = HttpClient(server.url, limit=1)
+    try:
+        held = await client._acquire()
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await client.request("POST", "/", {}, b"", timeout=0.3)
+        waited = time.monotonic() - started
+        assert waited < 3, waited
+        assert not client._waiting
+        client._release(held)
+        assert (await client.request("POST", "/", {}, b"", timeout=5)).status == 200
+    finally:
+        await client.close()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import socket
 import ssl
 import time
@@ -33,10 +34,30 @@ from dataclasses import dataclass
 from typing import cast
 from urllib.parse import urlsplit
 
-__all__ = ["Answer", "ConnectFailed", "HttpClient", "ProtocolError", "Unanswered"]
+__all__ = ["Answer", "ConnectFailed", "HeaderRefused", "HttpClient", "ProtocolError", "Unanswered"]
 
 # A response head longer than this is no answer we can use (and no reason to buffer more).
 MAX_HEAD = 64 * 1024
+
+_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
+
+
+def _digits(text: str) -> bool:
+    """ASCII digits only: str.isdigit() also takes "²" and other digits int() refuses."""
+    return text.isascii() and text.isdigit()
+
+
+def content_length(value: str) -> int:
+    """A Content-Length's length. A list of one repeated value ("2, 2", which a proxy
+    may send for a field it merged) is that value (RFC 9110 8.6); anything else is a
+    ProtocolError."""
+    values = {v.strip() for v in value.split(",")}
+    if len(values) != 1:
+        raise ProtocolError(f"Content-Length {value[:40]!r} is no length")
+    (length,) = values
+    if not _digits(length):
+        raise ProtocolError(f"Content-Length {value[:40]!r} is no length")
+    return int(length)
 
 
 class Unanswered(ConnectionError):
@@ -53,6 +74,15 @@ class ProtocolError(ConnectionError):
 
 class ConnectFailed(ConnectionError):
     """No connection could be made (refused, unknown name, TLS refused)."""
+
+
+class HeaderRefused(ValueError):
+    """A header that an HTTP/1.1 request cannot carry: its name or value holds a line break.
+
+    Written as it is, the line break would end the request's head early and the rest
+    would be read as a second request, whose answer the next request on the connection
+    would take for its own. NATS header values can hold a bare LF (nats-server passes it
+    through; only CRLF ends a NATS header line)."""
 
 
 @dataclass(frozen=True)
@@ -179,7 +209,7 @@ class _Connection(asyncio.Protocol):
         del buffer[: end + 4]
         version, _, rest = lines[0].partition(" ")
         code, _, reason = rest.partition(" ")
-        if not version.startswith("HTTP/1.") or len(code) != 3 or not code.isdigit():
+        if not version.startswith("HTTP/1.") or len(code) != 3 or not _digits(code):
             raise ProtocolError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
         status = int(code)
         headers: dict[str, str] = {}
@@ -204,10 +234,7 @@ class _Connection(asyncio.Protocol):
         elif "chunked" in headers.get("transfer-encoding", "").lower():
             self._framing = "chunked"
         elif "content-length" in headers:
-            length = headers["content-length"]
-            if not length.isdigit():
-                raise ProtocolError(f"Content-Length {length[:40]!r} is no length")
-            self._remaining, self._framing = int(length), "length"
+            self._remaining, self._framing = content_length(headers["content-length"]), "length"
         else:
             self._framing = "close"
         return True
@@ -242,10 +269,10 @@ class _Connection(asyncio.Protocol):
                     return False
                 size_text = bytes(buffer[:end]).split(b";", 1)[0].strip()
                 del buffer[: end + 2]
-                try:
-                    self._remaining = int(size_text, 16)
-                except ValueError:
-                    raise ProtocolError(f"chunk size {size_text[:20]!r} is no number") from None
+                # Hex digits only: int(x, 16) also takes "-1", "0x10" and "1_0".
+                if not _HEX.fullmatch(size_text):
+                    raise ProtocolError(f"chunk size {size_text[:20]!r} is no number")
+                self._remaining = int(size_text, 16)
                 self._chunk_state = "data" if self._remaining else "trailer"
             elif self._chunk_state == "data":
                 take = min(self._remaining, len(buffer))
@@ -325,9 +352,15 @@ class HttpClient:
         head = [f"{method} {target} HTTP/1.1\r\nHost: {self.host_header}\r\n"]
         head += [f"{name}: {value}\r\n" for name, value in headers.items()]
         head.append(f"Content-Length: {len(body)}\r\n\r\n")
+        text = "".join(head)
+        # Exactly one CR and one LF per line we wrote (two counts in C, cheaper than a
+        # look at every value): any other would end a line early (HeaderRefused).
+        lines = len(headers) + 4
+        if text.count("\n") != lines or text.count("\r") != lines:
+            raise HeaderRefused(_line_break_in(method, target, headers))
         # UTF-8: a project id may be any text, and servers pass such bytes through (RFC
-        # 9110's obs-text); NATS headers carry no CR or LF, so none can end a line early.
-        request = "".join(head).encode() + body
+        # 9110's obs-text).
+        request = text.encode() + body
         loop = asyncio.get_running_loop()
         # The timeout covers connecting too: a server whose accept queue is full leaves a
         # connect waiting for the kernel's SYN retries, about two minutes.
@@ -382,7 +415,15 @@ class HttpClient:
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiting.append(waiter)
             try:
-                await waiter
+                async with asyncio.timeout_at(deadline):
+                    await waiter
+            except BaseException:
+                if waiter.done() and not waiter.cancelled():
+                    # Woken, but cancelled or timed out before it ran: the connection
+                    # it was woken for goes to the next one waiting, not to nobody.
+                    self._waiting.remove(waiter)
+                    self._wake()
+                raise
             finally:
                 if waiter in self._waiting:
                     self._waiting.remove(waiter)
@@ -445,6 +486,13 @@ class HttpClient:
             if not waiter.done():
                 waiter.set_result(None)
         await asyncio.sleep(0)  # let the transports close
+
+
+def _line_break_in(method: str, target: str, headers: Mapping[str, str]) -> str:
+    for name, value in headers.items():
+        if any(c in name or c in value for c in "\r\n"):
+            return f"header {name!r} holds a line break, which an HTTP request cannot carry"
+    return f"{method} {target!r} holds a line break, which an HTTP request cannot carry"
 
 
 def _expire(waiter: asyncio.Future[Answer]) -> None:

@@ -32,6 +32,9 @@ over different projects; retries in place; hand-over; fencing):
     handlerTimeoutSeconds
     connection refused or reset,    a failed attempt, as above
     name not found, TLS refused
+    a header holding a line break   a permanent failure: dead-lettered at once, the
+    (a NATS header value may hold   header named in the reason (written as it is, it
+    a bare LF)                      would end the request's head early)
 
 A request still open when the member is fenced or a partition is stopped is cancelled
 with its handler's task: its connection is closed and the answer, if one comes, is never
@@ -60,6 +63,7 @@ once, then every 30 s.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import email.utils
 import logging
 import re
@@ -74,7 +78,7 @@ from shoal.consumer.handlers import (
     RetryAfter,
     record_in_ledger,
 )
-from shoal.consumer.httpclient import Answer, HttpClient
+from shoal.consumer.httpclient import Answer, HeaderRefused, HttpClient
 from shoal.group.handlerref import check_url_handler
 
 __all__ = [
@@ -169,8 +173,8 @@ def parse_retry_after(value: str, now: float | None = None) -> float | None:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError, IndexError):
         return None
-    if when.tzinfo is None:  # HTTP dates are GMT
-        return None
+    if when.tzinfo is None:  # HTTP dates are GMT; asctime's form names no zone
+        when = when.replace(tzinfo=datetime.UTC)
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
@@ -247,6 +251,9 @@ class HttpHandler:
             answer = await client.request(
                 "POST", self.target, request_headers(msg), msg.data, timeout=self.timeout or None
             )
+        except HeaderRefused as exc:
+            # No attempt can carry it: dead-lettered at once, with the header named.
+            raise PermanentError(f"POST {self.url}: {exc}") from None
         except TimeoutError:
             raise HandlerTimeout(
                 f"POST {self.url}: no answer within {self.timeout:g} s (handlerTimeoutSeconds)"
