@@ -38,11 +38,14 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 
 async def trim_forever(interval: float = TRIM_INTERVAL_SECONDS) -> None:
-    if interval <= 0:
-        return
-    trim = _malloc_trim()
+    """Trim every `interval` seconds, for as long as the member runs. With nothing to do
+    (an interval of 0: never; no glibc) it waits for good instead of returning: the
+    member leaves its group when any of its components ends."""
+    trim = _malloc_trim() if interval > 0 else None
     if trim is None:
-        log.debug("No malloc_trim here (not glibc): freed heap pages stay with the process")
+        if interval > 0:
+            log.debug("No malloc_trim here (not glibc): freed heap pages stay with the process")
+        await asyncio.get_running_loop().create_future()  # until cancelled
         return
     while True:
         await asyncio.sleep(interval)

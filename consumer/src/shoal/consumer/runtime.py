@@ -375,6 +375,10 @@ class ConsumerProcess:
                 log.error("%s; leaving the group", exc)
             elif exc is not None:
                 log.error("Component %s failed: %r", task.get_name(), exc)
+            elif not self.stopping.is_set():
+                # Components run until the member stops: one that returns is a defect,
+                # and the member leaving without saying why would be a silent one.
+                log.error("Component %s ended on its own; leaving the group", task.get_name())
         stop.cancel()
 
     async def _stop_health(self) -> None:
