@@ -9,7 +9,7 @@ from typing import Any
 from kubernetes import client, dynamic
 from kubernetes.client.rest import ApiException
 
-from shoal.clients.kube import api_client
+from shoal.clients.kube import REQUEST_TIMEOUT, api_client
 from shoal.operator.etcdsecret import SecretData
 
 __all__ = ["Kube", "api_client"]
@@ -19,10 +19,31 @@ log = logging.getLogger(__name__)
 FIELD_MANAGER = "shoal-operator"
 
 
+def with_timeout(api: Any, timeout: tuple[float, float]) -> Any:
+    """`api` with a (connect, read) timeout on every request that names none: the
+    client's own default is none at all, and it leaves TCP keep-alive off. One answer
+    that never came (the API server's host gone after it took the request) then held its
+    call for good: a group's status timer awaits its calls, kopf runs one object's timer
+    after the other, so that group's status stopped, and the call kept one of the few
+    threads of asyncio's default executor that every other call needs. Set on the REST
+    client, so the dynamic client's discovery, which takes no per-call options, has it
+    too."""
+    rest = api.rest_client
+    request = rest.request
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        if not kwargs.get("_request_timeout"):
+            kwargs["_request_timeout"] = timeout
+        return request(*args, **kwargs)
+
+    rest.request = timed
+    return api
+
+
 class Kube:
-    def __init__(self, api: Any) -> None:
-        self.api = api
-        self.dynamic = dynamic.DynamicClient(api)
+    def __init__(self, api: Any, timeout: tuple[float, float] = REQUEST_TIMEOUT) -> None:
+        self.api = with_timeout(api, timeout)
+        self.dynamic = dynamic.DynamicClient(self.api)
         self.apps = client.AppsV1Api(api)
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
