@@ -221,6 +221,48 @@ def test_an_unknown_handler_degrades_with_a_warning(localkube: LocalKube, operat
     plane.kubectl("delete", "cg", "orders", "-n", ns, "--timeout=60s")
 
 
+def test_a_spec_change_undone_while_it_is_refused_clears_degraded(
+    localkube: LocalKube, operator: Path
+) -> None:
+    """A change the operator refuses (a handler no pod could import) is retried by kopf
+    after a delay; undone before that, kopf sees the spec it last handled and calls no
+    handler (its pending retry is dropped), so nothing cleared the refusal: the group
+    stayed Degraded (HandlerInvalid) and not Ready until the next change or an operator
+    restart. The status timer now runs the reconcile again for a spec that is no longer
+    the one refused."""
+    plane, ns = localkube, "op-bad"
+    manifest = json.loads(example(ns, 1))
+    manifest["metadata"]["name"] = "undone"
+    plane.kubectl("apply", "-f", "-", input_text=json.dumps(manifest))
+    ready = "the group to be Ready"
+    wait_until(
+        lambda: (
+            condition(get_json(plane, "cg", "undone", "-n", ns), "Ready").get("status") == "True"
+        ),
+        90,
+        ready,
+    )
+    good = manifest["spec"]["handler"]
+    patch = json.dumps({"spec": {"handler": "no_such_module:handle"}})
+    plane.kubectl("patch", "cg", "undone", "-n", ns, "--type", "merge", "-p", patch)
+    degraded = wait_until(lambda: _degraded_reason(plane, ns, "undone"), 60, "Degraded")
+    assert degraded["reason"] == "HandlerInvalid", degraded
+    patch = json.dumps({"spec": {"handler": good}})
+    plane.kubectl("patch", "cg", "undone", "-n", ns, "--type", "merge", "-p", patch)
+    cg = wait_until(
+        lambda: (
+            (c := get_json(plane, "cg", "undone", "-n", ns))
+            and condition(c, "Ready").get("status") == "True"
+            and condition(c, "Degraded").get("status") != "True"
+            and c
+        ),
+        60,
+        "Ready again, not Degraded, once the refused change was undone",
+    )
+    assert cg["status"]["observedGeneration"] == cg["metadata"]["generation"]
+    plane.kubectl("delete", "cg", "undone", "-n", ns, "--timeout=60s")
+
+
 def _degraded_reason(plane: LocalKube, ns: str, name: str) -> dict[str, Any]:
     cg = get_json(plane, "cg", name, "-n", ns)
     found = condition(cg, "Degraded")

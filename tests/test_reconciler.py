@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import json
 import tempfile
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -1192,3 +1193,77 @@ async def test_the_timer_applies_other_deleted_children_again(
     world.events.clear()
     await observe(memo, "orders", spec, **indexes)
     assert kube.applied == [] and world.reasons("Warning") == []
+
+
+# -- a refused change undone before kopf's retry ----------------------------------------------
+
+
+async def test_the_timer_reconciles_a_refused_change_that_was_undone(
+    world: World, operator_memo: OperatorMemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kopf retries a refused change after its delay, but a change undone meanwhile is
+    the spec kopf last handled: no handler, the retry dropped. The status timer
+    reconciles it (after a grace of one tick, which kopf gets for an ordinary change);
+    for the refused spec itself, it leaves the retry to kopf."""
+    monkeypatch.setattr(reconciler, "UNDONE_GRACE_SECONDS", 0.0)
+    memo = resource_memo(operator_memo)
+    good, bad = {"replicas": 1, "handler": GOOD}, {"replicas": 1, "handler": BAD}
+    await reconcile(memo, "orders", good, generation=1)
+    with pytest.raises(kopf.TemporaryError):
+        await reconcile(memo, "orders", bad, generation=2)
+    world.events.clear()
+    # Still the refused spec: kopf's to retry, the timer only reports it.
+    assert degraded_reason(await observe(memo, "orders", bad)) == "HandlerInvalid"
+    assert world.events == []
+    # Undone: the timer reconciles what kopf will not.
+    st = await observe(memo, "orders", good)
+    assert degraded_reason(st) == "AsExpected"
+    assert memo.group.problem is None and memo.group.problem_spec is None
+    assert world.reasons("Normal") == ["Reconciled"]
+
+
+async def test_a_timer_reconcile_that_fails_is_tried_again_later(
+    world: World, operator_memo: OperatorMemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(reconciler, "UNDONE_GRACE_SECONDS", 0.0)
+    memo = resource_memo(operator_memo)
+    spec = {"replicas": 1, "handler": GOOD}
+    await reconcile(memo, "orders", spec, generation=1)
+    with pytest.raises(kopf.TemporaryError):
+        await reconcile(memo, "orders", {"replicas": 1, "handler": BAD}, generation=2)
+    world.stream_error = RuntimeError("JetStream said no")
+    st = await observe(memo, "orders", spec)  # undone, but the reconcile fails now
+    assert memo.group.problem is not None
+    assert degraded_reason(st) == memo.group.problem[0] == "NatsUnavailable"
+    retry_at = memo.group.timer_retry_at
+    assert retry_at is not None
+    world.stream_error = None
+    world.events.clear()
+    await observe(memo, "orders", spec)  # not yet: nothing tried
+    assert world.events == [] and memo.group.problem is not None
+    memo.group.timer_retry_at = time.monotonic()  # its time has come
+    st = await observe(memo, "orders", spec)
+    assert degraded_reason(st) == "AsExpected" and memo.group.timer_retry_at is None
+
+
+async def test_a_rotated_secret_does_not_roll_pods_onto_a_refused_spec(
+    world: World, operator_memo: OperatorMemo
+) -> None:
+    """The timer re-applies the Deployment when a Secret is rotated, from the live spec:
+    one reconcile refused (a handler no pod can import) must not reach the pods that way."""
+    kube = fake_kube(operator_memo)
+    kube.secrets[(NAMESPACE, "orders-etcd")] = SecretData("1", TLS_DATA)
+    memo = resource_memo(operator_memo)
+    good = {"replicas": 1, "handler": GOOD, "etcd": {"tlsSecret": "orders-etcd"}}
+    bad = {**good, "handler": BAD}
+    await reconcile(memo, "orders", good, generation=1)
+    with pytest.raises(kopf.TemporaryError):
+        await reconcile(memo, "orders", bad, generation=2)
+    kube.secrets[(NAMESPACE, "orders-etcd")] = SecretData("2", TLS_DATA)
+    await operator_memo.etcd.files(NAMESPACE, "orders-etcd")
+    kube.applied.clear()
+    world.events.clear()
+    st = await observe(memo, "orders", bad)
+    assert kube.applied == []
+    assert "EtcdSecretRotated" not in world.reasons("Normal")
+    assert degraded_reason(st) == "HandlerInvalid"

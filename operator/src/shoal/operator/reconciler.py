@@ -369,6 +369,25 @@ async def reconcile(
     old: Any = None,
     **_: Any,
 ) -> None:
+    """kopf's: a change (or the group seen at the operator's start); see _reconcile."""
+    state = memo.group
+    async with state.reconciling:
+        state.timer_retry_at = None  # kopf retries what this one finds, if anything
+        await _reconcile(name, namespace, spec, meta, status, body, memo, patch, retry, old)
+
+
+async def _reconcile(
+    name: str,
+    namespace: str | None,
+    spec: kopf.Spec,
+    meta: kopf.Meta,
+    status: kopf.Status,
+    body: kopf.Body,
+    memo: OperatorMemo,
+    patch: kopf.Patch,
+    retry: int,
+    old: Any = None,
+) -> None:
     """Make the group's children and JetStream match its spec, step by step.
 
     A step that finds the spec cannot work raises GroupProblem; this handler alone turns
@@ -422,6 +441,7 @@ async def reconcile(
         # The status timer sees only etcd and NATS: it keeps reporting this problem
         # until a reconcile succeeds.
         state.problem = (problem.reason, problem.message)
+        state.problem_spec = _plain(spec)
         patch.status["conditions"] = observe.degraded(
             status.get("conditions", []),
             problem.reason,
@@ -437,6 +457,7 @@ async def reconcile(
         # (state.problem) until a reconcile succeeds.
         message = f"Reconcile failed: {type(exc).__name__}: {exc}"[:2000]
         state.problem = ("ReconcileFailed", message)
+        state.problem_spec = _plain(spec)
         patch.status["conditions"] = observe.degraded(
             status.get("conditions", []),
             "ReconcileFailed",
@@ -448,7 +469,7 @@ async def reconcile(
         raise
     # 7. Done: whatever went wrong before is fixed, and this generation is applied: the
     #    status timer writes no later one into observedGeneration.
-    state.problem = None
+    state.problem, state.problem_spec = None, None
     state.reconciled_generation = int(meta.get("generation") or 0)
     patch.status["observedGeneration"] = state.reconciled_generation
     kopf.info(
@@ -458,6 +479,74 @@ async def reconcile(
         f"{model.replicas} replicas; stream {config.stream} with "
         f"{config.partitions} durable consumers",
     )
+
+
+def _plain(spec: kopf.Spec) -> dict[str, Any]:
+    """The spec as plain data, to compare with a later one."""
+    plain: dict[str, Any] = json.loads(json.dumps(dict(spec)))
+    return plain
+
+
+# How long the status timer leaves a spec that differs from the one reconcile failed
+# with to kopf (an ordinary change: kopf calls reconcile at once), and how long after a
+# reconcile of its own failed it tries again.
+UNDONE_GRACE_SECONDS = OBSERVE_INTERVAL
+TIMER_RETRY_SECONDS = 60.0
+
+
+async def _reconcile_undone_change(
+    name: str,
+    namespace: str | None,
+    spec: kopf.Spec,
+    meta: kopf.Meta,
+    status: kopf.Status,
+    body: kopf.Body,
+    memo: OperatorMemo,
+    patch: kopf.Patch,
+) -> None:
+    """Reconcile from the status timer when kopf will not: the last reconcile failed
+    (state.problem) with a spec that is no longer the group's. kopf compares a new spec
+    with the one it last handled successfully; a change undone before kopf's retry brings
+    that one back, so kopf calls no handler and drops the retry, and the refusal (say
+    HandlerInvalid) stood until the next change or an operator restart. Once the timer has
+    reconciled, a failure is retried here every TIMER_RETRY_SECONDS (kopf has no retry of
+    its own pending), until kopf reconciles again."""
+    state = memo.group
+    if state.problem is None or state.problem_spec is None:
+        state.spec_undone_since = None
+        return
+    now_ = time.monotonic()
+    undone = state.problem_spec != _plain(spec)
+    if undone:
+        if state.spec_undone_since is None:
+            state.spec_undone_since = now_
+        if now_ - state.spec_undone_since < UNDONE_GRACE_SECONDS:
+            return  # kopf may be about to reconcile it
+    elif state.timer_retry_at is None or now_ < state.timer_retry_at:
+        state.spec_undone_since = None
+        return
+    async with state.reconciling:
+        if state.problem is None or (undone and state.problem_spec == _plain(spec)):
+            return  # kopf's reconcile got there first
+        reason = state.problem[0]
+        log.info(
+            "Group %s/%s: reconciling from the status timer (%s with %s; kopf has no "
+            "change to handle)",
+            namespace,
+            name,
+            reason,
+            "a spec since changed back" if undone else "this spec, tried again",
+        )
+        state.spec_undone_since = None
+        try:
+            await _reconcile(name, namespace, spec, meta, status, body, memo, patch, retry=0)
+        except Exception as exc:  # said by Degraded and an Event already (_reconcile)
+            state.timer_retry_at = time.monotonic() + TIMER_RETRY_SECONDS
+            log.info(
+                "Group %s/%s: still %s; again in %.0f s", namespace, name, exc, TIMER_RETRY_SECONDS
+            )
+        else:
+            state.timer_retry_at = None
 
 
 async def _roll_on_rotation(
@@ -477,6 +566,11 @@ async def _roll_on_rotation(
     state = memo.group
     if not state.applied:
         return  # not reconciled by this process yet: the resume handler applies it
+    if state.problem is not None:
+        # The spec is one the last reconcile refused (a handler no pod can import, a
+        # Secret missing): rolling the pods onto it would do what reconcile would not.
+        # The reconcile that succeeds applies the Secret's new version anyway.
+        return
     model = spec_model(spec)
     etcd_secret = model.etcd.tls_secret
     etcd_version = state.secret_version
@@ -609,6 +703,7 @@ async def observe_group(
     group_deployments: DeploymentIndex | None = None,
     **indexes: Any,  # childwatch's, by their ids (and kopf's other arguments)
 ) -> None:
+    await _reconcile_undone_change(name, namespace, spec, meta, status, body, memo, patch)
     namespace = namespace or "default"  # ConsumerGroups are namespaced
     settings: OperatorSettings = memo.settings
     model = spec_model(spec)

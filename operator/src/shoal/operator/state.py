@@ -12,7 +12,9 @@ The state lives only in this process: after a restart the resume handler rebuild
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 from shoal.operator.builders import NatsPodSecrets
 from shoal.operator.etcdalarms import AlarmReader
@@ -30,6 +32,17 @@ class GroupState:
     # (reason, message) of the last failed reconcile. The status timer sees only etcd and
     # NATS, so it reports this as Degraded until a reconcile succeeds.
     problem: tuple[str, str] | None = None
+    # The spec that reconcile failed with. kopf retries a failed change after a delay, but
+    # a change undone meanwhile brings back the spec kopf last handled: it calls no
+    # handler and drops the retry, so the status timer reconciles again once the spec is
+    # no longer this one (reconciler._reconcile_undone_change).
+    problem_spec: dict[str, Any] | None = None
+    # When (monotonic) the timer first saw the spec differ from problem_spec; and when it
+    # may try again after a reconcile of its own failed (kopf retries only its own).
+    spec_undone_since: float | None = None
+    timer_retry_at: float | None = None
+    # Held by every reconcile, kopf's or the timer's: never two at once for a group.
+    reconciling: asyncio.Lock = field(default_factory=asyncio.Lock, compare=False, repr=False)
     # The generation of the spec the last successful reconcile applied (None: none in this
     # process yet). status.observedGeneration says this one, never a spec not applied.
     reconciled_generation: int | None = None
