@@ -45,7 +45,13 @@ class StallWatch:
     async def stop(self) -> None:
         if self.watch is not None:
             watch, self.watch = self.watch, None
-            await self.etcd.cancel_watch(watch)
+            try:
+                await self.etcd.cancel_watch(watch)
+            except Exception as exc:
+                # Its client closed already (a rotated etcd Secret: the operator closed the
+                # old client before the timer replaced this watch), and the watch with it.
+                # Raised, it made that observation report the group EtcdUnavailable.
+                log.debug("Stall watch on %s: not cancelled (%r)", self.prefix, exc)
 
     def _on_watch(self, response: Any) -> None:
         # etcd3's watcher thread. A deleted key reports nothing: its member is gone.
