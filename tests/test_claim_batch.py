@@ -4,11 +4,15 @@ Worker._claim_all): all created, with one create revision, or none at all."""
 from __future__ import annotations
 
 import uuid
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from shoal.clients.etcd import Etcd
-from shoal.consumer.worker import CLAIM_BATCH
+from shoal.consumer.ownership import Ownership, Stage
+from shoal.consumer.worker import CLAIM_BATCH, Worker
+from shoal.contracts.names import Keys
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 
@@ -36,3 +40,34 @@ async def test_all_or_nothing(etcd: Etcd) -> None:
     await etcd.revoke_lease(lease)
     _, gone = await etcd.get_prefix(prefix)
     assert not gone
+
+
+async def test_an_unexpected_error_leaves_no_partition_claiming() -> None:
+    """A batch whose claims were held goes to one-by-one claims after the loop; an
+    unexpected error in a later batch ended the loop before them, and the finally clause
+    skipped them on purpose, so they stayed CLAIMING for good: targeted at this member,
+    claimed by nobody, never tried again (the reconcile pass leaves CLAIMING alone)."""
+
+    class HeldThenOk:
+        calls = 0
+
+        async def create_all_returning_revision(self, keys: Any, value: bytes, lease: int) -> Any:
+            self.calls += 1
+            return None if self.calls == 1 else 7  # the first batch: some held
+
+    worker = Worker.__new__(Worker)
+    worker.ownership = Ownership()
+    worker.etcd = HeldThenOk()  # type: ignore[assignment]
+    worker.config = SimpleNamespace(keys=Keys("ns", "g"), member_id="m-1")  # type: ignore[assignment]
+    worker.membership = SimpleNamespace(lease_id=1)  # type: ignore[assignment]
+
+    def start(p: int, revision: int, target_ts: Any) -> None:
+        raise RuntimeError("unexpected")
+
+    worker._start = start  # type: ignore[method-assign,assignment]
+    ps = list(range(2 * CLAIM_BATCH))
+    for p in ps:
+        worker.ownership.move(p, Stage.CLAIMING)
+    with pytest.raises(RuntimeError):
+        await worker._claim_all(dict.fromkeys(ps))
+    assert [p for p in ps if worker.ownership.stage(p) is Stage.CLAIMING] == []

@@ -1009,6 +1009,7 @@ class Worker:
         singles: list[int] = []
         lease = self.membership.lease_id
         value = self.config.member_id.encode()
+        passed = False
         try:
             for i in range(0, len(ps), CLAIM_BATCH):
                 batch = ps[i : i + CLAIM_BATCH]
@@ -1027,11 +1028,12 @@ class Worker:
                 for p in batch:
                     self._start(p, revision, targets[p])
                 self._wake.set()
+            passed = True
         finally:
-            # Whatever was neither started nor left to _claim (an unexpected error) must
-            # not stay "claiming" forever.
+            # Whatever was neither started nor left to _claim must not stay "claiming"
+            # forever: after an unexpected error, nothing is left to _claim either.
             for p in ps:
-                if p not in singles:
+                if p not in singles or not passed:
                     self._unclaim(p)
         await asyncio.gather(*(self._claim(p, targets[p]) for p in singles))
 
