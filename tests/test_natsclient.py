@@ -5,9 +5,11 @@ and acks against a real nats-server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import random
+import time
 import uuid
 from pathlib import Path
 from typing import Any, cast
@@ -19,9 +21,10 @@ from nats.errors import ProtocolError
 from nats.js import api
 from nats.protocol.parser import Parser
 
+from harness.proxy import TcpProxy
 from harness.servers import NatsServer
 from harness.waiting import eventually_async
-from shoal.clients.nats import reader_ended, round_trip
+from shoal.clients.nats import NATS_FLUSH_TIMEOUT, connect, reader_ended, round_trip
 from shoal.clients.natsclient import (
     ACK_FLUSH_DELAY,
     Delivery,
@@ -591,4 +594,89 @@ async def test_a_request_made_while_cleaning_up_after_a_cancellation_returns(
         assert answers == [b"done", b"done"]
     finally:
         await nc.close()
+        server.stop()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+async def test_a_publish_into_a_blackholed_connection_returns(tmp_path: Path) -> None:
+    """A network that drops everything without a reset: the kernel's buffers fill, nats-py's
+    flusher waits on the socket, and once more is pending than the buffer holds, every
+    publish forces a flush and waits for it, for as long as nats-py's flush_timeout, which
+    it leaves unset (for good). A member's acks and pulls went that way: a partition's
+    runner could not stop, its hand-back waited on its handlers, and its claim stayed on
+    a live lease, so the member the leader moved it to could not take it, until nats-py's
+    ping check gave up on the connection minutes later. Shoal's connections bound it."""
+    server = NatsServer(tmp_path / "nats")
+    server.start()
+    proxy = TcpProxy(server.url.removeprefix("nats://"), name="nats").start()
+    nc = None
+    try:
+        nc = await connect(f"nats://{proxy.address}", name="blackholed")
+        await nc.publish("warm", b"x")
+        await nc.flush()
+        proxy.blackhole()
+        payload = b"x" * 65536
+        took = 0.0
+        async with asyncio.timeout(60):
+            for _ in range(4000):  # up to 256 MB: far more than every buffer on the way
+                started = time.monotonic()
+                await nc.publish("fill", payload)
+                took = time.monotonic() - started
+                if took > 0.5:
+                    break  # the first publish that had to wait for a flush
+        assert took > 0.5, "nothing ever waited: the blackhole did not hold"
+        assert took < NATS_FLUSH_TIMEOUT + 3, took
+    finally:
+        if nc is not None:
+            proxy.stop()  # resets the connection: close() need not wait on the blackhole
+            with contextlib.suppress(ConnectionError):  # nats-py's close drains the reset
+                await nc.close()
+        proxy.stop()
+        server.stop()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+async def test_a_publish_cancelled_while_it_waits_for_a_flush_is_cancelled(
+    tmp_path: Path,
+) -> None:
+    """nats-py swallows a cancellation that comes while a publish waits for the flush it
+    forced: the publish returned as if it had not been cancelled, and the task went on
+    (a runner being stopped, the member shutting down). DirectClient raises it again."""
+    server = NatsServer(tmp_path / "nats")
+    server.start()
+    proxy = TcpProxy(server.url.removeprefix("nats://"), name="nats").start()
+    nc = None
+    try:
+        nc = await connect(f"nats://{proxy.address}", name="blackholed")
+        await nc.flush()
+        proxy.blackhole()
+        payload = b"x" * 65536
+        waiting, went_on = asyncio.Event(), asyncio.Event()
+
+        async def fill() -> None:
+            assert nc is not None
+            for _ in range(4000):
+                publish = asyncio.ensure_future(nc.publish("fill", payload))
+                done, _ = await asyncio.wait([publish], timeout=0.5)
+                if not done:
+                    waiting.set()  # blocked in a forced flush: now cancel us
+                    await publish
+                    went_on.set()
+                    return
+
+        task = asyncio.create_task(fill())
+        async with asyncio.timeout(60):
+            await waiting.wait()
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=NATS_FLUSH_TIMEOUT + 5)
+        assert done and not went_on.is_set(), "the cancelled publish returned and went on"
+        assert task.cancelled()
+    finally:
+        if nc is not None:
+            proxy.stop()
+            with contextlib.suppress(ConnectionError):
+                await nc.close()
+        proxy.stop()
         server.stop()

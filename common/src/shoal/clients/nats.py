@@ -131,6 +131,7 @@ async def connect(
                 # A leaving member drains its connection last; nats-py's default (30 s)
                 # would outlast a pod's grace period if a subscription never empties.
                 "drain_timeout": 5,
+                "flush_timeout": NATS_FLUSH_TIMEOUT,
                 **({"pending_size": reconnect_buffer} if reconnect_buffer else {}),
                 "error_cb": callbacks.error,
                 "disconnected_cb": callbacks.disconnected,
@@ -168,6 +169,15 @@ async def connect(
 async def _quiet(exc: Exception) -> None:
     pass
 
+
+# How long a publish waits for a flush it forced (more pending than the buffer holds):
+# nats-py's default is for good. Through a network that drops everything without a reset
+# (the kernel's buffers full, the flusher waiting on the socket) a member's acks and
+# pulls waited there: a runner could not stop, its claim stayed on a live lease and the
+# member the leader moved its partition to could not take it, until nats-py's ping check
+# gave up on the connection minutes later. The data stays pending (sent once the
+# connection drains or, after a reconnect, on the new one); the publish returns.
+NATS_FLUSH_TIMEOUT = 5.0
 
 # Nobody subscribes here: the server itself answers "no responders" at once.
 HEALTH_SUBJECT = "_SHOAL.HEALTH"

@@ -366,6 +366,16 @@ class DirectClient(Client):
         reraise_dropped_cancel(cancels)
         return answer
 
+    async def _flush_pending(self, force_flush: bool = False) -> Any:
+        """nats-py's, which waits for a flush it forced (more pending than the buffer
+        holds: NATS slow or away) and swallows a cancellation that comes meanwhile: a
+        publish, or an ack, cancelled there returned as if it had not been. Raised again."""
+        task = asyncio.current_task()
+        cancels = task.cancelling() if task is not None else 0
+        result = await super()._flush_pending(force_flush=force_flush)
+        reraise_dropped_cancel(cancels)
+        return result
+
     def queue_ack(self, subject: str, payload: bytes = b"+ACK") -> bool:
         """Queue an ack (or another verb) for a JetStream reply subject, without a
         coroutine, when that is all it takes: the connection is up, the pending buffer
