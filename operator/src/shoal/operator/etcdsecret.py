@@ -34,6 +34,7 @@ from kubernetes.client.rest import ApiException
 from shoal.clients.etcd import Etcd
 from shoal.group.config import EtcdOptions
 from shoal.operator.builders import ETCD_AUTH_KEYS, ETCD_CA_KEY, ETCD_CERT_KEY, ETCD_KEY_KEY
+from shoal.operator.sharing import Sharers
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +152,7 @@ class EtcdClients:
         self.root = root
         self._files: dict[SecretKey, SecretFiles] = {}
         self._plain: dict[str, Etcd] = {}
+        self._sharers: Sharers[object] = Sharers()
         self._tls: dict[tuple[str, str, str], tuple[str, Etcd]] = {}
         self._locks: dict[object, asyncio.Lock] = {}
 
@@ -164,13 +166,52 @@ class EtcdClients:
         secret: str | None = None,
         *,
         stale_ok: bool = False,
+        user: int | None = None,
     ) -> Etcd:
         """A connected client (cached); EtcdSecretProblem if the Secret cannot be used.
 
-        stale_ok: if the Secret is gone, use the last version this process saw.
+        stale_ok: if the Secret is gone, use the last version this process saw. `user`:
+        the group's token (shoal.operator.sharing); a client it no longer uses, and
+        nobody else does, is closed.
         """
+        key: object = endpoints if not secret else (endpoints, namespace or "default", secret)
+        try:
+            return await self._get(endpoints, namespace, secret, stale_ok, user)
+        finally:
+            if user is not None:
+                await self._close_unused(self._sharers.use(key, user))
+
+    async def release(self, user: int) -> None:
+        """The group is gone: close what only it used."""
+        await self._close_unused(self._sharers.release(user))
+
+    async def _close_unused(self, keys: list[object]) -> None:
+        for key in keys:
+            async with self._lock(key):
+                if self._sharers.used(key):
+                    continue  # another group took it up meanwhile
+                etcd: Etcd | None = None
+                if isinstance(key, str):
+                    etcd, endpoints = self._plain.pop(key, None), key
+                elif isinstance(key, tuple):
+                    kept = self._tls.pop(key, None)
+                    etcd, endpoints = (kept[1] if kept else None), key[0]
+            if etcd is not None:
+                log.info("Closing the etcd client of %s: no group uses it any more", endpoints)
+                etcd.close()
+
+    async def _get(
+        self,
+        endpoints: str,
+        namespace: str | None,
+        secret: str | None,
+        stale_ok: bool,
+        user: int | None,
+    ) -> Etcd:
         if not secret:
             async with self._lock(endpoints):
+                if user is not None:
+                    self._sharers.add(endpoints, user)
                 if endpoints not in self._plain:
                     self._plain[endpoints] = await self._connect(endpoints, None)
                 return self._plain[endpoints]
@@ -178,6 +219,8 @@ class EtcdClients:
         files = await self.files(ns, secret, stale_ok=stale_ok)
         key = (endpoints, ns, secret)
         async with self._lock(key):
+            if user is not None:
+                self._sharers.add(key, user)
             cached = self._tls.get(key)
             if cached is not None and cached[0] == files.resource_version:
                 return cached[1]

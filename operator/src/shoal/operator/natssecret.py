@@ -54,6 +54,7 @@ from shoal.operator.builders import (
     NatsPodSecrets,
 )
 from shoal.operator.etcdsecret import SecretReader, write_private
+from shoal.operator.sharing import Sharers
 
 log = logging.getLogger(__name__)
 
@@ -256,6 +257,7 @@ class NatsClients:
         self._tls: dict[SecretKey, TlsFiles] = {}
         self._credentials: dict[SecretKey, CredentialFiles] = {}
         self._connections: dict[tuple[str, tuple[tuple[str, str, str], ...]], Any] = {}
+        self._sharers: Sharers[tuple[str, tuple[tuple[str, str, str], ...]]] = Sharers()
         self._locks: dict[object, asyncio.Lock] = {}
 
     def __len__(self) -> int:
@@ -405,13 +407,47 @@ class NatsClients:
         connect: Connector,
         attempts: int,
         stale_ok: bool = False,
+        user: int | None = None,
     ) -> Any:
         """A connection for the group (cached). NatsSecretProblem if its Secrets cannot be
         used or NATS refuses them (NatsAuthFailed, NatsTLSFailed); what `connect` raises
-        when NATS is out of reach."""
+        when NATS is out of reach. `user`: the group's token (shoal.operator.sharing); a
+        connection it no longer uses, and nobody else does, is closed."""
         group = await self.group(namespace, spec, stale_ok=stale_ok)
         key = (url, group.versions)
+        try:
+            return await self._get(key, url, namespace, group, connect, attempts, user)
+        finally:
+            if user is not None:
+                await self._close_unused(self._sharers.use(key, user))
+
+    async def release(self, user: int) -> None:
+        """The group is gone: close what only it used."""
+        await self._close_unused(self._sharers.release(user))
+
+    async def _close_unused(self, keys: list[tuple[str, tuple[tuple[str, str, str], ...]]]) -> None:
+        for key in keys:
+            async with self._lock(key):
+                if self._sharers.used(key):
+                    continue  # another group took it up meanwhile
+                nc = self._connections.pop(key, None)
+            if nc is not None:
+                log.info("Closing the NATS connection to %s: no group uses it any more", key[0])
+                await _close(nc)
+
+    async def _get(
+        self,
+        key: tuple[str, tuple[tuple[str, str, str], ...]],
+        url: str,
+        namespace: str,
+        group: Any,
+        connect: Connector,
+        attempts: int,
+        user: int | None,
+    ) -> Any:
         async with self._lock(key):
+            if user is not None:
+                self._sharers.add(key, user)  # before another group's leaving can close it
             nc = self._connections.get(key)
             if nc is not None and not nc.is_closed:
                 return nc

@@ -213,6 +213,7 @@ async def _nats(
         connect=connect,
         attempts=attempts,
         stale_ok=stale_ok,
+        user=id(memo.group),
     )
 
 
@@ -673,7 +674,7 @@ async def _etcd(
     may be served from the version read before).
     """
     clients: EtcdClients = memo.etcd
-    return await clients.get(endpoints, namespace, secret, stale_ok=stale_ok)
+    return await clients.get(endpoints, namespace, secret, stale_ok=stale_ok, user=id(memo.group))
 
 
 async def _scale_record(
@@ -1280,6 +1281,27 @@ async def delete(
     meta: kopf.Meta,
     retry: int = 0,
     **_: Any,
+) -> None:
+    try:
+        await _delete(name, namespace, spec, memo, body, status, patch, meta, retry)
+    finally:
+        # The clients only this group used: closed. A retry takes them up again.
+        clients: NatsClients = memo.nats
+        await clients.release(id(memo.group))
+        etcds: EtcdClients = memo.etcd
+        await etcds.release(id(memo.group))
+
+
+async def _delete(
+    name: str,
+    namespace: str | None,
+    spec: kopf.Spec,
+    memo: OperatorMemo,
+    body: kopf.Body,
+    status: kopf.Status,
+    patch: kopf.Patch,
+    meta: kopf.Meta,
+    retry: int,
 ) -> None:
     namespace = namespace or "default"  # ConsumerGroups are namespaced
     settings: OperatorSettings = memo.settings
