@@ -21,7 +21,14 @@ import pytest
 from harness.fleet import Fleet
 from harness.proxy import TcpProxy
 from shoal.consumer import ready
-from shoal.consumer.ready import MemberState, check, check_live, read_state, write_state
+from shoal.consumer.ready import (
+    HealthFile,
+    MemberState,
+    check,
+    check_live,
+    read_state,
+    write_state,
+)
 
 NOW = 1000.0
 HEALTHY = MemberState(
@@ -260,3 +267,37 @@ def test_a_state_left_by_an_ended_process_is_not_ready(tmp_path: Path) -> None:
     # Written before the field existed (or without /proc): not judged by it.
     ok, message = check(_file(tmp_path, mine._replace(pid=ended.pid, started=0)))
     assert ok, message
+
+
+async def test_a_probe_that_raises_leaves_the_refresh_running_and_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A defect in the member's state function: the state file goes stale, so the probes
+    fail, but the refresh task goes on (and recovers with the function) and the log says
+    why, once. Before, the exception ended the task: the pod turned unready and was
+    restarted with nothing in its log."""
+    calls = 0
+
+    def probe() -> MemberState:
+        nonlocal calls
+        calls += 1
+        if calls <= 5:
+            raise KeyError("partition 7")
+        return MemberState(
+            "m-0", os.getpid(), time.monotonic(), time.time(), True, True, True, False
+        )
+
+    health = HealthFile(str(tmp_path / "state.json"), probe, interval=0.01)
+    task = asyncio.create_task(health.run())
+    try:
+        for _ in range(200):
+            if calls > 6:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert calls > 6, "the refresh task ended"
+    said = [r for r in caplog.records if "Cannot tell the member's state" in r.getMessage()]
+    assert len(said) == 1 and "partition 7" in (said[0].exc_text or "")
+    assert (tmp_path / "state.json").exists()

@@ -228,14 +228,26 @@ class HealthFile:
         self.path = path
         self.probe = probe
         self.interval = interval
+        self._failing = False
 
     def write(self) -> None:
+        import logging
+
         try:
             write_state(self.path, self.probe())
         except OSError as exc:  # a full or read-only /tmp: the probes will say so
-            import logging
-
             logging.getLogger(__name__).warning("Cannot write %s: %s", self.path, exc)
+        except Exception:
+            # A defect in the probe: the file goes stale and the probes fail (the state is
+            # unknown), but the task goes on, and the log says why once. Raised, it ended
+            # the task: the pod turned unready and was restarted with nothing logged.
+            if not self._failing:
+                logging.getLogger(__name__).exception(
+                    "Cannot tell the member's state for the probes; they will fail"
+                )
+            self._failing = True
+        else:
+            self._failing = False
 
     async def run(self) -> None:
         import asyncio
