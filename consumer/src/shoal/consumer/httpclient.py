@@ -420,8 +420,8 @@ class HttpClient:
             except BaseException:
                 if waiter.done() and not waiter.cancelled():
                     # Woken, but cancelled or timed out before it ran: the connection
-                    # it was woken for goes to the next one waiting, not to nobody.
-                    self._waiting.remove(waiter)
+                    # it was woken for goes to the next one waiting (_wake skips this
+                    # one, done), not to nobody.
                     self._wake()
                 raise
             finally:

@@ -44,9 +44,9 @@ class Kube:
     def __init__(self, api: Any, timeout: tuple[float, float] = REQUEST_TIMEOUT) -> None:
         self.api = with_timeout(api, timeout)
         self.dynamic = dynamic.DynamicClient(self.api)
-        self.apps = client.AppsV1Api(api)
-        self.core = client.CoreV1Api(api)
-        self.custom = client.CustomObjectsApi(api)
+        self.apps = client.AppsV1Api(self.api)
+        self.core = client.CoreV1Api(self.api)
+        self.custom = client.CustomObjectsApi(self.api)
 
     def _apply(self, obj: dict[str, Any]) -> None:
         resource = self.dynamic.resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
