@@ -247,6 +247,18 @@ def test_a_spec_change_undone_while_it_is_refused_clears_degraded(
     plane.kubectl("patch", "cg", "undone", "-n", ns, "--type", "merge", "-p", patch)
     degraded = wait_until(lambda: _degraded_reason(plane, ns, "undone"), 60, "Degraded")
     assert degraded["reason"] == "HandlerInvalid", degraded
+    # `kubectl get cg` says it in its Status column: the pods of the spec before still
+    # run, and that column used to say "Stable" beside a Degraded condition it hides.
+    row = wait_until(
+        lambda: (
+            (r := plane.kubectl("get", "cg", "undone", "-n", ns, "--no-headers").stdout)
+            and "HandlerInvalid" in r.split()
+            and r
+        ),
+        30,
+        "HandlerInvalid in the Status column",
+    )
+    assert "Stable" not in row.split(), row
     patch = json.dumps({"spec": {"handler": good}})
     plane.kubectl("patch", "cg", "undone", "-n", ns, "--type", "merge", "-p", patch)
     cg = wait_until(

@@ -149,9 +149,10 @@ def summary(found: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
             id="member-left",
         ),
         pytest.param(
+            # The Status column (Progressing's reason) says it too, not "Stable".
             {"problem": ("NatsUnavailable", "JetStream at nats://x: timeout")},
             ("False", "NatsUnavailable"),
-            ("False", "Stable"),
+            ("False", "NatsUnavailable"),
             ("True", "NatsUnavailable"),
             id="problem",
         ),
@@ -159,9 +160,23 @@ def summary(found: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
             # A problem outranks missing members in Ready (it says why they are missing).
             {"ready_replicas": 0, "members": {}, "problem": ("HandlerInvalid", "no module")},
             ("False", "HandlerInvalid"),
-            ("True", "Reconciling"),
+            ("False", "HandlerInvalid"),
             ("True", "HandlerInvalid"),
             id="problem-and-no-members",
+        ),
+        pytest.param(
+            # Scaled to zero is not Ready while the stream producers use cannot be made.
+            {
+                "spec_replicas": 0,
+                "replicas": 0,
+                "ready_replicas": 0,
+                "members": {},
+                "problem": ("NatsAuthFailed", "authorization violation"),
+            },
+            ("False", "NatsAuthFailed"),
+            ("False", "NatsAuthFailed"),
+            ("True", "NatsAuthFailed"),
+            id="problem-at-zero",
         ),
         pytest.param(
             # c-1 reports partition 3 stalled (its readiness fails with it).
@@ -183,7 +198,7 @@ def summary(found: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
             # A problem says more than the stall it may cause.
             {"stalled": ((3, "c-1"),), "problem": ("NatsUnavailable", "timeout")},
             ("False", "NatsUnavailable"),
-            ("False", "PartitionsStalled"),
+            ("False", "NatsUnavailable"),
             ("True", "NatsUnavailable"),
             id="stalled-and-problem",
         ),
@@ -287,16 +302,16 @@ def test_stamp_leaves_its_inputs_alone() -> None:
 # -- degraded: what a failed reconcile writes --------------------------------------------------
 
 
-def test_degraded_sets_only_the_degraded_condition() -> None:
+def test_degraded_sets_the_problem_where_the_timer_will() -> None:
     old = stamp(conditions(observed()), [], T0)
     found = degraded(old, "HandlerInvalid", "cannot import x", 8, T1)
     c = by_type(found)
     assert [x["type"] for x in found] == [
         "Ready",
         "Progressing",
+        "Degraded",
         "Paused",
         "MembersSchedulable",
-        "Degraded",
     ]
     assert c["Degraded"] == {
         "type": "Degraded",
@@ -306,28 +321,41 @@ def test_degraded_sets_only_the_degraded_condition() -> None:
         "observedGeneration": 8,
         "lastTransitionTime": T1,  # False -> True
     }
+    # Ready and Progressing as the status timer's next observation writes them.
+    expected = by_type(
+        conditions(observed(generation=8, problem=("HandlerInvalid", "cannot import x")))
+    )
+    for kind, moved in (("Ready", True), ("Progressing", False)):  # Progressing was False
+        assert {k: v for k, v in c[kind].items() if k != "lastTransitionTime"} == expected[kind]
+        assert c[kind]["lastTransitionTime"] == (T1 if moved else T0)
     # The others stay as the status timer wrote them, times included.
-    assert [c["Ready"], c["Progressing"], c["Paused"], c["MembersSchedulable"]] == [
-        x for x in old if x["type"] != "Degraded"
+    assert [c["Paused"], c["MembersSchedulable"]] == [
+        x for x in old if x["type"] in ("Paused", "MembersSchedulable")
     ]
 
 
 def test_degraded_again_for_another_reason_keeps_the_transition_time() -> None:
     first = degraded([], "EtcdSecretMissing", "Secret ns/s not found", 1, T0)
-    assert first == [
-        {
-            "type": "Degraded",
-            "status": "True",
-            "reason": "EtcdSecretMissing",
-            "message": "Secret ns/s not found",
-            "observedGeneration": 1,
-            "lastTransitionTime": T0,
-        }
-    ]
-    second = degraded(first, "EtcdSecretInvalid", "tls.key is not a PEM private key", 2, T1)
-    assert second[0]["reason"] == "EtcdSecretInvalid"
-    assert second[0]["observedGeneration"] == 2
-    assert second[0]["lastTransitionTime"] == T0
+    assert by_type(first)["Degraded"] == {
+        "type": "Degraded",
+        "status": "True",
+        "reason": "EtcdSecretMissing",
+        "message": "Secret ns/s not found",
+        "observedGeneration": 1,
+        "lastTransitionTime": T0,
+    }
+    assert summary(first) == {
+        "Ready": ("False", "EtcdSecretMissing"),
+        "Progressing": ("False", "EtcdSecretMissing"),
+        "Degraded": ("True", "EtcdSecretMissing"),
+    }
+    second = by_type(
+        degraded(first, "EtcdSecretInvalid", "tls.key is not a PEM private key", 2, T1)
+    )
+    for kind in ("Ready", "Progressing", "Degraded"):
+        assert second[kind]["reason"] == "EtcdSecretInvalid"
+        assert second[kind]["observedGeneration"] == 2
+        assert second[kind]["lastTransitionTime"] == T0
 
 
 # -- status ------------------------------------------------------------------------------------

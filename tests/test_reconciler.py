@@ -12,6 +12,7 @@ import base64
 import copy
 import dataclasses
 import json
+import logging
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -599,7 +600,12 @@ async def test_each_problem_degrades_warns_and_retries(
     message = degraded["message"]
     assert (degraded["status"], degraded["reason"]) == ("True", case.reason)
     assert degraded["observedGeneration"] == 4
-    assert patch["status"]["conditions"][0] == ready  # the timer's conditions stay
+    # Ready says the problem at once, as the status timer will (Ready was True).
+    first = patch["status"]["conditions"][0]
+    assert (first["type"], first["status"], first["reason"]) == ("Ready", "False", case.reason)
+    assert (
+        first["message"] == message and first["lastTransitionTime"] != ready["lastTransitionTime"]
+    )
     assert world.events == [("Warning", case.reason, message)]
     assert caught.value.delay == case.delay
     assert str(caught.value) == message
@@ -1267,3 +1273,39 @@ async def test_a_rotated_secret_does_not_roll_pods_onto_a_refused_spec(
     assert kube.applied == []
     assert "EtcdSecretRotated" not in world.reasons("Normal")
     assert degraded_reason(st) == "HandlerInvalid"
+
+
+async def test_the_timer_reports_a_stored_spec_the_model_refuses_without_raising(
+    world: World, operator_memo: OperatorMemo, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A spec stored before the model refused it (replicas 0 with autoscaling on, issue
+    24) is SpecInvalid to the reconcile, which warns on each of its retries. The status
+    timer used to raise SpecError every tick (kopf logs a traceback and posts an Error
+    Event each time) and wrote nothing; it now writes the same conditions, once."""
+    memo = resource_memo(operator_memo)
+    stored = {"handler": GOOD, "replicas": 0, "autoscaling": {"enabled": True}}
+    with pytest.raises(kopf.TemporaryError):
+        await reconcile(memo, "orders", stored, generation=3)
+    world.events.clear()
+    with caplog.at_level(logging.WARNING):
+        st = await observe(memo, "orders", stored)
+    found = {c["type"]: c for c in st["conditions"]}
+    for kind in ("Ready", "Progressing", "Degraded"):
+        assert found[kind]["reason"] == "SpecInvalid", found
+        assert "replicas must be at least 1 while autoscaling" in found[kind]["message"]
+    assert found["Degraded"]["status"] == "True"
+    assert world.events == []  # the reconcile's retries warn; the timer does not
+    # Written once: the next tick, given the status it wrote, changes nothing.
+    patch = kopf.Patch()
+    await call_handler(
+        reconciler.observe_group,
+        name="orders",
+        namespace=NAMESPACE,
+        spec=stored,
+        meta={"generation": 1},  # as observe() passes
+        status=st,
+        body=body("orders"),
+        memo=memo,
+        patch=patch,
+    )
+    assert "status" not in patch or not patch["status"]

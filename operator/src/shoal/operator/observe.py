@@ -244,7 +244,11 @@ def conditions(o: Observed) -> list[dict[str, Any]]:
         and o.ready_replicas == o.spec_replicas
         and len(o.members) == o.spec_replicas
     )
-    if o.spec_replicas == 0:
+    if o.problem is not None:
+        # Before ScaledToZero too: a group with no members is still one whose stream and
+        # durables producers rely on, and the problem may be that they cannot be made.
+        ready = _condition("Ready", False, o.problem[0], o.problem[1], o.generation)
+    elif o.spec_replicas == 0:
         ready = _condition(
             "Ready",
             o.replicas == 0,
@@ -252,8 +256,6 @@ def conditions(o: Observed) -> list[dict[str, Any]]:
             "The group is scaled to zero members",
             o.generation,
         )
-    elif o.problem is not None:
-        ready = _condition("Ready", False, o.problem[0], o.problem[1], o.generation)
     elif o.ready_replicas < o.spec_replicas and o.refused:
         ready = _condition(
             "Ready",
@@ -301,8 +303,13 @@ def conditions(o: Observed) -> list[dict[str, Any]]:
             o.generation,
         )
 
-    if o.stalled:
-        # First, like a Deployment's ProgressDeadlineExceeded: it is what `kubectl get cg`
+    if o.problem is not None:
+        # What `kubectl get cg` shows (the Status column): the spec cannot be applied, or
+        # a server the group needs cannot be reached. "Stable" there, beside a Degraded
+        # condition nobody lists, would say all is well.
+        progressing = _condition("Progressing", False, o.problem[0], o.problem[1], o.generation)
+    elif o.stalled:
+        # Next, like a Deployment's ProgressDeadlineExceeded: it is what `kubectl get cg`
         # shows (the Status column), and a move of the stalled partitions that follows is
         # Rebalancing only once no member reports them any more.
         progressing = _condition(
@@ -389,14 +396,19 @@ def degraded(
     generation: int,
     now: str,
 ) -> list[dict[str, Any]]:
-    """The conditions after a failed reconcile: Degraded is True for (reason, message).
+    """The conditions after a failed reconcile: Degraded is True for (reason, message),
+    and Ready and Progressing are False for it, as the status timer will write them
+    (conditions(): a problem outranks the rest), so `kubectl get cg` says it at once.
 
     The reconciler knows only the problem, not the Deployment, etcd or JetStream, so the
     other conditions stay as the status timer last wrote them.
     """
-    condition = _condition("Degraded", True, reason, message, generation)
-    others = [c for c in old_conditions if c.get("type") != "Degraded"]
-    return stamp([*others, condition], old_conditions, now)
+    mine = {
+        kind: _condition(kind, kind == "Degraded", reason, message, generation)
+        for kind in ("Ready", "Progressing", "Degraded")
+    }
+    kept = [mine.pop(c.get("type"), c) for c in old_conditions]  # type: ignore[arg-type]
+    return stamp([*kept, *mine.values()], old_conditions, now)
 
 
 def skew(o: Observed) -> int:

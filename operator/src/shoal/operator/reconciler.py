@@ -707,7 +707,11 @@ async def observe_group(
     await _reconcile_undone_change(name, namespace, spec, meta, status, body, memo, patch)
     namespace = namespace or "default"  # ConsumerGroups are namespaced
     settings: OperatorSettings = memo.settings
-    model = spec_model(spec)
+    try:
+        model = spec_model(spec)
+    except SpecError as exc:
+        _report_refused_spec(exc, meta, status, patch)
+        return
     config = pod_config(name, namespace, model, settings)
     deployment = resource_names(name)["deployment"]
     children_problem: tuple[str, str] | None = None
@@ -838,6 +842,25 @@ async def observe_group(
     # request (decode, admission, compare) every 5 s per group, half its requests at 50
     # idle groups (bench/groups.py).
     for key, value in observe.status_changes(old, new).items():
+        patch.status[key] = value
+
+
+def _report_refused_spec(
+    exc: SpecError, meta: kopf.Meta, status: kopf.Status, patch: kopf.Patch
+) -> None:
+    """The status for a stored spec the model refuses, which the API server's schema let
+    through (a spec stored before this operator's model refused it): what the reconcile
+    writes (SpecInvalid), with no traceback and Error Event every tick. The reconcile's
+    retries post the Warning; nothing else can be observed without a spec to read."""
+    old = dict(status or {})
+    found = observe.degraded(
+        old.get("conditions", []),
+        "SpecInvalid",
+        str(exc),
+        int(meta.get("generation") or 0),
+        now(),
+    )
+    for key, value in observe.status_changes(old, {"conditions": found}).items():
         patch.status[key] = value
 
 
