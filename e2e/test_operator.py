@@ -214,6 +214,20 @@ def test_an_unknown_handler_degrades_with_a_warning(localkube: LocalKube, operat
         "get", "events", "-n", ns, "--field-selector", "reason=HandlerInvalid"
     ).stdout
     assert "Warning" in events and "no_such_module" in events
+    # One Event per failed try, ours (with the reason): kopf's own for the handler's
+    # failure ("Handler 'reconcile' failed temporarily: <the same message>", type Error,
+    # reason Logging) used to follow each one. kopf posts in the order it was asked to,
+    # so a second or two after ours is plenty to have seen it.
+    time.sleep(3)
+    logged = plane.kubectl(
+        "get", "events", "-n", ns, "--field-selector", "reason=Logging", "-o", "json"
+    ).stdout
+    repeated = [
+        e["message"]
+        for e in json.loads(logged)["items"]
+        if "failed" in e["message"] and "no_such_module" in e["message"]
+    ]
+    assert repeated == []
     # Nothing was created for a group that cannot work.
     assert (
         plane.kubectl("get", "deployment", "orders-consumer", "-n", ns, check=False).returncode != 0
