@@ -46,6 +46,7 @@ from shoal.clients.etcd import Etcd
 from shoal.contracts.names import Keys
 from shoal.group.status import GroupStatus, read_status
 from shoal.operator.builders import ETCD_SECRET_VERSION
+from shoal.operator.reconciler import OBSERVE_INTERVAL
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
@@ -220,21 +221,34 @@ def test_a_group_on_tls_etcd_runs_and_its_finalizer_clears_it(
     assert env["ETCD_CA_FILE"]["value"] == "/etc/shoal/etcd/ca.crt"
     assert env["ETCD_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "etcd-client"
 
-    # A rotated Secret rolls the pods (they read their certificates at start).
+    def secret_version() -> str | None:
+        dep = get_json(plane, "deployment", f"{name}-consumer", "-n", NS)
+        annotations = dep["spec"]["template"]["metadata"].get("annotations") or {}
+        return annotations.get(ETCD_SECRET_VERSION)
+
+    # A change of the Secret's metadata only (a label, as tools that copy or watch
+    # Secrets add) is no rotation: the pods would read the same files again. It used to
+    # roll them (the version was the Secret's resourceVersion). Three status ticks.
     before = {p["metadata"]["name"] for p in namespace_pods(plane, NS)}
+    applied = secret_version()
+    assert applied
+    plane.kubectl("label", "secret", "etcd-client", "-n", NS, "team=payments")
+    time.sleep(3 * OBSERVE_INTERVAL)
+    assert secret_version() == applied
+    assert {p["metadata"]["name"] for p in namespace_pods(plane, NS)} == before
+
+    # A rotated Secret rolls the pods (they read their certificates at start).
     apply_secret(
         plane, NS, "etcd-client", tls_etcd.files(), username=USER, password=PASSWORD, rotated="1"
     )
-    version = get_json(plane, "secret", "etcd-client", "-n", NS)["metadata"]["resourceVersion"]
 
     def rolled() -> Any:
-        dep = get_json(plane, "deployment", f"{name}-consumer", "-n", NS)
-        annotations = dep["spec"]["template"]["metadata"].get("annotations") or {}
+        version = secret_version()
         pods = {p["metadata"]["name"] for p in namespace_pods(plane, NS)}
         cg = group_ready(plane, NS, name)
         fresh = pods and not pods & before and len(pods) == 2
         settled = cg and cg["status"]["members"] == 2  # the old members have left
-        return annotations.get(ETCD_SECRET_VERSION) == version and fresh and settled
+        return version and version != applied and fresh and settled
 
     wait_until(rolled, 120, "the pods to roll onto the rotated Secret")
     assert "EtcdSecretRotated" in plane.kubectl("describe", "cg", name, "-n", NS).stdout

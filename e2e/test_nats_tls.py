@@ -40,6 +40,8 @@ from harness.localkube.plane import LocalKube
 from harness.natssecurity import NatsServerSecurity
 from harness.securenats import NatsUser, SecureNats, secure_nats_server
 from shoal.operator.builders import NATS_TLS_SECRET_VERSION
+from shoal.operator.etcdsecret import data_version
+from shoal.operator.reconciler import OBSERVE_INTERVAL
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
@@ -122,10 +124,16 @@ def test_a_group_on_tls_nats_with_a_password_runs_and_rolls_on_rotation(
     }
     assert PASSWORD not in json.dumps(template)
 
-    # A rotated TLS Secret rolls the pods, one at a time (maxUnavailable 0, maxSurge 1).
+    # An annotation on the Secret is no rotation (it rolled the pods while the version
+    # was the Secret's resourceVersion): three status ticks, nothing moves.
     before = {p["metadata"]["name"] for p in namespace_pods(plane, NS)}
+    plane.kubectl("annotate", "secret", "nats-tls", "-n", NS, "copied-by=reflector")
+    time.sleep(3 * OBSERVE_INTERVAL)
+    assert {p["metadata"]["name"] for p in namespace_pods(plane, NS)} == before
+
+    # A rotated TLS Secret rolls the pods, one at a time (maxUnavailable 0, maxSurge 1).
     apply_secret(plane, NS, "nats-tls", secure.tls_files(), rotated="1")
-    version = get_json(plane, "secret", "nats-tls", "-n", NS)["metadata"]["resourceVersion"]
+    version = data_version(get_json(plane, "secret", "nats-tls", "-n", NS)["data"])
     most_at_once = 0
 
     def rolled() -> Any:

@@ -21,6 +21,7 @@ from shoal.operator.etcdsecret import (
     EtcdSecretProblem,
     SecretData,
     SecretFiles,
+    data_version,
     decode_secret,
 )
 
@@ -122,7 +123,7 @@ async def test_files_are_cached_by_resource_version(
     new_key = KEY.replace(b"MIIE", b"MIIF")
     secrets.secrets["prod", "etcd"] = SecretData("8", {**tls_data(), "tls.key": b64(new_key)})
     second = await clients.files("prod", "etcd")
-    assert second.resource_version == "8"
+    assert second.version == "8"
     assert (second.directory / "tls.key").read_bytes() == new_key
     assert not first.directory.exists()  # the replaced version's files are gone
 
@@ -196,3 +197,15 @@ def test_the_default_directory_is_private_and_temporary(secrets: FakeSecrets) ->
     finally:
         clients.close()
     assert not clients.root.exists()
+
+
+def test_a_secrets_version_follows_its_data_only() -> None:
+    """Labels and annotations change a Secret's resourceVersion, not its data: the version
+    that rolls pods is a digest of the data, so only new data rolls them."""
+    data = {"ca.crt": "Q0E=", "tls.crt": "Q1JU", "tls.key": "S0VZ"}
+    assert data_version(data) == data_version(dict(reversed(list(data.items()))))
+    assert data_version(data) != data_version({**data, "tls.key": "S0VZMg=="})
+    assert data_version(data) != data_version({**data, "username": "dTE="})
+    # Where a key ends and its value begins is part of it.
+    assert data_version({"a": "bc"}) != data_version({"ab": "c"})
+    assert data_version({}) != data_version({"": ""})

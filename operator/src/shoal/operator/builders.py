@@ -543,7 +543,7 @@ def build_deployment(
     etcd_secret_version: str | None = None,
     nats: NatsPodSecrets | None = None,
 ) -> Obj:
-    """The consumers' Deployment. `etcd_secret_version` (the tlsSecret's resourceVersion)
+    """The consumers' Deployment. `etcd_secret_version` (a digest of the tlsSecret's data)
     and the NATS Secrets' versions (`nats`) go into the pod template: members read their
     certificates and credentials once, at start, so a rotated Secret must roll the pods
     (one at a time, each hand-over lossless)."""

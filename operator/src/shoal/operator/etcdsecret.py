@@ -6,12 +6,12 @@ files the etcd client needs into a private directory of its own: the directory a
 version's subdirectory 0700, every file 0600, created exclusively. The username and
 password stay in memory.
 
-Files and connections are cached by the Secret's resourceVersion: the Secret is read on
-every use (one GET), and only a new version is written out again; the connections and
-files of the version it replaces are closed and removed then, everything else when the
-operator stops. A Secret that is gone may still serve a group's deletion from the cache,
-so deleting a namespace (which removes the Secret before the group's finalizer runs) can
-still clear the group's etcd keys.
+Files and connections are cached by the Secret's version (a digest of its data): the
+Secret is read on every use (one GET), and only a new version is written out again; the
+connections and files of the version it replaces are closed and removed then, everything
+else when the operator stops. A Secret that is gone may still serve a group's deletion
+from the cache, so deleting a namespace (which removes the Secret before the group's
+finalizer runs) can still clear the group's etcd keys.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import asyncio
 import atexit
 import base64
 import binascii
+import hashlib
 import logging
 import os
 import shutil
@@ -58,10 +59,22 @@ class EtcdSecretProblem(Exception):
 
 @dataclass(frozen=True)
 class SecretData:
-    """A Secret as the API returns it: its version and its base64-encoded data."""
+    """A Secret as the API returns it: its base64-encoded data, and a version of it that
+    changes when the data does (data_version), not when only its metadata does."""
 
-    resource_version: str
+    version: str
     data: Mapping[str, str]
+
+
+def data_version(data: Mapping[str, str]) -> str:
+    """A Secret's data as a short digest. Not its resourceVersion: that moves with every
+    label or annotation a tool adds (a Secret copied between namespaces, a certificate
+    manager's bookkeeping), and each move would roll the group's pods one at a time,
+    hand-overs included, for files that did not change."""
+    digest = hashlib.sha256()
+    for key in sorted(data):
+        digest.update(f"{len(key)}:{key}={len(data[key])}:{data[key]};".encode())
+    return digest.hexdigest()[:16]
 
 
 class SecretReader(Protocol):
@@ -121,7 +134,7 @@ def write_private(path: Path, content: bytes) -> None:
 class SecretFiles:
     """One version of a Secret, written out."""
 
-    resource_version: str
+    version: str
     directory: Path
     username: str | None = None
     password: str | None = field(default=None, repr=False)
@@ -222,10 +235,10 @@ class EtcdClients:
             if user is not None:
                 self._sharers.add(key, user)
             cached = self._tls.get(key)
-            if cached is not None and cached[0] == files.resource_version:
+            if cached is not None and cached[0] == files.version:
                 return cached[1]
             etcd = await self._connect(endpoints, files)
-            self._tls[key] = (files.resource_version, etcd)
+            self._tls[key] = (files.version, etcd)
             if cached is not None:
                 cached[1].close()
             return etcd
@@ -240,7 +253,7 @@ class EtcdClients:
         return etcd
 
     async def files(self, namespace: str, name: str, *, stale_ok: bool = False) -> SecretFiles:
-        """The Secret's current version, written out (checked, cached by resourceVersion)."""
+        """The Secret's current version, written out (checked, cached by version)."""
         where = f"Secret {namespace}/{name} (spec.etcd.tlsSecret)"
         key = (namespace, name)
         try:
@@ -260,7 +273,7 @@ class EtcdClients:
                     log.info("%s is gone; using the version read before", where)
                     return cached
                 raise EtcdSecretProblem(SECRET_MISSING, f"{where} not found")
-            if cached is not None and cached.resource_version == secret.resource_version:
+            if cached is not None and cached.version == secret.version:
                 return cached
             decoded = decode_secret(namespace, name, secret.data)
             directory = Path(tempfile.mkdtemp(prefix=f"{namespace}.{name}.", dir=self.root))
@@ -269,7 +282,7 @@ class EtcdClients:
             username = decoded.get(USERNAME_KEY)
             password = decoded.get(PASSWORD_KEY)
             files = SecretFiles(
-                secret.resource_version,
+                secret.version,
                 directory,
                 username.decode() if username else None,
                 password.decode() if password else None,
@@ -277,18 +290,18 @@ class EtcdClients:
             self._files[key] = files
             if cached is not None:
                 self._forget(key, cached)
-            log.info("Using %s version %s", where, secret.resource_version)
+            log.info("Using %s version %s", where, secret.version)
             return files
 
     def known_version(self, namespace: str, name: str) -> str | None:
         """The version of the Secret last read (by `files` or `get`), without reading it."""
         files = self._files.get((namespace, name))
-        return None if files is None else files.resource_version
+        return None if files is None else files.version
 
     def _forget(self, key: SecretKey, old: SecretFiles) -> None:
         """Close what the replaced version served and remove its files."""
         for tls_key, (version, etcd) in list(self._tls.items()):
-            if tls_key[1:] == key and version == old.resource_version:
+            if tls_key[1:] == key and version == old.version:
                 etcd.close()
                 del self._tls[tls_key]
         shutil.rmtree(old.directory, ignore_errors=True)

@@ -10,7 +10,7 @@ from kubernetes import client, dynamic
 from kubernetes.client.rest import ApiException
 
 from shoal.clients.kube import REQUEST_TIMEOUT, api_client
-from shoal.operator.etcdsecret import SecretData
+from shoal.operator.etcdsecret import SecretData, data_version
 
 __all__ = ["Kube", "api_client"]
 
@@ -91,7 +91,8 @@ class Kube:
         return await asyncio.to_thread(self._exists, api_version, kind, namespace, name)
 
     async def read_secret(self, namespace: str, name: str) -> SecretData | None:
-        """A Secret's resourceVersion and (base64) data; None if there is no such Secret.
+        """A Secret's (base64) data and its version (a digest of the data: metadata
+        changes are no new version); None if there is no such Secret.
 
         Only `get`: the operator reads the Secrets groups name and never lists any.
         """
@@ -101,7 +102,8 @@ class Kube:
             if exc.status == 404:
                 return None
             raise
-        return SecretData(str(secret.metadata.resource_version), dict(secret.data or {}))
+        data = dict(secret.data or {})
+        return SecretData(data_version(data), data)
 
     async def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         """The pods `selector` matches, as API JSON (camelCase, as `kubectl get -o json`

@@ -16,10 +16,11 @@ operator's may), and the group's Secret then only serves its pods (still read an
 checked, so a broken one is reported before pods roll onto it). The group's CA is used
 to trust the server either way.
 
-Files are cached by the Secrets' resourceVersions and connections by (url, the versions
-used): the Secrets are read on every use (one GET each), and only a new version is
-written out again; the connections and files of a version that is replaced are closed
-and removed then, everything else when the operator stops.
+Files are cached by the Secrets' versions (digests of their data, as for etcd) and
+connections by (url, the versions used): the Secrets are read on every use (one GET
+each), and only a new version is written out again; the connections and files of a
+version that is replaced are closed and removed then, everything else when the operator
+stops.
 """
 
 from __future__ import annotations
@@ -235,7 +236,7 @@ def _still_good(secret: Any, cached: _Files | None, stale_ok: bool, where: str) 
         if stale_ok and cached is not None:
             return cached
         raise _missing(f"{where} not found")
-    if cached is not None and cached.version == secret.resource_version:
+    if cached is not None and cached.version == secret.version:
         return cached
     return None
 
@@ -293,7 +294,7 @@ class NatsClients:
             directory = self._directory(namespace, name)
             for file_key, content in decoded.items():
                 write_private(directory / file_key, content)
-            files = TlsFiles(secret.resource_version, directory, NATS_CERT_KEY in decoded)
+            files = TlsFiles(secret.version, directory, NATS_CERT_KEY in decoded)
             try:
                 # Loaded once here, so that a certificate that is not the key's, or not a
                 # certificate at all, names the Secret instead of failing every connect.
@@ -328,7 +329,7 @@ class NatsClients:
                 write_private(directory / NATS_NKEY_KEY, decoded[NATS_NKEY_KEY])
             user, password = decoded.get(NATS_USER_KEY), decoded.get(NATS_PASSWORD_KEY)
             files = CredentialFiles(
-                secret.resource_version,
+                secret.version,
                 directory,
                 form,
                 user.decode() if user else None,

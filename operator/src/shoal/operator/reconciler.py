@@ -227,7 +227,8 @@ def check_handler(spec: Any, settings: OperatorSettings, retry: int) -> None:
 async def etcd_secret_version(
     clients: EtcdClients, namespace: str, spec: Any, retry: int
 ) -> str | None:
-    """The resourceVersion of the group's etcd Secret, read and checked (None: no Secret).
+    """The version of the group's etcd Secret (a digest of its data), read and checked
+    (None: no Secret).
 
     GroupProblem (EtcdSecretMissing, EtcdSecretInvalid, EtcdSecretForbidden) if it
     cannot be used.
@@ -236,7 +237,7 @@ async def etcd_secret_version(
     if not secret:
         return None
     try:
-        return (await clients.files(namespace, secret)).resource_version
+        return (await clients.files(namespace, secret)).version
     except EtcdSecretProblem as exc:
         # Capped low: a Secret is usually created right after the group.
         delay = min(60, 5 * 2 ** min(retry, 4))
