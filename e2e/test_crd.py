@@ -203,6 +203,16 @@ def test_invalid_groups_are_refused_with_readable_messages(crd: LocalKube, names
     ), message
     message = refused(crd, group("bad-ready", namespace, handlerReadyPath="healthz"))
     assert "spec.handlerReadyPath" in message
+    # spec.handlerSocket: with an http:// handler only, an absolute path, not in Secrets.
+    message = refused(crd, group("sock-py", namespace, handlerSocket="/run/h/http.sock"))
+    assert "handlerSocket needs an http:// URL handler" in " ".join(message.split()), message
+    web = {"handler": "http://localhost/messages"}
+    message = refused(crd, group("sock-rel", namespace, handlerSocket="run/http.sock", **web))
+    assert "spec.handlerSocket" in message
+    message = refused(
+        crd, group("sock-etc", namespace, handlerSocket="/etc/shoal/http.sock", **web)
+    )
+    assert "must not be under /etc/shoal/" in " ".join(message.split()), message
     message = refused(crd, group("retention", namespace, nats={"stream": {"retention": "forever"}}))
     assert "spec.nats.stream.retention" in message
     assert '"workqueue", "limits", "interest"' in message
@@ -460,3 +470,25 @@ def test_the_built_deployment_is_a_valid_pod_template_with_native_sidecars(
     del deployment["spec"]["template"]["spec"]["initContainers"][0]["restartPolicy"]
     result = apply(crd, deployment, "--dry-run=server", check=False)
     assert result.returncode != 0 and "startupProbe" in result.stderr, result.stderr
+
+
+def test_a_handler_socket_deployment_is_a_valid_pod_template(
+    crd: LocalKube, namespace: str
+) -> None:
+    """spec.handlerSocket's shared directory, as the API server takes it: one emptyDir,
+    mounted by the member and the sidecar; in /tmp, the tmp volume once."""
+    for socket, volume in (("/run/handler/http.sock", "handler-socket"), ("/tmp/h.sock", "tmp")):
+        spec = {
+            "handler": "http://localhost/messages",
+            "handlerSocket": socket,
+            "containers": [SERVICE_CONTAINER],
+        }
+        apply(crd, group("sock", namespace, **spec))
+        crd.kubectl("delete", "cg", "sock", "-n", namespace)
+        deployment = build_deployment("sock", namespace, spec, OperatorSettings())
+        result = apply(crd, deployment, "--dry-run=server", "-o", "json")
+        template = json.loads(result.stdout)["spec"]["template"]["spec"]
+        directory = socket.rsplit("/", 1)[0]
+        for container in (template["containers"][0], template["initContainers"][0]):
+            assert {"name": volume, "mountPath": directory} in container["volumeMounts"]
+        assert [v["name"] for v in template["volumes"]].count(volume) == 1

@@ -309,8 +309,59 @@ def test_every_variable_is_one_the_consumer_knows() -> None:
     # The other two forms of NATS credentials (a user and password, an nkey seed): the
     # full spec's Secret holds a credentials file (the tests below show the other forms).
     other_forms = {"NATS_USER", "NATS_PASSWORD", "NATS_NKEY_SEED_FILE"}
+    # A socket needs an http:// handler, which the full spec does not have (below).
+    other_forms.add("SHOAL_HANDLER_SOCKET")
     needed = set(ENV_FIELDS) - tuning - {"SHOAL_STATS_INTERVAL", "SHOAL_LOAD_CHECK_INTERVAL"}
     assert needed - other_forms <= set(names)
+
+
+SOCKET_SPEC: dict[str, Any] = {
+    "handler": "http://localhost/messages",
+    "handlerSocket": "/run/handler/http.sock",
+    "containers": [
+        {"name": "service", "image": "team/service:1"},
+        # Mounts something of its own there: the team's to share, left as it is.
+        {
+            "name": "other",
+            "image": "team/other:1",
+            "volumeMounts": [{"name": "mine", "mountPath": "/run/handler"}],
+        },
+    ],
+}
+
+
+def test_the_handler_socket_directory_is_shared_with_the_sidecars() -> None:
+    dep = build_deployment(NAME, NAMESPACE, SOCKET_SPEC, SETTINGS)
+    pod = dep["spec"]["template"]["spec"]
+    assert {"name": "handler-socket", "emptyDir": {}} in pod["volumes"]
+    shared = {"name": "handler-socket", "mountPath": "/run/handler"}
+    (consumer,) = pod["containers"]
+    assert shared in consumer["volumeMounts"]
+    service, other = pod["initContainers"]
+    assert service["volumeMounts"] == [shared]
+    assert other["volumeMounts"] == [{"name": "mine", "mountPath": "/run/handler"}]
+    env = {var["name"]: var.get("value") for var in consumer["env"]}
+    assert env["SHOAL_HANDLER_SOCKET"] == "/run/handler/http.sock"
+    assert env["SHOAL_HANDLER"] == "http://localhost/messages"
+    # The spec as stored is not changed by rendering it.
+    assert "volumeMounts" not in SOCKET_SPEC["containers"][0]
+
+
+def test_a_handler_socket_in_tmp_shares_the_tmp_volume() -> None:
+    spec = {**SOCKET_SPEC, "handlerSocket": "/tmp/http.sock"}
+    pod = build_deployment(NAME, NAMESPACE, spec, SETTINGS)["spec"]["template"]["spec"]
+    assert [v["name"] for v in pod["volumes"]].count("tmp") == 1
+    assert "handler-socket" not in [v["name"] for v in pod["volumes"]]
+    (consumer,) = pod["containers"]
+    assert [m["mountPath"] for m in consumer["volumeMounts"]].count("/tmp") == 1
+    assert pod["initContainers"][0]["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
+
+
+def test_no_handler_socket_no_volume() -> None:
+    pod = build_deployment(NAME, NAMESPACE, minimal_spec(), SETTINGS)["spec"]["template"]["spec"]
+    assert "handler-socket" not in [v["name"] for v in pod["volumes"]]
+    env = {var["name"] for var in pod["containers"][0]["env"]}
+    assert "SHOAL_HANDLER_SOCKET" not in env
 
 
 def test_env_values_are_strings_and_names_unique() -> None:

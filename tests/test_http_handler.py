@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import re
+import shutil
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -31,6 +33,7 @@ from shoal.consumer.handlers import (
     RetryAfter,
     load_handler,
 )
+from shoal.consumer.httpclient import HttpClient
 from shoal.consumer.httphandler import (
     ACK,
     PERMANENT,
@@ -262,6 +265,7 @@ class Service:
     port: int
     received: list[Received] = field(default_factory=list)
     ready: bool = True
+    socket: str | None = None  # listen on this Unix socket instead of the port
     runner: web.AppRunner | None = None
     aborted: list[str] = field(default_factory=list)
 
@@ -298,7 +302,10 @@ class Service:
         app.router.add_get("/healthz", self.healthz)
         self.runner = web.AppRunner(app, handle_signals=False)
         await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        if self.socket is not None:
+            await web.UnixSite(self.runner, self.socket).start()
+        else:
+            await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
 
     async def stop(self) -> None:
         if self.runner is not None:
@@ -307,6 +314,8 @@ class Service:
 
     @property
     def url(self) -> str:
+        if self.socket is not None:
+            return "http://localhost/messages"  # the Host header; the socket is the way
         return f"http://127.0.0.1:{self.port}/messages"
 
 
@@ -713,3 +722,103 @@ async def test_a_header_with_a_line_break_is_dead_lettered_not_smuggled(
     await poll(lambda: service.attempts("next-0"), 30, "the project's next message")
     assert service.attempts("bad-0") == []
     assert [r.headers.get("Shoal-Message-Id") for r in service.received] == ["next-0"]
+
+
+# -- spec.handlerSocket: the service on a Unix socket --------------------------------------
+
+
+@pytest.fixture
+async def socket_service(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Service]:
+    # A short directory: a socket's path must fit in 107 bytes.
+    directory = tempfile.mkdtemp(prefix="shoal-sock-", dir="/tmp")
+    service = Service(0, socket=f"{directory}/http.sock")
+    yield service
+    await service.stop()
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+async def test_requests_go_to_the_unix_socket(socket_service: Service) -> None:
+    """No socket yet: a refusal that names the socket (retried, as a refused connection
+    is). Then the request goes there, with the URL's path and Host."""
+    assert socket_service.socket is not None
+    handler = HttpHandler(socket_service.url, timeout=5, socket=socket_service.socket)
+    try:
+        with pytest.raises(HttpUnavailable) as refused:
+            await handler(_message({"Nats-Msg-Id": "early"}, b"ok"))
+        assert f"cannot connect to Unix socket {socket_service.socket}" in str(refused.value)
+        await socket_service.start()
+        await handler(_message({"Nats-Msg-Id": "m-1"}, b"ok"))
+        with pytest.raises(PermanentError, match="400"):
+            await handler(_message({"Nats-Msg-Id": "m-2"}, b"status:400:no"))
+        (got, _) = socket_service.received
+        assert got.headers["Host"] == "localhost" and got.data == b"ok"
+        assert got.headers["Shoal-Message-Id"] == "m-1"
+    finally:
+        await handler.aclose()
+
+
+def test_a_socket_is_for_http_urls_only() -> None:
+    with pytest.raises(ValueError, match="Unix socket serves http:// URLs only"):
+        HttpClient("https://localhost/m", unix_socket="/run/h/s.sock")
+    with pytest.raises(ValueError, match="needs an http:// URL handler"):
+        GroupConfig(
+            group="g",
+            namespace="n",
+            nats_url="nats://n:4222",
+            etcd_endpoints="e:2379",
+            handler="a:b",
+            handler_socket="/run/h/s.sock",
+        )
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+async def test_a_member_consumes_through_a_unix_socket(
+    socket_service: Service,
+    make_fleet: Callable[..., Fleet],
+    make_config: Callable[..., GroupConfig],
+    etcd: Etcd,
+    js: Any,
+) -> None:
+    """spec.handlerSocket end to end: the member waits for the service's ready path on
+    the socket, then every message reaches the service through it, once, in order per
+    project (the ledger's audit)."""
+    config = make_config(
+        handler=socket_service.url,
+        handler_socket=socket_service.socket,
+        handler_ready_path="/healthz",
+        partitions=PARTITIONS,
+        ledger=True,
+    )
+    await ensure_group(js, config)
+    fleet = make_fleet(handler=socket_service.url, partitions=PARTITIONS, ledger=True)
+    member = fleet.start("m-0", **config_env(config, (*SETTINGS, "handler_socket")))
+    await poll(
+        member.log_text, 20, "the member to say why it waits", until=lambda t: "Not joining" in t
+    )
+    assert f"Unix socket {socket_service.socket}" in member.log_text()
+    await socket_service.start()
+    await wait_for_status(etcd, config.namespace, config.group, PARTITIONS, settled({"m-0"}), 30)
+    items = [
+        Outgoing(f"project-{i % 10}", b"ok", f"uds-{i}", {SEQ_HEADER: str(i // 10)})
+        for i in range(300)
+    ]
+    await Producer(js, config.subject_prefix, PARTITIONS).publish_many(items)
+    ledger = await eventually_async(
+        lambda: read_ledger(js, config.ledger_stream),
+        30,
+        "the ledger",
+        until=lambda r: len(r) >= len(items),
+        interval=0.2,
+    )
+    summary = audit(ledger, [i.message_id or "" for i in items]).summary()
+    assert summary == {
+        "expected": len(items),
+        "processed": len(items),
+        "lost": 0,
+        "duplicates": 0,
+        "out_of_order": 0,
+        "overlaps": 0,
+    }
+    assert len(socket_service.received) == len(items)
+    assert "Traceback" not in member.log_text()

@@ -17,6 +17,8 @@ import yaml
 from shoal.consumer.scaler import Policy
 from shoal.contracts.spec import (
     HANDLER_PATTERN,
+    HANDLER_SOCKET_MAX_LENGTH,
+    HANDLER_SOCKET_PATTERN,
     READY_PATH_PATTERN,
     STREAM_NAME_PATTERN,
     SUBJECT_PREFIX_PATTERN,
@@ -367,3 +369,42 @@ def test_empty_stream_name_and_subject_prefix_mean_the_default(field: str) -> No
     spec = parse_spec(with_field(field, ""))
     config = group_config("prod", "orders", spec, nats_url="nats://n:4222", etcd_endpoints="e:2379")
     assert (config.stream, config.subject_prefix) == ("shoal_prod_orders", "shoal.prod.orders")
+
+
+# -- spec.handlerSocket -------------------------------------------------------------------------
+
+
+def test_a_handler_socket_with_an_http_handler() -> None:
+    spec = parse_spec({"handler": "http://localhost/messages", "handlerSocket": "/run/h/s.sock"})
+    assert spec.handler_socket == "/run/h/s.sock"
+    assert parse_spec({"handler": "a:b"}).handler_socket == ""
+    config = group_config("prod", "orders", spec, nats_url="nats://n:4222", etcd_endpoints="e:1")
+    assert config.handler_socket == "/run/h/s.sock"
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [
+        ({"handler": "a:b"}, "handlerSocket needs an http:// URL handler"),
+        ({"handler": "https://svc/m"}, "handlerSocket needs an http:// URL handler"),
+        ({"handlerSocket": "run/s.sock"}, "spec.handlerSocket must be the absolute path"),
+        ({"handlerSocket": "/s.sock"}, "spec.handlerSocket must be the absolute path"),
+        ({"handlerSocket": "/run/../s.sock"}, "spec.handlerSocket must be the absolute path"),
+        ({"handlerSocket": "/run/h s.sock"}, "spec.handlerSocket must be the absolute path"),
+        ({"handlerSocket": "/run/" + "s" * 103}, "spec.handlerSocket must be at most 107"),
+        ({"handlerSocket": "/etc/shoal/s.sock"}, "must not be under /etc/shoal/"),
+    ],
+)
+def test_a_handler_socket_that_cannot_work_is_refused_readably(
+    spec: dict[str, Any], words: str
+) -> None:
+    with pytest.raises(SpecError, match=re.escape(words)):
+        parse_spec({"handler": "http://localhost/m", "handlerSocket": "/run/h/s.sock", **spec})
+
+
+def test_the_handler_socket_pattern_is_the_crds() -> None:
+    crd = yaml.safe_load(CRD.read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    field = schema["properties"]["handlerSocket"]
+    assert field["pattern"] == HANDLER_SOCKET_PATTERN
+    assert field["maxLength"] == HANDLER_SOCKET_MAX_LENGTH

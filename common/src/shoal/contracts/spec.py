@@ -66,6 +66,22 @@ HANDLER_WORDS = (
 )
 # spec.handlerReadyPath: a path on the HTTP handler's host, or empty (none).
 READY_PATH_PATTERN = rf"^(/[^{WHITESPACE}#]*)?$"
+# spec.handlerSocket: a Unix socket's absolute path, in a directory of its own (the
+# operator mounts an emptyDir there, shared with spec.containers), or empty (none). No
+# '.' or '..' segments (the API server refuses those in a mountPath); at most 107 bytes,
+# what a socket address holds (sun_path).
+HANDLER_SOCKET_PATTERN = r"^((/[A-Za-z0-9_][A-Za-z0-9._-]*){2,})?$"
+HANDLER_SOCKET_MAX_LENGTH = 107
+# Where the operator mounts the group's Secrets, read-only.
+SHOAL_SECRETS_DIR = "/etc/shoal"
+HANDLER_SOCKET_NOT_IN_SECRETS = (
+    "handlerSocket must not be under /etc/shoal/, where the member's Secrets are mounted "
+    "read-only; e.g. '/run/handler/http.sock'"
+)
+HANDLER_SOCKET_NEEDS_HTTP = (
+    "handlerSocket needs an http:// URL handler: the member sends the URL's requests "
+    "to the socket instead of the URL's host and port (a socket in the pod needs no TLS)"
+)
 # spec.nats.stream.name and spec.nats.subjectPrefix; empty: the default.
 STREAM_NAME_PATTERN = rf"^([^.*>{WHITESPACE}/\\]+)?$"
 SUBJECT_PREFIX_PATTERN = rf"^([^.*>{WHITESPACE}]+(\.[^.*>{WHITESPACE}]+)*)?$"
@@ -224,6 +240,12 @@ class ConsumerGroupSpec(_Section):
     # With an HTTP handler: a path on its host (`/healthz`) that must answer 2xx before
     # a member joins the group (shoal.consumer.httphandler); empty: none.
     handler_ready_path: str = Field("", pattern=READY_PATH_PATTERN)
+    # With an http:// handler: the Unix socket the service listens on, instead of the
+    # URL's host and port (a loopback TCP send costs the member several times more);
+    # empty: none. The operator shares its directory with spec.containers (builders).
+    handler_socket: str = Field(
+        "", pattern=HANDLER_SOCKET_PATTERN, max_length=HANDLER_SOCKET_MAX_LENGTH
+    )
     env: list[dict[str, Any]] = Field(default_factory=list)
     resources: dict[str, Any] = Field(default_factory=dict)
     # Where and how the consumer pods run: copied into the pod template as written (the
@@ -269,6 +291,10 @@ class ConsumerGroupSpec(_Section):
             raise ValueError("maxReplicas must not exceed partitions")
         if self.replicas < 1 and self.autoscaling.enabled:
             raise ValueError(REPLICAS_WITH_AUTOSCALING)
+        if self.handler_socket and not self.handler.startswith("http://"):
+            raise ValueError(HANDLER_SOCKET_NEEDS_HTTP)
+        if self.handler_socket.startswith(SHOAL_SECRETS_DIR + "/"):
+            raise ValueError(HANDLER_SOCKET_NOT_IN_SECRETS)
         return self
 
     @field_validator("containers")
@@ -328,6 +354,13 @@ _FRIENDLIER = {
     ("spec.handler", "string_pattern_mismatch"): HANDLER_WORDS,
     ("spec.handlerReadyPath", "string_pattern_mismatch"): (
         "must be a path on the handler's host, starting with '/' (e.g. '/healthz')"
+    ),
+    ("spec.handlerSocket", "string_pattern_mismatch"): (
+        "must be the absolute path of a Unix socket in a directory of its own, e.g. "
+        "'/run/handler/http.sock' (letters, digits, '.', '_' and '-'; no '.' or '..')"
+    ),
+    ("spec.handlerSocket", "string_too_long"): (
+        "must be at most 107 bytes: a longer path does not fit a socket address"
     ),
     ("spec.minReplicas", "greater_than_equal"): (
         "must be at least 1: a group scaled to 0 has no member, so no leader, and nothing "

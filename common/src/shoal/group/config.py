@@ -29,6 +29,8 @@ from shoal.contracts.names import (
     log_stream_name,
 )
 from shoal.contracts.spec import (
+    HANDLER_SOCKET_MAX_LENGTH,
+    HANDLER_SOCKET_PATTERN,
     READY_PATH_PATTERN,
     AssignmentSpec,
     ConsumerGroupSpec,
@@ -82,6 +84,11 @@ class GroupConfig(BaseModel):
     # With an HTTP handler: a path on its host that must answer 2xx before the member
     # joins the group (spec.handlerReadyPath; shoal.consumer.httphandler).
     handler_ready_path: str | None = Field(None, pattern=READY_PATH_PATTERN)
+    # With an http:// handler: connect to this Unix socket instead of the URL's host and
+    # port (spec.handlerSocket; shoal.consumer.httpclient).
+    handler_socket: str | None = Field(
+        None, pattern=HANDLER_SOCKET_PATTERN, max_length=HANDLER_SOCKET_MAX_LENGTH
+    )
     ack_wait: float = Field(_CONSUMER.ack_wait_seconds, gt=0)
     max_ack_pending: int = Field(_CONSUMER.max_ack_pending, ge=1)
     max_deliver: int = Field(_CONSUMER.max_deliver, ge=1)
@@ -207,6 +214,11 @@ class GroupConfig(BaseModel):
                 "health_port (SHOAL_HEALTH_PORT) answers from the state file: set "
                 "ready_file (SHOAL_READY_FILE) too"
             )
+        if self.handler_socket and not self.handler.startswith("http://"):
+            raise ValueError(
+                "handler_socket (SHOAL_HANDLER_SOCKET) needs an http:// URL handler: the "
+                "URL's requests go to the socket instead of its host and port"
+            )
         if self.fence_margin >= self.lease_ttl:
             raise ValueError("fence_margin must be smaller than lease_ttl")
         if self.keepalive_interval >= self.lease_ttl - self.fence_margin:
@@ -282,6 +294,7 @@ ENV_FIELDS: dict[str, str] = {
     "SHOAL_STORAGE": "storage",
     "SHOAL_HANDLER": "handler",
     "SHOAL_HANDLER_READY_PATH": "handler_ready_path",
+    "SHOAL_HANDLER_SOCKET": "handler_socket",
     "SHOAL_ACK_WAIT": "ack_wait",
     "SHOAL_MAX_ACK_PENDING": "max_ack_pending",
     "SHOAL_MAX_DELIVER": "max_deliver",
@@ -420,6 +433,7 @@ def group_config(
         ledger=stream.ledger,
         handler=model.handler,
         handler_ready_path=model.handler_ready_path or None,
+        handler_socket=model.handler_socket or None,
         ack_wait=consumer.ack_wait_seconds,
         max_ack_pending=consumer.max_ack_pending,
         max_deliver=consumer.max_deliver,

@@ -87,6 +87,13 @@ main.add_command(reset)
     help="With an HTTP handler: join the group only once GET <its host><path> answers 2xx.",
 )
 @click.option(
+    "--handler-socket",
+    envvar="SHOAL_HANDLER_SOCKET",
+    default=None,
+    help="With an http:// handler: send its requests to this Unix socket instead of the "
+    "URL's host and port (a sidecar sharing a directory with the member).",
+)
+@click.option(
     "--member-id",
     envvar="SHOAL_MEMBER_ID",
     default=None,
@@ -132,6 +139,7 @@ def run(
     partitions: int,
     handler: str,
     handler_ready_path: str | None,
+    handler_socket: str | None,
     member_id: str | None,
     metrics_port: int | None,
     health_port: int | None,
@@ -170,6 +178,7 @@ def run(
         partitions=partitions,
         handler=handler,
         handler_ready_path=handler_ready_path,
+        handler_socket=handler_socket,
         member_id=member_id,
         metrics_port=metrics_port,
         health_port=health_port,

@@ -225,7 +225,12 @@ Handler = Callable[[Message], Awaitable[None]]
 
 
 def load_handler(
-    spec: str, *, timeout: float = 0.0, connections: int = 100, ledger: bool = False
+    spec: str,
+    *,
+    timeout: float = 0.0,
+    connections: int = 100,
+    ledger: bool = False,
+    socket: str | None = None,
 ) -> Handler:
     """Import `module:function` (shoal.group.handlerref: the operator checks specs with the
     same code); every failure is one HandlerError line saying what is wrong.
@@ -234,13 +239,17 @@ def load_handler(
     long a request may take (handlerTimeoutSeconds; 0: no limit), `connections` the most
     it keeps open (at least maxConcurrency, so no message waits for one), `ledger` (the
     group's ledger is on): record each message the service answered 2xx in the ledger
-    (`record_in_ledger`), which a service of its own cannot write. A Python handler is
-    returned as it is (`:ledger` records for itself)."""
+    (`record_in_ledger`), which a service of its own cannot write, `socket` a Unix socket
+    to connect to instead of the URL's host and port (spec.handlerSocket). A Python
+    handler is returned as it is (`:ledger` records for itself); it has no use for a
+    socket (the configuration refuses one)."""
     if is_url_handler(spec):
         # Here, not at the top: the module imports this one (Message, the errors).
         from shoal.consumer.httphandler import HttpHandler
 
-        return HttpHandler(spec, timeout=timeout, connections=connections, ledger=ledger)
+        return HttpHandler(
+            spec, timeout=timeout, connections=connections, ledger=ledger, socket=socket
+        )
     handler: Handler = import_handler(spec)
     return handler
 

@@ -313,10 +313,18 @@ class HttpClient:
         idle_timeout: float = 4.0,
         body_limit: int = 1024,
         ssl_context: ssl.SSLContext | None = None,
+        unix_socket: str | None = None,
     ) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {url!r}")
+        if unix_socket and parts.scheme != "http":
+            raise ValueError(f"a Unix socket serves http:// URLs only, not {url!r}")
+        # Connect here instead of the URL's host and port (spec.handlerSocket): the URL
+        # still gives the Host header and the path. A loopback TCP send runs the
+        # receiver's TCP stack inside the sender's system call; a Unix socket's does not
+        # (12 against 1.5 us a send on this project's VM).
+        self.unix_socket = unix_socket or None
         self.host = parts.hostname
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
         default_port = self.port == (443 if parts.scheme == "https" else 80)
@@ -443,22 +451,34 @@ class HttpClient:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout_at(deadline):
-                _, conn = await loop.create_connection(
-                    lambda: _Connection(self.body_limit),
-                    self.host,
-                    self.port,
-                    ssl=self.ssl,
-                    server_hostname=self.host if self.ssl is not None else None,
-                )
+                if self.unix_socket is not None:
+                    _, conn = await loop.create_unix_connection(
+                        lambda: _Connection(self.body_limit), self.unix_socket
+                    )
+                else:
+                    _, conn = await loop.create_connection(
+                        lambda: _Connection(self.body_limit),
+                        self.host,
+                        self.port,
+                        ssl=self.ssl,
+                        server_hostname=self.host if self.ssl is not None else None,
+                    )
         except TimeoutError as exc:
-            raise ConnectFailed(
-                f"{self.host}:{self.port} did not accept a connection in time"
-            ) from exc
+            raise ConnectFailed(f"{self._where()} did not accept a connection in time") from exc
         # OSError: refused, unknown name, TLS refused (ssl.SSLError). UnicodeError: a
         # host name IDNA cannot encode (an empty label, one over 63 characters).
         except (OSError, UnicodeError) as exc:
+            if self.unix_socket is not None and isinstance(exc, OSError) and exc.errno:
+                raise ConnectFailed(
+                    f"cannot connect to Unix socket {self.unix_socket}: {os.strerror(exc.errno)}"
+                ) from exc
             raise ConnectFailed(_connect_error(self.host, self.port, exc)) from exc
         return conn
+
+    def _where(self) -> str:
+        if self.unix_socket is not None:
+            return f"Unix socket {self.unix_socket}"
+        return f"{self.host}:{self.port}"
 
     def _release(self, conn: _Connection) -> None:
         if conn.closed or self._closed:

@@ -217,9 +217,17 @@ class HttpHandler:
     """A handler that POSTs each message to `url` (module docstring)."""
 
     def __init__(
-        self, url: str, *, timeout: float = 0.0, connections: int = 100, ledger: bool = False
+        self,
+        url: str,
+        *,
+        timeout: float = 0.0,
+        connections: int = 100,
+        ledger: bool = False,
+        socket: str | None = None,
     ) -> None:
         self.url = check_url_handler(url)
+        # spec.handlerSocket: the URL's requests go to this Unix socket.
+        self.socket = socket
         parts = urlsplit(url)
         self.origin = f"{parts.scheme}://{parts.netloc}"
         self.target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
@@ -231,7 +239,8 @@ class HttpHandler:
         self._closed = False
 
     def __repr__(self) -> str:
-        return f"HttpHandler({self.url!r})"
+        via = f", socket={self.socket!r}" if self.socket else ""
+        return f"HttpHandler({self.url!r}{via})"
 
     def client(self) -> HttpClient:
         """The member's one pool of connections, made at first use."""
@@ -240,7 +249,11 @@ class HttpHandler:
             if self._closed:
                 raise RuntimeError("the HTTP handler's client is closed (the member stopped)")
             client = self._client = HttpClient(
-                self.url, limit=self.connections, idle_timeout=KEEPALIVE, body_limit=BODY_BYTES
+                self.url,
+                limit=self.connections,
+                idle_timeout=KEEPALIVE,
+                body_limit=BODY_BYTES,
+                unix_socket=self.socket,
             )
         return client
 

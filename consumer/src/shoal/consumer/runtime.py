@@ -59,6 +59,7 @@ class ConsumerProcess:
             timeout=config.handler_timeout,
             connections=config.max_concurrency,
             ledger=config.ledger,
+            socket=config.handler_socket,
         )
         self.metrics = Metrics()
         self.etcd = Etcd(config.etcd_endpoints, **config.etcd_options())

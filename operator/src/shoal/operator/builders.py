@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import math
+import posixpath
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypedDict
@@ -124,6 +125,7 @@ POD_FIELDS = (
     "ledger",
     "handler",
     "handler_ready_path",
+    "handler_socket",
     "ack_wait",
     "max_ack_pending",
     "max_deliver",
@@ -385,7 +387,22 @@ def _volumes(spec: ConsumerGroupSpec, nats: NatsPodSecrets) -> tuple[list[Obj], 
             }
         )
         mounts.append({"name": "etcd-tls", "mountPath": ETCD_TLS_DIR, "readOnly": True})
+    socket_mount = handler_socket_mount(spec)
+    if socket_mount is not None and socket_mount["name"] != "tmp":
+        volumes.append({"name": socket_mount["name"], "emptyDir": {}})
+        mounts.append(socket_mount)
     return volumes, mounts
+
+
+def handler_socket_mount(spec: ConsumerGroupSpec) -> Obj | None:
+    """The mount of spec.handlerSocket's directory, which the member and every sidecar
+    share (an emptyDir; /tmp's own when the socket is in /tmp): the sidecar creates the
+    socket there and the member connects to it. None without a socket."""
+    if not spec.handler_socket:
+        return None
+    directory = posixpath.dirname(spec.handler_socket)
+    name = "tmp" if directory == "/tmp" else "handler-socket"
+    return {"name": name, "mountPath": directory}
 
 
 def _ports(settings: OperatorSettings) -> Obj:
@@ -471,10 +488,17 @@ def sidecars(spec: ConsumerGroupSpec) -> Obj:
     pod template equals the stored one."""
     if not spec.containers:
         return {}
+    socket_mount = handler_socket_mount(spec)
     containers = []
     for container in spec.containers:
         rendered = copy.deepcopy(container)
         rendered["restartPolicy"] = "Always"
+        if socket_mount is not None:
+            # spec.handlerSocket's directory, unless the container mounts something there
+            # itself (then it is the team's to share).
+            mounts = rendered.setdefault("volumeMounts", [])
+            if not any(m.get("mountPath") == socket_mount["mountPath"] for m in mounts):
+                mounts.append(dict(socket_mount))
         containers.append(rendered)
     return {"initContainers": containers}
 
