@@ -29,6 +29,20 @@ Figures (one JSON line each; same run, same nats-server and etcd):
   are audited as the ledger is (``shoal.consumer.ledger.audit``): lost, duplicates,
   out of order, overlaps must all be 0. (The service cannot write Shoal's ledger; what
   it saw is the better proof anyway: it is what the team's service would see.)
+* The same over a Unix domain socket, each beside its TCP figure:
+  ``one_member_http_unix_msgs_per_s`` and ``http_unix_to_inprocess_ratio`` (rounds of
+  their own, in the same alternation: every other round runs the sides in reverse),
+  ``member_cpu_ms_per_msg_http_unix`` (``service_cpu_ms_per_msg`` beside it), and
+  ``four_members_http_unix_20ms_msgs_per_s`` (audited the same way, the same target). The
+  service listens on ``-listen unix:<dir>/<name>.sock`` (the work directory, or a short
+  one of its own under /tmp when the work directory's path would make the socket's too
+  long for a socket address); the member gets ``SHOAL_HANDLER=http://localhost/messages``
+  (the path and the Host header) and ``SHOAL_HANDLER_SOCKET=<that path>``, as a member
+  with spec.handlerSocket does, its service a native sidecar sharing an emptyDir with it.
+  Why: a loopback TCP send() runs the receiver's side of TCP (its receive path, the ACK)
+  inside the sender's system call, so the member pays for the service's half of every
+  request too; a Unix socket's send() only queues the bytes on the peer's socket and
+  wakes it (12 against 1.5 us a send() on this project's VM). ``--no-unix`` skips them.
 
 The service: ``SERVICE`` names the command that starts one. By default it is the Go
 handler of examples/go/ (built once per machine by harness.goexamples; ``--go-binary
@@ -46,10 +60,14 @@ what they answered when asked, so the audited figure audits either.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
+import shutil
 import signal
+import socket
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
@@ -82,14 +100,21 @@ from shoal.group.jetstream import ensure_group
 BENCH = "http_handler"
 NAMESPACE = "bench"
 NOOP = "shoal.consumer.handlers:noop"
-# (port, delay in ms, where to record or None, name) -> the command line of one service.
-ServiceCommand = Callable[[int, float, "Path | None", str], list[str]]
+# The member's URL when it reaches the service over a Unix socket: the URL gives only the
+# path and the Host header then (SHOAL_HANDLER_SOCKET gives where to connect).
+UNIX_URL = "http://localhost/messages"
+# A socket's path must fit sun_path (108 bytes with its NUL); past this many characters
+# of work directory the sockets go in a short directory of their own under /tmp.
+SOCKET_DIR_MAX = 60
+# (-listen: 127.0.0.1:port or unix:path, delay in ms, where to record or None, name) ->
+# the command line of one service.
+ServiceCommand = Callable[[str, float, "Path | None", str], list[str]]
 _HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def python_service(port: int, delay_ms: float, record: Path | None, name: str) -> list[str]:
+def python_service(listen: str, delay_ms: float, record: Path | None, name: str) -> list[str]:
     """harness.httpservice: aiohttp, in a process of its own; records when asked."""
-    args = [sys.executable, "-m", "harness.httpservice", "-listen", f"127.0.0.1:{port}"]
+    args = [sys.executable, "-m", "harness.httpservice", "-listen", listen]
     args += ["-delay", f"{delay_ms:g}ms", "-name", name]
     return args + (["-record", str(record)] if record is not None else [])
 
@@ -97,8 +122,8 @@ def python_service(port: int, delay_ms: float, record: Path | None, name: str) -
 def go_service(binary: str) -> ServiceCommand:
     """The Go handler of examples/go/ (the same flags)."""
 
-    def command(port: int, delay_ms: float, record: Path | None, name: str) -> list[str]:
-        args = [binary, "-listen", f"127.0.0.1:{port}", "-delay", f"{delay_ms:g}ms"]
+    def command(listen: str, delay_ms: float, record: Path | None, name: str) -> list[str]:
+        args = [binary, "-listen", listen, "-delay", f"{delay_ms:g}ms"]
         return args + (["-record", str(record), "-name", name] if record is not None else [])
 
     return command
@@ -110,33 +135,74 @@ SERVICE: ServiceCommand = python_service
 SERVICE_CPUS = 1
 
 
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """http.client over the Unix socket at `socket_path` (Host: localhost)."""
+
+    def __init__(self, socket_path: Path, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = socket_path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.timeout)
+            sock.connect(str(self.socket_path))
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
 @dataclass
 class RunningService:
-    port: int
+    port: int  # (0 over a Unix socket)
+    socket: Path | None  # where it listens, or None: 127.0.0.1:port
     process: Any
     record: Path | None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/messages"
+        return UNIX_URL if self.socket is not None else f"http://127.0.0.1:{self.port}/messages"
+
+    def member_env(self) -> dict[str, str]:
+        """What a member needs to reach it."""
+        env = {"SHOAL_HANDLER": self.url}
+        if self.socket is not None:
+            env["SHOAL_HANDLER_SOCKET"] = str(self.socket)
+        return env
+
+    def healthy(self) -> bool:
+        """GET /healthz answers 200 (over the socket the member will use)."""
+        if self.socket is None:
+            with _HTTP.open(f"http://127.0.0.1:{self.port}/healthz", timeout=2) as answer:
+                return bool(answer.status == 200)
+        conn = UnixHTTPConnection(self.socket, timeout=2)
+        try:
+            conn.request("GET", "/healthz")
+            return conn.getresponse().status == 200
+        finally:
+            conn.close()
 
 
-def start_service(root: Path, name: str, delay_ms: float, *, record: bool) -> RunningService:
-    port = free_port()
+def start_service(
+    root: Path, name: str, delay_ms: float, *, record: bool, sockets: Path | None = None
+) -> RunningService:
+    """A service on 127.0.0.1, or with `sockets` on the Unix socket `sockets`/<name>.sock."""
+    port, socket_path = (0, sockets / f"{name}.sock") if sockets else (free_port(), None)
+    listen = f"unix:{socket_path}" if socket_path else f"127.0.0.1:{port}"
     path = root / f"{name}.records.jsonl" if record else None
     log = (root / f"{name}.service.log").open("ab")
     env = dict(os.environ)
     if SERVICE_CPUS:
         env["GOMAXPROCS"] = str(SERVICE_CPUS)
-    process = spawn(SERVICE(port, delay_ms, path, name), stdout=log, stderr=log, env=env)
-    service = RunningService(port, process, path)
+    process = spawn(SERVICE(listen, delay_ms, path, name), stdout=log, stderr=log, env=env)
+    service = RunningService(port, socket_path, process, path)
     deadline = time.monotonic() + 30
     while True:
         try:
-            with _HTTP.open(f"http://127.0.0.1:{port}/healthz", timeout=2) as answer:
-                if answer.status == 200:
-                    return service
-        except OSError:
+            if service.healthy():
+                return service
+        except (OSError, http.client.HTTPException):
             pass
         if process.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"service {name} did not come up (see {log.name})")
@@ -173,6 +239,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="harness.httpservice (Python, aiohttp) as the service instead of the Go handler",
     )
     parser.add_argument(
+        "--no-unix",
+        action="store_true",
+        help="skip the sides where the member reaches the service over a Unix socket",
+    )
+    parser.add_argument(
         "--service-cpus",
         type=int,
         default=1,
@@ -203,10 +274,14 @@ def per_msg_ms(cpu: float, messages: int) -> float | None:
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, root: Path, servers: BenchServers) -> None:
+    def __init__(
+        self, args: argparse.Namespace, root: Path, servers: BenchServers, sockets: Path | None
+    ) -> None:
         self.args = args
         self.root = root
         self.servers = servers
+        # Where the services' Unix sockets go; None: no Unix-socket sides (--no-unix).
+        self.sockets = sockets
         self.log_problems = 0
 
     def config(self, group: str, handler: str) -> GroupConfig:
@@ -259,11 +334,30 @@ class Bench:
             raise RuntimeError(f"{group}: {dead} dead letters")
         return backlog, seconds, cpu, ids
 
+    async def one_member_http(
+        self, js: Any, etcd: Etcd, group: str, sockets: Path | None
+    ) -> tuple[int, float, dict[str, float], float]:
+        """One member's drain with a service that answers at once, over loopback TCP or
+        (with `sockets`) a Unix socket: drain's figures and the service's CPU seconds."""
+        service = start_service(self.root, f"{group}-svc", 0, record=False, sockets=sockets)
+        try:
+            c0 = cpu_seconds(service.process.pid)
+            n, s, cpu, _ = await self.drain(
+                js, etcd, group, service.url, 1, self.args.messages, lambda _: service.member_env()
+            )
+            # (Over the whole run, start-up included: an upper bound.)
+            return n, s, cpu, cpu_seconds(service.process.pid) - c0
+        finally:
+            stop_service(service)
+
     async def one_member(self, js: Any, etcd: Etcd) -> None:
         a = self.args
-        sides = {"noop": Side(), "http": Side()}
+        kinds = ("noop", "http", "http-unix") if self.sockets else ("noop", "http")
+        sides = {kind: Side() for kind in kinds}
         for r in range(a.rounds):
-            order = ("noop", "http") if r % 2 == 0 else ("http", "noop")
+            # Every other round in reverse: noop and http (TCP) alternate which goes first,
+            # and no side always runs on the fresher or the more used servers.
+            order = kinds if r % 2 == 0 else kinds[::-1]
             for kind in order:
                 group = f"one-{kind}-{r}"
                 if kind == "noop":
@@ -272,16 +366,8 @@ class Bench:
                     )
                     service_cpu = 0.0
                 else:
-                    service = start_service(self.root, f"{group}-svc", 0, record=False)
-                    try:
-                        c0 = cpu_seconds(service.process.pid)
-                        n, s, cpu, _ = await self.drain(
-                            js, etcd, group, service.url, 1, a.messages, lambda _: {}
-                        )
-                        # (Over the whole run, start-up included: an upper bound.)
-                        service_cpu = cpu_seconds(service.process.pid) - c0
-                    finally:
-                        stop_service(service)
+                    sockets = self.sockets if kind == "http-unix" else None
+                    n, s, cpu, service_cpu = await self.one_member_http(js, etcd, group, sockets)
                 side = sides[kind]
                 side.messages += n
                 side.seconds += s
@@ -295,6 +381,16 @@ class Bench:
         )
         emit(BENCH, "one_member_noop_msgs_per_s", noop.rate, **common)
         emit(BENCH, "one_member_http_msgs_per_s", http.rate, service=kind, **common)
+        unix = sides.get("http-unix")
+        if unix is not None:
+            emit(
+                BENCH,
+                "one_member_http_unix_msgs_per_s",
+                unix.rate,
+                service=kind,
+                ratio_to_http_tcp=round(unix.rate / http.rate, 3) if http.rate else None,
+                **common,
+            )
         emit(
             BENCH,
             "http_to_inprocess_ratio",
@@ -303,6 +399,16 @@ class Bench:
             ok=ratio >= 0.5,
             service=kind,
         )
+        if unix is not None:
+            unix_ratio = unix.rate / noop.rate if noop.rate else 0.0
+            emit(
+                BENCH,
+                "http_unix_to_inprocess_ratio",
+                unix_ratio,
+                target=">= 0.5 (with the Go handler)",
+                ok=unix_ratio >= 0.5,
+                service=kind,
+            )
         cpu_noop = noop.per_msg_ms(noop.member_cpu)
         cpu_http = http.per_msg_ms(http.member_cpu)
         emit(BENCH, "member_cpu_ms_per_msg_noop", cpu_noop)
@@ -314,6 +420,17 @@ class Bench:
             service_cpu_ms_per_msg=http.per_msg_ms(http.service_cpu),
             service=kind,
         )
+        if unix is not None:
+            cpu_unix = unix.per_msg_ms(unix.member_cpu)
+            emit(
+                BENCH,
+                "member_cpu_ms_per_msg_http_unix",
+                cpu_unix,
+                ratio_to_noop=cpu_unix / cpu_noop if cpu_noop else None,
+                ratio_to_http_tcp=cpu_unix / cpu_http if cpu_http else None,
+                service_cpu_ms_per_msg=unix.per_msg_ms(unix.service_cpu),
+                service=kind,
+            )
 
     async def io(self, js: Any, etcd: Etcd) -> None:
         a = self.args
@@ -335,10 +452,22 @@ class Bench:
             member_cpu_pct={m: round(100 * c / s, 1) for m, c in cpu.items()},
             member_cpu_ms_per_msg=per_msg_ms(sum(cpu.values()), n),
         )
-        group = "io-http"
+        await self.io_http(js, etcd, inprocess, None)
+        if self.sockets is not None:
+            await self.io_http(js, etcd, inprocess, self.sockets)
+
+    async def io_http(self, js: Any, etcd: Etcd, inprocess: float, sockets: Path | None) -> None:
+        """The audited 4-member drain with 20 ms services, reached over loopback TCP or
+        (with `sockets`) each over its own Unix socket."""
+        a = self.args
+        group, figure = "io-http", "four_members_http_20ms_msgs_per_s"
+        if sockets is not None:
+            group, figure = "io-http-unix", "four_members_http_unix_20ms_msgs_per_s"
         record = True
         services = {
-            f"m-{i}": start_service(self.root, f"{group}-svc-{i}", a.delay_ms, record=record)
+            f"m-{i}": start_service(
+                self.root, f"{group}-svc-{i}", a.delay_ms, record=record, sockets=sockets
+            )
             for i in range(a.io_members)
         }
         service_cpu0 = {m: cpu_seconds(svc.process.pid) for m, svc in services.items()}
@@ -351,7 +480,7 @@ class Bench:
                 next(iter(services.values())).url,  # each member's own below
                 a.io_members,
                 a.io_messages,
-                lambda name: {"SHOAL_HANDLER": services[name].url},
+                lambda name: services[name].member_env(),
             )
             # Over the whole run (publishing and the members' start-up included, while
             # the services idle): an upper bound of what the drain cost them.
@@ -386,7 +515,7 @@ class Bench:
             note(f"{group}: audit {result}")
         emit(
             BENCH,
-            "four_members_http_20ms_msgs_per_s",
+            figure,
             rate,
             target=">= 12000",
             ok=rate >= 12000 and clean,
@@ -407,13 +536,26 @@ async def run(args: argparse.Namespace, root: Path) -> None:
         client_cpu_us=trips.cpu_us,
         what="300 bytes to an echo process and 100 back over loopback TCP",
     )
-    async with bench_servers(root) as servers:
-        bench = Bench(args, root, servers)
-        if args.only != "io":
-            await bench.one_member(servers.js, servers.etcd)
-        if args.only != "one":
-            await bench.io(servers.js, servers.etcd)
-        emit(BENCH, "member_log_problems", bench.log_problems, target="0")
+    sockets = None if args.no_unix else socket_dir(root)
+    try:
+        async with bench_servers(root) as servers:
+            bench = Bench(args, root, servers, sockets)
+            if args.only != "io":
+                await bench.one_member(servers.js, servers.etcd)
+            if args.only != "one":
+                await bench.io(servers.js, servers.etcd)
+            emit(BENCH, "member_log_problems", bench.log_problems, target="0")
+    finally:
+        if sockets is not None and sockets != root:
+            shutil.rmtree(sockets, ignore_errors=True)
+
+
+def socket_dir(root: Path) -> Path:
+    """Where the services' Unix sockets go: the work directory, or a short one of its
+    own under /tmp when the work directory's path is too long for a socket's."""
+    if len(str(root)) <= SOCKET_DIR_MAX:
+        return root
+    return Path(tempfile.mkdtemp(prefix="shoal-sock-", dir="/tmp"))
 
 
 def parse_and_pick_service(argv: list[str] | None) -> argparse.Namespace:
@@ -424,7 +566,7 @@ def parse_and_pick_service(argv: list[str] | None) -> argparse.Namespace:
     SERVICE_CPUS = max(0, args.service_cpus)
     if not args.python_service:
         SERVICE = go_service(args.go_binary or str(goexamples.build()["handler"]))
-    command = json.dumps(SERVICE(0, args.delay_ms, None, "x"))
+    command = json.dumps(SERVICE("127.0.0.1:0", args.delay_ms, None, "x"))
     note(f"service: {command}, GOMAXPROCS {SERVICE_CPUS or 'unset'}")
     return args
 

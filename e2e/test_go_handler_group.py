@@ -286,3 +286,119 @@ def check_logs(plane: LocalKube, deleted: str) -> None:
         return found[0]
 
     assert exited(MEMBER) < exited(HANDLER), "the handler stopped before its member"
+
+
+SOCKET_GROUP = "sockets"
+SOCKET = "/run/handler/http.sock"
+
+
+def socket_group(handler_image: str) -> dict[str, Any]:
+    """The Go handler on a Unix socket in its pod (spec.handlerSocket). It has no TCP
+    port, so no httpGet startupProbe: the member's handlerReadyPath, asked over the
+    socket, is what waits for it."""
+    return {
+        "apiVersion": "shoal.dev/v1alpha1",
+        "kind": "ConsumerGroup",
+        "metadata": {"name": SOCKET_GROUP, "namespace": NS},
+        "spec": {
+            "handler": "http://localhost/messages",
+            "handlerSocket": SOCKET,
+            "handlerReadyPath": "/healthz",
+            "replicas": 2,
+            "autoscaling": {"enabled": False},
+            "containers": [
+                {
+                    "name": HANDLER,
+                    "image": handler_image,
+                    "args": ["-listen", f"unix:{SOCKET}", "-delay", "5ms"],
+                }
+            ],
+            "nats": {"stream": {"ledger": True}},
+        },
+    }
+
+
+def test_a_go_handler_on_a_unix_socket_serves_its_group(
+    plane: LocalKube, operator: Path, handler_image: str
+) -> None:
+    """spec.handlerSocket on the plane: the operator's emptyDir is where the sidecar
+    listens and the member connects, in each pod, and nothing is lost or reordered."""
+    started = time.monotonic()
+    plane.kubectl("apply", "-f", "-", input_text=json.dumps(socket_group(handler_image)))
+    wait_until(
+        lambda: (
+            condition(get_json(plane, "cg", SOCKET_GROUP, "-n", NS), "Ready").get("status")
+            == "True"
+        ),
+        180,
+        "the group to become Ready",
+    )
+    print(f"socket group Ready in {time.monotonic() - started:.0f} s")
+    pods = [
+        p
+        for p in get_json(
+            plane, "pods", "-n", NS, "-l", f"app.kubernetes.io/instance={SOCKET_GROUP}"
+        )["items"]
+        if not p["metadata"].get("deletionTimestamp")
+    ]
+    assert len(pods) == 2
+    for pod in pods:
+        # The socket is in the pod's shared directory, as both containers see it.
+        for container in (HANDLER, MEMBER):
+            root = Path(f"/proc/{pid_of(pod, container)}/root")
+            assert (root / SOCKET.lstrip("/")).is_socket(), (pod["metadata"]["name"], container)
+    items = asyncio.run(publish_and_audit(plane, 3000))
+    logs = plane.logs / "pods"
+    for pod in pods:
+        text = (logs / f"{NS}_{pod['metadata']['name']}_{MEMBER}.log").read_text()
+        assert "Traceback" not in text and "Handler failed" not in text, text[-3000:]
+    plane.kubectl("delete", "cg", SOCKET_GROUP, "-n", NS, "--timeout=120s")
+    print(f"{items} messages through Unix sockets; whole test {time.monotonic() - started:.0f} s")
+
+
+async def publish_and_audit(plane: LocalKube, count: int) -> int:
+    nc = await nats.connect(plane.state.nats_url)
+    try:
+        js = nc.jetstream()
+        load = SteadyLoad(
+            js,
+            f"shoal.{NS}.{SOCKET_GROUP}",
+            PARTITIONS,
+            rate=1000,
+            projects=PROJECTS,
+            id_prefix="sock",
+        )
+        load.start()
+
+        async def published() -> int:
+            return len(load.items)
+
+        await eventually_async(
+            published,
+            60,
+            f"{count} messages published",
+            until=lambda n: n >= count,
+            interval=0.2,
+        )
+        await load.stop()
+        stream = default_stream_name(NS, SOCKET_GROUP)
+
+        async def left() -> int:
+            return int((await js.stream_info(stream)).state.messages)
+
+        await eventually_async(left, 120, "the stream to drain", until=lambda n: n == 0)
+        ids = [i.message_id or "" for i in load.items]
+        records = await read_ledger(js, ledger_stream_name(stream))
+        summary = audit(records, ids).summary()
+        assert summary == {
+            "expected": len(ids),
+            "processed": len(ids),
+            "lost": 0,
+            "duplicates": 0,
+            "out_of_order": 0,
+            "overlaps": 0,
+        }, summary
+        assert int((await js.stream_info(dlq_stream_name(stream))).state.messages) == 0
+        return len(ids)
+    finally:
+        await nc.close()

@@ -5,6 +5,9 @@
 //
 //	handler -listen 127.0.0.1:8080 -delay 20ms [-record received.jsonl -name m-0]
 //
+// -listen unix:/path/to.sock listens on a Unix domain socket instead (the member sets
+// SHOAL_HANDLER_SOCKET to that path), e.g. for a native sidecar sharing an emptyDir with it.
+//
 // With -record it writes, when it stops, one JSON line per message it answered 200:
 // what an audit needs to prove nothing was lost, duplicated or reordered.
 package main
@@ -21,6 +24,7 @@ import (
 	"os"
 	"os/signal"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -46,7 +50,7 @@ func header(r *http.Request, name string) int {
 }
 
 func main() {
-	listen := flag.String("listen", "127.0.0.1:8080", "address to listen on")
+	listen := flag.String("listen", "127.0.0.1:8080", "host:port, or unix:/path/to.sock")
 	delay := flag.Duration("delay", 0, "time each message takes (e.g. 20ms)")
 	verbose := flag.Bool("v", false, "log every message")
 	record := flag.String("record", "", "write what was received to this file on exit")
@@ -98,7 +102,7 @@ func main() {
 		w.WriteHeader(http.StatusOK)
 	})
 
-	ln, err := net.Listen("tcp", *listen)
+	ln, err := listenOn(*listen)
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -125,6 +129,35 @@ func main() {
 		}
 	}
 	log.Print("stopped")
+}
+
+// listenOn listens on addr: host:port, or unix:/path/to.sock for a Unix domain socket.
+// The socket file goes when the listener is closed (srv.Shutdown closes it): package net
+// unlinks a socket it created.
+func listenOn(addr string) (net.Listener, error) {
+	path, ok := strings.CutPrefix(addr, "unix:")
+	if !ok {
+		return net.Listen("tcp", addr)
+	}
+	// A socket left by a run that was killed would fail Listen with "address already in
+	// use". Only a socket is removed: anything else at path is not ours.
+	if fi, err := os.Lstat(path); err == nil && fi.Mode()&os.ModeSocket != 0 {
+		if err := os.Remove(path); err != nil {
+			return nil, err
+		}
+	}
+	ln, err := net.Listen("unix", path)
+	if err != nil {
+		return nil, err
+	}
+	// Connecting needs write permission on the socket, which the umask (typically 022)
+	// leaves to the owner alone; the member usually runs as another user. The directory is
+	// the pod's own emptyDir, so every container of the pod may connect, and nothing else.
+	if err := os.Chmod(path, 0o666); err != nil {
+		ln.Close()
+		return nil, err
+	}
+	return ln, nil
 }
 
 // writeRecord writes the lines to a temporary file and renames it: a reader never sees

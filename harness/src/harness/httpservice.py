@@ -4,6 +4,8 @@
 
 The flags are those of the Go handler in examples/go/ (`-listen`, `-delay`; `GET
 /healthz` answers 200), so a benchmark runs either with only its command line changed.
+As there, `-listen unix:/path/to.sock` listens on a Unix domain socket instead (a stale
+socket at the path is removed first, the socket is made 0666 and removed when it stops).
 This one also records what it received when given `-record`: one JSON line per request
 (project, message id, partition, delivery count, stream sequence, when it started and
 finished, and `-name` as the member: one service per member, as a sidecar is), written
@@ -18,8 +20,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import signal
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -38,7 +42,7 @@ def duration(text: str) -> float:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("-listen", "--listen", default="127.0.0.1:8080", help="host:port")
+    parser.add_argument("-listen", "--listen", default="127.0.0.1:8080", help="host:port|unix:PATH")
     parser.add_argument("-delay", "--delay", type=duration, default=0.0, help="e.g. 20ms")
     parser.add_argument("-record", "--record", type=Path, default=None)
     parser.add_argument("-name", "--name", default="")
@@ -78,21 +82,46 @@ class Service:
         return web.Response(text="ok")
 
 
+def remove_stale_socket(path: Path) -> None:
+    """Remove the socket a killed run left at `path` (anything else there is not ours)."""
+    try:
+        if stat.S_ISSOCK(path.lstat().st_mode):
+            path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+async def start_site(runner: web.AppRunner, listen: str) -> Path | None:
+    """Listen on `listen` (host:port, or unix:PATH); the socket's path, if it is one."""
+    if not listen.startswith("unix:"):
+        host, _, port = listen.rpartition(":")
+        await web.TCPSite(runner, host or "127.0.0.1", int(port)).start()
+        return None
+    path = Path(listen.removeprefix("unix:"))
+    remove_stale_socket(path)
+    await web.UnixSite(runner, path).start()
+    # As the Go handler: a member running as another user may connect (the umask,
+    # typically 022, would leave it to the owner alone); the directory limits who else.
+    os.chmod(path, 0o666)
+    return path
+
+
 async def serve(args: argparse.Namespace) -> None:
-    host, _, port = args.listen.rpartition(":")
     service = Service(args.delay, args.name, args.record is not None)
     app = web.Application()
     app.router.add_post("/messages", service.message)
     app.router.add_get("/healthz", service.healthz)
     runner = web.AppRunner(app, handle_signals=False, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, host or "127.0.0.1", int(port)).start()
+    socket_path = await start_site(runner, args.listen)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await runner.cleanup()
+    if socket_path is not None:
+        socket_path.unlink(missing_ok=True)
     if args.record is not None:
         lines = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in service.records)
         tmp = args.record.with_suffix(".tmp")
