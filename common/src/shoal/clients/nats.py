@@ -208,6 +208,11 @@ def reader_ended(nc: Any) -> bool:
     return bool(nc.is_connected and task is not None and task.done())
 
 
+# How long round trips may fail on a connection nats-py counts as open before a new one
+# is tried (NatsHealth._replace_stranded): its own ping check takes 4 minutes and more.
+STRANDED_AFTER = 10.0
+
+
 class NatsHealth:
     """Whether this member can reach JetStream, from a round trip every `interval`.
 
@@ -219,10 +224,22 @@ class NatsHealth:
     `grace` seconds.
     """
 
-    def __init__(self, nc: Any, *, interval: float = 1.0, grace: float = 3.0) -> None:
+    def __init__(
+        self,
+        nc: Any,
+        *,
+        interval: float = 1.0,
+        grace: float = 3.0,
+        stranded_after: float = STRANDED_AFTER,
+    ) -> None:
         self.nc = nc
         self.interval = interval
         self.grace = grace
+        # Round trips failing this long on a connection nats-py counts as open: a new
+        # connection is tried (_replace_stranded), again each time as long after.
+        self.stranded_after = stranded_after
+        self._forced_at: float | None = None
+        self.stranded_reconnects = 0
         # When the round trips started failing (None: the last one succeeded). Counted
         # from failures, not from the last success, so that a process that merely got
         # no CPU for a while (its probes did not run) is not taken for one cut off.
@@ -254,6 +271,7 @@ class NatsHealth:
                     self._failing_since = started
             reraise_dropped_cancel()
             await self._restart_ended_reader()
+            await self._replace_stranded()
             now = self.reachable()
             if now != was:
                 was = now
@@ -265,6 +283,30 @@ class NatsHealth:
                         self.grace,
                     )
             await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+
+    async def _replace_stranded(self) -> None:
+        """Reconnect when round trips have failed for `stranded_after` seconds while
+        nats-py counts the connection as open: a connection that died without a word (NATS
+        behind a Service whose pod was replaced, an expired NAT entry) is kept by nats-py
+        until its ping check gives up, 4 minutes and more, while a new connection to the
+        same address would work at once. If NATS itself is down, the reconnect finds
+        that out, and nats-py goes on trying as it would have."""
+        since = self._failing_since
+        if since is None or not self.nc.is_connected:
+            self._forced_at = None
+            return
+        now = time.monotonic()
+        if now - max(since, self._forced_at or since) < self.stranded_after:
+            return
+        self._forced_at = now
+        self.stranded_reconnects += 1
+        log.warning(
+            "NATS has not answered for %.0f s on a connection the client counts as open "
+            "(a dead connection: a replaced pod behind a Service, an expired NAT entry): "
+            "reconnecting",
+            now - since,
+        )
+        await self.nc._process_op_err(ConnectionError("no answer on an open connection"))
 
     async def _restart_ended_reader(self) -> None:
         """Reconnect when nats-py's read loop ended under a live connection (seen twice

@@ -1,0 +1,110 @@
+"""A connection to NATS that dies without a word, with one address.
+
+NATS behind one address (a Kubernetes Service, a load balancer) whose pod was replaced,
+or whose NAT entry expired: the member's TCP connection still looks open, nothing comes
+back on it, and a new connection to the same address would work. nats-py keeps the
+silent connection until its ping check gives up (ping_interval x max_outstanding_pings:
+4 minutes by default, then the PING's own timeout), buffering what the member sends.
+The member's NatsHealth knows within seconds that NATS does not answer (and gives its
+partitions up); it must also make nats-py try a new connection, or a one-member group
+stops for those minutes.
+
+The proxy's `strand()` makes exactly that: the connections open at that moment are
+blackholed for good, new ones pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from harness.fleet import Fleet, settled, wait_for_status
+from harness.proxy import TcpProxy
+from harness.waiting import eventually_async
+from shoal.clients.etcd import Etcd
+from shoal.clients.nats import NatsHealth, connect, round_trip
+from shoal.consumer.ledger import audit, read_ledger
+from shoal.consumer.producer import Outgoing, Producer
+from shoal.group.config import GroupConfig
+from shoal.group.jetstream import ensure_group
+
+pytestmark = pytest.mark.timeout(120)
+
+# NatsHealth's grace and its reconnect bound, then nats-py's reconnect: well inside this.
+RECOVERY_BOUND = 45.0
+
+
+async def test_a_stranded_nats_connection_is_replaced(nats_url: str) -> None:
+    with TcpProxy(nats_url.removeprefix("nats://"), name="nats") as proxy:
+        nc = await connect(f"nats://{proxy.address}", name="stranded", attempts=5)
+        health = NatsHealth(nc, interval=0.5, grace=2.0)
+        task = asyncio.create_task(health.run())
+        try:
+            await round_trip(nc, 2.0)
+            assert proxy.strand() >= 1
+            stranded = time.monotonic()
+            back = None
+            while time.monotonic() - stranded < RECOVERY_BOUND:
+                try:
+                    await round_trip(nc, 1.0)
+                    back = time.monotonic() - stranded
+                    break
+                except Exception:
+                    await asyncio.sleep(0.5)
+            assert back is not None, f"no round trip got through in {RECOVERY_BOUND:.0f} s"
+            print(f"round trips back {back:.1f} s after the connection was stranded")
+            assert health.stranded_reconnects == 1
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await nc.close()
+
+
+@pytest.mark.e2e
+async def test_a_lone_member_consumes_again_soon_after_its_nats_connection_is_stranded(
+    nats_url: str,
+    make_fleet: Callable[..., Fleet],
+    make_config: Callable[..., GroupConfig],
+    etcd: Etcd,
+    js: Any,
+) -> None:
+    """A one-member group: the member gives its partitions up once NATS stops answering
+    (NatsHealth's grace), and takes them back once a new connection answers. Before
+    `_replace_stranded`, nothing was consumed for the minutes of nats-py's ping check."""
+    partitions = 8
+    config = make_config(partitions=partitions)
+    await ensure_group(js, config)
+    with TcpProxy(nats_url.removeprefix("nats://"), name="nats") as proxy:
+        fleet = make_fleet(partitions=partitions)
+        member = fleet.start("m-0", NATS_URL=f"nats://{proxy.address}")
+        await wait_for_status(
+            etcd, config.namespace, config.group, partitions, settled({"m-0"}), 30
+        )
+        producer = Producer(js, config.subject_prefix, partitions)
+        before = [Outgoing(f"p-{i % 10}", b"x", f"before-{i}") for i in range(50)]
+        await producer.publish_many(before)
+
+        async def ledger() -> list[Any]:
+            return await read_ledger(js, config.ledger_stream)
+
+        async def recorded() -> int:
+            return len(await ledger())
+
+        await eventually_async(recorded, 30, "the first 50", until=lambda n: n >= 50)
+        assert proxy.strand() >= 1
+        stranded = time.monotonic()
+        after = [Outgoing(f"p-{i % 10}", b"x", f"after-{i}") for i in range(50)]
+        await producer.publish_many(after)
+        await eventually_async(
+            recorded, RECOVERY_BOUND + 15, "the 50 published after", until=lambda n: n >= 100
+        )
+        print(f"consumed again {time.monotonic() - stranded:.1f} s after the stranding")
+        records = await ledger()
+        ids = [i.message_id or "" for i in before + after]
+        summary = audit(records, ids).summary()
+        assert (summary["lost"], summary["overlaps"]) == (0, 0), summary
+        assert "on a connection the client counts as open" in member.log_text()
