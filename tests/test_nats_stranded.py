@@ -18,19 +18,24 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from harness.fakesecrets import FakeSecrets
 from harness.fleet import Fleet, settled, wait_for_status
 from harness.proxy import TcpProxy
 from harness.waiting import eventually_async
 from shoal.clients.etcd import Etcd
 from shoal.clients.nats import NatsHealth, connect, round_trip
+from shoal.clients.natsauth import NatsSecurity
 from shoal.consumer.ledger import audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer
+from shoal.contracts.spec import NatsSpec
 from shoal.group.config import GroupConfig
 from shoal.group.jetstream import ensure_group
+from shoal.operator.natssecret import NatsClients
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -108,3 +113,32 @@ async def test_a_lone_member_consumes_again_soon_after_its_nats_connection_is_st
         summary = audit(records, ids).summary()
         assert (summary["lost"], summary["overlaps"]) == (0, 0), summary
         assert "on a connection the client counts as open" in member.log_text()
+
+
+async def test_the_operators_stranded_nats_connection_is_replaced(
+    nats_url: str, tmp_path: Path
+) -> None:
+    """The operator keeps one connection per server (and Secrets) for all its groups: a
+    stranded one used to leave every group on it NatsUnavailable, and their streams
+    unmanaged, for the minutes of nats-py's ping check."""
+    with TcpProxy(nats_url.removeprefix("nats://"), name="nats") as proxy:
+        clients = NatsClients(FakeSecrets(), NatsSecurity(), tmp_path / "files")
+        url = f"nats://{proxy.address}"
+        try:
+            nc = await clients.get(url, "ns", NatsSpec(), connect=connect, attempts=2, user=1)
+            await nc.jetstream().account_info()
+            assert proxy.strand() >= 1
+            stranded = time.monotonic()
+            back = None
+            while time.monotonic() - stranded < RECOVERY_BOUND:
+                nc = await clients.get(url, "ns", NatsSpec(), connect=connect, attempts=2, user=1)
+                try:
+                    await nc.jetstream(timeout=1.0).account_info()
+                    back = time.monotonic() - stranded
+                    break
+                except Exception:
+                    await asyncio.sleep(0.5)
+            assert back is not None, f"no JetStream request got through in {RECOVERY_BOUND:.0f} s"
+            print(f"the operator's requests back {back:.1f} s after the stranding")
+        finally:
+            await clients.close()

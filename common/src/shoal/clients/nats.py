@@ -231,8 +231,11 @@ class NatsHealth:
         interval: float = 1.0,
         grace: float = 3.0,
         stranded_after: float = STRANDED_AFTER,
+        unreachable_means: str = "giving this member's partitions up",
     ) -> None:
         self.nc = nc
+        # What the log line for NATS turning unreachable adds (what its user does then).
+        self.unreachable_means = unreachable_means
         self.interval = interval
         self.grace = grace
         # Round trips failing this long on a connection nats-py counts as open: a new
@@ -279,8 +282,9 @@ class NatsHealth:
                     log.info("NATS reachable again")
                 else:
                     log.warning(
-                        "NATS unreachable for %.0f s: giving this member's partitions up",
+                        "NATS unreachable for %.0f s%s",
                         self.grace,
+                        f": {self.unreachable_means}" if self.unreachable_means else "",
                     )
             await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
 

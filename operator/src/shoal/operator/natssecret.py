@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 
 from kubernetes.client.rest import ApiException
 
+from shoal.clients.nats import NatsHealth
 from shoal.clients.natsauth import NatsSecurity, refusal
 from shoal.contracts.spec import NatsSpec
 from shoal.operator.builders import (
@@ -258,6 +259,10 @@ class NatsClients:
         self._tls: dict[SecretKey, TlsFiles] = {}
         self._credentials: dict[SecretKey, CredentialFiles] = {}
         self._connections: dict[tuple[str, tuple[tuple[str, str, str], ...]], Any] = {}
+        # Each kept connection's NatsHealth, which replaces it should it die without a
+        # word (nats-py alone keeps such a connection for 4 minutes and more, and every
+        # group on it would be NatsUnavailable meanwhile).
+        self._watches: dict[tuple[str, tuple[tuple[str, str, str], ...]], asyncio.Task[None]] = {}
         self._sharers: Sharers[tuple[str, tuple[tuple[str, str, str], ...]]] = Sharers()
         self._locks: dict[object, asyncio.Lock] = {}
 
@@ -431,7 +436,7 @@ class NatsClients:
             async with self._lock(key):
                 if self._sharers.used(key):
                     continue  # another group took it up meanwhile
-                nc = self._connections.pop(key, None)
+                nc = self._drop(key)
             if nc is not None:
                 log.info("Closing the NATS connection to %s: no group uses it any more", key[0])
                 await _close(nc)
@@ -466,22 +471,37 @@ class NatsClients:
                     f"NATS at {url} with {group.describe(namespace, refused.reason)}: "
                     f"{refused.message}",
                 ) from exc
-            self._connections[key] = nc
+            self._keep(key, nc)
             return nc
+
+    def _keep(self, key: tuple[str, tuple[tuple[str, str, str], ...]], nc: Any) -> None:
+        old = self._watches.pop(key, None)
+        if old is not None:
+            old.cancel()
+        self._connections[key] = nc
+        health = NatsHealth(nc, interval=2.0, grace=6.0, unreachable_means="")
+        self._watches[key] = asyncio.create_task(health.run(), name=f"nats-health {key[0]}")
+
+    def _drop(self, key: tuple[str, tuple[tuple[str, str, str], ...]]) -> Any:
+        """Forget the connection of `key` (the caller closes it); None if there is none."""
+        watch = self._watches.pop(key, None)
+        if watch is not None:
+            watch.cancel()
+        return self._connections.pop(key, None)
 
     async def _forget(self, key: SecretKey, version: str, directory: Path) -> None:
         """Close the connections a replaced version served and remove its files."""
         gone = (*key, version)
         for conn_key, nc in list(self._connections.items()):
             if gone in conn_key[1]:
-                del self._connections[conn_key]
+                self._drop(conn_key)
                 await _close(nc)
         shutil.rmtree(directory, ignore_errors=True)
 
     async def close(self) -> None:
-        for nc in list(self._connections.values()):
+        for key, nc in list(self._connections.items()):
+            self._drop(key)
             await _close(nc)
-        self._connections.clear()
         self._tls.clear()
         self._credentials.clear()
         shutil.rmtree(self.root, ignore_errors=True)
