@@ -231,28 +231,7 @@ async def scale_under_load(plane: LocalKube) -> str:
             f"({len(load.items) / (time.monotonic() - t0):.0f}/s)"
         )
 
-        stream = default_stream_name(NS, GROUP)
-
-        async def left() -> int:
-            return int((await js.stream_info(stream)).state.messages)
-
-        await eventually_async(
-            left, 120, "the group to drain its stream", until=lambda n: n == 0, interval=0.5
-        )
-        ids = [i.message_id or "" for i in load.items]
-        records = await read_ledger(js, ledger_stream_name(stream))
-        summary = audit(records, ids).summary()
-        print(f"ledger audit: {summary}")
-        assert summary == {
-            "expected": len(ids),
-            "processed": len(ids),
-            "lost": 0,
-            "duplicates": 0,
-            "out_of_order": 0,
-            "overlaps": 0,
-        }, summary
-        dead = int((await js.stream_info(dlq_stream_name(stream))).state.messages)
-        assert dead == 0, f"{dead} dead letters"
+        records = await drain_and_audit(js, GROUP, [i.message_id or "" for i in load.items])
         # Every member that ever ran served some of it (the deleted one included).
         assert victim in {r.member for r in records}
         return victim
@@ -381,24 +360,34 @@ async def publish_and_audit(plane: LocalKube, count: int) -> int:
             interval=0.2,
         )
         await load.stop()
-        stream = default_stream_name(NS, SOCKET_GROUP)
-
-        async def left() -> int:
-            return int((await js.stream_info(stream)).state.messages)
-
-        await eventually_async(left, 120, "the stream to drain", until=lambda n: n == 0)
-        ids = [i.message_id or "" for i in load.items]
-        records = await read_ledger(js, ledger_stream_name(stream))
-        summary = audit(records, ids).summary()
-        assert summary == {
-            "expected": len(ids),
-            "processed": len(ids),
-            "lost": 0,
-            "duplicates": 0,
-            "out_of_order": 0,
-            "overlaps": 0,
-        }, summary
-        assert int((await js.stream_info(dlq_stream_name(stream))).state.messages) == 0
-        return len(ids)
+        await drain_and_audit(js, SOCKET_GROUP, [i.message_id or "" for i in load.items])
+        return len(load.items)
     finally:
         await nc.close()
+
+
+async def drain_and_audit(js: Any, group: str, ids: list[str]) -> list[Any]:
+    """Wait for the group to drain its stream, then audit its ledger against `ids`: 0
+    lost, 0 duplicates, 0 out of order, 0 overlaps, and no dead letter. The records."""
+    stream = default_stream_name(NS, group)
+
+    async def left() -> int:
+        return int((await js.stream_info(stream)).state.messages)
+
+    await eventually_async(
+        left, 120, f"{group} to drain its stream", until=lambda n: n == 0, interval=0.5
+    )
+    records = await read_ledger(js, ledger_stream_name(stream))
+    summary = audit(records, ids).summary()
+    print(f"{group}: ledger audit {summary}")
+    assert summary == {
+        "expected": len(ids),
+        "processed": len(ids),
+        "lost": 0,
+        "duplicates": 0,
+        "out_of_order": 0,
+        "overlaps": 0,
+    }, summary
+    dead = int((await js.stream_info(dlq_stream_name(stream))).state.messages)
+    assert dead == 0, f"{dead} dead letters"
+    return records

@@ -357,6 +357,18 @@ def test_a_handler_socket_in_tmp_shares_the_tmp_volume() -> None:
     assert pod["initContainers"][0]["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
 
 
+def test_a_sidecar_with_null_or_other_spelled_mounts() -> None:
+    """volumeMounts: null (as YAML may write it) gets the socket's mount; a mount of
+    the same directory written with a trailing slash is the team's, left alone."""
+    spec = copy.deepcopy(SOCKET_SPEC)
+    spec["containers"][0]["volumeMounts"] = None
+    spec["containers"][1]["volumeMounts"] = [{"name": "mine", "mountPath": "/run/handler/"}]
+    pod = build_deployment(NAME, NAMESPACE, spec, SETTINGS)["spec"]["template"]["spec"]
+    service, other = pod["initContainers"]
+    assert service["volumeMounts"] == [{"name": "handler-socket", "mountPath": "/run/handler"}]
+    assert other["volumeMounts"] == [{"name": "mine", "mountPath": "/run/handler/"}]
+
+
 def test_no_handler_socket_no_volume() -> None:
     pod = build_deployment(NAME, NAMESPACE, minimal_spec(), SETTINGS)["spec"]["template"]["spec"]
     assert "handler-socket" not in [v["name"] for v in pod["volumes"]]

@@ -16,6 +16,7 @@ blackholed for good, new ones pass.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +26,9 @@ import pytest
 
 from harness.fakesecrets import FakeSecrets
 from harness.fleet import Fleet, settled, wait_for_status
+from harness.natssecurity import NatsServerSecurity, NatsUser
 from harness.proxy import TcpProxy
+from harness.servers import NatsServer
 from harness.waiting import eventually_async
 from shoal.clients.etcd import Etcd
 from shoal.clients.nats import NatsHealth, connect, round_trip
@@ -142,3 +145,78 @@ async def test_the_operators_stranded_nats_connection_is_replaced(
             print(f"the operator's requests back {back:.1f} s after the stranding")
         finally:
             await clients.close()
+
+
+async def test_a_user_refused_the_health_subject_is_answered_not_stranded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A NATS user who may not publish the health check's subject (an operator user
+    made before the operator used it): the server answers each round trip with a
+    Permissions Violation, which proves the connection alive. Counted as an answer, said
+    once, and never a forced reconnect (it would drop every group's requests on it)."""
+    security = NatsServerSecurity.generate(
+        tmp_path / "pki", [NatsUser("narrow", "pw", publish=("$JS.API.>",))]
+    )
+    server = NatsServer(tmp_path / "nats", security=security)
+    server.start()
+    try:
+        nc = await connect(
+            server.url, name="narrow", attempts=3, security=security.client("narrow")
+        )
+        health = NatsHealth(nc, interval=0.5, grace=1.0, stranded_after=2.0)
+        task = asyncio.create_task(health.run())
+        try:
+            with caplog.at_level(logging.WARNING, logger="shoal.clients.nats"):
+                await asyncio.sleep(6)
+            assert health.reachable() and health.stranded_reconnects == 0
+            assert nc.is_connected and nc.stats["reconnects"] == 0
+            refused = [r for r in caplog.records if "refuses this user publish" in r.message]
+            assert len(refused) == 1
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await nc.close()
+    finally:
+        server.stop()
+
+
+class SilentClient:
+    """Enough of a nats-py client for NatsHealth: round trips time out, the connection
+    is up or not as the test says, and forced reconnects are counted."""
+
+    def __init__(self) -> None:
+        self.is_connected = True
+        self.last_error = None
+        self.forced = 0
+
+    async def request(self, subject: str, data: bytes, timeout: float) -> None:
+        await asyncio.sleep(timeout)
+        raise TimeoutError
+
+    async def force_reconnect(self) -> None:
+        self.forced += 1
+        self.is_connected = False
+
+    async def _process_op_err(self, exc: Exception) -> None:  # nats-py's own path
+        await self.force_reconnect()
+
+
+async def test_a_new_connection_gets_its_full_time_before_it_is_replaced() -> None:
+    """After an outage (a forced reconnect, or nats-py's own), the round trips failed
+    all along: a connection made at last must not be dropped at its first slow answer
+    for the failures of the one before."""
+    nc = SilentClient()
+    health = NatsHealth(nc, interval=0.1, grace=0.2, stranded_after=1.0)
+    task = asyncio.create_task(health.run())
+    try:
+        await eventually_async(lambda: asyncio.sleep(0, nc.forced), 5, "a forced reconnect")
+        await asyncio.sleep(1.5)  # reconnecting, round trips failing
+        nc.is_connected = True
+        back = time.monotonic()
+        await eventually_async(
+            lambda: asyncio.sleep(0, nc.forced), 5, "a second", until=lambda n: n == 2
+        )
+        assert time.monotonic() - back >= 0.9
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -377,6 +377,8 @@ def test_empty_stream_name_and_subject_prefix_mean_the_default(field: str) -> No
 def test_a_handler_socket_with_an_http_handler() -> None:
     spec = parse_spec({"handler": "http://localhost/messages", "handlerSocket": "/run/h/s.sock"})
     assert spec.handler_socket == "/run/h/s.sock"
+    for where in ("/var/run/h.sock", "/tmp/h.sock", "/run/a/b/h.sock"):
+        parse_spec({"handler": "http://localhost/messages", "handlerSocket": where})
     assert parse_spec({"handler": "a:b"}).handler_socket == ""
     config = group_config("prod", "orders", spec, nats_url="nats://n:4222", etcd_endpoints="e:1")
     assert config.handler_socket == "/run/h/s.sock"
@@ -389,10 +391,14 @@ def test_a_handler_socket_with_an_http_handler() -> None:
         ({"handler": "https://svc/m"}, "handlerSocket needs an http:// URL handler"),
         ({"handlerSocket": "run/s.sock"}, "spec.handlerSocket must be the absolute path"),
         ({"handlerSocket": "/s.sock"}, "spec.handlerSocket must be the absolute path"),
+        ({"containers": [{"name": "a", "image": "i", "volumeMounts": "x"}]}, "must be a list"),
         ({"handlerSocket": "/run/../s.sock"}, "spec.handlerSocket must be the absolute path"),
         ({"handlerSocket": "/run/h s.sock"}, "spec.handlerSocket must be the absolute path"),
         ({"handlerSocket": "/run/" + "s" * 103}, "spec.handlerSocket must be at most 107"),
-        ({"handlerSocket": "/etc/shoal/s.sock"}, "must not be under /etc/shoal/"),
+        ({"handlerSocket": "/etc/shoal/s.sock"}, "spec.handlerSocket must be the absolute path"),
+        # An emptyDir there would hide the image's own files.
+        ({"handlerSocket": "/opt/s.sock"}, "under /run/, /var/run/ or /tmp/"),
+        ({"handlerSocket": "/run"}, "spec.handlerSocket must be the absolute path"),
     ],
 )
 def test_a_handler_socket_that_cannot_work_is_refused_readably(

@@ -213,6 +213,21 @@ def reader_ended(nc: Any) -> bool:
 STRANDED_AFTER = 10.0
 
 
+def abort_connection(nc: Any) -> bool:
+    """Drop nats-py's socket at once, as a reset would (its read loop then reconnects);
+    False if this client's transport has none we know how to drop. (Reads nats-py's
+    private `_transport`: its TCP transport keeps the asyncio writers, the TLS one over
+    the plain one.)"""
+    transport = getattr(nc, "_transport", None)
+    dropped = False
+    for name in ("_io_writer", "_bare_io_writer"):
+        socket_transport = getattr(getattr(transport, name, None), "transport", None)
+        if socket_transport is not None and not socket_transport.is_closing():
+            socket_transport.abort()
+            dropped = True
+    return dropped
+
+
 class NatsHealth:
     """Whether this member can reach JetStream, from a round trip every `interval`.
 
@@ -241,8 +256,11 @@ class NatsHealth:
         # Round trips failing this long on a connection nats-py counts as open: a new
         # connection is tried (_replace_stranded), again each time as long after.
         self.stranded_after = stranded_after
+        # When the stranded clock last started again: a forced reconnect, or the last
+        # look that found the client (re)connecting (a new connection gets its full time).
         self._forced_at: float | None = None
         self.stranded_reconnects = 0
+        self._refusal_logged = False
         # When the round trips started failing (None: the last one succeeded). Counted
         # from failures, not from the last success, so that a process that merely got
         # no CPU for a while (its probes did not run) is not taken for one cut off.
@@ -259,6 +277,7 @@ class NatsHealth:
         was = True
         while True:
             started = time.monotonic()
+            error_before = getattr(self.nc, "last_error", None)
             try:
                 # Not a JetStream API request: in a cluster, JetStream stops answering
                 # while its meta leader is re-elected, and every member would give all
@@ -270,7 +289,9 @@ class NatsHealth:
                 raise
             except Exception as exc:  # nats-py raises several unrelated types here
                 log.debug("NATS round trip failed: %r", exc)
-                if self._failing_since is None:
+                if self._refused_health(error_before):
+                    self._failing_since = None  # the server answered: with a refusal
+                elif self._failing_since is None:
                     self._failing_since = started
             reraise_dropped_cancel()
             await self._restart_ended_reader()
@@ -295,11 +316,16 @@ class NatsHealth:
         until its ping check gives up, 4 minutes and more, while a new connection to the
         same address would work at once. If NATS itself is down, the reconnect finds
         that out, and nats-py goes on trying as it would have."""
+        now = time.monotonic()
+        if not self.nc.is_connected:
+            # (Re)connecting: the clock starts again once a connection is made, so that
+            # a new one is not dropped for the failures of the old.
+            self._forced_at = now
+            return
         since = self._failing_since
-        if since is None or not self.nc.is_connected:
+        if since is None:
             self._forced_at = None
             return
-        now = time.monotonic()
         if now - max(since, self._forced_at or since) < self.stranded_after:
             return
         self._forced_at = now
@@ -310,7 +336,36 @@ class NatsHealth:
             "reconnecting",
             now - since,
         )
-        await self.nc._process_op_err(ConnectionError("no answer on an open connection"))
+        # Dropped at once, as a reset connection is: nats-py's read loop finds it ended
+        # and reconnects its own way. (A close would first wait for what is buffered to
+        # drain, or for TLS's close_notify: on a silent connection, for minutes.) What
+        # was written to it and not yet acknowledged is lost with it; nats-py buffers
+        # what comes after for the new connection, and unacknowledged deliveries come
+        # back after their ack wait.
+        if not abort_connection(self.nc):
+            await self.nc.force_reconnect()
+
+    def _refused_health(self, error_before: object) -> bool:
+        """Whether the round trip failed because the server refused this user the
+        health subject (a -ERR since `error_before`): the server answers, so the
+        connection lives. Said once: the check then proves less (grant the subject:
+        `shoal-consumer permissions`)."""
+        error = getattr(self.nc, "last_error", None)
+        if error is None or error is error_before:
+            return False
+        # (nats-py lowercases the server's words: 'permissions violation for publish
+        # to "_shoal.health"'.)
+        text = str(error).lower()
+        if "permissions violation" not in text or HEALTH_SUBJECT.lower() not in text:
+            return False
+        if not self._refusal_logged:
+            self._refusal_logged = True
+            log.warning(
+                "NATS refuses this user publish on %s, the health check's subject: "
+                "counted as an answer, but grant it (shoal-consumer permissions lists it)",
+                HEALTH_SUBJECT,
+            )
+        return True
 
     async def _restart_ended_reader(self) -> None:
         """Reconnect when nats-py's read loop ended under a live connection (seen twice

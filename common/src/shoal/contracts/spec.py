@@ -66,18 +66,13 @@ HANDLER_WORDS = (
 )
 # spec.handlerReadyPath: a path on the HTTP handler's host, or empty (none).
 READY_PATH_PATTERN = rf"^(/[^{WHITESPACE}#]*)?$"
-# spec.handlerSocket: a Unix socket's absolute path, in a directory of its own (the
-# operator mounts an emptyDir there, shared with spec.containers), or empty (none). No
-# '.' or '..' segments (the API server refuses those in a mountPath); at most 107 bytes,
-# what a socket address holds (sun_path).
-HANDLER_SOCKET_PATTERN = r"^((/[A-Za-z0-9_][A-Za-z0-9._-]*){2,})?$"
+# spec.handlerSocket: a Unix socket's absolute path under /run, /var/run or /tmp (the
+# operator mounts an emptyDir at its directory, shared with spec.containers: elsewhere
+# it could hide the image's own files, /opt or /etc), or empty (none). No '.' or '..'
+# segments (the API server refuses those in a mountPath); at most 107 bytes, what a
+# socket address holds (sun_path).
+HANDLER_SOCKET_PATTERN = r"^(/(run|var/run|tmp)(/[A-Za-z0-9_][A-Za-z0-9._-]*)+)?$"
 HANDLER_SOCKET_MAX_LENGTH = 107
-# Where the operator mounts the group's Secrets, read-only.
-SHOAL_SECRETS_DIR = "/etc/shoal"
-HANDLER_SOCKET_NOT_IN_SECRETS = (
-    "handlerSocket must not be under /etc/shoal/, where the member's Secrets are mounted "
-    "read-only; e.g. '/run/handler/http.sock'"
-)
 HANDLER_SOCKET_NEEDS_HTTP = (
     "handlerSocket needs an http:// URL handler: the member sends the URL's requests "
     "to the socket instead of the URL's host and port (a socket in the pod needs no TLS)"
@@ -293,8 +288,6 @@ class ConsumerGroupSpec(_Section):
             raise ValueError(REPLICAS_WITH_AUTOSCALING)
         if self.handler_socket and not self.handler.startswith("http://"):
             raise ValueError(HANDLER_SOCKET_NEEDS_HTTP)
-        if self.handler_socket.startswith(SHOAL_SECRETS_DIR + "/"):
-            raise ValueError(HANDLER_SOCKET_NOT_IN_SECRETS)
         return self
 
     @field_validator("containers")
@@ -329,6 +322,12 @@ def check_containers(containers: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 f"containers[{index}] ({name}): restartPolicy can only be Always (each runs "
                 "as a native sidecar, restarted whenever it exits)"
             )
+        mounts = container.get("volumeMounts")
+        if mounts is not None and not (
+            isinstance(mounts, list) and all(isinstance(m, Mapping) for m in mounts)
+        ):
+            # (The operator adds spec.handlerSocket's directory to this list.)
+            raise ValueError(f"containers[{index}] ({name}).volumeMounts must be a list of mounts")
         if name == CONSUMER_CONTAINER_NAME:
             raise ValueError(CONTAINER_NAME_TAKEN)
         if name in seen:
@@ -356,7 +355,7 @@ _FRIENDLIER = {
         "must be a path on the handler's host, starting with '/' (e.g. '/healthz')"
     ),
     ("spec.handlerSocket", "string_pattern_mismatch"): (
-        "must be the absolute path of a Unix socket in a directory of its own, e.g. "
+        "must be the absolute path of a Unix socket under /run/, /var/run/ or /tmp/, e.g. "
         "'/run/handler/http.sock' (letters, digits, '.', '_' and '-'; no '.' or '..')"
     ),
     ("spec.handlerSocket", "string_too_long"): (

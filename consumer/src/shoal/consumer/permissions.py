@@ -137,6 +137,8 @@ def operator_permissions(config: GroupConfig, inbox_prefix: str = "_INBOX") -> P
     # (the dead-letter stream), and whether one is missing (then it recreates it).
     publish += [f"{API}.STREAM.INFO.{stream}" for stream in _streams(config)]
     publish += [f"{API}.STREAM.DELETE.{stream}" for stream in _streams(config)]
+    # Each kept connection's round trip (NatsHealth), which replaces a dead one.
+    publish.append(HEALTH_SUBJECT)
     if not config.ledger:
         # The group is deleted with its ledger stream, if one was ever made.
         publish.append(f"{API}.STREAM.DELETE.{config.ledger_stream}")

@@ -394,6 +394,11 @@ def _volumes(spec: ConsumerGroupSpec, nats: NatsPodSecrets) -> tuple[list[Obj], 
     return volumes, mounts
 
 
+def _same_path(mount_path: object, directory: str) -> bool:
+    """Whether a mountPath as written ('/run/h/', '/run//h') is `directory`."""
+    return isinstance(mount_path, str) and posixpath.normpath(mount_path) == directory
+
+
 def handler_socket_mount(spec: ConsumerGroupSpec) -> Obj | None:
     """The mount of spec.handlerSocket's directory, which the member and every sidecar
     share (an emptyDir; /tmp's own when the socket is in /tmp): the sidecar creates the
@@ -496,9 +501,11 @@ def sidecars(spec: ConsumerGroupSpec) -> Obj:
         if socket_mount is not None:
             # spec.handlerSocket's directory, unless the container mounts something there
             # itself (then it is the team's to share).
-            mounts = rendered.setdefault("volumeMounts", [])
-            if not any(m.get("mountPath") == socket_mount["mountPath"] for m in mounts):
+            mounts = list(rendered.get("volumeMounts") or [])
+            where = socket_mount["mountPath"]
+            if not any(_same_path(m.get("mountPath"), where) for m in mounts):
                 mounts.append(dict(socket_mount))
+            rendered["volumeMounts"] = mounts
         containers.append(rendered)
     return {"initContainers": containers}
 

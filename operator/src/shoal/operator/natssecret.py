@@ -479,7 +479,9 @@ class NatsClients:
         if old is not None:
             old.cancel()
         self._connections[key] = nc
-        health = NatsHealth(nc, interval=2.0, grace=6.0, unreachable_means="")
+        health = NatsHealth(
+            nc, interval=2.0, grace=6.0, unreachable_means=f"the operator's connection to {key[0]}"
+        )
         self._watches[key] = asyncio.create_task(health.run(), name=f"nats-health {key[0]}")
 
     def _drop(self, key: tuple[str, tuple[tuple[str, str, str], ...]]) -> Any:
@@ -499,9 +501,11 @@ class NatsClients:
         shutil.rmtree(directory, ignore_errors=True)
 
     async def close(self) -> None:
+        watches = list(self._watches.values())
         for key, nc in list(self._connections.items()):
             self._drop(key)
             await _close(nc)
+        await asyncio.gather(*watches, return_exceptions=True)  # (cancelled by _drop)
         self._tls.clear()
         self._credentials.clear()
         shutil.rmtree(self.root, ignore_errors=True)
