@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,19 @@ pytestmark = pytest.mark.timeout(120)
 RECOVERY_BOUND = 45.0
 
 
+async def seconds_until_it_works(call: Callable[[], Awaitable[object]], what: str) -> float:
+    """Seconds from now until `call` first succeeds (tried every 0.5 s); fails the test
+    after RECOVERY_BOUND."""
+    stranded = time.monotonic()
+    while time.monotonic() - stranded < RECOVERY_BOUND:
+        try:
+            await call()
+            return time.monotonic() - stranded
+        except Exception:
+            await asyncio.sleep(0.5)
+    raise AssertionError(f"no {what} got through in {RECOVERY_BOUND:.0f} s")
+
+
 async def test_a_stranded_nats_connection_is_replaced(nats_url: str) -> None:
     with TcpProxy(nats_url.removeprefix("nats://"), name="nats") as proxy:
         nc = await connect(f"nats://{proxy.address}", name="stranded", attempts=5)
@@ -54,16 +67,7 @@ async def test_a_stranded_nats_connection_is_replaced(nats_url: str) -> None:
         try:
             await round_trip(nc, 2.0)
             assert proxy.strand() >= 1
-            stranded = time.monotonic()
-            back = None
-            while time.monotonic() - stranded < RECOVERY_BOUND:
-                try:
-                    await round_trip(nc, 1.0)
-                    back = time.monotonic() - stranded
-                    break
-                except Exception:
-                    await asyncio.sleep(0.5)
-            assert back is not None, f"no round trip got through in {RECOVERY_BOUND:.0f} s"
+            back = await seconds_until_it_works(lambda: round_trip(nc, 1.0), "round trip")
             print(f"round trips back {back:.1f} s after the connection was stranded")
             assert health.stranded_reconnects == 1
         finally:
@@ -131,17 +135,12 @@ async def test_the_operators_stranded_nats_connection_is_replaced(
             nc = await clients.get(url, "ns", NatsSpec(), connect=connect, attempts=2, user=1)
             await nc.jetstream().account_info()
             assert proxy.strand() >= 1
-            stranded = time.monotonic()
-            back = None
-            while time.monotonic() - stranded < RECOVERY_BOUND:
+
+            async def request() -> None:
                 nc = await clients.get(url, "ns", NatsSpec(), connect=connect, attempts=2, user=1)
-                try:
-                    await nc.jetstream(timeout=1.0).account_info()
-                    back = time.monotonic() - stranded
-                    break
-                except Exception:
-                    await asyncio.sleep(0.5)
-            assert back is not None, f"no JetStream request got through in {RECOVERY_BOUND:.0f} s"
+                await nc.jetstream(timeout=1.0).account_info()
+
+            back = await seconds_until_it_works(request, "JetStream request")
             print(f"the operator's requests back {back:.1f} s after the stranding")
         finally:
             await clients.close()

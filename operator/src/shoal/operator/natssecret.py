@@ -226,6 +226,8 @@ class GroupNats:
 
 Connector = Callable[..., Awaitable[Any]]
 SecretKey = tuple[str, str]  # namespace, name
+# A kept connection's key: its URL and the (namespace, name, version) of the Secrets used.
+ConnectionKey = tuple[str, tuple[tuple[str, str, str], ...]]
 _Files = TypeVar("_Files", TlsFiles, CredentialFiles)
 
 
@@ -258,12 +260,12 @@ class NatsClients:
         self.root = root
         self._tls: dict[SecretKey, TlsFiles] = {}
         self._credentials: dict[SecretKey, CredentialFiles] = {}
-        self._connections: dict[tuple[str, tuple[tuple[str, str, str], ...]], Any] = {}
+        self._connections: dict[ConnectionKey, Any] = {}
         # Each kept connection's NatsHealth, which replaces it should it die without a
         # word (nats-py alone keeps such a connection for 4 minutes and more, and every
         # group on it would be NatsUnavailable meanwhile).
-        self._watches: dict[tuple[str, tuple[tuple[str, str, str], ...]], asyncio.Task[None]] = {}
-        self._sharers: Sharers[tuple[str, tuple[tuple[str, str, str], ...]]] = Sharers()
+        self._watches: dict[ConnectionKey, asyncio.Task[None]] = {}
+        self._sharers: Sharers[ConnectionKey] = Sharers()
         self._locks: dict[object, asyncio.Lock] = {}
 
     def __len__(self) -> int:
@@ -431,7 +433,7 @@ class NatsClients:
         """The group is gone: close what only it used."""
         await self._close_unused(self._sharers.release(user))
 
-    async def _close_unused(self, keys: list[tuple[str, tuple[tuple[str, str, str], ...]]]) -> None:
+    async def _close_unused(self, keys: list[ConnectionKey]) -> None:
         for key in keys:
             async with self._lock(key):
                 if self._sharers.used(key):
@@ -443,7 +445,7 @@ class NatsClients:
 
     async def _get(
         self,
-        key: tuple[str, tuple[tuple[str, str, str], ...]],
+        key: ConnectionKey,
         url: str,
         namespace: str,
         group: Any,
@@ -474,17 +476,15 @@ class NatsClients:
             self._keep(key, nc)
             return nc
 
-    def _keep(self, key: tuple[str, tuple[tuple[str, str, str], ...]], nc: Any) -> None:
-        old = self._watches.pop(key, None)
-        if old is not None:
-            old.cancel()
+    def _keep(self, key: ConnectionKey, nc: Any) -> None:
+        self._drop(key)  # a closed connection's, if any
         self._connections[key] = nc
         health = NatsHealth(
             nc, interval=2.0, grace=6.0, unreachable_means=f"the operator's connection to {key[0]}"
         )
         self._watches[key] = asyncio.create_task(health.run(), name=f"nats-health {key[0]}")
 
-    def _drop(self, key: tuple[str, tuple[tuple[str, str, str], ...]]) -> Any:
+    def _drop(self, key: ConnectionKey) -> Any:
         """Forget the connection of `key` (the caller closes it); None if there is none."""
         watch = self._watches.pop(key, None)
         if watch is not None:
