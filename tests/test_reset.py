@@ -244,6 +244,47 @@ async def test_a_paused_group_stays_paused_and_to_end_skips_what_waits(
     assert audited(records, later) == clean(later), fleet.logs()
 
 
+async def test_to_end_skips_only_what_waited_when_the_command_ran(
+    etcd: Etcd, js: Any, config: GroupConfig
+) -> None:
+    """--to-end is "from now on": what is published after the command read the stream,
+    while it waits for the members to pause, is delivered. (Before: the durables were
+    recreated with deliver policy `new`, which counts from their creation, and 100
+    messages published during the wait were skipped without a word.)"""
+    from shoal.contracts.values import MemberStats
+
+    await ensure_group(js, config)
+    producer = Producer(js, config.subject_prefix, PARTITIONS)
+    await producer.publish_many(traffic("old", 40, 8))  # what waits: skipped
+    # A member that owns partition 0 and has not paused yet (a long handler).
+    lease = await etcd.grant_lease(60)
+    try:
+        await etcd.put(config.keys.member("m-1"), MemberStats(owned=(0,)).to_json(), lease)
+        await etcd.put(config.keys.claim(0), b"m-1", lease)
+        reset = asyncio.create_task(reset_cli(config, "--to-end", "--yes", "--wait", "30"))
+        try:
+            await eventually_async(
+                lambda: read_pause(etcd, config.keys),
+                20,
+                "the reset to pause the group",
+                until=lambda record: record is not None,
+                interval=0.05,
+            )
+            await producer.publish_many(traffic("new", 100, 8))
+            paused = MemberStats(owned=(0,), paused=(0,))
+            await etcd.put(config.keys.member("m-1"), paused.to_json(), lease)
+            out = ok(await reset)
+        finally:
+            reset.cancel()
+    finally:
+        await etcd.revoke_lease(lease)
+    assert "about 40 waiting ones are skipped" in out, out
+    pending = 0
+    for p in range(PARTITIONS):
+        pending += int((await js.consumer_info(config.stream, f"p{p}")).num_pending or 0)
+    assert pending == 100, out
+
+
 async def test_a_reset_in_the_middle_of_a_backlog(
     fleet: Fleet, etcd: Etcd, js: Any, config: GroupConfig
 ) -> None:
@@ -525,6 +566,7 @@ def test_a_position_is_a_deliver_policy_on_the_same_config() -> None:
     cases = {
         Position("start"): (api.DeliverPolicy.ALL, None, None),
         Position("end"): (api.DeliverPolicy.NEW, None, None),
+        Position("end", seq=7): (api.DeliverPolicy.BY_START_SEQUENCE, 7, None),
         Position("time", time=when): (api.DeliverPolicy.BY_START_TIME, None, when),
         Position("sequence", seq=42): (api.DeliverPolicy.BY_START_SEQUENCE, 42, None),
     }

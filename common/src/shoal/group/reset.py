@@ -4,7 +4,7 @@ nats-server 2.12 (the one Shoal pins) has no API to move a durable: JetStream re
 update a consumer's deliver policy (error 10012, "deliver policy can not be updated"),
 and $JS.API.CONSUMER.RESET arrives only in 2.14 (2.12.15 does not answer it). So a
 durable is deleted and created again with the same configuration and the new deliver
-policy: by_start_time, all, new or by_start_sequence.
+policy: by_start_time, all or by_start_sequence (the end too: Position.apply).
 
 Nobody may pull a durable while it is recreated: a member whose pulls go unanswered
 (the durable is gone) recreates it itself after about two seconds, with the policy it
@@ -94,7 +94,8 @@ class Position:
         if self.kind == "start":
             return "the start of the stream (every message it holds)"
         if self.kind == "end":
-            return "the end of the stream (only messages published from now on)"
+            after = f": stream sequence {self.seq} on" if self.seq is not None else ""
+            return f"the end of the stream (only messages published from now on{after})"
         if self.kind == "time":
             assert self.time is not None
             return f"the first message at or after {self.time.isoformat()}"
@@ -109,10 +110,18 @@ class Position:
         return data
 
     def apply(self, config: api.ConsumerConfig) -> api.ConsumerConfig:
-        """`config` starting here."""
+        """`config` starting here. The end, once planned, is the sequence after the
+        stream's last when the command read it (plan_reset), not deliver policy `new`:
+        `new` counts from when the durable is created, after the confirmation and the
+        wait for the pause, and would skip what was published meanwhile."""
+        end = (
+            (api.DeliverPolicy.NEW, None, None)
+            if self.seq is None
+            else (api.DeliverPolicy.BY_START_SEQUENCE, self.seq, None)
+        )
         policy, seq, start = {
             "start": (api.DeliverPolicy.ALL, None, None),
-            "end": (api.DeliverPolicy.NEW, None, None),
+            "end": end,
             "time": (api.DeliverPolicy.BY_START_TIME, None, self.time),
             "sequence": (api.DeliverPolicy.BY_START_SEQUENCE, self.seq, None),
         }[self.kind]
@@ -210,6 +219,9 @@ async def plan_reset(
         )
     state = info.state
     first, last = int(state.first_seq), int(state.last_seq)
+    if position.kind == "end" and position.seq is None:
+        # "From now on" is from now, not from whenever the durables are recreated.
+        position = Position("end", seq=last + 1)
     if position.kind == "time":
         assert position.time is not None
         if position.time.timestamp() > now:

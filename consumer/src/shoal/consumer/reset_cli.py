@@ -78,7 +78,9 @@ def _step_writer() -> Callable[[str, int, int], None]:
 )
 @click.option("--to-start", is_flag=True, help="Replay every message the stream holds.")
 @click.option(
-    "--to-end", is_flag=True, help="Skip what waits: deliver only what is published from now."
+    "--to-end",
+    is_flag=True,
+    help="Skip what waits: deliver only what is published after the command reads the stream.",
 )
 @click.option(
     "--to-sequence",
