@@ -282,7 +282,13 @@ def test_the_cli_pauses_and_resumes(config: GroupConfig) -> None:
     args = ["--group", config.group, "--namespace", config.namespace]
     args += ["--etcd", config.etcd_endpoints]
     cli = CliRunner()
-    first = cli.invoke(main, ["pause", *args, "--reason", "db upgrade"])
+    # A group etcd knows nothing of (a misspelt name, or not started yet) is refused:
+    # "Paused" there while the real group runs on was a success reported for nothing.
+    refused = cli.invoke(main, ["pause", *args, "--reason", "db upgrade"])
+    assert refused.exit_code == 1 and "has not one key under" in refused.output, refused.output
+    assert "--force pauses it anyway" in refused.output
+    assert "  paused by " not in cli.invoke(main, ["status", *args]).output
+    first = cli.invoke(main, ["pause", *args, "--reason", "db upgrade", "--force"])
     assert first.exit_code == 0, first.output
     assert first.output.startswith(f"Paused group {config.namespace}/{config.group} by ")
     assert "(cli): db upgrade" in first.output and "shoal-consumer resume" in first.output
@@ -323,4 +329,36 @@ async def test_a_reset_lifts_only_its_own_pause(etcd: Etcd, config: GroupConfig)
     # Its own pause: lifted.
     assert await pause_group(etcd, keys, reset) is None
     assert await resume_if_source(etcd, keys, RESET_SOURCE) is None
+    assert await read_pause(etcd, keys) is None
+
+
+async def test_resume_refuses_the_pause_of_a_reset_that_runs(
+    etcd: Etcd, config: GroupConfig
+) -> None:
+    """`resume` while a reset runs (its `resetting` key on a live lease) changes nothing
+    and says why: before, it deleted the reset's pause and said the members pull again,
+    while the reset was recreating durables. Once the reset is gone (died: its lease
+    ended) its pause is an interrupted reset's, and `resume` lifts it."""
+    from click.testing import CliRunner
+
+    from shoal.consumer.cli import main
+    from shoal.group.pause import RESET_SOURCE
+
+    keys = config.keys
+    args = ["--group", config.group, "--namespace", config.namespace]
+    args += ["--etcd", config.etcd_endpoints]
+    lease = await etcd.grant_lease(30)
+    try:
+        await etcd.put(keys.resetting, b'{"by": "ops@host", "time": 1}', lease)
+        reset = PauseRecord(by="ops@host", time=time.time(), source=RESET_SOURCE, reason="r")
+        assert await pause_group(etcd, keys, reset) is None
+        said = await asyncio.to_thread(CliRunner().invoke, main, ["resume", *args])
+        assert said.exit_code == 1, said.output
+        assert "paused by a reset that is still running (" in said.output, said.output
+        assert "ops@host" in said.output and "nothing changed" in said.output
+        assert await read_pause(etcd, keys) == reset
+    finally:
+        await etcd.revoke_lease(lease)
+    said = await asyncio.to_thread(CliRunner().invoke, main, ["resume", *args])
+    assert said.exit_code == 0 and said.output.startswith("Resumed group "), said.output
     assert await read_pause(etcd, keys) is None

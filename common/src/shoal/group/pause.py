@@ -14,7 +14,15 @@ from shoal.clients.etcd import Etcd
 from shoal.contracts.names import Keys
 from shoal.contracts.values import PauseRecord, ValueRefused
 
-__all__ = ["RESET_SOURCE", "pause_group", "read_pause", "resume_group", "resume_if_source"]
+__all__ = [
+    "RESET_SOURCE",
+    "ResetRunning",
+    "group_has_keys",
+    "pause_group",
+    "read_pause",
+    "resume_group",
+    "resume_if_source",
+]
 
 # PauseRecord.source of the pause `shoal-consumer reset` writes around its work: the
 # operator leaves that one alone whatever spec.paused says (the reset resumes the group
@@ -68,11 +76,45 @@ async def resume_if_source(etcd: Etcd, keys: Keys, source: str) -> PauseRecord |
     return None
 
 
+class ResetRunning(RuntimeError):
+    """The pause is a running reset's: lifted now, members would pull while a durable is
+    being recreated, and recreate it at its old position (group/reset.py)."""
+
+    def __init__(self, record: PauseRecord, holder: str) -> None:
+        super().__init__(
+            f"paused by a reset that is still running ({holder}), which resumes the group "
+            "when it is done: nothing changed"
+        )
+        self.record = record
+
+
+# Attempts at deleting a pause record that someone rewrites each time in between.
+RESUME_ATTEMPTS = 5
+
+
 async def resume_group(etcd: Etcd, keys: Keys) -> PauseRecord | None:
-    """Resume the group: delete its pause key. Returns the record deleted (None: it was
-    not paused, nothing done)."""
-    record = await read_pause(etcd, keys)
-    if record is None:
-        return None
-    await etcd.delete(keys.paused)
-    return record
+    """Resume the group: delete its pause key, as read (a record written in between, a
+    reset's, is looked at again, not deleted unseen). Returns the record deleted (None:
+    it was not paused, nothing done). ResetRunning for the pause of a reset that still
+    runs (Keys.resetting); a reset's pause without it was left by one that did not
+    finish, and is lifted."""
+    for _ in range(RESUME_ATTEMPTS):
+        found = await _read_pause(etcd, keys)
+        if found is None:
+            return None
+        record, revision = found
+        if record.source == RESET_SOURCE:
+            _, kvs = await etcd.get_prefix(keys.resetting)
+            holder = kvs.get(keys.resetting)
+            if holder is not None:
+                raise ResetRunning(record, holder.value.decode(errors="replace")[:200])
+        if await etcd.delete_if_unchanged(keys.paused, revision):
+            return record
+    raise RuntimeError(f"{keys.paused} was rewritten {RESUME_ATTEMPTS} times while resuming")
+
+
+async def group_has_keys(etcd: Etcd, keys: Keys) -> bool:
+    """Whether etcd holds anything of the group (a member, a claim, a pause...): a
+    group that never ran, or a misspelt name, has nothing."""
+    _, kvs = await etcd.get_prefix(keys.prefix)
+    return bool(kvs)

@@ -679,7 +679,13 @@ async def _with_etcd(etcd_endpoints: str, work: Any) -> Any:
 @namespace_option
 @etcd_option
 @click.option("--reason", default="", help="Why, for the record (shown by members and status).")
-def pause(group: str, namespace: str, etcd_endpoints: str, reason: str) -> None:
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Pause a group etcd holds nothing of yet (not started): its members will join "
+    "paused. Without it such a group is refused, as a misspelt name would be.",
+)
+def pause(group: str, namespace: str, etcd_endpoints: str, reason: str, force: bool) -> None:
     """Pause a group: every member finishes the handlers it is running, acks them,
     gives back what it fetched and did not start, and pulls nothing more. Members keep
     their partitions (nothing moves); members that join or restart join paused; the
@@ -690,14 +696,27 @@ def pause(group: str, namespace: str, etcd_endpoints: str, reason: str) -> None:
     etcd TLS and authentication: as for `status`.
     """
     from shoal.contracts.values import PauseRecord
-    from shoal.group.pause import RESET_SOURCE, pause_group
+    from shoal.group.pause import RESET_SOURCE, group_has_keys, pause_group
 
     keys = Keys(namespace, group)
     record = PauseRecord(by=_pauser(), time=time.time(), source="cli", reason=reason)
+
+    async def work(etcd: Etcd) -> PauseRecord | bool | None:
+        if not force and not await group_has_keys(etcd, keys):
+            return False
+        return await pause_group(etcd, keys, record)
+
     try:
-        before = asyncio.run(_with_etcd(etcd_endpoints, lambda e: pause_group(e, keys, record)))
+        before = asyncio.run(_with_etcd(etcd_endpoints, work))
     except Exception as exc:
         raise click.ClickException(f"could not pause {namespace}/{group}: {exc}") from None
+    if before is False:
+        raise click.ClickException(
+            f"etcd at {etcd_endpoints} has not one key under {keys.prefix}: the group's "
+            "name is not right (--group, --namespace), or no member has run yet; nothing "
+            "written (--force pauses it anyway: members that start later join paused)"
+        )
+    assert before is None or isinstance(before, PauseRecord)
     if before is not None and before.source == RESET_SOURCE:
         click.echo(
             f"Group {namespace}/{group} is paused by a reset ({before.describe()}), which "
@@ -724,11 +743,13 @@ def pause(group: str, namespace: str, etcd_endpoints: str, reason: str) -> None:
 def resume(group: str, namespace: str, etcd_endpoints: str) -> None:
     """Resume a paused group: its members pull again at once (deletes its `paused` key).
     For a group the operator runs, set spec.paused to false instead."""
-    from shoal.group.pause import resume_group
+    from shoal.group.pause import ResetRunning, resume_group
 
     keys = Keys(namespace, group)
     try:
         record = asyncio.run(_with_etcd(etcd_endpoints, lambda e: resume_group(e, keys)))
+    except ResetRunning as exc:
+        raise click.ClickException(f"{namespace}/{group} is {exc}") from None
     except Exception as exc:
         raise click.ClickException(f"could not resume {namespace}/{group}: {exc}") from None
     if record is None:
