@@ -449,6 +449,38 @@ async def refused(config: GroupConfig, *args: str) -> str:
     return lines[-1]
 
 
+async def test_a_server_without_jetstream_is_one_line(config: GroupConfig, tmp_path: Path) -> None:
+    """reset and dlq against a NATS server with JetStream off say what is wrong (before:
+    reset printed "Error: JetStream refused: None", nats-py's error having no
+    description)."""
+    from harness.servers import NatsServer
+
+    server = NatsServer(tmp_path / "plain", jetstream=False).start()
+    try:
+        plain = config.model_copy(update={"nats_url": server.url})
+        line = await refused(plain, "--to-start", "--yes")
+        assert line.startswith(f"Error: nobody answers JetStream's API at {server.url}"), line
+        assert "is JetStream enabled on that server" in line, line
+        dlq = await asyncio.create_subprocess_exec(
+            sys.executable,
+            *("-m", "shoal.consumer", "dlq", "list", "-g", config.group, "-n", config.namespace),
+            *("--nats", server.url),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        async with asyncio.timeout(60):
+            _, err = await dlq.communicate()
+        assert dlq.returncode == 1, err
+        assert (
+            err.decode()
+            .strip()
+            .splitlines()[-1]
+            .startswith(f"Error: nobody answers JetStream's API at {server.url}")
+        ), err
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("retention", ["workqueue", "interest"])
 async def test_a_stream_that_deletes_acked_messages_is_refused(
     etcd: Etcd, js: Any, config: GroupConfig, retention: str
@@ -553,6 +585,24 @@ def test_reset_times_rfc3339_and_relative() -> None:
     for bad in ("yesterday", "1 hour ago", "-", "2026-13-01T00:00:00Z", ""):
         with pytest.raises(ValueError, match="is no time"):
             parse_reset_time(bad, now)
+
+
+def test_times_out_of_range_are_usage_errors() -> None:
+    """A time before year 1 or a duration past it is a usage error naming the range
+    (before: an OverflowError's traceback, from timedelta or astimezone)."""
+    from click.testing import CliRunner
+
+    from shoal.consumer.cli import main
+
+    for args in (
+        ["reset", "-g", "orders", "--to-time", "99999999999d", "--yes"],
+        ["reset", "-g", "orders", "--to-time", "0001-01-01T00:00:00+01:00", "--yes"],
+        ["dlq", "list", "-g", "orders", "--since", "800000d"],
+        ["dlq", "redrive", "-g", "orders", "--since", "99999999999d"],
+    ):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 2, (args, result.output, result.exception)
+        assert "Invalid value" in result.output and "out of range" in result.output, args
 
 
 def test_a_position_is_a_deliver_policy_on_the_same_config() -> None:

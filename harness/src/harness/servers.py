@@ -480,10 +480,13 @@ class NatsServer(ServerProcess):
         *,
         extra_args: Sequence[str] = (),
         security: NatsServerSecurity | None = None,
+        jetstream: bool = True,
     ):
         super().__init__(workdir, binary)
         self.extra_args = list(extra_args)
         self.security = security
+        # False: a plain NATS server, for what a client meets where JetStream is off.
+        self.jetstream = jetstream
 
     def _allocate_ports(self) -> None:
         self.port = free_port()
@@ -539,11 +542,10 @@ class NatsServer(ServerProcess):
         if self.security is not None:
             self._write_config(self.security)
             return [self.binary, "-c", str(self.config_path), *self.extra_args]
+        store = ["-js", "-sd", str(self.store_dir)] if self.jetstream else []
         return [
             self.binary,
-            "-js",
-            "-sd",
-            str(self.store_dir),
+            *store,
             "-a",
             HOST,
             "-p",

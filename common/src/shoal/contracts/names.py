@@ -273,19 +273,25 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
+class TimeOutOfRange(ValueError):
+    """A time or duration past what a datetime holds (before year 1, after 9999)."""
+
+
 def parse_since(text: str, now: datetime | None = None) -> datetime:
     """A command's ``--since``: an RFC 3339 time or date (UTC unless it says otherwise) or
     a duration back from now (``90s``, ``15m``, ``24h``, ``7d``, ``2w``). ValueError, with
     what it expected, for anything else."""
     match = _DURATION.match(text)
-    if match:
-        seconds = float(match.group(1)) * _UNITS[match.group(2)]
-        return (now or datetime.now(UTC)) - timedelta(seconds=seconds)
     try:
+        if match:
+            seconds = float(match.group(1)) * _UNITS[match.group(2)]
+            return (now or datetime.now(UTC)) - timedelta(seconds=seconds)
         value = datetime.fromisoformat(text.strip().replace("z", "Z"))
+        return value.astimezone(UTC) if value.tzinfo else value.replace(tzinfo=UTC)
+    except OverflowError:  # 99999999999d, or the year 1 east of UTC: before year 1
+        raise TimeOutOfRange(f"{text!r} is out of range (years 1 to 9999)") from None
     except ValueError:
         raise ValueError(
             f"--since {text!r}: expected an RFC 3339 time (2026-11-21T10:00:00Z), a date "
             "(2026-11-21) or a duration (30m, 24h, 7d)"
         ) from None
-    return value.astimezone(UTC) if value.tzinfo else value.replace(tzinfo=UTC)

@@ -42,6 +42,7 @@ from nats.js.errors import APIError, NotFoundError
 from shoal.clients.etcd import Etcd
 from shoal.contracts.names import (
     Keys,
+    TimeOutOfRange,
     decimal,
     durable_name,
     format_time,
@@ -140,6 +141,8 @@ def parse_reset_time(text: str, now: datetime | None = None) -> datetime:
         cleaned = cleaned[1:]
     try:
         return parse_since(cleaned, now)
+    except TimeOutOfRange:
+        raise
     except ValueError:
         raise ValueError(
             f"{text!r} is no time: expected RFC 3339 (2026-11-21T10:00:00Z) or a duration "

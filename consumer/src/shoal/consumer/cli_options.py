@@ -18,6 +18,7 @@ __all__ = [
     "command_config",
     "etcd_option",
     "group_option",
+    "jetstream_refused",
     "namespace_option",
     "nats_option",
     "no_answer",
@@ -108,6 +109,21 @@ def whoami() -> str:
     except Exception:
         user = "someone"
     return f"{user}@{socket.gethostname()}"
+
+
+def jetstream_refused(exc: Exception, where: str) -> str:
+    """The one line for JetStream's API refusing a command's request (an APIError), or
+    nobody answering it (JetStream not enabled there, or another API prefix)."""
+    from nats.errors import NoRespondersError
+    from nats.js.errors import ServiceUnavailableError
+
+    # A 503 from the API: nobody serves it (the description is None).
+    if isinstance(exc, NoRespondersError | ServiceUnavailableError):
+        return (
+            f"nobody answers JetStream's API at {where} (is JetStream enabled on that "
+            "server, and is the API prefix right?)"
+        )
+    return f"JetStream at {where} refused: {getattr(exc, 'description', None) or exc!r}"
 
 
 def no_answer(where: str) -> str:

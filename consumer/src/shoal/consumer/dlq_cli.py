@@ -17,6 +17,7 @@ from shoal.clients.natsauth import NatsConfigError
 from shoal.consumer.cli_options import (
     command_config,
     group_option,
+    jetstream_refused,
     namespace_option,
     nats_option,
     no_answer,
@@ -144,15 +145,8 @@ def _with_jetstream(config: GroupConfig, work: Callable[[Any, Any], Awaitable[T]
         raise click.ClickException(str(exc)) from None
     except TimeoutError:
         raise click.ClickException(no_answer(config.nats_url)) from None
-    except NoRespondersError:
-        raise click.ClickException(
-            f"nobody answers JetStream's API at {config.nats_url} (is JetStream enabled "
-            "on that server, and is the API prefix right?)"
-        ) from None
-    except APIError as exc:  # JetStream itself refused (not enabled, no permission, ...)
-        raise click.ClickException(
-            f"JetStream at {config.nats_url} refused: {exc.description or exc}"
-        ) from None
+    except (NoRespondersError, APIError) as exc:  # not enabled, no permission, ...
+        raise click.ClickException(jetstream_refused(exc, config.nats_url)) from None
     except MessageDeleteError as exc:
         raise click.ClickException(f"JetStream refused to delete a dead letter: {exc}") from None
 

@@ -19,6 +19,7 @@ from shoal.consumer.cli_options import (
     command_config,
     etcd_option,
     group_option,
+    jetstream_refused,
     namespace_option,
     nats_option,
     no_answer,
@@ -169,6 +170,7 @@ def reset(
         subject_prefix=subject_prefix,
         stream=stream,
     )
+    from nats.errors import NoRespondersError
     from nats.js.errors import APIError
 
     try:
@@ -188,8 +190,8 @@ def reset(
             f"etcd at {config.etcd_endpoints} did not answer ({type(exc).__name__}); "
             "nothing was changed"
         ) from None
-    except APIError as exc:
-        raise click.ClickException(f"JetStream refused: {exc.description}") from None
+    except (NoRespondersError, APIError) as exc:
+        raise click.ClickException(jetstream_refused(exc, config.nats_url)) from None
 
 
 async def _run(
