@@ -13,12 +13,14 @@ from typing import Any
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from shoal.consumer.scaler import Policy
 from shoal.contracts.spec import (
     HANDLER_PATTERN,
     HANDLER_SOCKET_MAX_LENGTH,
     HANDLER_SOCKET_PATTERN,
+    MAX_RATE_LIMIT,
     READY_PATH_PATTERN,
     STREAM_NAME_PATTERN,
     SUBJECT_PREFIX_PATTERN,
@@ -173,6 +175,20 @@ def test_camel_case_in_snake_case_out() -> None:
             )
             for rate in (-5, 0, 0.0, -0.5)
         ),
+        # Before: accepted, and a member's share (limit x owned / partitions) was nan
+        # or inf, which crashed its worker at every start.
+        *(
+            (
+                {"handler": "a:b", "nats": {"consumer": {"maxMessagesPerSecond": rate}}},
+                f"spec.nats.consumer.maxMessagesPerSecond must be {what} messages a second",
+            )
+            for rate, what in (
+                (float("inf"), "a finite number of"),
+                (float("nan"), "a finite number of"),
+                (1e308, "at most 1e9"),
+                (1e9 + 1, "at most 1e9"),
+            )
+        ),
         (
             {"handler": "a:b", "nats": {"consumer": {"maxMessagesPerSecond": "100"}}},
             "spec.nats.consumer.maxMessagesPerSecond",
@@ -220,6 +236,11 @@ def test_max_messages_per_second_is_a_positive_number_or_unset() -> None:
     assert parse_spec(unset).nats.consumer.max_messages_per_second is None
     (field,) = [crd for path, crd, _ in ALL_PAIRS if path.endswith(".maxMessagesPerSecond")]
     assert (field["minimum"], field["exclusiveMinimum"], "default" in field) == (0, True, False)
+    assert field["maximum"] == MAX_RATE_LIMIT == 1e9
+    top = {"handler": "a:b", "nats": {"consumer": {"maxMessagesPerSecond": 1e9}}}
+    assert parse_spec(top).nats.consumer.max_messages_per_second == 1e9
+    with pytest.raises(ValidationError, match="finite number"):
+        GroupConfig(group="g", max_messages_per_second=float("inf"))
 
 
 def test_integral_floats_are_integers() -> None:

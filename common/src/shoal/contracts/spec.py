@@ -82,6 +82,9 @@ STREAM_NAME_PATTERN = rf"^([^.*>{WHITESPACE}/\\]+)?$"
 SUBJECT_PREFIX_PATTERN = rf"^([^.*>{WHITESPACE}]+(\.[^.*>{WHITESPACE}]+)*)?$"
 # spec.containers: at most this many (the CRD's maxItems; it also bounds its CEL rules).
 MAX_CONTAINERS = 16
+# maxMessagesPerSecond's bound (the CRD's maximum too): far above any group's pace, and
+# a member's share of it stays finite (1e308 x owned overflowed to inf).
+MAX_RATE_LIMIT = 1e9
 # A container name, as Kubernetes requires it (a DNS-1123 label).
 CONTAINER_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
@@ -156,7 +159,9 @@ class ConsumerSpec(_Section):
     handler_timeout_seconds: float = Field(300.0, ge=0)
     # The group as a whole starts at most this many handler runs a second; each member
     # takes the share of the partitions it owns (shoal.consumer.ratelimit). None: no limit.
-    max_messages_per_second: Annotated[float, Field(gt=0)] | None = None
+    max_messages_per_second: (
+        Annotated[float, Field(gt=0, le=MAX_RATE_LIMIT, allow_inf_nan=False)] | None
+    ) = None
     # After a failure (a crash, a fence, a lost lease) the next owner of a partition waits
     # for the messages its last owner did not settle, at most ackWait and a second, and
     # runs them before anything newer of their projects (Strict); or pulls at once, and
@@ -367,6 +372,12 @@ _FRIENDLIER = {
     ),
     ("spec.nats.consumer.maxMessagesPerSecond", "greater_than"): (
         "must be a positive number of messages a second (leave it out, or null, for no limit)"
+    ),
+    ("spec.nats.consumer.maxMessagesPerSecond", "less_than_equal"): (
+        "must be at most 1e9 messages a second (leave it out, or null, for no limit)"
+    ),
+    ("spec.nats.consumer.maxMessagesPerSecond", "finite_number"): (
+        "must be a finite number of messages a second (leave it out, or null, for no limit)"
     ),
     ("spec.nats.subjectPrefix", "string_pattern_mismatch"): (
         "must be a subject prefix: dot-separated tokens without wildcards or whitespace"

@@ -31,6 +31,7 @@ from shoal.contracts.names import (
 from shoal.contracts.spec import (
     HANDLER_SOCKET_MAX_LENGTH,
     HANDLER_SOCKET_PATTERN,
+    MAX_RATE_LIMIT,
     READY_PATH_PATTERN,
     AssignmentSpec,
     ConsumerGroupSpec,
@@ -99,7 +100,9 @@ class GroupConfig(BaseModel):
     handler_timeout: float = Field(_CONSUMER.handler_timeout_seconds, ge=0)
     # The group's rate limit, handler runs a second over all members; each member takes
     # limit x owned / partitions of it (shoal.consumer.ratelimit). None: no limit.
-    max_messages_per_second: float | None = Field(_CONSUMER.max_messages_per_second, gt=0)
+    max_messages_per_second: float | None = Field(
+        _CONSUMER.max_messages_per_second, gt=0, le=MAX_RATE_LIMIT, allow_inf_nan=False
+    )
     # Strict: a partition taken over after a failure runs its earlier deliveries first
     # (takeover.py); Fast: it pulls at once.
     order_after_failure: Literal["Strict", "Fast"] = _CONSUMER.order_after_failure

@@ -736,7 +736,7 @@ class Worker:
         if limiter is None or limit is None:
             return
         owned = sum(1 for r in self.runners.values() if not r.letting_go)
-        rate = limit * owned / self.config.partitions
+        rate = limit * (owned / self.config.partitions)  # never above the limit
         if rate != limiter.rate:
             limiter.set_rate(rate)
             log.debug(
