@@ -362,3 +362,35 @@ async def test_resume_refuses_the_pause_of_a_reset_that_runs(
     said = await asyncio.to_thread(CliRunner().invoke, main, ["resume", *args])
     assert said.exit_code == 0 and said.output.startswith("Resumed group "), said.output
     assert await read_pause(etcd, keys) is None
+
+
+async def test_a_pause_resumed_between_create_and_read_is_written(
+    etcd: Etcd, config: GroupConfig
+) -> None:
+    """Someone resumes the group between pause_group's refused create and its read:
+    the group is not paused, so the pause is written. Before, pause_group returned the
+    caller's own record as the one "in place", and `shoal-consumer pause` said "paused
+    already" of a group that ran on."""
+    keys = config.keys
+    theirs = PauseRecord(by="them", time=1.0, source="cli", reason="")
+    assert await pause_group(etcd, keys, theirs) is None
+
+    class ResumedMeanwhile:
+        """The real etcd; its first refused create is followed by a resume."""
+
+        def __init__(self) -> None:
+            self.resumed = False
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(etcd, name)
+
+        async def create_returning_revision(self, key: str, value: bytes, lease: Any) -> Any:
+            created = await etcd.create_returning_revision(key, value, lease)
+            if created is None and not self.resumed:
+                self.resumed = True
+                assert await resume_group(etcd, keys) == theirs
+            return created
+
+    mine = PauseRecord(by="me", time=2.0, source="cli", reason="db upgrade")
+    assert await pause_group(ResumedMeanwhile(), keys, mine) is None  # type: ignore[arg-type]
+    assert await read_pause(etcd, keys) == mine

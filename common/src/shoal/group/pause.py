@@ -29,6 +29,10 @@ __all__ = [
 # itself, once every durable is at its new position).
 RESET_SOURCE = "reset"
 
+# Attempts at pausing or resuming while someone else changes the key each time between
+# our read and our write.
+ATTEMPTS = 5
+
 
 async def read_pause(etcd: Etcd, keys: Keys) -> PauseRecord | None:
     """The group's pause record, or None while it runs (an unreadable value: unknown)."""
@@ -57,9 +61,14 @@ async def pause_group(etcd: Etcd, keys: Keys, record: PauseRecord) -> PauseRecor
     the operator (which leaves a reset's pause alone, and would lift a spec.paused or
     CLI pause whenever spec.paused is false, members then pulling while a durable is
     being recreated). The caller says so; the operator pauses the group again after."""
-    if await etcd.create_returning_revision(keys.paused, record.to_json(), None) is not None:
-        return None
-    return await read_pause(etcd, keys) or record
+    for _ in range(ATTEMPTS):
+        if await etcd.create_returning_revision(keys.paused, record.to_json(), None) is not None:
+            return None
+        found = await read_pause(etcd, keys)
+        if found is not None:
+            return found
+        # Resumed between the two calls: not paused after all, try again.
+    raise RuntimeError(f"{keys.paused} came and went {ATTEMPTS} times while pausing")
 
 
 async def resume_if_source(etcd: Etcd, keys: Keys, source: str) -> PauseRecord | None:
@@ -88,17 +97,13 @@ class ResetRunning(RuntimeError):
         self.record = record
 
 
-# Attempts at deleting a pause record that someone rewrites each time in between.
-RESUME_ATTEMPTS = 5
-
-
 async def resume_group(etcd: Etcd, keys: Keys) -> PauseRecord | None:
     """Resume the group: delete its pause key, as read (a record written in between, a
     reset's, is looked at again, not deleted unseen). Returns the record deleted (None:
     it was not paused, nothing done). ResetRunning for the pause of a reset that still
     runs (Keys.resetting); a reset's pause without it was left by one that did not
     finish, and is lifted."""
-    for _ in range(RESUME_ATTEMPTS):
+    for _ in range(ATTEMPTS):
         found = await _read_pause(etcd, keys)
         if found is None:
             return None
@@ -110,7 +115,7 @@ async def resume_group(etcd: Etcd, keys: Keys) -> PauseRecord | None:
                 raise ResetRunning(record, holder.value.decode(errors="replace")[:200])
         if await etcd.delete_if_unchanged(keys.paused, revision):
             return record
-    raise RuntimeError(f"{keys.paused} was rewritten {RESUME_ATTEMPTS} times while resuming")
+    raise RuntimeError(f"{keys.paused} was rewritten {ATTEMPTS} times while resuming")
 
 
 async def group_has_keys(etcd: Etcd, keys: Keys) -> bool:
