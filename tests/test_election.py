@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -32,6 +33,23 @@ class SafeMembership:
         return True
 
 
+class FlakyMembership(SafeMembership):
+    """A membership the test can fence, as Membership does: safe() turns false and
+    `changed` is set (then replaced)."""
+
+    def __init__(self, lease_id: int) -> None:
+        super().__init__(lease_id)
+        self._safe = True
+
+    def safe(self) -> bool:
+        return self._safe
+
+    def set_safe(self, value: bool) -> None:
+        self._safe = value
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+
 @contextlib.asynccontextmanager
 async def watching(etcd: Etcd, config: GroupConfig) -> AsyncIterator[GroupView]:
     """A view of the group, watching until the block ends (and the group's keys removed)."""
@@ -55,6 +73,31 @@ async def caught_up(view: GroupView, revision: int) -> None:
 async def stop(task: asyncio.Task[Any]) -> None:
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+
+
+async def leading(
+    etcd: Etcd, config: GroupConfig, view: GroupView, membership: SafeMembership
+) -> tuple[Election, asyncio.Task[None], list[GenerationRecord]]:
+    """An Election running on `membership`, once it has written its first generation."""
+    records: list[GenerationRecord] = []
+
+    async def on_generation(record: GenerationRecord) -> None:
+        records.append(record)
+
+    leader = Election(etcd, view, membership, config, on_generation=on_generation)  # type: ignore[arg-type]
+    task = asyncio.create_task(leader.run())
+    async with asyncio.timeout(10):
+        while not records:
+            await view.changed(0.2)
+    assert leader.is_leader
+    return leader, task, records
+
+
+async def not_leading(leader: Election, timeout: float, what: str) -> None:
+    async def stopped() -> bool:
+        return not leader.is_leader
+
+    await eventually_async(stopped, timeout, what, interval=0.05)
 
 
 def config_for(group: str, namespace: str, **overrides: Any) -> GroupConfig:
@@ -167,5 +210,110 @@ async def test_leading_stops_waiting_for_a_view_that_does_not_catch_up(
             async with asyncio.timeout(10):
                 await leader._lead()
             assert not leader.is_leader
+    finally:
+        await etcd.revoke_lease(lease)
+
+
+async def test_a_fenced_leader_waiting_for_scaled_up_members_stops_leading_at_once(
+    etcd: Etcd, group: str, namespace: str
+) -> None:
+    """After a scale-up (expect_scale) a membership change made _lead sit in _settle for
+    up to SCALE_JOIN_WAIT (15 s) without looking at the fence: a leader fenced meanwhile
+    kept is_leader (autoscaler, dead-letter sweep) past fence_after and even past its
+    lease's expiry, when another member may lead already."""
+    config = config_for(group, namespace)
+    lease = await etcd.grant_lease(60)
+    try:
+        async with watching(etcd, config) as view:
+            for member in ("a", "b"):
+                await etcd.put(config.keys.member(member), b"{}", lease)
+            membership = FlakyMembership(lease)
+            leader, task, _ = await leading(etcd, config, view, membership)
+            try:
+                # The autoscaler scaled 2 -> 4; the first new member arrives.
+                leader.expect_scale(4, time.monotonic() + 120)
+                await etcd.put(config.keys.member("c"), b"{}", lease)
+                await asyncio.sleep(0.5)  # _lead is in _settle, awaiting the 4th member
+                membership.set_safe(False)  # fenced: lease renewal failing
+                await not_leading(leader, 2.0, "the fenced leader to stop leading")
+            finally:
+                await stop(task)
+    finally:
+        await etcd.revoke_lease(lease)
+
+
+async def test_a_fence_signalled_while_writing_is_not_missed(
+    etcd: Etcd, group: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """_lead took membership.changed only at the bottom of its loop, after the work: a
+    fence signalled during the work (an etcd write timing out, as it usually does then)
+    set the old event, and the loop waited on the fresh one, up to RECHECK_SECONDS (5 s)
+    more before it saw that it was fenced."""
+    config = config_for(group, namespace)
+    lease = await etcd.grant_lease(60)
+    try:
+        async with watching(etcd, config) as view:
+            for member in ("a", "b"):
+                await etcd.put(config.keys.member(member), b"{}", lease)
+            membership = FlakyMembership(lease)
+            leader, task, _ = await leading(etcd, config, view, membership)
+            fenced_at: list[float] = []
+
+            async def fenced() -> bool:
+                return bool(fenced_at)
+
+            async def fence_then_time_out(*args: Any, **kwargs: Any) -> bool:
+                if not fenced_at:
+                    fenced_at.append(time.monotonic())
+                    membership.set_safe(False)
+                raise etcd3.exceptions.ConnectionTimeoutError()
+
+            monkeypatch.setattr(etcd, "guarded_put_many", fence_then_time_out)
+            try:
+                await etcd.put(config.keys.member("c"), b"{}", lease)
+                await eventually_async(fenced, 10, "the rebalance's write", interval=0.02)
+                # _rebalance sleeps 1 s after a failed write; then it should notice.
+                left = 2.0 - (time.monotonic() - fenced_at[0])
+                await not_leading(leader, left, "the leader fenced while writing to stop")
+            finally:
+                await stop(task)
+    finally:
+        await etcd.revoke_lease(lease)
+
+
+async def test_a_leaving_leader_fenced_for_a_moment_leads_again(
+    etcd: Etcd, group: str, namespace: str
+) -> None:
+    """shutdown(): membership.leave() sets `leaving`; the leader key stays until resign()
+    after the drain. A fence blip meanwhile ended _lead; the lease (and the key) survived,
+    but run() refused to lead again while leaving, and nobody else can campaign while the
+    key exists: no generation was written (a join, the leaver's own partitions) until the
+    drain timed out and resign() ran. It leads on its surviving key now, as before."""
+    config = config_for(group, namespace)
+    lease = await etcd.grant_lease(60)
+    try:
+        async with watching(etcd, config) as view:
+            for member in ("a", "b"):
+                await etcd.put(config.keys.member(member), b"{}", lease)
+            membership = FlakyMembership(lease)
+            leader, task, records = await leading(etcd, config, view, membership)
+            try:
+                membership.leaving = True  # Membership.leave() began
+                membership.set_safe(False)  # a keep-alive blip...
+                await not_leading(leader, 10, "the fenced leaver to stop leading")
+                membership.set_safe(True)  # ...that the lease survived
+                # The leaver's member key goes (leave()), and a member joins.
+                await etcd.delete(config.keys.member("a"))
+                await etcd.put(config.keys.member("c"), b"{}", lease)
+
+                async def leaver_unassigned() -> bool:
+                    return "a" not in set(view.owners().values())
+
+                await eventually_async(
+                    leaver_unassigned, 5, "a generation without the leaver, by the leaver"
+                )
+                assert records[-1].members == ["b", "c"], records[-1]
+            finally:
+                await stop(task)
     finally:
         await etcd.revoke_lease(lease)

@@ -227,15 +227,18 @@ class Election:
         await self.view.synced.wait()
         while not self.resigning:
             changed = self.view.change_event()
+            safe = self.membership.safe()
             # A member on its way out must not take over a group it is leaving.
-            eligible = self.membership.safe() and not self.membership.leaving
-            if eligible and self._leader_key_is_ours():
+            eligible = safe and not self.membership.leaving
+            if safe and self._leader_key_is_ours():
                 # We stopped leading when we were fenced for a moment, but the lease
                 # survived and the leader key with it: nobody else can campaign while it
                 # exists, so unless we lead again nobody leads (no rebalance after a
-                # crash, no autoscaling, no dead-letter sweep) until this pod restarts.
-                # No one else can have led meanwhile: the key's create_revision, our
-                # epoch, is unchanged.
+                # crash, no autoscaling, no dead-letter sweep) until this pod restarts,
+                # or, while we are leaving, until resign() after the drain. No one else
+                # can have led meanwhile: the key's create_revision, our epoch, is
+                # unchanged. (A leaver leads on, as it did before the fence: only a new
+                # campaign is for members that stay.)
                 current = self.view.leader()
                 assert current is not None
                 log.info("Leading again under epoch %d (the lease survived)", current.epoch)
@@ -288,6 +291,11 @@ class Election:
         try:
             while self._still_leader() and not self.resigning:
                 changed = self.view.change_event()
+                # Also wake when our lease is in doubt (membership.changed): a leader cut
+                # from etcd sees no view changes, and must stop leading at the fence. Taken
+                # before the work, so that a fence signalled during it (an etcd write
+                # timing out, as it usually does then) ends the wait below at once.
+                fenced = self.membership.changed
                 if time.monotonic() >= next_leaseless_check:
                     next_leaseless_check = time.monotonic() + RECHECK_SECONDS
                     if found := leaseless_keys(self.view):
@@ -335,9 +343,6 @@ class Election:
                         log.info("Rebalancing for load: busiest member %.0f%% lighter", gain * 100)
                         if not await self._rebalance(members, applied_members, first):
                             break
-                # Also wake when our lease is in doubt (membership.changed): a leader cut
-                # from etcd sees no view changes, and must stop leading at the fence.
-                fenced = self.membership.changed
                 waiters = [
                     asyncio.ensure_future(changed.wait()),
                     asyncio.ensure_future(fenced.wait()),
@@ -417,16 +422,34 @@ class Election:
         After the autoscaler added members, wait (up to SCALE_JOIN_WAIT) for all of them:
         pods start seconds apart, and one generation for all moves fewer partitions
         than one per newcomer.
+
+        Returns early when we are no longer safely leader (fenced, deposed, resigning):
+        a fenced leader must stop at once, not after SCALE_JOIN_WAIT (the caller checks).
         """
         started = time.monotonic()
         deadline = started + 5 * self.config.debounce
         last = self._eligible()
         while time.monotonic() < deadline or self._awaiting_scale_up(last, started):
-            await asyncio.sleep(self._debounce_for(last, applied))
+            if not await self._pause(self._debounce_for(last, applied)):
+                return
             now = self._eligible()
             if now == last and not self._awaiting_scale_up(now, started):
                 return
             last = now
+
+    async def _pause(self, seconds: float) -> bool:
+        """Sleep `seconds`, or less when a fence is signalled (membership.changed) and we
+        are no longer safely leader; False then (True after the whole sleep)."""
+        until = time.monotonic() + seconds
+        while self._still_leader() and not self.resigning:
+            left = until - time.monotonic()
+            if left <= 0:
+                return True
+            fenced = self.membership.changed
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await fenced.wait()
+        return False
 
     def _debounce_for(self, members: set[str], applied: set[str] | None) -> float:
         """The debounce, shorter when members only left since the last assignment.
