@@ -11,7 +11,7 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,9 @@ import etcd3
 import pytest
 from kubernetes.client import ApiException
 
+from harness.waiting import eventually_async
 from shoal.clients.etcd import Etcd
+from shoal.consumer import autoscaler as autoscaler_module
 from shoal.consumer.autoscaler import (
     LEADER_COST,
     VICTIM_COST,
@@ -587,3 +589,86 @@ async def test_healthy_members_stats_are_never_stale_at_a_short_interval(
 
 def _idle_stats() -> MemberStats:
     return MemberStats(ts=time.time(), cpu=5.0, active_projects=0, lag=0)
+
+
+@pytest.mark.e2e
+async def test_a_leadership_change_inside_one_interval_drops_the_old_terms_state(
+    etcd: Etcd, group: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """run() forgot its ScalerState (and its pod marks) only when it saw is_leader False
+    at the top of its loop, between two sleeps of intervalSeconds. Leadership lost and
+    won back under a new epoch inside one sleep (another member led meanwhile, scaled and
+    resigned: a rolling restart) kept the old term's state, which knew nothing of the
+    other leader's scale: it scaled again at once, inside the cooldown that scale started.
+    A round under a new epoch now resumes from etcd's record, as a new term does."""
+    config = GroupConfig(namespace=namespace, group=group, partitions=8, member_id="lead")
+    # Lag 200 over 2 members, target 100: within tolerance, no action.
+    epoch = await _group(etcd, config, {"lead": _stats(100), "x": _stats(100)})
+    view = GroupView(etcd, config.keys, config.partitions)
+    watcher = asyncio.create_task(view.run())
+    spec = {
+        "handler": "shoal.consumer.handlers:noop",
+        "replicas": 2,
+        "minReplicas": 1,
+        "maxReplicas": 8,
+        "partitions": 8,
+        "autoscaling": {
+            "enabled": True,
+            "intervalSeconds": 2,
+            "cooldownSeconds": 600,
+            "targetLagPerMember": 100,
+        },
+    }
+    target, leader = RecordingTarget(spec), FakeLeader(epoch)
+    scaler = Autoscaler(config, etcd, view, leader, target)
+    # run()'s sleep between rounds, held open by the test, so that the leadership change
+    # below happens inside it.
+    gate = asyncio.Event()
+
+    class _Asyncio:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(asyncio, name)
+
+        async def sleep(self, delay: float) -> None:
+            await gate.wait()
+            gate.clear()
+
+    def decided(rounds: int) -> Callable[[], Awaitable[bool]]:
+        async def check() -> bool:
+            return scaler.decisions >= rounds
+
+        return check
+
+    monkeypatch.setattr(autoscaler_module, "asyncio", _Asyncio())
+    await view.synced.wait()
+    loop = asyncio.create_task(scaler.run())
+    try:
+        await eventually_async(decided(1), 10, "the first round", interval=0.02)
+        assert not [c for c in target.calls if c[0] == "scale"]
+        # Inside the sleep: member x led (a new epoch), scaled 2 -> 3 (recorded, then
+        # the patch) and resigned; we won the next campaign.
+        keys = config.keys
+        await etcd.delete(keys.leader)
+        other = await etcd.create_returning_revision(keys.leader, b"x", None)
+        assert other is not None
+        await etcd.put(keys.scale, scale_record(time.time(), 2, 3, "lag", False, other).to_json())
+        target.spec["replicas"] = 3
+        await etcd.delete(keys.leader)
+        mine = await etcd.create_returning_revision(keys.leader, b"lead", None)
+        assert mine is not None
+        leader.epoch = mine
+        # The load grows a little: the lag rule wants 5.
+        for name in ("lead", "x"):
+            await etcd.put(keys.member(name), json.dumps(_stats(250)).encode())
+        while view.members()["x"].lag != 250:
+            await view.changed(0.5)
+        gate.set()  # the sleep ends
+        await eventually_async(decided(2), 10, "the round after the sleep", interval=0.02)
+        scales = [c for c in target.calls if c[0] == "scale"]
+        assert not scales, f"scaled {scales} inside the 600 s cooldown: {scaler.last_reason!r}"
+        assert scaler.last_reason.startswith("cooldown until"), scaler.last_reason
+    finally:
+        loop.cancel()
+        watcher.cancel()
+        await asyncio.gather(loop, watcher, return_exceptions=True)
+        await etcd.delete_prefix(config.keys.prefix)

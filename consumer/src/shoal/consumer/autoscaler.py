@@ -206,6 +206,8 @@ class Autoscaler:
         self.last_reason = ""
         self._marked: dict[str, int] = {}  # pod-deletion-costs this term has set
         self._victim: tuple[str | None, float] | None = None  # (member, mark until)
+        # The leader epoch that state, _marked and _victim belong to (0: none yet).
+        self._term = 0
         self.decisions = 0
         self.actions = 0
         # Why the last scale failed (None after a success): its Warning Event is posted
@@ -217,8 +219,7 @@ class Autoscaler:
         while True:
             self._observe_record()
             if not self.leader.is_leader:
-                self.state = None  # a later term starts from etcd's record, not memory
-                self._marked = {}
+                self._new_term(0)
                 await asyncio.sleep(1.0)
                 continue
             try:
@@ -238,6 +239,18 @@ class Autoscaler:
                 continue
             await asyncio.sleep(interval)
 
+    def _new_term(self, epoch: int) -> None:
+        """Forget what an earlier term decided and marked when the leader epoch is not
+        the one it was built under: a later term starts from etcd's record, not memory.
+        Checked every round too, not only when run() sees is_leader False between two
+        sleeps: leadership lost and won back inside one interval (another member led,
+        and maybe scaled, meanwhile) is a new term all the same."""
+        if epoch != self._term:
+            self._term = epoch
+            self.state = None
+            self._marked = {}
+            self._victim = None
+
     def _policy(self, spec: ConsumerGroupSpec) -> Policy:
         """The spec's policy, with how old healthy members' stats get here: their write
         period in a group of this size, plus the view's reading period."""
@@ -247,6 +260,7 @@ class Autoscaler:
 
     async def round(self) -> float:
         """One decision (and action); returns the interval until the next."""
+        self._new_term(self.leader.epoch)
         await self._mark_pods(self._pending_victim())
         group = await self.target.read()
         spec = parse_spec(group.get("spec") or {})
