@@ -740,6 +740,27 @@ def test_window_needs_a_full_run_of_agreement() -> None:
     assert decisions[16].reason.startswith("stabilizing: wants 2 for 270s of 300s")
 
 
+def test_a_scale_down_needs_a_window_of_readings_not_two_readings_a_window_apart() -> None:
+    """The window was proven by its first and last readings alone: rounds that did not
+    happen (failed rounds back off 30, 60, 120, 240 s: an API outage, a refused patch)
+    leave no entry to break the run, so one idle reading before an outage and one after
+    it scaled the group down at the first successful round, with 5 minutes unobserved.
+    A gap of more than two intervals now breaks the agreement; a full window after it
+    still scales down."""
+    pol = policy(cooldown_seconds=600, partitions=128)
+    decision, state = decide(uniform(3, T0, projects=0), 3, pol, T0, ScalerState())
+    assert (decision.action, decision.recommended) == ("none", 2), decision.reason
+    # The rounds at T0 + 30 .. T0 + 270 failed (nothing decided, nothing recorded).
+    now = T0 + 10 * INTERVAL
+    decision, state = decide(uniform(3, now, projects=0), 3, pol, now, state)
+    assert decision.action == "none", decision.reason
+    assert decision.reason.startswith("stabilizing: wants 2 for 0s of 300s"), decision.reason
+    for _ in range(10):
+        now += INTERVAL
+        decision, state = decide(uniform(3, now, projects=0), 3, pol, now, state)
+    assert (decision.action, decision.replicas) == ("down", 2), decision.reason
+
+
 # -- bounds --------------------------------------------------------------------------------
 
 

@@ -26,7 +26,9 @@ Rules (the seed's, made safe, plus an HPA-like lag target):
     under their thresholds (this is the hysteresis the seed lacks: without it a
     down/up pair flaps once per cooldown), and going to zero needs an idle group;
   - every recommendation of the last ``scale_down_window_seconds`` agreed (a spike's
-    trough, a sawtooth or noise never lasts a whole window).
+    trough, a sawtooth or noise never lasts a whole window), with no gap of more than
+    ``2 * interval_seconds`` between two of them: rounds that did not happen (failed
+    rounds back off, and record nothing) saw nothing, so they cannot agree.
 
 * **Never** a change inside ``cooldown_seconds`` after an action (so no reversal in a
   cooldown), while a rebalance (hand-over) is in progress, or without any data; never
@@ -252,7 +254,9 @@ class ScalerState:
 
     ``history``: ``(time, recommendation)`` of recent rounds, ``None`` for a round that
     had no recommendation (no data, rebalance, disabled), which breaks the scale-down
-    window's agreement. ``ignored``: members ignored last round (to log each only once).
+    window's agreement; so does a gap of more than ``2 * interval_seconds`` between two
+    entries (rounds that failed or did not run). ``ignored``: members ignored last round
+    (to log each only once).
     """
 
     history: tuple[tuple[float, int | None], ...] = ()
@@ -424,11 +428,18 @@ def _recommend(reports: Mapping[str, MemberStats], current: int, policy: Policy)
     )
 
 
-def _agreed_since(history: tuple[tuple[float, int | None], ...], current: int) -> float | None:
-    """Start of the unbroken run of recommendations below ``current`` ending now."""
+def _agreed_since(
+    history: tuple[tuple[float, int | None], ...], current: int, max_gap: float
+) -> float | None:
+    """Start of the unbroken run of recommendations below ``current`` ending now.
+
+    Entries more than ``max_gap`` apart break the run as a disagreeing one would: the
+    rounds between them (failed, or not run) observed nothing, so two readings a window
+    apart do not prove the window.
+    """
     since: float | None = None
     for t, rec in reversed(history):
-        if rec is None or rec >= current:
+        if rec is None or rec >= current or (since is not None and since - t > max_gap):
             break
         since = t
     return since
@@ -519,7 +530,7 @@ def decide(
             )
     if rec > current:
         return act(rec, reason, rec)
-    since = _agreed_since((*history, (now, rec)), current)
+    since = _agreed_since((*history, (now, rec)), current, 2 * policy.interval_seconds)
     agreed = 0.0 if since is None else now - since
     if agreed < policy.scale_down_window_seconds:
         return hold(
