@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -313,6 +314,60 @@ async def test_a_leaving_leader_fenced_for_a_moment_leads_again(
                     leaver_unassigned, 5, "a generation without the leaver, by the leaver"
                 )
                 assert records[-1].members == ["b", "c"], records[-1]
+            finally:
+                await stop(task)
+    finally:
+        await etcd.revoke_lease(lease)
+
+
+async def test_a_rebalance_on_a_view_behind_the_last_write_builds_on_that_write(
+    etcd: Etcd, group: str, namespace: str
+) -> None:
+    """The view's watch lags (a loaded etcd or host) by more than the debounce, and a
+    second member joins before the leader's write for the first reaches its view. The
+    next generation is computed on the one the leader wrote, not the one its view
+    shows: before, it reused the generation number and left out the partitions the
+    last write had moved, so etcd's assignment stayed unbalanced (one member with two
+    more than another) until the next membership change."""
+    config = config_for(group, namespace).model_copy(update={"partitions": 16})
+    lease = await etcd.grant_lease(60)
+    lag = 1.0
+    try:
+        async with watching(etcd, config) as view:
+            for member in ("a", "b"):
+                await etcd.put(config.keys.member(member), b"{}", lease)
+            _, task, records = await leading(etcd, config, view, SafeMembership(lease))
+            try:
+                loop = asyncio.get_running_loop()
+                on_watch = view._on_watch
+
+                def lagging(response: Any) -> None:  # on the watcher's thread
+                    loop.call_soon_threadsafe(loop.call_later, lag, on_watch, response)
+
+                view._on_watch = lagging  # type: ignore[method-assign]
+                view._errors.put_nowait(RuntimeError("watch again, lagging"))
+                await asyncio.sleep(0.5)
+                await etcd.put(config.keys.member("c"), b"{}", lease)
+                await asyncio.sleep(lag / 2)
+                await etcd.put(config.keys.member("d"), b"{}", lease)
+
+                async def four_members_written() -> list[str]:
+                    last = records[-1] if records else None
+                    return last.members if last is not None else []
+
+                await eventually_async(
+                    four_members_written,
+                    10,
+                    "a generation for four members",
+                    until=lambda members: len(members) == 4,
+                )
+                await asyncio.sleep(2 * lag)
+                _, kvs = await etcd.get_prefix(config.keys.partitions)
+                owners = [json.loads(kv.value)["owner"] for kv in kvs.values()]
+                counts = {m: owners.count(m) for m in ("a", "b", "c", "d")}
+                generations = [r.generation for r in records]
+                assert max(counts.values()) - min(counts.values()) <= 1, (counts, generations)
+                assert generations == sorted(set(generations)), generations
             finally:
                 await stop(task)
     finally:

@@ -33,7 +33,7 @@ from shoal.consumer.membership import Membership
 from shoal.contracts.values import MemberStats, TargetValue
 from shoal.group.config import GroupConfig
 from shoal.group.jetstream import partition_list
-from shoal.group.view import GroupView, LeaderKey
+from shoal.group.view import GroupView, LeaderKey, Target
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +129,9 @@ class Election:
         self.is_leader = False
         self.rebalances = 0
         self._wrote_at = 0.0  # (monotonic) the last assignment this leader wrote
+        # Partition -> (owner, generation, monotonic time) of the targets this term wrote,
+        # until the view shows them (_unseen_writes).
+        self._written: dict[int, tuple[str, int, float]] = {}
         self.resigning = False
         # Set by the autoscaler: generations until the members number `replicas` (or the
         # deadline passes) are logged with reason "scale".
@@ -272,6 +275,7 @@ class Election:
         if not await self._seen_leading():
             return
         self._set_leader(True)
+        self._written = {}
         log.info(
             "Became leader of %s/%s (epoch %d)",
             self.config.namespace,
@@ -451,6 +455,26 @@ class Election:
                     await fenced.wait()
         return False
 
+    def _unseen_writes(self, targets: dict[int, Target], previous: dict[int, str]) -> int:
+        """Put in `previous` the targets this term wrote that the view does not show yet
+        (its watch lags behind a loaded etcd or host), and return their newest
+        generation (0: none). Computed from the generation before, the next assignment
+        would reuse the generation number and leave out the partitions the last write
+        moved (they differ in etcd, not in the view): unbalanced until the next
+        membership change. A write the view has not shown after RECHECK_SECONDS is
+        forgotten: by then the targets are what the view says (deleted by hand, say),
+        which _astray, checked only that long after a write, repairs."""
+        newest = 0
+        now = time.monotonic()
+        for p, (owner, generation, at) in list(self._written.items()):
+            seen = targets.get(p)
+            if (seen is not None and seen.generation >= generation) or now - at > RECHECK_SECONDS:
+                del self._written[p]
+                continue
+            previous[p] = owner
+            newest = max(newest, generation)
+        return newest
+
     def _debounce_for(self, members: set[str], applied: set[str] | None) -> float:
         """The debounce, shorter when members only left since the last assignment.
 
@@ -499,6 +523,7 @@ class Election:
         partitions away from the members that report them (assignor.relieve_stalls)."""
         targets = self.view.targets()
         previous = {p: t.owner for p, t in targets.items()}
+        newest_unseen = self._unseen_writes(targets, previous)
         if stalled:
             loads: dict[int, float] = {}
             new = relieve_stalls(previous, stalled, members)
@@ -517,7 +542,7 @@ class Election:
         self._write_failed = False
         if not changes:
             return True
-        generation = max((t.generation for t in targets.values()), default=0) + 1
+        generation = max([newest_unseen, *(t.generation for t in targets.values())]) + 1
         now = time.time()
         items = {
             self.config.keys.partition(p): TargetValue(
@@ -544,6 +569,7 @@ class Election:
         # Our own write reaches the view a moment later, through its watch: until then
         # its targets look missing, which is no reason to write them again (_astray).
         self._wrote_at = time.monotonic()
+        self._written.update((p, (o, generation, self._wrote_at)) for p, o in changes.items())
         moves = moved(previous, new)
         reason = (
             "failover" if stalled else self._reason(applied, set(previous.values()), members, first)
