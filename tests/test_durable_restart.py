@@ -187,3 +187,35 @@ async def test_a_held_message_naked_after_the_recreate_is_taken_when_it_comes_ag
     result = audit(records, message_ids(items))
     summary = result.summary()
     assert (summary["lost"], summary["duplicates"], summary["out_of_order"]) == (0, 0, 0), summary
+
+
+async def test_ack_wait_lowered_under_a_running_member_runs_nothing_twice(
+    make_fleet: Callable[..., Fleet], etcd: Etcd, js: Any, make_config: Any
+) -> None:
+    """The spec's ackWaitSeconds goes from 20 to 2: the operator updates the durables at
+    once, the pods roll later, and meanwhile the running member keeps what it holds
+    alive at its old pace (every 5 s). JetStream sends each message held longer than 2 s
+    again, to the same member. Before, its runner took the copy for a new message and
+    the handler ran it twice (4 of 12 here); now the copy replaces the delivery held."""
+    import asyncio
+
+    config = make_config(handler=HANDLER, partitions=PARTITIONS, ack_wait=20.0)
+    fleet = make_fleet(handler=HANDLER, partitions=PARTITIONS)
+    await start_member(fleet, etcd, js, config)
+    project = project_of(PARTITION)
+    producer = Producer(js, config.subject_prefix, config.partitions)
+    slow = messages(project, 0, 12, b"wait:700")  # 8.4 s of one project, in order
+    await producer.publish_many(slow)
+    await asyncio.sleep(0.5)
+    await ensure_group(js, config.model_copy(update={"ack_wait": 2.0}))
+    # Other projects of the partition keep it pulling, as a busy partition does.
+    others = [f"other-{i}" for i in range(2000) if partition_for(f"other-{i}", PARTITIONS) == 3]
+    trickle = [messages(other, 0, 1)[0] for other in others[:40]]
+    for item in trickle:
+        await producer.publish_many([item])
+        await asyncio.sleep(0.2)
+    await ledger_until(js, config, len(slow) + len(trickle), "every message to be handled")
+    await asyncio.sleep(3)  # what would run twice, has
+    result = audit(await read_ledger(js, config.ledger_stream), message_ids(slow + trickle))
+    summary = result.summary()
+    assert (summary["lost"], summary["duplicates"], summary["out_of_order"]) == (0, 0, 0), summary

@@ -777,6 +777,17 @@ class PartitionRunner:
                 f"project {project!r} belongs to partition "
                 f"{partition_for(project, w.config.partitions)}"
             )
+        if delivered > 1 and (queue := self.projects.get(project)) is not None:
+            for held in queue.pending:
+                if held.seq == seq:
+                    # JetStream sent again what we hold (running, or waiting its turn):
+                    # its ack_wait ran out between two in-progress acks (the durable's
+                    # ackWaitSeconds lowered under running members: they keep messages
+                    # alive at the old pace until their pods roll). One run, settled on
+                    # the newest delivery, which is the one JetStream now waits on.
+                    held.msg = msg
+                    held.kept = time.monotonic()
+                    return None
         self.buffered += 1
         w.buffered += 1
         held = Held(msg, project, seq, delivered, time.monotonic())
