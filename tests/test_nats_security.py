@@ -10,6 +10,7 @@ traceback, and a member that says it is not ready, and why.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import ssl
 import time
@@ -136,6 +137,51 @@ async def test_a_refusal_names_its_reason(
     assert raised.value.why.reason == reason
     assert says in str(raised.value)
     assert "\n" not in str(raised.value)
+
+
+async def listener_without_tls(seen: list[bytes]) -> asyncio.Server:
+    """What answers on a NATS address without asking for TLS (a server set to
+    allow_non_tls, the wrong Service, an impostor): its INFO, then it records every line
+    the client writes."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        info = b'{"server_id":"x","version":"2.12.0","proto":1,"max_payload":1048576,'
+        writer.write(b"INFO " + info + b'"headers":true,"auth_required":true}\r\n')
+        await writer.drain()
+        with contextlib.suppress(ConnectionError):
+            while line := await reader.readline():
+                seen.append(line)
+                if line.startswith(b"PING"):
+                    writer.write(b"PONG\r\n")
+                    await writer.drain()
+        writer.close()
+
+    return await asyncio.start_server(serve, "127.0.0.1", 0)
+
+
+@pytest.mark.parametrize("scheme", ["tls", "nats"])
+async def test_credentials_never_go_to_a_server_without_tls(
+    secured: Secured, tmp_path: Path, scheme: str
+) -> None:
+    """NATS_CA_FILE (or a tls:// URL) and a server whose INFO does not ask for TLS:
+    refused before CONNECT is written, as NatsTLSFailed. Before, nats-py upgraded only
+    when the server asked, and sent CONNECT with the password in the clear, twice (the
+    probe, then the connection). The same against a real nats-server without TLS."""
+    seen: list[bytes] = []
+    listener = await listener_without_tls(seen)
+    port = listener.sockets[0].getsockname()[1]
+    plain = NatsServer(tmp_path / "plain")
+    plain.start()
+    try:
+        for url in (f"{scheme}://127.0.0.1:{port}", plain.url.replace("nats://", f"{scheme}://")):
+            with pytest.raises(NatsRefused) as raised:
+                await connect(url, name="t", attempts=1, security=secured.client())
+            assert raised.value.why.reason == "NatsTLSFailed", raised.value
+            assert "does not offer TLS" in str(raised.value), raised.value
+    finally:
+        listener.close()
+        plain.stop()
+    assert seen == [], seen  # not a byte written, least of all the password
 
 
 async def test_a_member_retries_a_refusal_quietly(

@@ -11,7 +11,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import nats
 from nats.errors import NoRespondersError
 
 from shoal.clients.backoff import QuietLog
@@ -23,7 +22,7 @@ from shoal.clients.natsauth import (
     maybe_tls_refusal,
     refusal,
 )
-from shoal.clients.natsclient import DirectClient, reraise_dropped_cancel
+from shoal.clients.natsclient import DirectClient, TLSClient, reraise_dropped_cancel
 
 log = logging.getLogger(__name__)
 
@@ -106,14 +105,15 @@ async def connect(
         attempt += 1
         try:
             # max_reconnect_attempts=1: nats-py only gives up on a server when it is > 0.
-            probe = await nats.connect(
+            probe = TLSClient()
+            await probe.connect(
                 url,
                 **auth,
                 name=name,
                 connect_timeout=2,
                 allow_reconnect=False,
                 max_reconnect_attempts=1,
-                reconnect_time_wait=0.1,
+                reconnect_time_wait=0,  # (no reconnects: allow_reconnect is off)
                 error_cb=_quiet,
             )
             await probe.close()

@@ -121,6 +121,13 @@ def _check_readable(what: str, path: str) -> None:
         ) from None
 
 
+class TLSNotOffered(ConnectionError):
+    """TLS is configured (a CA, a client certificate, a tls:// URL) and the server's
+    INFO does not ask for it: nats-py would send CONNECT, credentials included, in the
+    clear (it upgrades only when the server says tls_required). natsclient.TLSClient
+    raises it before anything is written."""
+
+
 @dataclass(frozen=True)
 class NatsRefusal:
     """Why a connection was refused, when retrying cannot help until someone acts."""
@@ -185,6 +192,8 @@ def refusal(exc: BaseException | None) -> NatsRefusal | None:
                 "NATS refused the credentials (Authorization Violation): wrong user or "
                 "password, credentials file or nkey",
             )
+        if isinstance(cause, TLSNotOffered):
+            return NatsRefusal("NatsTLSFailed", str(cause))
         if isinstance(cause, ssl.SSLCertVerificationError):
             detail = cause.verify_message or str(cause)
             return NatsRefusal(

@@ -22,7 +22,8 @@ parser for messages, and :meth:`DirectClient.publish_ack` publishes an ack witho
 ``publish()``'s per-call checks, and lets the acks of the next millisecond join it in one
 write (ACK_FLUSH_DELAY).
 
-All this leans on private parts of nats-py 2.16: ``Client._process_msg`` (overridden),
+All this leans on private parts of nats-py 2.16: ``Client._process_msg`` and
+``_process_info`` (overridden; TLSClient's refusal of a server without TLS),
 ``_process_headers``, ``_send_command``, ``_flush_pending``, ``_flush_queue``,
 ``_pending``, ``_pending_data_size``, ``_max_pending_size``, ``_subs``, ``_ps`` and the
 parser's state; its tests also read ``_resp_map``. ``tests/test_natsclient.py`` checks
@@ -45,6 +46,7 @@ from nats.aio.client import Client
 from nats.protocol.parser import AWAITING_CONTROL_LINE, AWAITING_MSG_PAYLOAD, Parser
 
 from shoal.clients.backoff import QuietLog
+from shoal.clients.natsauth import TLSNotOffered
 
 log = logging.getLogger(__name__)
 
@@ -310,7 +312,32 @@ def reraise_dropped_cancel(cancels_before: int = 0) -> None:
         raise asyncio.CancelledError
 
 
-class DirectClient(Client):
+class TLSClient(Client):
+    """nats-py's client, refusing a server that does not offer TLS when TLS is
+    configured: before its CONNECT is written, at every connection (reconnects too).
+    What answers on the NATS address without TLS (a server set to allow_non_tls, the
+    wrong Service, an impostor) gets nothing."""
+
+    async def _process_info(self, info: dict[str, Any], initial_connection: bool = False) -> None:
+        if (
+            initial_connection
+            and not info.get("tls_required")
+            and not self.options.get("tls_handshake_first")
+            and self._tls_configured()
+        ):
+            server = self._current_server.uri.netloc if self._current_server else "?"
+            raise TLSNotOffered(
+                f"the NATS server at {server} does not offer TLS, which this client is "
+                "configured for: refusing to send it the credentials in the clear"
+            )
+        await super()._process_info(info, initial_connection)
+
+    def _tls_configured(self) -> bool:
+        server = self._current_server
+        return "tls" in self.options or (server is not None and server.uri.scheme == "tls")
+
+
+class DirectClient(TLSClient):
     """nats-py's client; see the module docstring for what `route_directly` changes."""
 
     def __init__(self) -> None:
