@@ -184,6 +184,56 @@ async def test_credentials_never_go_to_a_server_without_tls(
     assert seen == [], seen  # not a byte written, least of all the password
 
 
+def nkey_user() -> tuple[str, str]:
+    """(seed SU..., public key U...) of a new nkey user, as `nk -gen user -pubout` writes
+    them: base32 of a two-byte prefix (seed, user) or one (user), the key, and a CRC16."""
+    import base64
+    import binascii
+
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    def encoded(raw: bytes) -> str:
+        crc = binascii.crc_hqx(raw, 0).to_bytes(2, "little")
+        return base64.b32encode(raw + crc).decode().rstrip("=")
+
+    key = Ed25519PrivateKey.generate()
+    seed = key.private_bytes(
+        serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
+    )
+    public = key.public_key().public_bytes(
+        serialization.Encoding.Raw, serialization.PublicFormat.Raw
+    )
+    seed_prefix, user_prefix = 18 << 3, 20 << 3
+    prefix = bytes([seed_prefix | (user_prefix >> 5), (user_prefix & 31) << 3])
+    return encoded(prefix + seed), encoded(bytes([user_prefix]) + public)
+
+
+async def test_an_nkey_seed_connects(tmp_path: Path) -> None:
+    """NATS_NKEY_SEED_FILE against a real server with an nkey user. Before, nats-py's
+    `nkeys` extra was not a dependency: every connect failed with ModuleNotFoundError,
+    reported as "NATS ... unreachable" and retried for good (the chart's default
+    credentialsType creds too, which signs the same way)."""
+    seed, public = nkey_user()
+    (tmp_path / "seed").write_text(seed + "\n")
+    users = tmp_path / "users.conf"
+    users.write_text(f'authorization {{ users = [ {{ nkey: "{public}" }} ] }}\n')
+    server = NatsServer(tmp_path / "nats", extra_args=["-c", str(users)])
+    server.start()
+    try:
+        nkey = NatsSecurity(nkey_seed_file=str(tmp_path / "seed"))
+        nc = await connect(server.url, name="t", attempts=2, security=nkey)
+        try:
+            assert nc.is_connected
+        finally:
+            await nc.close()
+        with pytest.raises(NatsRefused) as raised:  # and the server does check it
+            await connect(server.url, name="t", attempts=2, security=NatsSecurity())
+        assert raised.value.why.reason == "NatsAuthFailed"
+    finally:
+        server.stop()
+
+
 async def test_a_member_retries_a_refusal_quietly(
     secured: Secured, caplog: pytest.LogCaptureFixture
 ) -> None:
