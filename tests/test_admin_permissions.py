@@ -182,3 +182,41 @@ async def test_the_admin_runs_dlq_and_reset_on_its_group_only(setup: Setup, etcd
         assert last.startswith("Error: NATS at ") and "Permissions Violation" in last, out
         assert "Traceback" not in out, out
     assert setup.server.violations("shoal-admin")
+
+
+async def test_the_admin_may_ask_whether_more_dead_letters_wait(setup: Setup) -> None:
+    """A reader of the dead letters whose fetch comes back empty asks its consumer's info
+    (is more pending?), as when another admin purges or redrives them meanwhile. The
+    printed admin permissions lacked CONSUMER.INFO on the dead-letter stream: refused, the
+    request timed out, and `dlq list` failed "NATS stopped answering ... incomplete"."""
+    from shoal.group import deadletters
+
+    config = setup.a
+    root = await connect(
+        config.nats_url, name="t", attempts=3, security=setup.security.client("admin")
+    )
+    admin = None
+    try:
+        rjs = root.jetstream()
+        await ensure_group(rjs, config)
+        await dead_letters(rjs, config, ["p-1", "p-2"])
+        admin = await connect(
+            config.nats_url,
+            name="admin",
+            attempts=3,
+            security=setup.security.client("shoal-admin", default_admin_inbox_prefix(config)),
+        )
+        js = admin.jetstream()
+        bind = js.pull_subscribe_bind
+
+        async def purged_meanwhile(*args: Any, **kwargs: Any) -> Any:
+            await rjs.purge_stream(config.dlq_stream)
+            return await bind(*args, **kwargs)
+
+        js.pull_subscribe_bind = purged_meanwhile
+        read = [letters async for letters in deadletters.read(js, config, fetch_timeout=0.5)]
+        assert read == [] and setup.server.violations("shoal-admin") == []
+    finally:
+        if admin is not None:
+            await admin.close()
+        await root.close()

@@ -203,6 +203,9 @@ def admin_permissions(config: GroupConfig, inbox_prefix: str | None = None) -> P
         f"{API}.STREAM.INFO.{dlq}",
         f"{API}.CONSUMER.CREATE.{dlq}",
         f"{API}.CONSUMER.MSG.NEXT.{dlq}.*",
+        # dlq: whether more waits when a fetch comes back empty (deadletters.read), as
+        # when someone purges or redrives the dead letters meanwhile.
+        f"{API}.CONSUMER.INFO.{dlq}.*",
         f"{API}.CONSUMER.DELETE.{dlq}.*",
         f"{API}.STREAM.MSG.DELETE.{dlq}",
         f"{API}.STREAM.PURGE.{dlq}",
