@@ -1256,3 +1256,18 @@ def test_operator_nats_settings_from_env() -> None:
     assert (security.user, security.password) == ("shoal-operator", "s3cret-operator-pw")
     assert "s3cret-operator-pw" not in repr(ops) + repr(security)
     assert OperatorSettings().nats_security().connect_options() == {}
+
+
+def test_the_operator_reads_its_nats_password_as_members_do() -> None:
+    """A password is the Secret's bytes, edge whitespace included, for the operator as
+    for members (group.config). Before, the operator stripped it: with a Secret made
+    --from-file (a last newline) the operator logged in and members were refused, and
+    a password with real edge blanks failed for the operator alone."""
+    from shoal.group.config import nats_security_from_env
+
+    for password in ("pw\n", " pw ", "pw"):
+        env = {"NATS_USER": "u", "NATS_PASSWORD": password, "NATS_URL": " nats://n:4222 "}
+        settings = settings_from_env(env)
+        assert settings.nats_security().password == password
+        assert nats_security_from_env(env).password == password
+        assert settings.nats_url == "nats://n:4222"  # the rest is still trimmed

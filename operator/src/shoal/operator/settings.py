@@ -101,9 +101,18 @@ def parse_list(value: str) -> list[str]:
     return [item.strip() for item in value.split(",") if item.strip()]
 
 
+# Taken as they are, as a member takes them (group.config): a password is whatever
+# the Secret holds, edge whitespace included. Stripped here only, the operator logged in
+# where members with the same Secret were refused (a Secret made --from-file keeps the
+# file's last newline).
+VERBATIM = frozenset({"NATS_PASSWORD"})
+
+
 def settings_from_env(env: Mapping[str, str]) -> OperatorSettings:
     values: dict[str, object] = {
-        field: env[var].strip() for var, field in ENV_FIELDS.items() if env.get(var, "").strip()
+        field: env[var] if var in VERBATIM else env[var].strip()
+        for var, field in ENV_FIELDS.items()
+        if env.get(var, "").strip()
     }
     if env.get("SHOAL_WATCH_NAMESPACES"):
         values["watch_namespaces"] = parse_list(env["SHOAL_WATCH_NAMESPACES"])
