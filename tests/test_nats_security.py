@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import ssl
 import time
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from click.testing import CliRunner
 from harness.fleet import Fleet
 from harness.localkube.pki import ensure_pki
 from harness.natssecurity import NatsServerSecurity, NatsUser, issue_client_cert
-from harness.servers import NatsServer
+from harness.servers import NatsServer, free_port
 from harness.waiting import eventually
 from shoal.clients.nats import HEALTH_SUBJECT, connect
 from shoal.clients.natsauth import (
@@ -232,6 +233,28 @@ async def test_an_nkey_seed_connects(tmp_path: Path) -> None:
         assert raised.value.why.reason == "NatsAuthFailed"
     finally:
         server.stop()
+
+
+async def test_a_password_in_the_url_is_in_no_log_or_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """nats-py takes nats://user:password@host (and nats://token@host); the password
+    went verbatim into the logs, the errors, and from there the operator's status and
+    Events ("JetStream at nats://u:pw@...")."""
+    from shoal.clients.natsauth import redacted
+    from shoal.consumer.cli_options import jetstream_refused, no_answer
+
+    caplog.set_level(logging.INFO)
+    url = f"nats://member:topsecret-pw@127.0.0.1:{free_port()}"
+    with pytest.raises(ConnectionError) as raised:
+        await connect(url, name="t", attempts=2)
+    assert "topsecret-pw" not in str(raised.value) and "nats://***@127.0.0.1" in str(raised.value)
+    assert "topsecret-pw" not in caplog.text
+    assert redacted("tls://a:b@h1:4222,nats://tok@h2,h3:4222") == (
+        "tls://***@h1:4222,nats://***@h2,h3:4222"
+    )
+    assert redacted("nats://h:4222") == "nats://h:4222"
+    assert "topsecret" not in no_answer(url) + jetstream_refused(TimeoutError(), url)
 
 
 async def test_a_member_retries_a_refusal_quietly(

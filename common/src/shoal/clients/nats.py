@@ -20,6 +20,7 @@ from shoal.clients.natsauth import (
     NatsSecurity,
     diagnose_tls,
     maybe_tls_refusal,
+    redacted,
     refusal,
 )
 from shoal.clients.natsclient import DirectClient, TLSClient, reraise_dropped_cancel
@@ -144,7 +145,7 @@ async def connect(
                 on_refusal(None)
             refused.recovered()
             if attempt > 1:
-                log.info("Connected to NATS at %s after %d attempts", url, attempt)
+                log.info("Connected to NATS at %s after %d attempts", redacted(url), attempt)
             return nc
         except Exception as exc:  # nats-py raises several unrelated types here
             why = refusal(exc)
@@ -155,13 +156,15 @@ async def connect(
                     raise NatsRefused(why) from None
                 if on_refusal is not None:
                     on_refusal(why)
-                refused.failed(logging.ERROR, "%s (NATS at %s); retrying", why, url)
+                refused.failed(logging.ERROR, "%s (NATS at %s); retrying", why, redacted(url))
             else:
                 if attempts is not None and attempt >= attempts:
                     raise ConnectionError(
-                        f"NATS at {url} unreachable after {attempt} attempts: {exc!r}"
+                        f"NATS at {redacted(url)} unreachable after {attempt} attempts: {exc!r}"
                     ) from exc
-                log.warning("NATS at %s unreachable (%r); retrying in %.1f s", url, exc, delay)
+                log.warning(
+                    "NATS at %s unreachable (%r); retrying in %.1f s", redacted(url), exc, delay
+                )
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, 10.0)
 

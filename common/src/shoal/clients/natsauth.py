@@ -10,6 +10,7 @@ instead of a traceback.
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import ssl
 from dataclasses import dataclass
@@ -109,6 +110,17 @@ class NatsSecurity:
         if self.inbox_prefix:
             options["inbox_prefix"] = self.inbox_prefix
         return options
+
+
+_USERINFO = re.compile(r"://[^/@,\s]*@")
+
+
+def redacted(url: str) -> str:
+    """`url` (or a comma list of them) fit for a log line, an error or a status: the
+    user-info part nats-py accepts (nats://user:password@host, nats://token@host) as
+    ***. The documented way is NATS_USER and NATS_PASSWORD; a URL that carries them
+    anyway must not spread them."""
+    return _USERINFO.sub("://***@", url)
 
 
 def _check_readable(what: str, path: str) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import click
 from pydantic import ValidationError
 
+from shoal.clients.natsauth import redacted
 from shoal.contracts.names import DEFAULT_PARTITIONS
 from shoal.group.config import GroupConfig, config_from_env
 
@@ -117,6 +118,7 @@ def jetstream_refused(exc: Exception, where: str) -> str:
     from nats.errors import NoRespondersError
     from nats.js.errors import ServiceUnavailableError
 
+    where = redacted(where)
     # A 503 from the API: nobody serves it (the description is None).
     if isinstance(exc, NoRespondersError | ServiceUnavailableError):
         return (
@@ -130,7 +132,7 @@ def no_answer(where: str) -> str:
     """The one line for a NATS request nobody answered in time (nats-py raises a bare
     TimeoutError): a server refusing this user the subject looks exactly like that."""
     return (
-        f"NATS at {where} did not answer a JetStream request in time: is JetStream up, and "
-        "may this NATS user use the group's streams? (`shoal-consumer permissions` lists "
+        f"NATS at {redacted(where)} did not answer a JetStream request in time: is JetStream "
+        "up, and may this NATS user use the group's streams? (`shoal-consumer permissions` lists "
         "what the dlq and reset commands need; the server logs a Permissions Violation)"
     )

@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 from kubernetes.client.rest import ApiException
 
 from shoal.clients.nats import NatsHealth
-from shoal.clients.natsauth import NatsSecurity, refusal
+from shoal.clients.natsauth import NatsSecurity, redacted, refusal
 from shoal.contracts.spec import NatsSpec
 from shoal.operator.builders import (
     NATS_CA_KEY,
@@ -470,7 +470,7 @@ class NatsClients:
                     raise
                 raise NatsSecretProblem(
                     refused.reason,
-                    f"NATS at {url} with {group.describe(namespace, refused.reason)}: "
+                    f"NATS at {redacted(url)} with {group.describe(namespace, refused.reason)}: "
                     f"{refused.message}",
                 ) from exc
             self._keep(key, nc)

@@ -48,7 +48,7 @@ from nats.js.errors import NotFoundError
 
 from shoal.clients.etcd import TRANSIENT_ERRORS, Etcd, EtcdUnavailable, describe
 from shoal.clients.nats import connect
-from shoal.clients.natsauth import NatsConfigError
+from shoal.clients.natsauth import NatsConfigError, redacted
 from shoal.contracts.names import (
     API_GROUP,
     API_VERSION,
@@ -350,7 +350,7 @@ async def ensure_jetstream(
         delay = min(60, 5 * 2 ** min(retry, 4))  # someone must act; check again soon
         raise GroupProblem(exc.reason, exc.message, delay=delay) from exc
     except Exception as exc:
-        message = f"JetStream at {config.nats_url} unavailable: {exc}"
+        message = f"JetStream at {redacted(config.nats_url)} unavailable: {exc}"
         delay = min(300, 5 * 2 ** min(retry, 6))
         raise GroupProblem("NatsUnavailable", message, delay=delay) from exc
 
@@ -791,7 +791,7 @@ async def observe_group(
     except NatsSecretProblem as exc:
         problem = problem or (exc.reason, exc.message)
     except Exception as exc:
-        problem = problem or ("NatsUnavailable", f"JetStream at {config.nats_url}: {exc}")
+        problem = problem or ("NatsUnavailable", f"JetStream at {redacted(config.nats_url)}: {exc}")
     # _etcd and _nats above have just read the Secrets: compare versions without reading
     # them again.
     await _roll_on_rotation(memo, name, namespace, spec, body, etcd_ok=etcd_ok, nats_ok=nats_ok)
@@ -1273,20 +1273,20 @@ def _streams_not_deleted(
         kopf.warn(
             body,
             reason="StreamsNotDeleted",
-            message=f"Deleting: stream(s) {names} not deleted (JetStream at {nats_url}: "
+            message=f"Deleting: stream(s) {names} not deleted (JetStream at {redacted(nats_url)}: "
             f"{exc!r}); retrying for {timeout:.0f} s, then they are left in place",
         )
     waited = time.monotonic() - state.delete_streams_failing_since
     if waited < timeout:
         message = (
             f"Deleting: stream(s) {names} not deleted for {waited:.0f} s (JetStream at "
-            f"{nats_url}: {exc!r}); retrying"
+            f"{redacted(nats_url)}: {exc!r}); retrying"
         )
         delay = min(10.0, max(1.0, timeout - waited))
         _degraded_retry(status, patch, meta, "StreamsNotDeleted", message, delay, exc)
     message = (
         f"stream(s) {names} could not be deleted for {waited:.0f} s (JetStream at "
-        f"{nats_url}: {exc!r}); deletionPolicy Delete, but they are left in place: "
+        f"{redacted(nats_url)}: {exc!r}); deletionPolicy Delete, but they are left in place: "
         "delete them by hand (nats stream rm) once NATS lets you"
     )
     kopf.warn(body, reason="StreamsKept", message=message)
