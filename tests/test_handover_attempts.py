@@ -71,3 +71,61 @@ async def test_a_message_moved_unstarted_keeps_all_its_attempts(
     assert records["p-1"].delivery_count == 2  # its second attempt, not its third delivery
     leaver = fleet.members["m-0"].log_text()
     assert "Released" in leaver or "released" in leaver.lower()
+
+
+async def test_a_hand_over_record_is_not_passed_on_once_its_messages_ran(
+    make_fleet: Callable[..., Fleet], etcd: Etcd, js: Any, make_config: Any
+) -> None:
+    """m-0 hands its partition to m-1 in order, giving back what it had not run (record
+    R1); m-1 runs and acks all of it, then crashes: its claim goes with its lease, R1
+    stays (its credits would still count for messages given back and not yet run). Then
+    m-2, which took over, hands over in order to m-3. Before, m-2 loaded R1's credits,
+    waited for those sequences at its start, and wrote them all into its own record R2
+    for m-3, and so on at every crash: records that grew, for messages acked long ago."""
+    import json
+
+    config = make_config(handler=HANDLER, partitions=1, ack_wait=3.0)
+    await ensure_group(js, config)
+    fleet = make_fleet(handler=HANDLER, partitions=1)
+    env = config_env(config, ("handler", "partitions", "ledger", "ack_wait"))
+
+    async def owner(member: str, members: set[str]) -> None:
+        await wait_for_status(
+            etcd,
+            config.namespace,
+            config.group,
+            1,
+            lambda s: s.claims.get(0) == member and set(s.members) == members,
+            30,
+        )
+
+    async def record() -> set[int]:
+        _, kvs = await etcd.get_prefix(config.keys.handback(0))
+        kv = kvs.get(config.keys.handback(0))
+        return {int(seq) for seq in json.loads(kv.value)} if kv is not None else set()
+
+    fleet.start("m-0", **env)
+    await owner("m-0", {"m-0"})
+    fleet.start("m-1", **env)  # sticky: the partition stays with m-0
+    await owner("m-0", {"m-0", "m-1"})
+    items = [Outgoing("p", b"wait:200", f"p-{i}", {}) for i in range(20)]
+    await Producer(js, config.subject_prefix, 1).publish_many(items)
+
+    async def done() -> int:
+        return len({r.message_id for r in await read_ledger(js, config.ledger_stream)})
+
+    await eventually_async(done, 20, "m-0 to start", until=lambda n: n >= 2)
+    fleet.term("m-0")  # in order: what it has not run goes back, noted in R1
+    await owner("m-1", {"m-1"})
+    await eventually_async(done, 30, "every message run", until=lambda n: n == 20)
+    r1 = await record()
+    assert r1, "m-0 gave nothing back: the test needs a record"
+    fleet.start("m-2", **env)
+    await owner("m-1", {"m-1", "m-2"})
+    fleet.kill("m-1")  # R1 stays
+    await owner("m-2", {"m-2"})
+    fleet.start("m-3", **env)
+    await owner("m-2", {"m-2", "m-3"})
+    fleet.term("m-2")  # in order, holding nothing: R2 lists nothing
+    await owner("m-3", {"m-3"})
+    assert not (await record() & r1), fleet.members["m-2"].log_text()[-2000:]

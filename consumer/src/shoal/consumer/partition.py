@@ -419,6 +419,8 @@ class PartitionRunner:
             # which lets the claim go. (A runner that died before it left its claim
             # held on a live lease, and its partition consumed by nobody.)
             self.credits = w.view.handback_credits(self.partition)
+            if self.credits:
+                await self._forget_acked_credits()
             if self.fresh_claim and w.view.handed_over_cleanly(self.partition):
                 # Given back in order, but queued for redelivery in the order of the naks
                 # (takeover.py): hold what arrives until every given-back message has.
@@ -761,6 +763,9 @@ class PartitionRunner:
     def _accept(self, msg: Delivery, seq: int, delivered: int) -> str | None:
         """deliver()'s second half: check the message and hold it for the dispatcher."""
         w = self.worker
+        # Taken whatever becomes of the message (resettled, refused), or it would stay,
+        # and be passed on in our own hand-over record (_give_back).
+        credit = self.credits.pop(seq, 0) if self.credits else 0
         if (delivered > 1 or seq <= self._replay_until) and seq in w.settled_seqs:
             w.resettle(self, msg, seq)  # handled here already: its ack came late, or not
             return None
@@ -791,8 +796,7 @@ class PartitionRunner:
         self.buffered += 1
         w.buffered += 1
         held = Held(msg, project, seq, delivered, time.monotonic())
-        if self.credits:
-            held.credit = self.credits.pop(seq, 0)
+        held.credit = credit
         w.dispatcher.submit(self, held)
         return None
 
@@ -811,6 +815,24 @@ class PartitionRunner:
                 self.gate.outstanding,
             )
             w.spawn(self._watch_gate(self.gate))
+
+    async def _forget_acked_credits(self) -> None:
+        """Drop the credits of messages the durable has acked (at or below its ack
+        floor). A hand-over record outlives its hand-over when the next owner crashed or
+        was fenced: it is kept, as its credits still count for what was given back and
+        not yet run, but the rest were run and acked, and never come again. Kept, the
+        next owner would hold its first messages waiting for them (takeover.Gate), and
+        write them into its own record for the owner after it, each crash adding more."""
+        w = self.worker
+        try:
+            info = await w.js.consumer_info(
+                w.config.stream, durable_name(self.partition), timeout=2.0
+            )
+        except Exception as exc:  # keep them: a gate that waits for one is bounded
+            log.debug("Partition %d: no consumer info for its credits (%r)", self.partition, exc)
+            return
+        floor = int(info.ack_floor.stream_seq or 0)
+        self.credits = {seq: credit for seq, credit in self.credits.items() if seq > floor}
 
     async def _gate_earlier_deliveries(self) -> None:
         """Before the first pull: if the durable has deliveries outstanding (an earlier
