@@ -160,9 +160,7 @@ async def test_a_backlog_given_back_twice_runs_in_stream_order(
     base = {**config_env(config, SETTINGS), "SHOAL_KEEPALIVE_INTERVAL": "1.0"}
     # m-0 limited to about 2,000 a second (its half of 4,000): on a loaded machine it
     # ran the whole backlog before its SIGTERM, and nothing was left to give back.
-    fleet.start(
-        "m-0", **base, SHOAL_MAX_CONCURRENCY="64", SHOAL_MAX_MESSAGES_PER_SECOND="4000"
-    )
+    fleet.start("m-0", **base, SHOAL_MAX_CONCURRENCY="64", SHOAL_MAX_MESSAGES_PER_SECOND="4000")
     fleet.start("m-1", **base, SHOAL_MAX_CONCURRENCY="1")
     status = await wait_for_status(
         etcd, config.namespace, config.group, PARTITIONS, settled({"m-0", "m-1"}), 30
