@@ -102,3 +102,17 @@ def test_fenced_is_read_at_scrape_time() -> None:
     assert b"shoal_fenced 0.0" in generate_latest(metrics.registry)
     fenced[0] = True
     assert b"shoal_fenced 1.0" in generate_latest(metrics.registry)
+
+
+def test_every_outcome_is_exported_from_zero() -> None:
+    """ShoalDeadLetters is increase(...{outcome="dead_letter"}[5m]) > 0: a series that
+    first appears at 2 has no step to increase from, so a member's first dead letters
+    (one poison message, or a burst within a scrape) raised nothing. Before, an outcome
+    was exported only once counted."""
+    metrics = Metrics()
+    text = generate_latest(metrics.registry).decode()
+    for outcome in ("ok", "retry", "dead_letter"):
+        assert f'shoal_messages_processed_total{{outcome="{outcome}"}} 0.0' in text, text
+    metrics.messages.dead_letter += 2
+    text = generate_latest(metrics.registry).decode()
+    assert 'shoal_messages_processed_total{outcome="dead_letter"} 2.0' in text

@@ -30,7 +30,8 @@ class MessageTally(Collector):
     Here the event loop only adds to ints and a list (no lock: it is their only writer, and
     a scrape reads them from its thread at any moment, as it would a Counter); the families
     exposed are the same as a Counter's and a Histogram's (with their ``_created`` samples),
-    and an outcome appears once it has been counted, as a labelled child would.
+    and every outcome is exported from the start, at 0 (ShoalDeadLetters' increase()
+    needs the step from 0).
     """
 
     BUCKETS = Histogram.DEFAULT_BUCKETS  # ends with +Inf
@@ -40,7 +41,6 @@ class MessageTally(Collector):
         self.ok = 0
         self.retry = 0
         self.dead_letter = 0
-        self._first_counted: dict[str, float] = {}
         # Observations per bucket (not cumulative): index i counts v <= BUCKETS[i] and
         # v > BUCKETS[i - 1]; bisect_left finds it as Histogram.observe's loop does.
         self._bounds = list(self.BUCKETS)
@@ -56,10 +56,10 @@ class MessageTally(Collector):
             "shoal_messages_processed", "Messages handled, by outcome", labels=["outcome"]
         )
         for outcome in OUTCOMES:
-            value = getattr(self, outcome)
-            if value:
-                created = self._first_counted.setdefault(outcome, time.time())
-                processed.add_metric([outcome], value, created=created)
+            # Every outcome from the start, at 0 too: a series that first appears at n
+            # has no step for increase() to see, and ShoalDeadLetters missed a member's
+            # first dead letters (one poison message, or a burst within a scrape).
+            processed.add_metric([outcome], getattr(self, outcome), created=self.created)
         yield processed
         counts = list(self._counts)  # one consistent copy: the loop keeps adding
         cumulative = 0
@@ -89,6 +89,13 @@ class Metrics:
         r.register(self.messages)
         self.partitions_owned = Gauge(
             "shoal_partitions_owned", "Partitions this member consumes now", registry=r
+        )
+        # The group's partition count, from the member's own config: what
+        # ShoalPartitionsUnclaimed compares the members' sum of owned partitions with.
+        # (A recent maximum of that sum stood for it, and one evaluation that caught a
+        # hand-over on both sides of the scrapes' offsets raised it for an hour.)
+        self.group_partitions = Gauge(
+            "shoal_group_partitions", "Partitions of this member's group", registry=r
         )
         self.partitions_stalled = Gauge(
             "shoal_partitions_stalled",

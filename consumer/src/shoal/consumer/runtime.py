@@ -62,6 +62,7 @@ class ConsumerProcess:
             socket=config.handler_socket,
         )
         self.metrics = Metrics()
+        self.metrics.group_partitions.set(config.partitions)
         self.etcd = Etcd(config.etcd_endpoints, **config.etcd_options())
         self.view = GroupView(self.etcd, config.keys, config.partitions)
         self.cpu = CpuMeter()
