@@ -13,7 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from shoal.analytics.cli import main as cli
-from shoal.analytics.generate import write_edge_cases
+from shoal.analytics.generate import history, specs_for, write_edge_cases
+from shoal.analytics.layout import InputError
 from shoal.analytics.oracle import Computed, compute_path
 from shoal.analytics.report import run_report
 
@@ -248,3 +249,55 @@ def test_help_describes_every_command() -> None:
         assert command in top.output
         sub = runner.invoke(cli, [command, "--help"])
         assert sub.exit_code == 0 and "--out" in sub.output
+
+
+def write_export_parquet(path: Path, generations: int = 20) -> None:
+    """A Parquet file exactly as `export --format parquet` writes it."""
+    from shoal.analytics.export import _parquet_encoder
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    spec = specs_for(1, generations, strategies=("sticky",), partitions=8, seed=1)[0]
+    lines = [
+        f"{i + 1} {1_700_000_000_000_000 + i} ".encode() + e.to_bytes()
+        for i, e in enumerate(history(spec))
+    ]
+    with path.open("wb") as f:
+        _parquet_encoder([])(lines, f)
+
+
+def test_the_pandas_engine_reads_parquet_exports(tmp_path: Path) -> None:
+    """The README says the report reads the files of `export --format parquet` and that
+    --engine pandas computes the same numbers. The pandas engine saw no Parquet file in a
+    folder (0 files, an empty report) and read a single .parquet file as text (its bytes
+    malformed lines). Now a row is a line (its 1-based row number), as in the Spark engine."""
+    write_export_parquet(tmp_path / "pq" / "date=2026-11-21" / "part-x.parquet")
+    (tmp_path / "pq" / "notes.parquet").write_bytes(b"not an export")  # not part-*: skipped
+    folder = compute_path(tmp_path / "pq")
+    assert folder.stats["files"] == 1 and folder.stats["used"] == 20, folder.stats
+    single = compute_path(tmp_path / "pq" / "date=2026-11-21" / "part-x.parquet")
+    assert single.stats == folder.stats
+    assert list(single.tables["generations"]["generation"]) == list(range(1, 21))
+
+
+def test_a_previous_report_below_the_input_is_left_out(tmp_path: Path) -> None:
+    """`report --input logs --out logs/report`, twice: the report's own tables are
+    part-*.parquet files below the input, which a reader of Parquet exports must not
+    read as input."""
+    write_export_parquet(tmp_path / "logs" / "part-x.parquet")
+    first = run_report(str(tmp_path / "logs"), tmp_path / "logs" / "report", engine="pandas")
+    again = run_report(str(tmp_path / "logs"), tmp_path / "logs" / "report", engine="pandas")
+    assert again["input_stats"] == first["input_stats"]
+    assert again["input_stats"]["files"] == 1 and again["input_stats"]["used"] == 20
+
+
+def test_a_failed_report_leaves_no_output_folder(tmp_path: Path) -> None:
+    """run_report made --out (and its missing parents) before it looked at the input (or
+    for Java): a report that failed left an empty folder behind. A folder that was there
+    stays."""
+    with pytest.raises(InputError, match="does not exist"):
+        run_report(str(tmp_path / "nope"), tmp_path / "new" / "out", engine="pandas")
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "there").mkdir()
+    with pytest.raises(InputError):
+        run_report(str(tmp_path / "nope"), tmp_path / "there", engine="pandas")
+    assert (tmp_path / "there").is_dir()

@@ -399,3 +399,123 @@ def test_parquet_input_gives_the_same_tables_as_json_lines(
             continue
         got = pd.read_parquet(tmp_path / "out" / "tables" / name)
         assert_same_table(name, got, want.tables[name])
+
+
+def _events(n: int = 4) -> list[bytes]:
+    spec = specs_for(1, n, strategies=("sticky",), partitions=4, seed=3)[0]
+    return [e.to_bytes() for e in history(spec)]
+
+
+def _parsed_stats(spark: SparkSession, path: Path) -> dict[str, int]:
+    """What Spark's reader (spark_input.read_rows) makes of the input, counted as the
+    oracle counts its input (no report around it: one small job)."""
+    from shoal.analytics.spark_input import read_rows
+
+    rows, files = read_rows(spark, str(path), lambda frame: frame)
+    kinds = rows.groupBy("kind").count().toPandas()
+    counts = {
+        k if isinstance(k, str) else "events": int(n)
+        for k, n in zip(kinds["kind"], kinds["count"], strict=True)
+    }
+    return {
+        "files": len(files),
+        "lines": sum(counts.values()),
+        "events": counts.get("events", 0),
+        "malformed": counts.get("malformed", 0),
+        "unknown_schema": counts.get("unknown_schema", 0),
+    }
+
+
+def _oracle_stats(path: Path) -> dict[str, int]:
+    stats = compute_path(path).stats
+    return {k: stats[k] for k in ("files", "lines", "events", "malformed", "unknown_schema")}
+
+
+def test_lines_end_at_newline_only_and_blank_is_any_whitespace(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """Spark's text source split lines at a lone \\r too (the pandas engine only at \\n),
+    and only spaces made a line blank: a valid event with a \\r as JSON whitespace became
+    two malformed lines (its generation lost), a tab-only line was malformed, and the line
+    numbers after them shifted."""
+    ev = _events()
+    cr = ev[1].replace(b'","', b'",\r"', 1)
+    lines = [ev[0], b"\t", cr, b" \x0c\r", ev[2] + b"\r", ev[3]]
+    (tmp_path / "x.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    want = _oracle_stats(tmp_path)
+    assert want["events"] == 4 and want["lines"] == 4 and want["malformed"] == 0
+    assert _parsed_stats(spark, tmp_path) == want
+
+
+def test_an_input_folder_with_glob_characters(spark: SparkSession, tmp_path: Path) -> None:
+    """Spark globs the paths it reads: a folder named `logs [prod]` was "not found"."""
+    logs = tmp_path / "logs [prod] {a,b} *?"
+    logs.mkdir()
+    (logs / "a.jsonl").write_bytes(b"\n".join(_events()) + b"\n")
+    want = _oracle_stats(logs)
+    assert want["events"] == 4
+    assert _parsed_stats(spark, logs) == want
+
+
+def test_a_single_file_is_read_whatever_its_name(spark: SparkSession, tmp_path: Path) -> None:
+    """--input names a folder or a file. The pandas engine read any single file; Spark's
+    pathGlobFilter (*.jsonl) applies to a single file too, so a file named otherwise gave a
+    silently empty report. And Spark's problems named a single file URL-encoded
+    (`my%20log.txt`)."""
+    log_file = tmp_path / "my log.txt"
+    log_file.write_bytes(b"\n".join([*_events(), b"not json"]) + b"\n")
+    summary = run_report(str(log_file), tmp_path / "out", engine="spark", spark=spark)
+    assert summary["input_stats"] == compute_path(log_file).stats
+    assert summary["input_stats"]["used"] == 4
+    problems = pd.read_parquet(tmp_path / "out" / "tables" / "problems")
+    assert list(problems["file"]) == ["my log.txt"] and list(problems["line"]) == [5]
+
+
+def test_a_previous_report_or_other_parquet_below_the_input(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """`report --input logs --out logs/report` twice, or any *.parquet below the input that
+    is not an export (here `x.parquet`, not Parquet at all): the Spark report died in its
+    first job with a Java stack (FAILED_READ_FILE). Now only exports (part-*.parquet) are
+    read, and nothing below --out."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "a.jsonl").write_bytes(b"\n".join(_events()) + b"\n")
+    (logs / "x.parquet").write_bytes(b"junk")
+    first = run_report(str(logs), logs / "report", engine="pandas")
+    again = run_report(str(logs), logs / "report", engine="spark", spark=spark)
+    assert again["input_stats"] == first["input_stats"]
+    assert again["input_stats"]["used"] == 4 and again["input_stats"]["files"] == 1
+
+
+def test_a_missing_input_with_a_scheme_is_one_clear_line(tmp_path: Path) -> None:
+    """The command checks that the input exists only for a plain path: for
+    `file:///...` Spark's PATH_NOT_FOUND came out as a Python and Java traceback. Now the
+    input is looked up through Hadoop's file system, and the failed report leaves no
+    --out behind."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shoal.analytics.cli",
+            "report",
+            "--input",
+            f"file://{tmp_path}/nope",
+            "--out",
+            str(tmp_path / "out"),
+            "--master",
+            "local[1]",
+            "--driver-memory",
+            "1g",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr, done.stderr[-1500:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"Error: input file://{tmp_path}/nope does not exist"
+    )
+    assert not (tmp_path / "out").exists()

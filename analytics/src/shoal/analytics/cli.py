@@ -154,13 +154,33 @@ def export(
     click.echo(json.dumps(result.as_dict()))
 
 
+def _spark_failure(exc: Exception) -> str | None:
+    """One line for a failure inside Spark (an unreadable input file, a path Spark cannot
+    list), None for anything else."""
+    try:
+        from py4j.protocol import Py4JJavaError
+        from pyspark.errors import PySparkException
+    except ImportError:
+        return None
+    if isinstance(exc, PySparkException):
+        message = exc.getMessage() or str(exc)
+    elif isinstance(exc, Py4JJavaError):
+        message = str(exc.java_exception.toString())
+    else:
+        return None
+    first = message.strip().splitlines()[0] if message.strip() else type(exc).__name__
+    return f"the report failed in Spark: {first}"
+
+
 @main.command()
 @click.option(
     "--input",
     "-i",
     "input_path",
     required=True,
-    help="Folder (or file) of JSON lines logs; every *.jsonl below it is read.",
+    help="Folder of logs: every *.jsonl and every Parquet export (part-*.parquet) below it "
+    "is read, except below --out. Or one file, whatever its name: Parquet if it ends in "
+    ".parquet, else JSON lines.",
 )
 @click.option(
     "--out",
@@ -212,6 +232,7 @@ def report(
     At the end, on stderr, where the time went from the process's start on (also in
     summary.json, "timing").
     """
+    from shoal.analytics.layout import InputError
     from shoal.analytics.session import JavaMissing
     from shoal.analytics.timing import Timeline
 
@@ -243,8 +264,13 @@ def report(
             progress=_progress,
             timeline=timeline,
         )
-    except JavaMissing as exc:
+    except (JavaMissing, InputError) as exc:
         raise click.ClickException(str(exc)) from None
+    except Exception as exc:
+        failed = _spark_failure(exc)
+        if failed is None:
+            raise
+        raise click.ClickException(failed) from None
     headline = {
         "out": str(out),
         "empty": summary["empty"],

@@ -4,12 +4,15 @@ Layout written by ``export`` and ``generate``::
 
     DIR/date=2026-11-21/part-<namespace>.<group>-<first sequence, 12 digits>.jsonl
 
-Readers (both report engines) take every ``*.jsonl`` file below DIR, in the order of their
-paths relative to DIR, and skip anything whose name (or a parent folder's name) starts with
-``.`` or ``_`` (unless it holds a ``=``), as Spark does; a part file is written under a
-hidden name and renamed when complete, so a reader never sees half of one. Within one group,
-the order of the files and of the lines in them is the log's order (the date folders sort
-by date, the part files by sequence).
+Readers (both report engines) take every ``*.jsonl`` file and every Parquet export
+(``part-*.parquet``) below DIR, in the order of their paths relative to DIR, leave out the
+report's own output folder when it lies below DIR, and skip anything whose name (or a
+parent folder's name) starts with ``.`` or ``_`` (unless it holds a ``=``), as Spark does;
+a part file is written under a hidden name and renamed when complete, so a reader never
+sees half of one. Within one group, the order of the files and of the lines in them is the
+log's order (the date folders sort by date, the part files by sequence). A single file
+given as the input is read whatever its name: as Parquet if it ends in ``.parquet``, else
+as JSON lines.
 """
 
 from __future__ import annotations
@@ -24,9 +27,12 @@ from types import TracebackType
 from typing import IO, Self
 
 __all__ = [
+    "PARQUET_PATTERN",
+    "InputError",
     "PartWriter",
     "input_files",
     "is_hidden",
+    "is_parquet",
     "part_prefix",
     "relative_name",
     "safe_name",
@@ -35,6 +41,19 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SUFFIX = ".jsonl"
+# The Parquet files a folder is read for: what ``export --format parquet`` writes
+# (part-<namespace>.<group>-<sequence>.parquet). Other *.parquet files are not exports.
+PARQUET_PATTERN = "part-*.parquet"
+
+
+class InputError(Exception):
+    """The report's input cannot be read (missing, or a file that is not what it says):
+    the command says so in one line."""
+
+
+def is_parquet(path: str) -> bool:
+    """Whether a file given as the input is read as Parquet (else as JSON lines)."""
+    return path.endswith(".parquet")
 
 
 def safe_name(value: str) -> str:
@@ -62,16 +81,22 @@ def is_hidden(relative: str) -> bool:
     return any(_hidden_name(part) for part in relative.split("/"))
 
 
-def input_files(root: Path) -> list[Path]:
-    """Every JSON lines file below root (or root itself if it is a file), in read order."""
+def input_files(root: Path, exclude: Path | None = None) -> list[Path]:
+    """Every JSON lines file and Parquet export below root (or root itself if it is a
+    file, whatever its name), in read order; nothing below ``exclude`` (the report's
+    output folder)."""
     if root.is_file():
         return [root]
     if not root.is_dir():
-        raise FileNotFoundError(f"input {root} is neither a file nor a directory")
+        raise InputError(f"input {root} does not exist")
+    skip = os.path.abspath(exclude) + os.sep if exclude is not None else None
     found = [
         p
-        for p in root.rglob(f"*{SUFFIX}")
-        if p.is_file() and not is_hidden(p.relative_to(root).as_posix())
+        for pattern in (f"*{SUFFIX}", PARQUET_PATTERN)
+        for p in root.rglob(pattern)
+        if p.is_file()
+        and not is_hidden(p.relative_to(root).as_posix())
+        and not (skip is not None and os.path.abspath(p).startswith(skip))
     ]
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 

@@ -18,8 +18,8 @@ from typing import Any
 import pandas as pd
 
 from shoal.analytics import metrics
-from shoal.analytics.ingest import PROBLEM_KINDS, parse_file
-from shoal.analytics.layout import input_files
+from shoal.analytics.ingest import PROBLEM_KINDS, parse_file, parse_parquet
+from shoal.analytics.layout import input_files, is_parquet
 from shoal.analytics.tables import COLUMNS, KEYS, TIMESTAMP_COLUMNS
 
 __all__ = ["Computed", "compute", "compute_path"]
@@ -379,13 +379,20 @@ def compute(
     return Computed(tables, stats, handover)
 
 
-def compute_path(root: Path, progress: Progress | None = None) -> Computed:
-    """:func:`compute` over every file below root, reading one file at a time."""
-    files = input_files(root)
+def compute_path(
+    root: Path, progress: Progress | None = None, exclude: Path | None = None
+) -> Computed:
+    """:func:`compute` over every file below root (nothing below ``exclude``), reading one
+    file at a time."""
+    files = input_files(root, exclude)
     base = root if root.is_dir() else root.parent
 
     def rows() -> Iterator[dict[str, Any]]:
         for path in files:
-            yield from parse_file(path.relative_to(base).as_posix(), path.read_bytes())
+            name = path.relative_to(base).as_posix()
+            if is_parquet(path.name):
+                yield from parse_parquet(name, path)
+            else:
+                yield from parse_file(name, path.read_bytes())
 
     return compute(rows(), len(files), progress)

@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -126,7 +127,7 @@ def _write_csv(frame: pd.DataFrame, out: Path, name: str) -> None:
 def _pandas_data(input_path: Path, out: Path, progress: Progress, timeline: Timeline) -> ReportData:
     from shoal.analytics.oracle import compute_path
 
-    computed = compute_path(input_path, progress)
+    computed = compute_path(input_path, progress, exclude=out)
     timeline.mark("read, parse and compute (one pass)")
     tables = {name: normalize(frame, name) for name, frame in computed.tables.items()}
     timeline.mark("normalize the tables")
@@ -176,7 +177,7 @@ def _spark_data(
         progress(f"spark: {what} ({time.monotonic() - started:.1f} s)")
 
     with StageProgress(spark.sparkContext, progress):
-        report = compute(spark, input_path, progress)
+        report = compute(spark, input_path, progress, exclude=str(out))
         read = timeline.mark("read, parse and checkpoint", report.kept_s)
         # What the checkpoints' jobs leave: listing the files, planning, Python.
         timeline.phases[-1].steps.append(
@@ -376,14 +377,42 @@ def run_report(
     is summary.json's ``timing``: the phases of ``timeline`` if given (the command's, which
     starts at the process's start), else from this call on.
     """
-    from shoal.analytics.html_report import write_html
-
     say: Progress = progress or (lambda message: log.info("%s", message))
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
     timeline = timeline or Timeline()
-    started = time.monotonic()
+    # A failed report removes the output folder if it made it (nothing else: a folder that
+    # was there may hold a previous report).
+    created: Path | None = None
+    if not out.exists():
+        created = out
+        while not created.parent.exists():
+            created = created.parent
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _run_report(
+            input_path, out, engine, master, driver_memory, conf, say, spark, timeline
+        )
+    except BaseException:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+
+
+def _run_report(
+    input_path: str,
+    out: Path,
+    engine: str,
+    master: str | None,
+    driver_memory: str | None,
+    conf: Mapping[str, str] | None,
+    say: Progress,
+    spark: SparkSession | None,
+    timeline: Timeline,
+) -> dict[str, Any]:
+    from shoal.analytics.html_report import write_html
+
+    started = time.monotonic()
     stopping: threading.Thread | None = None
     if engine == "pandas":
         data = _pandas_data(Path(input_path), out, say, timeline)

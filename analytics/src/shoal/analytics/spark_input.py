@@ -31,10 +31,12 @@ engine gets from :func:`shoal.analytics.ingest.parse_file`.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from shoal.analytics.ingest import ROW_COLUMNS
+from shoal.analytics.layout import PARQUET_PATTERN, SUFFIX, InputError, is_parquet
 from shoal.contracts.events import REASONS, SCHEMA_VERSION, STRATEGIES
 
 if TYPE_CHECKING:
@@ -86,6 +88,8 @@ PARQUET_SCHEMA = (
 )
 
 _DETAIL_CHARS = 500
+# What Python's bytes.strip() strips (ingest.parse_file's blank lines), \n aside.
+_WHITESPACE = " \t\r\x0b\x0c"
 
 
 def _has_null(values: Column) -> Column:
@@ -325,49 +329,99 @@ def _event_columns(frame: DataFrame) -> DataFrame:
     )
 
 
+def _qualified(spark: SparkSession, path: str) -> tuple[Any, Any]:
+    """Hadoop's file system of ``path`` and the path qualified (scheme, authority)."""
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None
+    hadoop_path = jvm.org.apache.hadoop.fs.Path(path)
+    fs = hadoop_path.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
+    return fs, fs.makeQualified(hadoop_path)
+
+
 def _root_prefix(spark: SparkSession, input_path: str) -> tuple[str, bool]:
     """The input folder's URI-encoded path without scheme and authority (``/tmp/logs/``), and
     whether the input is a single file (named by its base name, as the pandas engine
-    does)."""
-    jvm = spark.sparkContext._jvm
-    assert jvm is not None
-    path = jvm.org.apache.hadoop.fs.Path(input_path)
-    fs = path.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
-    qualified = fs.makeQualified(path)
-    single = bool(fs.exists(qualified) and fs.getFileStatus(qualified).isFile())
+    does). An input that does not exist is an :class:`InputError`."""
+    fs, qualified = _qualified(spark, input_path)
+    if not fs.exists(qualified):
+        raise InputError(f"input {input_path} does not exist")
+    single = bool(fs.getFileStatus(qualified).isFile())
     root = qualified.getParent() if single else qualified
     return str(root.toUri().getRawPath()).rstrip("/") + "/", single
+
+
+def _below(spark: SparkSession, input_path: str, folder: str) -> str | None:
+    """``folder``'s URI-encoded path without scheme and authority (``/tmp/logs/report/``)
+    if it lies below the input folder on the same file system, else None."""
+    _, root = _qualified(spark, input_path)
+    _, inner = _qualified(spark, folder)
+    root_uri, inner_uri = root.toUri(), inner.toUri()
+    same = (root_uri.getScheme(), root_uri.getAuthority()) == (
+        inner_uri.getScheme(),
+        inner_uri.getAuthority(),
+    )
+    root_path = str(root_uri.getRawPath()).rstrip("/") + "/"
+    inner_path = str(inner_uri.getRawPath()).rstrip("/") + "/"
+    return inner_path if same and inner_path.startswith(root_path) else None
+
+
+def _glob_escaped(path: str) -> str:
+    """``path`` with Hadoop's glob characters escaped: Spark globs the paths it reads, so a
+    folder named ``logs [prod]`` was "not found"."""
+    return "".join("\\" + c if c in "\\[]{}*?" else c for c in path)
+
+
+def _without_scheme(path: Column) -> Column:
+    """A file's URI path alone: Spark writes file:/x where Hadoop's URI says file:///x."""
+    from pyspark.sql import functions as F
+
+    return F.regexp_replace(path, r"^[A-Za-z][A-Za-z0-9+.-]*:(//[^/]*)?", "")
+
+
+def _path_of(uri: str) -> str:
+    """What :func:`_without_scheme` keeps of a URI, in Python."""
+    return re.sub(r"^[A-Za-z][A-Za-z0-9+.-]*:(//[^/]*)?", "", uri)
+
+
+def _decoded(path: Column) -> Column:
+    """A URI-encoded path (or part of one) decoded; as it is where it does not decode."""
+    from pyspark.sql import functions as F
+
+    # url_decode would turn a literal "+" into a space.
+    decoded = F.try_url_decode(F.replace(path, F.lit("+"), F.lit("%2B")))
+    return F.coalesce(decoded, path)
 
 
 def _relative(path: Column, prefix: str) -> Column:
     """``file`` of a row: its path relative to the input folder, decoded, ``/``-separated."""
     from pyspark.sql import functions as F
 
-    # Spark writes file:/x where Hadoop's URI says file:///x: compare the paths alone.
-    path = F.regexp_replace(path, r"^[A-Za-z][A-Za-z0-9+.-]*:(//[^/]*)?", "")
+    path = _without_scheme(path)
     inside = F.substring(path, len(prefix) + 1, 1 << 30)
-    # The paths are URI-encoded; url_decode would turn a literal "+" into a space.
-    decoded = F.try_url_decode(F.replace(inside, F.lit("+"), F.lit("%2B")))
-    return F.when(path.startswith(prefix), F.coalesce(decoded, inside)).otherwise(path)
+    return F.when(path.startswith(prefix), _decoded(inside)).otherwise(path)
 
 
-def _reader(spark: SparkSession, suffix: str) -> DataFrameReader:
+def _reader(spark: SparkSession, pattern: str | None) -> DataFrameReader:
     # recursiveFileLookup: every file below the folder, and no partition columns from the
     # date=... folders; hidden names (".x", "_x") are skipped as everywhere in Spark.
-    return spark.read.option("recursiveFileLookup", "true").option("pathGlobFilter", f"*{suffix}")
+    # pathGlobFilter applies to a single file too: None for a file given as the input.
+    reader = spark.read.option("recursiveFileLookup", "true")
+    return reader if pattern is None else reader.option("pathGlobFilter", pattern)
 
 
-def _json_lines(spark: SparkSession, input_path: str) -> DataFrame:
+def _json_lines(spark: SparkSession, input_path: str, pattern: str | None) -> DataFrame:
     from pyspark.sql import functions as F
 
-    text = _reader(spark, ".jsonl").text(input_path)
+    # Lines end at \n only (Spark's default also splits at a lone \r), as in
+    # ingest.parse_file, which also drops a \r before the \n.
+    text = _reader(spark, pattern).option("lineSep", "\n").text(_glob_escaped(input_path))
     lines = text.select(
         F.col("_metadata.file_path").alias("path"),
         F.col("_metadata.file_block_start").alias("block"),
         # In the scan's own stage (nondeterministic expressions are never moved), so the
         # ids follow the lines as the task reads them.
         F.monotonically_increasing_id().alias("id"),
-        F.col("value"),
+        F.rtrim("value", F.lit("\r")).alias("value"),
     )
     schema = f"{EVENT_SCHEMA}, `{CORRUPT}` string"
     e = F.from_json("value", schema, {"columnNameOfCorruptRecord": CORRUPT})
@@ -379,7 +433,8 @@ def _json_lines(spark: SparkSession, input_path: str) -> DataFrame:
             "corrupt": F.col("e")[CORRUPT].isNotNull(),
         }
     )
-    blank = F.trim(F.col("value")) == ""
+    # Blank as Python's bytes.strip() sees it: any ASCII whitespace, not only spaces.
+    blank = F.trim(F.col("value"), F.lit(_WHITESPACE)) == ""
     classified = _classified(parsed, F.col("value"))
     classified = classified.withColumn(
         "kind", F.when(blank, F.lit("blank")).otherwise(F.col("kind"))
@@ -387,8 +442,9 @@ def _json_lines(spark: SparkSession, input_path: str) -> DataFrame:
     return _event_columns(classified)
 
 
-def _parquet_table(spark: SparkSession, input_path: str) -> DataFrame:
-    return _reader(spark, ".parquet").schema(PARQUET_SCHEMA).parquet(input_path)
+def _parquet_table(spark: SparkSession, input_path: str, pattern: str | None) -> DataFrame:
+    reader = _reader(spark, pattern).schema(PARQUET_SCHEMA)
+    return reader.parquet(_glob_escaped(input_path))
 
 
 def _parquet(table: DataFrame) -> DataFrame:
@@ -419,31 +475,52 @@ def _parquet(table: DataFrame) -> DataFrame:
     return _event_columns(_classified(typed, None))
 
 
-def parsed_lines(spark: SparkSession, input_path: str) -> tuple[DataFrame, list[str]]:
-    """Every line of every ``*.jsonl`` and row of every ``*.parquet`` below ``input_path``,
-    blank lines included (``kind`` "blank"), as the columns of ROW_COLUMNS without ``line``
-    plus where the line is (``path``, ``block``: its split, ``id``: its place in the
-    split's task), and the files read. ``(file, block, id)`` sorts the lines in read
-    order; :func:`numbered` gives them their line numbers."""
+def parsed_lines(
+    spark: SparkSession, input_path: str, exclude: str | None = None
+) -> tuple[DataFrame, list[str]]:
+    """Every line of every ``*.jsonl`` and row of every Parquet export (``part-*.parquet``)
+    below ``input_path`` but not below ``exclude`` (the report's output folder), or of the
+    file ``input_path`` (Parquet if named ``*.parquet``, else JSON lines), blank lines
+    included (``kind`` "blank"), as the columns of ROW_COLUMNS without ``line`` plus where
+    the line is (``path``, ``block``: its split, ``id``: its place in the split's task),
+    and the files read. ``(file, block, id)`` sorts the lines in read order;
+    :func:`numbered` gives them their line numbers."""
     from pyspark.sql import functions as F
 
     # Duplicate keys in a JSON object: the last one wins, as in Python (Spark's default is
     # to fail the job).
     spark.conf.set("spark.sql.mapKeyDedupPolicy", "LAST_WIN")
     prefix, single = _root_prefix(spark, input_path)
-    json_rows = _json_lines(spark, input_path)
-    parquet_table = _parquet_table(spark, input_path)
-    # Before persisting: a cached plan no longer lists its files.
-    parquet_files = parquet_table.inputFiles()
-    files = [*json_rows.inputFiles(), *parquet_files]
+    parquet_input = single and is_parquet(input_path.rstrip("/"))
+    # The output folder's files (a previous report's tables are part-*.parquet too) are
+    # left out of the listing: Spark prunes files by a filter on _metadata.file_path.
+    skip = None if single or exclude is None else _below(spark, input_path, exclude)
+    json_rows: DataFrame | None = None
+    files: list[str] = []
+    if not parquet_input:
+        json_rows = _json_lines(spark, input_path, None if single else f"*{SUFFIX}")
+        files += json_rows.inputFiles()
+    if single and not parquet_input:
+        parquet_files: list[str] = []
+    else:
+        parquet_table = _parquet_table(spark, input_path, None if single else PARQUET_PATTERN)
+        # Before persisting: a cached plan no longer lists its files.
+        parquet_files = parquet_table.inputFiles()
+        if skip is not None:
+            parquet_table = parquet_table.filter(
+                ~_without_scheme(F.col("_metadata.file_path")).startswith(skip)
+            )
+            parquet_files = [f for f in parquet_files if not _path_of(f).startswith(skip)]
+        files += parquet_files
     file = (
-        F.element_at(F.split(F.col("path"), "/"), -1)
+        _decoded(F.element_at(F.split(F.col("path"), "/"), -1))
         if single
         else _relative(F.col("path"), prefix)
     )
-    if parquet_files:
+    if parquet_files or json_rows is None:
         # A Parquet file is one "split" whose ids are its 1-based row numbers.
-        json_rows = json_rows.unionByName(_parquet(parquet_table))
+        parquet_rows = _parquet(parquet_table)
+        json_rows = parquet_rows if json_rows is None else json_rows.unionByName(parquet_rows)
     # Without Parquet files, no Parquet branch: its expressions took 0.8 s to build over
     # Py4J, and every later step analyzed them again.
     lines = json_rows.withColumn("file", file)

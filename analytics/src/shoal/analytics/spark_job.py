@@ -725,17 +725,22 @@ def _problems(paired: DataFrame, splits: DataFrame) -> DataFrame:
     return numbered(both, splits).select(*COLUMNS["problems"])
 
 
-def compute(spark: SparkSession, input_path: str, progress: Progress | None = None) -> SparkReport:
-    """Build the report's DataFrames over every ``*.jsonl`` below ``input_path``. The
-    intermediate frames are computed here (checkpoints); ``progress`` hears how long each
-    took."""
+def compute(
+    spark: SparkSession,
+    input_path: str,
+    progress: Progress | None = None,
+    exclude: str | None = None,
+) -> SparkReport:
+    """Build the report's DataFrames over the input files below ``input_path`` (not below
+    ``exclude``, the report's output folder; :func:`parsed_lines`). The intermediate frames
+    are computed here (checkpoints); ``progress`` hears how long each took."""
     from pyspark.sql import functions as F
 
     col = F.col
     for key, value in SQL_CONF.items():
         spark.conf.set(key, value)
     keep = _Keeper(progress)
-    lines, files = parsed_lines(spark, input_path)
+    lines, files = parsed_lines(spark, input_path, exclude)
     paired = keep(_paired(lines), "parsed lines, events beside their predecessors")
     splits = keep(line_splits(paired), "line splits")
     ev = paired.filter(col("kind").isNull() & ~col("late"))
