@@ -340,3 +340,112 @@ def test_the_operators_credentials_file_is_mounted(kind: str, var: str, key: str
     assert {"name": "nats-credentials", "mountPath": "/etc/shoal/nats", "readOnly": True} in mounts
     (tls,) = [v for v in volumes if v["name"] == "nats-tls"]
     assert tls["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
+
+
+def test_consumer_metrics_and_probe_ports_must_differ() -> None:
+    """One number for both would give the consumer pods two container ports with one
+    number, and each member would fail to bind its metrics server: refused at render, and
+    by the operator's settings for an operator configured by hand."""
+    from pydantic import ValidationError
+
+    from shoal.operator.settings import settings_from_env
+
+    same = helm_template(
+        "--set", "consumerMetrics.port=8081", "--set", "consumerProbes.port=8081", check=False
+    )
+    assert same.returncode != 0
+    assert "consumerMetrics.port and consumerProbes.port" in same.stderr, same.stderr
+    # Either one off (null) leaves nothing to clash with; 0 is any free port.
+    for setting in ("consumerProbes.port=null", "consumerMetrics.port=null"):
+        helm_template("--set", "consumerMetrics.port=8081", "--set", setting)
+    with pytest.raises(ValidationError, match="SHOAL_CONSUMER_METRICS_PORT"):
+        settings_from_env(
+            {"SHOAL_CONSUMER_METRICS_PORT": "8081", "SHOAL_CONSUMER_HEALTH_PORT": "8081"}
+        )
+    assert (
+        settings_from_env(
+            {"SHOAL_CONSUMER_METRICS_PORT": "0", "SHOAL_CONSUMER_HEALTH_PORT": "8081"}
+        ).consumer_metrics_port
+        == 0
+    )
+
+
+def test_consumer_pod_policy_names_the_label_and_annotation_shoal_writes() -> None:
+    """The operator labels pods shoal.dev/group and the leader writes pod-deletion-cost:
+    the policy names those two, and the values that once let them differ are refused
+    (their old defaults, the only values that ever worked, are still accepted)."""
+    from shoal.contracts.names import DELETION_COST_ANNOTATION, GROUP_LABEL
+
+    policy = only(render(), "ValidatingAdmissionPolicy")
+    variables = {v["name"]: v["expression"] for v in policy["spec"]["variables"]}
+    assert variables["cost"] == f"'{DELETION_COST_ANNOTATION}'"
+    assert f"k == '{GROUP_LABEL}'" in policy["spec"]["validations"][0]["expression"]
+    for setting, where in (
+        ("consumerPodPolicy.groupLabel=example.com/group", "/consumerPodPolicy/groupLabel"),
+        ("consumerPodPolicy.annotation=example.com/cost", "/consumerPodPolicy/annotation"),
+    ):
+        refused = helm_template("--set", setting, check=False)
+        assert refused.returncode != 0 and where in refused.stderr, refused.stderr
+    old_defaults = render(
+        "--set",
+        f"consumerPodPolicy.groupLabel={GROUP_LABEL}",
+        "--set",
+        f"consumerPodPolicy.annotation={DELETION_COST_ANNOTATION}",
+    )
+    assert only(old_defaults, "ValidatingAdmissionPolicy") == policy
+
+
+def test_an_image_pinned_by_digest_is_repository_at_digest() -> None:
+    def images(*args: str) -> tuple[str, str]:
+        (container,) = only(render(*args), "Deployment")["spec"]["template"]["spec"]["containers"]
+        env = {var["name"]: var.get("value") for var in container["env"]}
+        return container["image"], env["SHOAL_OPERATOR_IMAGE"]
+
+    digest = "sha256:" + "0" * 64
+    assert images() == ("shoal:dev", "shoal:dev")
+    # The digest wins over the tag, for the operator and the consumer pods alike.
+    pinned = images(
+        "--set", "image.repository=reg.example/shoal", "--set", f"image.digest={digest}"
+    )
+    assert pinned == (f"reg.example/shoal@{digest}",) * 2
+    for setting, where in (
+        (f"image.repository=reg.example/shoal@{digest}", "/image/repository"),
+        ("image.digest=0000", "/image/digest"),
+    ):
+        refused = helm_template("--set", setting, check=False)
+        assert refused.returncode != 0 and where in refused.stderr, refused.stderr
+
+
+def test_pod_labels_cannot_set_the_selectors_labels() -> None:
+    deployment = only(render("--set", "podLabels.team=payments"), "Deployment")
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert labels["team"] == "payments"
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    for key in ("app\\.kubernetes\\.io/component", "app\\.kubernetes\\.io/instance"):
+        refused = helm_template("--set", f"podLabels.{key}=x", check=False)
+        assert refused.returncode != 0, refused.stdout[:400]
+        assert "podLabels" in refused.stderr and "selector" in refused.stderr, refused.stderr
+
+
+def test_an_existing_service_account_must_be_named() -> None:
+    """Without a name the pod would run as the namespace's `default` ServiceAccount, and
+    the chart would grant it the operator's ClusterRole (get on every Secret)."""
+    unnamed = helm_template("--set", "serviceAccount.create=false", check=False)
+    assert unnamed.returncode != 0
+    assert "serviceAccount.name" in unnamed.stderr, unnamed.stderr
+    docs = [
+        doc
+        for doc in render(
+            "--set", "serviceAccount.create=false", "--set", "serviceAccount.name=ops"
+        )
+        if "helm.sh/hook" not in doc["metadata"].get("annotations", {})  # `helm test`'s own
+    ]
+    assert "ServiceAccount" not in {doc["kind"] for doc in docs}
+    assert only(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "ops"
+    subjects = [
+        subject
+        for doc in docs
+        if doc["kind"] in ("ClusterRoleBinding", "RoleBinding")
+        for subject in doc["subjects"]
+    ]
+    assert subjects and all(s["name"] == "ops" for s in subjects), subjects

@@ -68,21 +68,30 @@ namespace.
 {{- end }}
 
 {{/*
-The operator's ServiceAccount.
+The operator's ServiceAccount. Without create, an existing one, which must be named: the
+namespace's `default` would run the operator and be bound to its ClusterRole (`get` on
+Secrets), and so would every other pod running as `default` there.
 */}}
 {{- define "shoal.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (printf "%s-operator" (include "shoal.fullname" .)) .Values.serviceAccount.name }}
+{{- else if .Values.serviceAccount.name }}
+{{- .Values.serviceAccount.name }}
 {{- else }}
-{{- default "default" .Values.serviceAccount.name }}
+{{- fail "serviceAccount.create is false but serviceAccount.name is empty: name the existing ServiceAccount the operator runs as (the chart binds the operator's roles to it; it will not bind them to the namespace's default ServiceAccount)" }}
 {{- end }}
 {{- end }}
 
 {{/*
-The image, repository:tag (the operator hands the same string to consumer pods).
+The image, repository@digest when image.digest is set, else repository:tag (the operator
+hands the same string to consumer pods).
 */}}
 {{- define "shoal.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
 {{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion | toString) }}
+{{- end }}
 {{- end }}
 
 {{/*

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from shoal.clients.natsauth import NatsSecurity
 from shoal.group.config import GroupConfig
@@ -82,6 +82,20 @@ class OperatorSettings(BaseModel):
     nats_user: str | None = None
     nats_password: SecretStr | None = None
     nats_nkey_seed_file: str | None = None
+
+    @model_validator(mode="after")
+    def _ports_differ(self) -> OperatorSettings:
+        # One number for both gives the consumer pods two container ports with one number;
+        # each member binds its health server, then fails to bind its metrics server.
+        port = self.consumer_metrics_port
+        if port is not None and port == self.consumer_health_port:
+            raise ValueError(
+                f"consumer_metrics_port (SHOAL_CONSUMER_METRICS_PORT) and consumer_health_port"
+                f" (SHOAL_CONSUMER_HEALTH_PORT) are both {port}: consumer pods serve /metrics and"
+                " their probes on two different ports (the chart's consumerMetrics.port and"
+                " consumerProbes.port)"
+            )
+        return self
 
     def nats_security(self) -> NatsSecurity:
         password = self.nats_password.get_secret_value() if self.nats_password else None
