@@ -3,9 +3,12 @@ Producer publishes, against a real nats-server; and the line parsing on its own.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,10 +16,12 @@ import time
 import unicodedata
 from collections import defaultdict
 from collections.abc import Callable
+from subprocess import PIPE
 from typing import Any
 
 import pytest
 
+from harness.waiting import eventually_async
 from shoal.clients.natsclient import parse_headers
 from shoal.consumer.producer import LineError, Producer, parse_line, read_lines
 from shoal.contracts.names import (
@@ -145,6 +150,8 @@ def test_help_explains_stdin() -> None:
     out = subprocess.run(command, capture_output=True, text=True, timeout=60).stdout
     for words in ("--stdin", "project_id<TAB>data", "Shoal-Project-Id", "Nats-Msg-Id"):
         assert words in out
+    for words in ("max_payload", "duplicates", '"interrupted": true', "130"):
+        assert words in " ".join(out.split()), words
 
 
 def test_parse_line() -> None:
@@ -233,3 +240,211 @@ async def test_the_producer_refuses_ids_a_header_cannot_carry() -> None:
             await producer.publish(project, b"")
     with pytest.raises(ValueError, match="non-empty"):
         await producer.publish("", b"")
+
+
+# The nats-server's max_payload (its default), which headers and data together may not
+# exceed.
+MAX_PAYLOAD = 1 << 20
+
+
+@e2e
+@pytest.mark.parametrize(
+    "size", [MAX_PAYLOAD + 1000, MAX_PAYLOAD - 10], ids=["data>max", "data+headers>max"]
+)
+async def test_a_line_too_large_for_nats_is_named_and_nothing_after_it_is_published(
+    config: GroupConfig, js: Any, size: int
+) -> None:
+    """Before: the line was published and refused by the server (nats-py checks only the
+    data, the server headers and data), retried five times as a network error, the error
+    named no line, and the lines after it were published meanwhile."""
+    text = b"p\tfirst\n" + b"p\t" + b"x" * size + b"\n" + b"p\tthird\n"
+    result = produce(config, text, "--run-id", "big")
+    err = result.stderr.decode()
+    assert result.returncode == 1, err[-600:]
+    assert "Error: stdin line 2: " in err and str(MAX_PAYLOAD) in err, err[-600:]
+    assert "retry" not in err, err[-600:]
+    assert [m.data for m in await stream_messages(js, config.stream)] == [b"first"]
+
+
+async def test_the_producer_refuses_a_message_over_max_payload_and_never_retries_one() -> None:
+    """Before: Producer sent a message whose headers took it over max_payload (the server
+    closed the connection), and publish_many retried a MaxPayloadError, BadSubjectError
+    or ValueError five times, as if the network had failed."""
+    from nats.errors import BadSubjectError, MaxPayloadError
+
+    from shoal.consumer.producer import MessageTooLarge, Outgoing
+
+    class Refusing:
+        def __init__(self, error: Exception) -> None:
+            self.error, self.calls = error, 0
+
+        async def publish(self, *args: Any, **kwargs: Any) -> None:
+            self.calls += 1
+            raise self.error
+
+    producer = Producer(Refusing(AssertionError("published")), "shoal.test.g", PARTITIONS, 100)
+    producer.prepare(Outgoing("p", b"x" * 30, "m"))  # fits with its headers
+    with pytest.raises(MessageTooLarge, match="over the NATS server's max_payload of 100"):
+        producer.prepare(Outgoing("p", b"x" * 90, "m"))  # the data alone fits
+    for error in (MaxPayloadError(), BadSubjectError(), ValueError("bad")):
+        js = Refusing(error)
+        with pytest.raises(type(error)):
+            await Producer(js, "shoal.test.g", PARTITIONS).publish_many([Outgoing("p", b"")])
+        assert js.calls == 1, error
+
+
+@e2e
+async def test_messages_dropped_as_duplicates_are_counted_apart(
+    config: GroupConfig, js: Any
+) -> None:
+    """Before: a message JetStream dropped as a duplicate (its id stored already: the same
+    --run-id reused) was counted as published, and nothing said it was dropped."""
+    assert produce(config, b"a\tfirst\nb\tsecond\n", "--run-id", "same").returncode == 0
+    result = produce(config, b"a\tDIFFERENT\nb\tsecond\nc\tnew\n", "--run-id", "same")
+    err = result.stderr.decode()
+    assert result.returncode == 0, err
+    summary = json.loads(err.strip().splitlines()[-1])
+    assert (summary["published"], summary["duplicates"]) == (1, 2), summary
+    assert "Warning: JetStream dropped 2 messages as duplicates" in err, err
+    got = [m.data for m in await stream_messages(js, config.stream)]
+    assert sorted(got) == [b"first", b"new", b"second"]
+
+
+def test_two_runs_in_one_millisecond_get_different_run_ids(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before: the default run id was the millisecond clock alone, so a second run started
+    in the same millisecond had the first one's message ids and JetStream dropped its
+    messages as duplicates."""
+    from shoal.consumer import producer
+
+    monkeypatch.setattr("shoal.consumer.producer.time.time", lambda: 1764316800.000123)
+    first, second = producer.default_run_id(), producer.default_run_id()
+    assert first != second
+    for run in (first, second):
+        # No "-": a message id RUN-PROJECT-N splits at its first "-" into the run id.
+        assert re.fullmatch(r"1764316800000_[0-9a-f]{6}", run), run
+
+
+@e2e
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+async def test_an_interrupted_run_says_what_it_published_and_its_run_id(
+    config: GroupConfig, js: Any, tmp_path: Any, sig: signal.Signals
+) -> None:
+    """Before: Ctrl-C said "Aborted!" and nothing else (SIGTERM: nothing at all), though
+    some lines were stored and the default run id, without which the rest cannot be
+    published without duplicates, was never shown."""
+    text = lines_of([(f"p-{i % 5}", f"line-{i}".encode()) for i in range(300)])
+    lines = tmp_path / "in.txt"
+    lines.write_bytes(text)
+    command = [sys.executable, "-m", "shoal.consumer", "produce", "--stdin", "--rate", "50"]
+    command += ["-g", config.group, "-n", config.namespace, "--nats", config.nats_url]
+    command += ["-p", str(config.partitions)]
+    with lines.open("rb") as stdin:
+        process = await asyncio.create_subprocess_exec(*command, stdin=stdin, stderr=PIPE)
+        try:
+            await eventually_async(
+                lambda: stream_messages(js, config.stream),
+                30,
+                "some lines published",
+                until=lambda got: len(got) >= 20,
+                describe=lambda got: f"{len(got)} messages",
+            )
+            process.send_signal(sig)
+            async with asyncio.timeout(30):
+                _, err = await process.communicate()
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.communicate()
+    assert process.returncode == 130, err.decode()
+    summary = json.loads(err.decode().strip().splitlines()[-2])
+    assert summary["interrupted"] is True, summary
+    stored = len(await stream_messages(js, config.stream))
+    assert 0 < summary["published"] <= stored < 300, (summary, stored)
+    assert f"--run-id {summary['run_id']}" in err.decode()
+
+    # The same input again with that run id adds only what is missing.
+    again = produce(config, text, "--run-id", summary["run_id"])
+    assert again.returncode == 0, again.stderr.decode()
+    assert json.loads(again.stderr.decode().strip().splitlines()[-1])["duplicates"] == stored
+    got = await stream_messages(js, config.stream)
+    assert sorted(m.data for m in got) == sorted(f"line-{i}".encode() for i in range(300))
+
+
+class SlowPipe(io.RawIOBase):
+    """A pipe's reads: at most 64 KiB each, of `data` and then, if `endless`, of x's."""
+
+    def __init__(self, data: bytes, endless: bool = False) -> None:
+        self.data, self.endless = io.BytesIO(data), endless
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        n = min(len(buf), 65536)
+        got = self.data.read(n) or (b"x" * n if self.endless else b"")
+        buf[: len(got)] = got
+        return len(got)
+
+
+async def test_read_lines_is_linear_in_the_length_of_a_line_and_bounded() -> None:
+    """Before: read_lines joined what it held of a line with each new chunk and split it
+    all again, quadratic in the line's length (a 64 MiB line without a newline, a file
+    piped by mistake, took ~30 s, 1 GiB hours), and held a line of any length."""
+    stream = io.BufferedReader(SlowPipe(b"p\t" + b"x" * (64 << 20) + b"\n"), 65536)
+    started = time.monotonic()
+    try:
+        async with asyncio.timeout(8):
+            assert [len(line) async for _, line in read_lines(stream)] == [(64 << 20) + 2]
+    except TimeoutError:
+        pytest.fail(f"a 64 MiB line took over {time.monotonic() - started:.0f} s")
+
+    endless = io.BufferedReader(SlowPipe(b"a\tb\n", endless=True), 65536)
+    got = []
+    async with asyncio.timeout(8):  # before: forever, in ever more memory
+        with pytest.raises(LineError, match=r"^line 2: the line is over 100000 bytes"):
+            async for item in read_lines(endless, max_line=100_000):
+                got.append(item)
+    assert got == [(1, b"a\tb")]
+    exact = io.BytesIO(b"a\t" + b"x" * 98 + b"\r\n" + b"b\t" + b"x" * 99)
+    with pytest.raises(LineError, match=r"^line 2: the line is over 100 bytes"):
+        async for item in read_lines(exact, chunk=7, max_line=100):
+            assert item == (1, b"a\t" + b"x" * 98)
+
+
+async def test_a_callers_nats_msg_id_header_is_kept() -> None:
+    """Before: a Nats-Msg-Id the caller put in `headers` was replaced by a random one, so
+    JetStream did not de-duplicate the caller's own retries."""
+    sent: list[dict[str, str]] = []
+
+    class Recording:
+        async def publish(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
+            sent.append(headers)
+
+    producer = Producer(Recording(), "shoal.test.g", PARTITIONS)
+    await producer.publish("order-42", b"{}", headers={MSG_ID_HEADER: "order-42-v1"})
+    await producer.publish("order-42", b"{}", message_id="m", headers={MSG_ID_HEADER: "x"})
+    await producer.publish("order-42", b"{}")
+    assert [h[MSG_ID_HEADER] for h in sent[:2]] == ["order-42-v1", "m"]
+    assert re.fullmatch(r"[0-9a-f]{32}", sent[2][MSG_ID_HEADER])
+
+
+@e2e
+def test_a_closed_stdout_after_publishing_is_no_publishing_failure(config: GroupConfig) -> None:
+    """Before: when the reader of standard output had gone (`produce | head -0`), the
+    summary's write failed after every message was stored, and the run ended with
+    "Error: [Errno 32] Broken pipe", exit 1, as if NATS had failed."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written
+    command = [sys.executable, "-m", "shoal.consumer", "produce", "-m", "5", "-k", "2"]
+    command += ["-g", config.group, "-n", config.namespace, "--nats", config.nats_url]
+    command += ["-p", str(config.partitions), "--run-id", "pipe"]
+    try:
+        result = subprocess.run(command, stdout=write, stderr=subprocess.PIPE, timeout=60)
+    finally:
+        os.close(write)
+    err = result.stderr.decode()
+    assert result.returncode == 0, err
+    assert "Error" not in err and "Broken pipe" not in err, err
+    assert json.loads(err.strip().splitlines()[-1])["published"] == 5

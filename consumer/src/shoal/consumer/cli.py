@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -251,7 +252,12 @@ def ready(ready_file: str, live: bool) -> None:
     help="Messages per second (0: as fast as JetStream acknowledges).",
 )
 @subject_prefix_option
-@click.option("--run-id", default=None, help="Prefix of message ids (default: current time).")
+@click.option(
+    "--run-id",
+    default=None,
+    help="Prefix of message ids (default: the time in milliseconds and a random suffix, "
+    "as in 1764316800000_3f9a1c).",
+)
 @click.option(
     "--stdin",
     "from_stdin",
@@ -301,34 +307,46 @@ def produce(
     At most --window publishes await JetStream's acknowledgement; a project's messages
     enter the stream in the order of their lines (a publish retried after a failed
     acknowledgement keeps its message id but may land after later ones). A line without
-    a TAB, or whose project id is empty, not UTF-8, or starts or ends with whitespace
-    (NATS headers would drop it), ends the run with an error naming the line, once
-    every line before it is acknowledged. The count, the seconds and the run id go to
-    standard error as JSON; a run whose publishing fails names its run id, so that the
-    same input published again with it adds only what is missing.
+    a TAB, whose project id is empty, not UTF-8, or starts or ends with whitespace
+    (NATS headers would drop it), or too large for NATS (headers and data over the
+    server's max_payload), ends the run with an error naming the line, once every line
+    before it is acknowledged. The counts (published: stored; duplicates: dropped by
+    JetStream, their message ids already stored), the seconds and the run id go to
+    standard error as JSON. A run whose publishing fails, or that is interrupted
+    (Ctrl-C, SIGTERM: "interrupted": true, exit status 130), names its run id, so that
+    the same input published again with it adds only what is missing.
 
     \b
     Example:
       printf 'order-42\\t{"total": 12}\\n' | shoal-consumer produce -g orders --stdin
     """
     from shoal.clients.nats import connect
-    from shoal.consumer.producer import LineError, Outgoing, Producer, parse_line, read_lines
+    from shoal.consumer.producer import (
+        LineError,
+        MessageTooLarge,
+        Outgoing,
+        Producer,
+        default_run_id,
+        parse_line,
+        read_lines,
+    )
 
     prefix = subject_prefix or default_subject_prefix(namespace, group)
-    run_tag = run_id or str(int(time.time() * 1000))
+    run_tag = run_id or default_run_id()
     if from_stdin:
         for name in ("projects", "messages"):
             if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT:
                 raise click.UsageError(f"--{name} makes no sense with --stdin")
     failure: list[LineError] = []
+    interrupted: list[bool] = []
 
-    async def stdin_items() -> Any:
+    async def stdin_items(producer: Producer, max_line: int) -> Any:
         """The messages of standard input; at a bad line, remember it and end."""
         seqs: dict[str, int] = {}
         started = time.monotonic()
         sent = 0
         try:
-            async for number, line in read_lines(sys.stdin.buffer):
+            async for number, line in read_lines(sys.stdin.buffer, max_line=max_line):
                 parsed = parse_line(line, number)
                 if parsed is None:
                     continue
@@ -339,20 +357,61 @@ def produce(
                     if ahead > 0:
                         await asyncio.sleep(ahead)
                 sent += 1
-                yield Outgoing(project, data, f"{run_tag}-{project}-{seq}", {SEQ_HEADER: str(seq)})
+                item = Outgoing(project, data, f"{run_tag}-{project}-{seq}", {SEQ_HEADER: str(seq)})
+                try:
+                    producer.prepare(item)  # too large: this line's error, not a retry's
+                except MessageTooLarge as exc:
+                    raise LineError(number, str(exc)) from None
+                yield item
         except LineError as exc:
             failure.append(exc)
 
-    async def go() -> None:
-        nc = await connect(
-            nats_url,
-            name="shoal-produce",
-            attempts=5,
-            security=nats_security_from_env(os.environ),
+    def summary(producer: Producer | None, started: float, **more: Any) -> str:
+        acknowledged = producer.acknowledged if producer else 0
+        duplicates = producer.duplicates if producer else 0
+        elapsed = time.monotonic() - started
+        return json.dumps(
+            {
+                "published": acknowledged - duplicates,
+                "duplicates": duplicates,
+                "seconds": round(elapsed, 3),
+                "per_second": round(acknowledged / elapsed, 1) if elapsed else None,
+                "run_id": run_tag,
+                **more,
+            }
         )
-        producer = Producer(nc.jetstream(), prefix, partitions)
-        started = time.monotonic()
 
+    async def go() -> None:
+        # Ctrl-C (asyncio.run's handler) and SIGTERM cancel this task: say what is stored.
+        task = asyncio.current_task()
+        assert task is not None
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        nc: Any = None
+        producer: Producer | None = None
+        started = time.monotonic()
+        try:
+            nc = await connect(
+                nats_url,
+                name="shoal-produce",
+                attempts=5,
+                security=nats_security_from_env(os.environ),
+            )
+            producer = Producer(nc.jetstream(), prefix, partitions)
+            started = time.monotonic()
+            await publish(nc, producer, started)
+        except asyncio.CancelledError:
+            interrupted.append(True)
+            click.echo(summary(producer, started, interrupted=True), err=True)
+            click.echo(
+                f"Interrupted: publish the same input again with --run-id {run_tag} to add "
+                "what is missing (JetStream drops the message ids it has, within its "
+                "duplicate window)",
+                err=True,
+            )
+            if nc is not None:
+                await nc.close()
+
+    async def publish(nc: Any, producer: Producer, started: float) -> None:
         async def items() -> Any:
             for i in range(messages):
                 project, seq = f"project-{i % projects}", i // projects
@@ -368,21 +427,25 @@ def produce(
                 )
 
         try:
-            count = await producer.publish_many(
-                stdin_items() if from_stdin else items(), window=window
+            await producer.publish_many(
+                stdin_items(producer, nc.max_payload) if from_stdin else items(), window=window
             )
         except Exception as exc:
             await nc.close()
             raise click.ClickException(_publish_failed(exc, prefix, run_tag)) from None
-        elapsed = time.monotonic() - started
+        result = summary(producer, started)
         await nc.drain()
-        summary = {
-            "published": count,
-            "seconds": round(elapsed, 3),
-            "per_second": round(count / elapsed, 1) if elapsed else None,
-            "run_id": run_tag,
-        }
-        click.echo(json.dumps(summary), err=from_stdin)
+        if producer.duplicates:
+            click.echo(
+                f"Warning: JetStream dropped {producer.duplicates} messages as duplicates: "
+                f"it had their message ids (run id {run_tag}) already",
+                err=True,
+            )
+        try:
+            click.echo(result, err=from_stdin)
+        except BrokenPipeError:  # everything is published; the reader of stdout left
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            click.echo(result, err=True)
         if failure:
             raise click.ClickException(f"stdin {failure[0]}; the lines before it are published")
 
@@ -390,6 +453,8 @@ def produce(
         asyncio.run(go())
     except (NatsConfigError, ConnectionError) as exc:  # one line, no traceback
         raise click.ClickException(str(exc)) from None
+    if interrupted:
+        ctx.exit(130)
 
 
 def _publish_failed(exc: Exception, prefix: str, run_tag: str) -> str:
