@@ -102,7 +102,9 @@ def test_standalone_members_and_the_operator_manage_the_streams() -> None:
     assert op.subscribe == ("_INBOX.>",)
 
     producer = producer_permissions(config("orders"), "_INBOX.producer")
-    assert producer.publish == ("shoal.shop.orders.*",)
+    # The partition subjects, and the stream's info: `produce` reads the group's
+    # partition count there.
+    assert producer.publish == ("shoal.shop.orders.*", "$JS.API.STREAM.INFO.shoal_shop_orders")
     assert producer.subscribe == ("_INBOX.producer.>",)
 
 

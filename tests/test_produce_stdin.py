@@ -448,3 +448,32 @@ def test_a_closed_stdout_after_publishing_is_no_publishing_failure(config: Group
     assert result.returncode == 0, err
     assert "Error" not in err and "Broken pipe" not in err, err
     assert json.loads(err.strip().splitlines()[-1])["published"] == 5
+
+
+@e2e
+async def test_the_partition_count_is_the_groups(config: GroupConfig, js: Any) -> None:
+    """The group's stream records its partition count (ensure_group), and produce takes
+    it from there. Before, -p defaulted to 128 whatever the group had: on a group of 7
+    its messages went to partitions 7-127, which no durable consumes (a work-queue stream
+    keeps them for good), exit 0, "published"; one that differs is now refused."""
+    from shoal.group.jetstream import stream_partitions
+
+    assert stream_partitions(await js.stream_info(config.stream)) == PARTITIONS
+    command = [sys.executable, "-m", "shoal.consumer", "produce", "--stdin"]
+    command += ["-g", config.group, "-n", config.namespace, "--nats", config.nats_url]
+    text = lines_of([(f"project-{i}", b"x") for i in range(20)])
+    wrong = subprocess.run([*command, "-p", "128"], input=text, capture_output=True, timeout=60)
+    assert wrong.returncode == 2, wrong.stderr.decode()
+    assert f"records {PARTITIONS} partitions for the group, not --partitions 128" in (
+        wrong.stderr.decode()
+    )
+    assert await stream_messages(js, config.stream) == []
+    right = subprocess.run(command, input=text, capture_output=True, timeout=60)
+    assert right.returncode == 0, right.stderr.decode()
+    got = await stream_messages(js, config.stream)
+    assert len(got) == 20
+    for msg in got:
+        project = headers(msg)[PROJECT_HEADER]
+        assert msg.subject == partition_subject(
+            config.subject_prefix, partition_for(project, PARTITIONS)
+        )

@@ -67,6 +67,17 @@ def consumer_config(config: GroupConfig, partition: int) -> api.ConsumerConfig:
     )
 
 
+# The stream's metadata key holding the group's partition count.
+PARTITIONS_METADATA = "shoal.partitions"
+
+
+def stream_partitions(info: Any) -> int | None:
+    """The partition count a group's stream records (PARTITIONS_METADATA), or None: a
+    stream of an older Shoal, or a value that is no count."""
+    value = (getattr(info.config, "metadata", None) or {}).get(PARTITIONS_METADATA)
+    return int(value) if isinstance(value, str) and value.isdigit() and int(value) > 0 else None
+
+
 class StreamConfigConflict(RuntimeError):
     """A stream exists with a configuration JetStream cannot change in place."""
 
@@ -101,6 +112,10 @@ async def ensure_group(js: Any, config: GroupConfig) -> list[int]:
         storage=_STORAGE[config.storage],
         num_replicas=config.stream_replicas,
         duplicate_window=120.0,
+        # What producers need to agree with (`shoal-consumer produce` reads it): a
+        # message published for another count lands on a partition nobody consumes, or
+        # on the wrong one. (A stream of an older Shoal gets it at the next reconcile.)
+        metadata={PARTITIONS_METADATA: str(config.partitions)},
     )
     await _ensure_stream(
         js,

@@ -40,6 +40,7 @@ from shoal.consumer.reset_cli import reset
 from shoal.contracts.names import (
     SEQ_HEADER,
     Keys,
+    default_stream_name,
     default_subject_prefix,
     format_time,
 )
@@ -252,6 +253,7 @@ def ready(ready_file: str, live: bool) -> None:
     help="Messages per second (0: as fast as JetStream acknowledges).",
 )
 @subject_prefix_option
+@stream_option
 @click.option(
     "--run-id",
     default=None,
@@ -283,6 +285,7 @@ def produce(
     messages: int,
     rate: float,
     subject_prefix: str | None,
+    stream: str | None,
     run_id: str | None,
     from_stdin: bool,
     window: int,
@@ -315,6 +318,11 @@ def produce(
     standard error as JSON. A run whose publishing fails, or that is interrupted
     (Ctrl-C, SIGTERM: "interrupted": true, exit status 130), names its run id, so that
     the same input published again with it adds only what is missing.
+
+    The partition count is the group's, as its stream records it (the operator and
+    members write it there); --partitions only for a stream that does not (an older
+    Shoal), and one that differs from the stream's is refused: its messages would land
+    on partitions nobody consumes, or the wrong ones.
 
     \b
     Example:
@@ -381,6 +389,36 @@ def produce(
             }
         )
 
+    stream_name = stream or default_stream_name(namespace, group)
+    partitions_given = (
+        ctx.get_parameter_source("partitions") is not click.core.ParameterSource.DEFAULT
+    )
+
+    async def group_partitions(js: Any, given: int) -> int:
+        """The group's partition count from its stream; `given` where it says none."""
+        from shoal.group.jetstream import stream_partitions
+
+        try:
+            async with asyncio.timeout(3):
+                info = await js.stream_info(stream_name)
+        except Exception as exc:  # no such stream, no permission (no answer), an outage
+            click.echo(
+                f"warning: could not read stream {stream_name} ({exc!r}) for the group's "
+                f"partition count: publishing for --partitions {given}",
+                err=True,
+            )
+            return given
+        recorded = stream_partitions(info)
+        if recorded is None:
+            return given
+        if partitions_given and recorded != given:
+            raise click.UsageError(
+                f"stream {stream_name} records {recorded} partitions for the group, not "
+                f"--partitions {given}: messages would go to partitions nobody consumes, "
+                "or the wrong ones (leave --partitions out)"
+            )
+        return recorded
+
     async def go() -> None:
         # Ctrl-C (asyncio.run's handler) and SIGTERM cancel this task: say what is stored.
         task = asyncio.current_task()
@@ -396,7 +434,13 @@ def produce(
                 attempts=5,
                 security=nats_security_from_env(os.environ),
             )
-            producer = Producer(nc.jetstream(), prefix, partitions)
+            js = nc.jetstream()
+            try:
+                count = await group_partitions(js, partitions)
+            except click.UsageError:
+                await nc.close()
+                raise
+            producer = Producer(js, prefix, count)
             started = time.monotonic()
             await publish(nc, producer, started)
         except asyncio.CancelledError:

@@ -147,9 +147,12 @@ def operator_permissions(config: GroupConfig, inbox_prefix: str = "_INBOX") -> P
 
 def producer_permissions(config: GroupConfig, inbox_prefix: str | None = None) -> Permissions:
     """A publisher of the group's messages (`shoal-consumer produce`): the partition
-    subjects, and its inbox for JetStream's publish acks."""
+    subjects, the stream's info (the group's partition count), and its inbox for
+    JetStream's publish acks."""
     inbox = inbox_prefix or config.nats_inbox_prefix or "_INBOX"
-    return Permissions(tuple(stream_subjects(config.subject_prefix)), (f"{inbox}.>",))
+    # STREAM.INFO: `produce` reads the group's partition count from its stream.
+    publish = (*stream_subjects(config.subject_prefix), f"{API}.STREAM.INFO.{config.stream}")
+    return Permissions(publish, (f"{inbox}.>",))
 
 
 def default_exporter_inbox_prefix(config: GroupConfig) -> str:
