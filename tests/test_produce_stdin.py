@@ -462,13 +462,17 @@ async def test_the_partition_count_is_the_groups(config: GroupConfig, js: Any) -
     command = [sys.executable, "-m", "shoal.consumer", "produce", "--stdin"]
     command += ["-g", config.group, "-n", config.namespace, "--nats", config.nats_url]
     text = lines_of([(f"project-{i}", b"x") for i in range(20)])
-    wrong = subprocess.run([*command, "-p", "128"], input=text, capture_output=True, timeout=60)
+
+    def run(args: list[str]) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(args, input=text, capture_output=True, timeout=60)
+
+    wrong = await asyncio.to_thread(run, [*command, "-p", "128"])
     assert wrong.returncode == 2, wrong.stderr.decode()
     assert f"records {PARTITIONS} partitions for the group, not --partitions 128" in (
         wrong.stderr.decode()
     )
     assert await stream_messages(js, config.stream) == []
-    right = subprocess.run(command, input=text, capture_output=True, timeout=60)
+    right = await asyncio.to_thread(run, command)
     assert right.returncode == 0, right.stderr.decode()
     got = await stream_messages(js, config.stream)
     assert len(got) == 20
