@@ -219,3 +219,41 @@ async def test_a_new_connection_gets_its_full_time_before_it_is_replaced() -> No
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_one_stall_of_the_event_loop_is_not_a_dead_connection(nats_url: str) -> None:
+    """The event loop is blocked for 11 s (a CPU-bound handler, a long GC pause) just as
+    a health round trip goes out: the server answers at once, the answer is read late
+    and the round trip times out. Before, the failure was dated from the round trip's
+    start, 11 s back, past stranded_after: a healthy connection was aborted at once,
+    and what was written to it with it."""
+    nc = await connect(nats_url, name="stall", attempts=3)
+    health = NatsHealth(nc, interval=1.0, grace=3.0, stranded_after=10.0)
+    armed, stalled = False, asyncio.Event()
+    request = nc.request
+
+    async def stalling(*args: Any, **kwargs: Any) -> Any:
+        nonlocal armed
+        if armed:
+            armed = False
+            asyncio.get_running_loop().call_soon(time.sleep, 11)
+            stalled.set()
+        return await request(*args, **kwargs)
+
+    nc.request = stalling
+    task = asyncio.create_task(health.run())
+    unreachable = False
+    try:
+        await asyncio.sleep(2.5)
+        assert health.reachable()
+        armed = True
+        await stalled.wait()
+        for _ in range(40):
+            await asyncio.sleep(0.05)
+            unreachable |= not health.reachable()
+        await round_trip(nc, 2.0)
+        assert health.stranded_reconnects == 0 and not unreachable
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await nc.close()

@@ -680,3 +680,44 @@ async def test_a_publish_cancelled_while_it_waits_for_a_flush_is_cancelled(
                 await nc.close()
         proxy.stop()
         server.stop()
+
+
+async def test_a_large_payload_read_in_pieces_costs_what_it_does_in_nats_py() -> None:
+    """A 32 MB message (a raised max_payload) read in nats-py's 32 KB pieces. FastParser
+    copied its whole buffer at every read, in the middle of a payload too: time in the
+    square of the size (8 s for 32 MB, nats-py's parser 0.05 s), the read loop blocked
+    meanwhile. A generous bound: the same order as nats-py's."""
+    from nats.aio.client import DEFAULT_BUFFER_SIZE
+
+    class Sink:
+        def __init__(self) -> None:
+            self.payloads: list[bytes] = []
+
+        async def _process_msg(self, *args: Any) -> None:
+            self.payloads.append(args[3])
+
+    size = 32 << 20
+    wire = b"MSG s 1 $JS.ACK.a.b.1.1.1.1.0 %d\r\n" % size + b"x" * size + b"\r\n"
+
+    async def feed(parser: Parser) -> float:
+        started = time.perf_counter()
+        for at in range(0, len(wire), DEFAULT_BUFFER_SIZE):
+            await parser.parse(wire[at : at + DEFAULT_BUFFER_SIZE])
+        return time.perf_counter() - started
+
+    theirs, ours = Sink(), Sink()
+    their_time = await feed(Parser(theirs))
+    our_time = await feed(FastParser(ours))
+    assert [len(p) for p in ours.payloads] == [len(p) for p in theirs.payloads] == [size]
+    assert our_time < 5 * their_time + 0.25, (our_time, their_time)
+
+
+async def test_header_value_is_what_the_handler_reads_when_a_name_comes_twice() -> None:
+    """A raw block naming the project twice, the second time padded (" Name : v"):
+    header_value took the last plain "Name:" line (proj-a), where parse_headers and
+    nats-py keep the last one whatever its spacing (proj-b): the member checked the
+    partition with one project and its handler saw the other."""
+    raw = b"NATS/1.0\r\nShoal-Project-Id: proj-a\r\n Shoal-Project-Id : proj-b\r\n\r\n"
+    assert await Client()._process_headers(raw) == {"Shoal-Project-Id": "proj-b"}
+    assert parse_headers(raw) == {"Shoal-Project-Id": "proj-b"}
+    assert header_value(raw, b"Shoal-Project-Id") == "proj-b"

@@ -231,6 +231,11 @@ def abort_connection(nc: Any) -> bool:
     return dropped
 
 
+# A round trip that fails this much later than its timeout says more about this process
+# (it did not get to run) than about NATS: NatsHealth does not count it.
+STALL_SLACK = 1.0
+
+
 class NatsHealth:
     """Whether this member can reach JetStream, from a round trip every `interval`.
 
@@ -292,10 +297,21 @@ class NatsHealth:
                 raise
             except Exception as exc:  # nats-py raises several unrelated types here
                 log.debug("NATS round trip failed: %r", exc)
+                ended = time.monotonic()
                 if self._refused_health(error_before):
                     self._failing_since = None  # the server answered: with a refusal
+                elif ended - started > self.interval + STALL_SLACK:
+                    # It took far longer than its own timeout: this process did not run
+                    # (its event loop blocked by a handler, a long GC pause), and the
+                    # answer may be waiting unread. Proves nothing: ask again at once.
+                    # (Counted from its start, one such stall longer than stranded_after
+                    # aborted a healthy connection, and what was written to it.)
+                    log.debug("NATS round trip took %.1f s: not counted", ended - started)
+                    reraise_dropped_cancel()
+                    continue
                 elif self._failing_since is None:
-                    self._failing_since = started
+                    # From when the failed request went out (its timeout before now).
+                    self._failing_since = ended - self.interval
             reraise_dropped_cancel()
             await self._restart_ended_reader()
             await self._replace_stranded()
