@@ -12,8 +12,10 @@ from typing import Any
 
 import pytest
 
-from shoal.contracts.values import MemberStats, ValueRefused
+from shoal.contracts.values import MemberStats, PauseRecord, ValueRefused
+from shoal.group.pause import RESET_SOURCE
 from shoal.operator.observe import (
+    ETCD_FIELDS,
     Observed,
     conditions,
     degraded,
@@ -72,7 +74,17 @@ def summary(found: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
             id="ready",
         ),
         pytest.param(
-            {"spec_replicas": 0, "replicas": 0, "ready_replicas": 0, "members": {}},
+            # As observe_group sees it: the last assignment's targets stay in etcd, the
+            # claims went with the members' leases.
+            {
+                "spec_replicas": 0,
+                "replicas": 0,
+                "ready_replicas": 0,
+                "members": {},
+                "leader": None,
+                "unclaimed": 128,
+                "moving": 128,
+            },
             ("True", "ScaledToZero"),
             ("False", "Stable"),
             ("False", "AsExpected"),
@@ -397,6 +409,97 @@ def test_skew_is_left_out_while_rebalancing_and_the_condition_says_why() -> None
     )
     # Settled again: the skew is back.
     assert status(observed(), [], T0)["skew"] == 1
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        pytest.param(
+            # After running: every target still names a member that left; nothing claims.
+            {"unowned": 0, "unclaimed": 128, "moving": 128},
+            id="after-running",
+        ),
+        pytest.param(
+            # Created with replicas: 0 (README: --member-groups gives the others 0).
+            {"assignment_generation": 0, "unowned": 128, "unclaimed": 128, "moving": 0},
+            id="never-started",
+        ),
+    ],
+)
+def test_scaled_to_zero_is_stable_whatever_the_targets_say(changes: dict[str, Any]) -> None:
+    """Scaled to zero, the group showed Rebalancing ("128 of 128 partitions moving
+    between 0 members") or Reconciling for ever: the targets stay in etcd and count as
+    moving or unclaimed, though with no member nothing can move."""
+    zero = observed(
+        spec_replicas=0, replicas=0, ready_replicas=0, members={}, leader=None, **changes
+    )
+    st = status(zero, [], T0)
+    assert summary(st["conditions"])["Ready"] == ("True", "ScaledToZero")
+    assert summary(st["conditions"])["Progressing"] == ("False", "Stable")
+    assert st["skew"] == 0
+
+
+def test_a_member_cut_from_nats_without_a_share_is_not_rebalancing() -> None:
+    """The leader gives a member that reports it cannot reach NATS no partition
+    (election._eligible). Its zero share read as a newcomer's: "Rebalancing: 0 of 128
+    partitions moving" for as long as it stayed cut, and no skew."""
+    cut = observed(
+        members={"c-0": 64, "c-1": 64, "c-2": 0},
+        nats_ok={"c-0": True, "c-1": True, "c-2": False},
+        moving=0,
+    )
+    st = status(cut, [], T0)
+    assert summary(st["conditions"])["Progressing"] == ("False", "Stable")
+    assert st["skew"] == 64
+    # A newcomer that reaches NATS still waits for its share.
+    joined = dataclasses.replace(cut, nats_ok={"c-2": True})
+    assert summary(conditions(joined))["Progressing"] == ("True", "Rebalancing")
+
+
+def test_etcd_unread_leaves_what_etcd_said_in_the_status() -> None:
+    """With etcd unreadable, the status said leader "", 0 members, assignmentGeneration
+    0, partitionsPerMember 0..0 and skew 0, and deleted stalledPartitions: guesses, and
+    the return to the true generation looked like a rebalance."""
+    unread = observed(
+        members={},
+        leader=None,
+        assignment_generation=0,
+        unowned=128,
+        unclaimed=128,
+        etcd_read=False,
+        problem=("EtcdUnavailable", "etcd at x unavailable: timeout"),
+    )
+    st = status(unread, [], T0)
+    assert not set(ETCD_FIELDS) & set(st), st  # left out: the merge patch keeps them
+    assert st["replicas"] == 3 and summary(st["conditions"])["Ready"][1] == "EtcdUnavailable"
+    assert set(ETCD_FIELDS) <= set(status(observed(), [], T0))
+
+
+def test_a_resets_pause_is_paused() -> None:
+    """A reset's pause (interrupted `shoal-consumer reset`) says so, apart from
+    spec.paused's."""
+    record = PauseRecord(by="alice@host", time=1_767_225_600.0, source=RESET_SOURCE)
+    found = by_type(conditions(observed(paused=record)))
+    assert (found["Paused"]["status"], found["Paused"]["reason"]) == ("True", "ResetPaused")
+    assert "`shoal-consumer reset`" in found["Paused"]["message"]
+    assert found["Progressing"]["reason"] == "Paused"
+    spec = PauseRecord(by="kubectl-patch", time=1_767_225_600.0, source="spec.paused")
+    assert by_type(conditions(observed(paused=spec)))["Paused"]["reason"] == "SpecPaused"
+
+
+@pytest.mark.parametrize(
+    "when", [b"1e17", b"1e300", b"-5", b"NaN", b"Infinity", b"253402300800", b"1" + b"0" * 400]
+)
+def test_a_pause_time_out_of_range_is_an_unknown_time(when: bytes) -> None:
+    """A pause record's time that parses but no clock gives (1e17, 1e300) made
+    format_time raise (OverflowError, OSError) in every status tick: no status was
+    written at all."""
+    record = PauseRecord.parse(b'{"by": "x", "time": %s, "source": "spec.paused"}' % when)
+    assert record.time == 0.0 and record.by == "x"
+    paused = by_type(conditions(observed(paused=record)))["Paused"]
+    assert "by x at an unknown time (spec.paused)" in paused["message"]
+    # Made by hand, not parsed: shown as unknown too.
+    assert "an unknown time" in PauseRecord(by="x", time=1e300).describe()
 
 
 def test_status_carries_the_dead_letter_count_when_known() -> None:

@@ -12,10 +12,13 @@ only Kubernetes is a fake (the Deployment's status, and kopf's Events recorded).
    with its reason naming the member, one Warning per episode, across an operator restart.
    (tests/test_refusal_report.py has real refused members write and remove the key.)
 4. status.deadLetters: the messages in the group's dead-letter stream, at every tick.
+5. What etcd holds, as the status tells it: an etcd outage, a reset's pause, a group
+   scaled to zero, a member cut from NATS, a pause record with a garbage time.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import time
@@ -31,8 +34,10 @@ from harness.waiting import eventually_async
 from shoal.clients.etcd import Etcd
 from shoal.consumer.producer import Outgoing, Producer
 from shoal.contracts.names import SEQ_HEADER, Keys, dlq_subject, partition_for
+from shoal.contracts.values import PauseRecord, TargetValue
 from shoal.group.config import config_env
 from shoal.group.jetstream import ensure_group
+from shoal.group.pause import RESET_SOURCE
 from shoal.operator import reconciler
 from shoal.operator.state import OperatorMemo
 
@@ -63,8 +68,10 @@ async def call_handler(handler: object, **kwargs: Any) -> Any:
 
 
 class FakeKube:
+    replicas = 2  # the Deployment's pods, all ready
+
     async def deployment_status(self, namespace: str, name: str) -> dict[str, int]:
-        return {"replicas": 2, "ready": 2}
+        return {"replicas": self.replicas, "ready": self.replicas}
 
     async def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         return []  # read when a spec asks for more than 2 replicas: none refused
@@ -489,3 +496,165 @@ async def test_the_dead_letter_count_is_in_status(
     assert status["deadLetters"] == 3
     await js.purge_stream(config.dlq_stream)
     assert (await observe(memo, namespace, group, spec, status))["deadLetters"] == 0
+
+
+NOOP = "shoal.consumer.handlers:noop"
+
+
+async def settled_group(etcd: Etcd, keys: Keys, members: list[str], partitions: int) -> None:
+    """Assignment generation 5 written by members[0], every partition claimed by its
+    target owner (member keys written by hand, without leases)."""
+    await etcd.put(keys.leader, members[0].encode())
+    for member in members:
+        await etcd.put(keys.member(member), b'{"nats_ok": true}')
+    for p in range(partitions):
+        owner = members[p % len(members)]
+        await etcd.put(keys.partition(p), TargetValue(owner=owner, generation=5, epoch=1).to_json())
+        await etcd.put(keys.claim(p), owner.encode())
+
+
+async def test_an_etcd_outage_keeps_the_status_and_is_no_rebalance(
+    etcd: Etcd,
+    js: Any,
+    make_config: Any,
+    memo: OperatorMemo,
+    events: list[Event],
+    namespace: str,
+    group: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One tick without etcd wrote leader "", members 0, assignmentGeneration 0,
+    partitionsPerMember 0..0 and skew 0, and deleted stalledPartitions; when etcd was
+    back, the generation "changed" from 0: a Rebalanced Event and a new
+    lastRebalanceTime, with the assignment as it was."""
+    keys = Keys(namespace, group)
+    spec = {"handler": NOOP, "partitions": 16, "stallAfterSeconds": 30}
+    await ensure_group(js, make_config(partitions=16))
+    await settled_group(etcd, keys, ["c-0", "c-1"], 16)
+    await etcd.put(keys.member("c-1"), b'{"nats_ok": true, "stalled": [3]}')
+    status = await observe(memo, namespace, group, spec, {})
+    assert (status["leader"], status["assignmentGeneration"], status["members"]) == ("c-0", 5, 2)
+    rebalanced = [e for e in events if e[1] == "Rebalanced"]
+    assert len(rebalanced) == 1
+    real_read = reconciler._read_group
+
+    async def unreadable(*_: Any) -> Any:
+        raise ConnectionError("etcd away")
+
+    monkeypatch.setattr(reconciler, "_read_group", unreadable)
+    away = await observe(memo, namespace, group, spec, status)
+    assert condition(away, "Degraded")["reason"] == "EtcdUnavailable"
+    for key in (
+        "leader",
+        "assignmentGeneration",
+        "members",
+        "partitionsPerMember",
+        "skew",
+        "stalledPartitions",
+    ):
+        assert away[key] == status[key], key
+    monkeypatch.setattr(reconciler, "_read_group", real_read)
+    await asyncio.sleep(1.1)  # a new lastRebalanceTime would differ (whole seconds)
+    back = await observe(memo, namespace, group, spec, away)
+    assert [e for e in events if e[1] == "Rebalanced"] == rebalanced, events
+    assert back["lastRebalanceTime"] == status["lastRebalanceTime"]
+    assert condition(back, "Degraded")["reason"] == "PartitionsStalled"
+
+
+async def test_a_group_paused_by_a_reset_says_so(
+    etcd: Etcd,
+    js: Any,
+    make_config: Any,
+    memo: OperatorMemo,
+    events: list[Event],
+    namespace: str,
+    group: str,
+) -> None:
+    """An interrupted `shoal-consumer reset` leaves the group paused (source "reset"),
+    and the operator rightly leaves that pause; but with spec.paused false its status
+    said Paused False ("The group is not paused") while no member pulled."""
+    keys = Keys(namespace, group)
+    spec = {"handler": NOOP, "partitions": 16}
+    await ensure_group(js, make_config(partitions=16))
+    await settled_group(etcd, keys, ["c-0", "c-1"], 16)
+    record = PauseRecord(by="alice@host", time=time.time(), source=RESET_SOURCE)
+    await etcd.put(keys.paused, record.to_json())
+    status = await observe(memo, namespace, group, spec, {})
+    assert keys.paused in (await etcd.get_prefix(keys.paused))[1]
+    paused = condition(status, "Paused")
+    assert (paused["status"], paused["reason"]) == ("True", "ResetPaused"), paused
+    assert "by alice@host" in paused["message"]
+    assert condition(status, "Progressing")["reason"] == "Paused"
+
+
+async def test_a_group_scaled_to_zero_is_stable(
+    etcd: Etcd,
+    js: Any,
+    make_config: Any,
+    memo: OperatorMemo,
+    events: list[Event],
+    namespace: str,
+    group: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Scaled to zero after running: the targets stay in etcd, the claims went with the
+    leases. The status said Rebalancing ("16 of 16 partitions moving between 0
+    members") for as long as it stayed at zero."""
+    keys = Keys(namespace, group)
+    spec = {"handler": NOOP, "partitions": 16, "replicas": 0}
+    await ensure_group(js, make_config(partitions=16))
+    await settled_group(etcd, keys, ["c-0", "c-1"], 16)
+    for prefix in (keys.claims, keys.members):
+        await etcd.delete_prefix(prefix)
+    await etcd.delete(keys.leader)
+    monkeypatch.setattr(FakeKube, "replicas", 0)
+    status = await observe(memo, namespace, group, spec, {})
+    assert condition(status, "Ready")["reason"] == "ScaledToZero"
+    progressing = condition(status, "Progressing")
+    assert (progressing["status"], progressing["reason"]) == ("False", "Stable"), progressing
+    assert status["skew"] == 0
+
+
+async def test_a_member_cut_from_nats_is_no_rebalance(
+    etcd: Etcd,
+    js: Any,
+    make_config: Any,
+    memo: OperatorMemo,
+    events: list[Event],
+    namespace: str,
+    group: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The leader gives a member that cannot reach NATS nothing (election._eligible):
+    its zero share kept the group "Rebalancing: 0 of 16 partitions moving" while it
+    stayed cut."""
+    keys = Keys(namespace, group)
+    spec = {"handler": NOOP, "partitions": 16, "replicas": 3}
+    await ensure_group(js, make_config(partitions=16))
+    await settled_group(etcd, keys, ["c-0", "c-1"], 16)
+    await etcd.put(keys.member("c-2"), b'{"nats_ok": false}')
+    monkeypatch.setattr(FakeKube, "replicas", 3)
+    status = await observe(memo, namespace, group, spec, {})
+    assert condition(status, "Progressing")["reason"] == "Stable", condition(status, "Progressing")
+    assert status["partitionsPerMember"] == {"min": 0, "max": 8}
+
+
+async def test_a_garbage_pause_time_does_not_stop_the_status_timer(
+    etcd: Etcd,
+    js: Any,
+    make_config: Any,
+    memo: OperatorMemo,
+    events: list[Event],
+    namespace: str,
+    group: str,
+) -> None:
+    """A pause record whose time parses but is out of range (1e300) made the status
+    timer raise (OverflowError in format_time) at every tick: no status at all."""
+    keys = Keys(namespace, group)
+    spec = {"handler": NOOP, "partitions": 16, "paused": True}
+    await ensure_group(js, make_config(partitions=16))
+    await settled_group(etcd, keys, ["c-0", "c-1"], 16)
+    await etcd.put(keys.paused, b'{"by": "x", "time": 1e300, "source": "cli"}')
+    status = await observe(memo, namespace, group, spec, {})
+    paused = condition(status, "Paused")
+    assert paused["status"] == "True" and "by x at an unknown time" in paused["message"]

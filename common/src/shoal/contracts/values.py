@@ -113,6 +113,18 @@ class ScaleRecord(BaseModel):
             return None
 
 
+#: 10000-01-01T00:00:00Z: no Unix time a writer's clock gives is at or beyond it (nor can
+#: TIME_FORMAT's four-digit year, or every platform's gmtime, show it).
+TIME_LIMIT = 253_402_300_800.0
+
+
+def known_time(t: float) -> float:
+    """`t` if it is a Unix time that can be shown (finite, 0 < t < TIME_LIMIT); else 0.0,
+    which the records read as an unknown time (NaN, inf, 1e300 or a negative time in etcd
+    would otherwise break format_time, and a NaN every JSON reader)."""
+    return t if math.isfinite(t) and 0.0 < t < TIME_LIMIT else 0.0
+
+
 class PauseRecord(BaseModel):
     """``paused``: the group is paused while the key exists; its value says by whom
     (``by``: the Kubernetes field manager that set spec.paused, or the user of
@@ -144,13 +156,14 @@ class PauseRecord(BaseModel):
             value = cls.model_validate_json(raw)
         except ValidationError as exc:
             raise ValueRefused(_why(exc)) from None
-        if not math.isfinite(value.time):
+        if known_time(value.time) != value.time:
+            # Out of range (or NaN, inf): an unknown time; the group is paused all the same.
             return value.model_copy(update={"time": 0.0})
         return value
 
     def describe(self) -> str:
         """`by <who> at <when> (<source>): <reason>`, for logs and the CLI."""
-        when = format_time(self.time) if self.time > 0 else "an unknown time"
+        when = format_time(self.time) if known_time(self.time) else "an unknown time"
         text = f"by {self.by or 'someone'} at {when}"
         if self.source:
             text += f" ({self.source})"

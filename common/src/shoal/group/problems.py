@@ -23,6 +23,8 @@ from typing import Any
 from shoal.clients.backoff import QuietLog
 from shoal.clients.etcd import Etcd, describe
 from shoal.clients.natsauth import NatsRefusal
+from shoal.contracts.names import format_time
+from shoal.contracts.values import known_time
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +45,23 @@ class MemberProblem:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> MemberProblem | None:
         """None unless `data` has a non-empty string reason and message and a numeric
-        since (a member of another version or a hand-edited key is not trusted)."""
+        since (a member of another version or a hand-edited key is not trusted). A since
+        that is no time that can be shown (NaN, inf, 1e300, negative) reads as 0.0, an
+        unknown time: the refusal itself still counts."""
         reason, message, since = data.get("reason"), data.get("message"), data.get("since")
         if not isinstance(reason, str) or not reason or not isinstance(message, str):
             return None
         if not isinstance(since, int | float) or isinstance(since, bool):
             return None
-        return cls(reason, message, float(since))
+        try:
+            when = known_time(float(since))
+        except OverflowError:  # an int beyond any float
+            when = 0.0
+        return cls(reason, message, when)
+
+    def describe_since(self) -> str:
+        """Since when, for people: the time, or "an unknown time"."""
+        return format_time(self.since) if known_time(self.since) else "an unknown time"
 
 
 class RefusalReporter:

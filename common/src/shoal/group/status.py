@@ -9,7 +9,7 @@ from typing import Any
 
 from shoal.assignor import owner_counts, skew
 from shoal.clients.etcd import Etcd
-from shoal.contracts.names import DEFAULT_PARTITIONS, Keys, decimal
+from shoal.contracts.names import Keys, decimal
 from shoal.contracts.values import MemberStats, PauseRecord
 from shoal.group.problems import MemberProblem
 from shoal.group.view import GroupView
@@ -37,6 +37,15 @@ class GroupStatus:
     # Who paused the group (Keys.paused); None while it runs.
     paused: PauseRecord | None = None
 
+    def moving(self) -> dict[int, tuple[str, str]]:
+        """Partition -> (the member that claims it, its target owner), for the partitions
+        claimed by another member than the assignment names (a hand-over going on)."""
+        return {
+            p: (member, self.owners[p])
+            for p, member in sorted(self.claims.items())
+            if p in self.owners and self.owners[p] != member
+        }
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "namespace": self.namespace,
@@ -52,6 +61,7 @@ class GroupStatus:
             "unclaimed": self.unclaimed,
             "stalled": {str(p): m for p, m in sorted(self.stalled.items())},
             "owners": {str(p): m for p, m in sorted(self.owners.items())},
+            "claims": {str(p): m for p, m in sorted(self.claims.items())},
             "problems": {
                 m: {"reason": p.reason, "message": p.message, "since": p.since}
                 for m, p in sorted(self.problems.items())
@@ -66,11 +76,11 @@ async def read_status(
     """The group's status from etcd. partitions None: as many as the leader's targets
     name (partitions/<p>; a command line's --partitions default, 128, would count a
     16-partition group's 112 others as unowned, and drop a 256-partition group's
-    owners above 127)."""
+    owners above 127); 0 before the first assignment, when none is named yet."""
     keys = Keys(namespace, group)
     revision, kvs = await etcd.get_prefix(keys.prefix)
     if partitions is None:
-        partitions = partition_count(keys, kvs) or DEFAULT_PARTITIONS
+        partitions = partition_count(keys, kvs)
     view = GroupView(etcd, keys, partitions)
     view.load(revision, kvs)
     return status_from_view(view, namespace, group)

@@ -42,7 +42,6 @@ from shoal.contracts.names import (
     Keys,
     default_stream_name,
     default_subject_prefix,
-    format_time,
 )
 from shoal.group.config import (
     etcd_options_from_env,
@@ -755,8 +754,18 @@ def status(group: str, namespace: str, etcd_endpoints: str, partitions: int, as_
         )
     if st.paused is not None:
         click.echo(f"  paused {st.paused.describe()}")
-    if st.unowned:
+    if not st.owners:
+        # (Not "unowned partitions: 128": without targets, the count is not known here.)
+        click.echo("  no assignment yet: no leader has given out the partitions")
+    elif st.unowned:
         click.echo(f"  unowned partitions: {len(st.unowned)}")
+    if st.owners and st.unclaimed:
+        # Owned, not consumed: the owner has not claimed it yet, is fenced, or is gone.
+        click.echo(f"  unclaimed partitions: {len(st.unclaimed)}")
+    moving = st.moving()
+    if moving:
+        shown = ", ".join(f"{p} ({claim}, target {owner})" for p, (claim, owner) in moving.items())
+        click.echo(f"  claimed by another member than their target owner: {shown}")
     if st.stalled:
         # (progress.py: work and no progress; the leader moves them.)
         stalled = ", ".join(f"{p} on {m}" for p, m in sorted(st.stalled.items()))
@@ -764,7 +773,7 @@ def status(group: str, namespace: str, etcd_endpoints: str, partitions: int, as_
     for member, problem in sorted(st.problems.items()):
         # A refused member never joins: this line is all the group knows of it.
         click.echo(
-            f"  {member:<30} cannot connect to NATS since {format_time(problem.since)}: "
+            f"  {member:<30} cannot connect to NATS since {problem.describe_since()}: "
             f"{problem.reason}: {problem.message}"
         )
 

@@ -57,6 +57,12 @@ class Observed:
     # Why the member pods could not be read, if they could not (MembersSchedulable is
     # Unknown then, rather than a guess either way).
     pods_unread: str | None = None
+    # member -> whether it reports reaching NATS (MemberStats.nats_ok; absent: True). The
+    # leader gives a member that cannot none of the partitions (election._eligible).
+    nats_ok: Mapping[str, bool] = field(default_factory=dict)
+    # Whether etcd was read: if not, what comes from it (members, leader, the assignment,
+    # stalls) is not known, and the status keeps what it said before.
+    etcd_read: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -76,13 +82,21 @@ def _condition(
 def rebalancing(o: Observed) -> bool:
     """Whether the partitions are on their way to a new assignment: a member joined and
     has no share yet, the assignment still names members that left, or partitions are
-    being handed over. Skew means nothing then (a newcomer owns 0 of 64 for a moment)."""
+    being handed over. Skew means nothing then (a newcomer owns 0 of 64 for a moment).
+
+    Without members nothing moves, whatever `moving` counts: claims go with the members'
+    leases, and the last assignment's targets stay in etcd (a group scaled to zero). A
+    member the leader leaves without a share on purpose (it reports that it cannot reach
+    NATS: election._eligible) is not waiting for one."""
+    if not o.members:
+        return False
     if o.moving:
         return True
-    if not o.members or o.unowned == o.partitions:
+    if o.unowned == o.partitions:
         return False  # no assignment yet: nothing is moving, the group is starting
     assigned = sum(o.members.values())
-    joined_without_share = len(o.members) <= o.partitions and min(o.members.values()) == 0
+    waiting = [n for m, n in o.members.items() if o.nats_ok.get(m, True)]
+    joined_without_share = len(o.members) <= o.partitions and 0 in waiting
     return assigned + o.unowned < o.partitions or joined_without_share
 
 
@@ -322,6 +336,16 @@ def conditions(o: Observed) -> list[dict[str, Any]]:
         progressing = _condition(
             "Progressing", False, "Paused", paused_message(o.paused), o.generation
         )
+    elif o.spec_replicas == 0 and o.replicas == 0 and not o.members:
+        # Scaled to zero: the targets of the last assignment stay in etcd, unclaimed (the
+        # claims went with the members' leases); nothing is on its way anywhere.
+        progressing = _condition(
+            "Progressing",
+            False,
+            "Stable",
+            "Scaled to zero: no member, nothing to move",
+            o.generation,
+        )
     elif rebalancing(o):
         progressing = _condition(
             "Progressing",
@@ -345,7 +369,10 @@ def conditions(o: Observed) -> list[dict[str, Any]]:
             o.generation,
         )
     if o.paused is not None:
-        paused = _condition("Paused", True, "SpecPaused", paused_message(o.paused), o.generation)
+        # A reset's pause (shoal-consumer reset, interrupted) stands whatever spec.paused
+        # says: ResetPaused then.
+        reason = "ResetPaused" if o.paused.source == RESET_SOURCE else "SpecPaused"
+        paused = _condition("Paused", True, reason, paused_message(o.paused), o.generation)
     else:
         paused = _condition("Paused", False, "Running", "The group is not paused", o.generation)
     return [ready, progressing, degraded, paused, schedulable(o)]
@@ -417,6 +444,17 @@ def skew(o: Observed) -> int:
     return (max(counts) - min(counts)) if counts else 0
 
 
+#: The status fields that come from etcd: status() leaves them out when etcd was not read.
+ETCD_FIELDS = (
+    "leader",
+    "assignmentGeneration",
+    "members",
+    "partitionsPerMember",
+    "skew",
+    "stalledPartitions",
+)
+
+
 def status(o: Observed, old_conditions: Sequence[Mapping[str, Any]], now: str) -> dict[str, Any]:
     counts = list(o.members.values())
     result: dict[str, Any] = {
@@ -435,6 +473,10 @@ def status(o: Observed, old_conditions: Sequence[Mapping[str, Any]], now: str) -
         # None (deleted by the status patch) when nothing is stalled: describe stays short.
         "stalledPartitions": [{"partition": p, "member": m} for p, m in o.stalled] or None,
     }
+    if not o.etcd_read:
+        # Not known (etcd unreadable): left out, so the status keeps what it said.
+        for key in ETCD_FIELDS:
+            del result[key]
     if o.lag is not None:
         result["lag"] = o.lag
     if o.dead_letters is not None:

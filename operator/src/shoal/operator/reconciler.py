@@ -741,13 +741,17 @@ async def observe_group(
     stalled: tuple[tuple[int, str], ...] = ()
     refused: tuple[tuple[str, str, str], ...] = ()
     paused: PauseRecord | None = None
+    nats_reached: dict[str, bool] = {}
+    etcd_read = False  # if not, the status keeps what etcd told before (ETCD_FIELDS)
     try:
         etcd = await _etcd(memo, config.etcd_endpoints, namespace, etcd_secret_name(model))
         group, revision = await _read_group(
             etcd, namespace, name, config.partitions, memo.group.garbage_logged
         )
+        etcd_read = True
         paused = await follow_pause(memo, config, model, meta, body, group.paused)
         members = {m: group.counts.get(m, 0) for m in group.members}
+        nats_reached = {m: stats.nats_ok for m, stats in group.members.items()}
         leader, generation_seen = group.leader, group.generation
         unowned, unclaimed = len(group.unowned), len(group.unclaimed)
         moving = sum(1 for p, owner in group.owners.items() if group.claims.get(p) != owner)
@@ -810,6 +814,8 @@ async def observe_group(
         unowned=unowned,
         unclaimed=unclaimed,
         moving=moving,
+        nats_ok=nats_reached,
+        etcd_read=etcd_read,
         stalled=stalled,
         refused=refused,
         stall_after=model.stall_after_seconds,
@@ -818,9 +824,9 @@ async def observe_group(
         problem=problem,
         selector=selector_string(name),
         # Paused by the spec: who and when as etcd has it, else as the managed fields say.
-        paused=(paused or observe.pause_record(meta.get("managedFields"), time.time()))
-        if model.paused
-        else None,
+        # Not by the spec: by a reset (follow_pause leaves its pause in force), or not.
+        paused=paused
+        or (observe.pause_record(meta.get("managedFields"), time.time()) if model.paused else None),
         unschedulable=unschedulable,
         pods_unread=pods_unread,
     )
@@ -831,7 +837,8 @@ async def observe_group(
         del new["observedGeneration"]
     else:
         new["observedGeneration"] = memo.group.reconciled_generation
-    if generation_seen and generation_seen != old.get("assignmentGeneration"):
+    # Only from what etcd said (an outage reads as generation 0, and its end as a change).
+    if etcd_read and generation_seen and generation_seen != old.get("assignmentGeneration"):
         new["lastRebalanceTime"] = now()
         kopf.info(
             body,
