@@ -125,6 +125,11 @@ def known_time(t: float) -> float:
     return t if math.isfinite(t) and 0.0 < t < TIME_LIMIT else 0.0
 
 
+def shown_time(t: float) -> str:
+    """`t` for people: the time (format_time), or "an unknown time"."""
+    return format_time(t) if known_time(t) else "an unknown time"
+
+
 class PauseRecord(BaseModel):
     """``paused``: the group is paused while the key exists; its value says by whom
     (``by``: the Kubernetes field manager that set spec.paused, or the user of
@@ -163,8 +168,7 @@ class PauseRecord(BaseModel):
 
     def describe(self) -> str:
         """`by <who> at <when> (<source>): <reason>`, for logs and the CLI."""
-        when = format_time(self.time) if known_time(self.time) else "an unknown time"
-        text = f"by {self.by or 'someone'} at {when}"
+        text = f"by {self.by or 'someone'} at {shown_time(self.time)}"
         if self.source:
             text += f" ({self.source})"
         if self.reason:

@@ -20,6 +20,7 @@ __all__ = [
     "group_has_keys",
     "pause_group",
     "read_pause",
+    "reset_holder",
     "resume_group",
     "resume_if_source",
 ]
@@ -109,13 +110,20 @@ async def resume_group(etcd: Etcd, keys: Keys) -> PauseRecord | None:
             return None
         record, revision = found
         if record.source == RESET_SOURCE:
-            _, kvs = await etcd.get_prefix(keys.resetting)
-            holder = kvs.get(keys.resetting)
+            holder = await reset_holder(etcd, keys)
             if holder is not None:
-                raise ResetRunning(record, holder.value.decode(errors="replace")[:200])
+                raise ResetRunning(record, holder)
         if await etcd.delete_if_unchanged(keys.paused, revision):
             return record
     raise RuntimeError(f"{keys.paused} was rewritten {ATTEMPTS} times while resuming")
+
+
+async def reset_holder(etcd: Etcd, keys: Keys) -> str | None:
+    """Who runs the group's reset now (Keys.resetting: by, time; its first 200
+    characters), or None when no reset runs."""
+    _, kvs = await etcd.get_prefix(keys.resetting)
+    kv = kvs.get(keys.resetting)
+    return kv.value.decode(errors="replace")[:200] if kv is not None else None
 
 
 async def group_has_keys(etcd: Etcd, keys: Keys) -> bool:

@@ -23,8 +23,7 @@ from typing import Any
 from shoal.clients.backoff import QuietLog
 from shoal.clients.etcd import Etcd, describe
 from shoal.clients.natsauth import NatsRefusal
-from shoal.contracts.names import format_time
-from shoal.contracts.values import known_time
+from shoal.contracts.values import known_time, shown_time
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +60,7 @@ class MemberProblem:
 
     def describe_since(self) -> str:
         """Since when, for people: the time, or "an unknown time"."""
-        return format_time(self.since) if known_time(self.since) else "an unknown time"
+        return shown_time(self.since)
 
 
 class RefusalReporter:

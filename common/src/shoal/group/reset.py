@@ -51,7 +51,13 @@ from shoal.contracts.names import (
 )
 from shoal.contracts.values import MemberStats, PauseRecord, ValueRefused
 from shoal.group.config import GroupConfig
-from shoal.group.pause import RESET_SOURCE, pause_group, read_pause, resume_if_source
+from shoal.group.pause import (
+    RESET_SOURCE,
+    pause_group,
+    read_pause,
+    reset_holder,
+    resume_if_source,
+)
 from shoal.group.view import freshest_member_kvs
 
 __all__ = [
@@ -534,9 +540,7 @@ class _ResetLock:
             raise
         if taken is None:
             await _revoke(etcd, lease)
-            _, kvs = await etcd.get_prefix(keys.resetting)
-            kv = kvs.get(keys.resetting)
-            holder = kv.value.decode(errors="replace")[:200] if kv is not None else "?"
+            holder = await reset_holder(etcd, keys) or "?"
             raise ResetError(
                 f"another reset of the group is running ({holder}): wait for it to end; "
                 "nothing was changed"
