@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import signal
 import subprocess
 import threading
@@ -15,7 +16,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -139,6 +140,30 @@ async def test_a_shoal_member_consumes_what_the_go_producer_publishes(
     numbered = [r.seq for r in records if r.project_id == "project-7"]
     assert None not in numbered  # the Go producer numbers every message (Shoal-Seq)
     assert sorted(n for n in numbered if n is not None) == list(range(15))
+
+
+async def test_two_go_producer_runs_with_default_run_ids_both_land(
+    binaries: dict[str, Path], make_config: Callable[..., GroupConfig], js: Any
+) -> None:
+    """Two runs without -run-id publish the same project ids: each run's default id is
+    its own (clock and random suffix, named in its summary), so JetStream keeps both
+    runs' messages instead of dropping the second as duplicates of the first."""
+    config = make_config(partitions=PARTITIONS)
+    await ensure_group(js, config)
+    command = [str(binaries["producer"]), "-url", config.nats_url]
+    command += ["-prefix", config.subject_prefix, "-partitions", str(PARTITIONS)]
+    command += ["-count", "50", "-projects", "5"]
+
+    def run() -> dict[str, Any]:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        return cast(dict[str, Any], json.loads(result.stdout))
+
+    first, second = await asyncio.gather(asyncio.to_thread(run), asyncio.to_thread(run))
+    for summary in (first, second):
+        assert re.fullmatch(r"\d{13}_[0-9a-f]{6}", summary["run_id"]), summary
+    assert first["run_id"] != second["run_id"]
+    assert (await js.stream_info(config.stream)).state.messages == 100
 
 
 def _request(

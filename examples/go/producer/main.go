@@ -8,6 +8,7 @@
 package main
 
 import (
+	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
@@ -40,7 +41,7 @@ func main() {
 	count := flag.Int("count", 1000, "messages to publish")
 	projects := flag.Int("projects", 100, "project ids, project-0 .. project-N-1 (message i goes to i mod N)")
 	pending := flag.Int("max-pending", 256, "publishes awaiting JetStream's acknowledgement at once")
-	runID := flag.String("run-id", strconv.FormatInt(time.Now().UnixMilli(), 10), "prefix of the message ids")
+	runID := flag.String("run-id", defaultRunID(), "prefix of the message ids (publish again with the same one to add only what is missing)")
 	flag.Parse()
 
 	if *vectors != "" {
@@ -93,7 +94,19 @@ func main() {
 		}
 	}
 	seconds := time.Since(start).Seconds()
-	fmt.Printf("{\"published\": %d, \"seconds\": %.3f}\n", len(acks), seconds)
+	fmt.Printf("{\"published\": %d, \"seconds\": %.3f, \"run_id\": %q}\n", len(acks), seconds, *runID)
+}
+
+// defaultRunID is the millisecond clock and 6 random hex digits, as Shoal's own producer
+// makes it (1764316800000_3f9a1c): two runs started in the same millisecond must not share
+// message ids, or JetStream drops the second one's as duplicates. No "-" in it, so a
+// message id RUN-PROJECT-N still splits at its first "-" into the run id.
+func defaultRunID() string {
+	suffix := make([]byte, 3)
+	if _, err := rand.Read(suffix); err != nil {
+		log.Fatal(err)
+	}
+	return fmt.Sprintf("%d_%s", time.Now().UnixMilli(), hex.EncodeToString(suffix))
 }
 
 // checkVectors compares Partition with every vector; 0 if all match, else 1.
