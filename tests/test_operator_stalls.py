@@ -658,3 +658,38 @@ async def test_a_garbage_pause_time_does_not_stop_the_status_timer(
     status = await observe(memo, namespace, group, spec, {})
     paused = condition(status, "Paused")
     assert paused["status"] == "True" and "by x at an unknown time" in paused["message"]
+
+
+async def test_the_lag_of_a_limits_stream_is_its_durables(
+    make_fleet: Callable[..., Fleet],
+    etcd: Etcd,
+    js: Any,
+    make_config: Any,
+    memo: OperatorMemo,
+    events: list[Event],
+    namespace: str,
+    group: str,
+) -> None:
+    """A `limits` stream keeps what was processed, so its message count is no lag: the
+    status showed no lag at all for such a group (the LAG column stayed empty while a
+    backlog grew). Now it is what waits in the durables: theirs while no member runs
+    them, the members' own reports once they do."""
+    partitions = 4
+    config = make_config(partitions=partitions, retention="limits")
+    spec = {"handler": NOOP, "partitions": partitions, "maxReplicas": partitions}
+    spec["nats"] = {"stream": {"retention": "limits"}}
+    await ensure_group(js, config)
+    items = [Outgoing(f"p-{i % 9}", b"x", f"lag-{i}") for i in range(30)]
+    await Producer(js, config.subject_prefix, partitions).publish_many(items)
+    status = await observe(memo, namespace, group, spec, {})
+    assert status.get("lag") == 30  # nobody runs the durables: they tell
+
+    fleet = make_fleet(handler=NOOP, partitions=partitions, ledger=False)
+    fleet.start("m-0", **config_env(config, ("retention",)))
+    await wait_for_status(etcd, namespace, group, partitions, settled({"m-0"}), 30)
+
+    async def lag() -> Any:
+        return (await observe(memo, namespace, group, spec, status)).get("lag")
+
+    await eventually_async(lag, 30, "the lag to reach 0", until=lambda n: n == 0, interval=0.5)
+    assert (await js.stream_info(config.stream)).state.messages == 30  # kept, processed

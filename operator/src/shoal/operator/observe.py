@@ -114,6 +114,22 @@ def stalled_partitions(
     return tuple(sorted(found))
 
 
+def members_lag(members: Mapping[str, MemberStats], partitions: int) -> tuple[int, tuple[int, ...]]:
+    """The lag the members report (num_pending + num_ack_pending of the durables they
+    run, and what they hold), and the partitions no member runs, whose lag only their
+    durables can tell.
+
+    For a work-queue stream the stream's message count is the lag; for `limits` and
+    `interest` retention the stream keeps what was processed too, so the lag is the
+    durables'. The members ask theirs every stats interval anyway: the operator asks
+    only the durables nobody runs. (During a hand-over two members may count one
+    partition for a moment.)
+    """
+    total = sum(stats.lag for stats in members.values())
+    run = {p for stats in members.values() for p in stats.owned}
+    return total, tuple(p for p in range(partitions) if p not in run)
+
+
 def by_member(stalled: Iterable[tuple[int, str]]) -> dict[str, list[int]]:
     """member -> its partitions, both sorted."""
     result: dict[str, list[int]] = {}

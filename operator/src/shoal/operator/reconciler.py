@@ -58,10 +58,15 @@ from shoal.contracts.names import (
     format_time,
 )
 from shoal.contracts.spec import ConsumerGroupSpec, NatsSpec, SpecError, parse_spec
-from shoal.contracts.values import PauseRecord, ScaleRecord
+from shoal.contracts.values import MemberStats, PauseRecord, ScaleRecord
 from shoal.group.config import GroupConfig
 from shoal.group.handlerref import HandlerError, import_handler, is_url_handler
-from shoal.group.jetstream import StreamConfigConflict, ensure_group, partition_list
+from shoal.group.jetstream import (
+    StreamConfigConflict,
+    ensure_group,
+    partition_list,
+    partition_progress,
+)
 from shoal.group.pause import RESET_SOURCE, pause_group, read_pause, resume_group
 from shoal.group.status import GroupStatus, status_from_view
 from shoal.group.view import GroupView
@@ -743,6 +748,7 @@ async def observe_group(
     paused: PauseRecord | None = None
     nats_reached: dict[str, bool] = {}
     etcd_read = False  # if not, the status keeps what etcd told before (ETCD_FIELDS)
+    member_stats: dict[str, MemberStats] = {}
     try:
         etcd = await _etcd(memo, config.etcd_endpoints, namespace, etcd_secret_name(model))
         group, revision = await _read_group(
@@ -751,6 +757,7 @@ async def observe_group(
         etcd_read = True
         paused = await follow_pause(memo, config, model, meta, body, group.paused)
         members = {m: group.counts.get(m, 0) for m in group.members}
+        member_stats = group.members
         nats_reached = {m: stats.nats_ok for m, stats in group.members.items()}
         leader, generation_seen = group.leader, group.generation
         unowned, unclaimed = len(group.unowned), len(group.unclaimed)
@@ -789,7 +796,13 @@ async def observe_group(
         else:
             _streams_present(memo)
         info = infos[config.stream] or await js.stream_info(config.stream)
-        lag = int(info.state.messages) if config.retention == "workqueue" else None
+        if config.retention == "workqueue":
+            lag = int(info.state.messages)
+        elif etcd_read:
+            try:
+                lag = await _durables_lag(js, config, member_stats)
+            except Exception as exc:  # NATS answers (the streams above): no lag this time
+                log.debug("Lag of %s/%s unavailable: %r", namespace, name, exc)
         dlq = infos[config.dlq_stream]
         dead_letters = int(dlq.state.messages) if dlq is not None else None
     except NatsSecretProblem as exc:
@@ -1042,6 +1055,16 @@ def _report_unschedulable(
     if found is not None and not was:
         kopf.warn(body, reason=scheduling.EVENT_REASON, message=found.message())
     state.unschedulable = found is not None
+
+
+async def _durables_lag(js: Any, config: GroupConfig, members: dict[str, MemberStats]) -> int:
+    """The lag of a `limits` or `interest` stream's group: what its members report, and
+    the durables of the partitions none of them runs (all of them for a group scaled to
+    zero), asked at once. A durable that does not answer fails the whole figure: a lag
+    that leaves partitions out would look like progress."""
+    reported, unrun = observe.members_lag(members, config.partitions)
+    progress = await asyncio.gather(*(partition_progress(js, config, p) for p in unrun))
+    return reported + sum(lag for lag, _ in progress)
 
 
 async def _read_group(
