@@ -9,7 +9,9 @@ only Kubernetes is a fake (the Deployment's status, and kopf's Events recorded).
 2. A real stall (tests/test_stall_moves.py's: one project's handler hangs on one member):
    from the member's own report through etcd to the operator's status and Events.
 3. A member NATS refuses (its problems/ key, written by hand, garbage beside it): Degraded
-   with its reason naming the member, one Warning per episode, across an operator restart.
+   with its reason naming the member, one Warning per episode, across an operator restart,
+   also while another problem outranks the refusals in Degraded (status.refusedMembers);
+   etcd's NOSPACE alarm likewise (one EtcdNoSpace Warning across restarts).
    (tests/test_refusal_report.py has real refused members write and remove the key.)
 4. status.deadLetters: the messages in the group's dead-letter stream, at every tick.
 5. What etcd holds, as the status tells it: an etcd outage, a reset's pause, a group
@@ -39,7 +41,7 @@ from shoal.group.config import config_env
 from shoal.group.jetstream import ensure_group
 from shoal.group.pause import RESET_SOURCE
 from shoal.operator import reconciler
-from shoal.operator.state import OperatorMemo
+from shoal.operator.state import GroupState, OperatorMemo
 
 Event = tuple[str, str, str]  # type, reason, message
 
@@ -478,6 +480,119 @@ async def test_a_member_nats_refuses_makes_the_group_degraded(
 
 def refusal_events(events: list[Event]) -> list[Event]:
     return [e for e in events if e[1].startswith("Nats")]
+
+
+async def restart(memo: OperatorMemo, **state: Any) -> None:
+    """An operator restart, as the group's memo sees it: a fresh state (with `state`, what
+    the new process's own reconcile set), the old one's etcd watch stopped."""
+    watch = memo.group.stall_watch
+    if watch is not None:
+        await watch.stop()
+    memo.group = GroupState(**state)
+
+
+async def test_a_restarted_operator_reads_the_refusals_back_while_a_problem_outranks_them(
+    etcd: Etcd,
+    js: Any,
+    make_config: Any,
+    memo: OperatorMemo,
+    events: list[Event],
+    namespace: str,
+    group: str,
+) -> None:
+    """While a problem of the group's own is the Degraded condition (here the last
+    reconcile's HandlerInvalid; EtcdNoSpace, NatsUnavailable alike), its message names no
+    refused member: status.refusedMembers lists them. A restarted operator reads them back
+    from there: no second Warning for an episode going on, a NatsRefusalEnded for one that
+    ended while no operator ran."""
+    keys = Keys(namespace, group)
+    spec = {"handler": NOOP, "partitions": 16, "replicas": 3}
+    await ensure_group(js, make_config(partitions=16))
+    await etcd.put(keys.member("c-0"), b'{"cpu": 0.1}')
+    why = "NATS refused the credentials (Authorization Violation): wrong user or password"
+    refused = json.dumps({"reason": "NatsAuthFailed", "message": why, "since": time.time()})
+    await etcd.put(keys.problem("c-1"), refused.encode())
+    await etcd.put(keys.problem("c-2"), refused.encode())
+    problem = ("HandlerInvalid", "no module named nope")
+    memo.group.problem = problem
+    status = await observe(memo, namespace, group, spec, {})
+
+    assert condition(status, "Degraded")["reason"] == "HandlerInvalid"
+    assert "c-1" not in condition(status, "Degraded")["message"]
+    assert [e[:2] for e in refusal_events(events)] == [("Warning", "NatsAuthFailed")] * 2
+
+    # Restarts, the problem still there (the new process's reconcile fails again).
+    for _ in range(3):
+        await restart(memo, problem=problem)
+        status = await observe(memo, namespace, group, spec, status)
+    assert len(refusal_events(events)) == 2
+    assert status["refusedMembers"] == [
+        {"member": "c-1", "reason": "NatsAuthFailed"},
+        {"member": "c-2", "reason": "NatsAuthFailed"},
+    ]
+
+    # NATS accepts c-2 while no operator runs (its key goes with its lease).
+    await etcd.delete(keys.problem("c-2"))
+    await restart(memo, problem=problem)
+    status = await observe(memo, namespace, group, spec, status)
+    assert refusal_events(events)[2:] == [
+        (
+            "Normal",
+            "NatsRefusalEnded",
+            "Member c-2 no longer reports that NATS refuses it (NatsAuthFailed): NATS "
+            "accepts it now, or the member left",
+        )
+    ]
+    assert status["refusedMembers"] == [{"member": "c-1", "reason": "NatsAuthFailed"}]
+
+    # The problem fixed: the refusal is the Degraded condition again, and no news.
+    await restart(memo)
+    status = await observe(memo, namespace, group, spec, status)
+    assert condition(status, "Degraded")["reason"] == "NatsAuthFailed"
+    assert len(refusal_events(events)) == 3
+    await etcd.delete(keys.problem("c-1"))
+    status = await observe(memo, namespace, group, spec, status)
+    assert "refusedMembers" not in status
+    assert [e[1] for e in refusal_events(events)[3:]] == ["NatsRefusalEnded"]
+
+
+async def test_a_restarted_operator_does_not_announce_etcd_nospace_again(
+    js: Any,
+    make_config: Any,
+    memo: OperatorMemo,
+    events: list[Event],
+    namespace: str,
+    group: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One EtcdNoSpace Warning while etcd's NOSPACE alarm stays raised, across operator
+    restarts (the new process reads it back from the Degraded condition the last one
+    wrote), and an EtcdSpaceRecovered for an alarm cleared while no operator ran."""
+    spec = {"handler": NOOP, "partitions": 16, "replicas": 2}
+    await ensure_group(js, make_config(partitions=16))
+    alarm = {"raised": True}
+
+    async def nospace(_etcd: Any) -> bool:
+        return alarm["raised"]
+
+    monkeypatch.setattr(memo.alarms, "nospace", nospace)
+    status = await observe(memo, namespace, group, spec, {})
+    status = await observe(memo, namespace, group, spec, status)
+    assert condition(status, "Degraded")["reason"] == "EtcdNoSpace"
+    for _ in range(3):
+        await restart(memo)
+        status = await observe(memo, namespace, group, spec, status)
+
+    def told() -> list[tuple[str, str]]:
+        return [e[:2] for e in events if e[1] in ("EtcdNoSpace", "EtcdSpaceRecovered")]
+
+    assert told() == [("Warning", "EtcdNoSpace")]
+
+    alarm["raised"] = False  # etcdctl alarm disarm, while no operator runs
+    await restart(memo)
+    status = await observe(memo, namespace, group, spec, status)
+    assert told() == [("Warning", "EtcdNoSpace"), ("Normal", "EtcdSpaceRecovered")]
+    assert condition(status, "Degraded")["reason"] == "AsExpected"
 
 
 async def test_the_dead_letter_count_is_in_status(

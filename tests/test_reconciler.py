@@ -8,6 +8,7 @@ and e2e/test_etcd_tls.py's to prove.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import copy
 import dataclasses
@@ -29,6 +30,7 @@ from nats.js.errors import NotFoundError
 from harness.localkube.pki import ensure_pki
 from shoal.clients.natsauth import NatsSecurity
 from shoal.contracts.spec import SpecError
+from shoal.contracts.values import ScaleRecord
 from shoal.group.jetstream import StreamConfigConflict
 from shoal.operator import reconciler
 from shoal.operator.builders import (
@@ -735,6 +737,64 @@ async def test_a_replicas_change_is_recorded(world: World, operator_memo: Operat
     assert world.events[0] == ("Normal", "Scaled", "Replicas 3 -> 5")
 
 
+async def test_a_retried_replicas_change_is_reported_once(
+    world: World, operator_memo: OperatorMemo
+) -> None:
+    """kopf stores the spec it compares with only when a handler succeeds: each retry of a
+    failed reconcile (NATS away) sees the same 3 -> 5. One Scaled Event, and lastScale as
+    the first attempt wrote it; the change after is a new one."""
+    memo = resource_memo(operator_memo)
+    spec = {"replicas": 5, "handler": GOOD}
+    world.nats_error = OSError("connection refused")
+    written = []
+    for retry in range(3):
+        patch = kopf.Patch()
+        with pytest.raises(kopf.TemporaryError):
+            await reconcile(
+                memo, "orders", spec, old={"spec": {"replicas": 3}}, retry=retry, patch=patch
+            )
+        written.append(patch["status"]["lastScale"])
+        await asyncio.sleep(1.1)  # lastScale.time has whole seconds
+    assert world.reasons("Normal") == ["Scaled"]
+    assert written == [written[0]] * 3
+    world.nats_error = None
+    patch = await reconcile(memo, "orders", spec, old={"spec": {"replicas": 3}}, retry=3)
+    assert patch["status"]["lastScale"] == written[0]
+    assert world.reasons("Normal") == ["Scaled", "Reconciled"]
+
+    patch = await reconcile(memo, "orders", {**spec, "replicas": 3}, old={"spec": spec})
+    assert (patch["status"]["lastScale"]["from"], patch["status"]["lastScale"]["to"]) == (5, 3)
+    assert world.reasons("Normal") == ["Scaled", "Reconciled", "Scaled", "Reconciled"]
+
+
+async def test_a_retried_autoscaler_change_keeps_its_reason(
+    world: World, operator_memo: OperatorMemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The autoscaler's record explains a change for SCALE_RECORD_MAX_AGE; a reconcile
+    retried past that (kopf's 6th retry comes minutes later) still says the autoscaler's
+    reason, not "spec.replicas changed", and posts no Scaled Event."""
+    memo = resource_memo(operator_memo)
+    spec = {"replicas": 5, "handler": GOOD}
+    world.nats_error = OSError("connection refused")
+    record = ScaleRecord(time=time.time() - 5, reason="lag 9000 > 3 x 2000", **{"from": 3, "to": 5})
+
+    async def scale_record(*_: Any) -> ScaleRecord:
+        return record
+
+    monkeypatch.setattr(reconciler, "_scale_record", scale_record)
+    reasons = []
+    for retry in (0, 6):
+        patch = kopf.Patch()
+        with pytest.raises(kopf.TemporaryError):
+            await reconcile(
+                memo, "orders", spec, old={"spec": {"replicas": 3}}, retry=retry, patch=patch
+            )
+        reasons.append(patch["status"]["lastScale"]["reason"])
+        record = record.model_copy(update={"time": time.time() - 301})  # minutes later
+    assert reasons == ["autoscaler: lag 9000 > 3 x 2000"] * 2
+    assert "Scaled" not in world.reasons("Normal")
+
+
 async def test_an_unchanged_replicas_is_not_a_scale(
     world: World, operator_memo: OperatorMemo
 ) -> None:
@@ -789,8 +849,10 @@ async def test_the_timer_leaves_a_group_not_yet_reconciled_alone(
     assert kube.applied == []  # the resume handler applies it
     assert degraded_reason(st) == "AsExpected"
     # Nothing applied or remembered about Secrets; what it saw of stalls, of members NATS
-    # refuses and of pods the scheduler refuses it may keep.
-    kept = dataclasses.replace(memo.group, stalled=None, refused=None, unschedulable=None)
+    # refuses, of etcd's NOSPACE alarm and of pods the scheduler refuses it may keep.
+    kept = dataclasses.replace(
+        memo.group, stalled=None, refused=None, etcd_no_space=None, unschedulable=None
+    )
     assert kept == GroupState()
 
 
@@ -1052,12 +1114,40 @@ async def test_deleting_with_a_nats_secret_never_seen_keeps_the_streams_at_last(
     FakeJetStream.deleted = []
     memo = resource_memo(operator_memo)
     spec = {"handler": GOOD, "deletionPolicy": "Delete", "nats": {"tlsSecret": "gone"}}
-    with pytest.raises(kopf.TemporaryError, match="gone"):
-        await delete(memo, "orders", spec, retry=0)
+    for retry in range(reconciler.DELETE_SECRET_RETRIES):
+        with pytest.raises(kopf.TemporaryError, match="gone"):
+            await delete(memo, "orders", spec, retry=retry)
     await delete(memo, "orders", spec, retry=reconciler.DELETE_SECRET_RETRIES)
     assert FakeJetStream.deleted == []
     assert world.reasons("Warning") == ["StreamsKept"]
     assert "streams are left in place" in world.events[-1][2]
+
+
+async def test_waiting_for_the_pods_to_leave_spends_none_of_the_secret_retries(
+    world: World, operator_memo: OperatorMemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kopf's `retry` also counts the retries that waited for the consumer pods to leave:
+    the Secret still gets its DELETE_SECRET_RETRIES retries after they have left."""
+    FakeJetStream.deleted = []
+    memo = resource_memo(operator_memo)
+    spec = {"handler": GOOD, "deletionPolicy": "Delete", "nats": {"tlsSecret": "gone"}}
+    pods = [2, 2, 1, 1, 1, 1]  # members draining for ~20 s (kopf retries every 3 s)
+
+    async def remove_consumers(*_: Any) -> int:
+        return pods.pop(0) if pods else 0
+
+    monkeypatch.setattr(fake_kube(operator_memo), "remove_consumers", remove_consumers)
+    waited: list[str] = []
+    retry = 0
+    while True:
+        try:
+            await delete(memo, "orders", spec, retry=retry)
+            break
+        except kopf.TemporaryError as exc:
+            waited.append("pods" if "consumer pods to leave" in str(exc) else "secret")
+            retry += 1
+    assert waited == ["pods"] * 6 + ["secret"] * reconciler.DELETE_SECRET_RETRIES
+    assert world.reasons("Warning") == ["StreamsKept"]
 
 
 async def delete_with(

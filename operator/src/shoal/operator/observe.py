@@ -229,15 +229,42 @@ _REFUSED = re.compile(r"(?:^|; )member (\S+) cannot connect to NATS: (\w+): ")
 
 def refusals_in_status(status: Mapping[str, Any] | None) -> frozenset[tuple[str, str]]:
     """The (member, reason) refusals an earlier operator process announced, read back
-    from the Degraded condition it wrote (refused_message), so a restart does not post
-    their Warning again. Nothing that is not such a condition counts."""
+    from the status it wrote, so a restart does not post their Warning again (and posts
+    NatsRefusalEnded for one that ended meanwhile): its refusedMembers, which the status
+    timer writes even while a problem of the group's own (HandlerInvalid, EtcdNoSpace,
+    NatsUnavailable, ...) outranks the refusals in the Degraded condition, and which a
+    failed reconcile leaves alone. Also the refusals a Degraded condition names
+    (refused_message): what an operator that wrote no refusedMembers left. Entries that
+    are not such a pair are skipped."""
+    found: set[tuple[str, str]] = set()
+    listed = (status or {}).get("refusedMembers")
+    for item in listed if isinstance(listed, list) else ():
+        if isinstance(item, Mapping):
+            member, reason = item.get("member"), item.get("reason")
+            if isinstance(member, str) and isinstance(reason, str):
+                found.add((member, reason))
     raw = (status or {}).get("conditions")
     for c in raw if isinstance(raw, list) else ():
         if isinstance(c, Mapping) and c.get("type") == "Degraded" and c.get("status") == "True":
             message = c.get("message")
             if isinstance(message, str):
-                return frozenset(_REFUSED.findall(message))
-    return frozenset()
+                found.update(_REFUSED.findall(message))
+    return frozenset(found)
+
+
+def no_space_in_status(status: Mapping[str, Any] | None) -> bool:
+    """Whether an earlier operator process found the group's etcd with its NOSPACE alarm
+    raised (and announced it): the status it wrote is Degraded for EtcdNoSpace, which
+    the status timer puts ahead of every problem it finds once etcd answers. (A reconcile
+    that failed since wrote its own problem there: then the alarm counts as new.)"""
+    raw = (status or {}).get("conditions")
+    return any(
+        isinstance(c, Mapping)
+        and c.get("type") == "Degraded"
+        and c.get("status") == "True"
+        and c.get("reason") == "EtcdNoSpace"
+        for c in (raw if isinstance(raw, list) else ())
+    )
 
 
 def refusal_changes(
@@ -468,6 +495,7 @@ ETCD_FIELDS = (
     "partitionsPerMember",
     "skew",
     "stalledPartitions",
+    "refusedMembers",
 )
 
 
@@ -488,6 +516,9 @@ def status(o: Observed, old_conditions: Sequence[Mapping[str, Any]], now: str) -
         "conditions": stamp(conditions(o), old_conditions, now),
         # None (deleted by the status patch) when nothing is stalled: describe stays short.
         "stalledPartitions": [{"partition": p, "member": m} for p, m in o.stalled] or None,
+        # The members NATS refuses, also while a problem outranks them in Degraded (a
+        # restarted operator reads back from here which refusals it announced).
+        "refusedMembers": [{"member": m, "reason": r} for m, r, _ in o.refused] or None,
     }
     if not o.etcd_read:
         # Not known (etcd unreadable): left out, so the status keeps what it said.

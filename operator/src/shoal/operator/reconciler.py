@@ -271,14 +271,26 @@ async def report_scale(
     body: kopf.Body,
 ) -> None:
     """status.lastScale when spec.replicas changed, and a Scaled Event unless the
-    autoscaler made the change (the leader posts its own ScaledUp/ScaledDown Event)."""
+    autoscaler made the change (the leader posts its own ScaledUp/ScaledDown Event).
+
+    Once per change: kopf stores the spec it compares with (`old`) only when a handler
+    succeeds, so each retry of a failed reconcile sees the same old -> new replicas. A
+    retry writes the lastScale the first attempt decided (its time, and the autoscaler's
+    reason even once the record is too old to explain the change) and posts nothing."""
+    state = memo.group
+    after = int(spec_model(spec).replicas or 0)
+    if state.scale_reported is not None and state.scale_reported[1] != after:
+        state.scale_reported = None  # the spec asks for other replicas now: a new change
     before = ((old or {}).get("spec") or {}).get("replicas")
-    after = spec_model(spec).replicas
     if before is None or before == after:
+        return
+    if state.scale_reported is not None and state.scale_reported[0] == before:
+        patch.status["lastScale"] = state.scale_reported[2]
         return
     # Whoever set spec.replicas (kubectl scale, an HPA, the leader) came through here.
     record = await _scale_record(memo, config, secret)
-    last, by_autoscaler = observe.last_scale(int(before), int(after or 0), record, time.time())
+    last, by_autoscaler = observe.last_scale(int(before), after, record, time.time())
+    state.scale_reported = (int(before), after, last)
     patch.status["lastScale"] = last
     if not by_autoscaler:
         kopf.info(body, reason="Scaled", message=f"Replicas {before} -> {after}")
@@ -477,6 +489,7 @@ async def _reconcile(
     # 7. Done: whatever went wrong before is fixed, and this generation is applied: the
     #    status timer writes no later one into observedGeneration.
     state.problem, state.problem_spec = None, None
+    state.scale_reported = None  # kopf compares the next change with this spec
     state.reconciled_generation = int(meta.get("generation") or 0)
     patch.status["observedGeneration"] = state.reconciled_generation
     kopf.info(
@@ -769,7 +782,7 @@ async def observe_group(
         )
         refused = tuple(sorted((m, p.reason, p.message) for m, p in group.problems.items()))
         _report_refusals(body, memo, status, refused)
-        problem = await _no_space(etcd, body, memo, config.etcd_endpoints)
+        problem = await _no_space(etcd, body, memo, status, config.etcd_endpoints)
     except EtcdSecretProblem as exc:
         problem = (exc.reason, exc.message)
     except Exception as exc:
@@ -1166,11 +1179,19 @@ def _report_refusals(
 
 
 async def _no_space(
-    etcd: Etcd, body: kopf.Body, memo: OperatorMemo, endpoints: str
+    etcd: Etcd, body: kopf.Body, memo: OperatorMemo, status: Any, endpoints: str
 ) -> tuple[str, str] | None:
     """EtcdNoSpace while the group's etcd has its NOSPACE alarm raised (a Warning Event
-    when it is raised, a Normal one when it is cleared; nothing in between)."""
+    when it is raised, a Normal one when it is cleared; nothing in between). A new
+    operator process takes whether it was raised from the `status` the last one wrote
+    (observe.no_space_in_status), so a restart neither posts the Warning again nor misses
+    the end of an alarm cleared meanwhile."""
     state = memo.group
+    known = (
+        state.etcd_no_space
+        if state.etcd_no_space is not None
+        else observe.no_space_in_status(status)
+    )
     message = (
         f"etcd at {endpoints} has its NOSPACE alarm raised and refuses writes: members "
         "consume the partitions they hold, but none can join, claim or move a partition "
@@ -1180,10 +1201,11 @@ async def _no_space(
         raised = await memo.alarms.nospace(etcd)
     except Exception as exc:  # a best effort (the status read itself has just worked):
         log.debug("etcd alarms unavailable: %r", exc)  # keep what we knew
-        return ("EtcdNoSpace", message) if state.etcd_no_space else None
-    if raised and not state.etcd_no_space:
+        state.etcd_no_space = known
+        return ("EtcdNoSpace", message) if known else None
+    if raised and not known:
         kopf.warn(body, reason="EtcdNoSpace", message=message)
-    elif state.etcd_no_space and not raised:
+    elif known and not raised:
         kopf.info(
             body,
             reason="EtcdSpaceRecovered",
@@ -1197,8 +1219,23 @@ async def _no_space(
 _ETCD_DOWN: tuple[type[BaseException], ...] = (EtcdUnavailable, *TRANSIENT_ERRORS)
 
 # A deleted group whose etcd Secret is gone (and was never read by this process) keeps
-# its etcd keys after this many retries, rather than blocking its namespace's deletion.
+# its etcd keys after this many retries, rather than blocking its namespace's deletion
+# (and its streams likewise, for its NATS Secrets).
 DELETE_SECRET_RETRIES = 5
+
+
+def _secret_retry(memo: OperatorMemo, message: str, exc: BaseException) -> None:
+    """Deleting the group, its etcd or NATS Secret cannot be used (gone, forbidden,
+    invalid): retry, with backoff, until DELETE_SECRET_RETRIES such failures; then return
+    (the caller leaves what the Secret was for in place). Counted here, not by kopf's
+    `retry`, which also counts the retries that waited for the consumer pods to leave or
+    for etcd to answer: those must not use up the Secret's. One count for both Secrets: a
+    finalizer that gave up on one does not wait as long again for the other."""
+    state = memo.group
+    if state.delete_secret_failures < DELETE_SECRET_RETRIES:
+        delay = min(30, 3 * 2**state.delete_secret_failures)
+        state.delete_secret_failures += 1
+        raise kopf.TemporaryError(message, delay=delay) from exc
 
 
 def _etcd_unreachable_on_delete(
@@ -1333,11 +1370,10 @@ async def delete(
     status: kopf.Status,
     patch: kopf.Patch,
     meta: kopf.Meta,
-    retry: int = 0,
-    **_: Any,
+    **_: Any,  # kopf's `retry` too: the deletion steps count their own (_secret_retry)
 ) -> None:
     try:
-        await _delete(name, namespace, spec, memo, body, status, patch, meta, retry)
+        await _delete(name, namespace, spec, memo, body, status, patch, meta)
     finally:
         # The clients only this group used: closed. A retry takes them up again.
         clients: NatsClients = memo.nats
@@ -1355,7 +1391,6 @@ async def _delete(
     status: kopf.Status,
     patch: kopf.Patch,
     meta: kopf.Meta,
-    retry: int,
 ) -> None:
     namespace = namespace or "default"  # ConsumerGroups are namespaced
     settings: OperatorSettings = memo.settings
@@ -1381,8 +1416,7 @@ async def _delete(
         )
         await etcd.delete_prefix(prefix)
     except EtcdSecretProblem as exc:
-        if retry < DELETE_SECRET_RETRIES:
-            raise kopf.TemporaryError(exc.message, delay=min(30, 3 * 2**retry)) from exc
+        _secret_retry(memo, exc.message, exc)
         message = f"{exc.message}: the group's etcd keys under {prefix} are left in place"
         kopf.warn(body, reason="EtcdKeysKept", message=message)
     except _ETCD_DOWN as exc:
@@ -1394,8 +1428,7 @@ async def _delete(
         try:
             nc = await _nats(memo, config, model.nats, attempts=2, stale_ok=True)
         except NatsSecretProblem as exc:
-            if retry < DELETE_SECRET_RETRIES:
-                raise kopf.TemporaryError(exc.message, delay=min(30, 3 * 2**retry)) from exc
+            _secret_retry(memo, exc.message, exc)
             message = f"{exc.message}: the group's streams are left in place"
             kopf.warn(body, reason="StreamsKept", message=message)
             return

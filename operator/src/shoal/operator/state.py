@@ -55,6 +55,12 @@ class GroupState:
     # What the group's NATS Secrets held (their versions, the credentials' form) when the
     # Deployment was last applied; None before that.
     nats_secrets: NatsPodSecrets | None = None
+    # The change of spec.replicas a reconcile reported (status.lastScale, the Scaled
+    # Event) and that no reconcile has applied yet: (from, to, the lastScale written).
+    # kopf gives each retry of a failed reconcile the same old spec, so a retry of this
+    # change reports nothing new (reconciler.report_scale). Cleared by a reconcile that
+    # succeeds, and once the spec asks for other replicas.
+    scale_reported: tuple[int, int, dict[str, Any]] | None = None
     # Deleting the group: when (monotonic) clearing its etcd keys first failed because
     # etcd was unreachable, and whether the deletionPolicy's decision was announced.
     delete_etcd_failing_since: float | None = None
@@ -62,9 +68,15 @@ class GroupState:
     # Deleting the group with deletionPolicy Delete: when (monotonic) deleting its streams
     # first failed (NATS unreachable or refusing); retried for a bounded time.
     delete_streams_failing_since: float | None = None
+    # Deleting the group: the retries so far because its etcd or NATS Secret could not be
+    # used (bounded by reconciler.DELETE_SECRET_RETRIES; kopf's `retry` counts others too).
+    delete_secret_failures: int = 0
     # Whether the group's etcd had its NOSPACE alarm raised at the last observation (an
     # Event is posted when it is raised and when it is cleared, not every observation).
-    etcd_no_space: bool = False
+    # None until this process observed the group: it then starts from the status's
+    # Degraded condition (reason EtcdNoSpace), so a restarted operator does not post the
+    # Warning again.
+    etcd_no_space: bool | None = None
     # (partition, member) pairs reported stalled at the last observation that read etcd:
     # a PartitionStalled Event is posted for each new pair, not at every observation.
     # None until this process observed the group: it then starts from the status's
@@ -72,7 +84,7 @@ class GroupState:
     stalled: frozenset[tuple[int, str]] | None = None
     # (member, reason) of the members that reported NATS refusing them at the last
     # observation that read etcd (Keys.problems): a Warning is posted for each new one.
-    # None until this process observed the group (then: the status's Degraded message).
+    # None until this process observed the group (then: the status's refusedMembers).
     refused: frozenset[tuple[str, str]] | None = None
     # Whether the scheduler refused some of the group's pods at the last observation that
     # knew (a MembersUnschedulable Warning is posted when this turns True, once). None
