@@ -379,7 +379,7 @@ def test_consumer_pod_policy_names_the_label_and_annotation_shoal_writes() -> No
     policy = only(render(), "ValidatingAdmissionPolicy")
     variables = {v["name"]: v["expression"] for v in policy["spec"]["variables"]}
     assert variables["cost"] == f"'{DELETION_COST_ANNOTATION}'"
-    assert f"k == '{GROUP_LABEL}'" in policy["spec"]["validations"][0]["expression"]
+    assert f"[?'{GROUP_LABEL}']" in policy["spec"]["validations"][0]["expression"]
     for setting, where in (
         ("consumerPodPolicy.groupLabel=example.com/group", "/consumerPodPolicy/groupLabel"),
         ("consumerPodPolicy.annotation=example.com/cost", "/consumerPodPolicy/annotation"),
