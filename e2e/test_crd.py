@@ -265,6 +265,19 @@ def test_replicas_zero_is_refused_while_autoscaling_is_enabled(
     assert get_json(crd, "cg", "auto", "-n", namespace)["spec"]["replicas"] == 0
 
 
+def test_replicas_beyond_partitions_are_refused(crd: LocalKube, namespace: str) -> None:
+    """A member beyond the partition count owns none: `kubectl scale cg --replicas=20` on a
+    group of 16 partitions made 4 idle members and said nothing. Refused, through the
+    scale subresource too, as maxReplicas beyond partitions is."""
+    message = refused(crd, group("wide", namespace, partitions=4, maxReplicas=4, replicas=5))
+    assert "replicas must not exceed partitions" in message
+    apply(crd, group("narrow", namespace, partitions=4, maxReplicas=4, replicas=4))
+    result = crd.kubectl("scale", "cg", "narrow", "-n", namespace, "--replicas=5", check=False)
+    assert result.returncode != 0, result.stdout
+    assert "replicas must not exceed partitions" in result.stderr, result.stderr
+    assert get_json(crd, "cg", "narrow", "-n", namespace)["spec"]["replicas"] == 4
+
+
 def test_partitions_are_immutable(crd: LocalKube, namespace: str) -> None:
     apply(crd, group("fixed", namespace, partitions=64))
     message = refused(crd, group("fixed", namespace, partitions=32))

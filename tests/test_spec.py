@@ -158,6 +158,10 @@ def test_camel_case_in_snake_case_out() -> None:
         ({"handler": "a:b", "minReplicas": 0}, "spec.minReplicas must be at least 1: a group"),
         ({"handler": "a:b", "maxReplicas": 200}, "maxReplicas must not exceed partitions"),
         (
+            {"handler": "a:b", "partitions": 4, "maxReplicas": 4, "replicas": 5},
+            "replicas must not exceed partitions",
+        ),
+        (
             {"handler": "a:b", "replicas": 0, "autoscaling": {"enabled": True}},
             "spec: replicas must be at least 1 while autoscaling is enabled",
         ),

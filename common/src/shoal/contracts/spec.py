@@ -289,6 +289,8 @@ class ConsumerGroupSpec(_Section):
             raise ValueError("minReplicas must not exceed maxReplicas")
         if self.max_replicas > self.partitions:
             raise ValueError("maxReplicas must not exceed partitions")
+        if self.replicas > self.partitions:
+            raise ValueError("replicas must not exceed partitions")
         if self.replicas < 1 and self.autoscaling.enabled:
             raise ValueError(REPLICAS_WITH_AUTOSCALING)
         if self.handler_socket and not self.handler.startswith("http://"):
