@@ -128,7 +128,7 @@ async def test_export_copies_the_log_stream(
         namespace,
         "-o",
         str(tmp_path / "recent"),
-        "--nats-url",
+        "--nats",  # as every other Shoal command names it (--nats-url too)
         nats_url,
         "--since",
         "1h",

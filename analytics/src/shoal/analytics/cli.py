@@ -82,7 +82,9 @@ def main(log_level: str) -> None:
     "(2026-11-21) or a duration back from now (30m, 24h, 7d).",
 )
 @click.option(
+    "--nats",
     "--nats-url",
+    "nats_url",
     envvar="NATS_URL",
     default="nats://127.0.0.1:4222",
     show_default=True,
