@@ -132,6 +132,23 @@ def test_unusable_handlers_fail_with_one_clear_line(spec: str, message: str) -> 
     assert "\n" not in str(info.value)
 
 
+def test_a_handler_package_in_the_current_directory_is_named_as_such(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shoal-consumer console script does not search the current directory (python
+    -m does): a new user's `run --handler mycompany.orders:handle` beside mycompany/
+    said only "No module named 'mycompany'"."""
+    (tmp_path / "mycompany").mkdir()
+    (tmp_path / "mycompany" / "orders.py").write_text("async def handle(msg): pass\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    with pytest.raises(HandlerError, match=r"in the current directory.*PYTHONPATH=\.") as info:
+        load_handler("mycompany.orders:handle")
+    assert "\n" not in str(info.value)
+    with pytest.raises(HandlerError, match="is its package installed"):
+        load_handler("elsewhere.orders:handle")
+
+
 def test_cli_help_lists_the_commands() -> None:
     result = CliRunner().invoke(main, ["--help"])
     assert result.exit_code == 0

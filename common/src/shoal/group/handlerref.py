@@ -15,6 +15,7 @@ import importlib
 import inspect
 import re
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -40,7 +41,7 @@ def import_handler(spec: str) -> Callable[..., Awaitable[Any]]:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise HandlerError(
-            f"handler {spec!r}: cannot import module {module_name!r}: {exc}"
+            f"handler {spec!r}: cannot import module {module_name!r}: {exc}{_where(exc)}"
         ) from exc
     func = getattr(module, func_name, None)
     if func is None:
@@ -49,6 +50,22 @@ def import_handler(spec: str) -> Callable[..., Awaitable[Any]]:
         raise HandlerError(f"handler {spec!r} must be an 'async def' function taking one message")
     handler: Callable[..., Awaitable[Any]] = func
     return handler
+
+
+def _where(exc: ImportError) -> str:
+    """A hint for a package that is not on the import path. Most often it sits in the
+    current directory: `python -m` puts that on the path, but the installed
+    `shoal-consumer` command does not (as for every console script)."""
+    top = (getattr(exc, "name", None) or "").partition(".")[0]
+    if not isinstance(exc, ModuleNotFoundError) or not top:
+        return ""
+    here = Path.cwd()
+    if (here / top).is_dir() or (here / f"{top}.py").is_file():
+        return (
+            f" ({top!r} is in the current directory, which the shoal-consumer command does "
+            "not search: run it with PYTHONPATH=. or install your package)"
+        )
+    return " (is its package installed, or its directory on PYTHONPATH?)"
 
 
 def is_url_handler(spec: str) -> bool:
