@@ -36,7 +36,7 @@ func Partition(projectID string, partitions int) int {
 func main() {
 	vectors := flag.String("vectors", "", "check Partition against this vectors file, then exit")
 	url := flag.String("url", nats.DefaultURL, "NATS server URL")
-	prefix := flag.String("prefix", "", "the group's subject prefix (default shoal.<namespace>.<group>)")
+	prefix := flag.String("prefix", "", "the group's subject prefix, required (a group's default is shoal.<namespace>.<group>)")
 	partitions := flag.Int("partitions", 128, "the group's partitions")
 	count := flag.Int("count", 1000, "messages to publish")
 	projects := flag.Int("projects", 100, "project ids, project-0 .. project-N-1 (message i goes to i mod N)")
