@@ -43,6 +43,8 @@ LOAD_STEP_S = 20
 # A process's RSS counts from this long after it started (imports, first buffers).
 WARM_UP_S = 30
 RSS_GROWTH_MB = 5
+SAMPLE_EVERY_S = 5
+SAMPLES_PER_MINUTE = int(60 / SAMPLE_EVERY_S)
 
 
 def minutes(m: float) -> int:
@@ -52,8 +54,13 @@ def minutes(m: float) -> int:
 
 @dataclass
 class RssWatch:
-    """Samples every member process's RSS; a process's growth runs from its first sample
-    at least WARM_UP_S after it started to its last."""
+    """Samples every member process's RSS; a process's growth runs from its floor in the
+    first minute at least WARM_UP_S after it started to its floor in its last minute.
+
+    Floors, not single samples: RSS jumps by ~8 MB for a few seconds while a burst or a
+    reconnect fills buffers, and falls back (seen: 95.8, 106.8, 95.8 MB a minute apart).
+    A growth measured to the last sample failed a soak whose member had the same floor
+    for 10 minutes because that sample caught such a jump; a leak raises the floor."""
 
     g: FaultGroup
     started: dict[int, tuple[str, float]] = field(default_factory=dict)
@@ -68,7 +75,7 @@ class RssWatch:
             with contextlib.suppress(OSError, ValueError):
                 self.samples.setdefault(member.pid, []).append((now, rss_mb(member.pid)))
 
-    async def run(self, every: float = 5) -> None:
+    async def run(self, every: float = SAMPLE_EVERY_S) -> None:
         while True:
             self.sample()
             await asyncio.sleep(every)
@@ -83,13 +90,16 @@ class RssWatch:
             warm = [mb for t, mb in self.samples.get(pid, []) if t - began >= WARM_UP_S]
             if len(warm) < 2:
                 continue
+            minute = SAMPLES_PER_MINUTE
+            start, end = min(warm[:minute]), min(warm[-minute:])
             out[f"{member_id} (pid {pid})"] = {
-                "start_mb": round(warm[0], 1),
-                "end_mb": round(warm[-1], 1),
-                "growth_mb": round(warm[-1] - warm[0], 2),
+                "start_mb": round(start, 1),
+                "end_mb": round(end, 1),
+                "growth_mb": round(end - start, 2),
+                "peak_mb": round(max(warm), 1),
                 # One sample a minute: a leak climbs to the end, a high-water mark
                 # (the allocator keeping what a burst or an outage took) levels off.
-                "per_minute_mb": [round(mb, 1) for mb in warm[:: 60 // 5]],
+                "per_minute_mb": [round(mb, 1) for mb in warm[::minute]],
             }
         return out
 
