@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -405,6 +407,19 @@ def test_bad_pods_fail_clearly_and_the_plane_keeps_running(localkube: LocalKube)
                     "containers": [{"name": "main", "image": "nginx:1.27", "command": ["nginx"]}]
                 },
             },
+            # One container runs, the other never starts: Pending (the kubelet's getPhase).
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "half", "namespace": ns},
+                "spec": {
+                    "terminationGracePeriodSeconds": 1,
+                    "containers": [
+                        {"name": "runs", "image": "shoal:dev", "command": ["sleep", "600"]},
+                        {"name": "waits", "image": "nginx:1.27", "command": ["nginx"]},
+                    ],
+                },
+            },
         ],
     )
 
@@ -419,6 +434,17 @@ def test_bad_pods_fail_clearly_and_the_plane_keeps_running(localkube: LocalKube)
     waiting = wait_until(lambda: state("foreign").get("waiting"), 60, "foreign to wait")
     assert waiting["reason"] == "ErrImageNotLocal"
     assert "nginx:1.27" in waiting["message"]
+
+    def half() -> dict[str, Any]:
+        return dict(get_json(plane, "pod", "half", "-n", ns)["status"])
+
+    wait_until(
+        lambda: any("running" in c["state"] for c in half().get("containerStatuses", [])),
+        60,
+        "half's first container to run",
+    )
+    time.sleep(1)  # a status or two later
+    assert half()["phase"] == "Pending"
     # Still serving: a new namespace round-trips.
     plane.kubectl("create", "namespace", "still-alive")
     assert get_json(plane, "namespace", "still-alive")["metadata"]["name"] == "still-alive"
@@ -676,3 +702,225 @@ def test_secret_volumes_and_secret_refs(localkube: LocalKube) -> None:
         lambda: not any(d.exists() for d in pod_dirs), 30, "the pod directories to be removed"
     )
     plane.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def notes(path: Path) -> list[tuple[float, str]]:
+    """(time, what) a TRAPPER container wrote, in order."""
+    if not path.exists():
+        return []
+    lines = [line.split(" ", 1) for line in path.read_text().splitlines() if line]
+    return [(float(stamp), what) for stamp, what in lines]
+
+
+def trapper(name: str, log: Path, on_term: str) -> list[str]:
+    """A container that notes `<name>-start`, and on SIGTERM `<name>-term`, then runs
+    `on_term` (`exit 0`: it stops; nothing: it ignores SIGTERM)."""
+    note = f'echo "$(date +%s.%N) {name}-$1" >> {log}'
+    return [
+        "sh",
+        "-c",
+        f"note() {{ {note}; }}\n"
+        f"trap 'note term; {on_term}' TERM\n"
+        "note start\n"
+        "while true; do sleep 0.1; done\n",
+    ]
+
+
+def container_status(plane: LocalKube, pod: str, ns: str, name: str) -> dict[str, Any]:
+    status = get_json(plane, "pod", pod, "-n", ns).get("status", {})
+    for item in status.get("containerStatuses", []) + status.get("initContainerStatuses", []):
+        if item["name"] == name:
+            return dict(item)
+    return {}
+
+
+def running_pid(plane: LocalKube, pod: str, ns: str, name: str) -> int | None:
+    status = container_status(plane, pod, ns, name)
+    if "running" not in status.get("state", {}):
+        return None
+    return int(status["containerID"].removeprefix("process://"))
+
+
+def test_failed_probes_stop_containers_gracefully_and_run_apart(
+    localkube: LocalKube, tmp_path: Path
+) -> None:
+    """A container failing its liveness or startup probe gets SIGTERM, then SIGKILL after
+    the probe's terminationGracePeriodSeconds (at least 2 s), not the pod's 30 s; the exit
+    is reported as containerd does (Error, 137; Completed, 0). Each probe runs apart: a
+    readiness probe taking 8 s delays no other container's liveness probe."""
+    plane, ns = localkube, "probe-kills"
+    create_namespace(plane, ns)
+    log = tmp_path / "notes"
+    failing = {"exec": {"command": ["false"]}, "periodSeconds": 1, "failureThreshold": 1}
+    slow = {"exec": {"command": ["sleep", "8"]}, "periodSeconds": 1, "timeoutSeconds": 10}
+    apply(
+        plane,
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "probed", "namespace": ns},
+            "spec": {
+                "terminationGracePeriodSeconds": 30,
+                "containers": [
+                    {
+                        "name": "slow",
+                        "image": "shoal:dev",
+                        "command": trapper("slow", log, "exit 0"),
+                        "readinessProbe": slow,
+                    },
+                    {
+                        "name": "live",
+                        "image": "shoal:dev",
+                        "command": trapper("live", log, ""),  # ignores SIGTERM
+                        "livenessProbe": {
+                            **failing,
+                            "initialDelaySeconds": 1,
+                            "terminationGracePeriodSeconds": 1,
+                        },
+                    },
+                    {
+                        "name": "boot",
+                        "image": "shoal:dev",
+                        "command": trapper("boot", log, "exit 0"),
+                        "startupProbe": failing,
+                    },
+                ],
+            },
+        },
+    )
+    try:
+        live = wait_until(
+            lambda: (c := container_status(plane, "probed", ns, "live")).get("restartCount") and c,
+            60,
+            "the container failing its liveness probe to restart",
+        )
+        boot = wait_until(
+            lambda: (c := container_status(plane, "probed", ns, "boot")).get("restartCount") and c,
+            30,
+            "the container failing its startup probe to restart",
+        )
+        said = notes(log)
+        what = [w for _, w in said]
+        stamps = {w: t for t, w in reversed(said)}  # the first of each
+        assert "live-term" in what and "boot-term" in what, what
+        terminated = live["lastState"]["terminated"]
+        assert (terminated["exitCode"], terminated["reason"]) == (137, "Error"), terminated
+        terminated = boot["lastState"]["terminated"]
+        assert (terminated["exitCode"], terminated["reason"]) == (0, "Completed"), terminated
+        # Its first liveness probe came 1 s after its start, not after the slow readiness
+        # probe (8 s) of the container before it.
+        assert stamps["live-term"] - stamps["live-start"] < 5, said
+        # SIGKILL 2 s after SIGTERM (the probe's 1 s raised to the least), then a restart.
+        second = [t for t, w in said if w == "live-start"][1:]
+        assert second, said
+        assert 1.9 <= second[0] - stamps["live-term"] < 10, said
+    finally:
+        plane.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def test_forced_deletion_still_gives_two_seconds_and_shortens_a_graceful_one(
+    localkube: LocalKube, tmp_path: Path
+) -> None:
+    """A forced deletion (grace 0) gives each container SIGTERM and at least 2 s before
+    SIGKILL; one during a graceful deletion of 60 s shortens it to that."""
+    plane, ns = localkube, "forced"
+    create_namespace(plane, ns)
+    log = tmp_path / "notes"
+
+    def pod(name: str, command: list[str]) -> dict[str, Any]:
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": ns},
+            "spec": {
+                "terminationGracePeriodSeconds": 60,
+                "containers": [{"name": "main", "image": "shoal:dev", "command": command}],
+            },
+        }
+
+    # Takes 1 s to stop after SIGTERM; the other ignores SIGTERM.
+    apply(
+        plane,
+        [
+            pod("handler", trapper("handler", log, "sleep 1; note done; exit 0")),
+            pod("stubborn", trapper("stubborn", log, "")),
+        ],
+    )
+    handler = wait_until(lambda: running_pid(plane, "handler", ns, "main"), 60, "handler to run")
+    stubborn = wait_until(lambda: running_pid(plane, "stubborn", ns, "main"), 60, "stubborn")
+    wait_until(lambda: len(notes(log)) >= 2, 30, "both to start")
+
+    plane.kubectl("delete", "pod", "handler", "-n", ns, "--grace-period=0", "--force")
+    wait_until(lambda: not alive(handler), 10, "the handler to stop")
+    assert [w for _, w in notes(log) if w.startswith("handler")] == [
+        "handler-start",
+        "handler-term",
+        "handler-done",
+    ]
+
+    plane.kubectl("delete", "pod", "stubborn", "-n", ns, "--wait=false")
+    wait_until(lambda: "stubborn-term" in [w for _, w in notes(log)], 10, "stubborn's SIGTERM")
+    time.sleep(1)
+    forced = time.monotonic()
+    plane.kubectl("delete", "pod", "stubborn", "-n", ns, "--grace-period=0", "--force")
+    wait_until(lambda: not alive(stubborn), 10, "the stubborn container to be killed")
+    took = time.monotonic() - forced
+    print(f"stubborn killed {took:.1f} s after the forced deletion")
+    assert took >= 1.5, took
+    plane.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+# Leaves a process behind: a child that ignores SIGTERM, its pid in $LEFT.
+LEAVER = (
+    "python -c 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "time.sleep(600)' &\n"
+    'echo $! > "$LEFT"\n'
+)
+
+
+def test_what_a_container_leaves_behind_dies_with_it(localkube: LocalKube, tmp_path: Path) -> None:
+    """A container's other processes go when its first one exits (a runtime kills the
+    container's PID namespace): one that exits on its own, one stopped by deletion."""
+    plane, ns = localkube, "leftovers"
+    create_namespace(plane, ns)
+
+    def pod(name: str, script: str, **spec: Any) -> dict[str, Any]:
+        env = [{"name": "LEFT", "value": str(tmp_path / name)}]
+        main = {"name": "main", "image": "shoal:dev", "command": ["sh", "-c", script], "env": env}
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": ns},
+            "spec": {"terminationGracePeriodSeconds": 10, "containers": [main], **spec},
+        }
+
+    apply(
+        plane,
+        [
+            pod("exits", LEAVER + "sleep 1; exit 1", restartPolicy="Never"),
+            pod("deleted", LEAVER + "trap 'exit 0' TERM\nwhile true; do sleep 0.1; done"),
+        ],
+    )
+
+    def left(name: str) -> int | None:
+        path = tmp_path / name
+        text = path.read_text().strip() if path.exists() else ""
+        return int(text) if text else None
+
+    exits = wait_until(lambda: left("exits"), 60, "the first pod's child")
+    deleted = wait_until(lambda: left("deleted"), 60, "the second pod's child")
+    try:
+        wait_until(
+            lambda: get_json(plane, "pod", "exits", "-n", ns)["status"].get("phase") == "Failed",
+            30,
+            "the first pod to fail",
+        )
+        wait_until(lambda: not alive(exits), 5, "the exited container's child to be killed")
+        assert alive(deleted)
+        plane.kubectl("delete", "pod", "deleted", "-n", ns, "--timeout=30s")
+        assert not alive(deleted)
+    finally:
+        for pid in (exits, deleted):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        plane.kubectl("delete", "namespace", ns, "--wait=false")

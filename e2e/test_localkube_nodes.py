@@ -252,8 +252,33 @@ def test_cordon_and_drain_move_pods_through_the_budget(plane: LocalKube) -> None
 
 
 def test_a_silent_node_turns_not_ready_and_is_tainted(plane: LocalKube) -> None:
+    """The node lifecycle controller marks a silent node NotReady, taints it and marks its
+    pods NotReady; once its kubelet is back, the kubelet marks them Ready again (its
+    status manager puts back the status it holds)."""
     node = "localkube-c"
     pid = kubelet_pid(plane, node)
+    namespace = "silent"
+    create_namespace(plane, namespace)
+    probe = {"exec": {"command": ["true"]}, "periodSeconds": 1}
+    main = {"name": "main", "image": "shoal:dev", "command": ["python", "-c", WORKER]}
+    env = [{"name": name, "value": name.lower()} for name in ("POD", "NODE")]
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "on-c", "namespace": namespace},
+        "spec": {
+            "nodeSelector": {"kubernetes.io/hostname": node},
+            "terminationGracePeriodSeconds": 1,
+            "containers": [{**main, "env": env, "readinessProbe": probe}],
+        },
+    }
+    apply(plane, pod)
+
+    def pod_ready() -> str:
+        obj = get_json(plane, "pod", "on-c", "-n", namespace)
+        return str(condition(obj, "Ready").get("status"))
+
+    wait_until(lambda: pod_ready() == "True", 60, "the pod on the node to be Ready")
     # What the node lifecycle controller puts on a node whose Ready turns Unknown: the
     # scheduler's NoSchedule taint and the NoExecute one that evicts pods.
     unreachable = [
@@ -281,11 +306,17 @@ def test_a_silent_node_turns_not_ready_and_is_tainted(plane: LocalKube) -> None:
         assert GRACE - GRACE / 4 - 0.5 <= took <= GRACE + 8, took
         others = [n for n in get_json(plane, "nodes")["items"] if n["metadata"]["name"] != node]
         assert all(condition(n, "Ready")["status"] == "True" for n in others)
+        wait_until(lambda: pod_ready() == "False", 15, "its pod to be marked NotReady")
     finally:
         os.kill(pid, signal.SIGCONT)
     resumed = time.monotonic()
     wait_until(lambda: state() == ("True", []), 30, f"{node} Ready again, untainted")
     print(f"{node} Ready and untainted {time.monotonic() - resumed:.1f} s after SIGCONT")
+    try:
+        wait_until(lambda: pod_ready() == "True", 15, "its pod to be Ready again")
+        print(f"its pod Ready again {time.monotonic() - resumed:.1f} s after SIGCONT")
+    finally:
+        plane.kubectl("delete", "namespace", namespace, "--wait=false")
 
 
 def test_kubelet_state_is_per_node(plane: LocalKube) -> None:

@@ -277,3 +277,55 @@ def test_finished_pods_stop_their_sidecars_and_startup_probes_restart(
     assert status["phase"] == "Pending"
     assert container(status, "main")["state"]["waiting"]["reason"] == "PodInitializing"
     assert names(log).count("slow-svc-start") >= 2
+
+
+def test_a_zero_grace_period_still_gives_a_sidecar_two_seconds(
+    localkube: LocalKube, tmp_path: Path
+) -> None:
+    """terminationGracePeriodSeconds 0 is not "30" (nor "at once"): once the main
+    container is done, a sidecar ignoring SIGTERM is killed 2 s after it (the least
+    a container gets), and the pod Succeeds."""
+    plane, ns = localkube, "sidecars-zero"
+    create_namespace(plane, ns)
+    log = tmp_path / "events"
+    sidecar = {
+        "name": "stubborn",
+        "image": "shoal:dev",
+        "restartPolicy": "Always",
+        # Notes SIGTERM, and runs on.
+        "command": [
+            "sh",
+            "-c",
+            f"trap 'echo \"$(date +%s.%N) stubborn-term\" >> {log}' TERM\n"
+            f'echo "$(date +%s.%N) stubborn-start" >> {log}\n'
+            "while true; do sleep 0.1; done\n",
+        ],
+    }
+    apply(
+        plane,
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "zero", "namespace": ns},
+            "spec": {
+                "restartPolicy": "Never",
+                "terminationGracePeriodSeconds": 0,
+                "initContainers": [sidecar],
+                "containers": [{"name": "main", "image": "shoal:dev", "command": ["sleep", "1"]}],
+            },
+        },
+    )
+    try:
+        wait_until(lambda: "stubborn-start" in names(log), 60, "the sidecar to start")
+        wait_until(
+            lambda: pod_status(plane, "zero", ns).get("phase") == "Succeeded",
+            20,
+            "the pod to succeed",
+        )
+        stamps = dict((what, stamp) for stamp, what in events(log))
+        assert "stubborn-term" in stamps, names(log)
+        status = pod_status(plane, "zero", ns)
+        killed = container(status, "stubborn")["state"]["terminated"]
+        assert (killed["exitCode"], killed["reason"]) == (137, "Error"), killed
+    finally:
+        plane.kubectl("delete", "namespace", ns, "--wait=false")

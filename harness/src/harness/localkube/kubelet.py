@@ -13,7 +13,8 @@ kube-api-access volume asks for; a pod without one, automountServiceAccountToken
 gets no token and no KUBECONFIG, as from a real kubelet), so RBAC applies to what the
 process does. It reports phase, readiness (exec, HTTP and TCP probes) and restarts;
 restarts crashed containers per restartPolicy with backoff; on deletion sends SIGTERM,
-then SIGKILL after the grace period. Logs go to
+then SIGKILL after the grace period (at least 2 s); a shorter grace period given later (a
+forced deletion) takes over. Logs go to
 `<pod log dir>/<namespace>_<pod>_<container>.log` and are served to `kubectl logs` on the
 port the Node's status names (the API server proxies there).
 
@@ -133,7 +134,7 @@ from harness.localkube.image import (
     ImageRoot,
     parse_stand_ins,
 )
-from harness.localkube.podrunner import PodRunner
+from harness.localkube.podrunner import PodRunner, pod_grace
 from harness.localkube.podspec import (
     POD_IP,
     ConfigError,
@@ -886,16 +887,22 @@ class ProcessKubelet:
         with self.lock:
             runner = self.pods.get(uid)
             if pod.metadata.deletion_timestamp is not None:
+                grace = float(pod.metadata.deletion_grace_period_seconds or 0)
                 if runner is not None and runner.deleting:
+                    # A shorter grace period (a forced deletion after a graceful one)
+                    # starts the termination again with it (the pod workers' UpdatePod).
+                    runner.set_grace(grace)
                     return
                 if runner is None:
                     runner = PodRunner(self, pod)
                     self.pods[uid] = runner
                 runner.deleting = True
-                grace = float(pod.metadata.deletion_grace_period_seconds or 0)
                 threading.Thread(target=self._delete, args=(runner, grace), daemon=True).start()
                 return
-            if runner is None and pod.status.phase not in ("Succeeded", "Failed"):
+            if runner is not None:
+                # What the API server holds now (the status manager's reconciliation).
+                runner.observe(pod)
+            elif pod.status.phase not in ("Succeeded", "Failed"):
                 runner = PodRunner(self, pod)
                 self.pods[uid] = runner
                 runner.start()
@@ -952,8 +959,14 @@ class ProcessKubelet:
     def _vanished(self, uid: str) -> None:
         with self.lock:
             runner = self.pods.pop(uid, None)
-        if runner is not None and not runner.deleting:
-            # Deleted with grace 0 by someone else: stop its processes now.
+        if runner is None:
+            return
+        if runner.deleting:
+            # Forced deletion during a graceful one: its grace period shrinks to the least.
+            runner.set_grace(0.0)
+        else:
+            # Deleted with grace 0 by someone else: stop its processes now (within the
+            # least grace period: 1 s for the pod, 2 s for each container).
             threading.Thread(target=runner.terminate, args=(0.0,), daemon=True).start()
 
     def _forget_vanished(self, seen: set[str]) -> None:
@@ -985,7 +998,7 @@ class ProcessKubelet:
             runners = list(self.pods.values())
         threads = []
         for runner in runners:
-            grace = float(runner.pod.spec.termination_grace_period_seconds or 30)
+            grace = pod_grace(runner.pod)
             thread = threading.Thread(target=runner.terminate, args=(min(grace, 30.0),))
             thread.start()
             threads.append(thread)

@@ -24,6 +24,7 @@ demo): then they run until `down()`.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import logging
@@ -711,9 +712,15 @@ class LocalKube:
             return
         for pid_file in pids.glob("*.pid"):
             try:
-                stop_process_group(int(pid_file.read_text()), STOP_TIMEOUT)
+                pid = int(pid_file.read_text())
             except ValueError:
-                pass
+                pid_file.unlink(missing_ok=True)
+                continue
+            stop_process_group(pid, STOP_TIMEOUT)
+            # What the container's first process left in its group (a runtime kills
+            # everything in the container when its init exits).
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
             pid_file.unlink(missing_ok=True)
 
     def __enter__(self) -> Self:

@@ -8,22 +8,40 @@ Never); a sidecar (an init container with restartPolicy Always) is started and t
 container starts once it has started (its startupProbe succeeded; without one, once it
 runs), and it is restarted with backoff whenever it exits, whatever the pod's
 restartPolicy. The main containers start once every init container is done or started;
-regular init containers never run again after that. A startupProbe holds back readiness
-and liveness probes until it succeeds; failureThreshold failures in a row kill the
-container (SIGKILL here, not the kubelet's graceful kill), which then restarts. The pod is
-Pending and not Initialized until then; it is Ready when its main containers and its
-sidecars are; initContainerStatuses are reported. On deletion every container is sent
-SIGTERM at once, except sidecars: each waits (within the grace period) for the main
-containers and the next sidecar to exit, so they stop last, in reverse order, with what is
-left of the grace period (at least 2 s) before SIGKILL. A pod whose main containers have
-all exited for good (restartPolicy Never or OnFailure), or whose init container failed,
-stops its sidecars the same way and restarts nothing. Not done: lifecycle hooks
-(postStart, preStop), container-level restartPolicy rules on regular containers, and a
-grace period of 0 kills everything at once without any order.
+regular init containers never run again after that. The pod is Pending and not
+Initialized until then (and Pending while a container waits for its first start); it is
+Ready when its main containers and its sidecars are; initContainerStatuses are reported.
+A startupProbe holds back readiness and liveness probes until it succeeds;
+failureThreshold failures in a row of a startup or liveness probe kill the container as
+the kubelet does (SIGTERM, then SIGKILL after the probe's terminationGracePeriodSeconds,
+else the pod's, at least 2 s; the pod's other work goes on meanwhile), and it then
+restarts. Each probe of each container runs in a thread of its own (the kubelet's worker
+per container and probe type), so a slow probe delays no other. On deletion every
+container is sent SIGTERM at once, except sidecars: each waits (within the grace period)
+for the main containers and the next sidecar to exit, so they stop last, in reverse order,
+with what is left of the grace period before SIGKILL. As in the kubelet, the pod's grace
+period is at least 1 s (a forced deletion too) and each container gets at least 2 s
+(minimumGracePeriodInSeconds); a deletion with a shorter grace period than the one under
+way (a forced deletion after a graceful one) starts the termination again with it. A
+container is a process group (its own session): when its first process exits, whatever it
+left in the group is killed (SIGKILL), as a runtime kills its PID namespace. A pod whose
+main containers have all exited for good (restartPolicy Never or OnFailure), or whose init
+container failed, stops its sidecars the same way and restarts nothing. Not done:
+lifecycle hooks (postStart, preStop), container-level restartPolicy rules on regular
+containers; a child that calls setsid() leaves the group and is not found.
+
+Crash-loop backoff is deliberately ten times shorter than the kubelet's, so that tests see
+restarts within seconds: 1 s, doubling to at most 30 s (the kubelet: 10 s, doubling to
+300 s), and back to 1 s after a container ran 60 s without exiting (the kubelet: 10 min).
+A container that exits is reported with reason Completed (exit 0) or Error (anything else,
+137 after SIGKILL), as containerd reports it.
 
 A PodRunner is a thread per pod: it prepares the pod's environment and volumes through its
 kubelet, starts and supervises the containers, runs their probes, and posts the pod's
-status every STATUS_PERIOD; terminate() stops them in order.
+status every STATUS_PERIOD when it changed, or when the API server holds something else
+(the node lifecycle controller marks a silent node's pods NotReady: the kubelet's status
+manager puts its own status back, as observe() sees the pod's updates); terminate() stops
+them in order.
 """
 
 from __future__ import annotations
@@ -67,10 +85,17 @@ if TYPE_CHECKING:
 log = logging.getLogger("localkube.kubelet")
 
 STATUS_PERIOD = 0.5
+# Crash-loop backoff (module docstring): 1 s doubling to MAX_BACKOFF, back to 1 s after a
+# container ran BACKOFF_RESET without exiting. The kubelet's: 10 s, 300 s and 600 s.
 MAX_BACKOFF = 30.0
-# A sidecar's shortest time between SIGTERM and SIGKILL (the kubelet's
-# minimumGracePeriodInSeconds).
+BACKOFF_RESET = 2 * MAX_BACKOFF
+# A container's shortest time between SIGTERM and SIGKILL (the kubelet's
+# minimumGracePeriodInSeconds), and a pod's shortest grace period (pod_workers.go's
+# calculateEffectiveGracePeriod: "we always supply a grace period of 1").
 MIN_GRACE = 2.0
+MIN_POD_GRACE = 1.0
+# The kubelet's default terminationGracePeriodSeconds.
+DEFAULT_GRACE = 30.0
 
 
 @dataclass
@@ -100,6 +125,16 @@ class ContainerState:
     startup_failures: int = 0
     # Image runtime: how exec probes enter the running container (sandbox.py's spec).
     enter: dict[str, Any] | None = None
+    # Probes running in their threads ("startup", "readiness", "liveness"), and their
+    # results, (kind, process probed, success), for the pod's thread to apply.
+    probing: set[str] = field(default_factory=set)
+    probe_results: list[tuple[str, Any, bool]] = field(default_factory=list)
+    # A failed startup or liveness probe is having it killed (SIGTERM, then SIGKILL).
+    killing: bool = False
+    # Crash-loop backoff: the next delay is 2 ** backoff_step s (at most MAX_BACKOFF);
+    # started_mono: when it last started (time.monotonic()).
+    backoff_step: int = 0
+    started_mono: float = 0.0
 
 
 @dataclass
@@ -129,6 +164,20 @@ class PodRunner:
     finished: bool = False
     # --pod-network: the process holding the pod's network namespace (podnet.py).
     netns: subprocess.Popen[bytes] | None = None
+    # The termination's grace period (seconds, at least MIN_POD_GRACE; None: not
+    # terminating) and when it was set (time.monotonic()); it only ever shrinks, and each
+    # change starts the termination again (grace_version counts them).
+    grace: float | None = None
+    grace_since: float = 0.0
+    grace_version: int = 0
+    grace_lock: threading.Lock = field(default_factory=threading.Lock)
+    # terminate() has begun, and has returned.
+    terminating: bool = False
+    terminated: threading.Event = field(default_factory=threading.Event)
+    # What the API server holds of the pod's conditions (type -> status), from the latest
+    # update the kubelet's watch saw (observe()), and whether one came since our last post.
+    seen: dict[str, str] | None = None
+    seen_fresh: bool = False
 
     @property
     def key(self) -> str:
@@ -242,10 +291,10 @@ class PodRunner:
     def _finish(self) -> None:
         """Stop what still runs (sidecars after the main containers, in reverse order),
         as a deletion would, and restart nothing any more."""
-        grace = float(self.pod.spec.termination_grace_period_seconds or 30)
         log.info("Pod %s has finished: stopping its sidecars", self.key)
         self.finished = True
-        for state, code in self._stop(grace):
+        self.set_grace(pod_grace(self.pod))
+        for state, code in self._stop():
             self._exited(state, code)
 
     def _start_network(self) -> None:
@@ -394,6 +443,9 @@ class PodRunner:
         state.terminated = None
         state.waiting = None
         state.started_at = now()
+        state.started_mono = time.monotonic()
+        state.killing = False
+        state.probe_results.clear()
         state.ready = spec.readiness_probe is None
         state.started = spec.startup_probe is None
         state.probe_successes = state.probe_failures = state.liveness_failures = 0
@@ -466,42 +518,109 @@ class PodRunner:
         return command
 
     def _backoff(self, state: ContainerState) -> float:
-        return min(MAX_BACKOFF, float(2 ** min(state.restarts, 6)))
+        """The delay before the next start after an exit: doubling from 1 s up to
+        MAX_BACKOFF, from 1 s again when it had run BACKOFF_RESET (module docstring)."""
+        if state.started_mono and time.monotonic() - state.started_mono >= BACKOFF_RESET:
+            state.backoff_step = 0
+        delay = min(MAX_BACKOFF, float(2**state.backoff_step))
+        state.backoff_step = min(state.backoff_step + 1, 6)
+        return delay
 
     def _exited(self, state: ContainerState, code: int) -> None:
         assert state.process is not None
+        # Its first process is gone: so is the rest of the container, whatever it started
+        # (a runtime kills the PID namespace's processes when its init exits).
+        _signal_group(state.process.pid, signal.SIGKILL)
         self.kubelet.forget_pid(self.pod, state.spec.name)
-        reason = "Completed" if code == 0 else "Error"
-        if code < 0:
-            reason = f"Signal{-code}"
-        log.info("Pod %s container %s exited with %d", self.key, state.spec.name, code)
+        # As containerd reports it: 128 + the signal that killed it, reason Error.
+        exit_code = code if code >= 0 else 128 - code
+        reason = "Completed" if exit_code == 0 else "Error"
+        log.info("Pod %s container %s exited with %d", self.key, state.spec.name, exit_code)
         state.terminated = {
-            "exitCode": code if code >= 0 else 128 - code,
+            "exitCode": exit_code,
             "reason": reason,
             "startedAt": state.started_at,
             "finishedAt": now(),
         }
         state.process = None
         state.ready = False
+        state.killing = False
         state.next_start = time.monotonic() + self._backoff(state)
 
     # -- probes ----------------------------------------------------------------------------
 
     def _probe(self, state: ContainerState) -> None:
         """Startup probe first; readiness and liveness only once it has succeeded (as
-        the real prober does). Regular init containers have no probes."""
+        the real prober does). Regular init containers have no probes. Each probe runs in
+        a thread of its own (_dispatch); its result is applied here, on the pod's thread,
+        at the next pass."""
         spec = state.spec
-        t = time.monotonic()
         if state.kind == "init":
             return
+        while state.probe_results:  # appended by the probes' threads (atomic, as pop)
+            kind, process, ok = state.probe_results.pop(0)
+            if process is state.process and not state.killing:
+                self._probe_result(state, kind, ok)
+        if state.killing or state.process is None:
+            return
+        t = time.monotonic()
         if not state.started:
-            self._startup_probe(state, t)
-            if not state.started:
-                return
+            probe = spec.startup_probe
+            if t >= state.startup_next and "startup" not in state.probing:
+                state.startup_next = t + (probe.period_seconds or 10)
+                self._dispatch(state, "startup", probe)
+            return
         probe = spec.readiness_probe
-        if probe is not None and t >= state.probe_next:
+        if probe is not None and t >= state.probe_next and "readiness" not in state.probing:
             state.probe_next = t + (probe.period_seconds or 10)
-            if self._run_probe(state, probe):
+            self._dispatch(state, "readiness", probe)
+        live = spec.liveness_probe
+        if live is not None and t >= state.liveness_next and "liveness" not in state.probing:
+            state.liveness_next = t + (live.period_seconds or 10)
+            self._dispatch(state, "liveness", live)
+
+    def _dispatch(self, state: ContainerState, kind: str, probe: Any) -> None:
+        """Run a probe in a thread of its own; its result waits in state.probe_results."""
+        process = state.process
+        inside = None
+        if state.enter is not None and process is not None:
+            inside = (process.pid, state.enter)
+        cwd = self.kubelet.pod_dir(self.pod)
+        env = state.env
+        state.probing.add(kind)
+
+        def run() -> None:
+            ok = False
+            try:
+                ok = self.kubelet.run_probe(probe, state.spec, env, cwd, inside, self.netns_path())
+            finally:
+                state.probe_results.append((kind, process, ok))
+                state.probing.discard(kind)
+
+        name = f"probe-{self.key}-{state.spec.name}-{kind}"
+        threading.Thread(target=run, name=name, daemon=True).start()
+
+    def _probe_result(self, state: ContainerState, kind: str, ok: bool) -> None:
+        spec = state.spec
+        t = time.monotonic()
+        if kind == "startup":
+            if state.started:
+                return
+            probe = spec.startup_probe
+            if ok:
+                state.started = True
+                log.info("Pod %s container %s has started", self.key, spec.name)
+                # Readiness and liveness begin now (their initial delay counts from the start).
+                state.probe_next = max(state.probe_next, t)
+                state.liveness_next = max(state.liveness_next, t)
+                return
+            state.startup_failures += 1
+            if state.startup_failures >= (probe.failure_threshold or 3):
+                state.startup_failures = 0
+                self._kill(state, "startup", probe)
+        elif kind == "readiness":
+            probe = spec.readiness_probe
+            if ok:
                 state.probe_failures = 0
                 state.probe_successes += 1
                 if state.probe_successes >= (probe.success_threshold or 1):
@@ -511,51 +630,51 @@ class PodRunner:
                 state.probe_failures += 1
                 if state.probe_failures >= (probe.failure_threshold or 3):
                     state.ready = False
-        live = spec.liveness_probe
-        if live is not None and t >= state.liveness_next and state.process is not None:
-            state.liveness_next = t + (live.period_seconds or 10)
-            if self._run_probe(state, live):
+        elif kind == "liveness":
+            probe = spec.liveness_probe
+            if ok:
                 state.liveness_failures = 0
-            else:
-                state.liveness_failures += 1
-                if state.liveness_failures >= (live.failure_threshold or 3):
-                    log.info(
-                        "Pod %s container %s failed its liveness probe: restarting",
-                        self.key,
-                        spec.name,
-                    )
-                    _signal_group(state.process.pid, signal.SIGKILL)
+                return
+            state.liveness_failures += 1
+            if state.liveness_failures >= (probe.failure_threshold or 3):
+                self._kill(state, "liveness", probe)
 
-    def _startup_probe(self, state: ContainerState, t: float) -> None:
-        """Until it succeeds once: then the container has started. failureThreshold
-        failures in a row kill it (restarted like any exit, with backoff)."""
-        probe = state.spec.startup_probe
-        if t < state.startup_next or state.process is None:
-            return
-        state.startup_next = t + (probe.period_seconds or 10)
-        if self._run_probe(state, probe):
-            state.started = True
-            log.info("Pod %s container %s has started", self.key, state.spec.name)
-            # Readiness and liveness begin now (their initial delay counts from the start).
-            state.probe_next = max(state.probe_next, t)
-            state.liveness_next = max(state.liveness_next, t)
-            return
-        state.startup_failures += 1
-        if state.startup_failures >= (probe.failure_threshold or 3):
-            log.info(
-                "Pod %s container %s failed its startup probe: restarting",
-                self.key,
-                state.spec.name,
-            )
-            state.startup_failures = 0
-            _signal_group(state.process.pid, signal.SIGKILL)
+    def _kill(self, state: ContainerState, kind: str, probe: Any) -> None:
+        """A container that failed its startup or liveness probe: SIGTERM, then SIGKILL
+        after the probe's terminationGracePeriodSeconds, else the pod's, at least 2 s
+        (setTerminationGracePeriod, killContainer), from a thread of its own. It then
+        exits like any container, and restarts."""
+        process = state.process
+        assert process is not None
+        grace = getattr(probe, "termination_grace_period_seconds", None)
+        if grace is None:
+            grace = pod_grace(self.pod)
+        allowed = max(float(grace), MIN_GRACE)
+        log.info(
+            "Pod %s container %s failed its %s probe: stopping it (grace %.0f s) to restart it",
+            self.key,
+            state.spec.name,
+            kind,
+            allowed,
+        )
+        state.killing = True
+        state.ready = False
 
-    def _run_probe(self, state: ContainerState, probe: Any) -> bool:
-        inside = None
-        if state.enter is not None and state.process is not None:
-            inside = (state.process.pid, state.enter)
-        cwd = self.kubelet.pod_dir(self.pod)
-        return self.kubelet.run_probe(probe, state.spec, state.env, cwd, inside, self.netns_path())
+        def kill() -> None:
+            _signal_group(process.pid, signal.SIGTERM)
+            try:
+                process.wait(allowed)
+            except subprocess.TimeoutExpired:
+                log.info(
+                    "Pod %s container %s ignored SIGTERM for %.0f s: killing",
+                    self.key,
+                    state.spec.name,
+                    allowed,
+                )
+                _signal_group(process.pid, signal.SIGKILL)
+
+        name = f"kill-{self.key}-{state.spec.name}"
+        threading.Thread(target=kill, name=name, daemon=True).start()
 
     # -- status ----------------------------------------------------------------------------
 
@@ -577,6 +696,8 @@ class PodRunner:
             status["containerID"] = f"process://{state.process.pid}"  # type: ignore[union-attr]
         elif state.waiting is not None:
             status["state"] = {"waiting": {"reason": state.waiting[0], "message": state.waiting[1]}}
+            if state.terminated is not None:  # it ran before (getPhase counts it stopped)
+                status["lastState"] = {"terminated": state.terminated}
         elif (
             state.terminated is not None
             and self._should_restart(state)
@@ -603,12 +724,16 @@ class PodRunner:
             status["lastState"] = {"terminated": state.last_terminated}
         return status
 
-    def _phase(self, statuses: list[dict[str, Any]]) -> str:
-        """statuses: the main containers'. Pending until initialized (kubelet's
-        getPhase), Failed when an init container failed under restartPolicy Never."""
+    def _phase(self, statuses: list[dict[str, Any]], sidecars: list[dict[str, Any]]) -> str:
+        """statuses: the main containers', sidecars: the sidecars'. Pending until
+        initialized (kubelet's getPhase), Failed when an init container failed under
+        restartPolicy Never, Pending while a container waits to run for the first time
+        (waiting, with no previous exit)."""
         if self.init_failed:
             return "Failed"
         if not self.initialized:
+            return "Pending"
+        if any("waiting" in s["state"] and "lastState" not in s for s in statuses + sidecars):
             return "Pending"
         states = [s["state"] for s in statuses]
         if any("running" in s for s in states):
@@ -631,7 +756,7 @@ class PodRunner:
         # The pod is ready when its main containers and its sidecars are (the real
         # kubelet's GenerateContainersReadyCondition).
         ready = bool(statuses) and all(s["ready"] for s in statuses + sidecars)
-        phase = self._phase(statuses)
+        phase = self._phase(statuses, sidecars)
         cond = "True" if ready else "False"
         initialized = "True" if self.initialized else "False"
         status: dict[str, Any] = {
@@ -651,8 +776,20 @@ class PodRunner:
         }
         if init_statuses:
             status["initContainerStatuses"] = init_statuses
-        if status == without_stamps(self.last_status):
+        # Unchanged, and what the API server holds agrees (or it has not changed since we
+        # posted): nothing to post. Else post it again (the kubelet's status manager's
+        # needsReconcile): the node lifecycle controller may have marked it NotReady.
+        disagrees = (
+            self.seen_fresh
+            and self.seen is not None
+            and any(
+                self.seen.get(c["type"], c["status"]) != c["status"] for c in status["conditions"]
+            )
+        )
+        if status == without_stamps(self.last_status) and not disagrees:
             return
+        if disagrees and status == without_stamps(self.last_status):
+            log.info("Pod %s: the API server holds another status: posting ours again", self.key)
         # lastTransitionTime only when a condition changes.
         previous = {c["type"]: c for c in (self.last_status or {}).get("conditions", [])}
         stamped = []
@@ -666,6 +803,7 @@ class PodRunner:
             stamped.append({**condition, "lastTransitionTime": stamp})
         status["conditions"] = stamped
         try:
+            self.seen_fresh = False
             self.kubelet.core.patch_namespaced_pod_status(
                 self.pod.metadata.name, self.pod.metadata.namespace, {"status": status}
             )
@@ -674,16 +812,59 @@ class PodRunner:
             if exc.status != 404:
                 log.warning("Pod %s: status update failed: %s", self.key, exc.reason)
 
+    def observe(self, pod: Any) -> None:
+        """An update of the pod the kubelet's watch saw: what the API server holds of its
+        status, for report() to compare with ours."""
+        conditions = (pod.status.conditions if pod.status else None) or []
+        self.seen = {c.type: c.status for c in conditions}
+        self.seen_fresh = True
+
     # -- stop ------------------------------------------------------------------------------
+
+    def set_grace(self, grace: float) -> bool:
+        """The termination's grace period, at least MIN_POD_GRACE; only a shorter one than
+        the current is taken, and restarts the termination (_stop's waits) with it. True
+        if taken."""
+        grace = max(float(grace), MIN_POD_GRACE)
+        with self.grace_lock:
+            if self.terminated.is_set() or (self.grace is not None and grace >= self.grace):
+                return False
+            if self.grace is not None:
+                log.info("Pod %s: grace period shortened to %.0f s", self.key, grace)
+            self.grace = grace
+            self.grace_since = time.monotonic()
+            self.grace_version += 1
+            return True
+
+    def _grace_now(self) -> tuple[float, float, int]:
+        with self.grace_lock:
+            assert self.grace is not None
+            return self.grace, self.grace_since, self.grace_version
 
     def terminate(self, grace: float) -> None:
         """Stop every container (_stop: sidecars after the main containers, in reverse
-        order); returns when all are gone."""
+        order); returns when all are gone. A later call with a shorter grace period, while
+        this one runs, shortens it (set_grace) and returns once it is done."""
+        self.set_grace(grace)
+        with self.grace_lock:
+            under_way, self.terminating = self.terminating, True
+        if under_way:
+            self.terminated.wait()
+            return
+        try:
+            self._terminate()
+        finally:
+            self.terminated.set()
+
+    def _terminate(self) -> None:
         self.deleting = True
         self.done.wait(5)
-        self._stop(grace)
-        for name in self.containers:
+        self._stop()
+        for name, state in self.containers.items():
             self.kubelet.forget_pid(self.pod, name)
+            if state.process is not None:
+                # Whatever its first process left behind in its group.
+                _signal_group(state.process.pid, signal.SIGKILL)
         if self.netns is not None:  # after every container: the pause container goes last
             self.netns.terminate()
             try:
@@ -697,14 +878,15 @@ class PodRunner:
         if self.done.is_set():
             self.kubelet.remove_pod_dir(self.pod)
 
-    def _stop(self, grace: float) -> list[tuple[ContainerState, int]]:
+    def _stop(self) -> list[tuple[ContainerState, int]]:
         """Stop the running containers as the real kubelet does (killContainersWith-
-        SyncResult and terminationOrdering): every container at once, each with the
-        pod's grace period, except that a sidecar first waits, within that period, for
-        every main container and every later sidecar to exit, and then gets what is left
-        of it, at least 2 s (minimumGracePeriodInSeconds). SIGTERM, then SIGKILL when its
-        time is up. grace 0 (a forced deletion): SIGTERM and SIGKILL at once, no order.
-        Returns (state, exit status) of what it stopped."""
+        SyncResult and terminationOrdering), within the grace period set_grace set: every
+        container at once, except that a sidecar first waits, within the pod's grace
+        period, for every main container and every later sidecar to exit, and then gets
+        what is left of it. SIGTERM, then SIGKILL when its time is up, at least MIN_GRACE
+        after the SIGTERM. A shorter grace period set meanwhile starts it again: SIGTERM
+        again, and the new period from then. Returns (state, exit status) of what it
+        stopped; whatever else is in a container's process group is killed after it."""
         running = {
             name: state
             for name, state in self.containers.items()
@@ -713,31 +895,41 @@ class PodRunner:
         prereqs = termination_prereqs(self._specs(), set(running))
         exited = {name: threading.Event() for name in running}
         codes: dict[str, int] = {}
-        start = time.monotonic()
 
         def stop(name: str) -> None:
             process = running[name].process
             assert process is not None
             try:
-                allowed = grace
-                if grace > 0 and prereqs[name]:
-                    for before in prereqs[name]:
-                        exited[before].wait(max(0.0, start + grace - time.monotonic()))
-                    # Whole seconds, as the kubelet counts them, and never under 2 s.
-                    allowed = max(grace - int(time.monotonic() - start), MIN_GRACE)
-                _signal_group(process.pid, signal.SIGTERM)
-                try:
-                    codes[name] = process.wait(allowed)
-                except subprocess.TimeoutExpired:
-                    if grace > 0:
+                version = -1  # the grace period SIGTERM was sent under
+                deadline = allowed = 0.0
+                while True:
+                    grace, since, current = self._grace_now()
+                    t = time.monotonic()
+                    if current != version:
+                        waiting = [b for b in prereqs[name] if not exited[b].is_set()]
+                        if waiting and t < since + grace:
+                            exited[waiting[0]].wait(min(0.1, since + grace - t))
+                            continue
+                        # Whole seconds, as the kubelet counts them, and never under 2 s.
+                        allowed = max(grace - int(t - since), MIN_GRACE)
+                        _signal_group(process.pid, signal.SIGTERM)
+                        version, deadline = current, t + allowed
+                    try:
+                        codes[name] = process.wait(max(0.0, min(0.1, deadline - t)))
+                        break
+                    except subprocess.TimeoutExpired:
+                        pass
+                    if time.monotonic() >= deadline and self._grace_now()[2] == version:
                         log.info(
                             "Pod %s container %s ignored SIGTERM for %.0f s: killing",
                             self.key,
                             name,
                             allowed,
                         )
-                    _signal_group(process.pid, signal.SIGKILL)
-                    codes[name] = process.wait()
+                        _signal_group(process.pid, signal.SIGKILL)
+                        codes[name] = process.wait()
+                        break
+                _signal_group(process.pid, signal.SIGKILL)  # what it left in its group
                 log.info("Pod %s container %s stopped (exit %d)", self.key, name, codes[name])
             finally:
                 exited[name].set()
@@ -751,6 +943,13 @@ class PodRunner:
         for thread in threads:
             thread.join()
         return [(running[name], codes[name]) for name in running if name in codes]
+
+
+def pod_grace(pod: Any) -> float:
+    """The pod's terminationGracePeriodSeconds (30 when unset; 0 stays 0, for the
+    minimums to apply)."""
+    grace = pod.spec.termination_grace_period_seconds
+    return DEFAULT_GRACE if grace is None else float(grace)
 
 
 def stand_in_command(stand_in: Path, spec: Any, env: dict[str, str]) -> list[str]:
