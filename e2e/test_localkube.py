@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from harness.kubetest import create_namespace, get_json, wait_until
 from harness.localkube.plane import LocalKube, State, alive
@@ -60,6 +61,10 @@ def pod_pids(plane: LocalKube, selector: str, namespace: str) -> dict[str, int]:
 
 
 def test_up_and_down_twice_leaves_nothing(tmp_path: Path) -> None:
+    """Twice up and down in one directory: nothing left running, and the second plane is a
+    new cluster. (It kept the first one's API objects, which pointed at NATS and etcd
+    ports the new servers no longer used: a new user's groups and operator all failed
+    after `make cluster-down` and `make cluster-up`.)"""
     for round_ in range(2):
         plane = LocalKube(tmp_path / "plane")
         started = time.monotonic()
@@ -73,7 +78,13 @@ def test_up_and_down_twice_leaves_nothing(tmp_path: Path) -> None:
             env = (plane.root / "env").read_text()
             for var in ("KUBECONFIG", "PATH", "NATS_URL", "ETCD_ENDPOINTS"):
                 assert f"export {var}=" in env
-            assert "shoal" in (plane.root / "values.yaml").read_text()
+            values = yaml.safe_load((plane.root / "values.yaml").read_text())
+            assert values["image"]["repository"] == "shoal"
+            # Not 8080, where handler services listen on this shared loopback.
+            assert values["livenessProbe"]["port"] != 8080
+            namespaces = {n["metadata"]["name"] for n in get_json(plane, "namespaces")["items"]}
+            assert "left-by-the-first" not in namespaces, f"round {round_}"
+            plane.kubectl("create", "namespace", "left-by-the-first")
         finally:
             plane.down()
         for component in state.components:

@@ -29,6 +29,7 @@ import http.client
 import json
 import logging
 import os
+import shutil
 import signal
 import ssl
 import subprocess
@@ -119,6 +120,16 @@ def plane_nodes(count: int) -> list[PlaneNode]:
         PlaneNode(f"{NODE_NAME}-{letters[i]}", ZONES[i % len(ZONES)], f"kubelet-{letters[i]}")
         for i in range(count)
     ]
+
+
+def _mount_points() -> list[Path]:
+    """Where something is mounted on this host (the mount namespace we run in)."""
+    try:
+        lines = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return []
+    # Fields are space-separated, with spaces in paths escaped as \040.
+    return [Path(line.split()[1].replace("\\040", " ")) for line in lines if line.split()]
 
 
 def is_kubelet(component: str) -> bool:
@@ -316,6 +327,7 @@ class LocalKube:
             )
         started = time.monotonic()
         tools = self._tools()
+        self._forget_earlier_plane()
         self.root.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
         clients: dict[str, str | None] = dict(CLIENTS)
@@ -345,6 +357,31 @@ class LocalKube:
             "Local plane up in %.1f s (%s)", time.monotonic() - started, self.state.apiserver_url
         )
         return self
+
+    def _forget_earlier_plane(self) -> None:
+        """Every up() is a new cluster: the data of a plane stopped before (its API
+        objects in kube-etcd, the groups' etcd and NATS, the kubelets' state, the logs)
+        is removed; the PKI stays (ensure_pki adds what a new node needs). Kept, an
+        earlier cluster's Helm release, groups, pods and Nodes came back pointing at
+        NATS and etcd ports the new servers no longer use: the operator and every group
+        failed, the old operator pod stayed Terminating on a node that no longer
+        exists, and `helm install` refused the release name."""
+        if not self.root.is_dir():
+            return
+        for path in sorted(self.root.iterdir()):
+            kubelet = path.is_dir() and is_kubelet(path.name)
+            if path.name not in ("kube-etcd", "etcd", "nats", "logs", "state.json") and not kubelet:
+                continue
+            if kubelet:  # what down() would have done, had it run to its end
+                self._kill_leftover_pods(path)
+                remove_recorded(path)
+            if not path.is_dir():
+                path.unlink(missing_ok=True)
+            elif any(m == path or path in m.parents for m in _mount_points()):
+                # Never delete through a mount (an image's root a crash left mounted).
+                log.warning("Kept %s: something is mounted below it", path)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
 
     def _record(self, name: str, pid: int, port: int | None = None, log_file: str = "") -> None:
         self.state.components.append(Component(name, pid, port, log_file))
@@ -662,6 +699,9 @@ class LocalKube:
             # The same for the probes' port: exec probes (shoal-ready) unless every pod has
             # a loopback of its own (--pod-network).
             "consumerProbes": {"port": 8081 if self.pod_network else None},
+            # And the operator's /healthz: 8080 is where handler services (the README's
+            # examples) listen, on this loopback too.
+            "livenessProbe": {"port": 8080 if self.pod_network else free_port()},
         }
         (self.root / "values.yaml").write_text(
             "# Written by `make cluster-up`: Helm values for the local plane.\n"
