@@ -171,7 +171,12 @@ def test_a_selection_describes_itself() -> None:
     [
         ("permanent error: order 42 has no customer", "permanent error"),
         ("permanent error: POST http://x answered 400 Bad Request: nope", "permanent error"),
-        ("failed 5 times, last: RuntimeError('x: y')", "failed 5 times, last"),
+        ("failed 5 times, last: RuntimeError('x: y')", "failed 5 times, last: RuntimeError"),
+        (
+            "failed 2 times, last: asyncio.TimeoutError()",
+            "failed 2 times, last: asyncio.TimeoutError",
+        ),
+        ("failed 5 times, last: ", "failed 5 times, last"),
         (
             "not acknowledged after 3 deliveries (max_deliver 3); JetStream stopped delivering it",
             "not acknowledged after 3 deliveries (max_deliver 3); JetStream stopped delivering it",
@@ -198,7 +203,7 @@ def test_the_summary_counts_by_reason_and_project_with_the_oldest_and_newest() -
     assert summary.count == 4
     assert summary.bytes == 3 + 2 + 2 + 0
     assert summary.by_reason == Counter(
-        {"permanent error": 2, "failed 2 times, last": 1, "missing Shoal-Project-Id header": 1}
+        {"permanent error": 2, "failed 2 times, last: E": 1, "missing Shoal-Project-Id header": 1}
     )
     assert summary.by_project == Counter({"p-1": 2, "p-2": 1, None: 1})
     assert summary.oldest is letters[0] and summary.newest is letters[3]
@@ -207,7 +212,7 @@ def test_the_summary_counts_by_reason_and_project_with_the_oldest_and_newest() -
         "bytes": 7,
         "by_reason": [
             {"reason": "permanent error", "count": 2},
-            {"reason": "failed 2 times, last", "count": 1},
+            {"reason": "failed 2 times, last: E", "count": 1},
             {"reason": "missing Shoal-Project-Id header", "count": 1},
         ],
         "by_project": [

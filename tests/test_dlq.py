@@ -269,7 +269,7 @@ async def test_filters_and_json_of_list_and_show(js: Any, config: GroupConfig) -
     everything = json_of(dlq(config, "list", "--json"))
     assert everything["count"] == 6
     assert everything["by_reason"] == [
-        {"reason": "failed 5 times, last", "count": 3},
+        {"reason": "failed 5 times, last: E", "count": 3},
         {"reason": "permanent error", "count": 3},
     ]
     assert everything["by_project"] == [{"project": "a", "count": 4}, {"project": "b", "count": 2}]

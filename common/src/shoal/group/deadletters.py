@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections import Counter, deque
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
@@ -119,13 +120,21 @@ class DeadLetter:
 
 
 NO_REASON = "(no reason)"
+# worker.py's reason when a handler's retries ran out: "failed N times, last: <repr>".
+_RETRIED = re.compile(r"^(failed \d+ times, last: [A-Za-z_][\w.]*)")
 
 
 def reason_kind(reason: str) -> str:
     """What `dlq list` counts by: a reason up to its first ": ", since what follows names
     the message ("permanent error: order 42 has no customer" is a "permanent error";
     "failed 5 times, last: TimeoutError()" is "failed 5 times, last"), at most 100
-    characters; NO_REASON for a dead letter without one."""
+    characters; NO_REASON for a dead letter without one. A handler's retries run out
+    with "failed 5 times, last: TimeoutError()": its kind keeps the exception's type,
+    "failed 5 times, last: TimeoutError" (the count alone would put every failure in
+    one bucket, and a cut before the type read "failed 5 times, last")."""
+    retried = _RETRIED.match(reason)
+    if retried:
+        return retried.group(1)
     head = reason.split(": ", 1)[0].strip()
     if not head:
         return NO_REASON
