@@ -604,6 +604,35 @@ def test_commands_expand_only_kubernetes_variables(localkube: LocalKube) -> None
     assert "['echo', '$HOME']" in plane.kubectl("logs", "-n", ns, "echo").stdout
 
 
+def test_exec_and_port_forward_are_refused_in_one_line(localkube: LocalKube) -> None:
+    """The process kubelet cannot enter a pod: kubectl exec and port-forward said so with
+    http.server's HTML error page ("unable to upgrade connection: <!DOCTYPE HTML>...")."""
+    plane, ns = localkube, "no-exec"
+    create_namespace(plane, ns)
+    container = {"name": "main", "image": "shoal:dev", "command": ["sleep", "600"]}
+    pod = {"restartPolicy": "Never", "terminationGracePeriodSeconds": 1}
+    apply(
+        plane,
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "sleeper", "namespace": ns},
+            "spec": {**pod, "containers": [container]},
+        },
+    )
+    wait_until(
+        lambda: get_json(plane, "pod", "sleeper", "-n", ns)["status"].get("phase") == "Running",
+        60,
+        "the pod to run",
+    )
+    for command in (["exec", "sleeper", "--", "true"], ["port-forward", "pod/sleeper", "0:8081"]):
+        result = plane.kubectl("-n", ns, *command, check=False)
+        assert result.returncode != 0
+        assert "cannot enter them" in result.stderr, result.stderr
+        assert "<!doctype" not in result.stderr.lower(), result.stderr
+    plane.kubectl("delete", "namespace", ns, "--wait=false")
+
+
 # Prints what a pod sees of its secret volume and secret env, for the test below.
 SECRET_READER = (
     "import os, stat\n"

@@ -1015,7 +1015,31 @@ class ProcessKubelet:
         kubelet = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
+            def _not_here(self) -> bool:
+                """exec, attach and port-forward (the API server proxies them here): one
+                plain line kubectl shows, not http.server's HTML error page."""
+                verb = urllib.parse.urlparse(self.path).path.strip("/").split("/")[0]
+                if verb not in ("exec", "attach", "portForward"):
+                    return False
+                body = (
+                    f"{verb}: the local plane's process kubelet runs pods as processes of "
+                    "this host and cannot enter them: use kubectl logs, and reach their "
+                    "ports on 127.0.0.1\n"
+                ).encode()
+                self.send_response(501)
+                self.send_header("Content-Type", "text/plain; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return True
+
+            def do_POST(self) -> None:
+                if not self._not_here():
+                    self.send_error(404)
+
             def do_GET(self) -> None:
+                if self._not_here():
+                    return
                 url = urllib.parse.urlparse(self.path)
                 parts = url.path.strip("/").split("/")
                 if len(parts) != 4 or parts[0] != "containerLogs":
