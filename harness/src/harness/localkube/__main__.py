@@ -91,13 +91,17 @@ def main() -> None:
             f"etcd {plane.state.etcd_endpoint}"
         )
         print(f"Use it:   source {plane.root / 'env'}   (then kubectl, helm and nats work)")
+        print(
+            "Install:  helm install shoal charts/shoal -n shoal-system --create-namespace "
+            f"-f {plane.root / 'values.yaml'}"
+        )
         print("Stop it:  make cluster-down")
     elif args.command == "down":
         plane.down()
         print("Local plane stopped")
     else:
         if not plane.state_path.exists():
-            print("Local plane: not running")
+            print(f"Local plane: not running from {plane.root.resolve()} (--root)")
             return
         state = State.load(plane.state_path)
         for component in state.components:
