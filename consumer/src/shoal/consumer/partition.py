@@ -21,6 +21,18 @@ read until the server ends it (batch complete, or a 404/408/409 status), so when
 partition is let go no pull request of ours is still open on the server. An open request
 would deliver a message after we stopped reading; that message would sit unacked until
 ack_wait, then come back to the next owner out of order.
+
+The member reads every pull's replies on one subscription (Worker.receive), where a
+JetStream message keeps its own subject: it reaches the partition's runner by the
+durable in its reply subject, and cannot be told to belong to one request rather than
+another. So a partition never has more than one request of this member open on the
+server, and the runner counts what arrives against that one: it sends the next only
+once the server ended the last; a request it ended itself (a fence, or taken for lost)
+is waited out before anything pulls the partition again (`_outlast_fenced`,
+`_lost_expires`); and it pulls nothing while NATS is away (nats-py would buffer the
+request and send it on reconnecting, beside the ones sent after it). Statuses do tell
+requests apart: each request has a reply subject of its own, so an old request's 408
+cannot end a newer one.
 """
 
 from __future__ import annotations
@@ -80,6 +92,10 @@ PULL_FLOOR = 64
 ABORT_GRACE = 5.0
 # Empty pulls in a row (fetch_expires each) after which a partition dozes (Alarm).
 DOZE_AFTER_EMPTY_PULLS = 3
+# How long after a request's expiry its end (a 408) may still be on its way to us (read
+# late by a busy member, or over a cluster's routes): a request we ended ourselves
+# counts as open on the server until it has come, or until then.
+SERVER_END_MARGIN = 1.0
 PROJECT_HEADER_BYTES = PROJECT_HEADER.encode()
 
 
@@ -187,6 +203,13 @@ class PartitionRunner:
         self._floor = min(PULL_FLOOR, worker.config.fetch_batch)
         self._cap = self._floor
         self.request: PullRequest | None = None  # the open pull request, if any
+        # Requests we ended ourselves (fenced, taken for lost) that the server may not
+        # have ended yet: their inboxes stay ours until it has (see the module docstring).
+        self._unfinished: list[PullRequest] = []
+        # A request was taken for lost with the connection: nats-py may have sent it only
+        # on reconnecting, so it may be open until `expires` after that (its expires here).
+        self._lost_expires = 0.0
+        self._quiet_until = 0.0  # (monotonic) no pull before then: see _lost_expires
         self._wakeup: asyncio.Future[None] | None = None
         self.arrived = 0  # messages delivered to our pull requests
         self.answered = 0  # pull requests the server ended with its batch, or with nothing
@@ -238,6 +261,10 @@ class PartitionRunner:
     # -- dispatch.Source ----------------------------------------------------------------
 
     def settled(self, held: Held) -> None:
+        if self.fenced and self.phase is Phase.RELEASED:
+            # A handler deaf to the fence's cancel, finished after runner_done took all
+            # this runner held off the member's count: not a second time.
+            return
         if self._held_at_restart:
             # Acked (and then in the settled ring) or naked: its next delivery is taken.
             self._held_at_restart.discard(held.seq)
@@ -413,7 +440,6 @@ class PartitionRunner:
         w = self.worker
         api = w.config.nats_js_api_prefix
         api_subject = f"{api}.CONSUMER.MSG.NEXT.{w.config.stream}.{durable_name(self.partition)}"
-        inbox = w.inbox_for(self)
         try:
             # Inside the try: whatever fails from here on still ends in runner_done,
             # which lets the claim go. (A runner that died before it left its claim
@@ -441,7 +467,17 @@ class PartitionRunner:
                 # and a noop member's 32-message pulls cost it a microsecond per message
                 # more than a plain reader's 256. A slow one keeps PULL_FLOOR, so the
                 # member's budget is not taken by a few partitions while others starve.
-                self._cap = self.hold.limit(self._floor, time.monotonic())
+                now = time.monotonic()
+                if self._lost_expires and w.nc.is_connected:
+                    # (Not before the connection is back: the request may go out then.)
+                    self._quiet_until = now + self._lost_expires + SERVER_END_MARGIN
+                    self._lost_expires = 0.0
+                if now < self._quiet_until:
+                    # A request taken for lost may still be open: what it brings meanwhile
+                    # is held as usual, and counted against no request of ours.
+                    await self.sleep_until_woken(self._quiet_until - now)
+                    continue
+                self._cap = self.hold.limit(self._floor, now)
                 room = self._room()
                 if room <= 0:
                     # Full: wait until the dispatcher settles some of ours (or, when the
@@ -452,7 +488,7 @@ class PartitionRunner:
                     w.starved.pop(self, None)
                     continue
                 sent = time.monotonic()
-                status, got = await self._pull(api_subject, inbox, room)
+                status, got = await self._pull(api_subject, room)
                 if status == "batch":
                     if time.monotonic() - sent < BACKLOG_PULL_SECONDS:
                         # Full at once: a backlog waits. Doubling from IDLE_BATCH took
@@ -464,8 +500,8 @@ class PartitionRunner:
                 elif status in ("404", "408"):
                     self._want = IDLE_BATCH
                 if status == "unsent":
-                    # NATS is away and nats-py buffers no more: nothing was asked for.
-                    # Try again after a backoff; the buffer empties on reconnecting.
+                    # NATS is away: nothing was asked for. Try again after a backoff (the
+                    # worker wakes us when the connection is back: check_connection).
                     await self.sleep_until_woken(backoff)
                     backoff = min(backoff * 2, MISSING_DURABLE_BACKOFF_MAX)
                     continue
@@ -535,19 +571,30 @@ class PartitionRunner:
                 # The worker says so once for all of them (one line per partition was
                 # 64 lines at once on a member of a group of two).
                 log.debug("Fenced: stopped consuming partition %d at once", self.partition)
+                await self._outlast_fenced()
             else:
                 await self._hand_back()
         finally:
-            w.forget_inbox(inbox)
+            for request in self._unfinished:
+                w.forget_inbox(request.inbox)
+            self._unfinished = []
             await w.runner_done(self)
 
-    async def _pull(self, api_subject: str, inbox: str, room: int) -> tuple[str, int]:
+    async def _pull(self, api_subject: str, room: int) -> tuple[str, int]:
         """Send one pull request for up to `room` messages and wait for its end.
 
-        Returns how it ended ("batch", a status such as "408", "lost" or "fenced") and how
-        many messages it brought.
+        Returns how it ended ("batch", a status such as "408", "lost", "fenced" or
+        "unsent") and how many messages it brought.
         """
         w = self.worker
+        if not w.nc.is_connected:
+            # Published now, it would wait in nats-py's reconnect buffer with every other
+            # pull sent meanwhile (each taken for lost after its expiry, and asked again),
+            # all going out live on reconnecting, each sized as if it were the only one:
+            # the member then held far more than its budget.
+            self._unsent("NATS is away")
+            return "unsent", 0
+        self._forget_finished()
         loop = asyncio.get_running_loop()
         # The pull that confirms a doze (the alarm armed) waits the full fetch_expires for
         # what was published just before the alarm's subscription to reach the stream.
@@ -555,13 +602,16 @@ class PartitionRunner:
         arrived = self.arrived
         payload = json.dumps({"batch": room, "expires": int(expires * 1e9)}).encode()
         self.request = request = PullRequest(w, room, expires)
+        inbox = w.inbox_for(self, request)
         watch: RequestWatch | None = None
         try:
             try:
                 await w.nc.publish(api_subject, payload, reply=inbox)
             except Exception as exc:
-                self._unsent(exc)
+                self._unsent(repr(exc))
+                request.over = True  # (never sent)
                 return "unsent", 0
+            request.due = time.monotonic() + expires
             # The request ends with its batch, or a status; bounded in case the status
             # was lost with a connection or a server.
             watch = RequestWatch(loop, w.nc, request.end, expires, w.answers)
@@ -572,23 +622,42 @@ class PartitionRunner:
                     self.answered += 1
             else:
                 self.gave_up_a_request = True
+                if not w.nc.is_connected or w.nc.stats.get("reconnects", 0) != watch.reconnects:
+                    # Lost with the connection: written from nats-py's buffer only on
+                    # reconnecting, it would be open until `expires` after that.
+                    self._lost_expires = max(self._lost_expires, expires)
         finally:
             if watch is not None:
                 watch.cancel()
             self.request = None
             request.close()
+            if request.over:
+                w.forget_inbox(inbox)
+            else:  # ended by us (fenced, lost): the server may still answer it
+                self._unfinished.append(request)
         return status, self.arrived - arrived
 
-    def _unsent(self, exc: Exception) -> None:
+    def _forget_finished(self) -> None:
+        """Let go of the inboxes of requests we ended that the server has ended too, or
+        must have by now."""
+        if not self._unfinished:
+            return
+        w = self.worker
+        late = time.monotonic() - RequestWatch.GIVE_UP_AFTER
+        unfinished = []
+        for request in self._unfinished:
+            if request.over or request.due < late:
+                w.forget_inbox(request.inbox)
+            else:
+                unfinished.append(request)
+        self._unfinished = unfinished
+
+    def _unsent(self, why: str) -> None:
         """A pull request could not be sent; say so once per outage (the worker keeps
         the count), not once per partition and retry."""
         w = self.worker
         if not w.unsent_pulls:
-            log.warning(
-                "Could not send pull requests (%r): NATS is away and the reconnect buffer "
-                "is full; retrying with a backoff",
-                exc,
-            )
+            log.warning("Could not send pull requests (%s); retrying with a backoff", why)
         w.unsent_pulls += 1
 
     # -- dozing ---------------------------------------------------------------------------
@@ -716,10 +785,12 @@ class PartitionRunner:
         # anything beyond them is someone else's, or an ack of ours not applied yet.
         return not info.num_pending and (info.num_ack_pending or 0) <= self.buffered
 
-    def deliver_status(self, headers: dict[str, str]) -> None:
-        """A status (no reply subject, nothing to ack) arrived for our pull request: 100 is
-        an idle heartbeat; anything else ends the open request (404/408: nothing more;
-        409: the server ended it, e.g. a leader change; 503: no JetStream answers)."""
+    def deliver_status(self, headers: dict[str, str], request: PullRequest) -> None:
+        """A status (no reply subject, nothing to ack) arrived for `request`, one of ours
+        (by its own reply subject: Worker.receive_status): 100 is an idle heartbeat;
+        anything else is the server's end of it (404/408: nothing more; 409: the server
+        ended it, e.g. a leader change; 503: no JetStream answers). It ends that request
+        only: one we ended already (fenced, taken for lost) is merely over now."""
         status = headers.get("Status", "")
         if status == "100":
             return
@@ -730,8 +801,10 @@ class PartitionRunner:
                 status,
                 headers.get("Description", ""),
             )
-        if self.request is not None:
-            self.request.finish(status or "?")
+        request.over = True
+        request.finish(status or "?")
+        if self.fenced:
+            self._wake()  # _outlast_fenced waits for it
 
     def deliver(self, msg: Delivery, seq: int, delivered: int) -> str | None:
         """A message arrived for our pull requests (its stream sequence and delivery count
@@ -741,16 +814,21 @@ class PartitionRunner:
         self.arrived += 1
         if seq > self.delivered_high:
             self.delivered_high = seq
+        # Ours, then: the partition's only request open on the server (see the module
+        # docstring); None between requests, when all that can come is what a request
+        # we ended ourselves still brings.
         request = self.request
         if request is not None and request.remaining:
             # PullRequest.arrived(), inline: this runs once per message.
             request.remaining -= 1
             self.worker.reserved -= 1
             if not request.remaining:
+                request.over = True
                 request.finish("batch")
         if self.stopping:
-            if not self.fenced:
-                self._late.append(msg)
+            # Given back with the rest (_hand_back), or once the requests a fence ended
+            # are over (_outlast_fenced).
+            self._late.append(msg)
             return None
         if self.gate is not None:
             self.gate.hold(msg, seq, delivered)
@@ -952,9 +1030,14 @@ class PartitionRunner:
         if self.fenced:
             return
         if self.gave_up_a_request:
-            # A message of a request we gave up on (its end status lost) may still come.
+            # A message of a request we gave up on (its end status lost) may still come:
+            # for a moment, or (lost with the connection) until it has surely expired.
             # (Every other request has ended: nothing more can come for it.)
-            await asyncio.sleep(0.02)
+            now = time.monotonic()
+            if self._lost_expires and self.worker.nc.is_connected:
+                self._quiet_until = now + self._lost_expires + SERVER_END_MARGIN
+                self._lost_expires = 0.0
+            await asyncio.sleep(max(0.02, self._quiet_until - now))
         await self._settle_decided()
         drained_at = time.monotonic()
         self._enter(Phase.GIVING_BACK)
@@ -992,12 +1075,7 @@ class PartitionRunner:
         give-back that failed (_unreturned). Taken from those (the queues stay listed
         until the give-back, which clears them)."""
         unstarted = [held for queue in self.projects.values() for held in queue.pending]
-        for msg in self._late:
-            _, seq, delivered = ack_fields(msg.reply)
-            late = Held(msg, "", seq, delivered, now)
-            late.credit = self.credits.pop(seq, 0)
-            unstarted.append(late)
-        self._late.clear()
+        unstarted.extend(self._unstarted_late(now))
         unstarted.extend(self._unreturned)
         self._unreturned = []
         unstarted.sort(key=lambda held: held.seq)
@@ -1131,12 +1209,55 @@ class PartitionRunner:
             # deliveries count as attempts: nothing is noted for them).
             self.handback = None
             return
-        for held in unstarted:
-            handback[held.seq] = held.credit + 1 - held.failures
-        if not await self._flush_naks(unstarted):
-            self.handback = None
+        while unstarted:
+            for held in unstarted:
+                handback[held.seq] = held.credit + 1 - held.failures
+            if not await self._flush_naks(unstarted):
+                self.handback = None
+                break
+            # Late messages of a request we gave up on that came during the naks go back
+            # too (not dropped unacked: they would come back after ack_wait, out of order).
+            unstarted = self._unstarted_late(time.monotonic())
         self.projects.clear()
+
+    async def _outlast_fenced(self) -> None:
+        """Fenced: wait until the server has ended the requests the fence ended here,
+        then give back what they brought meanwhile.
+
+        The fence ends the open request here only; on the server it stays open until its
+        expiry and delivers to this runner (by durable: Worker.receive). A successor on
+        this member (once the lease is renewed the claim is still ours, and the worker
+        starts one at once: Worker._reconcile) pulling meanwhile would count that
+        request's messages against its own, end its own early and pull again while it
+        was still open, until a hand-over released the claim with a request open: the
+        next owner then ran the partition's later messages first. So the runner is done
+        (Worker.runner_done, after which a successor may start) only once they are over,
+        and what they brought is naked, in order, rather than waiting out ack_wait. A
+        nak takes nothing from a member that may not consume: nothing is run."""
+        w = self.worker
+        while True:
+            # (_quiet_until: a request taken for lost with the connection, see _lost_expires.)
+            ends = [r.due + SERVER_END_MARGIN for r in self._unfinished if not r.over]
+            left = max([self._quiet_until, *ends]) - time.monotonic()
+            if left <= 0:
+                break
+            await self.sleep_until_woken(left)
+        late = self._unstarted_late(time.monotonic())
+        if late and w.nats_reachable():
+            await self._flush_naks(late)
+
+    def _unstarted_late(self, now: float) -> list[Held]:
+        """What arrived after the stop or the fence (_late), in stream order; taken."""
+        late = []
+        for msg in self._late:
+            _, seq, delivered = ack_fields(msg.reply)
+            held = Held(msg, "", seq, delivered, now)
+            held.credit = self.credits.pop(seq, 0)
+            self._held_at_restart.discard(seq)
+            late.append(held)
         self._late.clear()
+        late.sort(key=lambda held: held.seq)
+        return late
 
     async def _flush_naks(self, naks: list[Held]) -> bool:
         """Nak in order; the last one as a request, answered once JetStream applied it.

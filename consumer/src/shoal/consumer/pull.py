@@ -22,13 +22,23 @@ __all__ = ["AnswerClock", "PullRequest", "RequestWatch"]
 
 
 class PullRequest:
-    """A pull request for up to `room` messages, expiring after `expires` seconds."""
+    """A pull request for up to `room` messages, expiring after `expires` seconds.
 
-    __slots__ = ("end", "expires", "remaining", "worker")
+    Its reply subject (`inbox`, Worker.inbox_for) is its own, so that its statuses reach
+    it and no other request. Its messages cannot be told apart that way (a JetStream
+    message keeps its own subject): they go by durable to the partition's runner, which
+    counts them against its open request; that is exact because a partition never has
+    more than one request of this member open on the server (partition.py's docstring).
+    """
+
+    __slots__ = ("due", "end", "expires", "inbox", "over", "remaining", "worker")
 
     def __init__(self, worker: Worker, room: int, expires: float) -> None:
         self.worker = worker
         self.expires = expires
+        # When the server ends it at the latest (monotonic), once it is sent.
+        self.due = 0.0
+        self.inbox = ""
         # Messages it may still bring, reserved in the budget. Each arrival moves one from
         # reserved to held (PartitionRunner.deliver, inline: once per message).
         self.remaining = room
@@ -36,6 +46,9 @@ class PullRequest:
         # How it ended: "batch", a status ("404", "408", "409", "503", ...), "lost",
         # "fenced" or "unsent".
         self.end: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        # The server ended it (its batch, or a status): nothing more can come for it.
+        # Not so for an end of ours ("fenced", "lost"): until then it may still deliver.
+        self.over = False
 
     def finish(self, status: str) -> None:
         """It ended (the first end counts)."""

@@ -69,7 +69,7 @@ from shoal.consumer.metrics import Metrics
 from shoal.consumer.ownership import Ownership, Slot, Stage
 from shoal.consumer.partition import IDLE_BATCH, PartitionRunner, Phase, ack_fields
 from shoal.consumer.progress import WEDGED_AFTER_STALLS, Change
-from shoal.consumer.pull import AnswerClock
+from shoal.consumer.pull import AnswerClock, PullRequest
 from shoal.consumer.ratelimit import RateLimiter
 from shoal.consumer.settled import SettledRing
 from shoal.contracts.names import (
@@ -212,10 +212,11 @@ class Worker:
         self._brisk_generation = 0  # the assignment generation when brisk pulls began
         self._tasks: set[asyncio.Task[Any]] = set()
         # One subscription for every runner's pull requests, <prefix>.<token> each: one
-        # nats-py queue and task for the member, instead of one per partition.
+        # nats-py queue and task for the member, instead of one per partition. (The
+        # token is per request: for its statuses. Messages go by durable: receive.)
         self._inbox_prefix = ""
         self._inbox_sub: Any = None
-        self._inboxes: dict[str, PartitionRunner] = {}
+        self._inboxes: dict[str, tuple[PartitionRunner, PullRequest]] = {}
         self._inbox_count = 0
         self._partitions_by_durable = {durable_name(p): p for p in range(config.partitions)}
         # Counted into plain integers, read at scrape time (metrics.MessageTally).
@@ -599,12 +600,14 @@ class Worker:
         """Run `coro` as a task of the worker's (kept until done; cancelled on close)."""
         self._spawn(coro)
 
-    def inbox_for(self, runner: PartitionRunner) -> str:
-        """A new reply subject for `runner`'s pull requests (per runner, so that a late
-        message of a runner that has stopped never reaches its successor)."""
+    def inbox_for(self, runner: PartitionRunner, request: PullRequest) -> str:
+        """A new reply subject for one of `runner`'s pull requests: its statuses arrive
+        on it, and reach that request only (an old request's 408 must not end a newer
+        one). Its messages do not: see receive()."""
         self._inbox_count += 1
         inbox = f"{self._inbox_prefix}.{runner.partition}-{self._inbox_count}"
-        self._inboxes[inbox] = runner
+        self._inboxes[inbox] = (runner, request)
+        request.inbox = inbox
         return inbox
 
     def forget_inbox(self, inbox: str) -> None:
@@ -613,8 +616,10 @@ class Worker:
     def receive(self, msg: Delivery) -> None:
         """Hand a message of our pull requests to its runner, as it is read (natsclient).
 
-        A JetStream message keeps its own subject; its reply subject names the durable,
-        hence the partition.
+        A JetStream message keeps its own subject, so the shared subscription cannot
+        tell whose inbox it came to; its reply subject names the durable, hence the
+        partition. The partition's runner has at most one request open on the server
+        (partition.py's docstring), so the message is that request's.
         """
         durable, seq, delivered = ack_fields(msg.reply)
         partition = self._partitions_by_durable.get(durable)
@@ -630,10 +635,10 @@ class Worker:
 
     def receive_status(self, subject: str, headers: dict[str, str]) -> None:
         """A status has no reply subject; it arrives on the request's reply subject,
-        which names the runner."""
-        runner = self._inboxes.get(subject)
-        if runner is not None:
-            runner.deliver_status(headers)
+        which is that request's own (inbox_for)."""
+        owner = self._inboxes.get(subject)
+        if owner is not None:
+            owner[0].deliver_status(headers, owner[1])
 
     async def run(self) -> None:
         if not isinstance(self.nc, DirectClient):
@@ -866,7 +871,8 @@ class Worker:
     def check_connection(self) -> None:
         """Wake the dozing partitions if the connection dropped since the last check:
         nothing published meanwhile rang their alarms (nats-py subscribes them again on
-        reconnecting), so each must pull once to see what it missed."""
+        reconnecting), so each must pull once to see what it missed. Once it is back,
+        wake the others too: they pull nothing while NATS is away."""
         nc = self.nc
         mark = (nc.is_connected, nc.stats.get("reconnects", 0))
         if mark != self._connection_mark:
@@ -874,6 +880,10 @@ class Worker:
             for runner in self.runners.values():
                 if runner.dozing:
                     runner.rouse()
+                elif mark[0]:
+                    # Back: a runner waiting for the connection to pull (it sends nothing
+                    # meanwhile, PartitionRunner._pull) need not wait out its backoff.
+                    runner._wake()
 
     def _fence_all(self, why: str) -> None:
         """Stop every runner at once; one line for all of them."""
@@ -959,6 +969,8 @@ class Worker:
                         ownership.move(p, Stage.FREE)
                     # Not a fresh claim: the runner before this one (fenced) left what it
                     # held to JetStream's redelivery, so the new one must wait for it.
+                    # (That runner was done only once the server had ended its pull
+                    # requests: PartitionRunner._outlast_fenced.)
                     self._start(p, claim.create_revision, None, fresh_claim=False)
             elif not want and current is not None and not current.letting_go:
                 log.debug("Releasing partition %d", p)

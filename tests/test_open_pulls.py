@@ -1,0 +1,315 @@
+"""A partition never has more than one pull request of a member open on the server.
+
+The member reads every pull's replies on one subscription, and a JetStream message keeps
+its own subject: it reaches the partition's runner by the durable in its ack reply
+subject, and the runner counts it against its open request (partition.py's docstring).
+That is exact only while no other request of the member for the partition is open on
+the server; these tests break that in the ways a review found, against a real
+nats-server and etcd, with in-process Workers whose membership the test controls:
+
+- a fence ends a runner's open request here only: the worker must not start its
+  successor (the claim is still ours once the lease is renewed) until the server has
+  ended it, and what it brought meanwhile goes back in order;
+- while NATS is away, a pull published into nats-py's reconnect buffer goes out on
+  reconnecting, live, beside every one asked for since: none may be published then;
+
+and, with the fence too, a handler deaf to the fence's cancel that finishes later must
+not take its message off the member's count a second time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from typing import Any
+
+import pytest
+
+from harness.proxy import TcpProxy
+from shoal.clients.etcd import Etcd
+from shoal.clients.nats import connect
+from shoal.consumer.metrics import Metrics
+from shoal.consumer.worker import Worker
+from shoal.contracts.names import PROJECT_HEADER, durable_name, partition_subject
+from shoal.group.config import GroupConfig
+from shoal.group.jetstream import ensure_group
+from shoal.group.view import GroupView
+
+pytestmark = pytest.mark.e2e
+
+Handler = Any
+
+
+class FakeMembership:
+    """A live lease whose safety the test turns off and on (a fence, as a keep-alive
+    that comes late for a moment makes)."""
+
+    def __init__(self, lease: int) -> None:
+        self.lease_id = lease
+        self.incarnation = 0
+        self.ok = True
+        self.changed = asyncio.Event()
+
+    def safe(self) -> bool:
+        return self.ok
+
+    async def put_stats_now(self) -> None:
+        pass
+
+
+async def until(pred: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+class Member:
+    """A Worker with its own connection (through `url`), view and fake membership."""
+
+    def __init__(self, config: GroupConfig, etcd: Etcd, handler: Handler) -> None:
+        self.config = config
+        self.etcd = etcd
+        self.handler = handler
+        self.tasks: list[asyncio.Task[Any]] = []
+
+    async def start(self, url: str) -> None:
+        c = self.config
+        self.nc = await connect(url, name=c.member_id)
+        self.view = GroupView(self.etcd, c.keys, c.partitions)
+        self.membership = FakeMembership(await self.etcd.grant_lease(60))
+        self.worker = Worker(
+            c,
+            self.etcd,
+            self.view,
+            self.membership,  # type: ignore[arg-type]
+            self.nc,
+            self.nc.jetstream(),
+            self.handler,
+            Metrics(),
+        )
+        self.tasks.append(asyncio.create_task(self.view.run()))
+        await self.view.synced.wait()
+        self.tasks.append(asyncio.create_task(self.worker.run()))
+
+    def fence(self, on: bool) -> None:
+        self.membership.ok = not on
+        self.worker.poke()
+
+    async def close(self) -> None:
+        if not hasattr(self, "worker"):
+            return
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.worker.dispatcher.stop()
+        for task in list(self.worker._tasks):
+            task.cancel()
+        for runner in list(self.worker.runners.values()):
+            if runner.task is not None:
+                runner.task.cancel()
+        with contextlib.suppress(OSError):  # (a connection the proxy reset, in a failure)
+            await self.nc.close()
+
+
+async def assign(etcd: Etcd, config: GroupConfig, owner: str, generation: int) -> None:
+    value = {"owner": owner, "generation": generation, "epoch": 1, "ts": time.time()}
+    await etcd.put(config.keys.partition(0), json.dumps(value).encode())
+
+
+@pytest.mark.timeout(90)
+async def test_a_fenced_runners_open_pull_is_outlasted_before_its_successor_pulls(
+    etcd: Etcd, nats_url: str, group: str
+) -> None:
+    # fetch_expires 5 s (the most allowed): the fenced runner's request stays open on the
+    # server for seconds after the fence, so what happens meanwhile is deterministic.
+    config = GroupConfig(
+        group=group,
+        namespace="test",
+        member_id="m-0",
+        partitions=1,
+        fetch_expires=5.0,
+        ledger=False,
+    )
+    admin = await connect(nats_url, name="admin")
+    js = admin.jetstream()
+    await ensure_group(js, config)
+    seen: list[tuple[str, int, int]] = []  # (member, stream sequence, delivery count)
+
+    def handler_of(name: str) -> Handler:
+        async def handler(msg: Any) -> None:
+            seen.append((name, msg.stream_sequence, msg.delivery_count))
+
+        return handler
+
+    a = Member(config, etcd, handler_of("m-0"))
+    b = Member(config.model_copy(update={"member_id": "m-1"}), etcd, handler_of("m-1"))
+    subject = partition_subject(config.subject_prefix, 0)
+
+    async def publish(first: int, count: int) -> None:
+        for i in range(first, first + count):
+            await js.publish(subject, f"m{i}".encode(), headers={PROJECT_HEADER: "X"})
+
+    async def open_pulls() -> int:
+        info = await js.consumer_info(config.stream, durable_name(0))
+        return int(info.num_waiting or 0)
+
+    try:
+        await assign(etcd, config, "m-0", 1)
+        await a.start(nats_url)
+        await until(
+            lambda: 0 in a.worker.runners and a.worker.runners[0].request is not None,
+            10,
+            "the first runner to pull",
+        )
+        first = a.worker.runners[0]
+        await asyncio.sleep(0.2)
+
+        # A fence for a moment: the claim is still ours once the member is safe again.
+        a.fence(True)
+        await until(lambda: first.fenced, 5, "the fence")
+        a.fence(False)
+        # The fenced request is still open on the server, and takes what comes now.
+        await asyncio.sleep(0.3)
+        await publish(1, 4)
+
+        await until(
+            lambda: (
+                (r := a.worker.runners.get(0)) is not None
+                and r is not first
+                and r.request is not None
+            ),
+            15,
+            "the successor to pull",
+        )
+        second = a.worker.runners[0]
+        # It pulled only once the fenced request was over: one request open, its own.
+        assert await open_pulls() == 1
+        # What the fenced request brought was given back and runs now, in order.
+        await until(lambda: len(seen) == 4, 10, "the 4 messages to be handled")
+        assert [s for (_, s, _) in seen] == [1, 2, 3, 4], seen
+        await asyncio.sleep(0.3)
+        # Pulling on, it still has one request open on the server: the one it believes.
+        assert second.request is not None and not second.request.end.done()
+        assert await open_pulls() == 1
+
+        # Hand the partition over: the member releases it only with no request open,
+        # so the next messages all go to the new owner, which runs them in order.
+        await b.start(nats_url)
+        await assign(etcd, config, "m-1", 2)
+        await until(lambda: 0 not in a.worker.runners, 15, "m-0 to release the partition")
+        await until(lambda: 0 in b.worker.runners, 10, "m-1 to take the partition")
+        await publish(5, 10)
+        await until(lambda: len(seen) >= 14, 20, "all 14 messages to be handled")
+        await asyncio.sleep(0.5)  # (anything handled twice would show now)
+        later = [(m, s) for (m, s, _) in seen[4:]]
+        assert later == [("m-1", s) for s in range(5, 15)], seen
+    finally:
+        await a.close()
+        await b.close()
+        await admin.close()
+
+
+@pytest.mark.timeout(120)
+async def test_no_pull_is_sent_while_nats_is_away(etcd: Etcd, nats_url: str, group: str) -> None:
+    config = GroupConfig(
+        group=group,
+        namespace="test",
+        member_id="m-0",
+        partitions=1,
+        fetch_batch=16,
+        max_buffered=20,
+        ledger=False,
+        ack_wait=30,
+    )
+    admin = await connect(nats_url, name="admin")
+    js = admin.jetstream()
+    await ensure_group(js, config)
+    await assign(etcd, config, "m-0", 1)
+    release = asyncio.Event()
+
+    async def handler(msg: Any) -> None:
+        await release.wait()  # nothing settles: what the member holds stays visible
+
+    proxy = TcpProxy(nats_url.removeprefix("nats://")).start()
+    member = Member(config, etcd, handler)
+    try:
+        await member.start(f"nats://{proxy.address}")
+        worker, nc = member.worker, member.nc
+        await until(lambda: 0 in worker.runners, 10, "the runner")
+        await asyncio.sleep(1.0)
+        reconnects = nc.stats["reconnects"]
+        proxy.reset()  # NATS away for this member (a network cut, with resets)
+        # Long enough for many pulls to expire and be taken for lost.
+        for _ in range(80):
+            await asyncio.sleep(0.1)
+            pending = b"".join(nc._pending)
+            assert b"CONSUMER.MSG.NEXT" not in pending, "a pull waits in the reconnect buffer"
+        proxy.pass_through()
+        await until(
+            lambda: nc.is_connected and nc.stats["reconnects"] > reconnects, 20, "the reconnect"
+        )
+        await asyncio.sleep(0.05)
+        info = await js.consumer_info(config.stream, durable_name(0))
+        assert (info.num_waiting or 0) <= 1, info.num_waiting
+
+        subject = partition_subject(config.subject_prefix, 0)
+        for i in range(300):
+            await js.publish(subject, b"x", headers={PROJECT_HEADER: f"p{i}"})
+        await until(lambda: worker.buffered > 0, 10, "the member to pull again")
+        await asyncio.sleep(1.0)
+        assert worker.buffered <= config.max_buffered, (worker.buffered, worker.budget())
+        assert worker.runners[0].buffered == worker.buffered
+    finally:
+        release.set()
+        await member.close()
+        await admin.close()
+        proxy.stop()
+
+
+@pytest.mark.timeout(60)
+async def test_a_deaf_handler_finishing_after_a_fence_is_counted_off_once(
+    etcd: Etcd, nats_url: str, group: str
+) -> None:
+    config = GroupConfig(group=group, namespace="test", member_id="m-0", partitions=1, ledger=False)
+    admin = await connect(nats_url, name="admin")
+    js = admin.jetstream()
+    await ensure_group(js, config)
+    await assign(etcd, config, "m-0", 1)
+    go = asyncio.Event()
+    running = asyncio.Event()
+    done: list[int] = []
+
+    async def handler(msg: Any) -> None:
+        running.set()
+        while not go.is_set():
+            try:
+                await asyncio.shield(go.wait())
+            except asyncio.CancelledError:
+                pass  # deaf to the cancel (a cleanup that must finish, say)
+        done.append(msg.stream_sequence)
+
+    member = Member(config, etcd, handler)
+    try:
+        await member.start(nats_url)
+        worker = member.worker
+        await until(lambda: 0 in worker.runners, 10, "the runner")
+        await js.publish(
+            partition_subject(config.subject_prefix, 0), b"x", headers={PROJECT_HEADER: "X"}
+        )
+        await until(running.is_set, 10, "the handler to start")
+        assert worker.buffered == 1
+        member.fence(True)
+        await until(lambda: 0 not in worker.runners, 5, "the fence")
+        assert worker.buffered == 0  # the fenced runner's messages are no longer ours
+        go.set()
+        await until(lambda: bool(done), 5, "the deaf handler to finish")
+        await asyncio.sleep(0.2)
+        assert worker.buffered == 0
+    finally:
+        go.set()
+        await member.close()
+        await admin.close()
