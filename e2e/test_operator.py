@@ -472,3 +472,57 @@ async def _drained(plane: LocalKube, stream: str) -> None:
         await eventually_async(left, 60, f"{stream} to drain", until=lambda n: n == 0)
     finally:
         await nc.close()
+
+
+def test_crash_looping_members_degrade_the_group_and_say_why(
+    localkube: LocalKube, operator: Path
+) -> None:
+    """A member that exits at start (here a health port no consumer can serve) crash-loops:
+    the group is Degraded MembersCrashLooping naming the pod, its container and last exit,
+    Ready and the Status column say it, `kubectl describe cg` has one Warning; with the
+    value removed the pods run and Degraded turns False, with no second Warning."""
+    plane, ns, name = localkube, "op-bad", "looping"
+    manifest = json.loads(example(ns, 1))
+    manifest["metadata"]["name"] = name
+    manifest["spec"]["env"] = [{"name": "SHOAL_HEALTH_PORT", "value": "not-a-port"}]
+    started = time.monotonic()
+    plane.kubectl("apply", "-f", "-", input_text=json.dumps(manifest))
+
+    def told(reason: str) -> list[dict[str, Any]]:
+        selector = f"involvedObject.kind=ConsumerGroup,involvedObject.name={name},reason={reason}"
+        found = get_json(plane, "events", "-n", ns, "--field-selector", selector)["items"]
+        return [e for e in found for _ in range(int(e.get("count") or 1))]
+
+    try:
+        degraded = wait_until(lambda: _degraded_reason(plane, ns, name), 45, "Degraded", 1)
+        print(f"Degraded after {time.monotonic() - started:.1f} s: {degraded['message']}")
+        assert degraded["reason"] == "MembersCrashLooping", degraded
+        assert degraded["message"].startswith("1 of 1 member pod crash-looping: looping-consumer-")
+        assert " container consumer: " in degraded["message"]
+        assert "(last exit " in degraded["message"]
+        cg = get_json(plane, "cg", name, "-n", ns)
+        assert condition(cg, "Ready")["reason"] == "MembersCrashLooping"
+        assert condition(cg, "Ready")["message"].startswith("0 of 1 members ready; 1 of 1 ")
+        row = plane.kubectl("get", "cg", name, "-n", ns).stdout.splitlines()[1].split()
+        assert "MembersCrashLooping" in row, row
+        wait_until(lambda: told("MembersCrashLooping"), 15, "the Warning Event", 1)
+        described = plane.kubectl("describe", "cg", name, "-n", ns).stdout
+        assert "MembersCrashLooping" in described and "crash-looping" in described
+
+        # Fixed: the pod rolls, runs and becomes ready; Degraded False, nothing more posted.
+        plane.kubectl(
+            "patch", "cg", name, "-n", ns, "--type=json",
+            "-p", '[{"op": "remove", "path": "/spec/env"}]',
+        )  # fmt: skip
+        wait_until(
+            lambda: (
+                condition(get_json(plane, "cg", name, "-n", ns), "Degraded").get("status")
+                == "False"
+            ),
+            60,
+            "Degraded False",
+            1,
+        )
+        assert len(told("MembersCrashLooping")) == 1
+    finally:
+        plane.kubectl("delete", "cg", name, "-n", ns, "--timeout=90s", check=False)

@@ -485,6 +485,11 @@ def test_a_resets_pause_is_paused() -> None:
     assert found["Progressing"]["reason"] == "Paused"
     spec = PauseRecord(by="kubectl-patch", time=1_767_225_600.0, source="spec.paused")
     assert by_type(conditions(observed(paused=spec)))["Paused"]["reason"] == "SpecPaused"
+    # A pause of `shoal-consumer pause` (the operator keeps it): lifted by the command.
+    cli = PauseRecord(by="bob@host", time=1_767_225_600.0, source="cli")
+    paused = by_type(conditions(observed(paused=cli)))["Paused"]
+    assert paused["reason"] == "CommandPaused"
+    assert paused["message"].endswith("Resume with `shoal-consumer resume`")
 
 
 @pytest.mark.parametrize(

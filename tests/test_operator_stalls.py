@@ -808,3 +808,32 @@ async def test_the_lag_of_a_limits_stream_is_its_durables(
 
     await eventually_async(lag, 30, "the lag to reach 0", until=lambda n: n == 0, interval=0.5)
     assert (await js.stream_info(config.stream)).state.messages == 30  # kept, processed
+
+
+async def test_a_cli_pause_outlasts_the_status_timer(
+    etcd: Etcd,
+    js: Any,
+    make_config: Any,
+    memo: OperatorMemo,
+    events: list[Event],
+    namespace: str,
+    group: str,
+) -> None:
+    """`shoal-consumer pause` on a group the operator runs, spec.paused false: the status
+    timer lifted it at its next tick (about 2 s later) with a Resumed Event blaming
+    whoever last set spec.paused. spec.paused: false lifts only the pause spec.paused
+    made: the CLI's stands (Paused True, who and why), with no Event, tick after tick."""
+    keys = Keys(namespace, group)
+    spec = {"handler": NOOP, "partitions": 16}
+    await ensure_group(js, make_config(partitions=16))
+    await settled_group(etcd, keys, ["c-0", "c-1"], 16)
+    record = PauseRecord(by="root@vm", time=time.time(), source="cli", reason="test")
+    await etcd.put(keys.paused, record.to_json())
+    status: dict[str, Any] = {}
+    for _ in range(2):
+        status = await observe(memo, namespace, group, spec, status)
+        paused = condition(status, "Paused")
+        assert paused["status"] == "True", paused
+        assert "by root@vm" in paused["message"] and "(cli): test" in paused["message"]
+    assert keys.paused in (await etcd.get_prefix(keys.paused))[1]
+    assert [e for e in events if e[1] in ("Paused", "Resumed")] == [], events

@@ -394,3 +394,158 @@ async def test_a_pause_resumed_between_create_and_read_is_written(
     mine = PauseRecord(by="me", time=2.0, source="cli", reason="db upgrade")
     assert await pause_group(ResumedMeanwhile(), keys, mine) is None  # type: ignore[arg-type]
     assert await read_pause(etcd, keys) == mine
+
+
+# -- the operator and the command line together -------------------------------------------
+
+
+BODY: Any = {}  # kopf's Body, for Events nobody posts (kopf.info is recorded)
+
+
+def _cli(config: GroupConfig, *argv: str) -> Any:
+    from click.testing import CliRunner
+
+    from shoal.consumer.cli import main
+
+    args = ["--group", config.group, "--namespace", config.namespace]
+    args += ["--etcd", config.etcd_endpoints]
+    return CliRunner().invoke(main, [argv[0], *args, *argv[1:]])
+
+
+@pytest.fixture
+def operator_events(etcd: Etcd, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """The operator's follow_pause on the test's etcd; its Events, recorded."""
+    import kopf
+
+    from shoal.operator import reconciler
+
+    events: list[tuple[str, str]] = []
+
+    def info(body: Any, *, reason: str, message: str = "") -> None:
+        events.append((reason, message))
+
+    async def real_etcd(*_: Any, **__: Any) -> Etcd:
+        return etcd
+
+    monkeypatch.setattr(kopf, "info", info)
+    monkeypatch.setattr(reconciler, "_etcd", real_etcd)
+    return events
+
+
+def _managed(manager: str, when: str) -> dict[str, Any]:
+    entry = {"manager": manager, "time": when, "fieldsV1": {"f:spec": {"f:paused": {}}}}
+    return {"managedFields": [entry]}
+
+
+async def test_resume_refuses_a_pause_spec_paused_made(
+    etcd: Etcd, config: GroupConfig, operator_events: list[tuple[str, str]]
+) -> None:
+    """`resume` of a group paused through spec.paused printed "Resumed group ...: members
+    pull again" and exited 0, and the operator paused the group again within seconds (a
+    second Paused Event). It refuses now, changes nothing, and names the kubectl command
+    that resumes it; --force lifts it anyway (a group no operator runs any more)."""
+    from shoal.contracts.spec import parse_spec
+    from shoal.operator import reconciler
+
+    paused = parse_spec({"handler": "a.b:c", "paused": True})
+    memo: Any = None
+    managed = _managed("kubectl-patch", "2026-01-01T00:00:00Z")
+    record = await reconciler.follow_pause(memo, config, paused, managed, BODY)
+    assert record is not None and record.source == "spec.paused"
+    said = await asyncio.to_thread(_cli, config, "resume")
+    assert said.exit_code == 1, said.output
+    ns, g = config.namespace, config.group
+    assert f"{ns}/{g} is paused through its ConsumerGroup's spec.paused (by kubectl-patch" in (
+        said.output
+    ), said.output
+    assert "nothing changed" in said.output and "Resumed" not in said.output
+    command = f"""kubectl patch cg {g} -n {ns} --type merge -p '{{"spec":{{"paused":false}}}}'"""
+    assert command in " ".join(said.output.split()), said.output
+    assert await read_pause(etcd, config.keys) == record
+    # The operator's next look finds its pause in place: no second Paused Event.
+    assert await reconciler.follow_pause(memo, config, paused, managed, BODY) == record
+    assert [reason for reason, _ in operator_events] == ["Paused"]
+    forced = await asyncio.to_thread(_cli, config, "resume", "--force")
+    assert forced.exit_code == 0 and forced.output.startswith("Resumed group "), forced.output
+    assert await read_pause(etcd, config.keys) is None
+
+
+async def test_the_operator_keeps_a_pause_the_cli_made(
+    etcd: Etcd, config: GroupConfig, operator_events: list[tuple[str, str]]
+) -> None:
+    """`pause` on a group the operator runs (spec.paused false) printed "Paused ...",
+    and the operator lifted the pause at its next look, with an Event blaming whoever
+    last set spec.paused ("Resumed by kubectl-patch after 1 s (paused by root@vm ...
+    (cli): test)"). spec.paused: false lifts only the pause spec.paused made: the CLI's
+    stands, through spec.paused going true and false again, until `resume` lifts it."""
+    from shoal.contracts.spec import parse_spec
+    from shoal.operator import reconciler
+
+    running = parse_spec({"handler": "a.b:c"})
+    paused = parse_spec({"handler": "a.b:c", "paused": True})
+    memo: Any = None
+    managed = _managed("kubectl-patch", "2026-01-01T00:00:00Z")
+    said = await asyncio.to_thread(_cli, config, "pause", "--reason", "test", "--force")
+    assert said.exit_code == 0 and said.output.startswith("Paused group "), said.output
+    mine = await read_pause(etcd, config.keys)
+    assert mine is not None and mine.source == "cli" and mine.reason == "test"
+    # The status timer (the record as it read it) and a reconcile (not read): it stays.
+    assert await reconciler.follow_pause(memo, config, running, managed, BODY, mine) == mine
+    assert await reconciler.follow_pause(memo, config, running, managed, BODY) == mine
+    assert await read_pause(etcd, config.keys) == mine and operator_events == []
+    # spec.paused true meanwhile: paused already, by the CLI (first on record stays).
+    assert await reconciler.follow_pause(memo, config, paused, managed, BODY) == mine
+    # ... and false again: the CLI's pause is still not the spec's to lift.
+    assert await reconciler.follow_pause(memo, config, running, managed, BODY) == mine
+    assert await read_pause(etcd, config.keys) == mine and operator_events == []
+    done = await asyncio.to_thread(_cli, config, "resume")
+    assert done.exit_code == 0 and done.output.startswith("Resumed group "), done.output
+    assert await reconciler.follow_pause(memo, config, running, managed, BODY) is None
+    assert operator_events == []
+
+
+async def test_the_operator_lifts_only_the_pause_it_read(
+    etcd: Etcd,
+    config: GroupConfig,
+    operator_events: list[tuple[str, str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """spec.paused false, the spec's pause read, and in between the operator's read and
+    its delete someone lifts it and pauses with `shoal-consumer pause`: the CLI's pause
+    stays (before, the operator deleted whatever it found at its second read), and no
+    Resumed Event names the spec's manager as having lifted it."""
+    from shoal.contracts.spec import parse_spec
+    from shoal.operator import reconciler
+
+    keys = config.keys
+    running = parse_spec({"handler": "a.b:c"})
+    spec_pause = PauseRecord(by="kubectl-patch", time=1.0, source="spec.paused")
+    assert await pause_group(etcd, keys, spec_pause) is None
+    mine = PauseRecord(by="ops@host", time=2.0, source="cli", reason="db upgrade")
+
+    class PausedMeanwhile:
+        """The real etcd; after its first read of the pause key, the CLI's swap."""
+
+        def __init__(self) -> None:
+            self.swapped = False
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(etcd, name)
+
+        async def get_prefix(self, prefix: str) -> Any:
+            found = await etcd.get_prefix(prefix)
+            if prefix == keys.paused and not self.swapped:
+                self.swapped = True
+                await etcd.delete(keys.paused)
+                assert await pause_group(etcd, keys, mine) is None
+            return found
+
+    async def swapping_etcd(*_: Any, **__: Any) -> Any:
+        return PausedMeanwhile()
+
+    monkeypatch.setattr(reconciler, "_etcd", swapping_etcd)
+    memo: Any = None
+    managed = _managed("kubectl-patch", "2026-01-01T00:02:00Z")
+    left = await reconciler.follow_pause(memo, config, running, managed, BODY)
+    assert left == mine and await read_pause(etcd, keys) == mine
+    assert operator_events == []

@@ -849,9 +849,16 @@ async def test_the_timer_leaves_a_group_not_yet_reconciled_alone(
     assert kube.applied == []  # the resume handler applies it
     assert degraded_reason(st) == "AsExpected"
     # Nothing applied or remembered about Secrets; what it saw of stalls, of members NATS
-    # refuses, of etcd's NOSPACE alarm and of pods the scheduler refuses it may keep.
+    # refuses, of etcd's NOSPACE alarm, of pods the scheduler refuses and of pods that
+    # crash-loop it may keep.
     kept = dataclasses.replace(
-        memo.group, stalled=None, refused=None, etcd_no_space=None, unschedulable=None
+        memo.group,
+        stalled=None,
+        refused=None,
+        etcd_no_space=None,
+        unschedulable=None,
+        failing=None,
+        failing_last=None,
     )
     assert kept == GroupState()
 

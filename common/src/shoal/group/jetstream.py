@@ -78,6 +78,53 @@ def stream_partitions(info: Any) -> int | None:
     return int(value) if isinstance(value, str) and value.isdigit() and int(value) > 0 else None
 
 
+async def recorded_partitions(js: Any, stream: str) -> int | None:
+    """The partition count `stream` records (stream_partitions); None: no such stream
+    yet, or one of an older Shoal (no metadata). Errors other than a missing stream (no
+    answer, no permission) are raised."""
+    try:
+        info = await js.stream_info(stream)
+    except NotFoundError:
+        return None
+    return stream_partitions(info)
+
+
+class PartitionCountMismatch(RuntimeError):
+    """A member given another partition count than its group's stream records: it would
+    take partitions its count names and no others (with fewer, the rest are consumed by
+    nobody; with more, it waits on partitions nobody publishes to), and rewrite the
+    stream's count for every producer."""
+
+    def __init__(self, config: GroupConfig, recorded: int) -> None:
+        given = config.partitions
+        if given < recorded:
+            effect = (
+                f"its members would take partitions 0-{given - 1} and leave "
+                f"{given}-{recorded - 1} to nobody"
+            )
+        else:
+            effect = f"partitions {recorded}-{given - 1} get no messages"
+        super().__init__(
+            f"stream {config.stream} records {recorded} partitions for group "
+            f"{config.namespace}/{config.group}, not the {given} given "
+            f"(--partitions, env SHOAL_PARTITIONS): {effect}. Run every member with "
+            f"--partitions {recorded} (SHOAL_PARTITIONS={recorded}); nothing was changed"
+        )
+        self.recorded = recorded
+        self.given = given
+
+
+async def check_partitions(js: Any, config: GroupConfig) -> int | None:
+    """At a member's start, before ensure_group (which would write its count into the
+    stream's metadata): PartitionCountMismatch if the group's stream records another
+    count than config.partitions. Returns the recorded count; None for a stream not
+    created yet, or of an older Shoal (accepted, as before the count was recorded)."""
+    recorded = await recorded_partitions(js, config.stream)
+    if recorded is not None and recorded != config.partitions:
+        raise PartitionCountMismatch(config, recorded)
+    return recorded
+
+
 class StreamConfigConflict(RuntimeError):
     """A stream exists with a configuration JetStream cannot change in place."""
 

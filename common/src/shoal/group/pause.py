@@ -1,11 +1,14 @@
 """Pausing a group: its `paused` key (Keys.paused), one writer's intent for every member.
 
 The group is paused while the key exists; its value (PauseRecord) says by whom, when,
-through what, and why. The operator writes it from spec.paused (and removes it when the
-spec says false); `shoal-consumer pause` and `resume` do the same for groups run without
-the operator. Members read it through their view (GroupView.paused) before they claim
-anything, so a member that joins a paused group joins paused, and a pause outlives every
-member and every leader: nothing but a resume removes the key.
+through what (its source), and why. The operator writes it from spec.paused (source
+SPEC_SOURCE) and removes, when the spec says false, only a pause of that source;
+`shoal-consumer pause` writes one of its own (CLI_SOURCE), on any group, and the operator
+leaves it for `shoal-consumer resume` to lift. `resume` refuses a spec.paused pause (the
+operator would write it again within seconds: spec.paused false lifts it). Members read
+the key through their view (GroupView.paused) before they claim anything, so a member
+that joins a paused group joins paused, and a pause outlives every member and every
+leader: nothing but a resume removes the key.
 """
 
 from __future__ import annotations
@@ -15,9 +18,13 @@ from shoal.contracts.names import Keys
 from shoal.contracts.values import PauseRecord, ValueRefused
 
 __all__ = [
+    "CLI_SOURCE",
     "RESET_SOURCE",
+    "SPEC_SOURCE",
     "ResetRunning",
+    "SpecPaused",
     "group_has_keys",
+    "lift_if_source",
     "pause_group",
     "read_pause",
     "reset_holder",
@@ -29,6 +36,10 @@ __all__ = [
 # operator leaves that one alone whatever spec.paused says (the reset resumes the group
 # itself, once every durable is at its new position).
 RESET_SOURCE = "reset"
+# The operator's pause, from the ConsumerGroup's spec.paused: the only one it lifts.
+SPEC_SOURCE = "spec.paused"
+# `shoal-consumer pause`'s: lifted by `shoal-consumer resume` only, operator or not.
+CLI_SOURCE = "cli"
 
 # Attempts at pausing or resuming while someone else changes the key each time between
 # our read and our write.
@@ -59,9 +70,9 @@ async def pause_group(etcd: Etcd, keys: Keys, record: PauseRecord) -> PauseRecor
 
     A reset's pause (RESET_SOURCE) is not taken over either, though the reset lifts it
     when it is done: in its place, another pause would lose what protects the reset from
-    the operator (which leaves a reset's pause alone, and would lift a spec.paused or
-    CLI pause whenever spec.paused is false, members then pulling while a durable is
-    being recreated). The caller says so; the operator pauses the group again after."""
+    the operator (which leaves a reset's pause alone, and would lift a spec.paused pause
+    whenever spec.paused is false, members then pulling while a durable is being
+    recreated). The caller says so; the operator pauses the group again after."""
     for _ in range(ATTEMPTS):
         if await etcd.create_returning_revision(keys.paused, record.to_json(), None) is not None:
             return None
@@ -86,6 +97,25 @@ async def resume_if_source(etcd: Etcd, keys: Keys, source: str) -> PauseRecord |
     return None
 
 
+async def lift_if_source(
+    etcd: Etcd, keys: Keys, source: str
+) -> tuple[PauseRecord | None, PauseRecord | None]:
+    """Delete the group's pause key only if its record's source is `source`, as read (a
+    record written in between is looked at again, never deleted unseen): (the record
+    deleted, the record left in place), either None. The operator lifts this way only
+    the pause spec.paused made, never one `shoal-consumer pause` or a reset wrote."""
+    for _ in range(ATTEMPTS):
+        found = await _read_pause(etcd, keys)
+        if found is None:
+            return None, None
+        record, revision = found
+        if record.source != source:
+            return None, record
+        if await etcd.delete_if_unchanged(keys.paused, revision):
+            return record, None
+    raise RuntimeError(f"{keys.paused} was rewritten {ATTEMPTS} times while resuming")
+
+
 class ResetRunning(RuntimeError):
     """The pause is a running reset's: lifted now, members would pull while a durable is
     being recreated, and recreate it at its old position (group/reset.py)."""
@@ -98,17 +128,30 @@ class ResetRunning(RuntimeError):
         self.record = record
 
 
-async def resume_group(etcd: Etcd, keys: Keys) -> PauseRecord | None:
+class SpecPaused(RuntimeError):
+    """The pause is the operator's, from the ConsumerGroup's spec.paused: deleted, the
+    operator writes it again within seconds (its status timer follows the spec), and
+    members pull only meanwhile. spec.paused: false is what lifts it."""
+
+    def __init__(self, record: PauseRecord) -> None:
+        super().__init__(f"paused through its ConsumerGroup's spec.paused ({record.describe()})")
+        self.record = record
+
+
+async def resume_group(etcd: Etcd, keys: Keys, *, lift_spec: bool = False) -> PauseRecord | None:
     """Resume the group: delete its pause key, as read (a record written in between, a
     reset's, is looked at again, not deleted unseen). Returns the record deleted (None:
     it was not paused, nothing done). ResetRunning for the pause of a reset that still
     runs (Keys.resetting); a reset's pause without it was left by one that did not
-    finish, and is lifted."""
+    finish, and is lifted. SpecPaused for the operator's pause (SPEC_SOURCE), unless
+    `lift_spec` (a group no operator runs any more, whose last pause it left)."""
     for _ in range(ATTEMPTS):
         found = await _read_pause(etcd, keys)
         if found is None:
             return None
         record, revision = found
+        if record.source == SPEC_SOURCE and not lift_spec:
+            raise SpecPaused(record)
         if record.source == RESET_SOURCE:
             holder = await reset_holder(etcd, keys)
             if holder is not None:

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from shoal.assignor import assign, min_moves, moved, owner_counts, skew
 from shoal.clients.etcd import Etcd, EtcdAuthError, EtcdConfigError
-from shoal.clients.natsauth import NatsClosed, NatsConfigError
+from shoal.clients.natsauth import NatsClosed, NatsConfigError, redacted
 from shoal.consumer import eventloop
 from shoal.consumer import ready as readiness
 from shoal.consumer.cli_options import (
@@ -170,6 +170,7 @@ def run(
     Other settings: SHOAL_* (see the README).
     """
     from shoal.consumer.runtime import run_consumer
+    from shoal.group.jetstream import PartitionCountMismatch
 
     config = command_config(
         group=group,
@@ -193,6 +194,7 @@ def run(
         EtcdAuthError,
         NatsConfigError,
         HealthPortInUse,
+        PartitionCountMismatch,
     ) as exc:
         raise click.ClickException(str(exc)) from None
     except NatsClosed:
@@ -698,21 +700,57 @@ def permissions(
 @group_option
 @namespace_option
 @etcd_option
+@nats_option
+@stream_option
 @partitions_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def status(group: str, namespace: str, etcd_endpoints: str, partitions: int, as_json: bool) -> None:
+@click.pass_context
+def status(
+    ctx: click.Context,
+    group: str,
+    namespace: str,
+    etcd_endpoints: str,
+    nats_url: str,
+    stream: str | None,
+    partitions: int,
+    as_json: bool,
+) -> None:
     """Show a group's members, leader, owners per member and skew, read from etcd, and
     the members NATS refuses (wrong credentials, TLS), with the reason.
 
+    The partition count is the group's, as its stream records it (read through --nats;
+    the operator and members write it there); --partitions, if given, must agree with
+    it. For a stream that records none (an older Shoal), or NATS out of reach: as many
+    as --partitions says, else as the group's assignment names.
+
     etcd TLS and authentication: ETCD_CA_FILE, ETCD_CERT_FILE, ETCD_KEY_FILE, ETCD_USERNAME,
-    ETCD_PASSWORD (see `run --help`).
+    ETCD_PASSWORD (see `run --help`); NATS's likewise (NATS_*).
     """
     from shoal.group.status import read_status
 
     # Unless given, as many partitions as the group's targets name (not the option's
     # default: a 16-partition group showed 112 partitions unowned).
-    given = click.get_current_context().get_parameter_source("partitions")
-    counted = None if given is click.core.ParameterSource.DEFAULT else partitions
+    source = ctx.get_parameter_source
+    given = source("partitions") is not click.core.ParameterSource.DEFAULT
+    counted = partitions if given else None
+    config = command_config(group=group, namespace=namespace, nats_url=nats_url, stream=stream)
+    recorded = _recorded_partitions(
+        config, quiet=source("nats_url") is click.core.ParameterSource.DEFAULT
+    )
+    if recorded is not None:
+        if given and recorded != partitions:
+            # `-p 64` on a 128-partition group showed a healthy group of 64.
+            flag = (
+                f"SHOAL_PARTITIONS={partitions}"
+                if source("partitions") is click.core.ParameterSource.ENVIRONMENT
+                else f"--partitions {partitions}"
+            )
+            raise click.UsageError(
+                f"stream {config.stream} records {recorded} partitions for the group, not "
+                f"{flag}: the status would count partitions that are not the group's "
+                "(leave it out: the stream's count is used)"
+            )
+        counted = recorded
 
     async def go() -> Any:
         etcd = Etcd(etcd_endpoints, **etcd_options_from_env(os.environ))
@@ -778,6 +816,42 @@ def status(group: str, namespace: str, etcd_endpoints: str, partitions: int, as_
         )
 
 
+def _recorded_partitions(config: Any, *, quiet: bool) -> int | None:
+    """The partition count the group's stream records, for `status`; None when the
+    stream records none (an older Shoal) or cannot be read (said on standard error
+    unless `quiet`: NATS at the default URL, perhaps never meant to be asked)."""
+    from shoal.clients.nats import connect
+    from shoal.group.jetstream import recorded_partitions
+
+    async def read() -> int | None:
+        nc = None
+        try:
+            async with asyncio.timeout(5):
+                nc = await connect(
+                    config.nats_url,
+                    name="shoal-status",
+                    attempts=1,
+                    security=config.nats_security(),
+                )
+                js = nc.jetstream(prefix=config.nats_js_api_prefix)
+                return await recorded_partitions(js, config.stream)
+        finally:
+            if nc is not None:
+                await nc.close()
+
+    try:
+        return asyncio.run(read())
+    except Exception as exc:  # unreachable, refused, no permission (no answer)
+        if not quiet:
+            click.echo(
+                f"note: could not read stream {config.stream} at {redacted(config.nats_url)} "
+                f"for the group's partition count ({type(exc).__name__}: {exc}); counting "
+                "them from --partitions, else the group's assignment",
+                err=True,
+            )
+        return None
+
+
 def _pauser() -> str:
     """Who runs `shoal-consumer pause` (user@host), for the pause record."""
     return whoami()
@@ -809,15 +883,16 @@ def pause(group: str, namespace: str, etcd_endpoints: str, reason: str, force: b
     their partitions (nothing moves); members that join or restart join paused; the
     autoscaler does nothing. `resume` undoes it.
 
-    Writes the group's `paused` key in etcd, as the operator does from spec.paused: for
-    a group the operator runs, set spec.paused instead (the operator would undo this).
-    etcd TLS and authentication: as for `status`.
+    Writes the group's `paused` key in etcd, as the operator does from spec.paused. On a
+    group the operator runs, this pause is the command's own: the operator leaves it
+    whatever spec.paused says (spec.paused: false lifts only the pause spec.paused made),
+    and `resume` lifts it. etcd TLS and authentication: as for `status`.
     """
     from shoal.contracts.values import PauseRecord
-    from shoal.group.pause import RESET_SOURCE, group_has_keys, pause_group
+    from shoal.group.pause import CLI_SOURCE, RESET_SOURCE, group_has_keys, pause_group
 
     keys = Keys(namespace, group)
-    record = PauseRecord(by=_pauser(), time=time.time(), source="cli", reason=reason)
+    record = PauseRecord(by=_pauser(), time=time.time(), source=CLI_SOURCE, reason=reason)
 
     async def work(etcd: Etcd) -> PauseRecord | bool | None:
         if not force and not await group_has_keys(etcd, keys):
@@ -858,16 +933,36 @@ def pause(group: str, namespace: str, etcd_endpoints: str, reason: str, force: b
 @group_option
 @namespace_option
 @etcd_option
-def resume(group: str, namespace: str, etcd_endpoints: str) -> None:
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Lift a pause the operator made from spec.paused too: only for a group no "
+    "operator runs any more (one that does pauses it again at once). Without it such a "
+    "pause is refused, naming the kubectl command that lifts it.",
+)
+def resume(group: str, namespace: str, etcd_endpoints: str, force: bool) -> None:
     """Resume a paused group: its members pull again at once (deletes its `paused` key).
-    For a group the operator runs, set spec.paused to false instead."""
-    from shoal.group.pause import ResetRunning, resume_group
+
+    Refused for a pause the operator made from the ConsumerGroup's spec.paused (it would
+    pause the group again within seconds): set spec.paused to false instead, as the error
+    says. A pause made by `pause` is lifted here, operator or not."""
+    from shoal.group.pause import ResetRunning, SpecPaused, resume_group
 
     keys = Keys(namespace, group)
     try:
-        record = asyncio.run(_with_etcd(etcd_endpoints, lambda e: resume_group(e, keys)))
+        record = asyncio.run(
+            _with_etcd(etcd_endpoints, lambda e: resume_group(e, keys, lift_spec=force))
+        )
     except ResetRunning as exc:
         raise click.ClickException(f"{namespace}/{group} is {exc}") from None
+    except SpecPaused as exc:
+        raise click.ClickException(
+            f"{namespace}/{group} is {exc}: the operator that runs it would pause it again "
+            "within seconds; nothing changed. Resume it through the spec: kubectl patch cg "
+            f"{group} -n {namespace} --type merge -p "
+            """'{"spec":{"paused":false}}' (--force lifts it here anyway, for a group no """
+            "operator runs any more)"
+        ) from None
     except Exception as exc:
         raise click.ClickException(f"could not resume {namespace}/{group}: {exc}") from None
     if record is None:

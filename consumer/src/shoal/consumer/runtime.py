@@ -39,7 +39,12 @@ from shoal.contracts.events import AssignmentEvent
 from shoal.contracts.names import assignments_subject
 from shoal.contracts.values import MemberStats
 from shoal.group.config import GroupConfig
-from shoal.group.jetstream import ensure_group, partition_progress
+from shoal.group.jetstream import (
+    PartitionCountMismatch,
+    check_partitions,
+    ensure_group,
+    partition_progress,
+)
 from shoal.group.problems import RefusalReporter
 from shoal.group.view import GroupView
 
@@ -253,6 +258,21 @@ class ConsumerProcess:
         )
         self.js = self.nc.jetstream(prefix=c.nats_js_api_prefix)
         self.nats_health = NatsHealth(self.nc)
+        # The partition count the group's stream records, before anything is written
+        # (ensure_group would record ours): another count joined, took the partitions it
+        # names and left the others to nobody.
+        try:
+            await check_partitions(self.js, c)
+        except PartitionCountMismatch:
+            raise
+        except Exception as exc:  # no answer, no permission: as before the count was kept
+            log.warning(
+                "Could not read stream %s for the group's partition count (%r): going on "
+                "with %d partitions",
+                c.stream,
+                exc,
+                c.partitions,
+            )
         if c.ensure_jetstream:
             await ensure_group(self.js, c)
         self.worker = Worker(

@@ -19,7 +19,8 @@ from typing import Any
 
 from shoal.contracts.names import TIME_FORMAT, format_time
 from shoal.contracts.values import MemberStats, PauseRecord, ScaleRecord
-from shoal.group.pause import RESET_SOURCE
+from shoal.group.pause import CLI_SOURCE, RESET_SOURCE
+from shoal.operator.failing import Failing
 from shoal.operator.scheduling import CONDITION, EVENT_REASON, UNSCHEDULABLE, Unschedulable
 
 
@@ -54,6 +55,9 @@ class Observed:
     # Member pods the scheduler cannot place (shoal.operator.scheduling); None: none, or
     # the pods were not read because the Deployment has all its pods ready.
     unschedulable: Unschedulable | None = None
+    # Member pods whose containers crash-loop or cannot start (shoal.operator.failing),
+    # read from the same pods; None: none, or the pods were not read.
+    failing: Failing | None = None
     # Why the member pods could not be read, if they could not (MembersSchedulable is
     # Unknown then, rather than a guess either way).
     pods_unread: str | None = None
@@ -287,6 +291,11 @@ def conditions(o: Observed) -> list[dict[str, Any]]:
         degraded = _condition(
             "Degraded", True, o.refused[0][1], refused_message(o.refused), o.generation
         )
+    elif o.failing is not None:
+        # Member pods crash-loop or cannot start: a person must act (the spec, the image,
+        # a Secret, the node), and alerting on Degraded should catch it. After the
+        # refusals, which say more precisely why a member exits.
+        degraded = _condition("Degraded", True, o.failing.reason, o.failing.message(), o.generation)
     elif o.stalled:
         # Not a problem of the group's spec or servers, but part of its work waits: that
         # is what Degraded means to tools that read only the conditions.
@@ -319,6 +328,15 @@ def conditions(o: Observed) -> list[dict[str, Any]]:
             False,
             o.refused[0][1],
             f"{o.ready_replicas} of {o.spec_replicas} members ready; {refused_message(o.refused)}",
+            o.generation,
+        )
+    elif o.ready_replicas < o.spec_replicas and o.failing is not None:
+        # "0 of 3 members ready" alone would send people to the pods to find out why.
+        ready = _condition(
+            "Ready",
+            False,
+            o.failing.reason,
+            f"{o.ready_replicas} of {o.spec_replicas} members ready; {o.failing.message()}",
             o.generation,
         )
     elif o.ready_replicas < o.spec_replicas and o.unschedulable is not None:
@@ -365,6 +383,12 @@ def conditions(o: Observed) -> list[dict[str, Any]]:
         # a server the group needs cannot be reached. "Stable" there, beside a Degraded
         # condition nobody lists, would say all is well.
         progressing = _condition("Progressing", False, o.problem[0], o.problem[1], o.generation)
+    elif o.failing is not None:
+        # Not Reconciling: the pods will not become ready by waiting (a rollout whose new
+        # pods crash-loop stops there), and the Status column says why.
+        progressing = _condition(
+            "Progressing", False, o.failing.reason, o.failing.message(), o.generation
+        )
     elif o.stalled:
         # Next, like a Deployment's ProgressDeadlineExceeded: it is what `kubectl get cg`
         # shows (the Status column), and a move of the stalled partitions that follows is
@@ -414,7 +438,9 @@ def conditions(o: Observed) -> list[dict[str, Any]]:
     if o.paused is not None:
         # A reset's pause (shoal-consumer reset, interrupted) stands whatever spec.paused
         # says: ResetPaused then.
-        reason = "ResetPaused" if o.paused.source == RESET_SOURCE else "SpecPaused"
+        reason = {RESET_SOURCE: "ResetPaused", CLI_SOURCE: "CommandPaused"}.get(
+            o.paused.source, "SpecPaused"
+        )
         paused = _condition("Paused", True, reason, paused_message(o.paused), o.generation)
     else:
         paused = _condition("Paused", False, "Running", "The group is not paused", o.generation)
@@ -628,10 +654,12 @@ def paused_message(record: PauseRecord) -> str:
             "(it resumes the group), or `shoal-consumer resume` to go on from where the "
             "durables are now (spec.paused does not lift a reset's pause)"
         )
+    # A pause `shoal-consumer pause` made stands whatever spec.paused says (the operator
+    # lifts only its own): the command lifts it.
+    how = "`shoal-consumer resume`" if record.source == CLI_SOURCE else "spec.paused: false"
     return (
         f"Paused {record.describe()}: members finished what they were running and pull "
-        "nothing; partitions stay where they are; the autoscaler waits. Resume with "
-        "spec.paused: false"
+        f"nothing; partitions stay where they are; the autoscaler waits. Resume with {how}"
     )
 
 

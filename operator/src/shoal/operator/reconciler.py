@@ -9,7 +9,10 @@ Event for each new assignment generation, each change of replicas, each stall ep
 member NATS refuses (its problems/ key: Degraded with NatsAuthFailed / NatsTLSFailed).
 While the Deployment has pods that are not ready it also lists them: pods the scheduler
 refuses make MembersSchedulable False (the scheduler's message in it and in Ready's)
-with one MembersUnschedulable Warning per episode. What the operator made and someone
+with one MembersUnschedulable Warning per episode; containers of theirs that crash-loop or
+cannot start (shoal.operator.failing) make the group Degraded (MembersCrashLooping,
+MembersCannotStart: pod, container and last exit in Degraded's, Ready's and Progressing's
+message) with one Warning per episode. What the operator made and someone
 removed the timer puts back: streams JetStream says are missing (StreamRecreated), the
 Deployment (DeploymentRecreated) and the other children (RoleRecreated, ...: childwatch.py);
 nothing else would, since no handler sees a change.
@@ -67,10 +70,10 @@ from shoal.group.jetstream import (
     partition_list,
     partition_progress,
 )
-from shoal.group.pause import RESET_SOURCE, pause_group, read_pause, resume_group
+from shoal.group.pause import SPEC_SOURCE, lift_if_source, pause_group
 from shoal.group.status import GroupStatus, status_from_view
 from shoal.group.view import GroupView
-from shoal.operator import observe, scheduling
+from shoal.operator import failing, observe, scheduling
 from shoal.operator.builders import (
     NatsPodSecrets,
     build_deployment,
@@ -636,9 +639,16 @@ async def follow_pause(
     Resumed Event when this call changed it. `current`: the record etcd holds, if the
     caller has just read it (None: not paused), so that nothing is written when the key
     is as it should be; False: not known. Returns the record in force (None: running).
-    etcd errors are logged, never raised: the status timer tries again."""
+    etcd errors are logged, never raised: the status timer tries again.
+
+    spec.paused: false lifts only the pause spec.paused made (SPEC_SOURCE). Another
+    stands: `shoal-consumer pause`'s (operations tooling, lifted by `shoal-consumer
+    resume`; before, the operator lifted it within seconds, in an Event naming whoever
+    last set spec.paused), a reset's (lifted by the reset), or one it cannot read."""
     if current is not False and (current is not None) == model.paused:
         return current if isinstance(current, PauseRecord) else None
+    if not model.paused and isinstance(current, PauseRecord) and current.source != SPEC_SOURCE:
+        return current  # not the spec's pause: not the spec's to lift
     managed = meta.get("managedFields") if hasattr(meta, "get") else None
     try:
         etcd = await _etcd(memo, config.etcd_endpoints, config.namespace, etcd_secret_name(model))
@@ -650,14 +660,11 @@ async def follow_pause(
             log.info("Paused group %s/%s %s", config.namespace, config.group, record.describe())
             kopf.info(body, reason="Paused", message=observe.paused_message(record))
             return record
-        found = current if isinstance(current, PauseRecord) else None
-        found = found or await read_pause(etcd, config.keys)
-        if found is not None and found.source == RESET_SOURCE:
-            # `shoal-consumer reset` paused the group to recreate its durables, and
-            # resumes it itself: resumed meanwhile, members would pull while a durable
-            # is missing, and recreate it at the old position (group/reset.py).
-            return found
-        removed = await resume_group(etcd, config.keys)
+        # Only as read: a pause written meanwhile by someone else is not deleted unseen.
+        # (A reset's pause, `shoal-consumer reset` recreating the durables, above all:
+        # resumed meanwhile, members would pull while a durable is missing, and recreate
+        # it at the old position: group/reset.py.)
+        removed, left = await lift_if_source(etcd, config.keys, SPEC_SOURCE)
     except Exception as exc:
         log.warning(
             "Could not make %s/%s %s (etcd: %r); retrying with the status timer",
@@ -668,11 +675,12 @@ async def follow_pause(
         )
         return None
     if removed is not None:
+        # spec.paused made this pause, so whoever set spec.paused false lifted it.
         who = observe.pause_manager(managed)
         message = observe.resumed_message(who[0] if who else "unknown", removed, time.time())
         log.info("Group %s/%s: %s", config.namespace, config.group, message)
         kopf.info(body, reason="Resumed", message=message)
-    return None
+    return left
 
 
 def etcd_secret_name(spec: Any) -> str | None:
@@ -749,7 +757,7 @@ async def observe_group(
         children_problem = await _reapply_deleted_children(
             memo, body, meta, name, namespace, model, gone
         )
-    unschedulable, pods_unread = await _member_pods(
+    unschedulable, failing_pods, pods_unread = await _member_pods(
         memo, body, status, namespace, name, dep, model.replicas
     )
     members: dict[str, int] = {}
@@ -854,6 +862,7 @@ async def observe_group(
         paused=paused
         or (observe.pause_record(meta.get("managedFields"), time.time()) if model.paused else None),
         unschedulable=unschedulable,
+        failing=failing_pods,
         pods_unread=pods_unread,
     )
     new = observe.status(observed, old.get("conditions", []), now())
@@ -1019,9 +1028,11 @@ async def _member_pods(
     name: str,
     dep: dict[str, int],
     replicas: int,
-) -> tuple[scheduling.Unschedulable | None, str | None]:
-    """Whether the scheduler refuses some of the group's pods (and, if the pods could not
-    be read, why not), with a Warning Event when that starts (_report_unschedulable).
+) -> tuple[scheduling.Unschedulable | None, failing.Failing | None, str | None]:
+    """Whether the scheduler refuses some of the group's pods, whether containers of
+    theirs crash-loop or cannot start (and, if the pods could not be read, why not), with
+    a Warning Event when either starts (_report_unschedulable, _report_failing). One LIST
+    answers both.
 
     The pods are listed (one LIST by the group's label selector, in this timer) only when
     the Deployment has fewer ready pods than it has or should have: a pod the scheduler
@@ -1032,21 +1043,45 @@ async def _member_pods(
     are not ready; it would need `watch` on pods; and its handler would have to hand what
     it saw to this timer, which writes the Ready condition the answer belongs in. The
     timer's period (5 s) is delay enough: a pod the scheduler refuses stays refused until
-    someone changes the spec or the nodes.
+    someone changes the spec or the nodes. A crash loop keeps its pod not ready too
+    (a native sidecar's as well: the pod is not ready without it), so it is seen here.
+
+    While the pods cannot be read, what the last read found crash-looping stands (the
+    Degraded condition does not flap to AsExpected and back).
     """
     if dep["ready"] >= max(dep["replicas"], replicas):
-        found = None  # every pod ready, so placed: nothing to read
+        found, broken = None, None  # every pod ready, so placed and running: nothing to read
     else:
         try:
             pods = await memo.kube.list_pods(namespace, selector_string(name))
         except ApiException as exc:  # 403 without `list` on pods: say so, keep going
-            return None, f"{exc.status} {exc.reason}"
+            return None, memo.group.failing_last, f"{exc.status} {exc.reason}"
         except Exception as exc:  # the status timer must still write the rest
             log.debug("Pods of %s/%s unreadable: %r", namespace, name, exc)
-            return None, repr(exc)[:200]
+            return None, memo.group.failing_last, repr(exc)[:200]
         found = scheduling.unschedulable(pods)
+        broken = failing.failing(pods, time.time())
     _report_unschedulable(body, memo, status, found)
-    return found, None
+    _report_failing(body, memo, status, broken)
+    return found, broken, None
+
+
+def _report_failing(
+    body: kopf.Body, memo: OperatorMemo, status: Any, found: failing.Failing | None
+) -> None:
+    """A Warning Event (MembersCrashLooping or MembersCannotStart) when member pods
+    start crash-looping or failing to start: once per episode (from the first observation
+    that finds such a container to the first that finds none), not at every observation,
+    and not again when the pods, containers or exits change within it. The end posts
+    nothing: Degraded turns False, with its lastTransitionTime. A new operator process
+    takes an episode going on from the `status` the last one wrote
+    (failing.failing_in_status)."""
+    state = memo.group
+    was = state.failing if state.failing is not None else failing.failing_in_status(status)
+    if found is not None and not was:
+        kopf.warn(body, reason=found.reason, message=found.message())
+    state.failing = found is not None
+    state.failing_last = found
 
 
 def _report_unschedulable(

@@ -19,6 +19,7 @@ from typing import Any
 from shoal.operator.builders import NatsPodSecrets
 from shoal.operator.etcdalarms import AlarmReader
 from shoal.operator.etcdsecret import EtcdClients
+from shoal.operator.failing import Failing
 from shoal.operator.kube import Kube
 from shoal.operator.natssecret import NatsClients
 from shoal.operator.settings import OperatorSettings
@@ -91,6 +92,14 @@ class GroupState:
     # until this process observed the group: it then starts from the status's
     # MembersSchedulable condition, so a restarted operator does not post it again.
     unschedulable: bool | None = None
+    # Whether member pods crash-looped or could not start at the last observation that
+    # read the pods (a MembersCrashLooping or MembersCannotStart Warning is posted when
+    # this turns True, once). None until this process observed the group: it then starts
+    # from the status's conditions (one of them has that reason), so a restarted operator
+    # does not post it again. failing_last: what that observation found, which stands
+    # while the pods cannot be read.
+    failing: bool | None = None
+    failing_last: Failing | None = None
     # (key, mod_revision) of the garbage values in the group's etcd prefix already logged:
     # the timer reads with a new view every time, and would log each one every 5 s.
     garbage_logged: set[tuple[str, int]] = field(default_factory=set)
