@@ -4,13 +4,15 @@ pause and resume a group (reset: reset_cli.py; dlq: dlq_cli.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
+import threading
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 from pydantic import ValidationError
@@ -395,14 +397,37 @@ def produce(
         ctx.get_parameter_source("partitions") is not click.core.ParameterSource.DEFAULT
     )
 
+    async def stream_by_subject(js: Any) -> Any:
+        """The stream that stores the group's subjects, under a name of its own
+        (spec.nats.stream.name); a UsageError when none does: every publish would fail
+        (no stream answers), so say so at once, not after retrying each line."""
+        from nats.js.errors import NotFoundError
+
+        try:
+            name = await js.find_stream_name_by_subject(f"{prefix}.0")
+        except NotFoundError:
+            raise click.UsageError(
+                f"unknown group {namespace}/{group}: no stream {stream_name}, and none "
+                f"stores {prefix}.* (a misspelt --group or --namespace? a stream of "
+                "another name: --stream)"
+            ) from None
+        return await js.stream_info(name)
+
     async def group_partitions(js: Any, given: int) -> int:
         """The group's partition count from its stream; `given` where it says none."""
+        from nats.js.errors import NotFoundError
+
         from shoal.group.jetstream import stream_partitions
 
         try:
             async with asyncio.timeout(3):
-                info = await js.stream_info(stream_name)
-        except Exception as exc:  # no such stream, no permission (no answer), an outage
+                try:
+                    info = await js.stream_info(stream_name)
+                except NotFoundError:
+                    info = await stream_by_subject(js)
+        except click.UsageError:
+            raise
+        except Exception as exc:  # no permission (no answer), an outage
             click.echo(
                 f"warning: could not read stream {stream_name} ({exc!r}) for the group's "
                 f"partition count: publishing for --partitions {given}",
@@ -498,8 +523,32 @@ def produce(
         asyncio.run(go())
     except (NatsConfigError, ConnectionError) as exc:  # one line, no traceback
         raise click.ClickException(str(exc)) from None
+    except click.ClickException as exc:
+        if _stdin_reader_blocked():
+            exc.show()
+            _exit_now(exc.exit_code)
+        raise
     if interrupted:
+        if _stdin_reader_blocked():
+            _exit_now(130)
         ctx.exit(130)
+
+
+def _stdin_reader_blocked() -> bool:
+    """Whether read_lines' thread still waits in a read of an input left open."""
+    return any(t.name == "stdin-reader" and t.is_alive() for t in threading.enumerate())
+
+
+def _exit_now(code: int) -> NoReturn:
+    """Exit without finalizing the interpreter. A thread blocked reading stdin holds the
+    buffer's lock, and the finalization that wants it aborts the process ('Fatal Python
+    error: _enter_buffered_busy', SIGABRT, exit status 134 instead of the summary's 130).
+    What we printed is flushed first; nothing else is left to clean up (the connection
+    is closed)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def _publish_failed(exc: Exception, prefix: str, run_tag: str) -> str:
