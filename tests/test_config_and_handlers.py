@@ -174,6 +174,21 @@ def test_cli_run_refuses_an_unknown_handler_with_one_line() -> None:
     assert "Traceback" not in result.output
 
 
+def test_a_bad_environment_variable_is_named_as_the_user_wrote_it() -> None:
+    """It read "max_messages_per_second: Input should be greater than 0": a field name
+    the documentation never uses."""
+    result = CliRunner().invoke(
+        main,
+        ["run", "--group", "g", "--etcd", "127.0.0.1:1"],
+        env={"SHOAL_MAX_MESSAGES_PER_SECOND": "0"},
+    )
+    assert result.exit_code == 2, result.output
+    assert "SHOAL_MAX_MESSAGES_PER_SECOND (max_messages_per_second)" in result.output
+    # An option is named as before (its field).
+    result = CliRunner().invoke(main, ["run", "--group", "a.b"])
+    assert "SHOAL_GROUP" not in result.output and "group" in result.output
+
+
 def test_cli_run_refuses_a_bad_config_with_a_usage_error() -> None:
     result = CliRunner().invoke(main, ["run", "--group", "a.b"])
     assert result.exit_code == 2

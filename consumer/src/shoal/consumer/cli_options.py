@@ -6,6 +6,7 @@ from __future__ import annotations
 import getpass
 import os
 import socket
+from collections.abc import Mapping
 from typing import Any
 
 import click
@@ -13,7 +14,7 @@ from pydantic import ValidationError
 
 from shoal.clients.natsauth import redacted
 from shoal.contracts.names import DEFAULT_PARTITIONS
-from shoal.group.config import GroupConfig, config_from_env
+from shoal.group.config import ENV_VARS, GroupConfig, config_from_env
 
 __all__ = [
     "command_config",
@@ -82,10 +83,19 @@ stream_option = click.option(
 )
 
 
-def validation_message(exc: ValidationError) -> str:
-    return "; ".join(
-        f"{'.'.join(str(x) for x in err['loc']) or 'config'}: {err['msg']}" for err in exc.errors()
-    )
+def validation_message(exc: ValidationError, given: Mapping[str, Any] | None = None) -> str:
+    """One line for every error. With `given` (the options a command passed on top of
+    the environment), a field not among them came from the environment and is named by
+    its variable, as the user wrote it: a bad SHOAL_MAX_MESSAGES_PER_SECOND read
+    "max_messages_per_second: ...", a name found nowhere in the documentation."""
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(x) for x in err["loc"]) or "config"
+        field = str(err["loc"][0]) if err["loc"] else ""
+        if given is not None and field in ENV_VARS and given.get(field) is None:
+            where = f"{ENV_VARS[field]} ({where})"
+        parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)
 
 
 def command_config(**given: Any) -> GroupConfig:
@@ -95,7 +105,7 @@ def command_config(**given: Any) -> GroupConfig:
     try:
         return config_from_env(os.environ, **given)
     except ValidationError as exc:
-        raise click.UsageError(validation_message(exc)) from None
+        raise click.UsageError(validation_message(exc, given)) from None
 
 
 def or_dash(value: object) -> object:
