@@ -390,8 +390,10 @@ def test_unusable_settings_stop_the_member_at_once(
 def test_produce_takes_the_same_settings(secured: Secured) -> None:
     env = secured.env_but_password()
     args = ["produce", "-g", "sec", "--nats", secured.server.url, "-m", "0"]
+    # Connected (TLS and password accepted): JetStream says the group has no stream.
     ok = CliRunner().invoke(main, args, env={**env, "NATS_PASSWORD": PASSWORD})
-    assert ok.exit_code == 0, ok.output
+    assert ok.exit_code == 2 and "unknown group default/sec" in ok.output, ok.output
+    assert "NatsAuthFailed" not in ok.output, ok.output
     refused = CliRunner().invoke(main, args, env={**env, "NATS_PASSWORD": "wrong"})
     assert refused.exit_code == 1
     assert "Error: NatsAuthFailed: NATS refused the credentials" in refused.output
