@@ -10,12 +10,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, cast
+from collections.abc import AsyncIterator
+from typing import Any
 
 import kopf
 import pytest
 
+from harness.kopfcalls import Event, call_handler, record_events
 from shoal.contracts.names import Keys, format_time
 from shoal.group.jetstream import ensure_group
 from shoal.operator import reconciler
@@ -324,8 +325,6 @@ def test_what_comes_before_and_after_a_crash_loop() -> None:
 
 # -- the status timer ----------------------------------------------------------------------------
 
-Event = tuple[str, str, str]  # type, reason, message
-
 
 class FakeKube:
     """The Deployment's status and its pods, as the test sets them; LISTs counted."""
@@ -351,21 +350,7 @@ class FakeKube:
 
 @pytest.fixture
 def events(monkeypatch: pytest.MonkeyPatch) -> list[Event]:
-    found: list[Event] = []
-
-    def recorder(kind: str) -> Callable[..., None]:
-        def post(body: Any, *, reason: str, message: str = "") -> None:
-            found.append((kind, reason, message))
-
-        return post
-
-    monkeypatch.setattr(kopf, "info", recorder("Normal"))
-    monkeypatch.setattr(kopf, "warn", recorder("Warning"))
-    return found
-
-
-async def call_handler(handler: object, **kwargs: Any) -> Any:
-    return await cast(Callable[..., Awaitable[Any]], handler)(**kwargs)
+    return record_events(monkeypatch)
 
 
 @pytest.fixture

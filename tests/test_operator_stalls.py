@@ -24,14 +24,15 @@ import asyncio
 import copy
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import kopf
 import pytest
 
 from harness.fleet import Fleet, settled, wait_for_status
+from harness.kopfcalls import Event, call_handler, record_events
 from harness.waiting import eventually_async
 from shoal.clients.etcd import Etcd
 from shoal.consumer.producer import Outgoing, Producer
@@ -43,30 +44,11 @@ from shoal.group.pause import RESET_SOURCE
 from shoal.operator import reconciler
 from shoal.operator.state import GroupState, OperatorMemo
 
-Event = tuple[str, str, str]  # type, reason, message
-
 
 @pytest.fixture
 def events(monkeypatch: pytest.MonkeyPatch) -> list[Event]:
     """kopf's Events, recorded instead of posted."""
-    found: list[Event] = []
-
-    def recorder(kind: str) -> Callable[..., None]:
-        def post(body: Any, *, reason: str, message: str = "") -> None:
-            found.append((kind, reason, message))
-
-        return post
-
-    monkeypatch.setattr(kopf, "info", recorder("Normal"))
-    monkeypatch.setattr(kopf, "warn", recorder("Warning"))
-    return found
-
-
-async def call_handler(handler: object, **kwargs: Any) -> Any:
-    """Call a kopf handler with only the kwargs it reads. kopf's decorators type a handler
-    as kopf's callback protocol, which requires every kwarg kopf passes (logger, runtime,
-    ...) and Spec/Meta/Status rather than the dicts these tests give."""
-    return await cast(Callable[..., Awaitable[Any]], handler)(**kwargs)
+    return record_events(monkeypatch)
 
 
 class FakeKube:

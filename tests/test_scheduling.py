@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, cast
+from collections.abc import AsyncIterator
+from typing import Any
 
 import kopf
 import pytest
 
+from harness.kopfcalls import Event, call_handler, record_events
 from shoal.operator import reconciler
 from shoal.operator.observe import Observed, conditions
 from shoal.operator.scheduling import (
@@ -201,8 +202,6 @@ def test_a_problem_of_the_spec_comes_before_the_scheduler_in_ready() -> None:
 
 # -- the status timer: one Warning per episode ----------------------------------------------------
 
-Event = tuple[str, str, str]  # type, reason, message
-
 
 class FakeKube:
     """The Deployment's status and its pods, as the test sets them; pod lists counted."""
@@ -227,21 +226,7 @@ class FakeKube:
 
 @pytest.fixture
 def events(monkeypatch: pytest.MonkeyPatch) -> list[Event]:
-    found: list[Event] = []
-
-    def recorder(kind: str) -> Callable[..., None]:
-        def post(body: Any, *, reason: str, message: str = "") -> None:
-            found.append((kind, reason, message))
-
-        return post
-
-    monkeypatch.setattr(kopf, "info", recorder("Normal"))
-    monkeypatch.setattr(kopf, "warn", recorder("Warning"))
-    return found
-
-
-async def call_handler(handler: object, **kwargs: Any) -> Any:
-    return await cast(Callable[..., Awaitable[Any]], handler)(**kwargs)
+    return record_events(monkeypatch)
 
 
 @pytest.fixture
