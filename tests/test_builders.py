@@ -1015,7 +1015,14 @@ user_env = st.lists(
     max_size=3,
     unique_by=lambda var: var["name"],
 )
-specs = st.fixed_dictionaries(
+
+
+def _replicas_fit(spec: dict[str, Any]) -> bool:
+    """The CRD (and the model) refuse more replicas than partitions: such a spec is not valid."""
+    return int(spec.get("replicas", 0)) <= int(spec.get("partitions", 128))
+
+
+specs: st.SearchStrategy[dict[str, Any]] = st.fixed_dictionaries(
     {"handler": st.sampled_from([HANDLER, "shoal.consumer.handlers:noop"])},
     optional={
         "replicas": st.integers(0, 50),
@@ -1034,7 +1041,7 @@ specs = st.fixed_dictionaries(
             },
         ),
     },
-)
+).filter(_replicas_fit)
 
 
 @settings(max_examples=200, deadline=None)
