@@ -109,6 +109,9 @@ def test_unset_extension_points_leave_the_operator_pod_plain() -> None:
     for field in ("nodeSelector", "tolerations", "affinity", "priorityClassName"):
         assert field not in pod["spec"], field
     assert "annotations" not in pod["metadata"]
+    # An operator that fails says why in `kubectl describe pod`: its log's end.
+    (container,) = pod["spec"]["containers"]
+    assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
 
 
 @pytest.mark.parametrize(

@@ -500,6 +500,8 @@ def test_crash_looping_members_degrade_the_group_and_say_why(
         assert degraded["message"].startswith("1 of 1 member pod crash-looping: looping-consumer-")
         assert " container consumer: " in degraded["message"]
         assert "(last exit " in degraded["message"]
+        # FallbackToLogsOnError: the member's last log line says why, naming the variable.
+        assert "(from SHOAL_HEALTH_PORT)" in degraded["message"], degraded["message"]
         cg = get_json(plane, "cg", name, "-n", ns)
         assert condition(cg, "Ready")["reason"] == "MembersCrashLooping"
         assert condition(cg, "Ready")["message"].startswith("0 of 1 members ready; 1 of 1 ")

@@ -621,6 +621,8 @@ def test_security_context_is_locked_down_with_a_writable_tmp() -> None:
         "capabilities": {"drop": ["ALL"]},
     }
     assert pod_spec(deployment)["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+    # A member that fails says why: the end of its log is its termination message.
+    assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
     assert {"name": "tmp", "emptyDir": {}} in pod_spec(deployment)["volumes"]
     assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
 

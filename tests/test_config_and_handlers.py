@@ -189,6 +189,19 @@ def test_a_bad_environment_variable_is_named_as_the_user_wrote_it() -> None:
     assert "SHOAL_GROUP" not in result.output and "group" in result.output
 
 
+def test_a_bad_option_value_from_the_environment_names_the_variable() -> None:
+    """A member's options come from SHOAL_* variables (spec.env among them): "Invalid value
+    for '--health-port'" named a flag nobody passed."""
+    result = CliRunner().invoke(
+        main, ["run", "--group", "g"], env={"SHOAL_HEALTH_PORT": "not-a-port"}
+    )
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--health-port' (from SHOAL_HEALTH_PORT)" in result.output
+    result = CliRunner().invoke(main, ["run", "--group", "g", "--health-port", "nope"])
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--health-port': 'nope'" in result.output
+
+
 def test_cli_run_refuses_a_bad_config_with_a_usage_error() -> None:
     result = CliRunner().invoke(main, ["run", "--group", "a.b"])
     assert result.exit_code == 2

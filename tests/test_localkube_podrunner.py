@@ -46,3 +46,43 @@ def test_grace_periods_only_shrink_and_never_below_a_second() -> None:
     version = runner.grace_version
     assert runner.set_grace(0) and runner.grace == podrunner.MIN_POD_GRACE
     assert runner.grace_version == version + 1
+
+
+def test_a_failed_runs_message_is_the_end_of_its_own_log(tmp_path: Path) -> None:
+    """FallbackToLogsOnError as the kubelet reads it: the last 80 lines, at most 2,048
+    bytes, of this run's output only (runs append to one file)."""
+    log = tmp_path / "c.log"
+    log.write_bytes(b"the previous run said this\n")
+    offset = log.stat().st_size
+    assert podrunner.log_tail(log, offset) == ""
+    with log.open("ab") as out:
+        out.write(b"".join(b"line %d\n" % n for n in range(100)) + b"Error: the last word")
+    tail = podrunner.log_tail(log, offset)
+    assert tail.splitlines() == [f"line {n}" for n in range(21, 100)] + ["Error: the last word"]
+    with log.open("ab") as out:
+        out.write(b"x" * 5000 + "\nnon-ASCII \u00e9 and a cut ".encode() + b"\xe2")
+    tail = podrunner.log_tail(log, offset)
+    assert len(tail.encode()) <= podrunner.TERMINATION_LOG_BYTES + 3  # a replaced byte
+    assert tail.endswith("non-ASCII \u00e9 and a cut \ufffd")
+    assert podrunner.log_tail(tmp_path / "gone.log", 0) == ""
+
+
+@pytest.mark.parametrize(
+    ("policy", "code", "has_message"),
+    [("FallbackToLogsOnError", 1, True), ("FallbackToLogsOnError", 0, False), ("File", 1, False)],
+)
+def test_only_a_failure_under_fallback_to_logs_takes_the_log(
+    tmp_path: Path, policy: str, code: int, has_message: bool
+) -> None:
+    log = tmp_path / "c.log"
+    log.write_bytes(b"Traceback ...\nValueError: no such port\n")
+    kubelet = SimpleNamespace(forget_pid=lambda pod, name: None)
+    meta = SimpleNamespace(namespace="ns", name="p")
+    runner = PodRunner(kubelet=kubelet, pod=SimpleNamespace(metadata=meta))  # type: ignore[arg-type]
+    spec = SimpleNamespace(name="c", termination_message_policy=policy)
+    state = ContainerState(spec=spec, log_path=log)
+    state.process = SimpleNamespace(pid=2**22 + 7)  # type: ignore[assignment]  # no such process
+    runner._exited(state, code)
+    assert state.terminated is not None and state.terminated["exitCode"] == code
+    message = state.terminated.get("message")
+    assert (message == "Traceback ...\nValueError: no such port\n") is has_message, message

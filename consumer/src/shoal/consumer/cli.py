@@ -28,6 +28,7 @@ from shoal.consumer.cli_options import (
     group_option,
     namespace_option,
     nats_option,
+    option,
     or_dash,
     partitions_option,
     stream_option,
@@ -75,7 +76,7 @@ main.add_command(reset)
 @nats_option
 @etcd_option
 @partitions_option
-@click.option(
+@option(
     "--handler",
     envvar="SHOAL_HANDLER",
     default="shoal.consumer.handlers:noop",
@@ -83,33 +84,33 @@ main.add_command(reset)
     help="Message handler: 'module:function' (async def f(msg)), or an http(s):// URL "
     "each message is POSTed to (see the README's HTTP handlers).",
 )
-@click.option(
+@option(
     "--handler-ready-path",
     envvar="SHOAL_HANDLER_READY_PATH",
     default=None,
     help="With an HTTP handler: join the group only once GET <its host><path> answers 2xx.",
 )
-@click.option(
+@option(
     "--handler-socket",
     envvar="SHOAL_HANDLER_SOCKET",
     default=None,
     help="With an http:// handler: send its requests to this Unix socket instead of the "
     "URL's host and port (a sidecar sharing a directory with the member).",
 )
-@click.option(
+@option(
     "--member-id",
     envvar="SHOAL_MEMBER_ID",
     default=None,
     help="Member id [env SHOAL_MEMBER_ID, else POD_NAME, else host-pid].",
 )
-@click.option(
+@option(
     "--metrics-port",
     envvar="SHOAL_METRICS_PORT",
     type=int,
     default=None,
     help="Serve Prometheus /metrics on this port (0: any free port).",
 )
-@click.option(
+@option(
     "--health-port",
     envvar="SHOAL_HEALTH_PORT",
     type=click.IntRange(0, 65535),
@@ -118,14 +119,14 @@ main.add_command(reset)
     "`shoal-ready` and `shoal-ready --live` say (200 or 503, and the line); needs "
     "SHOAL_READY_FILE (0: any free port) [env SHOAL_HEALTH_PORT].",
 )
-@click.option(
+@option(
     "--lease-ttl",
     envvar="SHOAL_LEASE_TTL",
     type=int,
     default=None,
     help="Member lease TTL in seconds (default 10).",
 )
-@click.option(
+@option(
     "--event-loop",
     envvar="SHOAL_EVENT_LOOP",
     type=click.Choice(eventloop.CHOICES),
@@ -205,14 +206,14 @@ def run(
 
 
 @main.command()
-@click.option(
+@option(
     "--file",
     "ready_file",
     envvar="SHOAL_READY_FILE",
     required=True,
     help="The member's state file [env SHOAL_READY_FILE].",
 )
-@click.option(
+@option(
     "--live",
     is_flag=True,
     help="Liveness instead: fail only if the member's event loop stopped refreshing its "
@@ -233,7 +234,7 @@ def ready(ready_file: str, live: bool) -> None:
 @namespace_option
 @nats_option
 @partitions_option
-@click.option(
+@option(
     "--projects",
     "-k",
     type=click.IntRange(1),
@@ -241,7 +242,7 @@ def ready(ready_file: str, live: bool) -> None:
     show_default=True,
     help="Number of distinct project ids (project-0 .. project-K-1) of test traffic.",
 )
-@click.option(
+@option(
     "--messages",
     "-m",
     type=click.IntRange(0),
@@ -249,7 +250,7 @@ def ready(ready_file: str, live: bool) -> None:
     show_default=True,
     help="Total messages of test traffic, spread round-robin over the projects.",
 )
-@click.option(
+@option(
     "--rate",
     type=float,
     default=0.0,
@@ -257,20 +258,20 @@ def ready(ready_file: str, live: bool) -> None:
 )
 @subject_prefix_option
 @stream_option
-@click.option(
+@option(
     "--run-id",
     default=None,
     help="Prefix of message ids (default: the time in milliseconds and a random suffix, "
     "as in 1764316800000_3f9a1c).",
 )
-@click.option(
+@option(
     "--stdin",
     "from_stdin",
     is_flag=True,
     help="Publish the lines of standard input, `project_id<TAB>data` each, instead of "
     "test traffic (see above).",
 )
-@click.option(
+@option(
     "--window",
     type=click.IntRange(1),
     default=512,
@@ -571,14 +572,14 @@ def _publish_failed(exc: Exception, prefix: str, run_tag: str) -> str:
 
 @main.command()
 @partitions_option
-@click.option(
+@option(
     "--members",
     "before",
     required=True,
     help="Members before the change, comma-separated (e.g. c-0,c-1,c-2).",
 )
-@click.option("--to", "after", required=True, help="Members after the change, comma-separated.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@option("--to", "after", required=True, help="Members after the change, comma-separated.")
+@option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def plan(partitions: int, before: str, after: str, as_json: bool) -> None:
     """Show the assignment and the moves for a membership change, sticky beside modulo."""
     old = [m for m in before.split(",") if m]
@@ -615,39 +616,39 @@ def plan(partitions: int, before: str, after: str, as_json: bool) -> None:
 @namespace_option
 @subject_prefix_option
 @stream_option
-@click.option(
+@option(
     "--inbox-prefix",
     default=None,
     help="The members' reply prefix, NATS_INBOX_PREFIX (default _SHOAL_INBOX.<namespace>.<group>).",
 )
-@click.option("--ledger", is_flag=True, help="The group writes the test ledger.")
-@click.option(
+@option("--ledger", is_flag=True, help="The group writes the test ledger.")
+@option(
     "--managed/--standalone",
     default=True,
     show_default=True,
     help="Managed: the operator creates the streams and durables; standalone: the "
     "members do (SHOAL_ENSURE_JETSTREAM).",
 )
-@click.option(
+@option(
     "--accounts",
     "as_accounts",
     is_flag=True,
     help="Streams in one account, members in another: print an `accounts` block with the "
     "JetStream account's exports and the members' account's imports.",
 )
-@click.option("--js-account", default="SHOAL", show_default=True)
-@click.option("--member-account", default="TEAM", show_default=True)
-@click.option(
+@option("--js-account", default="SHOAL", show_default=True)
+@option("--member-account", default="TEAM", show_default=True)
+@option(
     "--api-prefix",
     default=None,
     help="With --accounts: the JetStream API's prefix in the members' account, their "
     "NATS_JS_API_PREFIX (default JS.<js-account>.API).",
 )
-@click.option("--member-user", default="shoal-member", show_default=True)
-@click.option("--operator-user", default="shoal-operator", show_default=True)
-@click.option("--producer-user", default="shoal-producer", show_default=True)
-@click.option("--analytics-user", default="shoal-analytics", show_default=True)
-@click.option(
+@option("--member-user", default="shoal-member", show_default=True)
+@option("--operator-user", default="shoal-operator", show_default=True)
+@option("--producer-user", default="shoal-producer", show_default=True)
+@option("--analytics-user", default="shoal-analytics", show_default=True)
+@option(
     "--admin-user",
     default="shoal-admin",
     show_default=True,
@@ -752,7 +753,7 @@ def permissions(
 @nats_option
 @stream_option
 @partitions_option
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.pass_context
 def status(
     ctx: click.Context,
@@ -919,8 +920,8 @@ async def _with_etcd(etcd_endpoints: str, work: Any) -> Any:
 @group_option
 @namespace_option
 @etcd_option
-@click.option("--reason", default="", help="Why, for the record (shown by members and status).")
-@click.option(
+@option("--reason", default="", help="Why, for the record (shown by members and status).")
+@option(
     "--force",
     is_flag=True,
     help="Pause a group etcd holds nothing of yet (not started): its members will join "
@@ -982,7 +983,7 @@ def pause(group: str, namespace: str, etcd_endpoints: str, reason: str, force: b
 @group_option
 @namespace_option
 @etcd_option
-@click.option(
+@option(
     "--force",
     is_flag=True,
     help="Lift a pause the operator made from spec.paused too: only for a group no "

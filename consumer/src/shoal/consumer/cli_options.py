@@ -6,10 +6,11 @@ from __future__ import annotations
 import getpass
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import click
+from click.decorators import FC
 from pydantic import ValidationError
 
 from shoal.clients.natsauth import redacted
@@ -17,6 +18,7 @@ from shoal.contracts.names import DEFAULT_PARTITIONS
 from shoal.group.config import ENV_VARS, GroupConfig, config_from_env
 
 __all__ = [
+    "EnvNamingOption",
     "command_config",
     "etcd_option",
     "group_option",
@@ -24,6 +26,7 @@ __all__ = [
     "namespace_option",
     "nats_option",
     "no_answer",
+    "option",
     "or_dash",
     "partitions_option",
     "stream_option",
@@ -32,14 +35,39 @@ __all__ = [
     "whoami",
 ]
 
-group_option = click.option(
+
+class EnvNamingOption(click.Option):
+    """An option whose bad value names the environment variable it came from: a member's
+    settings come from SHOAL_* variables (the operator's, or spec.env), and "Invalid value
+    for '--health-port'" leaves the user looking for a flag nobody passed."""
+
+    def get_error_hint(self, ctx: click.Context | None) -> str:
+        hint = super().get_error_hint(ctx)
+        if (
+            ctx is None
+            or self.name is None
+            or ctx.get_parameter_source(self.name) is not (click.core.ParameterSource.ENVIRONMENT)
+        ):
+            return hint
+        names = [self.envvar] if isinstance(self.envvar, str) else list(self.envvar or ())
+        given = [name for name in names if os.environ.get(name)]
+        return f"{hint} (from {given[0]})" if given else hint
+
+
+def option(*param_decls: str, **attrs: Any) -> Callable[[FC], FC]:
+    """click.option, naming the environment variable a bad value came from."""
+    attrs.setdefault("cls", EnvNamingOption)
+    return click.option(*param_decls, **attrs)
+
+
+group_option = option(
     "--group",
     "-g",
     envvar="SHOAL_GROUP",
     required=True,
     help="Consumer group name [env SHOAL_GROUP].",
 )
-namespace_option = click.option(
+namespace_option = option(
     "--namespace",
     "-n",
     envvar="SHOAL_NAMESPACE",
@@ -47,7 +75,7 @@ namespace_option = click.option(
     show_default=True,
     help="Namespace of the group [env SHOAL_NAMESPACE].",
 )
-nats_option = click.option(
+nats_option = option(
     "--nats",
     "nats_url",
     envvar="NATS_URL",
@@ -55,7 +83,7 @@ nats_option = click.option(
     show_default=True,
     help="NATS server URL [env NATS_URL].",
 )
-etcd_option = click.option(
+etcd_option = option(
     "--etcd",
     "etcd_endpoints",
     envvar="ETCD_ENDPOINTS",
@@ -63,7 +91,7 @@ etcd_option = click.option(
     show_default=True,
     help="etcd endpoints, host:port[,host:port] [env ETCD_ENDPOINTS].",
 )
-partitions_option = click.option(
+partitions_option = option(
     "--partitions",
     "-p",
     type=click.IntRange(1, 4096),
@@ -72,13 +100,13 @@ partitions_option = click.option(
     show_default=True,
     help="Number of partitions of the group.",
 )
-subject_prefix_option = click.option(
+subject_prefix_option = option(
     "--subject-prefix",
     envvar="SHOAL_SUBJECT_PREFIX",
     default=None,
     help="Subject prefix (default shoal.<namespace>.<group>).",
 )
-stream_option = click.option(
+stream_option = option(
     "--stream", envvar="SHOAL_STREAM", default=None, help="Stream name, if not the default."
 )
 

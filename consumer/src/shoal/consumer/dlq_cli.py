@@ -21,6 +21,7 @@ from shoal.consumer.cli_options import (
     namespace_option,
     nats_option,
     no_answer,
+    option,
     or_dash,
     stream_option,
     subject_prefix_option,
@@ -114,8 +115,8 @@ def _dead_letters_command(command: Callable[..., None]) -> Callable[..., None]:
             "(30m, 24h, 7d).",
         ),
     )
-    for option in reversed(options):
-        run = option(run)
+    for decorate in reversed(options):
+        run = decorate(run)
     return run
 
 
@@ -157,14 +158,14 @@ def _where(config: GroupConfig) -> str:
 
 @dlq.command("list")
 @_dead_letters_command
-@click.option(
+@option(
     "--top",
     type=click.IntRange(1),
     default=20,
     show_default=True,
     help="Projects to list, most dead letters first (--json lists all).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def dlq_list(
     config: GroupConfig,
     selection: Selection,
@@ -215,14 +216,14 @@ def _project(project: str | None) -> str:
 
 @dlq.command("show")
 @_dead_letters_command
-@click.option(
+@option(
     "--limit",
     type=click.IntRange(0),
     default=20,
     show_default=True,
     help="Show at most this many, oldest first (0: all).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print JSON (data as text, or base64).")
+@option("--json", "as_json", is_flag=True, help="Print JSON (data as text, or base64).")
 def dlq_show(
     config: GroupConfig,
     selection: Selection,
@@ -299,21 +300,21 @@ def _progress_writer() -> Any:
 
 @dlq.command("redrive")
 @_dead_letters_command
-@click.option(
+@option(
     "--limit",
     type=click.IntRange(1),
     default=None,
     help="Move at most this many, oldest first (default: all).",
 )
-@click.option(
+@option(
     "--lanes",
     type=click.IntRange(1, 1024),
     default=64,
     show_default=True,
     help="Projects moved side by side (each project's one after another).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
-@click.option("--stop-after", type=click.IntRange(1), default=None, hidden=True)
+@option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
+@option("--stop-after", type=click.IntRange(1), default=None, hidden=True)
 def dlq_redrive(
     config: GroupConfig,
     selection: Selection,
@@ -414,13 +415,13 @@ def dlq_redrive(
 
 @dlq.command("purge")
 @_dead_letters_command
-@click.option(
+@option(
     "--limit",
     type=click.IntRange(1),
     default=None,
     help="Delete at most this many, oldest first (default: all).",
 )
-@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 def dlq_purge(
     config: GroupConfig,
     selection: Selection,

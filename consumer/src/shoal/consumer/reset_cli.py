@@ -23,6 +23,7 @@ from shoal.consumer.cli_options import (
     namespace_option,
     nats_option,
     no_answer,
+    option,
     stream_option,
     subject_prefix_option,
     whoami,
@@ -70,27 +71,27 @@ def _step_writer() -> Callable[[str, int, int], None]:
 @etcd_option
 @subject_prefix_option
 @stream_option
-@click.option(
+@option(
     "--to-time",
     callback=_time,
     default=None,
     help="Replay from the first message stored at or after this time: RFC 3339 "
     "(2026-11-21T10:00:00Z) or a duration back from now (90s, 15m, -1h, '2h ago').",
 )
-@click.option("--to-start", is_flag=True, help="Replay every message the stream holds.")
-@click.option(
+@option("--to-start", is_flag=True, help="Replay every message the stream holds.")
+@option(
     "--to-end",
     is_flag=True,
     help="Skip what waits: deliver only what is published after the command reads the stream.",
 )
-@click.option(
+@option(
     "--to-sequence",
     type=click.IntRange(1),
     default=None,
     help="Replay from this stream sequence (between the stream's first and last).",
 )
-@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
-@click.option(
+@option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@option(
     "--wait",
     "wait_timeout",
     type=click.FloatRange(1),
@@ -98,7 +99,7 @@ def _step_writer() -> Callable[[str, int, int], None]:
     show_default=True,
     help="Seconds to wait for the members to pause before giving up (nothing reset).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the plan and outcome as JSON.")
+@option("--json", "as_json", is_flag=True, help="Print the plan and outcome as JSON.")
 def reset(
     group: str,
     namespace: str,

@@ -34,7 +34,11 @@ Crash-loop backoff is deliberately ten times shorter than the kubelet's, so that
 restarts within seconds: 1 s, doubling to at most 30 s (the kubelet: 10 s, doubling to
 300 s), and back to 1 s after a container ran 60 s without exiting (the kubelet: 10 min).
 A container that exits is reported with reason Completed (exit 0) or Error (anything else,
-137 after SIGKILL), as containerd reports it.
+137 after SIGKILL), as containerd reports it. With terminationMessagePolicy
+FallbackToLogsOnError a failed exit's message is the end of what that run wrote (its last
+80 lines, at most the last 2,048 bytes), as the kubelet reads it from the container's log
+(kuberuntime_container.go readLastStringFromContainerLogs); terminationMessagePath files
+are not read (a process container has no file of its own there).
 
 A PodRunner is a thread per pod: it prepares the pod's environment and volumes through its
 kubelet, starts and supervises the containers, runs their probes, and posts the pod's
@@ -96,6 +100,10 @@ MIN_GRACE = 2.0
 MIN_POD_GRACE = 1.0
 # The kubelet's default terminationGracePeriodSeconds.
 DEFAULT_GRACE = 30.0
+# What FallbackToLogsOnError keeps of a failed run's log (kubecontainer's
+# MaxContainerTerminationMessageLogLines and MaxContainerTerminationMessageLogLength).
+TERMINATION_LOG_LINES = 80
+TERMINATION_LOG_BYTES = 2048
 
 
 @dataclass
@@ -116,6 +124,8 @@ class ContainerState:
     liveness_next: float = 0.0
     liveness_failures: int = 0
     env: dict[str, str] = field(default_factory=dict)  # as resolved at the last start
+    # Where the last start's output begins in log_path (runs append to one file).
+    log_offset: int = 0
     # An init container ("init"), a native sidecar (an init container with restartPolicy
     # Always: "sidecar") or one of spec.containers ("main").
     kind: str = "main"
@@ -414,6 +424,7 @@ class PodRunner:
         state.log_path.parent.mkdir(parents=True, exist_ok=True)
         try:
             with state.log_path.open("ab") as out:
+                state.log_offset = out.tell()
                 if identity is None:
                     command = self._start_process(state, env, out)
                 else:
@@ -542,6 +553,11 @@ class PodRunner:
             "startedAt": state.started_at,
             "finishedAt": now(),
         }
+        policy = getattr(state.spec, "termination_message_policy", None)
+        if exit_code != 0 and policy == "FallbackToLogsOnError":
+            message = log_tail(state.log_path, state.log_offset)
+            if message:
+                state.terminated["message"] = message
         state.process = None
         state.ready = False
         state.killing = False
@@ -979,3 +995,19 @@ def _signal_group(pid: int, sig: signal.Signals) -> None:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def log_tail(path: Path, offset: int) -> str:
+    """The end of what a run wrote to its log from `offset`: its last TERMINATION_LOG_LINES
+    lines, at most TERMINATION_LOG_BYTES bytes (a termination message under
+    FallbackToLogsOnError)."""
+    try:
+        with path.open("rb") as log_file:
+            size = log_file.seek(0, os.SEEK_END)
+            start = max(offset, size - TERMINATION_LOG_BYTES)
+            log_file.seek(start)
+            data = log_file.read(TERMINATION_LOG_BYTES)
+    except OSError:
+        return ""
+    lines = data.splitlines(keepends=True)[-TERMINATION_LOG_LINES:]
+    return b"".join(lines).decode("utf-8", errors="replace")

@@ -478,6 +478,10 @@ def _container(
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},
         },
+        # A member that fails says why in its last log line (a traceback's last line, a
+        # refused setting): the kubelet keeps the end of the log as the termination
+        # message, which `kubectl describe pod` shows and MembersCrashLooping quotes.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": mounts,
     }
 
