@@ -4,10 +4,12 @@ headers, the progress line, `--since`. No servers: tests/test_dlq.py runs the co
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from nats.aio.client import _HEADER_KEY_RE as NATS_HEADER_NAME
 
 from shoal.consumer.deadletter import dead_letter_headers
 from shoal.consumer.handlers import message_id_of
@@ -20,6 +22,7 @@ from shoal.contracts.names import (
     PROJECT_HEADER,
     REDRIVEN_FROM_HEADER,
     SEQ_HEADER,
+    UNSENDABLE_HEADERS_HEADER,
     parse_since,
     subject_partition,
 )
@@ -85,6 +88,18 @@ def test_a_dead_letter_keeps_the_original_id_and_says_why_from_where_and_by_whom
     assert MSG_ID_HEADER not in headers
     assert dead_letter_headers(None, "s", "r" * 600, "m")[DEAD_LETTER_REASON_HEADER] == "r" * 500
     assert ORIGINAL_MSG_ID_HEADER not in dead_letter_headers({}, "s", "r", "m")
+
+
+def test_headers_nats_clients_refuse_are_kept_aside_not_fatal() -> None:
+    """A client writing its own protocol can publish a header named `X@Y`; nats-py
+    refuses to publish it (BadHeaderError), so the dead letter could never be written and
+    the project waited for good (tests/test_http_handler.py shows it on real servers)."""
+    original = {"X@Y": "1", "X Y": "2", "Ok-Name": "kept", PROJECT_HEADER: "p"}
+    headers = dead_letter_headers(original, f"{PREFIX}.2", "r", "c-0")
+    assert json.loads(headers[UNSENDABLE_HEADERS_HEADER]) == {"X@Y": "1", "X Y": "2"}
+    assert headers["Ok-Name"] == "kept" and "X@Y" not in headers and "X Y" not in headers
+    assert all(NATS_HEADER_NAME.fullmatch(name.strip()) for name in headers)
+    assert UNSENDABLE_HEADERS_HEADER not in dead_letter_headers({"A": "1"}, "s", "r", "m")
 
 
 def test_a_redriven_message_dead_lettered_again_keeps_the_first_id() -> None:

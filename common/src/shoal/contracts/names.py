@@ -146,6 +146,9 @@ MSG_ID_HEADER = "Nats-Msg-Id"  # JetStream's de-duplication id
 DEAD_LETTER_REASON_HEADER = "Shoal-Dead-Letter-Reason"
 ORIGINAL_SUBJECT_HEADER = "Shoal-Original-Subject"
 MEMBER_HEADER = "Shoal-Member"
+# A dead letter's copy of original headers NATS clients refuse to publish (a name that is
+# no token, which a client writing its own protocol can send): JSON, {name: value}.
+UNSENDABLE_HEADERS_HEADER = "Shoal-Unsendable-Headers"
 # A dead letter keeps the original's Nats-Msg-Id here (its own Nats-Msg-Id is dropped: the
 # dead-letter stream keeps every copy), and a redriven message carries it on, so that its
 # handler sees the id it was published with (shoal.consumer.handlers.Message.message_id).

@@ -18,6 +18,7 @@ import asyncio
 import itertools
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
@@ -29,6 +30,7 @@ from shoal.contracts.names import (
     MSG_ID_HEADER,
     ORIGINAL_MSG_ID_HEADER,
     ORIGINAL_SUBJECT_HEADER,
+    UNSENDABLE_HEADERS_HEADER,
     dlq_subject,
     subject_partition,
 )
@@ -38,6 +40,10 @@ from shoal.group.jetstream import MessageDeleteError, delete_message
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# A header name nats-py publishes (its _HEADER_KEY_RE: an HTTP token); it refuses the
+# whole message (BadHeaderError) for any other.
+_SENDABLE_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 # A sweep's retries: soon at first (a blip), then every half minute (an outage).
 RETRY_FIRST_SECONDS = 0.5
@@ -50,8 +56,21 @@ def dead_letter_headers(
     """A dead letter's headers: the original's, without its de-duplication id (the
     dead-letter stream must keep every copy), which it keeps as Shoal-Original-Msg-Id
     (a message dead-lettered again after a redrive keeps the first one), plus why, from
-    where and by whom."""
-    out = dict(headers or {})
+    where and by whom. Headers NATS clients cannot publish go, as JSON, into
+    Shoal-Unsendable-Headers."""
+    out = {}
+    unsendable = {}
+    for name, value in (headers or {}).items():
+        # nats-py strips names and skips empty ones: what it would send is what counts.
+        if _SENDABLE_NAME.fullmatch(name.strip()) or not name.strip():
+            out[name] = value
+        else:
+            unsendable[name] = value
+    if unsendable:
+        # A client writing its own protocol can publish such a name, nats-py cannot: as
+        # they are, the dead letter could never be written (and its project waited for
+        # good). Kept, as JSON, so that nothing is lost.
+        out[UNSENDABLE_HEADERS_HEADER] = json.dumps(unsendable, ensure_ascii=True)
     msg_id = out.pop(MSG_ID_HEADER, None)
     if msg_id and not out.get(ORIGINAL_MSG_ID_HEADER):
         out[ORIGINAL_MSG_ID_HEADER] = msg_id
