@@ -33,7 +33,7 @@ from shoal.consumer.handlers import (
     RetryAfter,
     load_handler,
 )
-from shoal.consumer.httpclient import HttpClient
+from shoal.consumer.httpclient import HeaderRefused, HttpClient
 from shoal.consumer.httphandler import (
     ACK,
     PERMANENT,
@@ -170,6 +170,35 @@ def test_request_headers() -> None:
     typed = request_headers(_message({"content-type": "application/json"}))
     assert typed["content-type"] == "application/json" and "Content-Type" not in typed
     assert request_headers(_message({}))["Shoal-Message-Id"] == "seq-42"
+
+
+def test_a_header_spelt_with_underscores_cannot_pass_for_ours() -> None:
+    """CGI and WSGI servers read `Shoal_Message_Id` as `Shoal-Message-Id` (HTTP_SHOAL_
+    MESSAGE_ID): the message's own header would corrupt the service's idempotency key."""
+    own = {"Shoal_Message_Id": "other", "shoal_project_id": "other", "Content_Length": "9"}
+    headers = request_headers(_message({**own, "X_Trace": "kept"}))
+    assert headers["Shoal-Message-Id"] == "seq-42" and headers["Shoal-Project-Id"] == "proj-1"
+    assert not own.keys() & headers.keys() and headers["X_Trace"] == "kept"
+
+
+@pytest.mark.parametrize(
+    ("own", "named"),
+    [
+        ({"X-Trace": "a\x00b"}, "'X-Trace' holds a control character"),
+        ({"X-Trace": "a\x1bb"}, "'X-Trace' holds a control character"),
+        ({"X-Trace": "a\x7f"}, "'X-Trace' holds a control character"),
+        ({"X@Y": "1"}, "'X@Y' is not an HTTP field name"),
+        ({"": "v"}, "'' is not an HTTP field name"),
+        ({"X Y": "v"}, "'X Y' is not an HTTP field name"),
+    ],
+)
+def test_a_header_no_http_request_can_carry_is_refused_by_name(
+    own: dict[str, str], named: str
+) -> None:
+    with pytest.raises(HeaderRefused, match=re.escape(named)):
+        request_headers(_message(own))
+    # A tab is allowed in a field value, and so is any text beyond ASCII.
+    assert request_headers(_message({"X-Trace": "a\tb \u00fc"}))["X-Trace"] == "a\tb \u00fc"
 
 
 @pytest.mark.parametrize(
@@ -688,7 +717,20 @@ async def publish_raw(nats_url: str, subject: str, header_block: bytes, data: by
 
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("header", "named"),
+    [
+        ("X-Note: a\n\nPOST /smuggled HTTP/1.1\nX-Pad: x", "'X-Note' holds a line break"),
+        # The service's server would refuse these with a 400 naming nothing (aiohttp,
+        # Node, Go): dead-lettered as the service's "400 Bad Request" before.
+        ("X-Trace: a\x00b", "'X-Trace' holds a control character"),
+        ("X@Y: 1", "'X@Y' is not an HTTP field name"),
+    ],
+    ids=["line-break", "control-character", "bad-name"],
+)
 async def test_a_header_with_a_line_break_is_dead_lettered_not_smuggled(
+    header: str,
+    named: str,
     service: Service,
     make_fleet: Callable[..., Fleet],
     make_config: Callable[..., GroupConfig],
@@ -708,17 +750,14 @@ async def test_a_header_with_a_line_break_is_dead_lettered_not_smuggled(
     fleet.start("m-0", **config_env(config, SETTINGS))
     await wait_for_status(etcd, config.namespace, config.group, PARTITIONS, settled({"m-0"}), 30)
     subject = partition_subject(config.subject_prefix, partition_for("p", PARTITIONS))
-    block = (
-        f"NATS/1.0\r\n{PROJECT_HEADER}: p\r\nNats-Msg-Id: bad-0\r\n"
-        "X-Note: a\n\nPOST /smuggled HTTP/1.1\nX-Pad: x\r\n\r\n"
-    ).encode()
+    block = f"NATS/1.0\r\n{PROJECT_HEADER}: p\r\nNats-Msg-Id: bad-0\r\n{header}\r\n\r\n".encode()
     await publish_raw(nats_url, subject, block, b"ok")
     await Producer(js, config.subject_prefix, PARTITIONS).publish_many(
         [Outgoing("p", b"ok", "next-0")]
     )
     (letter,) = await dead_letters(js, config, 1)
     reason = letter.headers[DEAD_LETTER_REASON_HEADER]
-    assert "permanent error" in reason and "'X-Note' holds a line break" in reason, reason
+    assert "permanent error" in reason and named in reason, reason
     await poll(lambda: service.attempts("next-0"), 30, "the project's next message")
     assert service.attempts("bad-0") == []
     assert [r.headers.get("Shoal-Message-Id") for r in service.received] == ["next-0"]

@@ -39,6 +39,10 @@ class RawServer:
     connections: int = 0
     requests: list[bytes] = field(default_factory=list)
     server: asyncio.Server | None = None
+    writers: list[asyncio.StreamWriter] = field(default_factory=list)
+    # Connections whose next request is not answered: they close as it arrives (a server
+    # that notices an idle timeout only when the connection is read again).
+    stale: set[asyncio.StreamWriter] = field(default_factory=set)
 
     @property
     def url(self) -> str:
@@ -51,6 +55,7 @@ class RawServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
+        self.writers.append(writer)
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -60,6 +65,8 @@ class RawServer:
                         length = int(line.split(b":", 1)[1])
                 request = head + await reader.readexactly(length)
                 self.requests.append(request)
+                if writer in self.stale:
+                    break
                 pieces, close = self.script(request)
                 for piece in pieces:
                     writer.write(piece)
@@ -288,6 +295,28 @@ async def test_a_reused_connection_closed_before_any_answer_is_tried_once_more(
     finally:
         await client.close()
     assert len(server.requests) == 3 and server.connections == 2
+
+
+async def test_a_request_is_not_lost_to_several_stale_connections(
+    serve: Callable[[Script], RawServer],
+) -> None:
+    """Every pooled connection has gone stale on the server's side (closed by an idle
+    timeout the server applies when the connection is read again): the second try took
+    the next pooled connection, as stale, and the request failed (a failed attempt,
+    dead-lettered at maxDeliver 1). The second try is on a new connection."""
+    server = serve(answer(OK))
+    await server.start()
+    client = HttpClient(server.url, limit=4)
+    try:
+        warm = [client.request("POST", "/", {}, b"x", timeout=5) for _ in range(3)]
+        assert [a.status for a in await asyncio.gather(*warm)] == [200] * 3
+        assert server.connections == 3
+        server.stale.update(server.writers)
+        got = await client.request("POST", "/", {}, b"x", timeout=5)
+        assert got.status == 200
+    finally:
+        await client.close()
+    assert server.connections == 4
 
 
 async def test_an_answer_cut_short_is_unanswered_and_not_sent_again(

@@ -374,7 +374,10 @@ class HttpClient:
         # connect waiting for the kernel's SYN retries, about two minutes.
         deadline = None if timeout is None else loop.time() + timeout
         for attempt in (1, 2):
-            conn = await self._acquire(deadline)
+            # The second try is on a new connection: the pooled ones went idle with the
+            # one that failed, and may be as stale (a server closing idle connections
+            # together, or only when it reads one again).
+            conn = await self._acquire(deadline, fresh=attempt == 2)
             reused = conn.served > 0
             left = None if deadline is None else deadline - loop.time()
             if left is not None and left <= 0:
@@ -409,17 +412,23 @@ class HttpClient:
         finally:
             timer.cancel()
 
-    async def _acquire(self, deadline: float | None = None) -> _Connection:
+    async def _acquire(self, deadline: float | None = None, *, fresh: bool = False) -> _Connection:
+        """A pooled connection (the one used last), else a new one once the limit allows;
+        `fresh`: a new one, the oldest idle one closed if the limit needs its place."""
         if self._closed:
             raise RuntimeError("the HTTP client is closed")
         now = time.monotonic()
-        while self._idle:
+        while self._idle and not fresh:
             conn = self._idle.pop()
             if not conn.closed and now - conn.idle_since < self.idle_timeout:
                 return conn
             conn.abort()
             self._open -= 1
         while self._open >= self.limit:
+            if fresh and self._idle:
+                self._idle.pop(0).abort()
+                self._open -= 1
+                continue
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiting.append(waiter)
             try:
@@ -436,7 +445,7 @@ class HttpClient:
                 if waiter in self._waiting:
                     self._waiting.remove(waiter)
             if self._idle:
-                return await self._acquire(deadline)
+                return await self._acquire(deadline, fresh=fresh)
             if self._closed:
                 raise RuntimeError("the HTTP client is closed")
         self._open += 1

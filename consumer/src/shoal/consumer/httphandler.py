@@ -10,7 +10,9 @@ data to that URL, with its headers:
 - the message's own NATS headers, as they are, except those HTTP keeps for itself:
   hop-by-hop and framing headers (`Connection`, `Content-Length`, `Expect`, `Host`,
   `Keep-Alive`, `Proxy-Authorization`, `Proxy-Connection`, `TE`, `Trailer`,
-  `Transfer-Encoding`, `Upgrade`) are left out, and the five above always win;
+  `Transfer-Encoding`, `Upgrade`) are left out, and the five above always win (a
+  header that spells one of these names with `_` for `-` is left out too: CGI and WSGI
+  servers read `Shoal_Message_Id` as `Shoal-Message-Id`);
 - `Content-Type: application/octet-stream`, unless the message carries a Content-Type.
 
 The answer decides, and everything else is as for a Python handler (one project's
@@ -34,7 +36,9 @@ over different projects; retries in place; hand-over; fencing):
     name not found, TLS refused
     a header holding a line break   a permanent failure: dead-lettered at once, the
     (a NATS header value may hold   header named in the reason (written as it is, it
-    a bare LF)                      would end the request's head early)
+    a bare LF), another control     would end the request's head early, or have the
+    character, or a name that is    server refuse it with a 400 that names nothing)
+    no HTTP field name
 
 A request still open when the member is fenced or a partition is stopped is cancelled
 with its handler's task: its connection is closed and the answer, if one comes, is never
@@ -142,6 +146,10 @@ _OURS = frozenset(
 _LEFT_OUT = SKIPPED_HEADERS | _OURS
 OCTET_STREAM = "application/octet-stream"
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
+# What an HTTP field value cannot hold (RFC 9110 5.5), but CR and LF: the client refuses
+# those, naming the line break.
+_BAD_IN_VALUE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+_FIELD_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 
 class HttpStatusError(Exception):
@@ -190,14 +198,24 @@ def request_headers(msg: Message) -> dict[str, str]:
     typed = False
     own: Mapping[str, str] = msg.headers
     for name, value in own.items():
-        lowered = name.lower()
+        lowered = name.lower().replace("_", "-")
         if lowered in _LEFT_OUT:
             continue
+        if not _FIELD_NAME.fullmatch(name):
+            raise HeaderRefused(
+                f"header {name!r} is not an HTTP field name (RFC 9110 5.1), which an HTTP "
+                "request cannot carry"
+            )
         if lowered == "content-type":
             typed = True
         headers[name] = value
     if not typed:
         headers["Content-Type"] = OCTET_STREAM
+    if _BAD_IN_VALUE.search("".join(headers.values())):
+        name = next(name for name, value in headers.items() if _BAD_IN_VALUE.search(value))
+        raise HeaderRefused(
+            f"header {name!r} holds a control character, which an HTTP request cannot carry"
+        )
     return headers
 
 
