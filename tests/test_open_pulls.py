@@ -214,6 +214,95 @@ async def test_a_fenced_runners_open_pull_is_outlasted_before_its_successor_pull
 
 
 @pytest.mark.timeout(120)
+async def test_a_pull_sent_into_a_silent_network_is_outlasted_once_the_server_read_it(
+    etcd: Etcd, nats_url: str, group: str
+) -> None:
+    """A fence often comes of a network gone silent while nats-py still counts itself
+    connected. The fenced runner's request, written into the silence, reaches the server
+    only when the network heals, and is open from then on: a successor that pulled as
+    soon as the request's local expiry had passed had two requests open on the partition
+    (the old one's messages counted against the new one), and a hand-over then gave back
+    messages that had never run with an attempt used up (with maxDeliver 1, never run)."""
+    config = GroupConfig(
+        group=group,
+        namespace="test",
+        member_id="m-0",
+        partitions=1,
+        fetch_expires=5.0,
+        ledger=False,
+        ack_wait=4,
+    )
+    admin = await connect(nats_url, name="admin")
+    js = admin.jetstream()
+    await ensure_group(js, config)
+    seen: list[tuple[str, int, int]] = []  # (member, stream sequence, delivery count)
+
+    def handler_of(name: str) -> Handler:
+        async def handler(msg: Any) -> None:
+            seen.append((name, msg.stream_sequence, msg.delivery_count))
+
+        return handler
+
+    subject = partition_subject(config.subject_prefix, 0)
+
+    async def publish(count: int) -> None:
+        for _ in range(count):
+            await js.publish(subject, b"x", headers={PROJECT_HEADER: "X"})
+
+    async def open_pulls() -> int:
+        info = await js.consumer_info(config.stream, durable_name(0))
+        return int(info.num_waiting or 0)
+
+    proxy = TcpProxy(nats_url.removeprefix("nats://")).start()
+    a = Member(config, etcd, handler_of("m-0"))
+    b = Member(config.model_copy(update={"member_id": "m-1"}), etcd, handler_of("m-1"))
+    try:
+        await a.start(f"nats://{proxy.address}")
+        w = a.worker
+        await asyncio.sleep(0.5)
+        proxy.blackhole()  # silent: nats-py still counts itself connected
+        await assign(etcd, config, "m-0", 1)
+        await until(lambda: 0 in w.runners and w.runners[0].request is not None, 15, "a pull")
+        first = w.runners[0]
+        a.fence(True)
+        await until(lambda: first.fenced, 5, "the fence")
+        a.fence(False)
+        # Past the request's local expiry (5 s) and margin: still not read by the server.
+        await asyncio.sleep(7.0)
+        assert a.nc.is_connected
+        assert w.runners.get(0) is first, "a successor started before the server read ours"
+        proxy.pass_through()
+        await until(
+            lambda: (r := w.runners.get(0)) is not None and r is not first and r.request,
+            20,
+            "the successor to pull",
+        )
+        for _ in range(10):
+            assert await open_pulls() <= 1
+            await asyncio.sleep(0.1)
+        await publish(4)
+        await until(lambda: len(seen) == 4, 10, "4 messages handled")
+
+        # Hand over: the messages that come meanwhile run once, at the next owner, in order.
+        await b.start(nats_url)
+        await assign(etcd, config, "m-1", 2)
+        await until(lambda: w.runners[0].letting_go, 5, "m-0 to let go")
+        await publish(4)
+        await until(lambda: 0 not in w.runners, 15, "m-0 to release the partition")
+        await until(lambda: 0 in b.worker.runners, 10, "m-1 to take it")
+        await publish(4)
+        await until(lambda: len(seen) >= 12, 30, "12 messages handled")
+        await asyncio.sleep(0.5)  # (anything handled twice would show now)
+        assert [s for (_, s, _) in seen] == list(range(1, 13)), seen
+        assert all(count == 1 for (_, _, count) in seen), seen
+    finally:
+        await a.close()
+        await b.close()
+        await admin.close()
+        proxy.stop()
+
+
+@pytest.mark.timeout(120)
 async def test_no_pull_is_sent_while_nats_is_away(etcd: Etcd, nats_url: str, group: str) -> None:
     config = GroupConfig(
         group=group,

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 from nats.js import api
 from nats.js.errors import APIError, NotFoundError
 
+from shoal.clients.nats import round_trip
 from shoal.clients.natsclient import Delivery
 from shoal.consumer.alarm import Alarm
 from shoal.consumer.dispatch import NAKED, SETTLED, Held, ProjectQueue
@@ -96,6 +97,9 @@ DOZE_AFTER_EMPTY_PULLS = 3
 # late by a busy member, or over a cluster's routes): a request we ended ourselves
 # counts as open on the server until it has come, or until then.
 SERVER_END_MARGIN = 1.0
+# How long a fenced runner waits for one round trip (the proof that the server read its
+# pulls, _until_the_server_read_ours) before it looks at the connection again and asks anew.
+FENCE_FLUSH_TIMEOUT = 1.0
 PROJECT_HEADER_BYTES = PROJECT_HEADER.encode()
 
 
@@ -1209,9 +1213,13 @@ class PartitionRunner:
             # deliveries count as attempts: nothing is noted for them).
             self.handback = None
             return
+        # What each round noted: a message given back may come again, to a request of
+        # ours still open, and go back once more (each nak counts a delivery): added up.
+        given: dict[int, int] = {}
         while unstarted:
             for held in unstarted:
-                handback[held.seq] = held.credit + 1 - held.failures
+                given[held.seq] = given.get(held.seq, 0) + held.credit + 1 - held.failures
+                handback[held.seq] = given[held.seq]
             if not await self._flush_naks(unstarted):
                 self.handback = None
                 break
@@ -1235,6 +1243,7 @@ class PartitionRunner:
         and what they brought is naked, in order, rather than waiting out ack_wait. A
         nak takes nothing from a member that may not consume: nothing is run."""
         w = self.worker
+        await self._until_the_server_read_ours()
         while True:
             # (_quiet_until: a request taken for lost with the connection, see _lost_expires.)
             ends = [r.due + SERVER_END_MARGIN for r in self._unfinished if not r.over]
@@ -1245,6 +1254,38 @@ class PartitionRunner:
         late = self._unstarted_late(time.monotonic())
         if late and w.nats_reachable():
             await self._flush_naks(late)
+
+    async def _until_the_server_read_ours(self) -> None:
+        """Wait until the server has read the requests a fence ended here, or they died
+        with the connection: only then does each end by its expiry (`due`).
+
+        A fence often comes of a network gone silent (etcd and NATS with it) while nats-py
+        still counts itself connected: a request written then may reach the server only
+        when the network heals, and stay open `expires` from then, beside the successor's.
+        A round trip (its answer) proves that the server read everything written before
+        it; a reconnect, that what it had not read is gone with the old connection. Bounded
+        (RequestWatch.GIVE_UP_AFTER past the last due end): a connection silent that long
+        is taken down by NatsHealth, and waiting on would only delay the claim's release."""
+        nc = self.worker.nc
+        open_ones = [r for r in self._unfinished if not r.over and r.due]
+        if not open_ones:
+            return
+        reconnects = nc.stats.get("reconnects", 0)
+        give_up = max(r.due for r in open_ones) + RequestWatch.GIVE_UP_AFTER
+        while time.monotonic() < give_up:
+            if not nc.is_connected or nc.stats.get("reconnects", 0) != reconnects:
+                return
+            try:
+                await round_trip(nc, FENCE_FLUSH_TIMEOUT)
+            except Exception:  # a timeout, or the connection going: look again
+                await asyncio.sleep(0.05)
+                continue
+            # Read by now, perhaps only just (the network healed): the server ends each
+            # by its expiry counted from when it read it, at the latest from now.
+            read_by = time.monotonic()
+            for request in open_ones:
+                request.due = max(request.due, read_by + request.expires)
+            return
 
     def _unstarted_late(self, now: float) -> list[Held]:
         """What arrived after the stop or the fence (_late), in stream order; taken."""
