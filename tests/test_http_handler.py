@@ -617,17 +617,27 @@ async def test_the_member_joins_once_the_handler_is_ready(
         member.log_text, 20, "the member to say why it waits", until=lambda t: "Not joining" in t
     )
     assert "Connection refused" in member.log_text()
+
+    async def waiting_for() -> str:
+        """What etcd says the member waits for (the operator and `status` show it)."""
+        status = await read_status(etcd, config.namespace, config.group, PARTITIONS)
+        problem = status.problems.get("m-0")
+        return problem.message if problem is not None and problem.waits_for_handler else ""
+
+    await eventually_async(waiting_for, 10, "etcd to say why", until=lambda m: "refused" in m)
     service.ready = False
     await service.start()
-    await asyncio.sleep(2)
+    await eventually_async(waiting_for, 10, "the 503 in etcd", until=lambda m: "answered 503" in m)
     status = await read_status(etcd, config.namespace, config.group, PARTITIONS)
     assert status.members == {}, status.as_dict()
+    assert (await waiting_for()).startswith("GET http://127.0.0.1:")
     assert member.alive()
     service.ready = True
     joined = time.monotonic()
     await wait_for_status(etcd, config.namespace, config.group, PARTITIONS, settled({"m-0"}), 30)
     assert time.monotonic() - joined < 10
     assert "Handler ready (GET" in member.log_text()
+    await eventually_async(waiting_for, 10, "the wait to leave etcd", until=lambda m: m == "")
 
 
 @pytest.mark.e2e

@@ -28,6 +28,7 @@ from shoal.operator.observe import (
     stamp,
     status,
     status_changes,
+    waiting_message,
 )
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
@@ -698,3 +699,35 @@ def test_refusal_episodes_are_read_back_from_the_status() -> None:
     assert refusals_in_status(healthy) == frozenset()
     started, ended = refusal_changes({("c-3", "NatsAuthFailed")}, {("c-4", "NatsTLSFailed")})
     assert (started, ended) == ([("c-4", "NatsTLSFailed")], [("c-3", "NatsAuthFailed")])
+
+
+def test_members_waiting_for_their_handler_are_named_in_ready() -> None:
+    """handlerReadyPath: a member whose service does not answer has not joined, on
+    purpose; "1 of 3 members ready" alone sent people to the pods' logs."""
+    now = 1_800_000_000.0
+    why = "GET http://127.0.0.1:8080/healthz: answered 404 Not Found"
+    waiting = (("c-1", why, now - 200), ("c-2", why, now - 30))
+    found = by_type(conditions(observed(ready_replicas=1, waiting=waiting)))
+    ready = found["Ready"]
+    assert (ready["status"], ready["reason"]) == ("False", "MembersWaitingForHandler")
+    assert ready["message"].startswith("1 of 3 members ready; member c-1 waits for its handler")
+    assert why in ready["message"] and "member c-2" in ready["message"]
+    assert found["Degraded"]["status"] == "False"  # waiting is not broken
+    # A NATS refusal says more, and outranks it.
+    refused = by_type(conditions(observed(ready_replicas=1, waiting=waiting, refused=(AUTH,))))
+    assert refused["Ready"]["reason"] == AUTH[1]
+    # All ready: nothing to say (a key left for a moment by a member that just joined).
+    assert by_type(conditions(observed(waiting=waiting)))["Ready"]["status"] == "True"
+
+
+def test_the_waiting_message_lists_the_longest_waits_first_and_counts_the_rest() -> None:
+    now = 1_800_000_000.0
+    waiting = [(f"c-{i}", "GET x: no answer in time", now - 10 * i) for i in range(5)]
+    message = waiting_message(waiting, now)
+    assert message.startswith("member c-4 waits for its handler for 40 s: GET x")
+    assert "member c-2" in message and "member c-1" not in message
+    assert message.endswith("; and 2 more")
+    assert waiting_message([("c-0", "m", now - 7300)], now) == (
+        "member c-0 waits for its handler for 2 h: m"
+    )
+    assert waiting_message([("c-0", "m", 0.0)], now) == "member c-0 waits for its handler: m"

@@ -1,4 +1,5 @@
-"""A member's NATS refusal, published in etcd while it lasts (Keys.problem).
+"""A member's NATS refusal, or its wait for its handler, published in etcd while it lasts
+(Keys.problem).
 
 A member connects to NATS before it joins its group, so a member NATS refuses (a wrong
 password, an unknown CA, an expired client certificate) has no member key: without this,
@@ -6,6 +7,11 @@ password, an unknown CA, an expired client certificate) has no member key: witho
 replicas. While refused it writes problems/<member> = {"reason", "message", "since"}
 on a lease of its own (the group's lease TTL, kept alive while the refusal lasts), and
 revokes that lease once NATS accepts it or it exits; a crash lets the lease expire.
+
+The same key says why a member with an HTTP handler and `spec.handlerReadyPath` has not
+joined yet (reason HANDLER_NOT_READY, the ready probe's last answer as the message): it
+joins only once its service answers, and without this the group would only show fewer
+ready replicas, the reason in the pod's log.
 
 Best effort throughout: etcd errors are logged (once per 10 s) and retried, never raised,
 so reporting a problem can never stop a member from starting.
@@ -18,23 +24,48 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from shoal.clients.backoff import QuietLog
 from shoal.clients.etcd import Etcd, describe
-from shoal.clients.natsauth import NatsRefusal
 from shoal.contracts.values import known_time, shown_time
 
 log = logging.getLogger(__name__)
+
+#: problems/<member>'s reason while the member waits for its handler to answer its ready
+#: path before it joins (not a NATS refusal: shown apart from those).
+HANDLER_NOT_READY = "HandlerNotReady"
+
+
+class Reported(Protocol):
+    """What a RefusalReporter reports: a reason and a message (a NatsRefusal, say)."""
+
+    @property
+    def reason(self) -> str: ...
+
+    @property
+    def message(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class HandlerNotReady:
+    """The member waits for its handler (message: the ready probe's last answer)."""
+
+    message: str
+    reason: str = HANDLER_NOT_READY
 
 
 @dataclass(frozen=True)
 class MemberProblem:
     """problems/<member>: why NATS refuses the member, since when (Unix time)."""
 
-    reason: str  # NatsAuthFailed | NatsTLSFailed
+    reason: str  # NatsAuthFailed | NatsTLSFailed | HandlerNotReady
     message: str
     since: float
+
+    @property
+    def waits_for_handler(self) -> bool:
+        return self.reason == HANDLER_NOT_READY
 
     def to_bytes(self) -> bytes:
         return json.dumps(
@@ -86,7 +117,7 @@ class RefusalReporter:
         self._task: asyncio.Task[None] | None = None
         self._trouble = QuietLog(log)
 
-    def report(self, why: NatsRefusal | None) -> None:
+    def report(self, why: Reported | None) -> None:
         """The refusal now (None: NATS accepts us). Cheap; never raises."""
         if why is None:
             wanted = None
@@ -149,13 +180,18 @@ class RefusalReporter:
         await self.etcd.put(self.key, wanted.to_bytes(), lease=self._lease)
         self._written = wanted
         # (Not the reason again: the refusal itself is already one line of its own.)
-        log.info("Reported the NATS refusal in etcd under %s", self.key)
+        what = "the wait for the handler" if wanted.waits_for_handler else "the NATS refusal"
+        log.info("Reported %s in etcd under %s", what, self.key)
 
     async def _revoke(self) -> None:
-        lease, self._lease, self._written = self._lease, 0, None
+        lease, written = self._lease, self._written
+        self._lease, self._written = 0, None
         if lease:
             await self.etcd.revoke_lease(lease)  # the key goes with it
-            log.info("NATS accepts this member: its refusal is gone from etcd")
+            if written is not None and written.waits_for_handler:
+                log.info("The handler is ready: the wait for it is gone from etcd")
+            else:
+                log.info("NATS accepts this member: its refusal is gone from etcd")
 
     async def close(self, timeout: float = 2.0) -> None:
         """Stop reporting and remove the key (the member exits). Bounded, best effort:

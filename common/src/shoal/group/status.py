@@ -1,5 +1,6 @@
 """A one-shot summary of a group from etcd: members, leader, owners, skew, and the
-members NATS refuses (they never join, so only their problems/ key tells of them)."""
+members NATS refuses or that wait for their handler (they never join, so only their
+problems/ key tells of them)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ class GroupStatus:
     unclaimed: list[int] = field(default_factory=list)
     # Partitions a member reports stalled (progress.py), by partition.
     stalled: dict[int, str] = field(default_factory=dict)
-    # Members that report NATS refusing them (Keys.problems), by member.
+    # Members that report NATS refusing them, or waiting for their handler (Keys.problems).
     problems: dict[str, MemberProblem] = field(default_factory=dict)
     # Who paused the group (Keys.paused); None while it runs.
     paused: PauseRecord | None = None

@@ -188,7 +188,8 @@ class GroupView:
         )
 
     def problems(self) -> dict[str, MemberProblem]:
-        """member -> why NATS refuses it (Keys.problems), for members that report one;
+        """member -> why NATS refuses it, or what it waits for (Keys.problems), for
+        members that report one;
         values that are not such a report are logged once and ignored."""
         result: dict[str, MemberProblem] = {}
         prefix = self.keys.problems

@@ -860,6 +860,12 @@ def status(
         click.echo(f"  stalled partitions: {stalled}")
     for member, problem in sorted(st.problems.items()):
         # A refused member never joins: this line is all the group knows of it.
+        if problem.waits_for_handler:
+            click.echo(
+                f"  {member:<30} waits for its handler since {problem.describe_since()}: "
+                f"{problem.message}"
+            )
+            continue
         click.echo(
             f"  {member:<30} cannot connect to NATS since {problem.describe_since()}: "
             f"{problem.reason}: {problem.message}"

@@ -72,7 +72,7 @@ import email.utils
 import logging
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from urllib.parse import urlsplit
 
 from shoal.consumer.handlers import (
@@ -315,9 +315,16 @@ class HttpHandler:
                 raise RetryAfter(delay, f"{what} (Retry-After: {retry_after.strip()})")
         raise HttpStatusError(what)
 
-    async def wait_ready(self, path: str, *, log_every: float = READY_LOG_EVERY) -> float:
+    async def wait_ready(
+        self,
+        path: str,
+        *,
+        log_every: float = READY_LOG_EVERY,
+        waiting: Callable[[str], None] | None = None,
+    ) -> float:
         """Return once GET <origin><path> answers 2xx (seconds waited), polling with a
-        short backoff; why it waits is logged once, then every `log_every` seconds."""
+        short backoff; why it waits is logged once, then every `log_every` seconds, and
+        given to `waiting` after each answer that is not ready ("GET <url>: <why>")."""
         url = self.origin + path
         start = time.monotonic()
         logged: float | None = None
@@ -336,6 +343,8 @@ class HttpHandler:
                 why = "no answer in time"
             except ConnectionError as exc:
                 why = str(exc)
+            if waiting is not None:
+                waiting(f"GET {url}: {why}")
             now = time.monotonic()
             if logged is None or now - logged >= log_every:
                 log.info(

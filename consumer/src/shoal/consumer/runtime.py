@@ -45,7 +45,7 @@ from shoal.group.jetstream import (
     ensure_group,
     partition_progress,
 )
-from shoal.group.problems import RefusalReporter
+from shoal.group.problems import HandlerNotReady, RefusalReporter
 from shoal.group.view import GroupView
 
 log = logging.getLogger(__name__)
@@ -292,7 +292,12 @@ class ConsumerProcess:
         if c.handler_ready_path:
             # Not a member before the service beside us answers (spec.handlerReadyPath).
             if isinstance(self.handler, HttpHandler):
-                await self.handler.wait_ready(c.handler_ready_path)
+                # etcd says why too (Keys.problem): the operator and `status` show it.
+                await self.handler.wait_ready(
+                    c.handler_ready_path,
+                    waiting=lambda why: self.refusals.report(HandlerNotReady(why)),
+                )
+                self.refusals.report(None)
             else:
                 log.warning(
                     "handlerReadyPath %s ignored: the handler %s is not an HTTP handler",

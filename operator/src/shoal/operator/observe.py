@@ -46,6 +46,9 @@ class Observed:
     problem: tuple[str, str] | None = None  # reason, message: why the group cannot work
     # (member, reason, message) for each member NATS refuses (Keys.problems), sorted.
     refused: tuple[tuple[str, str, str], ...] = ()
+    # (member, message, since) for each member that waits for its HTTP handler to answer
+    # its ready path before it joins (Keys.problems, HandlerNotReady), sorted.
+    waiting: tuple[tuple[str, str, float], ...] = ()
     selector: str = ""
     # Messages in the group's dead-letter stream (`shoal-consumer dlq list`); None when
     # NATS could not tell (the status keeps what it said before).
@@ -220,6 +223,33 @@ def stall_changes(
     return by_member((new | between) - old), by_member((old | between) - new)
 
 
+#: The Ready reason while members wait for their handler (spec.handlerReadyPath).
+WAITING_FOR_HANDLER = "MembersWaitingForHandler"
+#: Members named in the message, at most (the rest are counted).
+WAITING_LISTED = 3
+
+
+def waiting_message(waiting: Sequence[tuple[str, str, float]], now: float | None = None) -> str:
+    """One clause per member waiting for its handler, the longest waits first."""
+    now = time.time() if now is None else now
+    ordered = sorted(waiting, key=lambda w: (w[2] or now, w[0]))
+    parts = []
+    for member, message, since in ordered[:WAITING_LISTED]:
+        waited = f" for {_duration(now - since)}" if since else ""
+        parts.append(f"member {member} waits for its handler{waited}: {message}")
+    more = len(ordered) - WAITING_LISTED
+    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    if seconds < 120:
+        return f"{seconds} s"
+    if seconds < 7200:
+        return f"{seconds // 60} min"
+    return f"{seconds // 3600} h"
+
+
 def refused_message(refused: Iterable[tuple[str, str, str]]) -> str:
     """One clause per member NATS refuses (the Degraded message and the Event's)."""
     return "; ".join(
@@ -337,6 +367,16 @@ def conditions(o: Observed) -> list[dict[str, Any]]:
             False,
             o.failing.reason,
             f"{o.ready_replicas} of {o.spec_replicas} members ready; {o.failing.message()}",
+            o.generation,
+        )
+    elif o.ready_replicas < o.spec_replicas and o.waiting:
+        # Not joined on purpose (spec.handlerReadyPath): the service beside them does not
+        # answer yet. The count alone would send people to the pods' logs.
+        ready = _condition(
+            "Ready",
+            False,
+            WAITING_FOR_HANDLER,
+            f"{o.ready_replicas} of {o.spec_replicas} members ready; {waiting_message(o.waiting)}",
             o.generation,
         )
     elif o.ready_replicas < o.spec_replicas and o.unschedulable is not None:

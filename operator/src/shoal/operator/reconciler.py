@@ -766,6 +766,7 @@ async def observe_group(
     moving = 0
     stalled: tuple[tuple[int, str], ...] = ()
     refused: tuple[tuple[str, str, str], ...] = ()
+    waiting: tuple[tuple[str, str, float], ...] = ()
     paused: PauseRecord | None = None
     nats_reached: dict[str, bool] = {}
     etcd_read = False  # if not, the status keeps what etcd told before (ETCD_FIELDS)
@@ -788,7 +789,18 @@ async def observe_group(
         _report_stalls(
             body, memo, status, stalled, between, model.stall_after_seconds, len(members)
         )
-        refused = tuple(sorted((m, p.reason, p.message) for m, p in group.problems.items()))
+        refused = tuple(
+            sorted(
+                (m, p.reason, p.message)
+                for m, p in group.problems.items()
+                if not p.waits_for_handler
+            )
+        )
+        waiting = tuple(
+            sorted(
+                (m, p.message, p.since) for m, p in group.problems.items() if p.waits_for_handler
+            )
+        )
         _report_refusals(body, memo, status, refused)
         problem = await _no_space(etcd, body, memo, status, config.etcd_endpoints)
     except EtcdSecretProblem as exc:
@@ -852,6 +864,7 @@ async def observe_group(
         etcd_read=etcd_read,
         stalled=stalled,
         refused=refused,
+        waiting=waiting,
         stall_after=model.stall_after_seconds,
         lag=lag,
         dead_letters=dead_letters,
