@@ -127,6 +127,29 @@ async def test_a_request_carries_host_headers_and_body_and_the_connection_is_reu
 
 
 @pytest.mark.parametrize(
+    ("keep_alive", "reused"),
+    [("timeout=2", True), ("timeout=1, max=100", False), ("max=5", True), ("", True)],
+)
+async def test_a_connection_is_not_reused_past_the_idle_timeout_the_server_announced(
+    serve: Callable[[Script], RawServer], keep_alive: str, reused: bool
+) -> None:
+    """gunicorn keeps an idle connection 2 s and says so (Keep-Alive: timeout=2): a
+    request sent on it near that moment meets the close. Reused only until a second
+    before what the server announced (and never past the client's own idle timeout)."""
+    hint = f"Keep-Alive: {keep_alive}\r\n" if keep_alive else ""
+    server = serve(answer(f"HTTP/1.1 200 OK\r\n{hint}Content-Length: 2\r\n\r\nok".encode()))
+    await server.start()
+    client = HttpClient(server.url)
+    try:
+        await client.request("POST", "/", {}, b"")
+        await asyncio.sleep(0.2)
+        await client.request("POST", "/", {}, b"")
+    finally:
+        await client.close()
+    assert server.connections == (1 if reused else 2)
+
+
+@pytest.mark.parametrize(
     "pieces",
     [
         [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"],

@@ -13,8 +13,9 @@ framed by Content-Length, by chunked transfer coding, or by the end of the conne
 
 A connection goes back to the pool only when its answer was read to the end and the
 server keeps it open (HTTP/1.1, no ``Connection: close``); idle ones are dropped after
-`idle_timeout` (before common servers' own idle timeouts, e.g. Node.js' 5 s) or when the
-server closes them. A request whose connection was closed before any byte of an answer
+`idle_timeout` (before common servers' own idle timeouts, e.g. Node.js' 5 s), a second
+before the idle timeout a server announces (`Keep-Alive: timeout=2`, gunicorn's), or when
+the server closes them. A request whose connection was closed before any byte of an answer
 came, on a connection that had served before, is sent again once on a new one (the
 server closed it while idle: the request never reached a handler). A cancelled request
 (the member was fenced, or stops) aborts its connection: half an answer can never be read
@@ -40,6 +41,10 @@ __all__ = ["Answer", "ConnectFailed", "HeaderRefused", "HttpClient", "ProtocolEr
 MAX_HEAD = 64 * 1024
 
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
+_KEEP_ALIVE_TIMEOUT = re.compile(r"(?:^|[,;\s])timeout\s*=\s*([0-9]{1,6})", re.IGNORECASE)
+# A server's own idle timeout (Keep-Alive: timeout=N) is trusted this much less: a request
+# sent just before it closes the connection would meet the close (as undici does).
+SERVER_IDLE_MARGIN = 1.0
 
 
 def _digits(text: str) -> bool:
@@ -102,6 +107,8 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.served = 0  # answers read on this connection
         self.idle_since = 0.0
+        # How long the server keeps it open idle, if it said so (Keep-Alive: timeout=N).
+        self.server_idle: float | None = None
         self._buffer = bytearray()
         self._waiter: asyncio.Future[Answer] | None = None
         self._got_bytes = False
@@ -228,6 +235,9 @@ class _Connection(asyncio.Protocol):
         if 100 <= status < 200:
             return True  # an interim answer (100 Continue, 103 Early Hints): the next one
         keep = version == "HTTP/1.1" and "close" not in headers.get("connection", "").lower()
+        hint = _KEEP_ALIVE_TIMEOUT.search(headers.get("keep-alive", ""))
+        if hint:
+            self.server_idle = float(hint.group(1))
         self._head = (status, reason, headers, keep)
         if status in (204, 304):
             self._remaining, self._framing = 0, "length"
@@ -420,7 +430,10 @@ class HttpClient:
         now = time.monotonic()
         while self._idle and not fresh:
             conn = self._idle.pop()
-            if not conn.closed and now - conn.idle_since < self.idle_timeout:
+            keep_for = self.idle_timeout
+            if conn.server_idle is not None:
+                keep_for = min(keep_for, conn.server_idle - SERVER_IDLE_MARGIN)
+            if not conn.closed and now - conn.idle_since < keep_for:
                 return conn
             conn.abort()
             self._open -= 1
