@@ -57,7 +57,7 @@ from shoal.consumer.holding import PARTITION_HOLD_SECONDS, HoldBudget
 from shoal.consumer.progress import Progress
 from shoal.consumer.pull import PullRequest, RequestWatch
 from shoal.consumer.restart import restart_sequence
-from shoal.consumer.takeover import Gate, describe
+from shoal.consumer.takeover import MARGIN_SECONDS, MAX_EXTENSIONS, Gate, describe
 from shoal.contracts.names import PROJECT_HEADER, durable_name, partition_for, partition_subject
 from shoal.group.jetstream import ack_floor, consumer_config
 
@@ -918,15 +918,42 @@ class PartitionRunner:
 
     async def _gate_earlier_deliveries(self) -> None:
         """Before the first pull: if the durable has deliveries outstanding (an earlier
-        owner's, not given back), hold what arrives until they are back (takeover.py)."""
+        owner's, not given back), hold what arrives until they are back (takeover.py).
+
+        The read often fails exactly when a takeover happens (JetStream under load, its
+        consumer leader being elected again after a node died): under Strict it is asked
+        again, and if the durable never answers within ack_wait (+ the margin), nothing is
+        pulled before then, by when whatever was outstanding is back on its redelivery
+        queue, which the first pull serves first. (Pulling at once without a gate ran a
+        project's newer messages first.) Under Fast, not knowing is no reason to wait."""
         w = self.worker
-        try:
-            info = await w.js.consumer_info(
-                w.config.stream, durable_name(self.partition), timeout=2.0
-            )
-        except Exception as exc:  # not knowing is no reason not to consume
-            log.debug("Partition %d: no consumer info at the start (%r)", self.partition, exc)
-            return
+        strict = w.config.order_after_failure == "Strict"
+        started = time.monotonic()
+        until = started + w.config.ack_wait + MARGIN_SECONDS
+        while True:
+            try:
+                info = await w.js.consumer_info(
+                    w.config.stream, durable_name(self.partition), timeout=2.0
+                )
+                break
+            except Exception as exc:
+                if not strict:
+                    log.debug(
+                        "Partition %d: no consumer info at the start (%r)", self.partition, exc
+                    )
+                    return
+                now = time.monotonic()
+                if now >= until or self.letting_go:
+                    log.warning(
+                        "Partition %d: JetStream did not say for %.0f s what is outstanding on "
+                        "its durable (%r); consuming now, as what was is back by then",
+                        self.partition,
+                        now - started,
+                        exc,
+                    )
+                    return
+                log.debug("Partition %d: no consumer info at the start (%r)", self.partition, exc)
+                await self.sleep_until_woken(min(0.5, until - now))
         self.gate = Gate.for_durable(
             int(info.num_ack_pending or 0), int(info.delivered.stream_seq or 0), w.config.ack_wait
         )
@@ -961,7 +988,19 @@ class PartitionRunner:
                     log.debug("In-progress ack failed", exc_info=True)
                     break
             if gate.expired(now):
-                self._let_in("ack_wait passed")
+                if await self._still_held_elsewhere(gate) and gate.extend(w.config.ack_wait, now):
+                    log.warning(
+                        "Partition %d: deliveries still held elsewhere after ack_wait (kept "
+                        "alive late, e.g. by an earlier owner's keep-alives that crossed a "
+                        "network gone silent); holding newer messages %.0f s more (%d of %d)",
+                        self.partition,
+                        gate.deadline - now,
+                        gate.extensions,
+                        MAX_EXTENSIONS,
+                    )
+                    continue
+                if self.gate is gate:
+                    self._let_in("ack_wait passed")
                 return
             if now - asked < 0.5:
                 continue
@@ -973,6 +1012,19 @@ class PartitionRunner:
                 continue
             if self.gate is gate and gate.nobody_else_holds(int(info.num_ack_pending or 0), held):
                 self._let_in("none left elsewhere")
+
+    async def _still_held_elsewhere(self, gate: Gate) -> bool:
+        """Whether a fresh read of the durable says someone else still holds deliveries
+        (False if it does not answer: the deadline is the bound then)."""
+        w = self.worker
+        held = len(gate.held)
+        try:
+            info = await w.js.consumer_info(
+                w.config.stream, durable_name(self.partition), timeout=1.0
+            )
+        except Exception:
+            return False
+        return not gate.nobody_else_holds(int(info.num_ack_pending or 0), held)
 
     def _let_in(self, how: str) -> None:
         """Open the gate: what it held goes to the dispatcher in stream order."""

@@ -18,9 +18,14 @@ order: each project's earlier message first. The gate opens when
   the start) have arrived as were outstanding, or
 - the durable says that nobody but us holds any (num_ack_pending minus what we hold: an
   earlier owner acked its last ones, or a nak came back), or
-- ack_wait plus a margin has passed: anything outstanding has been redelivered by then
-  (the earlier owner stopped renewing its deliveries when it was fenced or died, before
-  its claim could be taken), so this bound is for a durable that says something odd.
+- ack_wait plus a margin has passed and the durable does not say that someone else
+  still holds deliveries: anything outstanding has been redelivered by then (the earlier
+  owner stopped renewing its deliveries when it was fenced or died, before its claim
+  could be taken). Not always: keep-alives (in-progress acks) the earlier owner wrote into
+  a network gone silent reach the server when it heals, and renew those deliveries by
+  ack_wait from then. So at its deadline a gate reads the durable once more and, while
+  deliveries are still held elsewhere, waits another ack_wait, at most MAX_EXTENSIONS
+  times (a durable that says something odd must not hold a partition for good).
 
 An orderly hand-over costs next to nothing: the giver wrote its hand-over record in the
 same etcd transaction that deleted its claim, and the next owner's view, having seen both
@@ -47,6 +52,9 @@ from typing import Any
 # What the gate waits beyond ack_wait: the server checks for expired deliveries on a
 # timer of its own, and the runner's pulls have to come back.
 MARGIN_SECONDS = 1.0
+# How many more ack_waits a gate waits when, at its deadline, the durable says deliveries
+# are still held elsewhere (renewed late: see the module docstring).
+MAX_EXTENSIONS = 3
 
 
 @dataclass(slots=True)
@@ -72,6 +80,7 @@ class Gate:
     # every sequence up to `upto` counts.
     expected: frozenset[int] | None = None
     _earlier: set[int] = field(default_factory=set)
+    extensions: int = 0  # how many times its deadline was put off (extend)
 
     @classmethod
     def for_durable(cls, num_ack_pending: int, delivered_seq: int, ack_wait: float) -> Gate | None:
@@ -121,6 +130,15 @@ class Gate:
         if self.expected is None:
             return None
         return self.expected - self._earlier
+
+    def extend(self, ack_wait: float, now: float) -> bool:
+        """Put the deadline off by ack_wait (deliveries are still held elsewhere at it);
+        False once it was put off MAX_EXTENSIONS times."""
+        if self.extensions >= MAX_EXTENSIONS:
+            return False
+        self.extensions += 1
+        self.deadline = now + ack_wait + MARGIN_SECONDS
+        return True
 
     def complete(self) -> bool:
         return self.came_back >= self.outstanding
