@@ -11,18 +11,25 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from nats.aio.client import _HEADER_KEY_RE as NATS_HEADER_NAME
 
-from shoal.consumer.deadletter import dead_letter_headers
+from shoal.consumer.deadletter import (
+    FIT_MARGIN,
+    MAX_HEADER_BYTES,
+    dead_letter_headers,
+    dead_letter_message,
+    header_bytes,
+)
 from shoal.consumer.handlers import message_id_of
 from shoal.contracts.names import (
+    DEAD_LETTER_CUT_HEADER,
     DEAD_LETTER_REASON_HEADER,
     MEMBER_HEADER,
     MSG_ID_HEADER,
+    ORIGINAL_HEADERS_HEADER,
     ORIGINAL_MSG_ID_HEADER,
     ORIGINAL_SUBJECT_HEADER,
     PROJECT_HEADER,
     REDRIVEN_FROM_HEADER,
     SEQ_HEADER,
-    UNSENDABLE_HEADERS_HEADER,
     parse_since,
     subject_partition,
 )
@@ -90,16 +97,73 @@ def test_a_dead_letter_keeps_the_original_id_and_says_why_from_where_and_by_whom
     assert ORIGINAL_MSG_ID_HEADER not in dead_letter_headers({}, "s", "r", "m")
 
 
-def test_headers_nats_clients_refuse_are_kept_aside_not_fatal() -> None:
-    """A client writing its own protocol can publish a header named `X@Y`; nats-py
-    refuses to publish it (BadHeaderError), so the dead letter could never be written and
-    the project waited for good (tests/test_http_handler.py shows it on real servers)."""
-    original = {"X@Y": "1", "X Y": "2", "Ok-Name": "kept", PROJECT_HEADER: "p"}
+def test_headers_a_dead_letter_cannot_carry_are_kept_aside_not_fatal() -> None:
+    """A client writing its own protocol can publish a header named `X@Y`, which nats-py
+    refuses to publish (BadHeaderError); JetStream's publish controls (Nats-Expected-
+    Stream, set by `js.publish(stream=...)` and nats.go's ExpectStream) would be checked
+    again by the dead-letter stream, which refuses the copy. As they were, the dead
+    letter could never be written and the project waited for good (tests/
+    test_poison_messages.py shows it on real servers)."""
+    original = {
+        "X@Y": "1",
+        "X Y": "2",
+        "Ok-Name": "kept",
+        PROJECT_HEADER: "p",
+        MSG_ID_HEADER: "id-1",
+        "Nats-Expected-Stream": "ORDERS",
+        "nats-expected-last-sequence": "7",
+        "Nats-TTL": "1h",
+    }
     headers = dead_letter_headers(original, f"{PREFIX}.2", "r", "c-0")
-    assert json.loads(headers[UNSENDABLE_HEADERS_HEADER]) == {"X@Y": "1", "X Y": "2"}
-    assert headers["Ok-Name"] == "kept" and "X@Y" not in headers and "X Y" not in headers
+    assert json.loads(headers[ORIGINAL_HEADERS_HEADER]) == {
+        "X@Y": "1",
+        "X Y": "2",
+        "Nats-Expected-Stream": "ORDERS",
+        "nats-expected-last-sequence": "7",
+        "Nats-TTL": "1h",
+    }
+    assert headers["Ok-Name"] == "kept" and headers[ORIGINAL_MSG_ID_HEADER] == "id-1"
+    assert not any(name.lower().startswith("nats-") for name in headers)
     assert all(NATS_HEADER_NAME.fullmatch(name.strip()) for name in headers)
-    assert UNSENDABLE_HEADERS_HEADER not in dead_letter_headers({"A": "1"}, "s", "r", "m")
+    assert ORIGINAL_HEADERS_HEADER not in dead_letter_headers({"A": "1"}, "s", "r", "m")
+    # Dead-lettered again after a redrive: what was set aside before stays.
+    again = dead_letter_headers({**headers, "Nats-Rollup": "sub"}, "s", "r2", "c-1")
+    assert json.loads(again[ORIGINAL_HEADERS_HEADER]) == {
+        **json.loads(headers[ORIGINAL_HEADERS_HEADER]),
+        "Nats-Rollup": "sub",
+    }
+
+
+MAX = 1024 * 1024
+
+
+def test_a_dead_letter_that_fits_is_not_cut() -> None:
+    headers, data, cut = dead_letter_message(
+        {PROJECT_HEADER: "p"}, b"x" * 1000, "s.1", "r", "m", MAX
+    )
+    assert (data, cut) == (b"x" * 1000, "") and DEAD_LETTER_CUT_HEADER not in headers
+
+
+def test_a_dead_letter_past_max_payload_is_cut_to_fit_and_says_so() -> None:
+    """Published as it was, the server closes the connection (nats-py checks only the
+    data against max_payload): the member restarted and met the message again."""
+    original = {PROJECT_HEADER: "p", "Nats-Expected-Stream": "S" * 500, "X-Trace": "t" * 900}
+    body = b"x" * (MAX - 300)
+    headers, data, cut = dead_letter_message(original, body, "s.1", "permanent: no", "m", MAX)
+    assert header_bytes(headers) + len(data) <= MAX - FIT_MARGIN
+    assert ORIGINAL_HEADERS_HEADER not in headers and headers["X-Trace"] == "t" * 200
+    assert body.startswith(data) and len(data) < len(body)
+    assert "Shoal-Original-Headers" in cut and "'X-Trace'" in cut and "the data" in cut
+    assert headers[DEAD_LETTER_CUT_HEADER].startswith("cut to fit the server's limits: ")
+    assert headers[PROJECT_HEADER] == "p" and headers[DEAD_LETTER_REASON_HEADER] == "permanent: no"
+
+
+def test_a_dead_letter_past_the_header_limit_is_cut_to_fit() -> None:
+    """JetStream refuses more than 64 KiB of headers (err_code 10097)."""
+    original = {PROJECT_HEADER: "p", "X-Big": "b" * 65_400}
+    headers, data, cut = dead_letter_message(original, b"data", "s.1", "r", "m", MAX)
+    assert header_bytes(headers) <= MAX_HEADER_BYTES - FIT_MARGIN
+    assert data == b"data" and "'X-Big'" in cut and "the data" not in cut
 
 
 def test_a_redriven_message_dead_lettered_again_keeps_the_first_id() -> None:

@@ -146,9 +146,15 @@ MSG_ID_HEADER = "Nats-Msg-Id"  # JetStream's de-duplication id
 DEAD_LETTER_REASON_HEADER = "Shoal-Dead-Letter-Reason"
 ORIGINAL_SUBJECT_HEADER = "Shoal-Original-Subject"
 MEMBER_HEADER = "Shoal-Member"
-# A dead letter's copy of original headers NATS clients refuse to publish (a name that is
-# no token, which a client writing its own protocol can send): JSON, {name: value}.
-UNSENDABLE_HEADERS_HEADER = "Shoal-Unsendable-Headers"
+# A dead letter's copy of the original's headers it cannot carry as headers, as JSON
+# {name: value}: names NATS clients refuse to publish (no token; a client writing its own
+# protocol can send them), and JetStream's publish controls (Nats-Expected-Stream,
+# Nats-Expected-Last-Sequence, Nats-TTL, ...), which the dead-letter stream would apply
+# to the copy, or refuse it for (deadletter.dead_letter_message).
+ORIGINAL_HEADERS_HEADER = "Shoal-Original-Headers"
+# A dead letter that had to be cut to fit the server's limits (max_payload, 64 KiB of
+# headers): what was cut, in words.
+DEAD_LETTER_CUT_HEADER = "Shoal-Dead-Letter-Cut"
 # A dead letter keeps the original's Nats-Msg-Id here (its own Nats-Msg-Id is dropped: the
 # dead-letter stream keeps every copy), and a redriven message carries it on, so that its
 # handler sees the id it was published with (shoal.consumer.handlers.Message.message_id).

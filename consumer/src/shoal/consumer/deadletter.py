@@ -25,12 +25,13 @@ from typing import Any, TypeVar
 from nats.js.errors import NotFoundError
 
 from shoal.contracts.names import (
+    DEAD_LETTER_CUT_HEADER,
     DEAD_LETTER_REASON_HEADER,
     MEMBER_HEADER,
     MSG_ID_HEADER,
+    ORIGINAL_HEADERS_HEADER,
     ORIGINAL_MSG_ID_HEADER,
     ORIGINAL_SUBJECT_HEADER,
-    UNSENDABLE_HEADERS_HEADER,
     dlq_subject,
     subject_partition,
 )
@@ -56,21 +57,28 @@ def dead_letter_headers(
     """A dead letter's headers: the original's, without its de-duplication id (the
     dead-letter stream must keep every copy), which it keeps as Shoal-Original-Msg-Id
     (a message dead-lettered again after a redrive keeps the first one), plus why, from
-    where and by whom. Headers NATS clients cannot publish go, as JSON, into
-    Shoal-Unsendable-Headers."""
-    out = {}
-    unsendable = {}
+    where and by whom. What it cannot carry as headers goes, as JSON, into
+    Shoal-Original-Headers: names NATS clients refuse to publish, and JetStream's
+    publish controls (every Nats-* header but Nats-Msg-Id)."""
+    out: dict[str, str] = {}
+    aside: dict[str, str] = {}
     for name, value in (headers or {}).items():
-        # nats-py strips names and skips empty ones: what it would send is what counts.
-        if _SENDABLE_NAME.fullmatch(name.strip()) or not name.strip():
-            out[name] = value
+        stripped = name.strip()
+        if name == ORIGINAL_HEADERS_HEADER:
+            aside.update(_json_object(value))  # set aside before (a redriven dead letter)
+        elif not stripped:
+            continue  # nats-py skips empty names: nothing to keep
+        elif not _SENDABLE_NAME.fullmatch(stripped) or (
+            stripped.lower().startswith("nats-") and stripped.lower() != MSG_ID_HEADER.lower()
+        ):
+            # As they are, the dead letter could never be written (nats-py refuses the
+            # name; the dead-letter stream would check Nats-Expected-Stream against
+            # itself and refuse the copy), and its project would wait for good. Kept.
+            aside[name] = value
         else:
-            unsendable[name] = value
-    if unsendable:
-        # A client writing its own protocol can publish such a name, nats-py cannot: as
-        # they are, the dead letter could never be written (and its project waited for
-        # good). Kept, as JSON, so that nothing is lost.
-        out[UNSENDABLE_HEADERS_HEADER] = json.dumps(unsendable, ensure_ascii=True)
+            out[name] = value
+    if aside:
+        out[ORIGINAL_HEADERS_HEADER] = json.dumps(aside, ensure_ascii=False)
     msg_id = out.pop(MSG_ID_HEADER, None)
     if msg_id and not out.get(ORIGINAL_MSG_ID_HEADER):
         out[ORIGINAL_MSG_ID_HEADER] = msg_id
@@ -78,6 +86,85 @@ def dead_letter_headers(
     out[ORIGINAL_SUBJECT_HEADER] = subject
     out[MEMBER_HEADER] = member
     return out
+
+
+def _json_object(text: str) -> dict[str, str]:
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return {"?": text}
+    if not isinstance(value, dict):
+        return {"?": text}
+    return {str(k): str(v) for k, v in value.items()}
+
+
+# nats-server's limit on a message's headers (JetStream refuses more: err_code 10097).
+MAX_HEADER_BYTES = 65_535
+# Header values longer than this are the first to be cut when a dead letter must shrink.
+CUT_VALUE_CHARS = 200
+# Room left for what nats-py adds or rewrites in the header block.
+FIT_MARGIN = 64
+# The cut note, at most (its name, ": ", 150 characters of ASCII, CRLF).
+CUT_NOTE_MAX = 150
+CUT_NOTE_BYTES = len(DEAD_LETTER_CUT_HEADER) + CUT_NOTE_MAX + 4
+
+
+def header_bytes(headers: Mapping[str, str]) -> int:
+    """The size of the header block nats-py writes for `headers` (NATS/1.0 line, one
+    "Name: value" line each, the blank line)."""
+    size = len(b"NATS/1.0\r\n\r\n")
+    for name, value in headers.items():
+        size += len(name.strip().encode()) + len(value.strip().encode()) + 4
+    return size
+
+
+def dead_letter_message(
+    headers: Mapping[str, str] | None,
+    data: bytes,
+    subject: str,
+    reason: str,
+    member: str,
+    max_payload: int,
+) -> tuple[dict[str, str], bytes, str]:
+    """A dead letter that the server accepts: (headers, data, what was cut, "" if
+    nothing). A message near the server's limits grows past them with the dead letter's
+    headers: published so, the server closes the connection (nats-py checks the data
+    alone against max_payload), the member restarts and meets the message again, for
+    good. So, while it does not fit: the headers set aside as JSON are dropped, then
+    long header values are cut, then the data (each named in Shoal-Dead-Letter-Cut)."""
+    out = dead_letter_headers(headers, subject, reason, member)
+    cut: list[str] = []
+
+    def head(note: int = CUT_NOTE_BYTES) -> int:  # with room for the cut note, nats-py's
+        return header_bytes(out) + note + FIT_MARGIN
+
+    def fits(note: int = CUT_NOTE_BYTES) -> bool:
+        return head(note) <= MAX_HEADER_BYTES and head(note) + len(data) <= max_payload
+
+    if fits(note=0):
+        return out, data, ""
+    if ORIGINAL_HEADERS_HEADER in out:
+        dropped = out.pop(ORIGINAL_HEADERS_HEADER)
+        cut.append(f"{ORIGINAL_HEADERS_HEADER} ({len(dropped.encode())} bytes)")
+    if not fits():
+        ours = {DEAD_LETTER_REASON_HEADER, ORIGINAL_SUBJECT_HEADER, MEMBER_HEADER}
+        longest = sorted(
+            (n for n in out if n not in ours and len(out[n]) > CUT_VALUE_CHARS),
+            key=lambda n: -len(out[n].encode()),
+        )
+        for name in longest:
+            cut.append(f"header {name[:40]!a} ({len(out[name].encode())} bytes)")
+            out[name] = out[name][:CUT_VALUE_CHARS]
+            if fits():
+                break
+    if not fits():
+        room = max_payload - head()
+        cut.append(f"the data ({len(data)} bytes, {max(room, 0)} kept)")
+        data = data[: max(room, 0)]
+    note = "; ".join(cut)
+    if note:
+        out[DEAD_LETTER_CUT_HEADER] = f"cut to fit the server's limits: {note}"[:CUT_NOTE_MAX]
+    return out, data, note
 
 
 ADVISORY = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES"
@@ -161,11 +248,17 @@ class ExhaustedMessages:
             f"not acknowledged after {deliveries} deliveries "
             f"(max_deliver {self.config.max_deliver}); JetStream stopped delivering it"
         )
-        headers = dead_letter_headers(
-            original.headers, original.subject, reason, self.config.member_id
+        headers, data, cut = dead_letter_message(
+            original.headers,
+            original.data or b"",
+            original.subject,
+            reason,
+            self.config.member_id,
+            self.nc.max_payload,
         )
+        if cut:
+            log.error("Message %d of %s was cut to be dead-lettered: %s", seq, stream, cut)
         subject = dlq_subject(self.config.subject_prefix, partition)
-        data = original.data or b""
         # Stored, then deleted: a retried publish may store a second copy (its ack lost),
         # never none.
         await self._until_done(

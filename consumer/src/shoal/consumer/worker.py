@@ -27,18 +27,19 @@ the pause starts paused.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
 from shoal.clients.etcd import TRANSIENT_ERRORS, Etcd
 from shoal.clients.nats import round_trip
 from shoal.clients.natsclient import Delivery, DirectClient
-from shoal.consumer.deadletter import dead_letter_headers
+from shoal.consumer.deadletter import dead_letter_message
 from shoal.consumer.dispatch import (
     ABANDONED,
     ACK_VERDICT,
@@ -101,6 +102,24 @@ RESETTLED_LOG_EVERY = 60.0
 # this long, doubling up to SETTLE_RETRY_MAX.
 SETTLE_RETRY_FIRST = 0.5
 SETTLE_RETRY_MAX = 10.0
+
+
+def why(exc: BaseException) -> str:
+    """An error for a log line or a dead letter's reason, whatever it is: JetStream's
+    errors with their description and code (their repr is "BadRequestError()"), and an
+    exception whose own repr raises (a handler's) by its type."""
+    try:
+        return str(exc) if isinstance(exc, APIError) else repr(exc)
+    except Exception:
+        return f"{type(exc).__name__} (its repr failed)"
+
+
+def text(exc: BaseException) -> str:
+    """str(exc), or its type when that raises."""
+    try:
+        return str(exc)
+    except Exception:
+        return f"{type(exc).__name__} (its str failed)"
 
 
 def _log_etcd_error(exc: Exception, message: str, partition: int) -> None:
@@ -270,7 +289,7 @@ class Worker:
                 runner.fence()
                 return ABANDONED
             except PermanentError as exc:
-                held.verdict = (DEAD_LETTER, f"permanent error: {exc}")
+                held.verdict = (DEAD_LETTER, f"permanent error: {text(exc)}")
             except asyncio.CancelledError as exc:
                 task = asyncio.current_task()
                 if task is None:
@@ -298,6 +317,18 @@ class Worker:
                     # Our cancel, turned into an error by the handler (a cleanup that
                     # raised, say): take it back, as below. Left standing, the lane's
                     # next timeout or fence would take it for the process stopping.
+                    _take_back_cancel()
+                delay = self._failed(runner, held, exc)
+                if delay is not None:
+                    return delay
+            except (SystemExit, KeyboardInterrupt, GeneratorExit) as exc:
+                # A handler cannot stop the member: let through, it ended the dispatch
+                # lane, which was replaced and ran the same message again at once, for
+                # good (GeneratorExit: 26,000 runs in 5 s). A failed attempt, as any.
+                task = asyncio.current_task()
+                if isinstance(exc, GeneratorExit) and (task is None or task.done()):
+                    raise  # this coroutine itself is being closed, not the handler's doing
+                if held.timed_out:
                     _take_back_cancel()
                 delay = self._failed(runner, held, exc)
                 if delay is not None:
@@ -355,7 +386,7 @@ class Worker:
         # plus ours here.
         attempts = held.delivered - 1 - held.credit + held.failures
         if attempts >= self.config.max_deliver:
-            held.verdict = (DEAD_LETTER, f"failed {attempts} times, last: {exc!r}")
+            held.verdict = (DEAD_LETTER, f"failed {attempts} times, last: {why(exc)}")
             return None
         delay = self.retry_delay(attempts)
         if isinstance(exc, RetryAfter) and exc.delay > delay:
@@ -365,24 +396,24 @@ class Worker:
             # The old behaviour, chosen explicitly: JetStream redelivers it after the
             # delay, and later messages of its project may overtake it.
             log.warning(
-                "Handler failed on message %d of partition %d (attempt %d): %r; "
+                "Handler failed on message %d of partition %d (attempt %d): %s; "
                 "redelivering in %.1f s",
                 held.seq,
                 runner.partition,
                 attempts,
-                exc,
+                why(exc),
                 delay,
             )
             held.verdict = (NAKED, str(delay))
             return None
         log.warning(
-            "Handler failed on message %d of project %r (attempt %d of %d): %r; "
+            "Handler failed on message %d of project %r (attempt %d of %d): %s; "
             "retrying in %.1f s, the project's later messages wait",
             held.seq,
             held.project,
             attempts,
             self.config.max_deliver,
-            exc,
+            why(exc),
             delay,
         )
         # A failed attempt is progress, and the wait for the retry a deliberate one.
@@ -424,14 +455,14 @@ class Worker:
             # Once, then every tenth: a long outage must not flood the log.
             if held.settle_failures % 10 == 1:
                 log.warning(
-                    "Could not %s message %d of project %r (partition %d, try %d): %r; "
+                    "Could not %s message %d of project %r (partition %d, try %d): %s; "
                     "retrying in %.1f s, the project's later messages wait",
                     kind,
                     held.seq,
                     held.project,
                     runner.partition,
                     held.settle_failures,
-                    exc,
+                    why(exc),
                     delay,
                 )
             return delay
@@ -536,15 +567,50 @@ class Worker:
         return min(1.0 * attempts, 30.0)
 
     async def dead_letter(self, msg: Delivery, partition: int, reason: str) -> None:
-        """Publish to <prefix>.dlq.<p> with the reason, then terminate the original."""
-        await self._publish_dead_letter(msg, partition, reason)
-        await msg.term()
+        """Publish to <prefix>.dlq.<p> with the reason, then terminate the original: a
+        message refused at arrival (no project id, another partition's). Retried with a
+        backoff while the partition is ours: such a message is no project's head, so
+        nothing else tries it again, and unsettled it came back every ack_wait for good
+        (the durable's own max_deliver is off)."""
+        copied = False
+        for attempt in itertools.count(1):
+            try:
+                if not copied:
+                    await self._publish_dead_letter(msg, partition, reason)
+                    copied = True
+                await msg.term()
+                break
+            except Exception as exc:
+                runner = self.runners.get(partition)
+                gone = runner is None or runner.letting_go
+                delay = min(SETTLE_RETRY_FIRST * 2.0 ** (attempt - 1), SETTLE_RETRY_MAX)
+                if gone or attempt % 10 == 1:
+                    log.warning(
+                        "Could not dead-letter a message of partition %d (try %d): %s; %s",
+                        partition,
+                        attempt,
+                        why(exc),
+                        "its next owner will"
+                        if gone
+                        else f"retrying in {delay:.1f} s (reason: {reason[:200]})",
+                    )
+                if gone:
+                    return
+                await asyncio.sleep(delay)
         log.warning("Dead-lettered a message of partition %d: %s", partition, reason)
 
     async def _publish_dead_letter(self, msg: Delivery, partition: int, reason: str) -> None:
-        headers = dead_letter_headers(msg.headers, msg.subject, reason, self.config.member_id)
+        headers, data, cut = dead_letter_message(
+            msg.headers, msg.data, msg.subject, reason, self.config.member_id, self.nc.max_payload
+        )
+        if cut:
+            log.error(
+                "A message of partition %d was cut to be dead-lettered (the server's limits): %s",
+                partition,
+                cut,
+            )
         await self.js.publish(
-            dlq_subject(self.config.subject_prefix, partition), msg.data, headers=headers
+            dlq_subject(self.config.subject_prefix, partition), data, headers=headers
         )
 
     def resettle(self, runner: PartitionRunner, msg: Delivery, seq: int) -> None:
