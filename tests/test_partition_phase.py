@@ -11,6 +11,7 @@ import pytest
 from shoal.consumer.metrics import Metrics
 from shoal.consumer.partition import PartitionRunner, Phase
 from shoal.consumer.worker import Worker
+from shoal.contracts.names import partition_for
 from shoal.group.config import GroupConfig
 
 CONFIG = GroupConfig(group="g", namespace="ns", member_id="m-0", partitions=4)
@@ -69,3 +70,14 @@ async def test_a_fence_sticks_and_a_move_its_life_does_not_allow_is_refused(
     assert not r._enter(Phase.CONSUMING)
     warnings = [m.getMessage() for m in caplog.records if m.levelno == logging.WARNING]
     assert len([m for m in warnings if "(a bug)" in m]) == 6
+
+
+def test_long_project_ids_are_checked_but_not_cached() -> None:
+    """The cache of checked project ids held every id, however long: many distinct ids
+    of 64 KiB (a header may be that long) would have filled gigabytes."""
+    worker = runner().worker
+    long_id = "p" * 65_000
+    assert worker.belongs(long_id, partition_for(long_id, CONFIG.partitions))
+    assert not worker.belongs(long_id, (partition_for(long_id, CONFIG.partitions) + 1) % 4)
+    assert worker.belongs("short", partition_for("short", CONFIG.partitions))
+    assert list(worker._partition_of) == ["short"]

@@ -92,6 +92,9 @@ BRISK_EXPIRES = 0.05
 BRISK_FOR = 3.0
 # Projects whose partition was checked (sha256) once; the cache is dropped when this big.
 PARTITION_CACHE_SIZE = 100_000
+# Longer project ids are hashed each time, not kept: a producer sending many distinct ids
+# of 64 KiB (a header may be that long) would have filled gigabytes.
+PARTITION_CACHE_ID_CHARS = 256
 # Claims made in one etcd transaction (its compares and puts count against etcd's
 # --max-txn-ops, 128 by default).
 CLAIM_BATCH = 64
@@ -246,9 +249,11 @@ class Worker:
     def belongs(self, project: str, partition: int) -> bool:
         known = self._partition_of.get(project)
         if known is None:
-            if len(self._partition_of) >= PARTITION_CACHE_SIZE:
-                self._partition_of.clear()
-            known = self._partition_of[project] = partition_for(project, self.config.partitions)
+            known = partition_for(project, self.config.partitions)
+            if len(project) <= PARTITION_CACHE_ID_CHARS:
+                if len(self._partition_of) >= PARTITION_CACHE_SIZE:
+                    self._partition_of.clear()
+                self._partition_of[project] = known
         return known == partition
 
     def _message(self, runner: PartitionRunner, held: Held) -> Message:
