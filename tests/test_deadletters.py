@@ -4,6 +4,7 @@ headers, the progress line, `--since`. No servers: tests/test_dlq.py runs the co
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from datetime import UTC, datetime, timedelta
@@ -164,6 +165,34 @@ def test_a_dead_letter_past_the_header_limit_is_cut_to_fit() -> None:
     headers, data, cut = dead_letter_message(original, b"data", "s.1", "r", "m", MAX)
     assert header_bytes(headers) <= MAX_HEADER_BYTES - FIT_MARGIN
     assert data == b"data" and "'X-Big'" in cut and "the data" not in cut
+
+
+def test_cutting_a_dead_letter_never_cuts_whose_or_which_message_it_is() -> None:
+    """A project id or message id cut to 200 characters made a redrive publish the
+    message as another project's (refused as another partition's, or run as one)."""
+    long_project, long_id = "p" * 300, "i" * 250
+    original = {PROJECT_HEADER: long_project, MSG_ID_HEADER: long_id, SEQ_HEADER: "9" * 250}
+    body = b"x" * (MAX - 400)
+    headers, data, cut = dead_letter_message(original, body, "s.1", "r", "m", MAX)
+    assert headers[PROJECT_HEADER] == long_project
+    assert headers[ORIGINAL_MSG_ID_HEADER] == long_id and headers[SEQ_HEADER] == "9" * 250
+    assert "the data" in cut and len(data) < len(body)
+    assert header_bytes(headers) + len(data) <= MAX - FIT_MARGIN
+
+
+def test_a_cut_dead_letter_is_not_redriven_and_what_was_set_aside_stays_behind() -> None:
+    """Redriven, a cut dead letter would reach the handler as if it were the message; the
+    JSON of headers set aside (up to 64 KiB) went out as a header HTTP services refuse."""
+    whole3 = letter(3, extra={"Nats-Expected-Stream": "S"})
+    note = "cut to fit the server's limits: the data (9 bytes)"
+    cut = dataclasses.replace(whole3, headers={**whole3.headers, DEAD_LETTER_CUT_HEADER: note})
+    with pytest.raises(ValueError, match="not the whole message"):
+        redrive_subject(cut, PREFIX)
+    whole = letter(4, extra={"Nats-Expected-Stream": "S"})
+    assert ORIGINAL_HEADERS_HEADER in whole.headers
+    redriven = redrive_headers(whole, DLQ)
+    assert ORIGINAL_HEADERS_HEADER not in redriven and DEAD_LETTER_CUT_HEADER not in redriven
+    assert redriven[PROJECT_HEADER] == "p-1"
 
 
 def test_a_redriven_message_dead_lettered_again_keeps_the_first_id() -> None:

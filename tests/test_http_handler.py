@@ -179,6 +179,9 @@ def test_a_header_spelt_with_underscores_cannot_pass_for_ours() -> None:
     headers = request_headers(_message({**own, "X_Trace": "kept"}))
     assert headers["Shoal-Message-Id"] == "seq-42" and headers["Shoal-Project-Id"] == "proj-1"
     assert not own.keys() & headers.keys() and headers["X_Trace"] == "kept"
+    # Content_Type is no Content-Type (servers drop it): the default type stays.
+    typed = request_headers(_message({"Content_Type": "text/plain"}))
+    assert typed["Content-Type"] == "application/octet-stream"
 
 
 @pytest.mark.parametrize(

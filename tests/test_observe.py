@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from shoal.contracts.names import format_time
 from shoal.contracts.values import MemberStats, PauseRecord, ValueRefused
 from shoal.group.pause import RESET_SOURCE
 from shoal.operator.observe import (
@@ -30,6 +31,7 @@ from shoal.operator.observe import (
     status_changes,
     waiting_message,
 )
+from shoal.operator.scheduling import Unschedulable
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 
@@ -713,7 +715,13 @@ def test_members_waiting_for_their_handler_are_named_in_ready() -> None:
     assert ready["message"].startswith("1 of 3 members ready; member c-1 waits for its handler")
     assert why in ready["message"] and "member c-2" in ready["message"]
     assert found["Degraded"]["status"] == "False"  # waiting is not broken
-    # A NATS refusal says more, and outranks it.
+    # Pods the scheduler cannot place say more, and so does a NATS refusal.
+    placed = by_type(
+        conditions(
+            observed(ready_replicas=1, waiting=waiting, unschedulable=Unschedulable(1, 3, "0/1", 0))
+        )
+    )
+    assert placed["Ready"]["reason"] == "MembersUnschedulable"
     refused = by_type(conditions(observed(ready_replicas=1, waiting=waiting, refused=(AUTH,))))
     assert refused["Ready"]["reason"] == AUTH[1]
     # All ready: nothing to say (a key left for a moment by a member that just joined).
@@ -723,11 +731,12 @@ def test_members_waiting_for_their_handler_are_named_in_ready() -> None:
 def test_the_waiting_message_lists_the_longest_waits_first_and_counts_the_rest() -> None:
     now = 1_800_000_000.0
     waiting = [(f"c-{i}", "GET x: no answer in time", now - 10 * i) for i in range(5)]
-    message = waiting_message(waiting, now)
-    assert message.startswith("member c-4 waits for its handler for 40 s: GET x")
+    message = waiting_message(waiting)
+    assert message.startswith(
+        f"member c-4 waits for its handler since {format_time(now - 40)}: GET x"
+    )
     assert "member c-2" in message and "member c-1" not in message
     assert message.endswith("; and 2 more")
-    assert waiting_message([("c-0", "m", now - 7300)], now) == (
-        "member c-0 waits for its handler for 2 h: m"
-    )
-    assert waiting_message([("c-0", "m", 0.0)], now) == "member c-0 waits for its handler: m"
+    # Since when, not for how long: the same message at every observation.
+    assert waiting_message(waiting) == message
+    assert waiting_message([("c-0", "m", 0.0)]) == "member c-0 waits for its handler: m"

@@ -24,6 +24,7 @@ from harness.inprocess import Member, assign, until
 from shoal.clients.etcd import Etcd
 from shoal.clients.nats import connect
 from shoal.consumer.handlers import PermanentError
+from shoal.consumer.worker import SETTLE_RETRY_MAX
 from shoal.contracts.names import (
     DEAD_LETTER_CUT_HEADER,
     DEAD_LETTER_REASON_HEADER,
@@ -163,11 +164,12 @@ async def test_a_refused_message_is_dead_lettered_once_the_dead_letter_stream_is
 ) -> None:
     """No project id: refused at arrival and dead-lettered by the runner, not a handler.
     A try that failed was tried again only at the message's next delivery, an ack_wait
-    later, without a word (this test passed so before: its ack_wait is 3 s); one that
-    always failed (its Nats-Expected-Stream header refused by the dead-letter stream)
-    came back every ack_wait for good. Now retried with a backoff, and logged."""
+    later, without a word; one that always failed (its Nats-Expected-Stream header
+    refused by the dead-letter stream) came back every ack_wait for good. Retried with
+    a backoff now, each message once: its later deliveries (nothing keeps it alive
+    meanwhile) had each started a loop of their own, and each wrote a copy (4 here)."""
     config = GroupConfig(
-        group=group, namespace="test", member_id="m-0", partitions=1, ledger=False, ack_wait=3
+        group=group, namespace="test", member_id="m-0", partitions=1, ledger=False, ack_wait=2
     )
     admin = await connect(nats_url, name="admin")
     js = admin.jetstream()
@@ -183,12 +185,16 @@ async def test_a_refused_message_is_dead_lettered_once_the_dead_letter_stream_is
         await until(lambda: 0 in member.worker.runners, 10, "the runner")
         await js.delete_stream(config.dlq_stream)
         await js.publish(partition_subject(config.subject_prefix, 0), b"who am I")
-        await asyncio.sleep(2.0)
+        # Longer than ack_wait: delivered again meanwhile (nothing keeps it alive).
+        await asyncio.sleep(2.5 * config.ack_wait)
         await ensure_group(js, config)  # the dead-letter stream is back
         await js.publish(
             partition_subject(config.subject_prefix, 0), b"nor I", stream=config.stream
         )
         found = {letter.data: letter.headers for letter in await letters(js, config, 2, 30)}
+        await asyncio.sleep(SETTLE_RETRY_MAX + 2)  # any other copy would be written by now
+        # One copy each: every delivery of the first had started a loop writing its own.
+        assert int((await js.stream_info(config.dlq_stream)).state.messages) == 2
         assert "Shoal-Project-Id" in found[b"who am I"][DEAD_LETTER_REASON_HEADER]
         assert "Nats-Expected-Stream" in found[b"nor I"][ORIGINAL_HEADERS_HEADER]
         info = await js.stream_info(config.stream)

@@ -98,3 +98,12 @@ def test_a_closed_gate_may_pull_what_it_waits_for_but_not_without_bound() -> Non
     for seq in range(516, 521):
         unclean.hold(seq, seq, 1)
     assert unclean.wanted() == 0  # 20 held: no more beyond the budget
+    # Its deadline put off (deliveries still counted elsewhere): the earlier ones may be
+    # expired and waiting on the redelivery queue, which only a pull tells: it may pull.
+    assert unclean.extend(5.0, time.monotonic())
+    assert unclean.wanted() == 10
+    for seq in range(521, 541):
+        unclean.hold(seq, seq, 1)
+    assert unclean.wanted() == 0  # 40 held
+    assert unclean.extend(5.0, time.monotonic()) and unclean.extend(5.0, time.monotonic())
+    assert not unclean.extend(5.0, time.monotonic())  # at most MAX_EXTENSIONS times

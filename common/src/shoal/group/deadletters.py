@@ -47,9 +47,11 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from shoal.contracts.names import (
+    DEAD_LETTER_CUT_HEADER,
     DEAD_LETTER_REASON_HEADER,
     MEMBER_HEADER,
     MSG_ID_HEADER,
+    ORIGINAL_HEADERS_HEADER,
     ORIGINAL_MSG_ID_HEADER,
     ORIGINAL_SUBJECT_HEADER,
     PROJECT_HEADER,
@@ -71,7 +73,15 @@ DUPLICATE_WINDOW = 120.0
 #: What a headers-only read adds: the size of the data it left out.
 _SIZE_HEADER = "Nats-Msg-Size"
 #: Headers a dead letter has that its original did not: a redrive leaves them out.
-DEAD_LETTER_ONLY = (DEAD_LETTER_REASON_HEADER, ORIGINAL_SUBJECT_HEADER, MEMBER_HEADER)
+DEAD_LETTER_ONLY = (
+    DEAD_LETTER_REASON_HEADER,
+    ORIGINAL_SUBJECT_HEADER,
+    MEMBER_HEADER,
+    # What the original carried that a message cannot (names nats-py refuses, JetStream's
+    # publish controls, checked once already): shown by `dlq show`, not published again.
+    ORIGINAL_HEADERS_HEADER,
+    DEAD_LETTER_CUT_HEADER,
+)
 
 # -- the pure half ---------------------------------------------------------------------------
 
@@ -235,7 +245,15 @@ def by_project(letters: Iterable[DeadLetter]) -> dict[str | None, list[DeadLette
 def redrive_subject(letter: DeadLetter, prefix: str) -> str:
     """Where a redrive publishes a dead letter: the partition subject it came from
     (Shoal-Original-Subject), else the one its dead-letter subject names. ValueError if
-    neither is a partition subject of `prefix`."""
+    neither is a partition subject of `prefix`, or if the dead letter was cut to fit the
+    server's limits (Shoal-Dead-Letter-Cut): its data or headers are not the message's,
+    and a handler given them would take them for the message."""
+    cut = letter.headers.get(DEAD_LETTER_CUT_HEADER)
+    if cut:
+        raise ValueError(
+            f"dead letter {letter.seq} is not the whole message ({cut}); not redriven "
+            "(see it with `shoal-consumer dlq show`)"
+        )
     original = letter.headers.get(ORIGINAL_SUBJECT_HEADER, "")
     if subject_partition(original, prefix) is not None:
         return original

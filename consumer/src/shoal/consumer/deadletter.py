@@ -32,6 +32,8 @@ from shoal.contracts.names import (
     ORIGINAL_HEADERS_HEADER,
     ORIGINAL_MSG_ID_HEADER,
     ORIGINAL_SUBJECT_HEADER,
+    PROJECT_HEADER,
+    SEQ_HEADER,
     dlq_subject,
     subject_partition,
 )
@@ -147,7 +149,16 @@ def dead_letter_message(
         dropped = out.pop(ORIGINAL_HEADERS_HEADER)
         cut.append(f"{ORIGINAL_HEADERS_HEADER} ({len(dropped.encode())} bytes)")
     if not fits():
-        ours = {DEAD_LETTER_REASON_HEADER, ORIGINAL_SUBJECT_HEADER, MEMBER_HEADER}
+        # Never the ones that say whose and which message it is: cut, a redrive would
+        # publish it as another project's, or take it for another message.
+        ours = {
+            DEAD_LETTER_REASON_HEADER,
+            ORIGINAL_SUBJECT_HEADER,
+            MEMBER_HEADER,
+            PROJECT_HEADER,
+            ORIGINAL_MSG_ID_HEADER,
+            SEQ_HEADER,
+        }
         longest = sorted(
             (n for n in out if n not in ours and len(out[n]) > CUT_VALUE_CHARS),
             key=lambda n: -len(out[n].encode()),

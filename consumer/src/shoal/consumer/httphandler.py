@@ -206,7 +206,7 @@ def request_headers(msg: Message) -> dict[str, str]:
                 f"header {name!r} is not an HTTP field name (RFC 9110 5.1), which an HTTP "
                 "request cannot carry"
             )
-        if lowered == "content-type":
+        if name.lower() == "content-type":  # (not Content_Type: servers drop that one)
             typed = True
         headers[name] = value
     if not typed:

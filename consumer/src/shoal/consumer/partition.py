@@ -46,7 +46,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from nats.js import api
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from shoal.clients.nats import round_trip
 from shoal.clients.natsclient import Delivery
@@ -937,7 +937,10 @@ class PartitionRunner:
                 )
                 break
             except Exception as exc:
-                if not strict:
+                # Asked again only what may pass (a timeout, no responders, JetStream
+                # unavailable): a durable missing or a permission refused will not.
+                passing = not isinstance(exc, APIError) or isinstance(exc, ServiceUnavailableError)
+                if not strict or not passing:
                     log.debug(
                         "Partition %d: no consumer info at the start (%r)", self.partition, exc
                     )

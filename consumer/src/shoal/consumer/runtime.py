@@ -133,6 +133,14 @@ class ConsumerProcess:
             started=self._started,
         )
 
+    def _waiting(self, why: str) -> None:
+        """The handler does not answer its ready path yet (HttpHandler.wait_ready). One
+        problems/<member> key says one thing: a NATS refusal (a reconnect refused while
+        we wait) outranks the wait, rather than each overwriting the other at every try
+        (the operator would post the refusal's Warning and its end by turns)."""
+        if self.nats_refusal is None:
+            self.refusals.report(HandlerNotReady(why))
+
     def _on_nats_refusal(self, why: NatsRefusal | None) -> None:
         # Called at every attempt; the reporter writes etcd only when the refusal changes.
         # etcd is connected before NATS (start), so the write can be made at once.
@@ -293,11 +301,9 @@ class ConsumerProcess:
             # Not a member before the service beside us answers (spec.handlerReadyPath).
             if isinstance(self.handler, HttpHandler):
                 # etcd says why too (Keys.problem): the operator and `status` show it.
-                await self.handler.wait_ready(
-                    c.handler_ready_path,
-                    waiting=lambda why: self.refusals.report(HandlerNotReady(why)),
-                )
-                self.refusals.report(None)
+                await self.handler.wait_ready(c.handler_ready_path, waiting=self._waiting)
+                if self.nats_refusal is None:
+                    self.refusals.report(None)
             else:
                 log.warning(
                     "handlerReadyPath %s ignored: the handler %s is not an HTTP handler",

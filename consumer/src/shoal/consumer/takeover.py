@@ -120,9 +120,13 @@ class Gate:
         arrive first while the earlier owner's run out their ack_wait). A member busy with
         a backlog has its budget full: bound by it, the gate could not pull what it waits
         for, and opened at its deadline without it (the maxDeliver-2 scenario: 8 of 20
-        given-back messages in after 3 s, the rest later, behind newer ones)."""
+        given-back messages in after 3 s, the rest later, behind newer ones). Each time
+        its deadline was put off, twice as many more: an expired delivery waiting on the
+        redelivery queue counts in the durable's num_ack_pending as one held elsewhere
+        does, and a gate that may not pull could not tell them apart by waiting."""
         missing = self.outstanding - self.came_back
-        return max(0, min(missing, 2 * self.outstanding - len(self.held)))
+        room = (2 + 2 * self.extensions) * self.outstanding - len(self.held)
+        return max(0, min(missing, room))
 
     def missing(self) -> frozenset[int] | None:
         """The expected sequences not arrived yet; None for a gate that counts (one read

@@ -117,6 +117,15 @@ def why(exc: BaseException) -> str:
         return f"{type(exc).__name__} (its repr failed)"
 
 
+def _in_a_running_task() -> bool:
+    """Whether we run in a task (a lane), not in a coroutine's close() outside one."""
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no running loop
+        return False
+    return task is not None and not task.done()
+
+
 def text(exc: BaseException) -> str:
     """str(exc), or its type when that raises."""
     try:
@@ -225,6 +234,9 @@ class Worker:
         self._incarnation = 0
         self._projects: dict[str, float] = {}
         self._partition_of: dict[str, int] = {}
+        # Refused messages being dead-lettered, (partition, stream sequence) -> their
+        # latest delivery (dead_letter).
+        self._dead_lettering: dict[tuple[int, int], Delivery] = {}
         # Processed counts at the last stats(), for rates over the stats interval.
         self._rate_mark: tuple[float, dict[int, int]] = (time.monotonic(), {})
         self._wake = asyncio.Event()
@@ -330,8 +342,7 @@ class Worker:
                 # A handler cannot stop the member: let through, it ended the dispatch
                 # lane, which was replaced and ran the same message again at once, for
                 # good (GeneratorExit: 26,000 runs in 5 s). A failed attempt, as any.
-                task = asyncio.current_task()
-                if isinstance(exc, GeneratorExit) and (task is None or task.done()):
+                if isinstance(exc, GeneratorExit) and not _in_a_running_task():
                     raise  # this coroutine itself is being closed, not the handler's doing
                 if held.timed_out:
                     _take_back_cancel()
@@ -576,14 +587,30 @@ class Worker:
         message refused at arrival (no project id, another partition's). Retried with a
         backoff while the partition is ours: such a message is no project's head, so
         nothing else tries it again, and unsettled it came back every ack_wait for good
-        (the durable's own max_deliver is off)."""
+        (the durable's own max_deliver is off). A delivery of a message being
+        dead-lettered already (nothing keeps it alive meanwhile: it comes back every
+        ack_wait) only takes the place of the one to terminate; each had started a loop of
+        its own, and each loop wrote a copy of the message."""
+        _, seq, _ = ack_fields(msg.reply)
+        key = (partition, seq)
+        if key in self._dead_lettering:
+            self._dead_lettering[key] = msg
+            return
+        self._dead_lettering[key] = msg
+        try:
+            await self._dead_letter_refused(key, partition, reason)
+        finally:
+            self._dead_lettering.pop(key, None)
+
+    async def _dead_letter_refused(self, key: tuple[int, int], partition: int, reason: str) -> None:
         copied = False
         for attempt in itertools.count(1):
+            msg = self._dead_lettering[key]  # its latest delivery
             try:
                 if not copied:
                     await self._publish_dead_letter(msg, partition, reason)
                     copied = True
-                await msg.term()
+                await self._dead_lettering[key].term()
                 break
             except Exception as exc:
                 runner = self.runners.get(partition)

@@ -229,25 +229,17 @@ WAITING_FOR_HANDLER = "MembersWaitingForHandler"
 WAITING_LISTED = 3
 
 
-def waiting_message(waiting: Sequence[tuple[str, str, float]], now: float | None = None) -> str:
-    """One clause per member waiting for its handler, the longest waits first."""
-    now = time.time() if now is None else now
-    ordered = sorted(waiting, key=lambda w: (w[2] or now, w[0]))
+def waiting_message(waiting: Sequence[tuple[str, str, float]]) -> str:
+    """One clause per member waiting for its handler, the longest waits first. Since
+    when, not for how long: a message that changed at every observation would have the
+    status written every 5 s for as long as a member waits."""
+    ordered = sorted(waiting, key=lambda w: (w[2] or float("inf"), w[0]))
     parts = []
     for member, message, since in ordered[:WAITING_LISTED]:
-        waited = f" for {_duration(now - since)}" if since else ""
-        parts.append(f"member {member} waits for its handler{waited}: {message}")
+        when = f" since {format_time(since)}" if since else ""
+        parts.append(f"member {member} waits for its handler{when}: {message}")
     more = len(ordered) - WAITING_LISTED
     return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
-
-
-def _duration(seconds: float) -> str:
-    seconds = max(0, int(seconds))
-    if seconds < 120:
-        return f"{seconds} s"
-    if seconds < 7200:
-        return f"{seconds // 60} min"
-    return f"{seconds // 3600} h"
 
 
 def refused_message(refused: Iterable[tuple[str, str, str]]) -> str:
@@ -369,16 +361,6 @@ def conditions(o: Observed) -> list[dict[str, Any]]:
             f"{o.ready_replicas} of {o.spec_replicas} members ready; {o.failing.message()}",
             o.generation,
         )
-    elif o.ready_replicas < o.spec_replicas and o.waiting:
-        # Not joined on purpose (spec.handlerReadyPath): the service beside them does not
-        # answer yet. The count alone would send people to the pods' logs.
-        ready = _condition(
-            "Ready",
-            False,
-            WAITING_FOR_HANDLER,
-            f"{o.ready_replicas} of {o.spec_replicas} members ready; {waiting_message(o.waiting)}",
-            o.generation,
-        )
     elif o.ready_replicas < o.spec_replicas and o.unschedulable is not None:
         # The count alone ("0 of 2 members ready") would send people to the pods to find
         # out why; the scheduler's own words say it here.
@@ -387,6 +369,16 @@ def conditions(o: Observed) -> list[dict[str, Any]]:
             False,
             EVENT_REASON,
             f"{o.ready_replicas} of {o.spec_replicas} members ready; {o.unschedulable.message()}",
+            o.generation,
+        )
+    elif o.ready_replicas < o.spec_replicas and o.waiting:
+        # Not joined on purpose (spec.handlerReadyPath): the service beside them does not
+        # answer yet. The count alone would send people to the pods' logs.
+        ready = _condition(
+            "Ready",
+            False,
+            WAITING_FOR_HANDLER,
+            f"{o.ready_replicas} of {o.spec_replicas} members ready; {waiting_message(o.waiting)}",
             o.generation,
         )
     elif o.ready_replicas < o.spec_replicas:
