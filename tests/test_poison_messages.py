@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from harness.inprocess import Member, assign, until
+from harness.waiting import eventually_async
 from shoal.clients.etcd import Etcd
 from shoal.clients.nats import connect
 from shoal.consumer.handlers import PermanentError
@@ -40,24 +41,12 @@ pytestmark = pytest.mark.e2e
 
 async def letters(js: Any, config: GroupConfig, count: int, timeout: float = 20) -> list[Any]:
     """The first `count` dead letters of the group, once there are that many."""
-    found: list[Any] = []
 
-    async def enough() -> bool:
-        info = await js.stream_info(config.dlq_stream)
-        return int(info.state.messages) >= count
+    async def stored() -> int:
+        return int((await js.stream_info(config.dlq_stream)).state.messages)
 
-    async def check() -> bool:
-        return await enough()
-
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await check():
-        if asyncio.get_running_loop().time() > deadline:
-            info = await js.stream_info(config.dlq_stream)
-            raise AssertionError(f"{info.state.messages} of {count} dead letters")
-        await asyncio.sleep(0.1)
-    for seq in range(1, count + 1):
-        found.append(await js.get_msg(config.dlq_stream, seq))
-    return found
+    await eventually_async(stored, timeout, f"{count} dead letters", until=lambda n: n >= count)
+    return [await js.get_msg(config.dlq_stream, seq) for seq in range(1, count + 1)]
 
 
 class Odd(Exception):
