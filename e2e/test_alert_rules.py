@@ -27,6 +27,7 @@ ALERTS = {
     "ShoalDeadLetters",
     "ShoalMemberFenced",
     "ShoalPartitionStalled",
+    "ShoalHandlerUnreachable",
 }
 
 

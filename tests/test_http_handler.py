@@ -28,6 +28,7 @@ from shoal.consumer.handlers import (
     MAX_RETRY_AFTER,
     HandlerContext,
     HandlerTimeout,
+    HandlerUnreachable,
     Message,
     PermanentError,
     RetryAfter,
@@ -304,6 +305,9 @@ class Service:
     def attempts(self, message_id: str) -> list[Received]:
         return [r for r in self.received if r.headers.get("Shoal-Message-Id") == message_id]
 
+    def attempts_of(self, project: str) -> list[Received]:
+        return [r for r in self.received if r.headers.get("Shoal-Project-Id") == project]
+
     async def handle(self, request: web.Request) -> web.StreamResponse:
         data = await request.read()
         got = Received(data, dict(request.headers), time.time())
@@ -388,6 +392,27 @@ async def test_a_cancelled_request_is_closed_and_its_answer_ignored(service: Ser
         await handler(_message({"Nats-Msg-Id": "late"}, b"ok"))
 
 
+async def test_a_request_dropped_after_it_connected_is_an_attempt() -> None:
+    """A service that accepts the connection and closes it without answering may have
+    read the message: a failed attempt (HttpUnavailable), and the service is reachable."""
+
+    async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.close()
+
+    server = await asyncio.start_server(drop, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    handler = HttpHandler(f"http://127.0.0.1:{port}/messages", timeout=5)
+    try:
+        with pytest.raises(HttpUnavailable, match="before the answer was complete"):
+            await handler(_message({}, b"ok"))
+        assert handler.reach.ok
+    finally:
+        await handler.aclose()
+        server.close()
+        await server.wait_closed()
+
+
 async def test_a_refusal_of_a_long_url_keeps_its_status_and_body_in_the_reason(
     service: Service,
 ) -> None:
@@ -407,11 +432,16 @@ async def test_a_refusal_of_a_long_url_keeps_its_status_and_body_in_the_reason(
 async def test_the_request_timeout_and_a_refused_connection(service: Service) -> None:
     handler = HttpHandler(service.url, timeout=0.3)
     try:
+        # Nothing was sent: the message never reached the service (not an attempt).
         with pytest.raises(
-            HttpUnavailable, match=r"cannot connect to 127\.0\.0\.1:[0-9]+: Connection refused"
+            HandlerUnreachable,
+            match=r"cannot connect to 127\.0\.0\.1:[0-9]+: Connection refused",
         ):
             await handler(_message({}, b"ok"))
+        assert not handler.reach.ok
         await service.start()
+        # The probe finds it back with no message sent (a member the leader emptied).
+        await poll(lambda: handler.reach.ok, 5, "the probe to connect", until=bool)
         started = time.monotonic()
         with pytest.raises(HandlerTimeout, match=r"no answer within 0\.3 s"):
             await handler(_message({}, b"sleep:2"))
@@ -563,40 +593,121 @@ async def test_the_status_table_on_real_servers(
     assert "Traceback" not in log, log[-3000:]
 
 
+async def handler_problem(etcd: Etcd, config: GroupConfig, member: str) -> str:
+    """What etcd says keeps `member` from its handler (the operator and `status` show it)."""
+    status = await read_status(etcd, config.namespace, config.group, PARTITIONS)
+    problem = status.problems.get(member)
+    return problem.message if problem is not None and problem.waits_for_handler else ""
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
-async def test_a_refused_connection_is_retried(
+async def test_a_service_away_costs_its_messages_no_attempt(
     service: Service,
     make_fleet: Callable[..., Fleet],
     make_config: Callable[..., GroupConfig],
     etcd: Etcd,
     js: Any,
 ) -> None:
-    """The service is not up yet: each POST is refused, a failed attempt retried with
-    the backoff; once it is up, the messages arrive, in order."""
+    """The service accepts no connection (a sidecar restarting) for far longer than
+    maxDeliver (2) backoffs (0.3 s): nothing is dead-lettered, the member says why it
+    waits (log, etcd), and once the service is up the messages arrive in order, each
+    at its first attempt. (A refused connection once counted as an attempt: every
+    active project's head was dead-lettered within a second.)"""
     config = make_config(
-        handler=service.url, partitions=PARTITIONS, ledger=False, max_deliver=50, backoff=(0.3,)
+        handler=service.url, partitions=PARTITIONS, ledger=False, max_deliver=2, backoff=(0.3,)
     )
     await ensure_group(js, config)
     fleet = make_fleet(handler=service.url, partitions=PARTITIONS, ledger=False)
-    fleet.start("m-0", **config_env(config, SETTINGS))
+    member = fleet.start("m-0", **config_env(config, SETTINGS))
     await wait_for_status(etcd, config.namespace, config.group, PARTITIONS, settled({"m-0"}), 30)
-    items = [Outgoing("p", b"ok", f"p-{i}") for i in range(3)]
+    items = [Outgoing(p, b"ok", f"{p}-{i}") for p in ("p", "q", "r") for i in range(3)]
     await Producer(js, config.subject_prefix, PARTITIONS).publish_many(items)
-    await poll(
-        fleet.members["m-0"].log_text,
-        20,
-        "a refused attempt",
-        until=lambda t: "Connection refused" in t,
+    await poll(member.log_text, 20, "the member to say", until=lambda t: "Cannot reach" in t)
+    await eventually_async(
+        lambda: handler_problem(etcd, config, "m-0"),
+        10,
+        "etcd to say why",
+        until=lambda m: "Connection refused" in m,
     )
+    await asyncio.sleep(4)  # ~13 backoffs of 0.3 s: maxDeliver 2 many times over
     await service.start()
     await poll(
         lambda: [r.headers["Shoal-Message-Id"] for r in service.received],
         30,
         "the messages",
-        until=lambda ids: ids == ["p-0", "p-1", "p-2"],
+        until=lambda ids: len(ids) >= len(items),
     )
-    assert int(service.received[0].headers["Shoal-Delivery-Count"]) >= 2
+    for project in ("p", "q", "r"):
+        got = [r for r in service.received if r.headers["Shoal-Project-Id"] == project]
+        assert [r.headers["Shoal-Message-Id"] for r in got] == [f"{project}-{i}" for i in range(3)]
+        assert {r.headers["Shoal-Delivery-Count"] for r in got} == {"1"}
+    assert len(service.received) == len(items)
+    stream = await js.stream_info(config.dlq_stream)
+    assert stream.state.messages == 0
+    await eventually_async(
+        lambda: handler_problem(etcd, config, "m-0"),
+        10,
+        "the problem to go",
+        until=lambda m: m == "",
+    )
+    log = member.log_text()
+    assert "The handler accepts connections again, after" in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(150)
+async def test_the_leader_gives_nothing_to_a_member_whose_handler_is_away(
+    service: Service,
+    make_fleet: Callable[..., Fleet],
+    make_config: Callable[..., GroupConfig],
+    etcd: Etcd,
+    js: Any,
+) -> None:
+    """Two members, each with its own service (a sidecar each): m-1's accepts no
+    connection. The leader gives every partition to m-0, whose service receives every
+    message, in order, none dead-lettered; once m-1's service is up, m-1 owns partitions
+    again."""
+    away = Service(free_port())
+    try:
+        settings: dict[str, Any] = dict(
+            partitions=PARTITIONS, ledger=False, max_deliver=2, backoff=(0.3,)
+        )
+        config = make_config(handler=service.url, **settings)
+        await ensure_group(js, config)
+        await service.start()
+        fleet = make_fleet(handler=service.url, partitions=PARTITIONS, ledger=False)
+        fleet.start("m-0", **config_env(config, SETTINGS))
+        fleet.start("m-1", **config_env(make_config(handler=away.url, **settings), SETTINGS))
+        await wait_for_status(
+            etcd, config.namespace, config.group, PARTITIONS, settled({"m-0", "m-1"}), 30
+        )
+        projects = [f"project-{i}" for i in range(24)]
+        items = [Outgoing(p, b"ok", f"{p}-{i}") for i in range(3) for p in projects]
+        await Producer(js, config.subject_prefix, PARTITIONS).publish_many(items)
+
+        def only_m0(status: Any) -> bool:
+            return bool(status.owners) and set(status.owners.values()) == {"m-0"}
+
+        await wait_for_status(etcd, config.namespace, config.group, PARTITIONS, only_m0, 30)
+        assert "Connection refused" in await handler_problem(etcd, config, "m-1")
+        await poll(
+            lambda: service.received, 30, "every message", until=lambda r: len(r) >= len(items)
+        )
+        for project in projects:
+            got = [r.headers["Shoal-Message-Id"] for r in service.attempts_of(project)]
+            assert got == [f"{project}-{i}" for i in range(3)], got
+        assert len(service.received) == len(items)
+        assert (await js.stream_info(config.dlq_stream)).state.messages == 0
+
+        await away.start()
+        await wait_for_status(
+            etcd, config.namespace, config.group, PARTITIONS, settled({"m-0", "m-1"}), 30
+        )
+        assert await handler_problem(etcd, config, "m-1") == ""
+    finally:
+        await away.stop()
 
 
 @pytest.mark.e2e
@@ -622,10 +733,7 @@ async def test_the_member_joins_once_the_handler_is_ready(
     assert "Connection refused" in member.log_text()
 
     async def waiting_for() -> str:
-        """What etcd says the member waits for (the operator and `status` show it)."""
-        status = await read_status(etcd, config.namespace, config.group, PARTITIONS)
-        problem = status.problems.get("m-0")
-        return problem.message if problem is not None and problem.waits_for_handler else ""
+        return await handler_problem(etcd, config, "m-0")
 
     await eventually_async(waiting_for, 10, "etcd to say why", until=lambda m: "refused" in m)
     service.ready = False
@@ -790,12 +898,13 @@ async def socket_service(tmp_path_factory: pytest.TempPathFactory) -> AsyncItera
 
 
 async def test_requests_go_to_the_unix_socket(socket_service: Service) -> None:
-    """No socket yet: a refusal that names the socket (retried, as a refused connection
-    is). Then the request goes there, with the URL's path and Host."""
+    """No socket yet: a refusal that names the socket (the message never reached the
+    service, as for a refused connection). Then the request goes there, with the URL's
+    path and Host."""
     assert socket_service.socket is not None
     handler = HttpHandler(socket_service.url, timeout=5, socket=socket_service.socket)
     try:
-        with pytest.raises(HttpUnavailable) as refused:
+        with pytest.raises(HandlerUnreachable) as refused:
             await handler(_message({"Nats-Msg-Id": "early"}, b"ok"))
         assert f"cannot connect to Unix socket {socket_service.socket}" in str(refused.value)
         await socket_service.start()

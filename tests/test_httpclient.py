@@ -342,6 +342,28 @@ async def test_a_request_is_not_lost_to_several_stale_connections(
     assert server.connections == 4
 
 
+async def test_a_request_read_before_the_server_went_away_is_no_connect_failure(
+    serve: Callable[[Script], RawServer],
+) -> None:
+    """The pooled connection's server read the request and closed it without a byte (as
+    a service dying on it does), and a new connection is refused: the request may have
+    been acted on, so it is Unanswered (a failed attempt), not ConnectFailed (which says
+    nothing was sent: no attempt, httphandler)."""
+    server = serve(answer(OK))
+    await server.start()
+    client = HttpClient(server.url)
+    try:
+        assert (await client.request("POST", "/", {}, b"x", timeout=5)).status == 200
+        server.stale.update(server.writers)
+        assert server.server is not None
+        server.server.close()  # no new connections; the pooled one stays open
+        with pytest.raises(Unanswered, match=r"a new one failed: .*refused"):
+            await client.request("POST", "/", {}, b"x", timeout=5)
+    finally:
+        await client.close()
+    assert len(server.requests) == 2  # the server read it
+
+
 async def test_an_answer_cut_short_is_unanswered_and_not_sent_again(
     serve: Callable[[Script], RawServer],
 ) -> None:

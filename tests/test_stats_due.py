@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.consumer.membership import ROUTINE_STATS_WRITES_PER_SECOND, Membership
+from shoal.consumer.membership import ROUTINE_STATS_WRITES_PER_SECOND, Membership, deciding
 from shoal.contracts.values import MemberStats
 from shoal.group.config import GroupConfig
 
@@ -19,7 +19,7 @@ def membership(members: int) -> Membership:
 
 def published(m: Membership, stats: MemberStats, at: float) -> None:
     # What _publish_stats records after a successful put.
-    m._published, m._published_at = (stats.nats_ok, stats.stalled, stats.paused), at
+    m._published, m._published_at = deciding(stats), at
 
 
 def test_the_first_stats_are_due_at_once() -> None:
@@ -49,6 +49,7 @@ def test_a_big_group_puts_routine_stats_less_often() -> None:
     "changed",
     [
         MemberStats(nats_ok=False),
+        MemberStats(handler_ok=False),
         MemberStats(stalled=(4,)),
         MemberStats(stalled=()),
         # (`shoal-consumer reset` waits for the partitions paused.)

@@ -205,6 +205,7 @@ class MemberStats(BaseModel):
     ignores the member); ``rate`` (settled
     messages per second), ``owned`` (partitions it runs), ``inflight`` (handlers
     running). The leader's: ``nats_ok`` (false: it cannot reach NATS, give it nothing),
+    ``handler_ok`` (false: its HTTP handler accepts no connection, give it nothing),
     ``partition_rates`` (messages per second per owned partition: the loads of a
     load-aware assignment), ``stalled`` (partitions with work and no progress: move
     them). ``paused``: the partitions whose runner has finished pausing (handlers done
@@ -227,6 +228,8 @@ class MemberStats(BaseModel):
     inflight: _Count = 0
     buffered: _Count = 0
     nats_ok: StrictBool = True
+    # (None when not written, read as true: only members with an HTTP handler write it.)
+    handler_ok: StrictBool | None = None
     partition_rates: dict[int, float] = Field(default_factory=dict)
     stalled: tuple[int, ...] = ()
     # (None when not written: stats of earlier members write back byte for byte.)

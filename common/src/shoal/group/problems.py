@@ -11,7 +11,9 @@ revokes that lease once NATS accepts it or it exits; a crash lets the lease expi
 The same key says why a member with an HTTP handler and `spec.handlerReadyPath` has not
 joined yet (reason HANDLER_NOT_READY, the ready probe's last answer as the message): it
 joins only once its service answers, and without this the group would only show fewer
-ready replicas, the reason in the pod's log.
+ready replicas, the reason in the pod's log. A joined member whose HTTP handler stops
+accepting connections says the same there while it lasts (consumer reach.py; its
+messages wait).
 
 Best effort throughout: etcd errors are logged (once per 10 s) and retried, never raised,
 so reporting a problem can never stop a member from starting.

@@ -505,11 +505,11 @@ def freshest_member_kvs(
 
 
 # The fields of a member's stats that someone acts on as soon as they change: the
-# leader gives nothing to a member cut from NATS (election._eligible) and moves the
+# leader gives nothing to a member cut from NATS or its handler (election._eligible) and moves the
 # partitions a member reports stalled (election._stalled). The others (cpu, lag, rates,
 # buffered, ...) are read when they are needed: by the autoscaler, the load-aware check
 # and status, each on its own clock.
-DECIDING_STATS = ("nats_ok", "stalled")
+DECIDING_STATS = ("nats_ok", "handler_ok", "stalled")
 
 
 def quiet_stats_update(old: bytes, new: bytes) -> bool:

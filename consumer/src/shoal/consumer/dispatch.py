@@ -65,6 +65,7 @@ class Held:
         "settle_failures",
         "started",
         "timed_out",
+        "unreached",
         "verdict",
     )
 
@@ -77,6 +78,7 @@ class Held:
         # attempts before this delivery = delivered - 1 - credit.
         self.credit = 0
         self.failures = 0  # handler failures here, retried in place
+        self.unreached = 0  # tries that never reached the handler (not attempts)
         self.kept = now  # last time JetStream heard of it (delivery or in-progress ack)
         # What the handler's run decided, until it is carried out: (ACKED, ""),
         # (DEAD_LETTER, reason), (TERMINATED, reason: copied to the dead letters

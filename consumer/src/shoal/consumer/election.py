@@ -50,7 +50,8 @@ LEAVE_DEBOUNCE = 0.1
 # A member whose stats say it cannot reach NATS ("nats_ok": false) gets no partitions,
 # but only while another member has reached NATS for at least this long (at least two
 # stats intervals): when NATS as a whole was down, members report its return seconds
-# apart, and the first one back must not take every partition for those seconds.
+# apart, and the first one back must not take every partition for those seconds. The
+# same for a member whose HTTP handler accepts no connection ("handler_ok": false).
 NATS_STEADY_SECONDS = 5.0
 # How long a new leader waits for the members' routine stats before its first
 # load-aware assignment (it weighs partitions by them; without, it weighs them evenly).
@@ -137,8 +138,9 @@ class Election:
         # deadline passes) are logged with reason "scale".
         self._scale_expected: tuple[int, float] | None = None
         self._on_change: list[Callable[[bool], None]] = []
-        # Member -> since when (monotonic) we see it reach NATS; None while it cannot.
-        self._nats_ok_since: dict[str, float | None] = {}
+        # Member -> since when (monotonic) we see it reach NATS and its handler; None
+        # while it cannot.
+        self._able_since: dict[str, float | None] = {}
         # The last _rebalance could not write its assignment (an etcd error): retry it.
         self._write_failed = False
         # While etcd refuses, each retry fails again: one line per 10 s says so.
@@ -172,12 +174,15 @@ class Election:
         return reason
 
     def _eligible(self) -> set[str]:
-        """The members that may own partitions: the live ones, less those cut from NATS.
+        """The members that may own partitions: the live ones, less those cut from NATS
+        or from their HTTP handler (stats nats_ok, handler_ok).
 
         A member that reaches etcd but not NATS keeps its lease, so without this it would
-        keep its partitions, and nobody could consume them until NATS came back to it.
-        When no member has reached NATS steadily (NATS itself is down, or just came
-        back) everyone stays eligible: moving partitions then would only add churn.
+        keep its partitions, and nobody could consume them until NATS came back to it;
+        one whose handler accepts no connection (its sidecar restarting) holds its
+        messages waiting (reach.py). When no member has been able steadily (NATS itself
+        is down or just came back; a handler service they all share is down) everyone
+        stays eligible: moving partitions then would only add churn.
         """
         # A member key without a lease is no live member's (leaseless.py): it would
         # be given partitions nobody consumes. The leader removes it (_lead).
@@ -188,18 +193,18 @@ class Election:
         }
         now = time.monotonic()
         steady = max(NATS_STEADY_SECONDS, 2 * self.config.keepalive_interval)
-        for member in list(self._nats_ok_since):
+        for member in list(self._able_since):
             if member not in stats:
-                del self._nats_ok_since[member]
+                del self._able_since[member]
         cut: set[str] = set()
         for member, data in stats.items():
-            if not data.nats_ok:
+            if not data.nats_ok or data.handler_ok is False:
                 cut.add(member)
-                self._nats_ok_since[member] = None
-            elif self._nats_ok_since.get(member) is None:
-                self._nats_ok_since[member] = now
+                self._able_since[member] = None
+            elif self._able_since.get(member) is None:
+                self._able_since[member] = now
         healthy = any(
-            since is not None and now - since >= steady for since in self._nats_ok_since.values()
+            since is not None and now - since >= steady for since in self._able_since.values()
         )
         if cut and healthy:
             return set(stats) - cut

@@ -364,9 +364,9 @@ class HttpClient:
         *,
         timeout: float | None = None,
     ) -> Answer:
-        """Send one request and read its answer. Raises ConnectFailed, Unanswered,
-        ProtocolError, or TimeoutError after `timeout` seconds (the connection is then
-        closed)."""
+        """Send one request and read its answer. Raises ConnectFailed (only when nothing
+        of the request was sent anywhere), Unanswered, ProtocolError, or TimeoutError
+        after `timeout` seconds (the connection is then closed)."""
         head = [f"{method} {target} HTTP/1.1\r\nHost: {self.host_header}\r\n"]
         head += [f"{name}: {value}\r\n" for name, value in headers.items()]
         head.append(f"Content-Length: {len(body)}\r\n\r\n")
@@ -387,7 +387,17 @@ class HttpClient:
             # The second try is on a new connection: the pooled ones went idle with the
             # one that failed, and may be as stale (a server closing idle connections
             # together, or only when it reads one again).
-            conn = await self._acquire(deadline, fresh=attempt == 2)
+            try:
+                conn = await self._acquire(deadline, fresh=attempt == 2)
+            except ConnectFailed as exc:
+                if attempt == 1:
+                    raise  # nothing of this request was sent
+                # The first try's connection may have been read before it closed (a
+                # server that died on it answers no byte either): not "never sent".
+                raise Unanswered(
+                    f"the connection closed before any answer, and a new one failed: {exc}",
+                    before_any_byte=True,
+                ) from exc
             reused = conn.served > 0
             left = None if deadline is None else deadline - loop.time()
             if left is not None and left <= 0:
@@ -409,6 +419,12 @@ class HttpClient:
             self._release(conn)
             return answer
         raise AssertionError("unreachable")
+
+    async def connect_check(self, timeout: float) -> None:
+        """Open a connection and keep it pooled: whether the server accepts connections
+        (raises ConnectFailed, or TimeoutError when every connection is busy that long)."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        self._release(await self._acquire(deadline, fresh=True))
 
     async def _exchange(self, conn: _Connection, request: bytes, timeout: float | None) -> Answer:
         waiter = conn.send(request)

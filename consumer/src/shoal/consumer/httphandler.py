@@ -32,8 +32,13 @@ over different projects; retries in place; hand-over; fencing):
                                     maxDeliver attempts
     no answer within                a failed attempt, as above (the request is closed)
     handlerTimeoutSeconds
-    connection refused or reset,    a failed attempt, as above
-    name not found, TLS refused
+    no connection: refused, name    not an attempt: the message waits in place and is
+    not found, TLS refused, no      tried again after a short backoff (at most
+    Unix socket                     UNREACHABLE_RETRY_MAX), for as long as it takes;
+                                    never dead-lettered for it (reach.py says why,
+                                    and what the member does meanwhile)
+    connection reset or closed      a failed attempt, as for a 5xx (the service may
+    before the answer               have read it)
     a header holding a line break   a permanent failure: dead-lettered at once, the
     (a NATS header value may hold   header named in the reason (written as it is, it
     a bare LF), another control     would end the request's head early, or have the
@@ -77,12 +82,14 @@ from urllib.parse import urlsplit
 
 from shoal.consumer.handlers import (
     HandlerTimeout,
+    HandlerUnreachable,
     Message,
     PermanentError,
     RetryAfter,
     record_in_ledger,
 )
-from shoal.consumer.httpclient import Answer, HeaderRefused, HttpClient
+from shoal.consumer.httpclient import Answer, ConnectFailed, HeaderRefused, HttpClient
+from shoal.consumer.reach import PROBE_EVERY, Reach
 from shoal.group.handlerref import check_url_handler
 
 __all__ = [
@@ -157,7 +164,8 @@ class HttpStatusError(Exception):
 
 
 class HttpUnavailable(Exception):
-    """The service could not be reached, or dropped the request: retried."""
+    """The service dropped the request (the connection closed or garbled before the
+    answer): a failed attempt, retried. (No connection at all: HandlerUnreachable.)"""
 
 
 def classify(status: int) -> str:
@@ -255,6 +263,9 @@ class HttpHandler:
         self.ledger = ledger
         self._client: HttpClient | None = None
         self._closed = False
+        # Whether the service accepts connections (reach.py); the runtime listens.
+        self.reach = Reach()
+        self._probe: asyncio.Task[None] | None = None
 
     def __repr__(self) -> str:
         via = f", socket={self.socket!r}" if self.socket else ""
@@ -289,8 +300,19 @@ class HttpHandler:
             raise HandlerTimeout(
                 f"POST {self.url}: no answer within {self.timeout:g} s (handlerTimeoutSeconds)"
             ) from None
-        except ConnectionError as exc:  # ConnectFailed, Unanswered, ProtocolError
+        except ConnectFailed as exc:
+            # Nothing was sent: not an attempt (handlers.HandlerUnreachable).
+            what = f"POST {self.url}: {exc}"
+            began = self.reach.refused(what)
+            if began and not self._closed and (self._probe is None or self._probe.done()):
+                self._probe = asyncio.create_task(self._probe_until_reached(), name="reach")
+            raise HandlerUnreachable(what) from None
+        except ConnectionError as exc:  # Unanswered, ProtocolError: connected, then lost
+            if self.reach.since is not None:
+                self.reach.reached()
             raise HttpUnavailable(f"POST {self.url}: {exc}") from None
+        if self.reach.since is not None:
+            self.reach.reached()
         if not 200 <= answer.status < 300:
             self._refused(answer)
         if self.ledger:
@@ -358,9 +380,27 @@ class HttpHandler:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
 
+    async def _probe_until_reached(self) -> None:
+        """While the service is unreachable, connect every PROBE_EVERY seconds until it
+        accepts: a member the leader emptied sends no more messages to find out."""
+        while not self.reach.ok and not self._closed:
+            await asyncio.sleep(PROBE_EVERY)
+            try:
+                await self.client().connect_check(READY_PROBE_TIMEOUT)
+            except ConnectFailed as exc:
+                self.reach.refused(f"POST {self.url}: {exc}", message=False)
+            except (TimeoutError, RuntimeError):
+                continue  # every connection busy (then requests will tell), or closing
+            else:
+                self.reach.reached()
+
     async def aclose(self) -> None:
         """Close the connections (the member is stopping)."""
         self._closed = True
+        probe, self._probe = self._probe, None
+        if probe is not None:
+            probe.cancel()
+            await asyncio.gather(probe, return_exceptions=True)
         client, self._client = self._client, None
         if client is not None:
             await client.close()

@@ -47,6 +47,15 @@ def routine_stats_period(keepalive_interval: float, group_size: int) -> float:
     return max(keepalive_interval, group_size / ROUTINE_STATS_WRITES_PER_SECOND)
 
 
+# The stats fields someone acts on at once (view.DECIDING_STATS, and paused: `shoal-consumer
+# reset` waits for it): a change is put at the next keepalive, whatever the group's size.
+Deciding = tuple[bool, bool | None, tuple[int, ...], tuple[int, ...] | None]
+
+
+def deciding(stats: MemberStats) -> Deciding:
+    return (stats.nats_ok, stats.handler_ok, stats.stalled, stats.paused)
+
+
 class Membership:
     def __init__(
         self,
@@ -62,7 +71,7 @@ class Membership:
         self._stats = stats
         self._group_size = group_size
         # What the last stats put said that someone acts on at once, and when it went.
-        self._published: tuple[bool, tuple[int, ...], tuple[int, ...] | None] | None = None
+        self._published: Deciding | None = None
         self._published_at = 0.0
         self.lease_id = 0
         # Each new lease is a new incarnation: claims made under an older one are gone.
@@ -231,7 +240,8 @@ class Membership:
 
     def _stats_due(self, stats: MemberStats, now: float) -> bool:
         """Whether to put our stats now: at once when what the leader acts on changed
-        (nats_ok: it gives nothing to a member cut from NATS; stalled: it moves those
+        (nats_ok, handler_ok: it gives nothing to a member cut from NATS or from its
+        handler; stalled: it moves those
         partitions; paused: `shoal-consumer reset` waits for it), else once the routine
         interval has passed: a keepalive interval, or longer in a big group
         (ROUTINE_STATS_WRITES_PER_SECOND)."""
@@ -239,7 +249,7 @@ class Membership:
         # (Half a keepalive early counts: the loop runs once per keepalive, and one that
         # ran a little early must not push the put a whole interval later.)
         return (
-            (stats.nats_ok, stats.stalled, stats.paused) != self._published
+            deciding(stats) != self._published
             or now - self._published_at >= every - self.config.keepalive_interval / 2
         )
 
@@ -259,16 +269,16 @@ class Membership:
         stats/), in one transaction that holds only while the member key is the one we
         created: never re-creating it once leave() has begun."""
         value = stats.to_json()
-        deciding = (stats.nats_ok, stats.stalled, stats.paused)
+        now_deciding = deciding(stats)
         async with self._key_lock:
             if self.leaving:
                 return
             lease = self.lease_id
             items = {self.stats_key: value}
-            if deciding != self._published:
+            if now_deciding != self._published:
                 items[self.key] = value
             if await self.etcd.put_all_if_created_at(self.key, self._created, items, lease):
-                self._published = deciding
+                self._published = now_deciding
                 self._published_at = time.monotonic()
                 return
             if self.leaving:
@@ -277,7 +287,7 @@ class Membership:
             # the group's keys were cleared. Register again, as join() would.
             log.warning("Member key %s vanished; registering again", self.key)
             self._created = await self.etcd.put_returning_revision(self.key, value, lease)
-            self._published = deciding
+            self._published = now_deciding
             self._published_at = time.monotonic()
 
     async def leave(self) -> None:

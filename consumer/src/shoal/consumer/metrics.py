@@ -102,6 +102,13 @@ class Metrics:
             "Owned partitions with work and no progress for stallAfterSeconds",
             registry=r,
         )
+        self.handler_reachable = Gauge(
+            "shoal_handler_reachable",
+            "0 while this member's HTTP handler accepts no connection (its messages wait, "
+            "not counted as attempts); 1 otherwise",
+            registry=r,
+        )
+        self.handler_reachable.set(1)
         self.redeliveries_resettled = Counter(
             "shoal_redeliveries_resettled",
             "Redelivered messages this member had settled already (the server applied the "

@@ -114,6 +114,10 @@ class ConsumerProcess:
         )
         # What ended the member, when it must exit non-zero (run_consumer raises it).
         self.fatal: NatsClosed | None = None
+        # Why the HTTP handler accepts no connection, while it does (reach.py).
+        self.handler_unreachable: str | None = None
+        if isinstance(self.handler, HttpHandler):
+            self.handler.reach.on_change = self._handler_reach
 
     def _member_state(self) -> MemberState:
         """What the probes see; memory only (never waits on etcd or NATS)."""
@@ -129,9 +133,26 @@ class ConsumerProcess:
             leaving=m.leaving or self.stopping.is_set(),
             stalled=self.worker.stalled() if self.worker is not None else [],
             wedged=self.worker is not None and self.worker.wedged(),
-            problem=str(self.nats_refusal) if self.nats_refusal else "",
+            problem=self._problem(),
             started=self._started,
         )
+
+    def _problem(self) -> str:
+        """What keeps this member from its work, for its probes ("" if nothing)."""
+        if self.nats_refusal:
+            return str(self.nats_refusal)
+        if self.handler_unreachable is not None:
+            return f"its handler accepts no connection: {self.handler_unreachable}"
+        return ""
+
+    def _handler_reach(self, why: str | None) -> None:
+        """The HTTP handler became unreachable (why), or reachable again (None): the
+        metric, readiness (_problem), problems/<member> (a NATS refusal outranks it) and
+        the stats' handler_ok (the leader moves our partitions) follow."""
+        self.handler_unreachable = why
+        self.metrics.handler_reachable.set(0 if why is not None else 1)
+        if self.nats_refusal is None:
+            self.refusals.report(HandlerNotReady(why) if why is not None else None)
 
     def _waiting(self, why: str) -> None:
         """The handler does not answer its ready path yet (HttpHandler.wait_ready). One
@@ -145,7 +166,11 @@ class ConsumerProcess:
         # Called at every attempt; the reporter writes etcd only when the refusal changes.
         # etcd is connected before NATS (start), so the write can be made at once.
         self.nats_refusal = why
-        self.refusals.report(why)
+        if why is None and self.handler_unreachable is not None:
+            # The refusal outranked the handler's unreachability: that shows again.
+            self.refusals.report(HandlerNotReady(self.handler_unreachable))
+        else:
+            self.refusals.report(why)
 
     def _stats(self) -> MemberStats:
         fields: dict[str, Any] = {
@@ -157,6 +182,9 @@ class ConsumerProcess:
             # The leader gives no partitions to a member that cannot reach NATS.
             "nats_ok": self.nats_health is None or self.nats_health.reachable(),
         }
+        if isinstance(self.handler, HttpHandler):
+            # ... nor to one whose HTTP handler accepts no connection (reach.py).
+            fields["handler_ok"] = self.handler_unreachable is None
         if self.worker is not None:
             fields.update(self.worker.stats())
         # Parsed, not constructed: a broken reading (a clock step, say) must cost this

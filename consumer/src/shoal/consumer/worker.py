@@ -58,6 +58,7 @@ from shoal.consumer.handlers import (
     Handler,
     HandlerContext,
     HandlerTimeout,
+    HandlerUnreachable,
     Message,
     PermanentError,
     RetryAfter,
@@ -105,6 +106,10 @@ RESETTLED_LOG_EVERY = 60.0
 # this long, doubling up to SETTLE_RETRY_MAX.
 SETTLE_RETRY_FIRST = 0.5
 SETTLE_RETRY_MAX = 10.0
+# A message that never reached its handler (HandlerUnreachable: no attempt) is tried again
+# after this long, doubling up to UNREACHABLE_RETRY_MAX: soon after the service is back.
+UNREACHABLE_RETRY_FIRST = 0.2
+UNREACHABLE_RETRY_MAX = 2.0
 
 
 def why(exc: BaseException) -> str:
@@ -397,6 +402,23 @@ class Worker:
     def _failed(self, runner: PartitionRunner, held: Held, exc: BaseException) -> float | None:
         """A handler error: the delay before it is retried in place, or None when its
         verdict is set (dead-letter after max_deliver attempts, or nak)."""
+        if isinstance(exc, HandlerUnreachable):
+            # It never reached the handler: no attempt, whatever the retry policy (a nak
+            # would count a delivery), and a wait the member reports as one (reach.py),
+            # not a stall: the leader moves the partition if another member can do better.
+            held.unreached += 1
+            delay = min(
+                UNREACHABLE_RETRY_FIRST * 2.0 ** (held.unreached - 1), UNREACHABLE_RETRY_MAX
+            )
+            log.debug(
+                "Message %d of project %r did not reach the handler (%s); again in %.1f s",
+                held.seq,
+                held.project,
+                exc,
+                delay,
+            )
+            runner.retry_until = max(runner.retry_until, time.monotonic() + delay)
+            return delay
         held.failures += 1
         # Attempts so far: one per earlier delivery that was one (elsewhere: Held.credit),
         # plus ours here.

@@ -64,8 +64,9 @@ class Observed:
     # Why the member pods could not be read, if they could not (MembersSchedulable is
     # Unknown then, rather than a guess either way).
     pods_unread: str | None = None
-    # member -> whether it reports reaching NATS (MemberStats.nats_ok; absent: True). The
-    # leader gives a member that cannot none of the partitions (election._eligible).
+    # member -> whether it reports reaching NATS and its HTTP handler (MemberStats.nats_ok,
+    # handler_ok; absent: True). The leader gives a member that cannot none of the
+    # partitions (election._eligible).
     nats_ok: Mapping[str, bool] = field(default_factory=dict)
     # Whether etcd was read: if not, what comes from it (members, leader, the assignment,
     # stalls) is not known, and the status keeps what it said before.

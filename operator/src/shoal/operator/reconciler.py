@@ -780,7 +780,11 @@ async def observe_group(
         paused = await follow_pause(memo, config, model, meta, body, group.paused)
         members = {m: group.counts.get(m, 0) for m in group.members}
         member_stats = group.members
-        nats_reached = {m: stats.nats_ok for m, stats in group.members.items()}
+        # (A member whose HTTP handler accepts no connection is left without a share
+        # too: election._eligible.)
+        nats_reached = {
+            m: stats.nats_ok and stats.handler_ok is not False for m, stats in group.members.items()
+        }
         leader, generation_seen = group.leader, group.generation
         unowned, unclaimed = len(group.unowned), len(group.unclaimed)
         moving = sum(1 for p, owner in group.owners.items() if group.claims.get(p) != owner)
