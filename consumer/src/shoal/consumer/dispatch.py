@@ -61,8 +61,10 @@ class Held:
         "kept",
         "msg",
         "project",
+        "said",
         "seq",
         "settle_failures",
+        "since",
         "started",
         "timed_out",
         "unreached",
@@ -80,6 +82,8 @@ class Held:
         self.failures = 0  # handler failures here, retried in place
         self.unreached = 0  # tries that never reached the handler (not attempts)
         self.kept = now  # last time JetStream heard of it (delivery or in-progress ack)
+        self.since = now  # when it was delivered here (shoal_oldest_held_seconds)
+        self.said = False  # its long wait was logged (Worker.keep_held_alive)
         # What the handler's run decided, until it is carried out: (ACKED, ""),
         # (DEAD_LETTER, reason), (TERMINATED, reason: copied to the dead letters
         # already), (NAKED, delay). None: the handler has not run to a decision yet.

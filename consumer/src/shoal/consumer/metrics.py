@@ -102,6 +102,13 @@ class Metrics:
             "Owned partitions with work and no progress for stallAfterSeconds",
             registry=r,
         )
+        self.oldest_held = Gauge(
+            "shoal_oldest_held_seconds",
+            "Age of the oldest message this member holds unsettled, since it was delivered "
+            "here (0 when it holds none): a project whose head cannot finish shows here "
+            "while its partition's other projects move on",
+            registry=r,
+        )
         self.handler_reachable = Gauge(
             "shoal_handler_reachable",
             "0 while this member's HTTP handler accepts no connection (its messages wait, "

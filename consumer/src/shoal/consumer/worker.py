@@ -110,6 +110,9 @@ SETTLE_RETRY_MAX = 10.0
 # after this long, doubling up to UNREACHABLE_RETRY_MAX: soon after the service is back.
 UNREACHABLE_RETRY_FIRST = 0.2
 UNREACHABLE_RETRY_MAX = 2.0
+# A message held this many stall periods (stallAfterSeconds: 10 min by default) is said
+# in the log, once (Worker._say_oldest).
+HELD_LONG_STALLS = 10
 
 
 def why(exc: BaseException) -> str:
@@ -540,14 +543,18 @@ class Worker:
         while True:
             await asyncio.sleep(period / 2)
             now = time.monotonic()
-            due = [
-                held
-                for runner in list(self.runners.values())
-                if not runner.fenced
-                for queue in list(runner.projects.values())
-                for held in queue.pending
-                if now - held.kept >= period
-            ]
+            due: list[Held] = []
+            oldest: Held | None = None
+            for runner in list(self.runners.values()):
+                if runner.fenced:
+                    continue
+                for queue in list(runner.projects.values()):
+                    for held in queue.pending:
+                        if now - held.kept >= period:
+                            due.append(held)
+                    if queue.pending and (oldest is None or queue.pending[0].since < oldest.since):
+                        oldest = queue.pending[0]  # (a project's oldest is its head)
+            self._say_oldest(oldest, now)
             for held in due:
                 held.kept = now
                 try:
@@ -557,6 +564,43 @@ class Worker:
                     break
             if due:
                 log.debug("Sent in-progress acks for %d held messages", len(due))
+
+    def _say_oldest(self, oldest: Held | None, now: float) -> None:
+        """Export the oldest held message's age; log it once if it has waited longer
+        than HELD_LONG_STALLS stall periods. Its partition may be making progress (other
+        projects move on) while this project's head cannot finish: no stall of the
+        partition, yet its project waits, which must not go unsaid."""
+        if oldest is None:
+            self.metrics.oldest_held.set(0)
+            return
+        age = now - oldest.since
+        self.metrics.oldest_held.set(round(age, 1))
+        if oldest.said or age < HELD_LONG_STALLS * self.config.stall_after:
+            return
+        oldest.said = True
+        log.warning(
+            "Message %d (id %s) of project %r, partition %d, has been held here for %.0f s, "
+            "its project's later messages behind it; waiting on %s",
+            oldest.seq,
+            message_id(oldest),
+            oldest.project,
+            partition_for(oldest.project, self.config.partitions),
+            age,
+            self._held_waits_on(oldest, now),
+        )
+
+    def _held_waits_on(self, held: Held, now: float) -> str:
+        """What a held message waits on, in words (for _say_oldest's line)."""
+        if held.verdict is not None:
+            kind, _ = held.verdict
+            return f"its {kind} to be carried out ({held.settle_failures} tries failed)"
+        if held.started:
+            return f"its handler, running for {time.perf_counter() - held.started:.0f} s"
+        if held.unreached:
+            return f"its handler, which accepts no connection ({held.unreached} tries)"
+        if held.failures:
+            return f"a retry after {held.failures} failed attempt(s) here"
+        return "its turn (a free dispatch lane, or the group's rate limit)"
 
     # -- stats for the member key -----------------------------------------------------
 
