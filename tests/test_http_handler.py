@@ -8,11 +8,14 @@ answers each message as its data scripts it and records what it received.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import email.utils
 import re
 import shutil
+import socket
 import tempfile
 import time
+import types
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -24,6 +27,7 @@ from harness.fleet import Fleet, settled, wait_for_status
 from harness.servers import free_port
 from harness.waiting import eventually_async
 from shoal.clients.etcd import Etcd
+from shoal.consumer.dispatch import Held
 from shoal.consumer.handlers import (
     MAX_RETRY_AFTER,
     HandlerContext,
@@ -48,6 +52,7 @@ from shoal.consumer.httphandler import (
 )
 from shoal.consumer.ledger import LedgerRecord, audit, read_ledger
 from shoal.consumer.producer import Outgoing, Producer
+from shoal.consumer.worker import Worker
 from shoal.contracts.names import (
     DEAD_LETTER_REASON_HEADER,
     PROJECT_HEADER,
@@ -413,6 +418,130 @@ async def test_a_request_dropped_after_it_connected_is_an_attempt() -> None:
         await server.wait_closed()
 
 
+async def test_an_episode_ends_only_when_the_probe_finds_the_service_back() -> None:
+    """A pooled connection closed unanswered, then a new connection refused: a failed
+    attempt (the service may have read it) and the service is away, not back (an answer,
+    or a loss, on a pooled connection says nothing of new ones). The probe ends the
+    episode once a new connection is accepted."""
+    served = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal served
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = re.search(rb"Content-Length: (\d+)", head)
+                await reader.readexactly(int(length.group(1)) if length else 0)
+                served += 1
+                if served == 2:  # dies on it: closed without a byte
+                    writer.transport.abort()
+                    return
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    handler = HttpHandler(f"http://127.0.0.1:{port}/messages", timeout=5)
+    told: list[str | None] = []
+    handler.reach.on_change = told.append
+    try:
+        await handler(_message({}, b"ok"))  # a pooled connection
+        server.close()  # new connections refused; the pooled one lives on
+        with pytest.raises(HttpUnavailable, match="a new one failed"):
+            await handler(_message({}, b"ok"))
+        assert not handler.reach.ok and len(told) == 1 and told[0] is not None
+        with pytest.raises(HandlerUnreachable):
+            await handler(_message({}, b"ok"))
+        server = await asyncio.start_server(serve, "127.0.0.1", port)
+        await poll(lambda: handler.reach.ok, 5, "the probe to find it back", until=bool)
+        assert told[-1] is None
+    finally:
+        await handler.aclose()
+        server.close()
+
+
+async def test_the_probe_takes_no_connection_a_request_waits_for(service: Service) -> None:
+    """A member with one connection, busy: the probe connects beside it (a probe that
+    waited for the pool's one slot timed out the requests waiting for it, each counted
+    as an attempt though nothing was sent)."""
+    await service.start()
+    handler = HttpHandler(service.url, timeout=10, connections=1)
+    try:
+        busy = asyncio.create_task(handler(_message({}, b"sleep:2")))
+        await poll(lambda: service.received, 5, "the busy request", until=bool)
+        async with asyncio.timeout(1.0):
+            await handler.client().connect_check(5)
+        await busy
+    finally:
+        await handler.aclose()
+
+
+async def test_a_connect_timeout_is_no_attempt_even_when_the_loop_is_late() -> None:
+    """A service that accepts no connection in time (its accept queue full) under
+    handlerTimeoutSeconds: the request's own deadline says so (no attempt). The worker's
+    sweep, which cancels handlers past the timeout as failed attempts, used to fire in
+    the same turn of a late event loop and count it as one."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    queued = []
+    for _ in range(3):  # fill the accept queue: further SYNs are dropped
+        s = socket.socket()
+        s.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            s.connect(("127.0.0.1", port))
+        queued.append(s)
+    timeout = 1.0
+    outcomes = []
+    try:
+        for _ in range(2):
+            handler = HttpHandler(f"http://127.0.0.1:{port}/messages", timeout=timeout)
+            held = Held(None, "p", 1, 1, time.monotonic())
+            running: dict[asyncio.Task[Any], None] = {}
+            worker = types.SimpleNamespace(
+                config=types.SimpleNamespace(handler_timeout=timeout, partitions=1),
+                dispatcher=types.SimpleNamespace(
+                    running_heads=lambda held=held, running=running: [
+                        (t, None, held) for t in running
+                    ]
+                ),
+                _reach=handler.reach,
+            )
+            sweep = asyncio.create_task(Worker._watch_handlers(worker))  # type: ignore[arg-type]
+            await asyncio.sleep(0.1)  # its checks a little ahead of the request's deadline
+
+            async def lane(handler: HttpHandler = handler, held: Held = held) -> str:
+                held.started = time.perf_counter()
+                try:
+                    await handler(_message({}, b"ok"))
+                except HandlerUnreachable:
+                    return "no attempt"
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    assert task is not None and held.timed_out
+                    task.uncancel()
+                    return "attempt"
+                return "answered"
+
+            task = asyncio.create_task(lane())
+            running[task] = None
+            await asyncio.sleep(timeout - 0.15)
+            # The event loop is late (a busy member on a busy machine): blocked on purpose.
+            time.sleep(0.4)  # noqa: ASYNC251
+            outcomes.append(await task)
+            sweep.cancel()
+            await asyncio.gather(sweep, return_exceptions=True)
+            await handler.aclose()
+    finally:
+        for s in queued:
+            s.close()
+        listener.close()
+    assert outcomes == ["no attempt", "no attempt"]
+
+
 async def test_a_refusal_of_a_long_url_keeps_its_status_and_body_in_the_reason(
     service: Service,
 ) -> None:
@@ -654,6 +783,59 @@ async def test_a_service_away_costs_its_messages_no_attempt(
     log = member.log_text()
     assert "The handler accepts connections again, after" in log, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+async def test_a_service_back_but_not_ready_gets_no_message(
+    service: Service,
+    make_fleet: Callable[..., Fleet],
+    make_config: Callable[..., GroupConfig],
+    etcd: Etcd,
+    js: Any,
+) -> None:
+    """A sidecar restarting listens before it can serve: with handlerReadyPath the member
+    sends it nothing while the path answers 503 (each message would fail an attempt, and
+    with maxDeliver 2, be dead-lettered), and everything once it answers 200."""
+    config = make_config(
+        handler=service.url,
+        partitions=PARTITIONS,
+        ledger=False,
+        max_deliver=2,
+        backoff=(0.3,),
+        handler_ready_path="/healthz",
+    )
+    await ensure_group(js, config)
+    await service.start()
+    fleet = make_fleet(handler=service.url, partitions=PARTITIONS, ledger=False)
+    fleet.start("m-0", **config_env(config, SETTINGS))
+    await wait_for_status(etcd, config.namespace, config.group, PARTITIONS, settled({"m-0"}), 30)
+    await service.stop()  # the sidecar restarts
+    items = [Outgoing(p, b"ok", f"{p}-{i}") for p in ("p", "q") for i in range(3)]
+    await Producer(js, config.subject_prefix, PARTITIONS).publish_many(items)
+    await eventually_async(
+        lambda: handler_problem(etcd, config, "m-0"),
+        10,
+        "etcd to say why",
+        until=lambda m: "Connection refused" in m,
+    )
+    service.ready = False
+    await service.start()  # listening, not ready
+    await eventually_async(
+        lambda: handler_problem(etcd, config, "m-0"),
+        10,
+        "the probe's 503 in etcd",
+        until=lambda m: "answered 503" in m,
+    )
+    await asyncio.sleep(3)
+    assert service.received == []
+    service.ready = True
+    await poll(lambda: service.received, 30, "the messages", until=lambda r: len(r) >= len(items))
+    assert {r.headers["Shoal-Delivery-Count"] for r in service.received} == {"1"}
+    for project in ("p", "q"):
+        got = [r.headers["Shoal-Message-Id"] for r in service.attempts_of(project)]
+        assert got == [f"{project}-{i}" for i in range(3)], got
+    assert (await js.stream_info(config.dlq_stream)).state.messages == 0
 
 
 @pytest.mark.e2e

@@ -11,14 +11,14 @@ from typing import Any
 
 import pytest
 
-from shoal.consumer.autoscaler import paused_reason
+from shoal.consumer.autoscaler import handlers_away_reason, paused_reason
 from shoal.consumer.dispatch import Held
 from shoal.consumer.metrics import Metrics
 from shoal.consumer.partition import PartitionRunner, Phase
 from shoal.consumer.worker import Worker
 from shoal.contracts.names import Keys
 from shoal.contracts.spec import parse_spec
-from shoal.contracts.values import PauseRecord, ValueRefused
+from shoal.contracts.values import MemberStats, PauseRecord, ValueRefused
 from shoal.group.config import GroupConfig
 from shoal.operator.observe import (
     Observed,
@@ -186,6 +186,20 @@ def test_the_autoscaler_waits_while_paused() -> None:
         "paused by kubectl-patch at 2026-01-01T00:00:00Z (spec.paused): no scaling until the "
         "group resumes"
     )
+
+
+def test_the_autoscaler_waits_while_every_members_handler_is_away() -> None:
+    away, able, python = (
+        MemberStats(handler_ok=False),
+        MemberStats(handler_ok=True),
+        MemberStats(),  # a Python handler's member writes no handler_ok
+    )
+    assert handlers_away_reason({}) is None
+    assert handlers_away_reason({"m-0": away, "m-1": away}) == (
+        "every member's HTTP handler accepts no connection: no scaling until one does"
+    )
+    assert handlers_away_reason({"m-0": away, "m-1": able}) is None
+    assert handlers_away_reason({"m-0": away, "m-1": python}) is None
 
 
 # -- the operator -------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from harness.inprocess import Member, assign, until
 from harness.waiting import eventually_async
 from shoal.clients.etcd import Etcd
 from shoal.clients.nats import connect
-from shoal.consumer.handlers import PermanentError
+from shoal.consumer.handlers import HandlerUnreachable, PermanentError
 from shoal.consumer.worker import SETTLE_RETRY_MAX
 from shoal.contracts.names import (
     DEAD_LETTER_CUT_HEADER,
@@ -122,6 +122,9 @@ async def test_a_handler_raising_what_is_no_exception_fails_an_attempt(
         b"exit": SystemExit(3),
         b"interrupt": KeyboardInterrupt(),
         b"odd": Odd(),
+        # Only the HTTP handler, which probes its service, may say "never reached": from
+        # a Python handler the message waited for good, without a word.
+        b"unreachable": HandlerUnreachable("from a Python handler"),
     }
 
     async def handler(msg: Any) -> None:
@@ -137,10 +140,11 @@ async def test_a_handler_raising_what_is_no_exception_fails_an_attempt(
         for data in [*raised, b"ok"]:
             await js.publish(subject, data, headers={PROJECT_HEADER: "X"})
         await until(lambda: b"ok" in runs, 30, "the project's next message")
-        found = await letters(js, config, 4)
+        found = await letters(js, config, 5)
         reasons = [letter.headers[DEAD_LETTER_REASON_HEADER] for letter in found]
         assert "GeneratorExit" in reasons[0] and "SystemExit(3)" in reasons[1]
         assert "KeyboardInterrupt" in reasons[2] and "Odd (its repr failed)" in reasons[3]
+        assert "HandlerUnreachable('from a Python handler')" in reasons[4]
         assert all(runs[data] == 2 for data in raised), runs  # maxDeliver, no more
     finally:
         await member.close()

@@ -20,6 +20,8 @@ Every ``spec.autoscaling.intervalSeconds`` the leader
 
 While the group is paused (spec.paused, or its `paused` key) the leader decides nothing
 (:func:`paused_reason`): nothing is processed, so lag and CPU say nothing about the load.
+Nor while every member's HTTP handler accepts no connection (:func:`handlers_away_reason`):
+the lag grows for a reason more members would meet as well.
 
 Every round, autoscaling on or off, the leader also keeps the members' pod-deletion-cost
 current (its own highest, the others their partition counts), so a scale-down by anyone
@@ -48,7 +50,7 @@ from shoal.clients.etcd import TRANSIENT_ERRORS, Etcd
 from shoal.consumer.membership import routine_stats_period
 from shoal.consumer.scaler import Action, Decision, Policy, ScalerState, decide, without_action
 from shoal.contracts.spec import ConsumerGroupSpec, parse_spec
-from shoal.contracts.values import PauseRecord, ScaleRecord
+from shoal.contracts.values import MemberStats, PauseRecord, ScaleRecord
 from shoal.group.config import GroupConfig
 from shoal.group.view import STATS_POLL_SECONDS, Claim, GroupView, Target
 
@@ -177,6 +179,17 @@ def paused_reason(spec_paused: bool, record: PauseRecord | None) -> str | None:
     return None
 
 
+def handlers_away_reason(stats: Mapping[str, MemberStats]) -> str | None:
+    """Why the autoscaler does nothing this round, if every member reports that its HTTP
+    handler accepts no connection (MemberStats.handler_ok; reach.py): their messages wait,
+    the lag grows, and new members would find the service as away (a service they share,
+    or one image's sidecars all failing). Some members able: they consume, and the
+    decision stands on their figures as ever. None otherwise."""
+    if stats and all(s.handler_ok is False for s in stats.values()):
+        return "every member's HTTP handler accepts no connection: no scaling until one does"
+    return None
+
+
 # -- the loop -----------------------------------------------------------------------------
 
 
@@ -268,7 +281,9 @@ class Autoscaler:
         if not policy.enabled:
             self.state = None
             return policy.interval_seconds
-        held = paused_reason(spec.paused, self.view.paused())
+        held = paused_reason(spec.paused, self.view.paused()) or handlers_away_reason(
+            self.view.members()
+        )
         if held is not None:
             # A paused group processes nothing by design: its lag grows and its CPU falls,
             # and a decision drawn from them would be wrong both ways. The windows start

@@ -4,9 +4,7 @@ A handler is `async def handle(msg: Message) -> None`. Returning acks the messag
 raising retries it after a backoff, before any later message of its project (at most
 max_deliver attempts, then it goes to the dead-letter subject); raising `RetryAfter(s)`
 does the same, waiting at least `s` seconds (at most MAX_RETRY_AFTER); raising
-`PermanentError` dead-letters it at once; raising `HandlerUnreachable` says the message
-never reached the code that handles it (a service that is down): retried after a short
-backoff without counting an attempt, for as long as that lasts.
+`PermanentError` dead-letters it at once.
 
 A handler may also be a URL, `http(s)://host[:port][/path]`: `load_handler` then returns
 an `HttpHandler` (shoal.consumer.httphandler), which POSTs each message there and turns
@@ -62,16 +60,16 @@ class HandlerTimeout(Exception):
 
 
 class HandlerUnreachable(Exception):
-    """The message never reached the handler: its service refused the connection, has no
-    such name, refused TLS, or its Unix socket is missing (the HTTP handler raises it
-    only when nothing of the request was sent). **Not an attempt**: the message waits
-    in place (its project's later ones behind it) and is tried again after a short
-    backoff, however long that takes; it is never dead-lettered for it. A service that
-    is down (a sidecar restarting, crash-looping) must not cost its messages their
-    attempts: every active project's head would be dead-lettered within seconds. The
-    member says so meanwhile (reach.py): logs, `shoal_handler_reachable`, its
-    readiness, etcd, and the leader moves its partitions to members whose handler
-    answers."""
+    """Raised by the HTTP handler: the message never reached its service, which refused
+    the connection, has no such name, refused TLS, or whose Unix socket is missing
+    (nothing of the request was sent). **Not an attempt**: the message waits in place
+    (its project's later ones behind it), nothing more is sent until the handler's probe
+    finds the service back, and it is never dead-lettered for it. A service that is down
+    (a sidecar restarting, crash-looping) must not cost its messages their attempts:
+    every active project's head would be dead-lettered within seconds. The member says
+    so meanwhile (reach.py): logs, `shoal_handler_reachable`, its readiness, etcd, and
+    the leader moves its partitions to members whose handler answers. (From a Python
+    handler, which has no probe, it is a failed attempt like any error.)"""
 
 
 class Fenced(RuntimeError):

@@ -65,20 +65,25 @@ def content_length(value: str) -> int:
     return int(length)
 
 
-class Unanswered(ConnectionError):
-    """The connection ended before the answer was complete."""
+class ConnectFailed(ConnectionError):
+    """No connection could be made (refused, unknown name, TLS refused)."""
 
-    def __init__(self, message: str, *, before_any_byte: bool) -> None:
+
+class Unanswered(ConnectionError):
+    """The connection ended before the answer was complete. `reconnect`: the request was
+    sent on a pooled connection that closed without a byte, and a new connection to send
+    it again could not be made (the server may have read it: not "never sent")."""
+
+    def __init__(
+        self, message: str, *, before_any_byte: bool, reconnect: ConnectFailed | None = None
+    ) -> None:
         super().__init__(message)
         self.before_any_byte = before_any_byte
+        self.reconnect = reconnect
 
 
 class ProtocolError(ConnectionError):
     """What the server sent is not an HTTP/1.x answer."""
-
-
-class ConnectFailed(ConnectionError):
-    """No connection could be made (refused, unknown name, TLS refused)."""
 
 
 class HeaderRefused(ValueError):
@@ -397,14 +402,15 @@ class HttpClient:
                 raise Unanswered(
                     f"the connection closed before any answer, and a new one failed: {exc}",
                     before_any_byte=True,
+                    reconnect=exc,
                 ) from exc
             reused = conn.served > 0
             left = None if deadline is None else deadline - loop.time()
             if left is not None and left <= 0:
                 # No time left to send in (connecting took it): a request written now
-                # would run on the server, its answer never read.
+                # would run on the server, its answer never read. Nothing was sent.
                 self._release(conn)
-                raise TimeoutError
+                raise ConnectFailed(f"{self._where()} accepted a connection too late to send")
             try:
                 answer = await self._exchange(conn, request, left)
             except Unanswered as exc:
@@ -421,10 +427,11 @@ class HttpClient:
         raise AssertionError("unreachable")
 
     async def connect_check(self, timeout: float) -> None:
-        """Open a connection and keep it pooled: whether the server accepts connections
-        (raises ConnectFailed, or TimeoutError when every connection is busy that long)."""
-        deadline = asyncio.get_running_loop().time() + timeout
-        self._release(await self._acquire(deadline, fresh=True))
+        """Open a connection and close it: whether the server accepts connections (raises
+        ConnectFailed). Outside the pool's limit: a probe takes no request's place."""
+        conn = await self._connect(asyncio.get_running_loop().time() + timeout)
+        if conn.transport is not None:
+            conn.transport.close()
 
     async def _exchange(self, conn: _Connection, request: bytes, timeout: float | None) -> Answer:
         waiter = conn.send(request)

@@ -32,11 +32,12 @@ over different projects; retries in place; hand-over; fencing):
                                     maxDeliver attempts
     no answer within                a failed attempt, as above (the request is closed)
     handlerTimeoutSeconds
-    no connection: refused, name    not an attempt: the message waits in place and is
-    not found, TLS refused, no      tried again after a short backoff (at most
-    Unix socket                     UNREACHABLE_RETRY_MAX), for as long as it takes;
-                                    never dead-lettered for it (reach.py says why,
-                                    and what the member does meanwhile)
+    no connection: refused, name    not an attempt: the message waits in place, and
+    not found, TLS refused, no      nothing more is sent until a probe (every second:
+    Unix socket                     handlerReadyPath answers 2xx if the group has one,
+                                    else a connection is accepted) finds the service
+                                    back; never dead-lettered for it (reach.py says
+                                    why, and what the member does meanwhile)
     connection reset or closed      a failed attempt, as for a 5xx (the service may
     before the answer               have read it)
     a header holding a line break   a permanent failure: dead-lettered at once, the
@@ -88,7 +89,7 @@ from shoal.consumer.handlers import (
     RetryAfter,
     record_in_ledger,
 )
-from shoal.consumer.httpclient import Answer, ConnectFailed, HeaderRefused, HttpClient
+from shoal.consumer.httpclient import Answer, ConnectFailed, HeaderRefused, HttpClient, Unanswered
 from shoal.consumer.reach import PROBE_EVERY, Reach
 from shoal.group.handlerref import check_url_handler
 
@@ -263,9 +264,12 @@ class HttpHandler:
         self.ledger = ledger
         self._client: HttpClient | None = None
         self._closed = False
-        # Whether the service accepts connections (reach.py); the runtime listens.
+        # Whether the service accepts connections (reach.py); the runtime listens, and
+        # the worker sends no message while it does not.
         self.reach = Reach()
         self._probe: asyncio.Task[None] | None = None
+        # spec.handlerReadyPath, once wait_ready has used it: the probe asks it too.
+        self.ready_path: str | None = None
 
     def __repr__(self) -> str:
         via = f", socket={self.socket!r}" if self.socket else ""
@@ -303,16 +307,16 @@ class HttpHandler:
         except ConnectFailed as exc:
             # Nothing was sent: not an attempt (handlers.HandlerUnreachable).
             what = f"POST {self.url}: {exc}"
-            began = self.reach.refused(what)
-            if began and not self._closed and (self._probe is None or self._probe.done()):
-                self._probe = asyncio.create_task(self._probe_until_reached(), name="reach")
+            self._unreachable(what, message=True)
             raise HandlerUnreachable(what) from None
-        except ConnectionError as exc:  # Unanswered, ProtocolError: connected, then lost
-            if self.reach.since is not None:
-                self.reach.reached()
+        except Unanswered as exc:
+            if exc.reconnect is not None:
+                # Sent, perhaps read, then no new connection: an attempt, and the
+                # service is away all the same.
+                self._unreachable(f"POST {self.url}: {exc.reconnect}", message=False)
             raise HttpUnavailable(f"POST {self.url}: {exc}") from None
-        if self.reach.since is not None:
-            self.reach.reached()
+        except ConnectionError as exc:  # ProtocolError: connected, then garbled
+            raise HttpUnavailable(f"POST {self.url}: {exc}") from None
         if not 200 <= answer.status < 300:
             self._refused(answer)
         if self.ledger:
@@ -348,6 +352,7 @@ class HttpHandler:
         short backoff; why it waits is logged once, then every `log_every` seconds, and
         given to `waiting` after each answer that is not ready ("GET <url>: <why>")."""
         url = self.origin + path
+        self.ready_path = path
         start = time.monotonic()
         logged: float | None = None
         delay = 0.05
@@ -380,19 +385,50 @@ class HttpHandler:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
 
+    def _unreachable(self, what: str, *, message: bool) -> None:
+        """Note that the service accepts no connection; the probe's task (one at a time)
+        ends the episode."""
+        self.reach.refused(what, message=message)
+        if not self._closed and (self._probe is None or self._probe.done()):
+            self._probe = asyncio.create_task(self._probe_until_reached(), name="reach")
+
     async def _probe_until_reached(self) -> None:
-        """While the service is unreachable, connect every PROBE_EVERY seconds until it
-        accepts: a member the leader emptied sends no more messages to find out."""
+        """While the service is unreachable (the worker sends it no message meanwhile),
+        ask every PROBE_EVERY seconds whether it is back: its ready path answers 2xx when
+        the group has one (a service may listen before it can serve), else it accepts a
+        connection. Only this ends an episode: an answer on a pooled connection says
+        nothing of new ones (a service draining serves its open connections only)."""
         while not self.reach.ok and not self._closed:
             await asyncio.sleep(PROBE_EVERY)
             try:
-                await self.client().connect_check(READY_PROBE_TIMEOUT)
-            except ConnectFailed as exc:
-                self.reach.refused(f"POST {self.url}: {exc}", message=False)
-            except (TimeoutError, RuntimeError):
-                continue  # every connection busy (then requests will tell), or closing
-            else:
+                why = await self._probe_once()
+            except Exception as exc:  # a bug must not leave the member cut off for good
+                log.exception("Probing the handler failed; trying again")
+                why = f"the probe failed: {exc!r}"
+            if why is None:
                 self.reach.reached()
+            else:
+                self.reach.refused(why, message=False)
+
+    async def _probe_once(self) -> str | None:
+        """None if the service is back, else why not."""
+        client = self.client()
+        if self.ready_path is None:
+            try:
+                await client.connect_check(READY_PROBE_TIMEOUT)
+            except ConnectFailed as exc:
+                return f"POST {self.url}: {exc}"
+            return None
+        url = self.origin + self.ready_path
+        try:
+            answer = await client.request("GET", self.ready_path, {}, timeout=READY_PROBE_TIMEOUT)
+        except TimeoutError:
+            return f"GET {url}: no answer in time"
+        except ConnectionError as exc:
+            return f"GET {url}: {exc}"
+        if 200 <= answer.status < 300:
+            return None
+        return f"GET {url}: answered {answer.status}{f' {answer.reason}' if answer.reason else ''}"
 
     async def aclose(self) -> None:
         """Close the connections (the member is stopping)."""

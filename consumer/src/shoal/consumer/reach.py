@@ -12,9 +12,10 @@ member's one episode of unreachability: it logs its start (with the reason), eve
 LOG_EVERY seconds while it lasts, and its end (how long), and tells `on_change` (the
 runtime: `shoal_handler_reachable`, readiness, problems/<member> in etcd, and
 `handler_ok` in the member's stats, by which the leader gives the member's partitions
-to members whose handler answers). Without partitions the member sends no more
-requests, so a probe (HttpHandler) opens a connection every PROBE_EVERY seconds until
-one is accepted.
+to members whose handler answers). While it lasts the worker sends no message to the
+handler; a probe (HttpHandler) asks every PROBE_EVERY seconds whether the service is
+back (its ready path answers 2xx, or it accepts a connection), and only the probe ends
+the episode: an answer on a pooled connection says nothing of new ones.
 
 Pure bookkeeping: no I/O here but logging and the callback.
 """
@@ -31,8 +32,7 @@ log = logging.getLogger(__name__)
 
 # While the handler stays unreachable, how often the member says so again.
 LOG_EVERY = 30.0
-# How often the member tries to connect while unreachable (its messages retry on their own
-# backoff too, but a member the leader emptied has none left).
+# How often the member asks whether an unreachable handler is back.
 PROBE_EVERY = 1.0
 
 

@@ -66,6 +66,7 @@ from shoal.consumer.handlers import (
 )
 from shoal.consumer.handover_log import HandOverLog, ranges
 from shoal.consumer.holding import HoldBudget
+from shoal.consumer.httphandler import HttpHandler
 from shoal.consumer.membership import Membership
 from shoal.consumer.metrics import Metrics
 from shoal.consumer.ownership import Ownership, Slot, Stage
@@ -73,6 +74,7 @@ from shoal.consumer.partition import IDLE_BATCH, PartitionRunner, Phase, ack_fie
 from shoal.consumer.progress import WEDGED_AFTER_STALLS, Change
 from shoal.consumer.pull import AnswerClock, PullRequest
 from shoal.consumer.ratelimit import RateLimiter
+from shoal.consumer.reach import Reach
 from shoal.consumer.settled import SettledRing
 from shoal.contracts.names import (
     dlq_subject,
@@ -110,6 +112,9 @@ SETTLE_RETRY_MAX = 10.0
 # after this long, doubling up to UNREACHABLE_RETRY_MAX: soon after the service is back.
 UNREACHABLE_RETRY_FIRST = 0.2
 UNREACHABLE_RETRY_MAX = 2.0
+# How long past handlerTimeoutSeconds the handler sweep cancels an HTTP handler's run,
+# which keeps the timeout itself (Worker._watch_handlers).
+HTTP_SWEEP_GRACE = 5.0
 # A message held this many stall periods (stallAfterSeconds: 10 min by default) is said
 # in the log, once (Worker._say_oldest).
 HELD_LONG_STALLS = 10
@@ -196,6 +201,10 @@ class Worker:
         self.nc = nc
         self.js = js
         self.handler = handler
+        # An HTTP handler's reachability (reach.py): while its service accepts no
+        # connection, no message is sent it. (None for Python handlers: one raising
+        # HandlerUnreachable has failed an attempt, as with any error.)
+        self._reach: Reach | None = handler.reach if isinstance(handler, HttpHandler) else None
         self.metrics = metrics
         self.context = HandlerContext(config.member_id, config.subject_prefix, js, membership.safe)
         # The group's rate limit (maxMessagesPerSecond), this member's share of it: 0
@@ -305,6 +314,11 @@ class Worker:
                 f"delivered {held.delivered - held.credit - 1} times without an answer "
                 f"(maxDeliver {self.config.max_deliver}): its members died or froze on it",
             )
+        reach = self._reach
+        if held.verdict is None and reach is not None and reach.since is not None:
+            # The HTTP handler accepts no connection: nothing is sent it until its probe
+            # finds it back (reach.py), and the wait is no attempt.
+            return self._unreached(runner, held, reach.why)
         if held.verdict is None:
             # (Otherwise decided already: the handler ran, and only settling it failed.)
             started = held.started = time.perf_counter()
@@ -384,11 +398,17 @@ class Worker:
         the dispatcher knows anyway: nothing is added per message but a clock read."""
         timeout = self.config.handler_timeout
         period = min(1.0, max(0.05, timeout / 4))
+        # An HTTP handler's request keeps the timeout itself, and tells a connection not
+        # made in time (no attempt) from a request unanswered (one): this sweep is only
+        # its backstop, HTTP_SWEEP_GRACE later. Due together, as a late event loop makes
+        # them, the sweep's cancel hides the request's own timeout: a connection never
+        # made would count as an attempt.
+        limit = timeout + (HTTP_SWEEP_GRACE if self._reach is not None else 0.0)
         while True:
             await asyncio.sleep(period)
             now = time.perf_counter()
             for task, _, held in self.dispatcher.running_heads():
-                if not held.started or held.timed_out or now - held.started < timeout:
+                if not held.started or held.timed_out or now - held.started < limit:
                     continue
                 held.timed_out = True
                 log.warning(
@@ -405,23 +425,8 @@ class Worker:
     def _failed(self, runner: PartitionRunner, held: Held, exc: BaseException) -> float | None:
         """A handler error: the delay before it is retried in place, or None when its
         verdict is set (dead-letter after max_deliver attempts, or nak)."""
-        if isinstance(exc, HandlerUnreachable):
-            # It never reached the handler: no attempt, whatever the retry policy (a nak
-            # would count a delivery), and a wait the member reports as one (reach.py),
-            # not a stall: the leader moves the partition if another member can do better.
-            held.unreached += 1
-            delay = min(
-                UNREACHABLE_RETRY_FIRST * 2.0 ** (held.unreached - 1), UNREACHABLE_RETRY_MAX
-            )
-            log.debug(
-                "Message %d of project %r did not reach the handler (%s); again in %.1f s",
-                held.seq,
-                held.project,
-                exc,
-                delay,
-            )
-            runner.retry_until = max(runner.retry_until, time.monotonic() + delay)
-            return delay
+        if isinstance(exc, HandlerUnreachable) and self._reach is not None:
+            return self._unreached(runner, held, str(exc))
         held.failures += 1
         # Attempts so far: one per earlier delivery that was one (elsewhere: Held.credit),
         # plus ours here.
@@ -459,6 +464,23 @@ class Worker:
         )
         # A failed attempt is progress, and the wait for the retry a deliberate one.
         runner.attempts_ended += 1
+        runner.retry_until = max(runner.retry_until, time.monotonic() + delay)
+        return delay
+
+    def _unreached(self, runner: PartitionRunner, held: Held, why: str) -> float:
+        """The message did not reach the HTTP handler, which accepts no connection: the
+        delay before it is tried again in place. No attempt, whatever the retry policy
+        (a nak would count a delivery), and a wait the member reports as one (reach.py),
+        not a stall: the leader moves the partition if another member can do better."""
+        held.unreached += 1
+        delay = min(UNREACHABLE_RETRY_FIRST * 2.0 ** (held.unreached - 1), UNREACHABLE_RETRY_MAX)
+        log.debug(
+            "Message %d of project %r did not reach the handler (%s); again in %.1f s",
+            held.seq,
+            held.project,
+            why,
+            delay,
+        )
         runner.retry_until = max(runner.retry_until, time.monotonic() + delay)
         return delay
 
