@@ -364,6 +364,28 @@ async def test_a_request_read_before_the_server_went_away_is_no_connect_failure(
     assert len(server.requests) == 2  # the server read it
 
 
+async def test_a_probe_asks_on_a_new_connection_outside_the_pool(
+    serve: Callable[[Script], RawServer],
+) -> None:
+    """The reachability probe (httphandler) asks whether new connections are served: a
+    pooled connection alive says nothing of those, and the pool's slots are the
+    requests'."""
+    server = serve(answer(OK))
+    await server.start()
+    client = HttpClient(server.url, limit=1)
+    try:
+        assert (await client.request("POST", "/", {}, b"x", timeout=5)).status == 200
+        assert (await client.probe("/healthz", 5)).status == 200
+        assert server.connections == 2 and server.requests[-1].startswith(b"GET /healthz ")
+        assert server.server is not None
+        server.server.close()  # new connections refused; the pooled one lives on
+        with pytest.raises(ConnectFailed):
+            await client.probe("/healthz", 5)
+        assert (await client.request("POST", "/", {}, b"x", timeout=5)).status == 200
+    finally:
+        await client.close()
+
+
 async def test_an_answer_cut_short_is_unanswered_and_not_sent_again(
     serve: Callable[[Script], RawServer],
 ) -> None:

@@ -1,13 +1,17 @@
 """The member's record of its HTTP handler's reachability (reach.py): one episode, said
-when it starts, while it lasts and when it ends, and told to the runtime (pure)."""
+when it starts, while it lasts and when it ends, and told to the runtime; and the
+worker's wait for it (pure)."""
 
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 
+from shoal.consumer.dispatch import Held
 from shoal.consumer.reach import LOG_EVERY, Reach
+from shoal.consumer.worker import UNREACHABLE_RETRY_MAX, Worker, backoff
 
 
 class Clock:
@@ -67,3 +71,18 @@ def test_a_listener_that_raises_does_not_fail_the_message_path(
     reach.reached()
     assert reach.ok
     assert "Reporting the handler's reachability failed" in caplog.text
+
+
+def test_a_message_held_back_for_hours_keeps_a_bounded_backoff() -> None:
+    """Worker._unreached's delay doubles from 0.2 s up to 2 s per try: the 1,025th try
+    (34 minutes of a sidecar in CrashLoopBackOff) computed 2.0 ** 1024 and raised
+    OverflowError, which ended the deliberate wait: the partition stalled, liveness
+    restarted the member, and each restart cost the held messages an attempt."""
+    worker = SimpleNamespace(_reach=Reach())
+    runner = SimpleNamespace(retry_until=0.0)
+    held = Held(None, "p", 1, 1, 0.0)
+    held.unreached = 5_000
+    delay = Worker._unreached(worker, runner, held, "refused")  # type: ignore[arg-type]
+    assert delay == UNREACHABLE_RETRY_MAX
+    assert runner.retry_until > 0 and worker._reach.waits == 1
+    assert backoff(0.5, 10**6, 10.0) == 10.0 and backoff(0.5, 1, 10.0) == 0.5

@@ -138,8 +138,9 @@ class Election:
         # deadline passes) are logged with reason "scale".
         self._scale_expected: tuple[int, float] | None = None
         self._on_change: list[Callable[[bool], None]] = []
-        # Member -> since when (monotonic) we see it reach NATS and its handler; None
-        # while it cannot.
+        # Member -> since when (monotonic) we see it reach NATS; and NATS and its handler
+        # both. None while it cannot (_eligible).
+        self._nats_since: dict[str, float | None] = {}
         self._able_since: dict[str, float | None] = {}
         # The last _rebalance could not write its assignment (an etcd error): retry it.
         self._write_failed = False
@@ -180,9 +181,11 @@ class Election:
         A member that reaches etcd but not NATS keeps its lease, so without this it would
         keep its partitions, and nobody could consume them until NATS came back to it;
         one whose handler accepts no connection (its sidecar restarting) holds its
-        messages waiting (reach.py). When no member has been able steadily (NATS itself
-        is down or just came back; a handler service they all share is down) everyone
-        stays eligible: moving partitions then would only add churn.
+        messages waiting (reach.py). Each cut applies only while some member has been
+        free of it steadily: when none has reached NATS for a while (NATS itself is down,
+        or just came back), or none both NATS and its handler (a handler service they all
+        share is down), moving partitions would only add churn. Apart: a shared handler
+        outage must not let a member cut from NATS back in.
         """
         # A member key without a lease is no live member's (leaseless.py): it would
         # be given partitions nobody consumes. The leader removes it (_lead).
@@ -191,24 +194,33 @@ class Election:
             for member, data in self.view.members().items()
             if not leaseless_member(self.view, member)
         }
+        nats_cut = {m for m, data in stats.items() if not data.nats_ok}
+        handler_cut = {m for m, data in stats.items() if data.handler_ok is False}
+        eligible = set(stats)
+        if self._steadily_free(self._nats_since, stats, nats_cut):
+            eligible -= nats_cut
+        if self._steadily_free(self._able_since, stats, nats_cut | handler_cut):
+            eligible -= handler_cut
+        return eligible
+
+    def _steadily_free(
+        self, since: dict[str, float | None], members: Mapping[str, object], cut: set[str]
+    ) -> bool:
+        """Update `since` (member -> since when it has not been in `cut`, None while it
+        is) and say whether some member has been out of `cut` for the steady period (at
+        least two stats intervals: members report a recovery seconds apart, and the
+        first one back must not take every partition for those seconds)."""
         now = time.monotonic()
         steady = max(NATS_STEADY_SECONDS, 2 * self.config.keepalive_interval)
-        for member in list(self._able_since):
-            if member not in stats:
-                del self._able_since[member]
-        cut: set[str] = set()
-        for member, data in stats.items():
-            if not data.nats_ok or data.handler_ok is False:
-                cut.add(member)
-                self._able_since[member] = None
-            elif self._able_since.get(member) is None:
-                self._able_since[member] = now
-        healthy = any(
-            since is not None and now - since >= steady for since in self._able_since.values()
-        )
-        if cut and healthy:
-            return set(stats) - cut
-        return set(stats)
+        for member in list(since):
+            if member not in members:
+                del since[member]
+        for member in members:
+            if member in cut:
+                since[member] = None
+            elif since.get(member) is None:
+                since[member] = now
+        return any(t is not None and now - t >= steady for t in since.values())
 
     def _leader_key_is_ours(self) -> bool:
         """The leader key names us and lives on our current lease."""

@@ -372,18 +372,7 @@ class HttpClient:
         """Send one request and read its answer. Raises ConnectFailed (only when nothing
         of the request was sent anywhere), Unanswered, ProtocolError, or TimeoutError
         after `timeout` seconds (the connection is then closed)."""
-        head = [f"{method} {target} HTTP/1.1\r\nHost: {self.host_header}\r\n"]
-        head += [f"{name}: {value}\r\n" for name, value in headers.items()]
-        head.append(f"Content-Length: {len(body)}\r\n\r\n")
-        text = "".join(head)
-        # Exactly one CR and one LF per line we wrote (two counts in C, cheaper than a
-        # look at every value): any other would end a line early (HeaderRefused).
-        lines = len(headers) + 4
-        if text.count("\n") != lines or text.count("\r") != lines:
-            raise HeaderRefused(_line_break_in(method, target, headers))
-        # UTF-8: a project id may be any text, and servers pass such bytes through (RFC
-        # 9110's obs-text).
-        request = text.encode() + body
+        request = self._encode(method, target, headers, body)
         loop = asyncio.get_running_loop()
         # The timeout covers connecting too: a server whose accept queue is full leaves a
         # connect waiting for the kernel's SYN retries, about two minutes.
@@ -408,9 +397,16 @@ class HttpClient:
             left = None if deadline is None else deadline - loop.time()
             if left is not None and left <= 0:
                 # No time left to send in (connecting took it): a request written now
-                # would run on the server, its answer never read. Nothing was sent.
+                # would run on the server, its answer never read.
                 self._release(conn)
-                raise ConnectFailed(f"{self._where()} accepted a connection too late to send")
+                late = ConnectFailed(f"{self._where()} accepted a connection too late to send")
+                if attempt == 1:
+                    raise late  # nothing was sent
+                raise Unanswered(  # the first try's may have been read
+                    f"the connection closed before any answer, and a new one failed: {late}",
+                    before_any_byte=True,
+                    reconnect=late,
+                )
             try:
                 answer = await self._exchange(conn, request, left)
             except Unanswered as exc:
@@ -425,6 +421,38 @@ class HttpClient:
             self._release(conn)
             return answer
         raise AssertionError("unreachable")
+
+    def _encode(self, method: str, target: str, headers: Mapping[str, str], body: bytes) -> bytes:
+        head = [f"{method} {target} HTTP/1.1\r\nHost: {self.host_header}\r\n"]
+        head += [f"{name}: {value}\r\n" for name, value in headers.items()]
+        head.append(f"Content-Length: {len(body)}\r\n\r\n")
+        text = "".join(head)
+        # Exactly one CR and one LF per line we wrote (two counts in C, cheaper than a
+        # look at every value): any other would end a line early (HeaderRefused).
+        lines = len(headers) + 4
+        if text.count("\n") != lines or text.count("\r") != lines:
+            raise HeaderRefused(_line_break_in(method, target, headers))
+        # UTF-8: a project id may be any text, and servers pass such bytes through (RFC
+        # 9110's obs-text).
+        return text.encode() + body
+
+    async def probe(self, target: str, timeout: float) -> Answer:
+        """GET `target` on a new connection, outside the pool and its limit, closed after:
+        whether the server serves new connections (a pooled one says nothing of those).
+        Raises as request() does."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        conn = await self._connect(deadline)
+        try:
+            answer = await self._exchange(
+                conn, self._encode("GET", target, {}, b""), max(0.0, deadline - loop.time())
+            )
+        except BaseException:
+            conn.abort()
+            raise
+        if conn.transport is not None:
+            conn.transport.close()
+        return answer
 
     async def connect_check(self, timeout: float) -> None:
         """Open a connection and close it: whether the server accepts connections (raises

@@ -413,15 +413,18 @@ class HttpHandler:
     async def _probe_once(self) -> str | None:
         """None if the service is back, else why not."""
         client = self.client()
+        # No longer than a request may take to connect: a service that accepts within
+        # the probe's time but not within the requests' would flap between episodes.
+        timeout = min(READY_PROBE_TIMEOUT, self.timeout or READY_PROBE_TIMEOUT)
         if self.ready_path is None:
             try:
-                await client.connect_check(READY_PROBE_TIMEOUT)
+                await client.connect_check(timeout)
             except ConnectFailed as exc:
                 return f"POST {self.url}: {exc}"
             return None
         url = self.origin + self.ready_path
         try:
-            answer = await client.request("GET", self.ready_path, {}, timeout=READY_PROBE_TIMEOUT)
+            answer = await client.probe(self.ready_path, timeout)
         except TimeoutError:
             return f"GET {url}: no answer in time"
         except ConnectionError as exc:

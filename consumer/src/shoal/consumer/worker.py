@@ -116,8 +116,14 @@ UNREACHABLE_RETRY_MAX = 2.0
 # which keeps the timeout itself (Worker._watch_handlers).
 HTTP_SWEEP_GRACE = 5.0
 # A message held this many stall periods (stallAfterSeconds: 10 min by default) is said
-# in the log, once (Worker._say_oldest).
+# in the log, once (Worker._say_held_long).
 HELD_LONG_STALLS = 10
+
+
+def backoff(first: float, tries: int, most: float) -> float:
+    """`first`, doubling with each try after the first, at most `most`: for as many
+    tries as it takes (2.0 ** 1024 overflows, some 34 minutes of 2 s retries in)."""
+    return min(first * 2.0 ** min(max(tries - 1, 0), 62), most)
 
 
 def why(exc: BaseException) -> str:
@@ -302,10 +308,6 @@ class Worker:
         if not self.membership.safe():
             runner.fence()
             return ABANDONED
-        if not runner.first_message_seen:
-            runner.first_message_seen = True
-            if runner.target_ts is not None:
-                self.metrics.handover_seconds.observe(max(0.0, time.time() - runner.target_ts))
         if held.verdict is None and held.delivered - 1 - held.credit >= self.config.max_deliver:
             # Every attempt made already, each delivery unanswered: its members crashed or
             # froze mid-handler (JetStream's own limit is off: jetstream.consumer_config).
@@ -315,10 +317,16 @@ class Worker:
                 f"(maxDeliver {self.config.max_deliver}): its members died or froze on it",
             )
         reach = self._reach
-        if held.verdict is None and reach is not None and reach.since is not None:
-            # The HTTP handler accepts no connection: nothing is sent it until its probe
-            # finds it back (reach.py), and the wait is no attempt.
-            return self._unreached(runner, held, reach.why)
+        if held.verdict is None and reach is not None:
+            if reach.since is not None:
+                # The HTTP handler accepts no connection: nothing is sent it until its
+                # probe finds it back (reach.py), and the wait is no attempt.
+                return self._unreached(runner, held, reach.why)
+            held.unreached = 0  # (its backoff starts afresh at the next episode)
+        if not runner.first_message_seen:
+            runner.first_message_seen = True
+            if runner.target_ts is not None:
+                self.metrics.handover_seconds.observe(max(0.0, time.time() - runner.target_ts))
         if held.verdict is None:
             # (Otherwise decided already: the handler ran, and only settling it failed.)
             started = held.started = time.perf_counter()
@@ -473,7 +481,9 @@ class Worker:
         (a nak would count a delivery), and a wait the member reports as one (reach.py),
         not a stall: the leader moves the partition if another member can do better."""
         held.unreached += 1
-        delay = min(UNREACHABLE_RETRY_FIRST * 2.0 ** (held.unreached - 1), UNREACHABLE_RETRY_MAX)
+        if self._reach is not None:
+            self._reach.waits += 1
+        delay = backoff(UNREACHABLE_RETRY_FIRST, held.unreached, UNREACHABLE_RETRY_MAX)
         log.debug(
             "Message %d of project %r did not reach the handler (%s); again in %.1f s",
             held.seq,
@@ -514,7 +524,7 @@ class Worker:
                 await msg.nak(delay=float(detail))
         except Exception as exc:
             held.settle_failures += 1
-            delay = min(SETTLE_RETRY_FIRST * 2.0 ** (held.settle_failures - 1), SETTLE_RETRY_MAX)
+            delay = backoff(SETTLE_RETRY_FIRST, held.settle_failures, SETTLE_RETRY_MAX)
             # Once, then every tenth: a long outage must not flood the log.
             if held.settle_failures % 10 == 1:
                 log.warning(
@@ -566,7 +576,8 @@ class Worker:
             await asyncio.sleep(period / 2)
             now = time.monotonic()
             due: list[Held] = []
-            oldest: Held | None = None
+            oldest = now
+            long_ago = now - HELD_LONG_STALLS * c.stall_after
             for runner in list(self.runners.values()):
                 if runner.fenced:
                     continue
@@ -574,9 +585,12 @@ class Worker:
                     for held in queue.pending:
                         if now - held.kept >= period:
                             due.append(held)
-                    if queue.pending and (oldest is None or queue.pending[0].since < oldest.since):
-                        oldest = queue.pending[0]  # (a project's oldest is its head)
-            self._say_oldest(oldest, now)
+                    if queue.pending:
+                        head = queue.pending[0]  # (a project's oldest is its head)
+                        oldest = min(oldest, head.since)
+                        if head.since <= long_ago and not head.said:
+                            self._say_held_long(head, now)
+            self.metrics.oldest_held.set(round(now - oldest, 1))
             for held in due:
                 held.kept = now
                 try:
@@ -587,39 +601,32 @@ class Worker:
             if due:
                 log.debug("Sent in-progress acks for %d held messages", len(due))
 
-    def _say_oldest(self, oldest: Held | None, now: float) -> None:
-        """Export the oldest held message's age; log it once if it has waited longer
-        than HELD_LONG_STALLS stall periods. Its partition may be making progress (other
-        projects move on) while this project's head cannot finish: no stall of the
-        partition, yet its project waits, which must not go unsaid."""
-        if oldest is None:
-            self.metrics.oldest_held.set(0)
-            return
-        age = now - oldest.since
-        self.metrics.oldest_held.set(round(age, 1))
-        if oldest.said or age < HELD_LONG_STALLS * self.config.stall_after:
-            return
-        oldest.said = True
+    def _say_held_long(self, held: Held, now: float) -> None:
+        """Log, once, a project's head held longer than HELD_LONG_STALLS stall periods.
+        Its partition may be making progress (other projects move on) while this head
+        cannot finish: no stall of the partition, yet its project waits, which must not
+        go unsaid (shoal_oldest_held_seconds measures it)."""
+        held.said = True
         log.warning(
             "Message %d (id %s) of project %r, partition %d, has been held here for %.0f s, "
             "its project's later messages behind it; waiting on %s",
-            oldest.seq,
-            message_id(oldest),
-            oldest.project,
-            partition_for(oldest.project, self.config.partitions),
-            age,
-            self._held_waits_on(oldest, now),
+            held.seq,
+            message_id(held),
+            held.project,
+            partition_for(held.project, self.config.partitions),
+            now - held.since,
+            self._held_waits_on(held, now),
         )
 
     def _held_waits_on(self, held: Held, now: float) -> str:
-        """What a held message waits on, in words (for _say_oldest's line)."""
+        """What a held message waits on, in words (for _say_held_long's line)."""
         if held.verdict is not None:
             kind, _ = held.verdict
             return f"its {kind} to be carried out ({held.settle_failures} tries failed)"
         if held.started:
             return f"its handler, running for {time.perf_counter() - held.started:.0f} s"
-        if held.unreached:
-            return f"its handler, which accepts no connection ({held.unreached} tries)"
+        if self._reach is not None and self._reach.since is not None:
+            return f"its handler, which accepts no connection ({self._reach.why})"
         if held.failures:
             return f"a retry after {held.failures} failed attempt(s) here"
         return "its turn (a free dispatch lane, or the group's rate limit)"
@@ -703,7 +710,7 @@ class Worker:
             except Exception as exc:
                 runner = self.runners.get(partition)
                 gone = runner is None or runner.letting_go
-                delay = min(SETTLE_RETRY_FIRST * 2.0 ** (attempt - 1), SETTLE_RETRY_MAX)
+                delay = backoff(SETTLE_RETRY_FIRST, attempt, SETTLE_RETRY_MAX)
                 if gone or attempt % 10 == 1:
                     log.warning(
                         "Could not dead-letter a message of partition %d (try %d): %s; %s",
