@@ -92,6 +92,7 @@ def test_the_alerts_platform_teams_ask_for() -> None:
         "ShoalDeadLetters",
         "ShoalMemberFenced",
         "ShoalPartitionStalled",
+        "ShoalHandlerUnreachable",
     }
 
 
