@@ -208,7 +208,7 @@ def test_every_dashboard_query_returns_data(running_group: LocalKube, tmp_path: 
         # Every alert rule evaluates without error on the real series, and with a healthy
         # group none of those that need no fault (nor the fenced one) fires.
         rules = [r for g in prometheus.api("rules")["groups"] for r in g["rules"]]
-        assert len(rules) == 6
+        assert len(rules) == 7
         assert all(r["health"] == "ok" for r in rules), rules
         firing = {r["name"] for r in rules if r["state"] == "firing"}
         assert not firing & {
@@ -216,6 +216,7 @@ def test_every_dashboard_query_returns_data(running_group: LocalKube, tmp_path: 
             "ShoalPartitionsUnclaimed",
             "ShoalMemberFenced",
             "ShoalPartitionStalled",
+            "ShoalHandlerUnreachable",
         }
         # Dead letters are what this group produces: that alert fires.
         eventually(

@@ -79,6 +79,8 @@ def test_the_dashboard_has_the_panels_platform_teams_ask_for() -> None:
         "Rebalances",
         "Dead letters",
         "Leader and fenced members",
+        "Oldest held message",
+        "Members whose handler is away",
     } <= titles
     # Grafana's sidecar imports it as is: the data source is a variable, not a fixed uid.
     assert '"uid": "${datasource}"' in DASHBOARD.read_text()
