@@ -575,22 +575,22 @@ class Worker:
         while True:
             await asyncio.sleep(period / 2)
             now = time.monotonic()
-            due: list[Held] = []
-            oldest = now
-            long_ago = now - HELD_LONG_STALLS * c.stall_after
-            for runner in list(self.runners.values()):
-                if runner.fenced:
-                    continue
-                for queue in list(runner.projects.values()):
-                    for held in queue.pending:
-                        if now - held.kept >= period:
-                            due.append(held)
-                    if queue.pending:
-                        head = queue.pending[0]  # (a project's oldest is its head)
-                        oldest = min(oldest, head.since)
-                        if head.since <= long_ago and not head.said:
-                            self._say_held_long(head, now)
+            queues = [
+                queue
+                for runner in list(self.runners.values())
+                if not runner.fenced
+                for queue in list(runner.projects.values())
+                if queue.pending
+            ]
+            due = [held for queue in queues for held in queue.pending if now - held.kept >= period]
+            # A project's oldest message is its head.
+            oldest = min((queue.pending[0].since for queue in queues), default=now)
             self.metrics.oldest_held.set(round(now - oldest, 1))
+            if oldest <= now - HELD_LONG_STALLS * c.stall_after:
+                for queue in queues:
+                    head = queue.pending[0]
+                    if head.since <= now - HELD_LONG_STALLS * c.stall_after and not head.said:
+                        self._say_held_long(head, now)
             for held in due:
                 held.kept = now
                 try:
