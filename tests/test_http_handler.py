@@ -568,6 +568,7 @@ async def test_the_request_timeout_and_a_refused_connection(service: Service) ->
         ):
             await handler(_message({}, b"ok"))
         assert not handler.reach.ok
+        assert handler.reach.waits == 0  # the worker counts the message's wait, once
         await service.start()
         # The probe finds it back with no message sent (a member the leader emptied).
         await poll(lambda: handler.reach.ok, 5, "the probe to connect", until=bool)

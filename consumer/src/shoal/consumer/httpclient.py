@@ -72,7 +72,8 @@ class ConnectFailed(ConnectionError):
 class Unanswered(ConnectionError):
     """The connection ended before the answer was complete. `reconnect`: the request was
     sent on a pooled connection that closed without a byte, and a new connection to send
-    it again could not be made (the server may have read it: not "never sent")."""
+    it again could not be made, or was made too late to send in time (the server may have
+    read the first: not "never sent")."""
 
     def __init__(
         self, message: str, *, before_any_byte: bool, reconnect: ConnectFailed | None = None

@@ -307,7 +307,8 @@ class HttpHandler:
         except ConnectFailed as exc:
             # Nothing was sent: not an attempt (handlers.HandlerUnreachable).
             what = f"POST {self.url}: {exc}"
-            self._unreachable(what, message=True)
+            # (The worker counts the message's wait: Worker._unreached.)
+            self._unreachable(what, message=False)
             raise HandlerUnreachable(what) from None
         except Unanswered as exc:
             if exc.reconnect is not None:

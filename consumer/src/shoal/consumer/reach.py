@@ -59,8 +59,8 @@ class Reach:
         return self.since is None
 
     def refused(self, why: str, *, message: bool = True) -> bool:
-        """A connection could not be made (`message`: for a message, else a probe).
-        Returns whether this began an episode."""
+        """A connection could not be made (`message`: count a message's wait here; the
+        worker counts its own). Returns whether this began an episode."""
         now = self._clock()
         if message:
             self.waits += 1
@@ -88,7 +88,8 @@ class Reach:
         return False
 
     def reached(self) -> None:
-        """A connection was made: the episode, if any, is over."""
+        """The probe found the service back (its ready path answered 2xx, or it accepted
+        a new connection): the episode, if any, is over."""
         since = self.since
         if since is None:
             return

@@ -51,6 +51,7 @@ from shoal.consumer.dispatch import (
     Dispatcher,
     Held,
     Outcome,
+    ProjectQueue,
 )
 from shoal.consumer.handlers import (
     DeliveredMessage,
@@ -583,14 +584,10 @@ class Worker:
                 if queue.pending
             ]
             due = [held for queue in queues for held in queue.pending if now - held.kept >= period]
-            # A project's oldest message is its head.
-            oldest = min((queue.pending[0].since for queue in queues), default=now)
-            self.metrics.oldest_held.set(round(now - oldest, 1))
-            if oldest <= now - HELD_LONG_STALLS * c.stall_after:
-                for queue in queues:
-                    head = queue.pending[0]
-                    if head.since <= now - HELD_LONG_STALLS * c.stall_after and not head.said:
-                        self._say_held_long(head, now)
+            try:
+                self._report_held(queues, now)
+            except Exception:  # a report must never stop the in-progress acks
+                log.exception("Reporting the held messages' ages failed")
             for held in due:
                 held.kept = now
                 try:
@@ -600,6 +597,18 @@ class Worker:
                     break
             if due:
                 log.debug("Sent in-progress acks for %d held messages", len(due))
+
+    def _report_held(self, queues: list[ProjectQueue], now: float) -> None:
+        """shoal_oldest_held_seconds, and a line for each head held long (once each)."""
+        # A project's oldest message is its head.
+        oldest = min((queue.pending[0].since for queue in queues), default=now)
+        self.metrics.oldest_held.set(round(now - oldest, 1))
+        long_ago = now - HELD_LONG_STALLS * self.config.stall_after
+        if oldest <= long_ago:
+            for queue in queues:
+                head = queue.pending[0]
+                if head.since <= long_ago and not head.said:
+                    self._say_held_long(head, now)
 
     def _say_held_long(self, held: Held, now: float) -> None:
         """Log, once, a project's head held longer than HELD_LONG_STALLS stall periods.
