@@ -83,6 +83,17 @@ class Unanswered(ConnectionError):
         self.reconnect = reconnect
 
 
+def _resend_failed(exc: ConnectFailed) -> Unanswered:
+    """The second try's new connection failed: the first try's connection may have been
+    read before it closed (a server that died on it answers no byte either), so the
+    request is not "never sent"."""
+    return Unanswered(
+        f"the connection closed before any answer, and a new one failed: {exc}",
+        before_any_byte=True,
+        reconnect=exc,
+    )
+
+
 class ProtocolError(ConnectionError):
     """What the server sent is not an HTTP/1.x answer."""
 
@@ -387,13 +398,7 @@ class HttpClient:
             except ConnectFailed as exc:
                 if attempt == 1:
                     raise  # nothing of this request was sent
-                # The first try's connection may have been read before it closed (a
-                # server that died on it answers no byte either): not "never sent".
-                raise Unanswered(
-                    f"the connection closed before any answer, and a new one failed: {exc}",
-                    before_any_byte=True,
-                    reconnect=exc,
-                ) from exc
+                raise _resend_failed(exc) from exc
             reused = conn.served > 0
             left = None if deadline is None else deadline - loop.time()
             if left is not None and left <= 0:
@@ -403,11 +408,7 @@ class HttpClient:
                 late = ConnectFailed(f"{self._where()} accepted a connection too late to send")
                 if attempt == 1:
                     raise late  # nothing was sent
-                raise Unanswered(  # the first try's may have been read
-                    f"the connection closed before any answer, and a new one failed: {late}",
-                    before_any_byte=True,
-                    reconnect=late,
-                )
+                raise _resend_failed(late)
             try:
                 answer = await self._exchange(conn, request, left)
             except Unanswered as exc:

@@ -307,14 +307,13 @@ class HttpHandler:
         except ConnectFailed as exc:
             # Nothing was sent: not an attempt (handlers.HandlerUnreachable).
             what = f"POST {self.url}: {exc}"
-            # (The worker counts the message's wait: Worker._unreached.)
-            self._unreachable(what, message=False)
+            self._unreachable(what)  # (the worker counts the message's wait)
             raise HandlerUnreachable(what) from None
         except Unanswered as exc:
             if exc.reconnect is not None:
                 # Sent, perhaps read, then no new connection: an attempt, and the
                 # service is away all the same.
-                self._unreachable(f"POST {self.url}: {exc.reconnect}", message=False)
+                self._unreachable(f"POST {self.url}: {exc.reconnect}")
             raise HttpUnavailable(f"POST {self.url}: {exc}") from None
         except ConnectionError as exc:  # ProtocolError: connected, then garbled
             raise HttpUnavailable(f"POST {self.url}: {exc}") from None
@@ -386,10 +385,10 @@ class HttpHandler:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
 
-    def _unreachable(self, what: str, *, message: bool) -> None:
+    def _unreachable(self, what: str) -> None:
         """Note that the service accepts no connection; the probe's task (one at a time)
         ends the episode."""
-        self.reach.refused(what, message=message)
+        self.reach.refused(what, message=False)
         if not self._closed and (self._probe is None or self._probe.done()):
             self._probe = asyncio.create_task(self._probe_until_reached(), name="reach")
 

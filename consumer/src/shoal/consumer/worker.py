@@ -624,10 +624,10 @@ class Worker:
             held.project,
             partition_for(held.project, self.config.partitions),
             now - held.since,
-            self._held_waits_on(held, now),
+            self._held_waits_on(held),
         )
 
-    def _held_waits_on(self, held: Held, now: float) -> str:
+    def _held_waits_on(self, held: Held) -> str:
         """What a held message waits on, in words (for _say_held_long's line)."""
         if held.verdict is not None:
             kind, _ = held.verdict
